@@ -1,0 +1,29 @@
+"""L0: the ``"ds_megatron"`` config section: typed dataclasses and validation.  Standard library only."""
+
+from ds_megatron.config.loader import (
+    ConfigError,
+    ModelShape,
+    RunConfig,
+    load_json,
+    parse_section,
+    resolve,
+    resolve_batch,
+    resolve_shape,
+)
+from ds_megatron.config.schema import DsMegatronConfig, ModelSection, ParallelSection, RecomputeSection, TrainSection
+
+__all__ = [
+    "ConfigError",
+    "DsMegatronConfig",
+    "ModelSection",
+    "ModelShape",
+    "ParallelSection",
+    "RecomputeSection",
+    "RunConfig",
+    "TrainSection",
+    "load_json",
+    "parse_section",
+    "resolve",
+    "resolve_batch",
+    "resolve_shape",
+]

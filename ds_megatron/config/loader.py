@@ -1,0 +1,339 @@
+"""Parse and validate a DeepSpeed JSON config with a ``"ds_megatron"`` section.
+
+Every check raises :class:`ConfigError` with one line that names the setting, the values and the fix, before any
+process group, file or checkpoint exists (callers validate first, then initialise).  Standard library only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ds_megatron.config.schema import (
+    ATTENTION_KERNELS,
+    RECOMPUTE_METHODS,
+    RECOMPUTE_POLICIES,
+    DsMegatronConfig,
+    ModelSection,
+    ParallelSection,
+    RecomputeSection,
+    TrainSection,
+)
+from ds_megatron.config.sizes import GPT3_SEQ_LENGTH, GPT3_VOCAB_SIZE, all_size_names, named_shape
+
+SECTION = "ds_megatron"
+
+
+class ConfigError(ValueError):
+    """A bad setting.  ``str(err)`` is the single line shown to the user."""
+
+    def __init__(self, setting: str, problem: str, values: str, fix: str):
+        self.setting = setting
+        super().__init__(f"error: {setting}: {problem} ({values}); {fix}")
+
+
+def _nearest(key: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.0)
+    return match[0] if match else valid[0]
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    """Build dataclass ``cls`` from ``data`` strictly: unknown keys and wrong types are errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(path, "must be a JSON object", f"got {type(data).__name__}", "write it as {...}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            near = _nearest(key, list(fields))
+            raise ConfigError(
+                f"{path}.{key}", "unknown key", f"valid keys: {', '.join(fields)}", f"did you mean '{near}'?"
+            )
+        f = fields[key]
+        if f.name in _NESTED.get(cls.__name__, {}):
+            kwargs[key] = _build(_NESTED[cls.__name__][key], value, f"{path}.{key}")
+        else:
+            kwargs[key] = _check_type(cls, f.name, value, f"{path}.{key}")
+    return cls(**kwargs)
+
+
+_NESTED = {
+    "DsMegatronConfig": {
+        "model": ModelSection,
+        "parallel": ParallelSection,
+        "recompute": RecomputeSection,
+        "train": TrainSection,
+    }
+}
+
+# Expected Python types per field, taken from the dataclass defaults / annotations.
+_TYPES = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+}
+
+
+def _check_type(cls: type, name: str, value: Any, path: str) -> Any:
+    annotation = str(cls.__annotations__[name])
+    base = annotation.split("|")[0].strip()
+    if value is None and "None" in annotation:
+        return None
+    expected = _TYPES.get(base)
+    if expected is None:
+        return value
+    ok = isinstance(value, expected) and not (base in ("int", "float") and isinstance(value, bool))
+    if not ok:
+        raise ConfigError(path, f"must be {base}", f"got {value!r}", f"set a {base} value")
+    return float(value) if base == "float" else value
+
+
+def parse_section(section: dict | None) -> DsMegatronConfig:
+    """Strictly parse the ``"ds_megatron"`` section (None means all defaults)."""
+    return _build(DsMegatronConfig, section or {}, SECTION)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Fully resolved model shape (every field set)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+    seq_length: int
+    max_position_embeddings: int
+    dropout: float
+    attention: str
+    layer_norm_epsilon: float
+    init_std: float
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A validated run: the ds_megatron section, the resolved shape, the parallel layout and batch arithmetic."""
+
+    section: DsMegatronConfig
+    model: ModelShape
+    tp: int
+    pp: int
+    dp: int
+    world_size: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    global_batch_size: int
+    ds_config: dict
+
+
+def resolve_shape(m: ModelSection) -> ModelShape:
+    """Fill the model shape from ``size`` and explicit fields; check what the shape alone can break."""
+    layers, hidden, heads = m.num_layers, m.hidden_size, m.num_heads
+    vocab, seq = m.vocab_size, m.seq_length
+    if m.size is not None:
+        shape = named_shape(m.size)
+        if shape is None:
+            near = _nearest(m.size, all_size_names())
+            raise ConfigError(
+                "ds_megatron.model.size", "unknown size", f"{m.size!r}", f"use one of {all_size_names()} ('{near}'?)"
+            )
+        layers = layers if layers is not None else shape[0]
+        hidden = hidden if hidden is not None else shape[1]
+        heads = heads if heads is not None else shape[2]
+        if m.size.startswith("gpt3-"):
+            vocab = vocab if vocab is not None else GPT3_VOCAB_SIZE
+            seq = seq if seq is not None else GPT3_SEQ_LENGTH
+    for name, value in (
+        ("num_layers", layers),
+        ("hidden_size", hidden),
+        ("num_heads", heads),
+        ("vocab_size", vocab),
+        ("seq_length", seq),
+    ):
+        if value is None:
+            raise ConfigError(
+                f"ds_megatron.model.{name}", "not set", "no size and no explicit value", f"set model.size or model.{name}"
+            )
+        if value <= 0:
+            raise ConfigError(f"ds_megatron.model.{name}", "must be positive", f"got {value}", "set a positive value")
+    if hidden % heads != 0:
+        raise ConfigError(
+            "ds_megatron.model.hidden_size",
+            "not divisible by num_heads",
+            f"hidden_size={hidden}, num_heads={heads}",
+            "choose hidden_size as a multiple of num_heads",
+        )
+    max_pos = m.max_position_embeddings if m.max_position_embeddings is not None else seq
+    if seq > max_pos:
+        raise ConfigError(
+            "ds_megatron.model.seq_length",
+            "longer than the position table",
+            f"seq_length={seq}, max_position_embeddings={max_pos}",
+            "lower seq_length or raise max_position_embeddings",
+        )
+    if m.attention not in ATTENTION_KERNELS:
+        raise ConfigError(
+            "ds_megatron.model.attention", "unknown attention kernel", f"got {m.attention!r}", f"use one of {ATTENTION_KERNELS}"
+        )
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError("ds_megatron.model.dropout", "must be in [0, 1)", f"got {m.dropout}", "set e.g. 0.1")
+    return ModelShape(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        vocab_size=vocab,
+        seq_length=seq,
+        max_position_embeddings=max_pos,
+        dropout=m.dropout,
+        attention=m.attention,
+        layer_norm_epsilon=m.layer_norm_epsilon,
+        init_std=m.init_std,
+    )
+
+
+def _positive(setting: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(setting, "must be a positive integer", f"got {value!r}", "set a positive integer")
+    return value
+
+
+def resolve_batch(ds_config: dict, dp: int) -> tuple[int, int, int]:
+    """(micro_batch, grad_accum, global_batch) from DeepSpeed's keys; any two determine the third."""
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps")
+    glob = ds_config.get("train_batch_size")
+    if micro is None and glob is None:
+        raise ConfigError(
+            "train_micro_batch_size_per_gpu",
+            "no batch size given",
+            "neither train_batch_size nor train_micro_batch_size_per_gpu is set",
+            "set train_micro_batch_size_per_gpu (and train_batch_size or gradient_accumulation_steps)",
+        )
+    if micro is not None:
+        _positive("train_micro_batch_size_per_gpu", micro)
+    if gas is not None:
+        _positive("gradient_accumulation_steps", gas)
+    if glob is not None:
+        _positive("train_batch_size", glob)
+    if micro is not None and gas is not None and glob is not None:
+        if glob != micro * gas * dp:
+            raise ConfigError(
+                "train_batch_size",
+                "not equal to micro batch x accumulation x dp",
+                f"{glob} != {micro} x {gas} x {dp} = {micro * gas * dp}",
+                f"set train_batch_size to {micro * gas * dp} or change the other three",
+            )
+    elif micro is not None and glob is not None:
+        if glob % (micro * dp) != 0:
+            raise ConfigError(
+                "train_batch_size",
+                "not divisible by micro batch x dp",
+                f"{glob} % ({micro} x {dp}) != 0",
+                f"set train_batch_size to a multiple of {micro * dp}",
+            )
+        gas = glob // (micro * dp)
+    elif micro is not None:
+        gas = gas or 1
+        glob = micro * gas * dp
+    else:  # glob and maybe gas
+        gas = gas or 1
+        if glob % (gas * dp) != 0:
+            raise ConfigError(
+                "train_batch_size",
+                "not divisible by accumulation x dp",
+                f"{glob} % ({gas} x {dp}) != 0",
+                f"set train_batch_size to a multiple of {gas * dp}",
+            )
+        micro = glob // (gas * dp)
+    return micro, gas, glob
+
+
+def resolve(ds_config: dict, world_size: int) -> RunConfig:
+    """Validate a full DeepSpeed config (with our section) for ``world_size`` processes."""
+    section = parse_section(ds_config.get(SECTION))
+    shape = resolve_shape(section.model)
+    par = section.parallel
+    tp = _positive("ds_megatron.parallel.tp", par.tp)
+    pp = _positive("ds_megatron.parallel.pp", par.pp)
+    _positive("ds_megatron.parallel.vocab_multiple", par.vocab_multiple)
+    if shape.num_heads % tp != 0:
+        raise ConfigError(
+            "ds_megatron.parallel.tp",
+            "num_heads not divisible by tp",
+            f"num_heads={shape.num_heads}, tp={tp}",
+            "choose tp dividing num_heads",
+        )
+    if shape.num_layers < pp:
+        raise ConfigError(
+            "ds_megatron.parallel.pp",
+            "fewer layers than pipeline stages",
+            f"num_layers={shape.num_layers}, pp={pp}",
+            f"set pp <= {shape.num_layers}",
+        )
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(
+            "ds_megatron.parallel",
+            "tp x pp does not divide the world size",
+            f"tp({tp}) x pp({pp}) = {tp * pp}, world size {world_size}",
+            f"launch a multiple of {tp * pp} processes or change tp/pp",
+        )
+    dp = world_size // (tp * pp)
+    if par.sequence_parallel and tp > 1 and shape.seq_length % tp != 0:
+        raise ConfigError(
+            "ds_megatron.parallel.sequence_parallel",
+            "seq_length not divisible by tp",
+            f"seq_length={shape.seq_length}, tp={tp}",
+            "choose seq_length as a multiple of tp or turn sequence_parallel off",
+        )
+    rc = section.recompute
+    if rc.policy not in RECOMPUTE_POLICIES:
+        raise ConfigError(
+            "ds_megatron.recompute.policy", "unknown policy", f"got {rc.policy!r}", f"use one of {RECOMPUTE_POLICIES}"
+        )
+    if rc.method not in RECOMPUTE_METHODS:
+        raise ConfigError(
+            "ds_megatron.recompute.method", "unknown method", f"got {rc.method!r}", f"use one of {RECOMPUTE_METHODS}"
+        )
+    zero = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if pp > 1 and zero not in (0, 1):
+        raise ConfigError(
+            "zero_optimization.stage",
+            "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only",
+            f"stage={zero}, pp={pp}",
+            "set zero_optimization.stage to 1",
+        )
+    if (ds_config.get("bf16") or {}).get("enabled") and (ds_config.get("fp16") or {}).get("enabled"):
+        raise ConfigError("bf16.enabled", "bf16 and fp16 both enabled", "bf16=true, fp16=true", "enable only one")
+    train = section.train
+    _positive("ds_megatron.train.train_iters", train.train_iters)
+    _positive("ds_megatron.train.log_interval", train.log_interval)
+    micro, gas, glob = resolve_batch(ds_config, dp)
+    return RunConfig(
+        section=section,
+        model=shape,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        world_size=world_size,
+        micro_batch_size=micro,
+        grad_accum_steps=gas,
+        global_batch_size=glob,
+        ds_config=ds_config,
+    )
+
+
+def load_json(path: str | Path) -> dict:
+    """Read a JSON config; a syntax error names the line and column."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("--deepspeed_config", "file not found", str(p), "pass an existing JSON file")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(
+            "--deepspeed_config", "invalid JSON", f"{p}: line {e.lineno} column {e.colno}: {e.msg}", "fix the JSON syntax"
+        ) from None

@@ -1,0 +1,71 @@
+"""Typed, frozen dataclasses for the ``"ds_megatron"`` section of a DeepSpeed JSON config.
+
+DeepSpeed ignores top-level sections it does not know, so one JSON file carries both DeepSpeed's own keys and
+ours.  Every field has a one-line doc; unknown keys are errors (see ``loader.py``).  Standard library only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ATTENTION_KERNELS = ("eager", "sdpa")
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Shape of the GPT.  ``size`` picks a named GPT-3 shape; explicit fields override it."""
+
+    size: str | None = None  # named shape from ds_megatron.config.sizes (e.g. "gpt3-125m")
+    num_layers: int | None = None  # transformer blocks (L)
+    hidden_size: int | None = None  # model width (h)
+    num_heads: int | None = None  # attention heads (a)
+    vocab_size: int | None = None  # real vocabulary size (V), before padding for TP
+    seq_length: int | None = None  # training sequence length (s); also the position table size by default
+    max_position_embeddings: int | None = None  # rows of the learned position table (>= seq_length)
+    dropout: float = 0.1  # embedding, attention-probability and residual dropout (GPT-2's three places)
+    attention: str = "eager"  # "eager" (materialised softmax, the paper's setting) or "sdpa"
+    layer_norm_epsilon: float = 1e-5  # LayerNorm epsilon
+    init_std: float = 0.02  # std of the normal init; residual projections use init_std / sqrt(2 L)
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """How the model is split.  dp is derived: world_size / (tp * pp)."""
+
+    tp: int = 1  # tensor-parallel size (t); stays inside a node
+    pp: int = 1  # pipeline-parallel size (p)
+    sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group (needs tp > 1)
+    vocab_multiple: int = 128  # vocabulary padded to a multiple of vocab_multiple * tp
+    partition_method: str = "type:GPTBlockPipe"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
+
+
+@dataclass(frozen=True)
+class RecomputeSection:
+    """Activation recomputation policy."""
+
+    policy: str = "none"  # "none", "selective" (core attention) or "full"
+    num_layers: int = 1  # full only: layers per checkpointed chunk (uniform) or recomputed layers per stage (block)
+    method: str = "uniform"  # full only: "uniform" or "block"
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """The training loop."""
+
+    train_iters: int = 100  # optimizer steps
+    seed: int = 1234  # base seed: init, data order and dropout
+    log_interval: int = 10  # steps between log lines
+    eval_interval: int = 0  # steps between validation runs (0: only at the end)
+    eval_iters: int = 4  # validation batches per evaluation
+
+
+@dataclass(frozen=True)
+class DsMegatronConfig:
+    """The whole ``"ds_megatron"`` section."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    recompute: RecomputeSection = field(default_factory=RecomputeSection)
+    train: TrainSection = field(default_factory=TrainSection)

@@ -1,0 +1,113 @@
+"""L4: ``build_engine`` — topology -> model -> parallelize -> pipeline -> ``deepspeed.initialize``.
+
+The only caller of ``deepspeed.initialize``.  Validate the config (``ds_megatron.config.resolve``) before calling it:
+nothing here runs before the process group exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from ds_megatron.config import RunConfig
+from ds_megatron.model import GPTConfig
+from ds_megatron.optim import ClippedAdamW, adamw_kwargs, global_grad_norm, param_groups
+from ds_megatron.parallelize import ParallelPlan
+from ds_megatron.pipeline import build_pipeline_module
+from ds_megatron.random import RNGTracker, build_rng
+from ds_megatron.topology import ParallelTopology
+
+
+@dataclass
+class Built:
+    """Everything a training loop needs."""
+
+    engine: deepspeed.runtime.pipe.engine.PipelineEngine
+    topology: ParallelTopology
+    plan: ParallelPlan
+    rng: RNGTracker
+    gpt_config: GPTConfig
+    run: RunConfig
+
+
+def gpt_config_from(run: RunConfig) -> GPTConfig:
+    m = run.model
+    return GPTConfig(
+        vocab_size=m.vocab_size,
+        n_positions=m.max_position_embeddings,
+        n_embd=m.hidden_size,
+        n_layer=m.num_layers,
+        n_head=m.num_heads,
+        embd_pdrop=m.dropout,
+        attn_pdrop=m.dropout,
+        resid_pdrop=m.dropout,
+        layer_norm_epsilon=m.layer_norm_epsilon,
+        initializer_range=m.init_std,
+        attention=m.attention,
+    )
+
+
+def init_distributed() -> None:
+    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); idempotent."""
+    if not dist.is_initialized():
+        deepspeed.init_distributed(verbose=False)
+
+
+def device_type() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
+
+
+def _uses_deepspeed_clipping(ds_config: dict) -> bool:
+    """bf16/fp16/ZeRO wrap the optimizer and compute a TP/PP-correct norm themselves (see optim.py)."""
+    zero = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    half = (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("fp16") or {}).get("enabled")
+    return bool(half or zero > 0)
+
+
+def deepspeed_config_for(run: RunConfig) -> dict:
+    """DeepSpeed's own keys, with our section removed and the settings we own filled in."""
+    ds = copy.deepcopy(run.ds_config)
+    ds.pop("ds_megatron", None)
+    ds.pop("optimizer", None)  # built here (optim.py)
+    ds["train_micro_batch_size_per_gpu"] = run.micro_batch_size
+    ds["gradient_accumulation_steps"] = run.grad_accum_steps
+    ds["train_batch_size"] = run.global_batch_size
+    ds.setdefault("steps_per_print", 10**9)
+    if not _uses_deepspeed_clipping(run.ds_config):
+        ds["gradient_clipping"] = 0.0  # ClippedAdamW clips with the correct norm
+    return ds
+
+
+def build_engine(run: RunConfig) -> Built:
+    init_distributed()
+    topology = ParallelTopology.build(run.tp, run.pp, run.dp)
+    seed = run.section.train.seed
+    rng = build_rng(seed, topology.tp_rank, topology.pp_rank, topology.dp_rank, device_type())
+    gpt_config = gpt_config_from(run)
+    plan = ParallelPlan(
+        config=gpt_config,
+        tp_group=topology.tp_group,
+        tp_rank=topology.tp_rank,
+        tp_size=topology.tp,
+        sequence_parallel=run.section.parallel.sequence_parallel,
+        rng=rng,
+        vocab_multiple=run.section.parallel.vocab_multiple,
+    )
+    module = build_pipeline_module(gpt_config, plan, topology, seed, run.section.parallel.partition_method)
+    opt_kwargs = adamw_kwargs(run.ds_config.get("optimizer"))
+    groups = param_groups(module, opt_kwargs.pop("weight_decay"))
+    if _uses_deepspeed_clipping(run.ds_config):
+        optimizer = torch.optim.AdamW(groups, **opt_kwargs)
+    else:
+        norm_fn = functools.partial(global_grad_norm, list(module.parameters()), topology)
+        max_norm = float(run.ds_config.get("gradient_clipping", 0.0) or 0.0)
+        optimizer = ClippedAdamW(groups, grad_norm_fn=norm_fn, max_norm=max_norm, **opt_kwargs)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=deepspeed_config_for(run))
+    return Built(engine, topology, plan, rng, gpt_config, run)

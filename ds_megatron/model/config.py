@@ -1,0 +1,78 @@
+"""GPTConfig: the single-device GPT's shape, convertible to and from ``transformers.GPT2Config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """GPT-2 / GPT-3 architecture: learned positions, pre-LayerNorm, GELU MLP of width 4h, tied embeddings."""
+
+    vocab_size: int = 50257  # real vocabulary (V); TP padding is applied by parallelize, never here
+    n_positions: int = 1024  # rows of the learned position table
+    n_embd: int = 768  # hidden size (h)
+    n_layer: int = 12  # transformer blocks (L)
+    n_head: int = 12  # attention heads (a)
+    embd_pdrop: float = 0.1  # dropout after embedding
+    attn_pdrop: float = 0.1  # dropout on attention probabilities
+    resid_pdrop: float = 0.1  # dropout on each residual branch output
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02  # std of the normal init
+    attention: str = "eager"  # "eager" (materialised softmax) or "sdpa"
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_hf(self) -> Any:
+        """The equivalent ``transformers.GPT2Config`` (imported lazily)."""
+        from transformers import GPT2Config
+
+        return GPT2Config(
+            vocab_size=self.vocab_size,
+            n_positions=self.n_positions,
+            n_embd=self.n_embd,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_inner=None,
+            activation_function="gelu_new",
+            embd_pdrop=self.embd_pdrop,
+            attn_pdrop=self.attn_pdrop,
+            resid_pdrop=self.resid_pdrop,
+            layer_norm_epsilon=self.layer_norm_epsilon,
+            initializer_range=self.initializer_range,
+            tie_word_embeddings=True,
+            attn_implementation=self.attention,
+        )
+
+    @classmethod
+    def from_hf(cls, hf: Any, attention: str = "eager") -> GPTConfig:
+        """Build from a ``transformers.GPT2Config``; refuses settings this GPT does not implement."""
+        unsupported = []
+        if getattr(hf, "n_inner", None) not in (None, 4 * hf.n_embd):
+            unsupported.append(f"n_inner={hf.n_inner}")
+        if getattr(hf, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            unsupported.append(f"activation_function={hf.activation_function}")
+        if getattr(hf, "scale_attn_by_inverse_layer_idx", False):
+            unsupported.append("scale_attn_by_inverse_layer_idx=True")
+        if not getattr(hf, "scale_attn_weights", True):
+            unsupported.append("scale_attn_weights=False")
+        if not getattr(hf, "tie_word_embeddings", True):
+            unsupported.append("tie_word_embeddings=False")
+        if unsupported:
+            raise ValueError(f"error: GPT2Config: unsupported settings ({', '.join(unsupported)}); use a standard GPT-2 config")
+        return cls(
+            vocab_size=hf.vocab_size,
+            n_positions=hf.n_positions,
+            n_embd=hf.n_embd,
+            n_layer=hf.n_layer,
+            n_head=hf.n_head,
+            embd_pdrop=hf.embd_pdrop,
+            attn_pdrop=hf.attn_pdrop,
+            resid_pdrop=hf.resid_pdrop,
+            layer_norm_epsilon=hf.layer_norm_epsilon,
+            initializer_range=hf.initializer_range,
+            attention=attention,
+        )

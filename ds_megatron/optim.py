@@ -1,0 +1,96 @@
+"""L3: optimizer construction and the TP/PP-correct gradient norm.
+
+ds_megatron builds the optimizer itself (torch AdamW from the DeepSpeed config's ``optimizer`` section) so that no
+DeepSpeed op has to be compiled and so that the fp32 path gets a correct gradient norm: DeepSpeed's fp32 clipping
+(``clip_grad_norm_`` with the pipeline grid as mpu) decides "count replicated parameters on model-parallel rank 0"
+with the *pipe x model* rank, so with pp > 1 it drops every replicated parameter of the later stages and counts the
+tied embedding twice.  Under bf16/fp16/ZeRO, DeepSpeed's optimizer wrappers compute the norm with the tensor-parallel
+rank and skip pipe-replicated copies, which is right, so there DeepSpeed clips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ds_megatron.tensor_parallel import is_tp_sharded
+from ds_megatron.topology import ParallelTopology
+
+
+def counts_in_norm(p: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``p`` contributes to the global gradient norm: TP shards always, replicated
+    parameters on TP rank 0 only, and the second copy of a pipeline-tied parameter never."""
+    if getattr(p, "ds_pipe_replicated", False):
+        return False
+    return is_tp_sharded(p) or tp_rank == 0
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology) -> torch.Tensor:
+    """L2 norm of the full model's gradient (each parameter counted once), identical on every rank.
+
+    Call after the data-parallel all-reduce (gradients then match across DP ranks)."""
+    params = [p for p in params if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    sq = torch.zeros(1, dtype=torch.float32, device=device)
+    for p in params:
+        if counts_in_norm(p, topology.tp_rank):
+            sq += p.grad.detach().float().pow(2).sum()
+    if topology.model_group is not None:
+        dist.all_reduce(sq, group=topology.model_group)
+    return sq.sqrt()
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (linears, embeddings); none on biases and LayerNorm parameters (GPT-3 practice)."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+class ClippedAdamW(torch.optim.AdamW):
+    """AdamW that first computes the global gradient norm with ``grad_norm_fn`` (stored as ``_global_grad_norm``,
+    which DeepSpeed's engine reports) and clips to ``max_norm`` (0 disables clipping)."""
+
+    def __init__(self, params, *, grad_norm_fn: Callable[[], torch.Tensor], max_norm: float, **kwargs):
+        super().__init__(params, **kwargs)
+        self._grad_norm_fn = grad_norm_fn
+        self._max_norm = max_norm
+        self._global_grad_norm: float | None = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        norm = self._grad_norm_fn()
+        self._global_grad_norm = float(norm)
+        if self._max_norm > 0:
+            coef = torch.clamp(self._max_norm / (norm + 1e-6), max=1.0)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(coef.to(p.grad.device))
+        return super().step(closure)
+
+
+def adamw_kwargs(ds_optimizer: dict | None) -> dict:
+    """torch AdamW keyword arguments from DeepSpeed's ``optimizer`` section (type Adam or AdamW)."""
+    ds_optimizer = ds_optimizer or {"type": "AdamW", "params": {}}
+    kind = str(ds_optimizer.get("type", "AdamW")).lower()
+    if kind not in ("adam", "adamw"):
+        raise ValueError(
+            f"error: optimizer.type: unsupported optimizer ({ds_optimizer.get('type')}); use Adam or AdamW"
+        )
+    p = dict(ds_optimizer.get("params", {}))
+    return {
+        "lr": float(p.get("lr", 1e-3)),
+        "betas": tuple(p.get("betas", (0.9, 0.999))),
+        "eps": float(p.get("eps", 1e-8)),
+        "weight_decay": float(p.get("weight_decay", 0.0)),
+    }

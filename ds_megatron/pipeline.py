@@ -1,0 +1,162 @@
+"""L3: the GPT as a ``deepspeed.pipe.PipelineModule``.
+
+Layers, in order (each built only on the stage that owns it, from full single-device weights initialised by name,
+then sharded by the plan):
+
+    TiedLayerSpec("wte", WordEmbeddingPipe)        ids [b, s] -> [s, b, h]   ([s/t, b, h] under SP)
+    LayerSpec(PositionEmbeddingPipe)               + wpe, embedding dropout
+    LayerSpec(GPTBlockPipe) x L                    [s(/t), b, h] -> same
+    LayerSpec(FinalNormPipe)                       ln_f
+    TiedLayerSpec("wte", WordEmbeddingPipe, forward_fn=lm_head_forward)   -> logits [s, b, V_pad/t]
+    loss: vocab-parallel cross entropy against labels [b, s]
+
+Only fixed-shape hidden states cross stage boundaries; positions and the causal mask are made locally (trap 9).
+The tied embedding's gradient is summed over the first and last stage by DeepSpeed (trap 13).
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
+
+from ds_megatron.model import GPTBlock, GPTConfig, init_module
+from ds_megatron.model.gpt import TiedEmbedding
+from ds_megatron.parallelize import (
+    ParallelPlan,
+    parallelize_block,
+    parallelize_final_norm,
+    parallelize_position_embedding,
+    parallelize_word_embedding,
+)
+from ds_megatron.tensor_parallel import ForkedDropout, vocab_parallel_cross_entropy
+from ds_megatron.topology import ParallelTopology
+
+TIED_KEY = "wte"
+
+
+class WordEmbeddingPipe(nn.Module):
+    """Token embedding on the first stage; the same (tied) table is the output layer on the last stage."""
+
+    def __init__(self, config: GPTConfig, plan: ParallelPlan, seed: int):
+        super().__init__()
+        full = TiedEmbedding(config.vocab_size, config.n_embd)
+        init_module(full, config, seed, prefix="transformer.wte.")
+        self.wte = parallelize_word_embedding(full, plan)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """ids [b, s] -> [s, b, h] (SP: [s/t, b, h])."""
+        return self.wte(input_ids.t().contiguous())
+
+
+def lm_head_forward(module: WordEmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [s(/t), b, h] -> this rank's vocabulary block of logits [s, b, V_pad/t]."""
+    return module.wte.logits(hidden)
+
+
+class PositionEmbeddingPipe(nn.Module):
+    def __init__(self, config: GPTConfig, plan: ParallelPlan, seed: int):
+        super().__init__()
+        full = nn.Embedding(config.n_positions, config.n_embd)
+        init_module(full, config, seed, prefix="transformer.wpe.")
+        self.wpe = parallelize_position_embedding(full, plan)
+        drop = nn.Dropout(config.embd_pdrop)
+        self.drop = ForkedDropout(drop.p, plan.tp_fork()) if plan.sp else drop
+        self.seq_factor = plan.tp_size if plan.sp else 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[0] * self.seq_factor
+        pos = torch.arange(s, device=x.device)
+        return self.drop(x + self.wpe(pos).unsqueeze(1))
+
+
+class GPTBlockPipe(nn.Module):
+    """One transformer block (the class name is what the pipeline partitioner balances)."""
+
+    def __init__(self, config: GPTConfig, plan: ParallelPlan, seed: int, layer_idx: int):
+        super().__init__()
+        block = GPTBlock(config)
+        init_module(block, config, seed, prefix=f"transformer.h.{layer_idx}.")
+        self.block = parallelize_block(block, plan)
+        self.layer_idx = layer_idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+class FinalNormPipe(nn.Module):
+    def __init__(self, config: GPTConfig, plan: ParallelPlan, seed: int):
+        super().__init__()
+        ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        init_module(ln_f, config, seed, prefix="transformer.ln_f.")
+        self.ln_f = parallelize_final_norm(ln_f, plan)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)
+
+
+class VocabParallelLoss:
+    """Mean next-token loss over a micro-batch from vocabulary-parallel logits (full logits never gathered)."""
+
+    def __init__(self, plan: ParallelPlan):
+        self.tp_group = plan.tp_group
+        self.vocab_start = plan.tp_rank * (plan.padded_vocab_size // plan.tp_size)
+        self.__name__ = "vocab_parallel_cross_entropy"
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """logits [s, b, V_pad/t], labels [b, s]."""
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start).mean()
+
+
+def layer_specs(config: GPTConfig, plan: ParallelPlan, seed: int) -> list:
+    specs: list = [
+        TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, plan, seed, tied_weight_attr=["wte.weight"]),
+        LayerSpec(PositionEmbeddingPipe, config, plan, seed),
+    ]
+    specs += [LayerSpec(GPTBlockPipe, config, plan, seed, i) for i in range(config.n_layer)]
+    specs += [
+        LayerSpec(FinalNormPipe, config, plan, seed),
+        TiedLayerSpec(
+            TIED_KEY, WordEmbeddingPipe, config, plan, seed, forward_fn=lm_head_forward, tied_weight_attr=["wte.weight"]
+        ),
+    ]
+    return specs
+
+
+def build_pipeline_module(
+    config: GPTConfig,
+    plan: ParallelPlan,
+    topology: ParallelTopology,
+    seed: int,
+    partition_method: str = "type:GPTBlockPipe",
+) -> PipelineModule:
+    """The GPT as a PipelineModule over ``topology`` (layers balanced by block count across stages)."""
+    return PipelineModule(
+        layers=layer_specs(config, plan, seed),
+        topology=topology.ds_topology,
+        loss_fn=VocabParallelLoss(plan),
+        partition_method=partition_method,
+        activation_checkpoint_interval=0,
+    )
+
+
+def pipeline_param_name(module_name: str, module: PipelineModule) -> str | None:
+    """Map a PipelineModule parameter name to its full GPT (HF GPT-2) name, or None for unknown names.
+
+    DeepSpeed names local layers by their global index (``"<idx>.block.attn.c_attn.weight"``) and tied ones
+    ``"tied_modules.wte.wte.weight"``.
+    """
+    if module_name.startswith(f"tied_modules.{TIED_KEY}."):
+        return "transformer.wte.weight"
+    idx, _, rest = module_name.partition(".")
+    if not idx.isdigit():
+        return None
+    i = int(idx)
+    n_layer = module._num_layers - 4
+    if i == 1:
+        return "transformer." + rest  # wpe.weight
+    if 2 <= i < 2 + n_layer:
+        return f"transformer.h.{i - 2}." + rest.removeprefix("block.")
+    if i == 2 + n_layer:
+        return "transformer." + rest  # ln_f.*
+    return None

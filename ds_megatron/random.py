@@ -1,0 +1,100 @@
+"""L1: named RNG states for dropout under tensor/sequence parallelism.
+
+Two states per process:
+- ``default`` (the global torch RNG): seeded with seed + 100 pp_rank + 1009 dp_rank: identical across the ranks of
+  a TP group, so dropout in replicated regions draws the same mask on every TP rank; different across DP ranks.
+- ``tensor-parallel``: default seed + 2718 + tp_rank: different on each TP rank, for dropout on TP-split tensors
+  (attention probabilities of the local heads) and, under SP, on sequence shards.
+
+``fork(name)`` swaps a state in for a ``with`` block and saves its advance on exit.  Recompute replays a region by
+restoring the states captured before it (``get_states`` / ``set_states``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+DEFAULT = "default"
+TENSOR_PARALLEL = "tensor-parallel"
+
+
+def _get_global(device_type: str) -> torch.Tensor:
+    if device_type == "cuda":
+        return torch.cuda.get_rng_state()
+    return torch.get_rng_state()
+
+
+def _set_global(device_type: str, state: torch.Tensor) -> None:
+    if device_type == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGTracker:
+    """Named RNG states on one device type ("cpu" or "cuda").  The default state is the global RNG itself."""
+
+    def __init__(self, device_type: str = "cpu"):
+        self.device_type = device_type
+        self._states: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self._states or name == DEFAULT:
+            raise ValueError(f"RNG state {name!r} already exists")
+        saved = _get_global(self.device_type)
+        _seed_device(self.device_type, seed)
+        self._states[name] = _get_global(self.device_type)
+        _set_global(self.device_type, saved)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = TENSOR_PARALLEL) -> Iterator[None]:
+        if name == DEFAULT:
+            yield
+            return
+        saved = _get_global(self.device_type)
+        _set_global(self.device_type, self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = _get_global(self.device_type)
+            _set_global(self.device_type, saved)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """All states including the default (global) one, as copies."""
+        states = {name: s.clone() for name, s in self._states.items()}
+        states[DEFAULT] = _get_global(self.device_type)
+        return states
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        for name, s in states.items():
+            if name == DEFAULT:
+                _set_global(self.device_type, s)
+            else:
+                self._states[name] = s.clone()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: s.cpu() for name, s in self.get_states().items()}
+
+    def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
+        self.set_states(states)
+
+
+def _seed_device(device_type: str, seed: int) -> None:
+    if device_type == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
+
+
+def build_rng(seed: int, tp_rank: int, pp_rank: int, dp_rank: int, device_type: str = "cpu") -> RNGTracker:
+    """Seed the default state and create the tensor-parallel one (see the module docstring for the offsets)."""
+    default_seed = seed + 100 * pp_rank + 1009 * dp_rank
+    torch.manual_seed(default_seed)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(default_seed)
+    tracker = RNGTracker(device_type)
+    tracker.add(TENSOR_PARALLEL, default_seed + 2718 + tp_rank)
+    return tracker

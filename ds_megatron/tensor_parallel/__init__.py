@@ -1,0 +1,48 @@
+"""L2: Megatron tensor/sequence-parallel collectives, layers, shard rules and vocab-parallel cross entropy.
+
+Process groups are always passed in; nothing here keeps global state.
+"""
+
+from ds_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ds_megatron.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    ForkedDropout,
+    RowParallelLinear,
+    SequenceShardedPositionEmbedding,
+    VocabParallelEmbedding,
+    is_tp_sharded,
+    mark_sp_replicated,
+    mark_tp_sharded,
+)
+from ds_megatron.tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_last_dim,
+    gather_seq,
+    reduce_from_tp,
+    reduce_scatter_seq,
+    scatter_seq,
+)
+from ds_megatron.tensor_parallel.sharding import REPLICATED, ShardRule, padded_vocab_size, shard, unshard
+
+__all__ = [
+    "REPLICATED",
+    "ColumnParallelLinear",
+    "ForkedDropout",
+    "RowParallelLinear",
+    "SequenceShardedPositionEmbedding",
+    "ShardRule",
+    "VocabParallelEmbedding",
+    "copy_to_tp",
+    "gather_last_dim",
+    "gather_seq",
+    "is_tp_sharded",
+    "mark_sp_replicated",
+    "mark_tp_sharded",
+    "padded_vocab_size",
+    "reduce_from_tp",
+    "reduce_scatter_seq",
+    "scatter_seq",
+    "shard",
+    "unshard",
+    "vocab_parallel_cross_entropy",
+]

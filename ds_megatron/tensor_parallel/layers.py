@@ -1,0 +1,192 @@
+"""Megatron tensor-parallel layers.  Each is built from the full single-device module by slicing (``from_dense``),
+so a sharded model starts from exactly the single-device weights.
+
+Parameter marks (read by DeepSpeed and by ds_megatron):
+- ``tensor_model_parallel`` / ``model_parallel`` = True on TP-sharded weights, so DeepSpeed's gradient norm counts
+  them on every TP rank (trap 10); replicated parameters are left unmarked and counted on TP rank 0 only.
+- ``sequence_parallel_replicated`` = True on replicated parameters that see only a sequence shard under SP
+  (LayerNorms, row-parallel biases, position embedding): their gradients are summed over the TP group (trap 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ContextManager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ds_megatron.tensor_parallel.mappings import (
+    copy_to_tp,
+    gather_seq,
+    reduce_from_tp,
+    reduce_scatter_seq,
+)
+from ds_megatron.tensor_parallel.sharding import ShardRule, shard
+
+
+def mark_tp_sharded(param: nn.Parameter, partition_dim: int) -> None:
+    param.tensor_model_parallel = True
+    param.model_parallel = True
+    param.partition_dim = partition_dim
+
+
+def mark_sp_replicated(param: nn.Parameter) -> None:
+    param.sequence_parallel_replicated = True
+
+
+def is_tp_sharded(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T with A split along its output dim: each rank computes Y[..., out/t].
+
+    Input: [s, b, in] replicated (f: identity / all-reduce), or [s/t, b, in] under SP (all-gather / reduce-scatter).
+    Output: [s, b, out/t].
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, full_shape: tuple[int, int], tp_group: ProcessGroup | None,
+                 tp_rank: int, tp_size: int, sequence_parallel: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        mark_tp_sharded(self.weight, 0)
+        if self.bias is not None:
+            mark_tp_sharded(self.bias, 0)
+        self.full_shape = full_shape
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.sequence_parallel = sequence_parallel
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, rule: ShardRule, tp_group: ProcessGroup | None, tp_rank: int, tp_size: int,
+                   sequence_parallel: bool = False) -> ColumnParallelLinear:
+        w = shard(linear.weight.data, rule, tp_rank, tp_size)
+        b = shard(linear.bias.data, rule, tp_rank, tp_size) if linear.bias is not None else None
+        return cls(w, b, tuple(linear.weight.shape), tp_group, tp_rank, tp_size, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_seq(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"full={self.full_shape[1]}->{self.full_shape[0]}, local_out={self.weight.shape[0]}, "
+                f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T with A split along its input dim; partial sums are reduced across the TP group.
+
+    Input: [s, b, in/t].  Output: [s, b, out] (g: all-reduce / identity), or [s/t, b, out] under SP
+    (reduce-scatter / all-gather).  The bias is replicated and added after the reduction.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, full_shape: tuple[int, int], tp_group: ProcessGroup | None,
+                 tp_rank: int, tp_size: int, sequence_parallel: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        mark_tp_sharded(self.weight, 1)
+        if self.bias is not None and sequence_parallel:
+            mark_sp_replicated(self.bias)
+        self.full_shape = full_shape
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.sequence_parallel = sequence_parallel
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, tp_group: ProcessGroup | None, tp_rank: int, tp_size: int,
+                   sequence_parallel: bool = False) -> RowParallelLinear:
+        w = shard(linear.weight.data, ShardRule(dim=1), tp_rank, tp_size)
+        b = linear.bias.data.clone() if linear.bias is not None else None
+        return cls(w, b, tuple(linear.weight.shape), tp_group, tp_rank, tp_size, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_seq(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"full={self.full_shape[1]}->{self.full_shape[0]}, local_in={self.weight.shape[1]}, "
+                f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table [V_pad, h] split into contiguous vocabulary blocks of V_pad/t rows.
+
+    Input ids [s, b] (any shape; under SP dim 0 must be the sequence).  Each rank looks up the ids in its block
+    and zeroes the others; the partial results are summed: all-reduce -> [s, b, h], or reduce-scatter under SP ->
+    [s/t, b, h].  Padding rows (ids >= vocab_size) are zero and never looked up.
+    """
+
+    def __init__(self, weight: torch.Tensor, vocab_size: int, padded_size: int, tp_group: ProcessGroup | None,
+                 tp_rank: int, tp_size: int, sequence_parallel: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        mark_tp_sharded(self.weight, 0)
+        self.vocab_size, self.padded_size = vocab_size, padded_size
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.sequence_parallel = sequence_parallel
+        self.vocab_start = tp_rank * weight.shape[0]
+        self.vocab_end = self.vocab_start + weight.shape[0]
+
+    @classmethod
+    def from_dense(cls, emb: nn.Embedding, padded_size: int, tp_group: ProcessGroup | None, tp_rank: int, tp_size: int,
+                   sequence_parallel: bool = False) -> VocabParallelEmbedding:
+        w = shard(emb.weight.data, ShardRule(dim=0, padded_size=padded_size), tp_rank, tp_size)
+        return cls(w, emb.weight.shape[0], padded_size, tp_group, tp_rank, tp_size, sequence_parallel)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_seq(out, self.tp_group) if self.sequence_parallel else reduce_from_tp(out, self.tp_group)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Tied output layer: [s(/t), b, h] -> this rank's vocabulary block of logits [s, b, V_pad/t].
+
+        Under SP the input is all-gathered along the sequence first (column-parallel in the vocabulary).
+        Padding columns are set to -inf, so they can never be predicted and get zero gradient.
+        """
+        x = gather_seq(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
+        logits = F.linear(x, self.weight)
+        if self.vocab_end > self.vocab_size:
+            cols = torch.arange(self.vocab_start, self.vocab_end, device=logits.device)
+            logits = logits.masked_fill(cols >= self.vocab_size, float("-inf"))
+        return logits
+
+    def extra_repr(self) -> str:
+        return (f"vocab={self.vocab_size} (padded {self.padded_size}), rows=[{self.vocab_start}, {self.vocab_end}), "
+                f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}")
+
+
+class SequenceShardedPositionEmbedding(nn.Module):
+    """Learned position table, replicated; under SP each rank returns the rows of its own sequence chunk only
+    (positions [r s/t, (r+1) s/t)), so the full sequence is embedded exactly once (trap 6)."""
+
+    def __init__(self, weight: torch.Tensor, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        mark_sp_replicated(self.weight)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """position_ids [s] -> [s/t, h]."""
+        chunk = position_ids.chunk(self.tp_size, dim=0)[self.tp_rank]
+        return F.embedding(chunk, self.weight)
+
+
+class ForkedDropout(nn.Dropout):
+    """Dropout run inside an RNG state chosen by the plan (the tensor-parallel state where masks must differ
+    across TP ranks: sequence-sharded regions under SP)."""
+
+    def __init__(self, p: float, rng_fork: Callable[[], ContextManager]):
+        super().__init__(p)
+        self.rng_fork = rng_fork
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        with self.rng_fork():
+            return super().forward(x)

@@ -1,0 +1,174 @@
+"""Autograd collectives of Megatron tensor and sequence parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022).
+
+Each function names its forward / backward collective.  All return their input unchanged when the group has one
+rank.  Sequence-parallel tensors are laid out ``[s, b, h]`` and split along dim 0 (the sequence).
+
+gloo (CPU) has no reduce-scatter and no all-gather into one tensor; there the same results are computed with an
+all-reduce plus a slice and with a list all-gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _is_gloo(group: ProcessGroup) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = group_size(group)
+    x = x.contiguous()
+    if _is_gloo(group):
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=0)
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    n = group_size(group)
+    if x.shape[0] % n != 0:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {n}")
+    x = x.contiguous()
+    if _is_gloo(group):
+        rank = dist.get_rank(group)
+        dist.all_reduce(x, group=group)
+        return x.chunk(n, dim=0)[rank].contiguous()
+    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def _split_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    n = group_size(group)
+    if x.shape[dim] % n != 0:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the tensor-parallel size {n}")
+    return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _all_gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: forward identity, backward all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: forward all-reduce, backward identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """SP before a column-parallel linear: forward all-gather along the sequence, backward reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_dim0(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    """SP after a row-parallel linear: forward reduce-scatter along the sequence, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_dim0(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim0(grad, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Enter the SP region from a replicated tensor: forward keep this rank's sequence chunk, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_dim(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim0(grad, ctx.group), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """Leave a column-parallel region: forward all-gather along the last dim, backward keep this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_dim(grad, grad.dim() - 1, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """f (identity / all-reduce)."""
+    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """g (all-reduce / identity)."""
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """[s/t, b, h] -> [s, b, h] (all-gather / reduce-scatter)."""
+    return x if group_size(group) == 1 else _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """partial [s, b, h] -> summed [s/t, b, h] (reduce-scatter / all-gather)."""
+    return x if group_size(group) == 1 else _ReduceScatterSeq.apply(x, group)
+
+
+def scatter_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """replicated [s, b, h] -> [s/t, b, h] (split / all-gather)."""
+    return x if group_size(group) == 1 else _ScatterSeq.apply(x, group)
+
+
+def gather_last_dim(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """[..., n/t] -> [..., n] (all-gather / split)."""
+    return x if group_size(group) == 1 else _GatherLastDim.apply(x, group)
