@@ -3,9 +3,10 @@
 ds_megatron builds the optimizer itself (torch AdamW from the DeepSpeed config's ``optimizer`` section) so that no
 DeepSpeed op has to be compiled and so that the fp32 path gets a correct gradient norm: DeepSpeed's fp32 clipping
 (``clip_grad_norm_`` with the pipeline grid as mpu) decides "count replicated parameters on model-parallel rank 0"
-with the *pipe x model* rank, so with pp > 1 it drops every replicated parameter of the later stages and counts the
-tied embedding twice.  Under bf16/fp16/ZeRO, DeepSpeed's optimizer wrappers compute the norm with the tensor-parallel
-rank and skip pipe-replicated copies, which is right, so there DeepSpeed clips.
+with the *pipe x model* rank, so with pp > 1 it drops the replicated parameters (LayerNorms, biases) of every stage
+but the first (measured on the 4-layer test model at pp 2: 2.1643 against the true 2.1743).  Under bf16/fp16/ZeRO,
+DeepSpeed's optimizer wrappers compute the norm with the tensor-parallel rank and skip pipe-replicated copies, so
+there DeepSpeed clips.
 """
 
 from __future__ import annotations

@@ -156,7 +156,10 @@ def resolve_shape(m: ModelSection) -> ModelShape:
     ):
         if value is None:
             raise ConfigError(
-                f"ds_megatron.model.{name}", "not set", "no size and no explicit value", f"set model.size or model.{name}"
+                f"ds_megatron.model.{name}",
+                "not set",
+                "no size and no explicit value",
+                f"set model.size or model.{name}",
             )
         if value <= 0:
             raise ConfigError(f"ds_megatron.model.{name}", "must be positive", f"got {value}", "set a positive value")
@@ -177,7 +180,10 @@ def resolve_shape(m: ModelSection) -> ModelShape:
         )
     if m.attention not in ATTENTION_KERNELS:
         raise ConfigError(
-            "ds_megatron.model.attention", "unknown attention kernel", f"got {m.attention!r}", f"use one of {ATTENTION_KERNELS}"
+            "ds_megatron.model.attention",
+            "unknown attention kernel",
+            f"got {m.attention!r}",
+            f"use one of {ATTENTION_KERNELS}",
         )
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("ds_megatron.model.dropout", "must be in [0, 1)", f"got {m.dropout}", "set e.g. 0.1")
@@ -335,5 +341,8 @@ def load_json(path: str | Path) -> dict:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(
-            "--deepspeed_config", "invalid JSON", f"{p}: line {e.lineno} column {e.colno}: {e.msg}", "fix the JSON syntax"
+            "--deepspeed_config",
+            "invalid JSON",
+            f"{p}: line {e.lineno} column {e.colno}: {e.msg}",
+            "fix the JSON syntax",
         ) from None

@@ -62,7 +62,9 @@ class GPTConfig:
         if not getattr(hf, "tie_word_embeddings", True):
             unsupported.append("tie_word_embeddings=False")
         if unsupported:
-            raise ValueError(f"error: GPT2Config: unsupported settings ({', '.join(unsupported)}); use a standard GPT-2 config")
+            raise ValueError(
+                f"error: GPT2Config: unsupported settings ({', '.join(unsupported)}); use a standard GPT-2 config"
+            )
         return cls(
             vocab_size=hf.vocab_size,
             n_positions=hf.n_positions,

@@ -13,7 +13,7 @@ import contextlib
 import math
 import zlib
 from collections.abc import Callable
-from typing import ContextManager
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 import torch.nn.functional as F

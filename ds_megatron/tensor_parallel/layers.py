@@ -11,7 +11,7 @@ Parameter marks (read by DeepSpeed and by ds_megatron):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ContextManager
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +48,16 @@ class ColumnParallelLinear(nn.Module):
     Output: [s, b, out/t].
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, full_shape: tuple[int, int], tp_group: ProcessGroup | None,
-                 tp_rank: int, tp_size: int, sequence_parallel: bool):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        full_shape: tuple[int, int],
+        tp_group: ProcessGroup | None,
+        tp_rank: int,
+        tp_size: int,
+        sequence_parallel: bool,
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
@@ -61,8 +69,15 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, rule: ShardRule, tp_group: ProcessGroup | None, tp_rank: int, tp_size: int,
-                   sequence_parallel: bool = False) -> ColumnParallelLinear:
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        rule: ShardRule,
+        tp_group: ProcessGroup | None,
+        tp_rank: int,
+        tp_size: int,
+        sequence_parallel: bool = False,
+    ) -> ColumnParallelLinear:
         w = shard(linear.weight.data, rule, tp_rank, tp_size)
         b = shard(linear.bias.data, rule, tp_rank, tp_size) if linear.bias is not None else None
         return cls(w, b, tuple(linear.weight.shape), tp_group, tp_rank, tp_size, sequence_parallel)
@@ -72,8 +87,10 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return (f"full={self.full_shape[1]}->{self.full_shape[0]}, local_out={self.weight.shape[0]}, "
-                f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}")
+        return (
+            f"full={self.full_shape[1]}->{self.full_shape[0]}, local_out={self.weight.shape[0]}, "
+            f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -83,8 +100,16 @@ class RowParallelLinear(nn.Module):
     (reduce-scatter / all-gather).  The bias is replicated and added after the reduction.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, full_shape: tuple[int, int], tp_group: ProcessGroup | None,
-                 tp_rank: int, tp_size: int, sequence_parallel: bool):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        full_shape: tuple[int, int],
+        tp_group: ProcessGroup | None,
+        tp_rank: int,
+        tp_size: int,
+        sequence_parallel: bool,
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
@@ -96,8 +121,14 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, tp_group: ProcessGroup | None, tp_rank: int, tp_size: int,
-                   sequence_parallel: bool = False) -> RowParallelLinear:
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        tp_group: ProcessGroup | None,
+        tp_rank: int,
+        tp_size: int,
+        sequence_parallel: bool = False,
+    ) -> RowParallelLinear:
         w = shard(linear.weight.data, ShardRule(dim=1), tp_rank, tp_size)
         b = linear.bias.data.clone() if linear.bias is not None else None
         return cls(w, b, tuple(linear.weight.shape), tp_group, tp_rank, tp_size, sequence_parallel)
@@ -108,8 +139,10 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return (f"full={self.full_shape[1]}->{self.full_shape[0]}, local_in={self.weight.shape[1]}, "
-                f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}")
+        return (
+            f"full={self.full_shape[1]}->{self.full_shape[0]}, local_in={self.weight.shape[1]}, "
+            f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}"
+        )
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -120,8 +153,16 @@ class VocabParallelEmbedding(nn.Module):
     [s/t, b, h].  Padding rows (ids >= vocab_size) are zero and never looked up.
     """
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int, padded_size: int, tp_group: ProcessGroup | None,
-                 tp_rank: int, tp_size: int, sequence_parallel: bool):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        vocab_size: int,
+        padded_size: int,
+        tp_group: ProcessGroup | None,
+        tp_rank: int,
+        tp_size: int,
+        sequence_parallel: bool,
+    ):
         super().__init__()
         self.weight = nn.Parameter(weight)
         mark_tp_sharded(self.weight, 0)
@@ -132,8 +173,15 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + weight.shape[0]
 
     @classmethod
-    def from_dense(cls, emb: nn.Embedding, padded_size: int, tp_group: ProcessGroup | None, tp_rank: int, tp_size: int,
-                   sequence_parallel: bool = False) -> VocabParallelEmbedding:
+    def from_dense(
+        cls,
+        emb: nn.Embedding,
+        padded_size: int,
+        tp_group: ProcessGroup | None,
+        tp_rank: int,
+        tp_size: int,
+        sequence_parallel: bool = False,
+    ) -> VocabParallelEmbedding:
         w = shard(emb.weight.data, ShardRule(dim=0, padded_size=padded_size), tp_rank, tp_size)
         return cls(w, emb.weight.shape[0], padded_size, tp_group, tp_rank, tp_size, sequence_parallel)
 
@@ -157,8 +205,10 @@ class VocabParallelEmbedding(nn.Module):
         return logits
 
     def extra_repr(self) -> str:
-        return (f"vocab={self.vocab_size} (padded {self.padded_size}), rows=[{self.vocab_start}, {self.vocab_end}), "
-                f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}")
+        return (
+            f"vocab={self.vocab_size} (padded {self.padded_size}), rows=[{self.vocab_start}, {self.vocab_end}), "
+            f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}"
+        )
 
 
 class SequenceShardedPositionEmbedding(nn.Module):

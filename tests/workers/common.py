@@ -10,10 +10,26 @@ from pathlib import Path
 import torch
 
 
-def tiny_ds_config(tp: int, pp: int, dp: int, *, vocab: int = 1001, layers: int = 4, hidden: int = 64, heads: int = 4,
-                   seq: int = 16, micro: int = 2, global_batch: int = 8, dropout: float = 0.0, seed: int = 1234,
-                   attention: str = "eager", sequence_parallel: bool = False, lr: float = 1e-3,
-                   clip: float = 1.0, extra: dict | None = None) -> dict:
+def tiny_ds_config(
+    tp: int,
+    pp: int,
+    dp: int,
+    *,
+    vocab: int = 1001,
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    seq: int = 16,
+    micro: int = 2,
+    global_batch: int = 8,
+    dropout: float = 0.0,
+    seed: int = 1234,
+    attention: str = "eager",
+    sequence_parallel: bool = False,
+    lr: float = 1e-3,
+    clip: float = 1.0,
+    extra: dict | None = None,
+) -> dict:
     cfg = {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": micro,
@@ -21,8 +37,15 @@ def tiny_ds_config(tp: int, pp: int, dp: int, *, vocab: int = 1001, layers: int 
         "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
         "ds_megatron": {
-            "model": {"num_layers": layers, "hidden_size": hidden, "num_heads": heads, "vocab_size": vocab,
-                      "seq_length": seq, "dropout": dropout, "attention": attention},
+            "model": {
+                "num_layers": layers,
+                "hidden_size": hidden,
+                "num_heads": heads,
+                "vocab_size": vocab,
+                "seq_length": seq,
+                "dropout": dropout,
+                "attention": attention,
+            },
             "parallel": {"tp": tp, "pp": pp, "sequence_parallel": sequence_parallel},
             "train": {"seed": seed, "train_iters": 3},
         },

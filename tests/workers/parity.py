@@ -33,8 +33,12 @@ def reference(run, batches):
     torch.manual_seed(0)
     model = GPT(gpt_config_from(run), seed=run.section.train.seed)
     opt_cfg = run.ds_config["optimizer"]["params"]
-    opt = torch.optim.AdamW(param_groups(model, opt_cfg["weight_decay"]), lr=opt_cfg["lr"],
-                            betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"])
+    opt = torch.optim.AdamW(
+        param_groups(model, opt_cfg["weight_decay"]),
+        lr=opt_cfg["lr"],
+        betas=tuple(opt_cfg["betas"]),
+        eps=opt_cfg["eps"],
+    )
     losses, norms, grads = [], [], None
     for step, tokens in enumerate(batches):
         logits = model(tokens[:, :-1])
@@ -60,8 +64,14 @@ def run_layout(tp: int, pp: int, dp: int, args) -> None:
 
     def capture(optimizer, *_):
         if not captured:
-            captured.update({id(p): p.grad.detach().clone() for g in optimizer.param_groups for p in g["params"]
-                             if p.grad is not None})
+            captured.update(
+                {
+                    id(p): p.grad.detach().clone()
+                    for g in optimizer.param_groups
+                    for p in g["params"]
+                    if p.grad is not None
+                }
+            )
 
     engine.optimizer.register_step_pre_hook(capture)
     losses, norms = [], []
@@ -85,11 +95,23 @@ def run_layout(tp: int, pp: int, dp: int, args) -> None:
         checked.append(full)
     layout = f"{tp}-{pp}-{dp}" + ("-sp" if args.sequence_parallel else "") + f"-{args.attention}"
     log(layout, "losses", losses, "ref", ref_losses, "grad_diff", grad_diff, "norms", norms, ref_norms)
-    write_result(args.out, layout, {
-        "losses": losses, "ref_losses": ref_losses, "grad_diff": grad_diff, "param_diff": param_diff,
-        "norms": norms, "ref_norms": ref_norms, "checked": checked,
-        "tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank, "dp_rank": topo.dp_rank,
-    })
+    write_result(
+        args.out,
+        layout,
+        {
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "grad_diff": grad_diff,
+            "param_diff": param_diff,
+            "norms": norms,
+            "ref_norms": ref_norms,
+            "checked": checked,
+            "all_names": sorted(ref_params),
+            "tp_rank": topo.tp_rank,
+            "pp_rank": topo.pp_rank,
+            "dp_rank": topo.dp_rank,
+        },
+    )
 
 
 def main() -> None:

@@ -1,0 +1,30 @@
+"""Run a worker script in N real processes with the deepspeed launcher (CPU: gloo) and return its output."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_launch(script: str | Path, nprocs: int, args: list[str], timeout: int = 600) -> str:
+    """Launch ``script`` under ``deepspeed --num_gpus nprocs``; raise with the output tail on failure."""
+    launcher = Path(sys.executable).parent / "deepspeed"
+    cmd = [str(launcher), "--num_gpus", str(nprocs), "--master_port", str(_free_port()), str(script), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{output[-6000:]}")
+    return output

@@ -1,0 +1,128 @@
+"""Issue 2, test e (and the config contract): bad input gives one line naming the setting, the values and the fix,
+raised by pure validation (no process group, nothing written)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from ds_megatron.config import ConfigError, resolve
+
+BASE = {
+    "train_batch_size": 8,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "ds_megatron": {
+        "model": {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "vocab_size": 1001, "seq_length": 16},
+        "parallel": {"tp": 2, "pp": 2},
+    },
+}
+
+
+def with_changes(world: int = 8, **changes) -> tuple[dict, int]:
+    cfg = copy.deepcopy(BASE)
+    for path, value in changes.items():
+        *parents, leaf = path.split("__")
+        node = cfg
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return cfg, world
+
+
+BAD = [
+    (
+        "hidden not divisible by heads",
+        with_changes(ds_megatron__model__hidden_size=65),
+        "ds_megatron.model.hidden_size",
+        ["65", "4"],
+    ),
+    (
+        "heads not divisible by tp",
+        with_changes(ds_megatron__parallel__tp=3, world=12),
+        "ds_megatron.parallel.tp",
+        ["num_heads=4", "tp=3"],
+    ),
+    (
+        "fewer layers than stages",
+        with_changes(ds_megatron__parallel__pp=8, world=16),
+        "ds_megatron.parallel.pp",
+        ["num_layers=4", "pp=8"],
+    ),
+    ("tp*pp does not divide world", with_changes(world=6), "ds_megatron.parallel", ["tp(2) x pp(2)", "world size 6"]),
+    ("batch arithmetic", with_changes(train_batch_size=10), "train_batch_size", ["10 != 2 x 2 x 2 = 8"]),
+    (
+        "unknown key",
+        with_changes(ds_megatron__parallel__tensor_parallel=2),
+        "ds_megatron.parallel.tensor_parallel",
+        ["did you mean"],
+    ),
+    ("wrong type", with_changes(ds_megatron__parallel__tp="2"), "ds_megatron.parallel.tp", ["'2'"]),
+    (
+        "zero 3 with pipeline",
+        with_changes(zero_optimization={"stage": 3}),
+        "zero_optimization.stage",
+        ["stage=3", "pp=2"],
+    ),
+    ("bf16 and fp16", with_changes(bf16={"enabled": True}, fp16={"enabled": True}), "bf16.enabled", ["bf16=true"]),
+    (
+        "sp with indivisible sequence",
+        with_changes(ds_megatron__model__seq_length=15, ds_megatron__parallel__sequence_parallel=True),
+        "ds_megatron.parallel.sequence_parallel",
+        ["seq_length=15", "tp=2"],
+    ),
+    (
+        "unknown attention",
+        with_changes(ds_megatron__model__attention="flash"),
+        "ds_megatron.model.attention",
+        ["'flash'"],
+    ),
+    ("unknown size", with_changes(ds_megatron__model__size="gpt3-125"), "ds_megatron.model.size", ["gpt3-125m"]),
+    (
+        "sequence above position table",
+        with_changes(ds_megatron__model__max_position_embeddings=8),
+        "ds_megatron.model.seq_length",
+        ["seq_length=16", "max_position_embeddings=8"],
+    ),
+    ("non-positive batch", with_changes(train_micro_batch_size_per_gpu=0), "train_micro_batch_size_per_gpu", ["0"]),
+    ("non-positive steps", with_changes(ds_megatron__train__train_iters=0), "ds_megatron.train.train_iters", ["0"]),
+]
+
+
+@pytest.mark.parametrize("name,case,setting,values", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_names_setting_values_and_fix(name, case, setting, values):
+    cfg, world = case
+    with pytest.raises(ConfigError) as err:
+        resolve(cfg, world)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"error: {setting}: "), msg
+    for v in values:
+        assert v in msg, (v, msg)
+    assert ";" in msg  # the fix follows the values
+
+
+def test_good_config_resolves():
+    run = resolve(copy.deepcopy(BASE), 8)
+    assert (run.tp, run.pp, run.dp) == (2, 2, 2)
+    assert (run.micro_batch_size, run.grad_accum_steps, run.global_batch_size) == (2, 2, 8)
+
+
+def test_batch_arithmetic_fills_the_missing_key():
+    cfg = copy.deepcopy(BASE)
+    del cfg["gradient_accumulation_steps"]
+    assert resolve(cfg, 8).grad_accum_steps == 2
+    cfg = copy.deepcopy(BASE)
+    del cfg["train_batch_size"]
+    assert resolve(cfg, 8).global_batch_size == 8
+
+
+def test_named_size_fills_the_shape():
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "ds_megatron": {"model": {"size": "gpt3-175b"}, "parallel": {"tp": 8, "pp": 8}},
+    }
+    run = resolve(cfg, 1024)
+    assert (run.model.num_layers, run.model.hidden_size, run.model.num_heads) == (96, 12288, 96)
+    assert (run.model.vocab_size, run.model.seq_length, run.dp) == (50257, 2048, 16)

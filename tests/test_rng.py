@@ -1,0 +1,19 @@
+"""Issue 2, test c: dropout masks are identical across TP ranks in replicated regions, different inside TP-split
+regions (attention probabilities of the local heads), and different across DP ranks (same data on both)."""
+
+from __future__ import annotations
+
+import json
+
+from launch import WORKERS, deepspeed_launch
+
+
+def test_dropout_masks_follow_the_regions(tmp_path):
+    deepspeed_launch(WORKERS / "rng.py", 4, ["--out", str(tmp_path)])
+    result = json.loads((tmp_path / "rng.json").read_text())
+    for name in ("embedding_dropout", "residual_dropout", "mlp_dropout"):
+        assert result[name]["same_across_tp"], (name, result[name])
+        assert not result[name]["same_across_dp"], (name, result[name])
+        assert 0.2 < result[name]["dropped_fraction"] < 0.4, result[name]
+    attn = result["attention_probs_dropout"]
+    assert not attn["same_across_tp"] and not attn["same_across_dp"], attn
