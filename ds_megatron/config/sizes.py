@@ -16,7 +16,7 @@ GPT3_SHAPES: dict[str, tuple[int, int, int]] = {
 
 # Small shapes for laptops and tests.
 TINY_SHAPES: dict[str, tuple[int, int, int]] = {
-    "gpt-tiny": (4, 128, 4),
+    "gpt-tiny": (4, 128, 4),  # L, h, a of the CPU demo
 }
 
 GPT3_VOCAB_SIZE = 50257

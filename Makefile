@@ -1,0 +1,24 @@
+# ds_megatron: `make demo` trains the tiny GPT on 4 CPU processes; `make test` runs the test suite.
+# Both create and reuse the virtual environment .venv (scripts/bootstrap.sh picks the right torch build).
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NPROC ?= 4
+
+.PHONY: venv demo test lint clean
+
+venv:
+	@bash scripts/bootstrap.sh
+
+demo: venv
+	OMP_NUM_THREADS=1 WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/deepspeed --num_gpus $(NPROC) \
+		recipes/train_gpt.py --deepspeed_config ds_configs/gpt_tiny.json
+
+test: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+lint: venv
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""L5: command-line entry points (thin wrappers over the library)."""
