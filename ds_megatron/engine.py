@@ -71,8 +71,10 @@ def _uses_deepspeed_clipping(ds_config: dict) -> bool:
     return bool(half or zero > 0)
 
 
-def deepspeed_config_for(run: RunConfig) -> dict:
-    """DeepSpeed's own keys, with our section removed and the settings we own filled in."""
+def deepspeed_config_for(run: RunConfig, notes: list[str] | None = None) -> dict:
+    """DeepSpeed's own keys, with our section removed and the settings we own filled in (``notes`` collects one line
+    per setting changed behind the user's back)."""
+    notes = notes if notes is not None else []
     ds = copy.deepcopy(run.ds_config)
     ds.pop("ds_megatron", None)
     ds.pop("optimizer", None)  # built here (optim.py)
@@ -82,6 +84,16 @@ def deepspeed_config_for(run: RunConfig) -> dict:
     ds.setdefault("steps_per_print", 10**9)
     if not _uses_deepspeed_clipping(run.ds_config):
         ds["gradient_clipping"] = 0.0  # ClippedAdamW clips with the correct norm
+    if run.section.parallel.sequence_parallel and run.tp > 1:
+        # Stage-boundary tensors are already sequence shards; DeepSpeed's TP partitioning of them would garble them
+        # (trap 2).  Without it the boundary tensors are s/t long: pipeline traffic falls by t.
+        pipe = ds.setdefault("pipeline", {})
+        if pipe.get("pipe_partitioned", True) or pipe.get("grad_partitioned", True):
+            notes.append("sequence parallel: pipeline.pipe_partitioned and grad_partitioned turned off")
+        pipe["pipe_partitioned"] = False
+        pipe["grad_partitioned"] = False
+    if run.section.parallel.sequence_parallel and run.tp == 1:
+        notes.append("warning: sequence_parallel with tp 1 does nothing (there is no TP group to shard over)")
     return ds
 
 
@@ -109,5 +121,10 @@ def build_engine(run: RunConfig) -> Built:
         norm_fn = functools.partial(global_grad_norm, list(module.parameters()), topology)
         max_norm = float(run.ds_config.get("gradient_clipping", 0.0) or 0.0)
         optimizer = ClippedAdamW(groups, grad_norm_fn=norm_fn, max_norm=max_norm, **opt_kwargs)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=deepspeed_config_for(run))
+    notes: list[str] = []
+    ds_config = deepspeed_config_for(run, notes)
+    if topology.rank == 0:
+        for line in notes:
+            print(f"ds_megatron: {line}", flush=True)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
     return Built(engine, topology, plan, rng, gpt_config, run)

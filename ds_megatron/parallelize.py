@@ -30,10 +30,10 @@ from ds_megatron.tensor_parallel import (
     ColumnParallelLinear,
     ForkedDropout,
     RowParallelLinear,
+    SequenceParallelLayerNorm,
     SequenceShardedPositionEmbedding,
     ShardRule,
     VocabParallelEmbedding,
-    mark_sp_replicated,
     padded_vocab_size,
 )
 
@@ -102,10 +102,8 @@ def parallelize_block(block: GPTBlock, plan: ParallelPlan) -> GPTBlock:
         attn.core_attention.rng_fork = plan.tp_fork()
     attn.resid_dropout = _sp_dropout(attn.resid_dropout, plan)
     mlp.dropout = _sp_dropout(mlp.dropout, plan)
-    if plan.sp:
-        for ln in (block.ln_1, block.ln_2):
-            for p in ln.parameters():
-                mark_sp_replicated(p)
+    block.ln_1 = parallelize_norm(block.ln_1, plan)
+    block.ln_2 = parallelize_norm(block.ln_2, plan)
     return block
 
 
@@ -118,14 +116,12 @@ def parallelize_word_embedding(wte: nn.Embedding, plan: ParallelPlan) -> VocabPa
 def parallelize_position_embedding(wpe: nn.Embedding, plan: ParallelPlan) -> nn.Module:
     if not plan.sp:
         return wpe
-    return SequenceShardedPositionEmbedding(wpe.weight.data, plan.tp_rank, plan.tp_size)
+    return SequenceShardedPositionEmbedding(wpe.weight.data, plan.tp_group, plan.tp_rank, plan.tp_size)
 
 
-def parallelize_final_norm(ln_f: nn.LayerNorm, plan: ParallelPlan) -> nn.LayerNorm:
-    if plan.sp:
-        for p in ln_f.parameters():
-            mark_sp_replicated(p)
-    return ln_f
+def parallelize_norm(ln: nn.LayerNorm, plan: ParallelPlan) -> nn.LayerNorm:
+    """Under SP a LayerNorm sees a sequence shard: its gradients are summed over TP (trap 1)."""
+    return SequenceParallelLayerNorm(ln, plan.tp_group) if plan.sp else ln
 
 
 def parallelize_gpt(model: GPT, plan: ParallelPlan) -> GPT:
@@ -138,5 +134,5 @@ def parallelize_gpt(model: GPT, plan: ParallelPlan) -> GPT:
     t.drop = _sp_dropout(t.drop, plan)
     for block in t.h:
         parallelize_block(block, plan)
-    t.ln_f = parallelize_final_norm(t.ln_f, plan)
+    t.ln_f = parallelize_norm(t.ln_f, plan)
     return model

@@ -25,7 +25,7 @@ from ds_megatron.model.gpt import TiedEmbedding
 from ds_megatron.parallelize import (
     ParallelPlan,
     parallelize_block,
-    parallelize_final_norm,
+    parallelize_norm,
     parallelize_position_embedding,
     parallelize_word_embedding,
 )
@@ -89,7 +89,7 @@ class FinalNormPipe(nn.Module):
         super().__init__()
         ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         init_module(ln_f, config, seed, prefix="transformer.ln_f.")
-        self.ln_f = parallelize_final_norm(ln_f, plan)
+        self.ln_f = parallelize_norm(ln_f, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ln_f(x)

@@ -8,8 +8,10 @@ from ds_megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
     ForkedDropout,
     RowParallelLinear,
+    SequenceParallelLayerNorm,
     SequenceShardedPositionEmbedding,
     VocabParallelEmbedding,
+    column_linear,
     is_tp_sharded,
     mark_sp_replicated,
     mark_tp_sharded,
@@ -21,6 +23,7 @@ from ds_megatron.tensor_parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_seq,
     scatter_seq,
+    sync_grads,
 )
 from ds_megatron.tensor_parallel.sharding import REPLICATED, ShardRule, padded_vocab_size, shard, unshard
 
@@ -29,7 +32,9 @@ __all__ = [
     "ColumnParallelLinear",
     "ForkedDropout",
     "RowParallelLinear",
+    "SequenceParallelLayerNorm",
     "SequenceShardedPositionEmbedding",
+    "column_linear",
     "ShardRule",
     "VocabParallelEmbedding",
     "copy_to_tp",
@@ -43,6 +48,7 @@ __all__ = [
     "reduce_scatter_seq",
     "scatter_seq",
     "shard",
+    "sync_grads",
     "unshard",
     "vocab_parallel_cross_entropy",
 ]

@@ -19,10 +19,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ds_megatron.tensor_parallel.mappings import (
+    _all_gather_dim0,
+    _reduce_scatter_dim0,
     copy_to_tp,
-    gather_seq,
+    group_size,
     reduce_from_tp,
     reduce_scatter_seq,
+    sync_grads,
 )
 from ds_megatron.tensor_parallel.sharding import ShardRule, shard
 
@@ -39,6 +42,40 @@ def mark_sp_replicated(param: nn.Parameter) -> None:
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
+
+
+class _SequenceParallelColumnLinear(torch.autograd.Function):
+    """All-gather the sequence shard, then Y = X A^T + b.  Only the shard [s/t, b, in] is saved: backward gathers it
+    again for the weight gradient and reduce-scatters the input gradient (Korthikanti et al. 2022, sec. 4.2.2), so
+    under SP the inputs of QKV, fc1 and the output layer are stored once per TP group, not t times."""
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x_shard, weight)
+        return F.linear(_all_gather_dim0(x_shard, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_shard, weight = ctx.saved_tensors
+        x_full = _all_gather_dim0(x_shard, ctx.group)  # [s, b, in]
+        grad_in = _reduce_scatter_dim0(grad_out.matmul(weight), ctx.group)
+        grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x_full.reshape(-1, x_full.shape[-1]))
+        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_in, grad_weight, grad_bias, None
+
+
+def column_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: ProcessGroup | None,
+    sequence_parallel: bool,
+) -> torch.Tensor:
+    """Column-parallel matmul: input replicated (f) or, under SP, a sequence shard gathered on the fly."""
+    if sequence_parallel and group_size(group) > 1:
+        return _SequenceParallelColumnLinear.apply(x, weight, bias, group)
+    return F.linear(copy_to_tp(x, group), weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -83,8 +120,7 @@ class ColumnParallelLinear(nn.Module):
         return cls(w, b, tuple(linear.weight.shape), tp_group, tp_rank, tp_size, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_seq(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
-        return F.linear(x, self.weight, self.bias)
+        return column_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return (
@@ -135,8 +171,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        y = reduce_scatter_seq(y, self.tp_group) if self.sequence_parallel else reduce_from_tp(y, self.tp_group)
-        return y + self.bias if self.bias is not None else y
+        if not self.sequence_parallel:
+            y = reduce_from_tp(y, self.tp_group)
+            return y + self.bias if self.bias is not None else y
+        y = reduce_scatter_seq(y, self.tp_group)
+        return y + sync_grads(self.tp_group, self.bias)[0] if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (
@@ -197,8 +236,7 @@ class VocabParallelEmbedding(nn.Module):
         Under SP the input is all-gathered along the sequence first (column-parallel in the vocabulary).
         Padding columns are set to -inf, so they can never be predicted and get zero gradient.
         """
-        x = gather_seq(x, self.tp_group) if self.sequence_parallel else copy_to_tp(x, self.tp_group)
-        logits = F.linear(x, self.weight)
+        logits = column_linear(x, self.weight, None, self.tp_group, self.sequence_parallel)
         if self.vocab_end > self.vocab_size:
             cols = torch.arange(self.vocab_start, self.vocab_end, device=logits.device)
             logits = logits.masked_fill(cols >= self.vocab_size, float("-inf"))
@@ -215,16 +253,33 @@ class SequenceShardedPositionEmbedding(nn.Module):
     """Learned position table, replicated; under SP each rank returns the rows of its own sequence chunk only
     (positions [r s/t, (r+1) s/t)), so the full sequence is embedded exactly once (trap 6)."""
 
-    def __init__(self, weight: torch.Tensor, tp_rank: int, tp_size: int):
+    def __init__(self, weight: torch.Tensor, tp_group: ProcessGroup | None, tp_rank: int, tp_size: int):
         super().__init__()
         self.weight = nn.Parameter(weight)
         mark_sp_replicated(self.weight)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """position_ids [s] -> [s/t, h]."""
+        """position_ids [s] -> [s/t, h]; the table's gradient is summed over the TP group."""
         chunk = position_ids.chunk(self.tp_size, dim=0)[self.tp_rank]
-        return F.embedding(chunk, self.weight)
+        return F.embedding(chunk, sync_grads(self.tp_group, self.weight)[0])
+
+
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """LayerNorm on a sequence shard [s/t, b, h]; weight and bias gradients are summed over the TP group."""
+
+    def __init__(self, ln: nn.LayerNorm, tp_group: ProcessGroup | None):
+        super().__init__(ln.normalized_shape, eps=ln.eps, device=ln.weight.device, dtype=ln.weight.dtype)
+        with torch.no_grad():
+            self.weight.copy_(ln.weight)
+            self.bias.copy_(ln.bias)
+        mark_sp_replicated(self.weight)
+        mark_sp_replicated(self.bias)
+        self.tp_group = tp_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = sync_grads(self.tp_group, self.weight, self.bias)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
 class ForkedDropout(nn.Dropout):

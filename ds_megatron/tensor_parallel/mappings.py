@@ -144,6 +144,39 @@ class _GatherLastDim(torch.autograd.Function):
         return _split_dim(grad, grad.dim() - 1, ctx.group), None
 
 
+class _SyncGrads(torch.autograd.Function):
+    """Parameters that see only a sequence shard under SP: forward identity, backward one all-reduce (sum) of all
+    their gradients, coalesced into a single buffer.  The gradient that reaches ``.grad`` (and so any DeepSpeed
+    optimizer, accumulation or bf16 path) is already the full-sequence gradient (trap 1)."""
+
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        present = [g for g in grads if g is not None]
+        if present:
+            flat = _all_reduce(torch.cat([g.reshape(-1) for g in present]), ctx.group)
+            out, offset = [], 0
+            for g in grads:
+                if g is None:
+                    out.append(None)
+                    continue
+                out.append(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            grads = tuple(out)
+        return (None, *grads)
+
+
+def sync_grads(group: ProcessGroup | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Identity on the values; sums the tensors' gradients over ``group`` in backward (one all-reduce)."""
+    if group_size(group) == 1:
+        return tensors
+    return _SyncGrads.apply(group, *tensors)
+
+
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """f (identity / all-reduce)."""
     return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
