@@ -20,6 +20,7 @@ from ds_megatron.optim import ClippedAdamW, adamw_kwargs, global_grad_norm, para
 from ds_megatron.parallelize import ParallelPlan
 from ds_megatron.pipeline import build_pipeline_module
 from ds_megatron.random import RNGTracker, build_rng
+from ds_megatron.recompute import RecomputePlan
 from ds_megatron.topology import ParallelTopology
 
 
@@ -111,6 +112,7 @@ def build_engine(run: RunConfig) -> Built:
         sequence_parallel=run.section.parallel.sequence_parallel,
         rng=rng,
         vocab_multiple=run.section.parallel.vocab_multiple,
+        recompute=RecomputePlan(**vars(run.section.recompute)),
     )
     module = build_pipeline_module(gpt_config, plan, topology, seed, run.section.parallel.partition_method)
     opt_kwargs = adamw_kwargs(run.ds_config.get("optimizer"))

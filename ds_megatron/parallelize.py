@@ -11,7 +11,8 @@ The plan (Megatron; Shoeybi et al. 2019, Korthikanti et al. 2022):
     ln_*, biases of row-parallel layers -> replicated (SP: sequence-sharded input, gradients summed over TP)
     core attention dropout -> tensor-parallel RNG state; residual/embedding dropout -> tensor-parallel state under SP
 
-Order inside a block: swap the linears, then the dropouts, then mark SP-replicated parameters.
+Order inside a block: swap the linears, set the core attention's RNG state, wrap it for selective recompute, swap
+the dropouts, then the LayerNorms.  Full recompute (chunks of blocks) is applied by the pipeline module's forward.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch.distributed import ProcessGroup
 
 from ds_megatron.model import GPT, GPTBlock, GPTConfig
 from ds_megatron.random import TENSOR_PARALLEL, RNGTracker
+from ds_megatron.recompute import RecomputedCoreAttention, RecomputePlan
 from ds_megatron.tensor_parallel import (
     REPLICATED,
     ColumnParallelLinear,
@@ -49,6 +51,7 @@ class ParallelPlan:
     sequence_parallel: bool
     rng: RNGTracker | None
     vocab_multiple: int = 128
+    recompute: RecomputePlan = RecomputePlan()
 
     @property
     def padded_vocab_size(self) -> int:
@@ -100,6 +103,8 @@ def parallelize_block(block: GPTBlock, plan: ParallelPlan) -> GPTBlock:
     mlp.c_proj = _row(mlp.c_proj, plan)
     if plan.tp_size > 1:
         attn.core_attention.rng_fork = plan.tp_fork()
+    if plan.recompute.policy == "selective":
+        attn.core_attention = RecomputedCoreAttention(attn.core_attention, plan.rng)
     attn.resid_dropout = _sp_dropout(attn.resid_dropout, plan)
     mlp.dropout = _sp_dropout(mlp.dropout, plan)
     block.ln_1 = parallelize_norm(block.ln_1, plan)

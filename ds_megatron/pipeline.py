@@ -29,6 +29,8 @@ from ds_megatron.parallelize import (
     parallelize_position_embedding,
     parallelize_word_embedding,
 )
+from ds_megatron.random import RNGTracker
+from ds_megatron.recompute import RecomputePlan, checkpoint
 from ds_megatron.tensor_parallel import ForkedDropout, vocab_parallel_cross_entropy
 from ds_megatron.topology import ParallelTopology
 
@@ -123,20 +125,66 @@ def layer_specs(config: GPTConfig, plan: ParallelPlan, seed: int) -> list:
     return specs
 
 
+class GPTPipelineModule(PipelineModule):
+    """PipelineModule whose forward applies full recompute to chunks of transformer blocks.
+
+    DeepSpeed's own ``activation_checkpoint_interval`` counts every local layer (embeddings included) and so cannot
+    express "chunks of k blocks" or "the first k blocks of the stage"; this forward does, with exact RNG replay.
+    """
+
+    def __init__(self, *args, recompute: RecomputePlan, rng: RNGTracker | None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recompute_plan, self.rng = recompute, rng
+        self.segments = self._segments()
+
+    def _segments(self) -> list[tuple[int, int, bool]]:
+        """(start, end, recomputed) ranges over this stage's forward_funcs."""
+        funcs = self.forward_funcs
+        blocks = [i for i, f in enumerate(funcs) if isinstance(f, GPTBlockPipe)]
+        if not blocks:
+            return [(0, len(funcs), False)] if funcs else []
+        first, last = blocks[0], blocks[-1] + 1
+        segments = [(first + s, first + e, r) for s, e, r in self.recompute_plan.chunks(last - first)]
+        if first > 0:
+            segments.insert(0, (0, first, False))
+        if last < len(funcs):
+            segments.append((last, len(funcs), False))
+        return segments
+
+    def _run(self, start: int, end: int):
+        def run(x):
+            for f in self.forward_funcs[start:end]:
+                x = f(x)
+            return x
+
+        return run
+
+    def forward(self, forward_input):
+        x = forward_input
+        if isinstance(x, tuple) and len(x) == 1:
+            x = x[0]
+        for start, end, recomputed in self.segments:
+            fn = self._run(start, end)
+            x = checkpoint(fn, x, rng=self.rng) if recomputed else fn(x)
+        return x
+
+
 def build_pipeline_module(
     config: GPTConfig,
     plan: ParallelPlan,
     topology: ParallelTopology,
     seed: int,
     partition_method: str = "type:GPTBlockPipe",
-) -> PipelineModule:
+) -> GPTPipelineModule:
     """The GPT as a PipelineModule over ``topology`` (layers balanced by block count across stages)."""
-    return PipelineModule(
+    return GPTPipelineModule(
         layers=layer_specs(config, plan, seed),
         topology=topology.ds_topology,
         loss_fn=VocabParallelLoss(plan),
         partition_method=partition_method,
         activation_checkpoint_interval=0,
+        recompute=plan.recompute,
+        rng=plan.rng,
     )
 
 

@@ -17,3 +17,12 @@ def test_dropout_masks_follow_the_regions(tmp_path):
         assert 0.2 < result[name]["dropped_fraction"] < 0.4, result[name]
     attn = result["attention_probs_dropout"]
     assert not attn["same_across_tp"] and not attn["same_across_dp"], attn
+
+
+def test_sequence_parallel_regions_draw_different_masks_per_tp_rank(tmp_path):
+    """Under SP the embedding and residual dropouts act on different sequence shards: masks must differ."""
+    deepspeed_launch(WORKERS / "rng.py", 4, ["--out", str(tmp_path), "--sequence-parallel"])
+    result = json.loads((tmp_path / "rng.json").read_text())
+    for name in ("embedding_dropout", "residual_dropout", "mlp_dropout", "attention_probs_dropout"):
+        assert not result[name]["same_across_tp"], (name, result[name])
+        assert not result[name]["same_across_dp"], (name, result[name])

@@ -304,6 +304,24 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         raise ConfigError(
             "ds_megatron.recompute.method", "unknown method", f"got {rc.method!r}", f"use one of {RECOMPUTE_METHODS}"
         )
+    if rc.policy == "selective" and shape.attention == "sdpa":
+        raise ConfigError(
+            "ds_megatron.recompute.policy",
+            "selective recompute checkpoints the s x s attention core, which the sdpa kernel never stores, so it "
+            "would save nothing and cost a recompute",
+            "policy=selective, attention=sdpa",
+            "use attention=eager with selective (the paper's setting), or keep sdpa with policy none or full",
+        )
+    if rc.policy == "full":
+        _positive("ds_megatron.recompute.num_layers", rc.num_layers)
+        per_stage = -(-shape.num_layers // pp)
+        if rc.num_layers > per_stage:
+            raise ConfigError(
+                "ds_megatron.recompute.num_layers",
+                "more recomputed layers than a pipeline stage holds",
+                f"num_layers={rc.num_layers}, {shape.num_layers} layers / pp {pp} = at most {per_stage} per stage",
+                f"set recompute.num_layers <= {per_stage}",
+            )
     zero = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if pp > 1 and zero not in (0, 1):
         raise ConfigError(

@@ -25,8 +25,6 @@ from ds_megatron.parallelize import shard_rule  # noqa: E402
 from ds_megatron.pipeline import pipeline_param_name  # noqa: E402
 from ds_megatron.tensor_parallel import shard  # noqa: E402
 
-STEPS = 3
-
 
 def reference(run, batches):
     """Plain single-device training: losses per step, step-1 gradients (before clipping) and grad norms."""
@@ -58,7 +56,11 @@ def run_layout(tp: int, pp: int, dp: int, args) -> None:
     run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     built = build_engine(run)
     engine, topo, plan = built.engine, built.topology, built.plan
-    batches = token_batches(STEPS, run.global_batch_size, run.model.seq_length, run.model.vocab_size)
+    batches = token_batches(args.steps, run.global_batch_size, run.model.seq_length, run.model.vocab_size)
+    boundary_rows = []
+    if topo.pp_rank > 0:  # what arrives from the previous stage
+        first = engine.module.forward_funcs[0]
+        first.register_forward_pre_hook(lambda mod, inputs: boundary_rows.append(list(inputs[0].shape)))
 
     captured = {}
 
@@ -81,7 +83,7 @@ def run_layout(tp: int, pp: int, dp: int, args) -> None:
         norms.append(float(engine.get_global_grad_norm()))
 
     ref_losses, ref_grads, ref_norms, ref_params = reference(run, batches)
-    grad_diff, param_diff, checked = 0.0, 0.0, []
+    grad_diff, param_diff, checked, norm_weights = 0.0, 0.0, [], {}
     for name, p in engine.module.named_parameters():
         full = pipeline_param_name(name, engine.module)
         assert full is not None, f"unmapped parameter {name}"
@@ -93,6 +95,8 @@ def run_layout(tp: int, pp: int, dp: int, args) -> None:
         grad_diff = max(grad_diff, float((got - expected_grad).abs().max()))
         param_diff = max(param_diff, float((p.detach() - expected_param).abs().max()))
         checked.append(full)
+        if ".ln_" in full:
+            norm_weights[full] = {"got": p.detach().flatten().tolist(), "ref": ref_params[full].flatten().tolist()}
     layout = f"{tp}-{pp}-{dp}" + ("-sp" if args.sequence_parallel else "") + f"-{args.attention}"
     log(layout, "losses", losses, "ref", ref_losses, "grad_diff", grad_diff, "norms", norms, ref_norms)
     write_result(
@@ -110,6 +114,8 @@ def run_layout(tp: int, pp: int, dp: int, args) -> None:
             "tp_rank": topo.tp_rank,
             "pp_rank": topo.pp_rank,
             "dp_rank": topo.dp_rank,
+            "boundary_shapes": boundary_rows,
+            "norm_weights": norm_weights,
         },
     )
 
@@ -120,6 +126,7 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", required=True)
     ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--attention", default="eager")
+    ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     for layout in args.layouts:

@@ -1,0 +1,62 @@
+"""Issue 3, test c: selective, full-uniform and full-block recompute give the gradients of no recompute with
+dropout 0.1 and the same seed (exact RNG replay), inside the pipeline engine at tp 2 x pp 2, with and without SP."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from launch import WORKERS, deepspeed_launch
+
+from ds_megatron.config import ConfigError, resolve
+from ds_megatron.recompute import RecomputePlan
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_recompute_replays_dropout_exactly(tmp_path, sp):
+    deepspeed_launch(WORKERS / "recompute.py", 4, ["--out", str(tmp_path)] + (["--sequence-parallel"] if sp else []))
+    files = sorted(tmp_path.glob("recompute*.rank*.json"))
+    assert len(files) == 4
+    for f in files:
+        result = json.loads(f.read_text())
+        assert set(result) == {"none", "selective", "full-uniform-1", "full-uniform-2", "full-block-1"}
+        for name, r in result.items():
+            assert r["grad_diff"] <= 1e-6, (f.name, name, r)
+            assert r["loss"] == r["base_loss"], (f.name, name, r)
+
+
+def test_chunks():
+    assert RecomputePlan("none").chunks(4) == [(0, 4, False)]
+    assert RecomputePlan("selective").chunks(3) == [(0, 3, False)]
+    assert RecomputePlan("full", 2, "uniform").chunks(5) == [(0, 2, True), (2, 4, True), (4, 5, True)]
+    assert RecomputePlan("full", 2, "block").chunks(5) == [(0, 1, True), (1, 2, True), (2, 5, False)]
+    assert RecomputePlan("full", 3, "block").chunks(3) == [(0, 1, True), (1, 2, True), (2, 3, True)]
+
+
+def _cfg(**recompute):
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "ds_megatron": {
+            "model": {
+                "num_layers": 8,
+                "hidden_size": 64,
+                "num_heads": 4,
+                "vocab_size": 100,
+                "seq_length": 16,
+                "attention": recompute.pop("attention", "eager"),
+            },
+            "parallel": {"tp": 1, "pp": 2},
+            "recompute": recompute,
+        },
+    }
+
+
+def test_selective_with_sdpa_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="sdpa kernel never stores"):
+        resolve(_cfg(policy="selective", attention="sdpa"), 2)
+
+
+def test_more_recomputed_layers_than_a_stage_holds_is_refused():
+    with pytest.raises(ConfigError, match=r"num_layers=5, 8 layers / pp 2 = at most 4 per stage"):
+        resolve(_cfg(policy="full", num_layers=5, method="block"), 2)
+    assert resolve(_cfg(policy="full", num_layers=4, method="uniform"), 2).section.recompute.num_layers == 4

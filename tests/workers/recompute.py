@@ -1,0 +1,63 @@
+"""Recompute worker: one training step per recompute policy with dropout on and the same seed; writes each policy's
+loss and its largest gradient difference from the ``none`` run (every parameter of this rank)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import log, micro_batches, tiny_ds_config, token_batches, write_result  # noqa: E402
+
+from ds_megatron.config import resolve  # noqa: E402
+from ds_megatron.engine import build_engine  # noqa: E402
+
+POLICIES = {
+    "none": {"policy": "none"},
+    "selective": {"policy": "selective"},
+    "full-uniform-1": {"policy": "full", "method": "uniform", "num_layers": 1},
+    "full-uniform-2": {"policy": "full", "method": "uniform", "num_layers": 2},
+    "full-block-1": {"policy": "full", "method": "block", "num_layers": 1},
+}
+
+
+def one_step(policy: dict, args) -> tuple[float, dict]:
+    cfg = tiny_ds_config(args.tp, args.pp, 1, dropout=0.1, sequence_parallel=args.sequence_parallel)
+    cfg["ds_megatron"]["recompute"] = policy
+    run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    built = build_engine(run)
+    engine = built.engine
+    grads = {}
+
+    def capture(optimizer, *_):
+        for name, p in engine.module.named_parameters():
+            grads[name] = p.grad.detach().clone()
+
+    engine.optimizer.register_step_pre_hook(capture)
+    tokens = token_batches(1, run.global_batch_size, run.model.seq_length, run.model.vocab_size)[0]
+    loss = float(engine.train_batch(iter(micro_batches(tokens, run.micro_batch_size, 1, 0))))
+    return loss, grads
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    base_loss, base_grads = one_step(POLICIES["none"], args)
+    result = {}
+    for name, policy in POLICIES.items():
+        loss, grads = one_step(policy, args)
+        diff = max(float((grads[k] - base_grads[k]).abs().max()) for k in base_grads)
+        result[name] = {"loss": loss, "base_loss": base_loss, "grad_diff": diff, "num_params": len(grads)}
+    log(result)
+    write_result(args.out, "recompute" + ("-sp" if args.sequence_parallel else ""), result)
+
+
+if __name__ == "__main__":
+    main()
