@@ -7,7 +7,7 @@ GPT3_SHAPES: dict[str, tuple[int, int, int]] = {
     "gpt3-125m": (12, 768, 12),
     "gpt3-350m": (24, 1024, 16),
     "gpt3-760m": (24, 1536, 16),
-    "gpt3-1.3b": (24, 2048, 24),
+    "gpt3-1.3b": (24, 2048, 16),  # the paper lists 24 heads of 128, which does not divide 2048; 16 x 128 does
     "gpt3-2.7b": (32, 2560, 32),
     "gpt3-6.7b": (32, 4096, 32),
     "gpt3-13b": (40, 5120, 40),  # the paper's 5140 is not divisible by 40 heads; 5120 is the usual choice
