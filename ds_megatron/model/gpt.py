@@ -35,6 +35,14 @@ class CoreAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.attn_dropout = nn.Dropout(config.attn_pdrop)
         self.rng_fork: Callable[[], ContextManager] = contextlib.nullcontext
+        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _future_mask(self, s: int, device: torch.device) -> torch.Tensor:
+        """[s, s] bool, True above the diagonal (positions a token must not attend to); built once per length."""
+        key = (s, device)
+        if key not in self._masks:
+            self._masks[key] = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+        return self._masks[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q, k, v: [b, n_heads, s, d] -> context [b, n_heads, s, d]."""
@@ -42,10 +50,8 @@ class CoreAttention(nn.Module):
             if self.kernel == "sdpa":
                 p = self.attn_dropout.p if self.training else 0.0
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale)
-            s = q.shape[-2]
-            scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [b, n, s, s]
-            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+            scores = torch.matmul(q * self.scale, k.transpose(-1, -2))  # [b, n, s, s]; scaling q is s/d cheaper
+            scores.masked_fill_(self._future_mask(q.shape[-2], q.device), torch.finfo(scores.dtype).min)
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             probs = self.attn_dropout(probs)
             return torch.matmul(probs, v)
