@@ -70,3 +70,15 @@ def test_stage_boundary_tensors_are_sequence_shards(results):
         assert r["boundary_shapes"], "stage 1 received nothing"
         for shape in r["boundary_shapes"]:
             assert shape[0] == SEQ // TP, shape
+
+
+def test_bf16_zero1_path_keeps_sp_replicated_weights_identical(tmp_path):
+    """Trap 1 on the GPU path: DeepSpeed's BF16 optimizer keeps fp32 gradient copies; the TP sum happens in autograd
+    before any of them, so LayerNorm weights and row-parallel biases stay identical across TP ranks."""
+    deepspeed_launch(WORKERS / "bf16_sp.py", 2, ["--out", str(tmp_path)])
+    r0, r1 = (json.loads((tmp_path / f"bf16-sp.rank{i}.json").read_text()) for i in (0, 1))
+    assert len(r0["replicated"]) == 4 * 6 + 3  # per block: 2 LayerNorms x 2 + 2 row biases; wpe + ln_f
+    for name, values in r0["replicated"].items():
+        assert values == r1["replicated"][name], name
+    assert r0["norms"] == r1["norms"]
+    assert all(1.0 < x < 10.0 for x in r0["losses"])

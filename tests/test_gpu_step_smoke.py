@@ -1,0 +1,21 @@
+"""benchmarks/gpu_step.py (the body of gpu_check.sh) runs end to end on CPU at a tiny shape, so the prepared GPU
+check does not rot between the sessions that have a GPU: bf16 + ZeRO-1 through the pipeline engine, every policy."""
+
+from __future__ import annotations
+
+from launch import ROOT, deepspeed_launch
+
+
+def test_gpu_step_runs_tiny_on_cpu(tmp_path):
+    out = tmp_path / "gpu.md"
+    deepspeed_launch(ROOT / "benchmarks" / "gpu_step.py", 1, ["--tiny", "--markdown", str(out)])
+    table = out.read_text()
+    for kernel, policy in [
+        ("eager", "none"),
+        ("eager", "selective"),
+        ("eager", "full"),
+        ("sdpa", "none"),
+        ("sdpa", "full"),
+    ]:
+        assert f"| {kernel} | {policy} | " in table, (kernel, policy)
+    assert "| sdpa | selective | refused:" in table
