@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from ds_megatron.config import ConfigError, resolve  # noqa: E402
-from ds_megatron.data import MicroBatchStream  # noqa: E402
+from ds_megatron.data import MicroBatchStream, PackedSamples  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
 from ds_megatron.flops import executed_flops_per_step, model_flops_per_step  # noqa: E402
 from ds_megatron.memory import activation_bytes_per_layer  # noqa: E402
@@ -77,7 +77,7 @@ def measure(args, policy: str, kernel: str, peak: float | None) -> dict:
     engine = built.engine
     cuda = torch.cuda.is_available()
     tokens = torch.randint(0, args.vocab, (args.seq * 64,), generator=torch.Generator().manual_seed(0))
-    stream = MicroBatchStream(tokens, args.seq, args.micro_batch, 1, 0, 1, seed=0)
+    stream = MicroBatchStream(PackedSamples(tokens, args.seq, seed=0), args.micro_batch, 1, 0, 1)
     times, base = [], 0
     for i in range(args.warmup + args.steps):
         if i == args.warmup and cuda:

@@ -66,11 +66,15 @@ class ClippedAdamW(torch.optim.AdamW):
         self._grad_norm_fn = grad_norm_fn
         self._max_norm = max_norm
         self._global_grad_norm: float | None = None
+        self.skipped_steps = 0
 
     @torch.no_grad()
     def step(self, closure=None):
         norm = self._grad_norm_fn()
         self._global_grad_norm = float(norm)
+        if not torch.isfinite(norm).all():  # non-finite gradients: skip the update (counted, logged by the recipe)
+            self.skipped_steps += 1
+            return None
         if self._max_norm > 0:
             coef = torch.clamp(self._max_norm / (norm + 1e-6), max=1.0)
             for group in self.param_groups:

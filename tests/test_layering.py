@@ -26,6 +26,7 @@ LEVELS = {
     "checkpoint": 3.7,
     "tune": 3.8,
     "engine": 4,
+    "generate": 4,
     "cli": 5,
 }
 STDLIB_ONLY = {"config"}

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import time
 from typing import Any
 
 from ds_megatron.config import ConfigError, load_json, resolve
@@ -25,19 +23,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train_gpt.py",
         description="Train a GPT with Megatron tensor/sequence parallelism in a DeepSpeed pipeline.",
+        epilog="Everything else: --set dotted.key=value (e.g. --set ds_megatron.model.dropout=0.0).",
     )
     p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with a 'ds_megatron' section")
-    p.add_argument("--tp", type=int, help="override ds_megatron.parallel.tp")
-    p.add_argument("--pp", type=int, help="override ds_megatron.parallel.pp")
+    p.add_argument("--tp", type=int, help="ds_megatron.parallel.tp")
+    p.add_argument("--pp", type=int, help="ds_megatron.parallel.pp")
     p.add_argument(
         "--sequence-parallel",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="override ds_megatron.parallel.sequence_parallel",
+        help="ds_megatron.parallel.sequence_parallel",
     )
-    p.add_argument("--train-iters", type=int, help="override ds_megatron.train.train_iters")
-    p.add_argument("--log-interval", type=int, help="override ds_megatron.train.log_interval")
-    p.add_argument("--seed", type=int, help="override ds_megatron.train.seed")
+    p.add_argument(
+        "--recompute",
+        help="ds_megatron.recompute: none | selective | full[:K[:uniform|block]] (e.g. full:2:block)",
+    )
+    p.add_argument("--train-iters", type=int, help="ds_megatron.train.train_iters")
+    p.add_argument("--log-interval", type=int, help="ds_megatron.train.log_interval")
+    p.add_argument("--eval-interval", type=int, help="ds_megatron.train.eval_interval (0: only at the end)")
+    p.add_argument("--seed", type=int, help="ds_megatron.train.seed")
+    p.add_argument("--data", help="ds_megatron.data.path: HF dataset name, or .txt/.json/.jsonl/.parquet files/globs")
+    p.add_argument("--tokenizer", help="ds_megatron.data.tokenizer: a tokenizer directory or bpe:N")
+    p.add_argument("--save", help="ds_megatron.checkpoint.save: checkpoint directory")
+    p.add_argument("--save-interval", type=int, help="ds_megatron.checkpoint.save_interval")
+    p.add_argument("--load", help="ds_megatron.checkpoint.load: resume from this checkpoint directory")
+    p.add_argument("--wandb-project", help="ds_megatron.logging.wandb_project (offline without credentials)")
+    p.add_argument("--peak-tflops", type=float, help="ds_megatron.logging.peak_tflops, for MFU")
     p.add_argument(
         "--set",
         action="append",
@@ -68,8 +79,25 @@ def apply_overrides(cfg: dict, args: argparse.Namespace) -> dict:
         "ds_megatron.parallel.sequence_parallel": args.sequence_parallel,
         "ds_megatron.train.train_iters": args.train_iters,
         "ds_megatron.train.log_interval": args.log_interval,
+        "ds_megatron.train.eval_interval": args.eval_interval,
         "ds_megatron.train.seed": args.seed,
+        "ds_megatron.data.path": args.data,
+        "ds_megatron.data.tokenizer": args.tokenizer,
+        "ds_megatron.checkpoint.save": args.save,
+        "ds_megatron.checkpoint.save_interval": args.save_interval,
+        "ds_megatron.checkpoint.load": args.load,
+        "ds_megatron.logging.wandb_project": args.wandb_project,
+        "ds_megatron.logging.peak_tflops": args.peak_tflops,
     }
+    if args.recompute is not None:
+        parts = args.recompute.split(":")
+        _set_path(cfg, "ds_megatron.recompute.policy", parts[0])
+        if len(parts) > 1:
+            if not parts[1].isdigit():
+                raise ConfigError("--recompute", "K must be an integer", f"got {args.recompute!r}", "e.g. full:2:block")
+            _set_path(cfg, "ds_megatron.recompute.num_layers", int(parts[1]))
+        if len(parts) > 2:
+            _set_path(cfg, "ds_megatron.recompute.method", parts[2])
     for path, value in flags.items():
         if value is not None:
             _set_path(cfg, path, value)
@@ -92,68 +120,41 @@ def validate(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
     cfg = apply_overrides(load_json(args.deepspeed_config), args)
     run = resolve(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    check_inputs(run)
     return args, run
+
+
+def check_inputs(run) -> None:
+    """What can be checked before any process group: data files, tokenizer, checkpoint directory."""
+    from pathlib import Path
+
+    from ds_megatron.config import check_tokenizer, effective_tokenizer
+
+    data = run.section.data
+    check_tokenizer(effective_tokenizer(run), run.model.vocab_size)
+    if data.path is not None:
+        from ds_megatron.data.corpus import is_local, resolve_files
+
+        if is_local(data.path) and not resolve_files(data.path):
+            raise ConfigError("ds_megatron.data.path", "no file matches", data.path, "check the path or glob")
+    load = run.section.checkpoint.load
+    if load is not None and not (Path(load) / "latest").is_file():
+        raise ConfigError(
+            "ds_megatron.checkpoint.load",
+            "no complete checkpoint there",
+            f"{load} has no 'latest' file",
+            "pass a directory written by --save",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args, run = validate(argv)
     except ConfigError as err:
-        if "--debug" in (argv or sys.argv):
+        if "--debug" in (argv if argv is not None else sys.argv):
             raise
         print(str(err), file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    train(run)
-    return 0
+    from ds_megatron.cli.loop import train
 
-
-def train(run) -> None:
-    import torch
-
-    from ds_megatron.data import MicroBatchStream, builtin_corpus_bytes, split_train_valid
-    from ds_megatron.engine import build_engine
-
-    built = build_engine(run)
-    engine, topo = built.engine, built.topology
-    section = run.section
-    say = print if topo.is_logging_rank else (lambda *a, **k: None)
-    if topo.rank == 0:
-        print("resolved configuration:\n" + json.dumps(run.ds_config, indent=2), flush=True)
-
-    tokens = builtin_corpus_bytes()
-    if int(tokens.max()) >= run.model.vocab_size:
-        raise SystemExit(
-            f"error: ds_megatron.model.vocab_size: smaller than the byte tokenizer's vocabulary "
-            f"({run.model.vocab_size} < {int(tokens.max()) + 1}); set vocab_size to at least 257"
-        )
-    train_tokens, valid_tokens = split_train_valid(tokens)
-    seed = section.train.seed
-    stream = MicroBatchStream(
-        train_tokens, run.model.seq_length, run.micro_batch_size, run.grad_accum_steps, topo.dp_rank, run.dp, seed
-    )
-    tokens_per_step = run.global_batch_size * run.model.seq_length
-    iters, log_every = section.train.train_iters, section.train.log_interval
-    say(f"training {iters} steps: tp {run.tp} pp {run.pp} dp {run.dp}, {tokens_per_step} tokens per step", flush=True)
-    window_start, window_loss, window_steps = time.time(), 0.0, 0
-    for step in range(1, iters + 1):
-        loss = float(engine.train_batch(stream))
-        window_loss, window_steps = window_loss + loss, window_steps + 1
-        if step % log_every == 0 or step == iters:
-            elapsed = time.time() - window_start
-            norm = engine.get_global_grad_norm()
-            norm = float(norm) if norm is not None else float("nan")
-            rate = tokens_per_step * window_steps / elapsed
-            say(
-                f"step {step:>6}/{iters} | loss {window_loss / window_steps:.4f} | lr {engine.get_lr()[0]:.3e} | "
-                f"grad norm {norm:.3f} | {rate:,.0f} tokens/s | {1000 * elapsed / window_steps:.0f} ms/step",
-                flush=True,
-            )
-            window_start, window_loss, window_steps = time.time(), 0.0, 0
-
-    valid = MicroBatchStream(
-        valid_tokens, run.model.seq_length, run.micro_batch_size, run.grad_accum_steps, topo.dp_rank, run.dp, seed + 1
-    )
-    losses = [float(engine.eval_batch(valid)) for _ in range(section.train.eval_iters)]
-    val = sum(losses) / len(losses)
-    say(f"validation | loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}", flush=True)
-    torch.distributed.barrier()
+    return train(run, config_name=os.path.splitext(os.path.basename(args.deepspeed_config))[0])

@@ -17,7 +17,10 @@ from ds_megatron.config.schema import (
     ATTENTION_KERNELS,
     RECOMPUTE_METHODS,
     RECOMPUTE_POLICIES,
+    CheckpointSection,
+    DataSection,
     DsMegatronConfig,
+    LoggingSection,
     ModelSection,
     ParallelSection,
     RecomputeSection,
@@ -67,6 +70,9 @@ _NESTED = {
         "parallel": ParallelSection,
         "recompute": RecomputeSection,
         "train": TrainSection,
+        "data": DataSection,
+        "logging": LoggingSection,
+        "checkpoint": CheckpointSection,
     }
 }
 
@@ -76,6 +82,7 @@ _TYPES = {
     "float": (int, float),
     "bool": (bool,),
     "str": (str,),
+    "tuple": (list, tuple),
 }
 
 
@@ -90,6 +97,8 @@ def _check_type(cls: type, name: str, value: Any, path: str) -> Any:
     ok = isinstance(value, expected) and not (base in ("int", "float") and isinstance(value, bool))
     if not ok:
         raise ConfigError(path, f"must be {base}", f"got {value!r}", f"set a {base} value")
+    if base == "tuple":
+        return tuple(value)
     return float(value) if base == "float" else value
 
 
@@ -335,6 +344,19 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
     train = section.train
     _positive("ds_megatron.train.train_iters", train.train_iters)
     _positive("ds_megatron.train.log_interval", train.log_interval)
+    _positive("ds_megatron.train.eval_iters", train.eval_iters)
+    if section.data.tokenizer is not None:
+        check_tokenizer(section.data.tokenizer, shape.vocab_size)
+    if not 0.0 < section.data.valid_fraction < 0.5:
+        raise ConfigError(
+            "ds_megatron.data.valid_fraction",
+            "must be in (0, 0.5)",
+            f"got {section.data.valid_fraction}",
+            "set e.g. 0.02",
+        )
+    lr = ((ds_config.get("optimizer") or {}).get("params") or {}).get("lr", 1e-3)
+    if not isinstance(lr, (int, float)) or lr <= 0:
+        raise ConfigError("optimizer.params.lr", "must be a positive number", f"got {lr!r}", "set e.g. 6e-4")
     micro, gas, glob = resolve_batch(ds_config, dp)
     return RunConfig(
         section=section,
@@ -348,6 +370,38 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         global_batch_size=glob,
         ds_config=ds_config,
     )
+
+
+def effective_tokenizer(run: RunConfig) -> str:
+    """The tokenizer spec a run uses: the configured one, else a byte-level BPE of the model's vocabulary size."""
+    return run.section.data.tokenizer or f"bpe:{run.model.vocab_size}"
+
+
+def check_tokenizer(spec: str, vocab_size: int) -> None:
+    """``bpe:N`` must fit the model's vocabulary; a directory must exist (its size is checked once loaded)."""
+    if spec.startswith("bpe:"):
+        size = spec.removeprefix("bpe:")
+        if not size.isdigit() or int(size) < 260:
+            raise ConfigError(
+                "ds_megatron.data.tokenizer",
+                "bpe size must be an integer >= 260",
+                f"got {spec!r}",
+                "write e.g. bpe:8192",
+            )
+        if int(size) > vocab_size:
+            raise ConfigError(
+                "ds_megatron.data.tokenizer",
+                "tokenizer vocabulary larger than the model's",
+                f"{spec} > vocab_size {vocab_size}",
+                f"use bpe:{vocab_size} or raise model.vocab_size",
+            )
+    elif not Path(spec).is_dir():
+        raise ConfigError(
+            "ds_megatron.data.tokenizer",
+            "not a directory nor bpe:N",
+            f"got {spec!r}",
+            "pass a tokenizer directory or bpe:N",
+        )
 
 
 def load_json(path: str | Path) -> dict:

@@ -59,6 +59,47 @@ class TrainSection:
     log_interval: int = 10  # steps between log lines
     eval_interval: int = 0  # steps between validation runs (0: only at the end)
     eval_iters: int = 4  # validation batches per evaluation
+    prompt: str = "The "  # prompt of the greedy continuation printed at the end
+    generate_tokens: int = 48  # tokens of that continuation (0: none)
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Training text and tokenizer."""
+
+    path: str | None = None  # HF dataset name, or local .txt/.json/.jsonl/.parquet files or globs (comma-separated);
+    # None: the built-in corpus (CPython's reference documentation text, no network needed)
+    text_field: str = "text"  # field holding the text in json/jsonl/parquet/HF datasets
+    split: str = "train"  # HF dataset split
+    tokenizer: str | None = None  # a tokenizer directory (AutoTokenizer), or "bpe:N" to train a byte-level BPE of N
+    # tokens on the training text; None: bpe with the model's vocab_size
+    cache_dir: str = ".cache/ds_megatron"  # packed token files, keyed by content hash
+    valid_fraction: float = 0.02  # tail of the token stream held out for validation
+    num_proc: int = 2  # tokenisation processes
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """Console, metrics.jsonl and wandb."""
+
+    run_dir: str | None = (
+        None  # metrics.jsonl, tokenizer and resolved config go here (default: --save, else runs/<name>)
+    )
+    wandb_project: str | None = None  # None: wandb off
+    wandb_run_name: str | None = None
+    wandb_tags: tuple = ()
+    wandb_mode: str | None = None  # "online", "offline" or None (offline when there are no credentials)
+    peak_tflops: float | None = None  # per-GPU peak for MFU; None: looked up from the GPU name
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """When and where to save."""
+
+    save: str | None = None  # checkpoint directory (None: no checkpoints)
+    load: str | None = None  # resume from this checkpoint directory (its latest complete tag)
+    save_interval: int = 0  # steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)
+    keep_last: int = 0  # keep this many checkpoints (0: all)
 
 
 @dataclass(frozen=True)
@@ -69,3 +110,6 @@ class DsMegatronConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     recompute: RecomputeSection = field(default_factory=RecomputeSection)
     train: TrainSection = field(default_factory=TrainSection)
+    data: DataSection = field(default_factory=DataSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)

@@ -9,6 +9,13 @@ BYTE_VOCAB_SIZE = 257  # 256 byte values + one end-of-document token
 EOS_BYTE_ID = 256
 
 
+def builtin_documents() -> list[str]:
+    """CPython's reference documentation, one document per topic (about 0.47 MB of English prose and code)."""
+    from pydoc_data.topics import topics
+
+    return [topics[key] for key in sorted(topics)]
+
+
 def builtin_corpus_bytes() -> torch.Tensor:
     """All documentation topics, each followed by EOS, as a 1-D int64 tensor of token ids."""
     from pydoc_data.topics import topics

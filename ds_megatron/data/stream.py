@@ -1,21 +1,50 @@
-"""Deterministic micro-batch streams for the pipeline engine.
+"""Deterministic, resumable micro-batches for the pipeline engine.
 
-Micro-batch ``k`` of the whole run (counted over all DP ranks in the order step, dp rank, accumulation step) is a
-set of random windows drawn from a generator seeded by (seed, k): any rank can produce any micro-batch, so DP ranks
-see disjoint data and a resumed run continues at the exact position (``start_step``).
+The token stream is cut into samples of s + 1 tokens with stride s (consecutive samples share one token, so every
+token is a target exactly once).  Each epoch visits the samples in a permutation drawn from (seed, epoch).  Global
+sample ``k`` of the run is therefore fixed by the seed alone; micro-batch ``j`` of optimizer step ``t`` on DP rank
+``r`` takes samples [(t dp + r) gas + j] * b ... + b, so DP ranks read disjoint data and a resumed run
+(``start_step``) continues at the exact sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 
-def split_train_valid(tokens: torch.Tensor, valid_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+def split_train_valid(tokens, valid_fraction: float = 0.05):
     """Hold out the last ``valid_fraction`` of the token stream for validation."""
     cut = int(len(tokens) * (1.0 - valid_fraction))
     return tokens[:cut], tokens[cut:]
+
+
+class PackedSamples:
+    """Samples of ``seq_length + 1`` tokens from a flat token array (numpy memmap or tensor), shuffled per epoch."""
+
+    def __init__(self, tokens, seq_length: int, seed: int):
+        self.tokens, self.seq_length, self.seed = tokens, seq_length, seed
+        self.num_samples = (len(tokens) - 1) // seq_length
+        if self.num_samples < 1:
+            raise ValueError(
+                f"error: ds_megatron.data: {len(tokens)} tokens cannot fill one sample of seq_length + 1 = "
+                f"{seq_length + 1}; use more text or a shorter seq_length"
+            )
+        self._epoch, self._perm = -1, None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch, self._perm = epoch, rng.permutation(self.num_samples)
+        return self._perm
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        epoch, i = divmod(k, self.num_samples)
+        start = int(self._permutation(epoch)[i]) * self.seq_length
+        window = np.asarray(self.tokens[start : start + self.seq_length + 1], dtype=np.int64)
+        return torch.from_numpy(window)
 
 
 class MicroBatchStream:
@@ -23,26 +52,20 @@ class MicroBatchStream:
 
     def __init__(
         self,
-        tokens: torch.Tensor,
-        seq_length: int,
+        samples: PackedSamples,
         micro_batch_size: int,
         grad_accum_steps: int,
         dp_rank: int,
         dp_size: int,
-        seed: int,
         start_step: int = 0,
     ):
-        if len(tokens) <= seq_length + 1:
-            raise ValueError(f"token stream of {len(tokens)} tokens is shorter than seq_length + 1 = {seq_length + 1}")
-        self.tokens, self.seq_length = tokens, seq_length
+        self.samples = samples
         self.micro, self.gas = micro_batch_size, grad_accum_steps
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.step, self.accum = start_step, 0
 
     def micro_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        starts = torch.randint(0, len(self.tokens) - self.seq_length - 1, (self.micro,), generator=gen)
-        windows = torch.stack([self.tokens[s : s + self.seq_length + 1] for s in starts.tolist()])
+        windows = torch.stack([self.samples[index * self.micro + i] for i in range(self.micro)])
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,238 @@
+"""Documents in, packed token files out.
+
+- ``load_documents``: a ``datasets.Dataset`` with one column ``text`` from the built-in corpus, local files
+  (.txt: one document per file; .json/.jsonl/.parquet: one per record, text in ``text_field``; comma-separated paths
+  and globs) or a Hugging Face dataset name (needs a network).
+- ``build_tokenizer``: a tokenizer directory (AutoTokenizer), or ``bpe:N``: a byte-level BPE of N tokens trained on
+  the training text (cached by content hash), with ``<|endoftext|>`` as end-of-document token.
+- ``pack``: tokenise once (``datasets.map`` in parallel, with a progress bar) into one flat memory-mapped file of
+  token ids, EOS after every document, uint16 when the vocabulary fits, else uint32, cached by the hash of the text,
+  the tokenizer and the settings; written to a temporary name and renamed, with a JSON manifest (dtype, token count,
+  size, sha256) that ``open_packed`` verifies.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+EOS_TOKEN = "<|endoftext|>"
+SUFFIX_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """Bad data input; ``str`` is the one line shown to the user."""
+
+
+def resolve_files(path: str) -> list[str]:
+    """Expand comma-separated paths and globs; an empty result for a local-looking path is an error."""
+    files: list[str] = []
+    for part in [p.strip() for p in path.split(",") if p.strip()]:
+        matches = sorted(glob.glob(os.path.expanduser(part)))
+        files += [m for m in matches if os.path.isfile(m)]
+    return files
+
+
+def is_local(path: str) -> bool:
+    """Local files (paths, globs, lists) rather than a Hugging Face dataset name such as "owner/name"."""
+    return (
+        any(ch in path for ch in "*,")
+        or path.startswith(("/", ".", "~"))
+        or Path(path).suffix in SUFFIX_BUILDERS
+        or os.path.exists(path)
+    )
+
+
+def load_documents(path: str | None, text_field: str = "text", split: str = "train"):
+    """One ``text`` column; raises DataError for missing files, unknown formats or an empty corpus."""
+    import datasets
+
+    if path is None:
+        from ds_megatron.data.demo import builtin_documents
+
+        return datasets.Dataset.from_dict({"text": builtin_documents()})
+    if is_local(path):
+        files = resolve_files(path)
+        if not files:
+            raise DataError(f"error: ds_megatron.data.path: no file matches ({path}); check the path or glob")
+        suffixes = {Path(f).suffix for f in files}
+        if len(suffixes) != 1 or next(iter(suffixes)) not in SUFFIX_BUILDERS:
+            raise DataError(
+                f"error: ds_megatron.data.path: mixed or unknown file types ({sorted(suffixes)}); "
+                f"use one of {sorted(SUFFIX_BUILDERS)}"
+            )
+        builder = SUFFIX_BUILDERS[suffixes.pop()]
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
+        field = "text" if builder == "text" else text_field
+    else:
+        ds = datasets.load_dataset(path, split=split)
+        field = text_field
+    if field not in ds.column_names:
+        raise DataError(
+            f"error: ds_megatron.data.text_field: no column {field!r} ({ds.column_names}); set data.text_field"
+        )
+    ds = ds.select_columns([field])
+    if field != "text":
+        ds = ds.rename_column(field, "text")
+    if len(ds) == 0:
+        raise DataError(f"error: ds_megatron.data.path: the dataset is empty ({path}); point it at some text")
+    return ds
+
+
+def fingerprint_documents(ds, path: str | None) -> str:
+    """A content hash of the corpus: file contents for local files, the texts themselves otherwise."""
+    h = hashlib.sha256()
+    if path is not None and is_local(path):
+        for f in resolve_files(path):
+            h.update(f.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+        return h.hexdigest()
+    for batch in ds.iter(batch_size=1000):
+        for text in batch["text"]:
+            h.update(text.encode("utf-8", errors="replace"))
+            h.update(b"\0")
+    return h.hexdigest()
+
+
+def train_bpe(ds, vocab_size: int, out_dir: Path):
+    """Train a byte-level BPE on the corpus and save it as a transformers tokenizer directory."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+
+    def texts():
+        for batch in ds.iter(batch_size=1000):
+            yield from batch["text"]
+
+    bpe.train_from_iterator(
+        texts(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN], show_progress=True, length=len(ds)
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, unk_token=EOS_TOKEN
+    )
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out_dir)
+    return tok
+
+
+def tokenizer_fingerprint(tok) -> str:
+    return hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+
+
+def build_tokenizer(spec: str, ds, corpus_hash: str, cache_dir: Path):
+    """Load (directory) or train-and-cache (``bpe:N``) the tokenizer; returns (tokenizer, its directory)."""
+    from transformers import AutoTokenizer
+
+    if spec.startswith("bpe:"):
+        size = int(spec.removeprefix("bpe:"))
+        out = cache_dir / "tokenizers" / f"bpe{size}-{corpus_hash[:16]}"
+        if out.is_dir():
+            return AutoTokenizer.from_pretrained(out), str(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        return train_bpe(ds, size, out), str(out)
+    return AutoTokenizer.from_pretrained(spec), spec
+
+
+def eos_id(tok) -> int:
+    if tok.eos_token_id is None:
+        raise DataError("error: ds_megatron.data.tokenizer: the tokenizer has no EOS token; use one that defines it")
+    return int(tok.eos_token_id)
+
+
+@dataclass(frozen=True)
+class PackedTokens:
+    """A flat token file opened read-only as a numpy memmap."""
+
+    path: Path
+    tokens: np.ndarray
+    manifest: dict
+
+
+def _manifest_path(bin_path: Path) -> Path:
+    return bin_path.with_suffix(".json")
+
+
+def pack(ds, tok, key: str, cache_dir: Path, num_proc: int = 1) -> Path:
+    """Tokenise ``ds`` into ``cache_dir/<key>.bin`` (skipped when a verified file exists).  Returns the path."""
+    out = cache_dir / f"{key}.bin"
+    if out.exists() and _manifest_path(out).exists():
+        try:
+            open_packed(out)
+            return out
+        except DataError as err:
+            print(f"warning: {err}; rebuilding the token cache", flush=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    eos = eos_id(tok)
+    dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+    def encode(batch):
+        return {"ids": tok(batch["text"], add_special_tokens=False)["input_ids"]}
+
+    encoded = ds.map(
+        encode,
+        batched=True,
+        batch_size=256,
+        num_proc=num_proc if len(ds) >= 2 * num_proc else None,
+        remove_columns=["text"],
+        desc="tokenizing",
+    )
+    total = sum(len(ids) + 1 for ids in encoded["ids"])
+    if total <= len(encoded):
+        raise DataError("error: ds_megatron.data.path: the corpus has no tokens; point it at some text")
+    tmp = out.with_suffix(".bin.tmp")
+    arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=(total,))
+    pos = 0
+    for ids in encoded["ids"]:
+        n = len(ids)
+        arr[pos : pos + n] = ids
+        arr[pos + n] = eos
+        pos += n + 1
+    arr.flush()
+    del arr
+    manifest = {
+        "dtype": np.dtype(dtype).name,
+        "num_tokens": total,
+        "num_docs": len(encoded),
+        "bytes": total * np.dtype(dtype).itemsize,
+        "sha256": _sha256(tmp),
+        "eos_id": eos,
+        "key": key,
+    }
+    os.replace(tmp, out)
+    tmp_manifest = _manifest_path(out).with_suffix(".json.tmp")
+    tmp_manifest.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp_manifest, _manifest_path(out))
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def open_packed(path: Path, verify_checksum: bool = True) -> PackedTokens:
+    """Open a packed token file, checking its size (and checksum) against the manifest."""
+    manifest_path = _manifest_path(path)
+    if not path.exists() or not manifest_path.exists():
+        raise DataError(f"token cache {path} is incomplete (file or manifest missing)")
+    manifest = json.loads(manifest_path.read_text())
+    if path.stat().st_size != manifest["bytes"]:
+        raise DataError(f"token cache {path} has {path.stat().st_size} bytes, manifest says {manifest['bytes']}")
+    if verify_checksum and _sha256(path) != manifest["sha256"]:
+        raise DataError(f"token cache {path} fails its checksum")
+    tokens = np.memmap(path, dtype=np.dtype(manifest["dtype"]), mode="r", shape=(manifest["num_tokens"],))
+    return PackedTokens(path, tokens, manifest)

@@ -1,0 +1,184 @@
+"""L3: what a run reports, from one rank: console progress bar, ``metrics.jsonl``, wandb (imported lazily).
+
+Throughput: tokens/s; TFLOP/s per GPU and MFU from the model FLOPs (Narayanan et al. 2021), HFU counting the
+recomputation that was executed.  wandb logs against the optimizer step and resumes the same run from the id stored
+in the checkpoint (trap 14); with no credentials it runs offline (``wandb sync`` uploads later), and any wandb failure
+becomes a warning, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from ds_megatron.flops import executed_flops_per_step, model_flops_per_step
+
+# Dense bf16 peak TFLOP/s per GPU (vendor datasheets).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
+
+
+def lookup_peak_tflops(device_name: str | None) -> float | None:
+    if not device_name:
+        return None
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+
+
+def throughput(
+    step_seconds: float,
+    global_batch: int,
+    seq: int,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    num_gpus: int,
+    recompute: str,
+    recomputed_layers: int | None,
+    peak_tflops: float | None,
+) -> dict:
+    """tokens/s, model TFLOP/s per GPU, MFU and HFU (None without a peak)."""
+    model = model_flops_per_step(global_batch, seq, layers, hidden, vocab)
+    executed = executed_flops_per_step(global_batch, seq, layers, hidden, vocab, recompute, recomputed_layers)
+    tflops = model / step_seconds / num_gpus / 1e12
+    return {
+        "tokens_per_s": global_batch * seq / step_seconds,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / peak_tflops if peak_tflops else None,
+        "hfu": executed / step_seconds / num_gpus / 1e12 / peak_tflops if peak_tflops else None,
+    }
+
+
+class WandbRun:
+    """A wandb run that never takes the training down."""
+
+    def __init__(
+        self,
+        project: str,
+        name: str | None,
+        tags: tuple,
+        mode: str | None,
+        config: dict,
+        run_dir: Path,
+        run_id: str | None,
+    ):
+        self.run = None
+        try:
+            import wandb
+
+            if mode is None:
+                has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
+                mode = os.environ.get("WANDB_MODE") or ("online" if has_key else "offline")
+            self.run = wandb.init(
+                project=project,
+                name=name,
+                tags=list(tags),
+                config=config,
+                dir=str(run_dir),
+                mode=mode,
+                id=run_id,
+                resume="allow" if run_id else None,
+            )
+            self.id = self.run.id
+        except Exception as err:  # wandb misconfigured or unreachable: keep training
+            print(f"warning: wandb disabled ({type(err).__name__}: {err})", file=sys.stderr, flush=True)
+            self.id = run_id
+
+    def log(self, record: dict, step: int) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=step)
+        except Exception as err:
+            print(f"warning: wandb log failed ({err})", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            try:
+                self.run.finish()
+            except Exception as err:
+                print(f"warning: wandb finish failed ({err})", file=sys.stderr, flush=True)
+
+
+def _netrc_has_wandb() -> bool:
+    netrc = Path.home() / ".netrc"
+    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+class MetricsLogger:
+    """Console lines, a progress bar with ETA and ``metrics.jsonl`` (one JSON object per logged step)."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool, wandb_run: WandbRun | None):
+        self.enabled = enabled
+        self.wandb = wandb_run
+        self.bar = None
+        self.file = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        try:
+            from tqdm.auto import tqdm
+
+            # disable=None: a live bar on a terminal; in logs the step lines carry the ETA instead.
+            self.bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="training",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                disable=None,
+            )
+        except ImportError:
+            self.bar = None
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def say(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+        sys.stdout.flush()
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def format_record(r: dict, total_steps: int) -> str:
+    parts = [
+        f"step {r['step']:>6}/{total_steps}",
+        f"loss {r['loss']:.4f}",
+        f"lr {r['lr']:.3e}",
+        f"grad norm {r['grad_norm']:.3f}",
+        f"{r['tokens_per_s']:,.0f} tok/s",
+        f"{r['tflops_per_gpu']:.2f} TFLOP/s/GPU",
+    ]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}% HFU {100 * r['hfu']:.1f}%")
+    parts.append(f"{r['step_ms']:.0f} ms/step")
+    if r.get("peak_mem_gb") is not None:
+        parts.append(f"mem {r['peak_mem_gb']:.2f} GB")
+    if r.get("skipped_steps"):
+        parts.append(f"skipped {r['skipped_steps']}")
+    remaining = (total_steps - r["step"]) * r["step_ms"] / 1000
+    parts.append(f"ETA {int(remaining // 3600)}:{int(remaining % 3600 // 60):02d}:{int(remaining % 60):02d}")
+    return " | ".join(parts)

@@ -1,0 +1,102 @@
+"""Issue 4, test c: the token cache is reused, the resume position is exact, both token dtypes work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ds_megatron.data import (
+    DataError,
+    MicroBatchStream,
+    PackedSamples,
+    build_tokenizer,
+    builtin_documents,
+    fingerprint_documents,
+    load_documents,
+    open_packed,
+    pack,
+)
+
+
+class StubTokenizer:
+    """Whitespace 'tokenizer' with a configurable vocabulary size (to exercise uint32 files)."""
+
+    def __init__(self, size: int):
+        self.size, self.eos_token_id = size, size - 1
+
+    def __len__(self):
+        return self.size
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[(len(w) * 7919 + i) % (self.size - 1) for i, w in enumerate(t.split())] for t in texts]}
+
+
+def test_builtin_corpus_is_real_text():
+    docs = builtin_documents()
+    assert len(docs) > 50 and sum(map(len, docs)) > 400_000
+    assert "statement" in " ".join(docs[:20])
+
+
+@pytest.mark.parametrize("vocab,dtype", [(1000, "uint16"), (70000, "uint32")])
+def test_pack_dtype_eos_and_cache_reuse(tmp_path, vocab, dtype):
+    ds = load_documents(None)
+    tok = StubTokenizer(vocab)
+    path = pack(ds, tok, "k", tmp_path)
+    packed = open_packed(path)
+    assert packed.manifest["dtype"] == dtype and packed.tokens.dtype == np.dtype(dtype)
+    assert int((np.asarray(packed.tokens) == tok.eos_token_id).sum()) >= len(ds)  # an EOS after every document
+    mtime = path.stat().st_mtime_ns
+    assert pack(ds, tok, "k", tmp_path) == path and path.stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_corrupt_cache_is_detected_and_rebuilt(tmp_path):
+    ds = load_documents(None)
+    tok = StubTokenizer(1000)
+    path = pack(ds, tok, "k", tmp_path)
+    with open(path, "r+b") as f:
+        f.seek(10)
+        f.write(b"\xff\xff")
+    with pytest.raises(DataError, match="checksum"):
+        open_packed(path)
+    pack(ds, tok, "k", tmp_path)
+    open_packed(path)
+
+
+def test_local_files_and_bpe_tokenizer(tmp_path):
+    for i in range(3):
+        (tmp_path / f"doc{i}.txt").write_text(f"document number {i}. " + "the quick brown fox jumps. " * 50)
+    ds = load_documents(str(tmp_path / "*.txt"))
+    assert len(ds) == 3
+    tok, tok_dir = build_tokenizer("bpe:300", ds, fingerprint_documents(ds, str(tmp_path / "*.txt")), tmp_path / "c")
+    assert len(tok) <= 300 and tok.eos_token == "<|endoftext|>"
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text('{"body": "hello there"}\n{"body": "general kenobi"}\n')
+    assert load_documents(str(jsonl), text_field="body")["text"] == ["hello there", "general kenobi"]
+    with pytest.raises(DataError, match="no column"):
+        load_documents(str(jsonl), text_field="text")
+    with pytest.raises(DataError, match="no file matches"):
+        load_documents(str(tmp_path / "missing*.txt"))
+
+
+def test_resume_position_is_exact():
+    tokens = torch.arange(10_000)
+    samples = PackedSamples(tokens, 16, seed=3)
+    full = MicroBatchStream(samples, 2, 3, dp_rank=1, dp_size=2)
+    seen = [next(full) for _ in range(3 * 5)]  # 5 steps of 3 micro-batches
+    resumed = MicroBatchStream(samples, 2, 3, dp_rank=1, dp_size=2, start_step=3)
+    for expected in seen[9:]:
+        got = next(resumed)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_samples_cover_each_epoch_once_and_dp_ranks_are_disjoint():
+    tokens = torch.arange(1 + 16 * 50)
+    samples = PackedSamples(tokens, 16, seed=0)
+    starts = sorted(int(samples[k][0]) for k in range(50))
+    assert starts == list(range(0, 800, 16))
+    a = MicroBatchStream(samples, 2, 1, 0, 2)
+    b = MicroBatchStream(samples, 2, 1, 1, 2)
+    ids_a = {int(x) for _ in range(5) for x in next(a)[0][:, 0]}
+    ids_b = {int(x) for _ in range(5) for x in next(b)[0][:, 0]}
+    assert not ids_a & ids_b
