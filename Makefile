@@ -3,7 +3,6 @@
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
-NPROC ?= 4
 
 .PHONY: venv demo test lint clean
 
@@ -11,8 +10,7 @@ venv:
 	@bash scripts/bootstrap.sh
 
 demo: venv
-	OMP_NUM_THREADS=1 WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/deepspeed --num_gpus $(NPROC) \
-		recipes/train_gpt.py --deepspeed_config ds_configs/gpt_tiny.json
+	DEEPSPEED=$(VENV)/bin/deepspeed bash recipes/gpt_tiny.sh --save checkpoints/gpt_tiny
 
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
