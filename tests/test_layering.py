@@ -20,7 +20,7 @@ LEVELS = {
     "optim": 3,
     "memory": 3,
     "flops": 3,
-    "metrics": 3,
+    "metrics": 3.2,
     "data": 3,
     "pipeline": 3.5,
     "checkpoint": 3.7,

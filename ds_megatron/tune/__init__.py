@@ -1,0 +1,36 @@
+"""L3: the hyperparameter tool.  Finds the fastest (tp, pp, dp, sp, micro-batch, recompute, ZeRO) for a GPT on a
+cluster from analytic memory and time models; no torch, no deepspeed, no GPU.
+
+    python -m ds_megatron.tune --model gpt3-175b --global-batch-size 1536 --gpus 1024
+
+See docs/tuner.md for the models, their assumptions and a worked example.
+"""
+
+from ds_megatron.tune.memory_model import StageMemory, stage_memory, stage_param_counts, total_param_count
+from ds_megatron.tune.search import Evaluation, SearchResult, common_configuration, evaluate, search
+from ds_megatron.tune.space import Rejection, enumerate_candidates
+from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, Pins, build_model_spec
+from ds_megatron.tune.time_model import Measurement, StepTime, calibrate, step_time
+
+__all__ = [
+    "Candidate",
+    "Cluster",
+    "Evaluation",
+    "Measurement",
+    "ModelSpec",
+    "Pins",
+    "Rejection",
+    "SearchResult",
+    "StageMemory",
+    "StepTime",
+    "build_model_spec",
+    "calibrate",
+    "common_configuration",
+    "enumerate_candidates",
+    "evaluate",
+    "search",
+    "stage_memory",
+    "stage_param_counts",
+    "step_time",
+    "total_param_count",
+]

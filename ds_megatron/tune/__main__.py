@@ -1,0 +1,118 @@
+"""``python -m ds_megatron.tune``: rank training configurations for a GPT on a cluster (analytic; seconds, no GPU).
+
+    python -m ds_megatron.tune --model gpt3-175b --seq-length 2048 --global-batch-size 1536 \\
+        --gpus 1024 --gpus-per-node 8 --gpu-memory-gb 80 --gpu-peak-tflops 312 [--json OUT] [--write-config PATH]
+
+Exit status: 0 with a winner, 1 when nothing fits (the reasons are printed), 2 on bad input (one ``error:`` line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import NoReturn
+
+from ds_megatron.config import ConfigError
+from ds_megatron.config.sizes import all_size_names
+from ds_megatron.tune.report import format_report, to_json, write_config
+from ds_megatron.tune.search import search
+from ds_megatron.tune.spec import DEFAULT_EFFICIENCY, RECOMPUTE_CHOICES, Cluster, Pins, build_model_spec
+
+EXIT_NO_FIT = 1
+EXIT_CONFIG_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one ConfigError line instead of usage + message."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError("command line", message, "python -m ds_megatron.tune --help lists the flags", "fix the flag")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m ds_megatron.tune",
+        description="Find the fastest TP/PP/DP/SP/micro-batch/recompute/ZeRO configuration for a GPT, analytically.",
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model", help=f"named size: {', '.join(all_size_names())}")
+    g.add_argument("--layers", type=int, help="transformer blocks L (overrides --model)")
+    g.add_argument("--hidden", type=int, help="hidden size h (overrides --model)")
+    g.add_argument("--heads", type=int, help="attention heads a (overrides --model)")
+    g.add_argument("--vocab", type=int, help="vocabulary size V (default 50257)")
+    g.add_argument("--seq-length", type=int, help="sequence length s (default 2048)")
+    g.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    g.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
+    g.add_argument("--gpu-peak-tflops", type=float, default=312.0, help="bf16 dense peak per GPU (default 312, A100)")
+    g.add_argument("--intra-node-gbps", type=float, default=300.0, help="NVLink GB/s per GPU, one way (default 300)")
+    g.add_argument("--inter-node-gbps", type=float, default=25.0, help="network GB/s per GPU (default 25)")
+    g.add_argument(
+        "--efficiency",
+        type=float,
+        default=DEFAULT_EFFICIENCY,
+        help=f"achieved fraction of peak for matmuls (default {DEFAULT_EFFICIENCY}; fit with tune.calibrate)",
+    )
+    g = p.add_argument_group("pins (fix a dimension; the rest is searched)")
+    g.add_argument("--tp", type=int, help="tensor-parallel size")
+    g.add_argument("--pp", type=int, help="pipeline-parallel size")
+    g.add_argument("--dp", type=int, help="data-parallel size")
+    g.add_argument("--micro-batch-size", type=int, help="micro-batch size b")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None, help="SP on or off")
+    g.add_argument("--recompute", choices=RECOMPUTE_CHOICES, help="recompute policy")
+    g.add_argument("--zero", type=int, choices=(0, 1), help="ZeRO stage")
+    g = p.add_argument_group("output")
+    g.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
+    g.add_argument("--json", metavar="OUT", help="write every candidate and every rejected family to OUT")
+    g.add_argument("--write-config", metavar="PATH", help="write the winner as a ds_configs-style JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        model = build_model_spec(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length)
+        cluster = Cluster(
+            num_gpus=args.gpus,
+            gpus_per_node=args.gpus_per_node,
+            gpu_memory_gb=args.gpu_memory_gb,
+            peak_tflops=args.gpu_peak_tflops,
+            intra_node_gbps=args.intra_node_gbps,
+            inter_node_gbps=args.inter_node_gbps,
+            efficiency=args.efficiency,
+        )
+        pins = Pins(
+            tp=args.tp,
+            pp=args.pp,
+            dp=args.dp,
+            micro_batch_size=args.micro_batch_size,
+            sequence_parallel=args.sequence_parallel,
+            recompute=args.recompute,
+            zero=args.zero,
+        )
+        result = search(model, cluster, args.global_batch_size, pins)
+    except ConfigError as err:
+        print(str(err), file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(format_report(result, top=max(1, args.top)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(result), f, indent=1)
+        print(
+            f"wrote {len(result.evaluations)} candidates and {len(result.rejections)} rejected families to {args.json}"
+        )
+    if result.winner is None:
+        if args.write_config:
+            print(f"no config written to {args.write_config}: nothing fits", file=sys.stderr)
+        return EXIT_NO_FIT
+    if args.write_config:
+        command = write_config(result, args.write_config)
+        print(f"wrote the winner to {args.write_config}; launch it with:\n  {command}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""What the tuner shows and writes: the ranked console table, the JSON of every candidate, the winner's config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ds_megatron.tune import memory_model, time_model
+from ds_megatron.tune.memory_model import GIB, total_param_count
+from ds_megatron.tune.search import Evaluation, SearchResult
+
+COLUMNS = (
+    ("rank", 4),
+    ("tp", 3),
+    ("pp", 3),
+    ("dp", 5),
+    ("sp", 3),
+    ("b", 3),
+    ("m", 5),
+    ("recompute", 17),
+    ("zero", 4),
+    ("mem first", 10),
+    ("mem last", 9),
+    ("step s", 8),
+    ("tokens/s", 10),
+    ("MFU", 6),
+    ("HFU", 6),
+)
+MAX_REJECTIONS_SHOWN = 8
+NEAR_TIE = 0.01  # candidates this close to the winner's step time are within the time model's error of it
+
+
+def _row(rank: int, e: Evaluation) -> str:
+    c, t = e.candidate, e.time
+    cells = (
+        str(rank),
+        str(c.tp),
+        str(c.pp),
+        str(c.dp),
+        "on" if c.sequence_parallel else "off",
+        str(c.micro_batch_size),
+        str(c.num_micro_batches),
+        c.recompute_label(),
+        str(c.zero),
+        f"{e.first.required_bytes / GIB:.1f} GiB",
+        f"{e.last.required_bytes / GIB:.1f} GiB",
+        _seconds(t.step_s),
+        f"{t.tokens_per_s:,.0f}",
+        f"{t.mfu:.1%}",
+        f"{t.hfu:.1%}",
+    )
+    return "  ".join(
+        cell.rjust(width) if i != 7 else cell.ljust(width) for i, (cell, (_, width)) in enumerate(zip(cells, COLUMNS))
+    )
+
+
+def describe(e: Evaluation) -> str:
+    """One line: the settings and the prediction."""
+    c, t = e.candidate, e.time
+    return (
+        f"tp {c.tp}, pp {c.pp}, dp {c.dp}, SP {'on' if c.sequence_parallel else 'off'}, "
+        f"micro-batch {c.micro_batch_size} x {c.num_micro_batches}, recompute {c.recompute_label()}, ZeRO-{c.zero}: "
+        f"{_seconds(t.step_s)} s/step, "
+        f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, HFU {t.hfu:.1%}"
+    )
+
+
+def format_report(result: SearchResult, top: int = 10) -> str:
+    """The console report: problem, ranked table, winner and its time breakdown, common configuration, rejections."""
+    m, cl = result.model, result.cluster
+    nodes = max(1, cl.num_gpus // cl.gpus_per_node)
+    lines = [
+        f"model: {m.size or 'custom'} (L {m.num_layers}, h {m.hidden_size}, a {m.num_heads}, V {m.vocab_size}, "
+        f"s {m.seq_length}; {_count(total_param_count(m))} parameters), global batch {result.global_batch_size}",
+        f"cluster: {cl.num_gpus} GPUs ({nodes} node(s) x {min(cl.gpus_per_node, cl.num_gpus)}), "
+        f"{cl.gpu_memory_gb:g} GiB, {cl.peak_tflops:g} TFLOP/s peak, efficiency {cl.efficiency:.2f}, "
+        f"intra-node {cl.intra_node_gbps:g} GB/s, inter-node {cl.inter_node_gbps:g} GB/s per GPU",
+        f"searched {len(result.evaluations)} candidates in {result.elapsed_s:.2f} s: {len(result.ranked)} fit, "
+        f"{len(result.rejections)} families rejected",
+        "",
+    ]
+    winner = result.winner
+    if winner is None:
+        lines += _no_fit_lines(result)
+    else:
+        lines.append("  ".join(name.rjust(w) if i != 7 else name.ljust(w) for i, (name, w) in enumerate(COLUMNS)))
+        lines += [_row(i + 1, e) for i, e in enumerate(result.ranked[:top])]
+        t = winner.time
+        lines += [
+            "",
+            f"winner: {describe(winner)}",
+            f"  step {_seconds(t.step_s)} s = compute {_seconds(t.compute_s)} + TP comm {_seconds(t.tp_comm_s)} + "
+            f"pipeline p2p {_seconds(t.p2p_s)} (bubble {_seconds(t.bubble_s)} of these) + DP comm "
+            f"{_seconds(t.dp_comm_s)}",
+            f"  memory per GPU: first stage {_memory(winner, 'first')}; last stage {_memory(winner, 'last')}",
+        ]
+        close = [e for e in result.ranked if e.time.step_s <= winner.time.step_s * (1 + NEAR_TIE)]
+        leanest = min(close, key=lambda e: e.required_bytes)
+        if leanest is not winner and leanest.required_bytes < 0.8 * winner.required_bytes:
+            lines.append(
+                f"  within {NEAR_TIE:.0%} of the winner with the least memory "
+                f"({leanest.required_bytes / GIB:.1f} GiB instead of {winner.required_bytes / GIB:.1f}): "
+                f"rank {result.ranked.index(leanest) + 1}, {describe(leanest)}"
+            )
+    if result.common is not None:
+        lines.append(f"common configuration ({result.common_note}):\n  {describe(result.common)}")
+    else:
+        lines.append(f"common configuration: {result.common_note}")
+    if result.speedup is not None:
+        lines.append(f"predicted speed-up of the winner over the common configuration: {result.speedup:.2f}x")
+    lines.append("")
+    lines += _rejection_lines(result, nothing_fits=winner is None)
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.2f}" if x >= 10 else f"{x:.3f}" if x >= 0.1 else f"{x:.4f}"
+
+
+def _no_fit_lines(result: SearchResult) -> list[str]:
+    """Why nothing fits, in two lines: the closest candidate and the floor set by the model states."""
+    lines = ["no configuration fits: every candidate was rejected (the reasons below; all of them in --json)."]
+    capacity = result.cluster.gpu_memory_gb
+    if result.evaluations:
+        closest = min(result.evaluations, key=lambda e: e.required_bytes)
+        need = closest.required_bytes / GIB
+        lines.append(
+            f"  closest: tp {closest.candidate.tp}, pp {closest.candidate.pp}, dp {closest.candidate.dp}, "
+            f"{closest.candidate.recompute_label()} needs {need:.1f} GiB per GPU, {need / capacity:.1f}x the "
+            f"{capacity:g} GiB available"
+        )
+    else:
+        lines.append("  no candidate is left once the families below are removed: relax the pins")
+        return lines
+    floor = (memory_model.WEIGHT_BYTES + memory_model.GRAD_BYTES) * total_param_count(result.model)
+    lines.append(
+        f"  weights and gradients alone need {floor / result.cluster.num_gpus / GIB:.1f} GiB per GPU on "
+        f"{result.cluster.num_gpus} GPUs (8 bytes per parameter, not sharded by ZeRO-1): add GPUs or memory"
+    )
+    return lines
+
+
+def _memory(e: Evaluation, stage: str) -> str:
+    mem = e.first if stage == "first" else e.last
+    return (
+        f"{mem.required_bytes / GIB:.1f} GiB (weights {mem.params_bytes / GIB:.1f}, grads {mem.grads_bytes / GIB:.1f}, "
+        f"optimizer {mem.optimizer_bytes / GIB:.1f}, activations {mem.activation_bytes / GIB:.1f}, + margin)"
+    )
+
+
+def _rejection_lines(result: SearchResult, nothing_fits: bool) -> list[str]:
+    """The families closest to fitting first; all of them (up to a cap) when nothing fits."""
+    memory = sorted((r for r in result.rejections if r.required_bytes is not None), key=lambda r: r.required_bytes)
+    other = [r for r in result.rejections if r.required_bytes is None]
+    cap = MAX_REJECTIONS_SHOWN * 4 if nothing_fits else MAX_REJECTIONS_SHOWN
+    shown = (memory[: cap // 2] + other)[:cap] if not nothing_fits else (memory + other)[:cap]
+    lines = [f"rejected families ({len(result.rejections)}; every one with its reason in --json):"]
+    lines += [f"  {_family(r.family)}: {r.reason}" for r in shown]
+    if len(result.rejections) > len(shown):
+        lines.append(f"  ... and {len(result.rejections) - len(shown)} more")
+    return lines
+
+
+def _family(family: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in family.items())
+
+
+def to_json(result: SearchResult) -> dict:
+    """Every candidate with its settings, memory breakdown and prediction; every rejected family with its reason."""
+    m, cl = result.model, result.cluster
+    return {
+        "model": {
+            "size": m.size,
+            "num_layers": m.num_layers,
+            "hidden_size": m.hidden_size,
+            "num_heads": m.num_heads,
+            "vocab_size": m.vocab_size,
+            "seq_length": m.seq_length,
+            "parameters": total_param_count(m),
+        },
+        "cluster": {
+            "num_gpus": cl.num_gpus,
+            "gpus_per_node": cl.gpus_per_node,
+            "gpu_memory_gb": cl.gpu_memory_gb,
+            "peak_tflops": cl.peak_tflops,
+            "intra_node_gbps": cl.intra_node_gbps,
+            "inter_node_gbps": cl.inter_node_gbps,
+            "efficiency": cl.efficiency,
+        },
+        "global_batch_size": result.global_batch_size,
+        "search_seconds": result.elapsed_s,
+        "winner": result.winner.as_dict() if result.winner else None,
+        "common_configuration": result.common.as_dict() if result.common else None,
+        "common_configuration_note": result.common_note,
+        "speedup_over_common": result.speedup,
+        "candidates": [e.as_dict() for e in result.evaluations],
+        "rejected": [r.as_dict() for r in result.rejections],
+        "assumptions": {
+            "weight_bytes_per_param": memory_model.WEIGHT_BYTES,
+            "grad_bytes_per_param": memory_model.GRAD_BYTES,
+            "optimizer_bytes_per_param": memory_model.OPTIMIZER_BYTES,
+            "activation_bytes": memory_model.ACT_BYTES,
+            "dropout_mask_bytes": memory_model.MASK_BYTES,
+            "memory_margin_fraction": memory_model.MARGIN_FRACTION,
+            "memory_margin_bytes": memory_model.MARGIN_BYTES,
+            "vocab_multiple": memory_model.VOCAB_MULTIPLE,
+            "dp_overlap": time_model.DP_OVERLAP,
+            "grad_reduce_bytes_per_param": time_model.GRAD_REDUCE_BYTES,
+            "intra_node_latency_s": time_model.INTRA_NODE_LATENCY_S,
+            "inter_node_latency_s": time_model.INTER_NODE_LATENCY_S,
+            "attention": "eager (s x s softmax materialised, the paper's setting)",
+        },
+    }
+
+
+def ds_config(result: SearchResult, e: Evaluation) -> dict:
+    """A ds_configs-style JSON for ``e``: DeepSpeed's keys plus the "ds_megatron" section."""
+    c, m = e.candidate, result.model
+    model = {"size": m.size} if m.size else {}
+    model.update(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_heads=m.num_heads,
+        vocab_size=m.vocab_size,
+        seq_length=m.seq_length,
+        attention="eager",  # selective recompute needs the materialised softmax (the loader refuses sdpa with it)
+    )
+    return {
+        "train_batch_size": result.global_batch_size,
+        "train_micro_batch_size_per_gpu": c.micro_batch_size,
+        "gradient_accumulation_steps": c.num_micro_batches,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "zero_optimization": {"stage": c.zero},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": m.learning_rate, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+        },
+        "ds_megatron": {
+            "model": model,
+            "parallel": {"tp": c.tp, "pp": c.pp, "sequence_parallel": c.sequence_parallel},
+            "recompute": {"policy": c.recompute, "num_layers": c.recompute_layers, "method": c.recompute_method},
+        },
+    }
+
+
+def write_config(result: SearchResult, path: str | Path) -> str:
+    """Write the winner's config to ``path``; returns the launch command."""
+    if result.winner is None:
+        raise ValueError("no configuration fits, so there is no config to write")
+    Path(path).write_text(json.dumps(ds_config(result, result.winner), indent=2) + "\n")
+    return f"deepspeed --hostfile hostfile recipes/train_gpt.py --deepspeed_config {path}"

@@ -1,0 +1,152 @@
+"""Evaluate every candidate's memory and step time, rank those that fit, and compare with the common configuration.
+
+The "common configuration" is what large GPT runs used before sequence parallelism and selective recompute (and
+what the NeMo announcement measured its 20-30% against): full recompute of every block, no SP, the largest TP that
+stays in a node, the smallest pipeline that fits, and the fastest micro-batch for that.  Pure Python.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ds_megatron.tune.memory_model import GIB, MARGIN_BYTES, MARGIN_FRACTION, StageMemory, stage_memory
+from ds_megatron.tune.space import Rejection, enumerate_candidates, layout_candidates, tp_sizes
+from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, Pins, validate_request
+from ds_megatron.tune.time_model import StepTime, step_time
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One candidate with its predicted memory (first and last stage) and step time."""
+
+    candidate: Candidate
+    first: StageMemory
+    last: StageMemory
+    time: StepTime
+    fits: bool
+    reason: str | None  # why it does not fit (None when it fits)
+
+    @property
+    def required_bytes(self) -> float:
+        return max(self.first.required_bytes, self.last.required_bytes)
+
+    def as_dict(self) -> dict:
+        return {
+            **self.candidate.settings(),
+            "fits": self.fits,
+            "reason": self.reason,
+            "memory": {"first_stage": self.first.as_dict(), "last_stage": self.last.as_dict()},
+            "step_time_s": self.time.step_s,
+            "tokens_per_s": self.time.tokens_per_s,
+            "mfu": self.time.mfu,
+            "hfu": self.time.hfu,
+            "time": self.time.as_dict(),
+        }
+
+
+@dataclass
+class SearchResult:
+    """Everything a report needs: ranked evaluations, rejected families, the common configuration, timing."""
+
+    model: ModelSpec
+    cluster: Cluster
+    global_batch_size: int
+    pins: Pins
+    evaluations: list[Evaluation]  # every candidate: those that fit first (fastest first), then the rest
+    rejections: list[Rejection]
+    common: Evaluation | None
+    common_note: str
+    elapsed_s: float = 0.0
+    ranked: list[Evaluation] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ranked = [e for e in self.evaluations if e.fits]
+
+    @property
+    def winner(self) -> Evaluation | None:
+        return self.ranked[0] if self.ranked else None
+
+    @property
+    def speedup(self) -> float | None:
+        """Predicted step time of the common configuration over the winner's."""
+        if self.winner is None or self.common is None:
+            return None
+        return self.common.time.step_s / self.winner.time.step_s
+
+
+def _memory_reason(first: StageMemory, last: StageMemory, capacity: float) -> str:
+    stage, mem = ("first", first) if first.required_bytes >= last.required_bytes else ("last", last)
+    return (
+        f"out of memory on the {stage} stage: needs {mem.required_bytes / GIB:.1f} GiB > {capacity / GIB:.0f} GiB "
+        f"(weights {mem.params_bytes / GIB:.1f} + grads {mem.grads_bytes / GIB:.1f} + optimizer "
+        f"{mem.optimizer_bytes / GIB:.1f} + activations {mem.activation_bytes / GIB:.1f} GiB, "
+        f"+{MARGIN_FRACTION:.0%} + {MARGIN_BYTES / GIB:.0f} GiB margin)"
+    )
+
+
+def evaluate(model: ModelSpec, cluster: Cluster, cand: Candidate, global_batch_size: int) -> Evaluation:
+    """Memory and time of one candidate."""
+    first, last = stage_memory(model, cand)
+    capacity = cluster.gpu_memory_gb * GIB
+    fits = max(first.required_bytes, last.required_bytes) <= capacity
+    reason = None if fits else _memory_reason(first, last, capacity)
+    return Evaluation(cand, first, last, step_time(model, cluster, cand, global_batch_size), fits, reason)
+
+
+def _rank_key(e: Evaluation) -> tuple:
+    return (not e.fits, e.time.step_s if e.fits else e.required_bytes, e.required_bytes)
+
+
+def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:
+    """Families (tp, pp, dp, sp, policy) none of whose members fit, with the closest member's reason."""
+    groups: dict[tuple, list[Evaluation]] = defaultdict(list)
+    for e in evaluations:
+        c = e.candidate
+        groups[(c.tp, c.pp, c.dp, c.sequence_parallel, c.recompute)].append(e)
+    rejected = []
+    for (tp, pp, dp, sp, policy), members in groups.items():
+        if any(e.fits for e in members):
+            continue
+        closest = min(members, key=lambda e: e.required_bytes)
+        family = {"tp": tp, "pp": pp, "dp": dp, "sequence_parallel": sp, "recompute": policy}
+        best = closest.candidate
+        reason = f"{closest.reason}; closest member b={best.micro_batch_size} {best.recompute_label()}"
+        rejected.append(Rejection(family, reason, len(members), closest.required_bytes))
+    rejected.sort(key=lambda r: (r.family["tp"], r.family["pp"], r.family["sequence_parallel"], r.family["recompute"]))
+    return rejected
+
+
+def common_configuration(model: ModelSpec, cluster: Cluster, global_batch_size: int) -> tuple[Evaluation | None, str]:
+    """Full recompute of every block, no SP, the largest in-node tp, the smallest pp that fits, its best b."""
+    tps, _ = tp_sizes(model, cluster, Pins())
+    if not tps:
+        return None, "no tensor-parallel size fits in a node"
+    tp = max(tps)
+    pins = Pins(tp=tp, sequence_parallel=False, recompute="full")
+    for pp in range(1, model.num_layers + 1):
+        if cluster.num_gpus % (tp * pp) != 0:
+            continue
+        dp = cluster.num_gpus // (tp * pp)
+        cands, _ = layout_candidates(model, global_batch_size, tp, pp, dp, pins)
+        every_block = [c for c in cands if c.recompute_method == "uniform" and c.recompute_layers == 1]
+        fitting = [e for e in (evaluate(model, cluster, c, global_batch_size) for c in every_block) if e.fits]
+        if fitting:
+            best = min(fitting, key=lambda e: e.time.step_s)
+            return best, f"full recompute of every block, no SP, tp {tp}, smallest pp that fits ({pp}), best b"
+    return None, f"does not fit at any pipeline depth (tp {tp}, full recompute of every block, no SP)"
+
+
+def search(model: ModelSpec, cluster: Cluster, global_batch_size: int, pins: Pins | None = None) -> SearchResult:
+    """Enumerate, evaluate and rank; raises ConfigError for inputs no search can satisfy."""
+    pins = pins or Pins()
+    validate_request(model, cluster, global_batch_size, pins)
+    start = time.perf_counter()
+    candidates, rejected = enumerate_candidates(model, cluster, global_batch_size, pins)
+    evaluations = sorted((evaluate(model, cluster, c, global_batch_size) for c in candidates), key=_rank_key)
+    rejected += _memory_families(evaluations)
+    common, note = common_configuration(model, cluster, global_batch_size)
+    result = SearchResult(model, cluster, global_batch_size, pins, evaluations, rejected, common, note)
+    result.elapsed_s = time.perf_counter() - start
+    return result

@@ -1,0 +1,161 @@
+"""The search space: every (tp, pp, dp, sp, b, recompute, zero) the tuner considers, and why the rest is left out.
+
+Rules (shared/ARCHITECTURE.md and the pipeline engine's limits):
+- tp divides the heads and the node (a TP group never leaves its node); tp * pp * dp = gpus; pp <= L (layers need
+  not divide evenly: the largest stage holds ceil(L/p) blocks);
+- the global batch B splits into dp replicas of m micro-batches of b sequences, b a power of two up to 16 dividing
+  B/dp, with m >= p so the 1F1B pipeline fills;
+- SP only with tp > 1 and s divisible by tp;
+- recompute: none, selective (core attention), or full with k blocks by the ``uniform`` (chunks of k) or ``block``
+  (the first k blocks of each stage) method, k in {1, 2, 4, ...} up to the blocks per stage;
+- ZeRO stage 0 or 1 (the pipeline engine's limit).
+
+Every family that is left out is reported with its reason.  Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ds_megatron.tune.memory_model import layers_per_stage
+from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, Pins
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+
+ZERO0_REASON = (
+    "ZeRO stage 0 is not offered: with bf16 and fp32 gradient accumulation DeepSpeed's pipeline engine accepts only "
+    "stage 1 (stage 0 raises NotImplementedError in engine._do_optimizer_sanity_check), and its bf16 stage-0 path "
+    "shards the optimizer like stage 1 anyway, only with unsafe bf16 accumulation"
+)
+
+
+@dataclass
+class Rejection:
+    """A family of configurations left out, the dimensions it shares and why."""
+
+    family: dict
+    reason: str
+    count: int = 0  # candidates of the family that were evaluated (0: excluded before evaluation)
+    required_bytes: float | None = None  # out-of-memory families: what the closest member needs
+
+    def as_dict(self) -> dict:
+        return {
+            "family": self.family,
+            "reason": self.reason,
+            "count": self.count,
+            "required_bytes": self.required_bytes,
+        }
+
+
+def tp_sizes(model: ModelSpec, cluster: Cluster, pins: Pins) -> tuple[list[int], list[Rejection]]:
+    """Tensor-parallel sizes that divide the heads and fit in one node."""
+    node = min(cluster.gpus_per_node, cluster.num_gpus)
+    divisors = [tp for tp in range(1, model.num_heads + 1) if model.num_heads % tp == 0]
+    divisors = [tp for tp in divisors if pins.tp is None or tp == pins.tp]
+    rejected = []
+    too_big = [tp for tp in divisors if tp > node]
+    if too_big:
+        reason = f"tp > GPUs per node ({node}): TP communicates in every layer and must stay on NVLink"
+        rejected.append(Rejection({"tp": too_big}, reason))
+    straddling = [tp for tp in divisors if tp <= node and node % tp != 0]
+    if straddling:
+        reason = f"tp does not divide the node ({node} GPUs): a TP group would straddle two nodes"
+        rejected.append(Rejection({"tp": straddling}, reason))
+    sizes = [tp for tp in divisors if tp <= node and node % tp == 0]
+    return sizes, rejected
+
+
+def recompute_options(num_blocks: int, pins: Pins) -> list[tuple[str, int, str]]:
+    """(policy, k, method) choices for a stage of ``num_blocks`` blocks."""
+    ks = sorted({k for k in (2**i for i in range(num_blocks.bit_length())) if k < num_blocks} | {num_blocks})
+    options = [("none", 1, "uniform"), ("selective", 1, "uniform")]
+    options += [("full", k, "uniform") for k in ks]
+    options += [("full", k, "block") for k in ks if k < num_blocks]  # block with k = n equals uniform with k = 1
+    return [o for o in options if pins.recompute is None or o[0] == pins.recompute]
+
+
+def layout_candidates(
+    model: ModelSpec, global_batch_size: int, tp: int, pp: int, dp: int, pins: Pins
+) -> tuple[list[Candidate], list[Rejection]]:
+    """Every candidate of one (tp, pp, dp) layout, and the micro-batch / SP families it cannot use."""
+    layout = {"tp": tp, "pp": pp, "dp": dp}
+    if global_batch_size % dp != 0:
+        reason = f"global batch ({global_batch_size}) not divisible by dp ({dp})"
+        return [], [Rejection(layout, reason)]
+    per_replica = global_batch_size // dp
+    sizes = (pins.micro_batch_size,) if pins.micro_batch_size is not None else MICRO_BATCH_SIZES
+    rejected = []
+    not_dividing = [b for b in sizes if per_replica % b != 0]
+    if not_dividing:
+        reason = f"b does not divide the batch per replica ({global_batch_size}/dp = {per_replica})"
+        rejected.append(Rejection({**layout, "micro_batch_size": not_dividing}, reason))
+    too_few = [b for b in sizes if per_replica % b == 0 and per_replica // b < pp]
+    if too_few:
+        reason = f"m = {global_batch_size}/(dp x b) < pp ({pp}): the 1F1B pipeline never fills"
+        rejected.append(Rejection({**layout, "micro_batch_size": too_few}, reason))
+    micro = [b for b in sizes if b not in not_dividing and b not in too_few]
+
+    sp_options = [False, True] if tp > 1 else [False]
+    if pins.sequence_parallel is not None:
+        sp_options = [sp for sp in sp_options if sp == pins.sequence_parallel]
+    if True in sp_options and model.seq_length % tp != 0:
+        sp_options.remove(True)
+        reason = f"SP needs seq_length ({model.seq_length}) divisible by tp ({tp})"
+        rejected.append(Rejection({**layout, "sequence_parallel": True}, reason))
+
+    recompute = recompute_options(layers_per_stage(model.num_layers, pp), pins)
+    candidates = [
+        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, zero=1)
+        for sp in sp_options
+        for b in micro
+        for policy, k, method in recompute
+    ]
+    return candidates, rejected
+
+
+def enumerate_candidates(
+    model: ModelSpec, cluster: Cluster, global_batch_size: int, pins: Pins
+) -> tuple[list[Candidate], list[Rejection]]:
+    """All candidates allowed by the pins, and the families left out before any memory or time is modelled."""
+    rejected: list[Rejection] = []
+    if pins.zero in (None, 0):
+        rejected.append(Rejection({"zero_stage": 0}, ZERO0_REASON))
+    if pins.zero == 0:
+        return [], rejected
+    tps, tp_rejected = tp_sizes(model, cluster, pins)
+    rejected += tp_rejected
+    candidates: list[Candidate] = []
+    for tp in tps:
+        skipped = []
+        for pp in range(1, model.num_layers + 1):
+            if pins.pp is not None and pp != pins.pp:
+                continue
+            if cluster.num_gpus % (tp * pp) != 0:
+                skipped.append(pp)
+                continue
+            dp = cluster.num_gpus // (tp * pp)
+            if pins.dp is not None and dp != pins.dp:
+                continue
+            found, why = layout_candidates(model, global_batch_size, tp, pp, dp, pins)
+            candidates += found
+            rejected += why
+        if skipped and pins.pp is not None:
+            reason = f"tp({tp}) x pp({pins.pp}) does not divide the GPU count ({cluster.num_gpus})"
+            rejected.append(Rejection({"tp": tp, "pp": pins.pp}, reason))
+        elif skipped:
+            reason = f"tp({tp}) x pp does not divide the GPU count ({cluster.num_gpus})"
+            rejected.append(Rejection({"tp": tp, "pp": _ranges(skipped)}, reason))
+    return candidates, rejected
+
+
+def _ranges(values: list[int]) -> str:
+    """[3, 5, 6, 7, 9] -> '3, 5-7, 9' (short family descriptions)."""
+    parts, start, prev = [], values[0], values[0]
+    for v in values[1:] + [None]:  # type: ignore[list-item]
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ", ".join(parts)

@@ -1,0 +1,250 @@
+"""What the tuner is asked about: the model, the cluster, the pinned dimensions, and one candidate configuration.
+
+Inputs are checked here, before any search, and a bad one raises :class:`ds_megatron.config.ConfigError` (one line:
+``error: <setting>: <problem> (<values>); <fix>``).  Standard library only.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from ds_megatron.config import ConfigError
+from ds_megatron.config.sizes import GPT3_SEQ_LENGTH, GPT3_VOCAB_SIZE, all_size_names, named_shape
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+# Achieved fraction of peak for the model's large bf16 matmuls: the time model's one free parameter.  Megatron's
+# published A100 runs imply roughly 0.5-0.65 (an MFU of 51-56% with communication and bubble on top); fit yours with
+# ds_megatron.tune.calibrate and pass it as --efficiency.
+DEFAULT_EFFICIENCY = 0.5
+
+# Peak learning rates of the GPT-3 family (Brown et al. 2020, Table 2.1), written into generated configs.
+GPT3_LEARNING_RATES: dict[str, float] = {
+    "gpt3-125m": 6.0e-4,
+    "gpt3-350m": 3.0e-4,
+    "gpt3-760m": 2.5e-4,
+    "gpt3-1.3b": 2.0e-4,
+    "gpt3-2.7b": 1.6e-4,
+    "gpt3-6.7b": 1.2e-4,
+    "gpt3-13b": 1.0e-4,
+    "gpt3-175b": 0.6e-4,
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The GPT to train (pre-LayerNorm, learned positions, MLP width 4h, tied embeddings)."""
+
+    num_layers: int  # L
+    hidden_size: int  # h
+    num_heads: int  # a
+    vocab_size: int  # V, before TP padding
+    seq_length: int  # s (also the size of the position table)
+    size: str | None = None  # named size from ds_megatron.config.sizes, when one was given
+
+    @property
+    def learning_rate(self) -> float:
+        """The GPT-3 table's peak learning rate for a named size; 1e-4 otherwise."""
+        return GPT3_LEARNING_RATES.get(self.size or "", 1.0e-4)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines.  Bandwidths are per GPU, in GB/s (10^9 bytes per second, one direction)."""
+
+    num_gpus: int
+    gpus_per_node: int
+    gpu_memory_gb: float  # usable device memory in GiB (an "80 GB" A100 or H100 has 80 GiB)
+    peak_tflops: float  # dense bf16 peak per GPU (A100: 312)
+    intra_node_gbps: float = 300.0  # NVLink (A100: 600 GB/s both directions = 300 each way)
+    inter_node_gbps: float = 25.0  # InfiniBand share per GPU (one 200 Gb/s HDR NIC per GPU = 25 GB/s)
+    efficiency: float = (
+        DEFAULT_EFFICIENCY  # achieved fraction of peak for the model's matmuls (see time_model.calibrate)
+    )
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Dimensions fixed by the user (None: searched)."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    micro_batch_size: int | None = None
+    sequence_parallel: bool | None = None
+    recompute: str | None = None  # "none" | "selective" | "full"
+    zero: int | None = None  # 0 | 1
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One training configuration: layout, micro-batching, recompute policy and ZeRO stage."""
+
+    tp: int
+    pp: int
+    dp: int
+    sequence_parallel: bool
+    micro_batch_size: int  # b
+    num_micro_batches: int  # m = global batch / (dp * b), the gradient accumulation steps
+    recompute: str  # "none" | "selective" | "full"
+    recompute_layers: int = 1  # full only: chunk size (uniform) or recomputed blocks per stage (block)
+    recompute_method: str = "uniform"  # full only: "uniform" | "block"
+    zero: int = 1
+
+    def recompute_label(self) -> str:
+        if self.recompute != "full":
+            return self.recompute
+        return f"full/{self.recompute_method}/{self.recompute_layers}"
+
+    def settings(self) -> dict:
+        return {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "sequence_parallel": self.sequence_parallel,
+            "micro_batch_size": self.micro_batch_size,
+            "num_micro_batches": self.num_micro_batches,
+            "recompute": self.recompute,
+            "recompute_layers": self.recompute_layers if self.recompute == "full" else None,
+            "recompute_method": self.recompute_method if self.recompute == "full" else None,
+            "zero_stage": self.zero,
+        }
+
+
+def _positive(setting: str, value: int | float | None, example: str) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(setting, "must be positive", f"got {value}", f"pass e.g. {setting} {example}")
+
+
+def build_model_spec(
+    model: str | None,
+    layers: int | None,
+    hidden: int | None,
+    heads: int | None,
+    vocab: int | None,
+    seq_length: int | None,
+) -> ModelSpec:
+    """A named size (``--model gpt3-175b``), optionally overridden, or an explicit shape."""
+    if model is not None:
+        shape = named_shape(model)
+        if shape is None:
+            near = difflib.get_close_matches(model, all_size_names(), n=1, cutoff=0.0)
+            raise ConfigError(
+                "--model", "unknown size", repr(model), f"use one of {', '.join(all_size_names())} ({near[0]!r}?)"
+            )
+        layers = layers if layers is not None else shape[0]
+        hidden = hidden if hidden is not None else shape[1]
+        heads = heads if heads is not None else shape[2]
+    for flag, value in (("--layers", layers), ("--hidden", hidden), ("--heads", heads)):
+        if value is None:
+            raise ConfigError(flag, "not set", "no --model and no explicit shape", f"pass --model or {flag}")
+    vocab = vocab if vocab is not None else GPT3_VOCAB_SIZE
+    seq_length = seq_length if seq_length is not None else GPT3_SEQ_LENGTH
+    for flag, value in (
+        ("--layers", layers),
+        ("--hidden", hidden),
+        ("--heads", heads),
+        ("--vocab", vocab),
+        ("--seq-length", seq_length),
+    ):
+        _positive(flag, value, "2048" if flag == "--seq-length" else "a positive integer")
+    if hidden % heads != 0:
+        raise ConfigError(
+            "--hidden", "not divisible by the number of heads", f"hidden={hidden}, heads={heads}", "choose h = a x d"
+        )
+    named = model if model is not None and named_shape(model) == (layers, hidden, heads) else None
+    return ModelSpec(layers, hidden, heads, vocab, seq_length, size=named)
+
+
+def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int, pins: Pins) -> None:
+    """Refuse inputs no search can satisfy, naming the values and the fix."""
+    _positive("--gpus", cluster.num_gpus, "8")
+    _positive("--gpus-per-node", cluster.gpus_per_node, "8")
+    _positive("--gpu-memory-gb", cluster.gpu_memory_gb, "80")
+    _positive("--gpu-peak-tflops", cluster.peak_tflops, "312")
+    _positive("--intra-node-gbps", cluster.intra_node_gbps, "300")
+    _positive("--inter-node-gbps", cluster.inter_node_gbps, "25")
+    _positive("--global-batch-size", global_batch_size, "1536")
+    if not 0.0 < cluster.efficiency <= 1.0:
+        raise ConfigError("--efficiency", "must be in (0, 1]", f"got {cluster.efficiency}", "pass e.g. 0.5")
+    if cluster.num_gpus > cluster.gpus_per_node and cluster.num_gpus % cluster.gpus_per_node != 0:
+        raise ConfigError(
+            "--gpus",
+            "not a whole number of nodes",
+            f"gpus={cluster.num_gpus}, gpus_per_node={cluster.gpus_per_node}",
+            f"pass a multiple of {cluster.gpus_per_node}",
+        )
+    for flag, value in (
+        ("--tp", pins.tp),
+        ("--pp", pins.pp),
+        ("--dp", pins.dp),
+        ("--micro-batch-size", pins.micro_batch_size),
+    ):
+        if value is not None:
+            _positive(flag, value, "1")
+    if pins.tp is not None:
+        if model.num_heads % pins.tp != 0:
+            node = min(cluster.gpus_per_node, cluster.num_gpus)
+            divisors = [t for t in range(1, node + 1) if model.num_heads % t == 0 and node % t == 0]
+            raise ConfigError(
+                "--tp",
+                "num_heads not divisible by tp",
+                f"num_heads={model.num_heads}, tp={pins.tp}",
+                f"choose tp from {divisors}",
+            )
+        node = min(cluster.gpus_per_node, cluster.num_gpus)
+        if node % pins.tp != 0:
+            raise ConfigError(
+                "--tp",
+                "a TP group must fit inside one node",
+                f"tp={pins.tp}, gpus_per_node={cluster.gpus_per_node}, gpus={cluster.num_gpus}",
+                f"choose tp dividing {node}",
+            )
+        if pins.sequence_parallel and pins.tp == 1:
+            raise ConfigError(
+                "--sequence-parallel", "needs tp > 1", "tp=1", "drop --sequence-parallel or pin --tp above 1"
+            )
+    if pins.pp is not None and pins.pp > model.num_layers:
+        raise ConfigError(
+            "--pp",
+            "more pipeline stages than layers",
+            f"pp={pins.pp}, layers={model.num_layers}",
+            f"pass --pp <= {model.num_layers}",
+        )
+    fixed = [(n, v) for n, v in (("tp", pins.tp), ("pp", pins.pp), ("dp", pins.dp)) if v is not None]
+    product = 1
+    for _, value in fixed:
+        product *= value
+    if fixed and cluster.num_gpus % product != 0:
+        desc = " x ".join(f"{n}({v})" for n, v in fixed)
+        raise ConfigError(
+            "--gpus",
+            "the pinned dimensions do not divide the GPU count",
+            f"{desc} = {product}, gpus={cluster.num_gpus}",
+            "change a pin or the GPU count",
+        )
+    if len(fixed) == 3 and product != cluster.num_gpus:
+        raise ConfigError(
+            "--gpus",
+            "tp x pp x dp must equal the GPU count",
+            f"tp({pins.tp}) x pp({pins.pp}) x dp({pins.dp}) = {product} != {cluster.num_gpus}",
+            "drop one pin or fix the product",
+        )
+    if pins.dp is not None and global_batch_size % pins.dp != 0:
+        raise ConfigError(
+            "--global-batch-size",
+            "not divisible by dp",
+            f"{global_batch_size} % {pins.dp} != 0",
+            f"pass a multiple of {pins.dp}",
+        )
+    if pins.recompute is not None and pins.recompute not in RECOMPUTE_CHOICES:
+        raise ConfigError("--recompute", "unknown policy", repr(pins.recompute), f"use one of {RECOMPUTE_CHOICES}")
+    if pins.zero is not None and pins.zero not in (0, 1):
+        raise ConfigError(
+            "--zero", "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only", f"got {pins.zero}", "pass 0 or 1"
+        )
