@@ -95,3 +95,13 @@ def test_resume_is_exact(tmp_path):
     second = _train(tmp_path, "second", 6, ["--load", str(tmp_path / "ck")])
     assert len(straight) == 6 and len(first) == 3 and len(second) == 3
     assert first + second == straight, (straight, first, second)
+
+
+def test_greedy_continuation_matches_single_device(tmp_path):
+    from launch import WORKERS
+
+    deepspeed_launch(WORKERS / "generate.py", 2, ["--out", str(tmp_path), "--layout", "2,1,1"])
+    deepspeed_launch(WORKERS / "generate.py", 2, ["--out", str(tmp_path), "--layout", "1,2,1"])
+    for f in sorted(tmp_path.glob("generate-*.json")):
+        r = json.loads(f.read_text())
+        assert r["pipeline"] == r["reference"], (f.name, r)
