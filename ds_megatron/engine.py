@@ -37,20 +37,7 @@ class Built:
 
 
 def gpt_config_from(run: RunConfig) -> GPTConfig:
-    m = run.model
-    return GPTConfig(
-        vocab_size=m.vocab_size,
-        n_positions=m.max_position_embeddings,
-        n_embd=m.hidden_size,
-        n_layer=m.num_layers,
-        n_head=m.num_heads,
-        embd_pdrop=m.dropout,
-        attn_pdrop=m.dropout,
-        resid_pdrop=m.dropout,
-        layer_norm_epsilon=m.layer_norm_epsilon,
-        initializer_range=m.init_std,
-        attention=m.attention,
-    )
+    return GPTConfig.from_shape(run.model)
 
 
 def init_distributed() -> None:
@@ -115,6 +102,12 @@ def build_engine(run: RunConfig) -> Built:
         recompute=RecomputePlan(**vars(run.section.recompute)),
     )
     module = build_pipeline_module(gpt_config, plan, topology, seed, run.section.parallel.partition_method)
+    ckpt = run.section.checkpoint
+    if ckpt.init_from_hf and not ckpt.load:
+        # Before deepspeed.initialize: the bf16 optimizer copies the weights into its fp32 masters there.
+        from ds_megatron.checkpoint.hf_import import load_hf_into_pipeline
+
+        load_hf_into_pipeline(module, plan, ckpt.init_from_hf)
     opt_kwargs = adamw_kwargs(run.ds_config.get("optimizer"))
     groups = param_groups(module, opt_kwargs.pop("weight_decay"))
     if _uses_deepspeed_clipping(run.ds_config):

@@ -191,7 +191,15 @@ def train(run: RunConfig, config_name: str = "run") -> int:
             tok.eos_token_id,
             run.model.vocab_size,
         )
-        logger.log({"step": step, "sample_prompt": sec.train.prompt, "sample": tok.decode(new)})
+        logger.log(
+            {
+                "step": step,
+                "sample_prompt": sec.train.prompt,
+                "sample": tok.decode(new),
+                "sample_ids": new,
+                "prompt_ids": prompt_ids,
+            }
+        )
         logger.say(f"sample | {sec.train.prompt!r} -> {tok.decode(new)!r}")
     logger.close()
     dist.barrier()

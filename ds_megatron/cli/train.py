@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", help="ds_megatron.checkpoint.save: checkpoint directory")
     p.add_argument("--save-interval", type=int, help="ds_megatron.checkpoint.save_interval")
     p.add_argument("--load", help="ds_megatron.checkpoint.load: resume from this checkpoint directory")
+    p.add_argument("--init-from-hf", help="start from the weights of a transformers GPT-2 directory (e.g. an export)")
     p.add_argument("--wandb-project", help="ds_megatron.logging.wandb_project (offline without credentials)")
     p.add_argument("--peak-tflops", type=float, help="ds_megatron.logging.peak_tflops, for MFU")
     p.add_argument(
@@ -86,6 +87,7 @@ def apply_overrides(cfg: dict, args: argparse.Namespace) -> dict:
         "ds_megatron.checkpoint.save": args.save,
         "ds_megatron.checkpoint.save_interval": args.save_interval,
         "ds_megatron.checkpoint.load": args.load,
+        "ds_megatron.checkpoint.init_from_hf": args.init_from_hf,
         "ds_megatron.logging.wandb_project": args.wandb_project,
         "ds_megatron.logging.peak_tflops": args.peak_tflops,
     }
@@ -137,6 +139,23 @@ def check_inputs(run) -> None:
 
         if is_local(data.path) and not resolve_files(data.path):
             raise ConfigError("ds_megatron.data.path", "no file matches", data.path, "check the path or glob")
+    init = run.section.checkpoint.init_from_hf
+    if init is not None:
+        if not (Path(init) / "config.json").is_file():
+            raise ConfigError(
+                "ds_megatron.checkpoint.init_from_hf",
+                "not a transformers model directory",
+                f"{init} has no config.json",
+                "pass a directory written by `python -m ds_megatron.checkpoint export` or save_pretrained",
+            )
+        from ds_megatron.checkpoint.hf_import import check_hf_config
+        from ds_megatron.model import GPTConfig
+
+        try:
+            check_hf_config(Path(init), GPTConfig.from_shape(run.model))
+        except ValueError as err:
+            problem, _, fix = str(err).removeprefix("error: --init-from-hf: ").partition("; ")
+            raise ConfigError("ds_megatron.checkpoint.init_from_hf", problem, init, fix) from None
     load = run.section.checkpoint.load
     if load is not None and not (Path(load) / "latest").is_file():
         raise ConfigError(

@@ -45,6 +45,26 @@ class GPTConfig:
             initializer_range=self.initializer_range,
             tie_word_embeddings=True,
             attn_implementation=self.attention,
+            # GPT-2's own ids (50256) only where they exist; export sets the tokenizer's EOS.
+            bos_token_id=50256 if self.vocab_size > 50256 else None,
+            eos_token_id=50256 if self.vocab_size > 50256 else None,
+        )
+
+    @classmethod
+    def from_shape(cls, m: Any) -> GPTConfig:
+        """From a resolved model shape (``ds_megatron.config.ModelShape``, read by attribute)."""
+        return cls(
+            vocab_size=m.vocab_size,
+            n_positions=m.max_position_embeddings,
+            n_embd=m.hidden_size,
+            n_layer=m.num_layers,
+            n_head=m.num_heads,
+            embd_pdrop=m.dropout,
+            attn_pdrop=m.dropout,
+            resid_pdrop=m.dropout,
+            layer_norm_epsilon=m.layer_norm_epsilon,
+            initializer_range=m.init_std,
+            attention=m.attention,
         )
 
     @classmethod

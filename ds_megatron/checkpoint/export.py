@@ -1,0 +1,229 @@
+"""Export a ds_megatron DeepSpeed checkpoint (any tp / pp / dp) to a Hugging Face ``GPT2LMHeadModel`` directory.
+
+Reads the pipeline's per-layer files (``layer_<i>-model_<tp>-model_states.pt``, written once per TP rank by DP rank
+0), merges each parameter's TP shards with its shard rule from ``parallelize.shard_rule`` (fused QKV by heads,
+column-parallel on the output dim, row-parallel on the input dim, vocabulary blocks with the padding stripped),
+checks that replicated parameters agree across TP ranks, maps the names through ``keymap.to_hf_state_dict`` and
+writes safetensors shards (plus ``model.safetensors.index.json`` when there is more than one), ``config.json``,
+``generation_config.json`` and the tokenizer.  It streams layer by layer: at most one output shard and one layer's
+TP shards are in memory at a time.  Everything is written to a temporary directory renamed at the end, so a failed
+export leaves nothing under ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ds_megatron.checkpoint.keymap import TIED_HEAD, is_conv1d
+from ds_megatron.checkpoint.run_state import latest_tag
+from ds_megatron.config import resolve
+from ds_megatron.model import GPTConfig
+from ds_megatron.parallelize import ParallelPlan, shard_rule
+from ds_megatron.tensor_parallel import unshard
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ExportError(ValueError):
+    """``str`` is the one line shown to the user."""
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    t = text.strip().upper()
+    for unit, mult in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t)
+
+
+def read_checkpoint_config(ckpt_dir: Path, tag: str | None) -> tuple[str, dict]:
+    tag = tag or latest_tag(ckpt_dir)
+    if tag is None:
+        raise ExportError(f"error: --checkpoint: no 'latest' file in {ckpt_dir}; pass --tag or a checkpoint directory")
+    states = ckpt_dir / tag / "mp_rank_00_model_states.pt"
+    if not states.exists():
+        raise ExportError(f"error: --checkpoint: {states} is missing (incomplete checkpoint); use a complete tag")
+    client = torch.load(states, map_location="cpu", weights_only=False)
+    if "config" not in client:
+        raise ExportError(f"error: --checkpoint: {states} has no ds_megatron config; was it written by train_gpt.py?")
+    return tag, client["config"]
+
+
+def layer_names(gpt: GPTConfig) -> list[tuple[int, str]]:
+    """(pipeline layer index, prefix of its full GPT names) in the order of pipeline.layer_specs."""
+    names = [(0, "transformer."), (1, "transformer.")]
+    names += [(2 + i, f"transformer.h.{i}.") for i in range(gpt.n_layer)]
+    names.append((2 + gpt.n_layer, "transformer."))
+    return names
+
+
+def iter_full_parameters(ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(full GPT name, merged tensor) for every parameter, one pipeline layer at a time."""
+    for idx, prefix in layer_names(gpt):
+        shards = []
+        for rank in range(tp):
+            f = ckpt / f"layer_{idx:02d}-model_{rank:02d}-model_states.pt"
+            if not f.exists():
+                raise ExportError(f"error: --checkpoint: {f} is missing (partial checkpoint); use a complete one")
+            shards.append(torch.load(f, map_location="cpu", weights_only=True))
+        for local in shards[0]:
+            name = prefix + local.removeprefix("block.")
+            parts = [s[local] for s in shards]
+            rule = shard_rule(name, plan)
+            if rule.replicated:
+                for r, p in enumerate(parts[1:], start=1):
+                    if not torch.equal(p, parts[0]):
+                        raise ExportError(
+                            f"error: --checkpoint: replicated parameter {name} differs between TP ranks 0 and {r}; "
+                            "the checkpoint is inconsistent"
+                        )
+                yield name, parts[0]
+            else:
+                full_size = gpt.vocab_size if name.endswith("wte.weight") else None
+                yield name, unshard(parts, rule, full_size)
+
+
+def expected_shape(name: str, gpt: GPTConfig) -> tuple[int, ...]:
+    h, v, npos = gpt.n_embd, gpt.vocab_size, gpt.n_positions
+    table = {
+        "wte.weight": (v, h),
+        "wpe.weight": (npos, h),
+        "ln_1.weight": (h,),
+        "ln_1.bias": (h,),
+        "ln_2.weight": (h,),
+        "ln_2.bias": (h,),
+        "ln_f.weight": (h,),
+        "ln_f.bias": (h,),
+        "attn.c_attn.weight": (3 * h, h),
+        "attn.c_attn.bias": (3 * h,),
+        "attn.c_proj.weight": (h, h),
+        "attn.c_proj.bias": (h,),
+        "mlp.c_fc.weight": (4 * h, h),
+        "mlp.c_fc.bias": (4 * h,),
+        "mlp.c_proj.weight": (h, 4 * h),
+        "mlp.c_proj.bias": (h,),
+    }
+    for suffix, shape in table.items():
+        if name.endswith(suffix):
+            return shape
+    raise ExportError(f"error: --checkpoint: unexpected parameter {name}; not a ds_megatron GPT checkpoint")
+
+
+def export(
+    ckpt_dir: str | Path,
+    out: str | Path,
+    tag: str | None = None,
+    dtype: str = "fp32",
+    max_shard_size: str = "5GB",
+    tokenizer_dir: str | Path | None = None,
+    progress: bool = True,
+) -> Path:
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    ckpt_dir, out = Path(ckpt_dir), Path(out)
+    if dtype not in DTYPES:
+        raise ExportError(f"error: --dtype: unknown dtype ({dtype}); use one of {sorted(DTYPES)}")
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"error: --out: {out} exists and is not empty; choose a new directory")
+    tag, ds_config = read_checkpoint_config(ckpt_dir, tag)
+    parallel = ds_config["ds_megatron"].get("parallel", {})
+    tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
+    run = resolve(ds_config, tp * pp * _dp_of(ckpt_dir / tag))
+    gpt = GPTConfig.from_shape(run.model)
+    plan = ParallelPlan(gpt, None, 0, tp, False, None, run.section.parallel.vocab_multiple)
+    limit = parse_size(max_shard_size)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, files, weight_map = 0, [], {}
+    total = gpt.n_layer + 3
+    bar = _bar(total, progress)
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({k: name for k in shard})
+            shard, shard_bytes = {}, 0
+
+    last_prefix = None
+    for name, tensor in iter_full_parameters(ckpt_dir / tag, gpt, plan, tp):
+        if tuple(tensor.shape) != expected_shape(name, gpt):
+            raise ExportError(
+                f"error: --checkpoint: {name} has shape {tuple(tensor.shape)}, the config says "
+                f"{expected_shape(name, gpt)}; the checkpoint does not match its config"
+            )
+        prefix = name.rsplit(".", 2)[0]
+        if prefix != last_prefix and bar is not None:
+            bar.update(1)
+        last_prefix = prefix
+        hf = (tensor.t() if is_conv1d(name) else tensor).to(DTYPES[dtype]).contiguous()
+        size = hf.numel() * hf.element_size()
+        if shard and shard_bytes + size > limit:
+            flush()
+        shard[name] = hf
+        shard_bytes += size
+    flush()
+    if bar is not None:
+        bar.close()
+    if len(files) == 1:
+        os.replace(tmp / files[0], tmp / "model.safetensors")
+    else:
+        index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+        index["metadata"]["total_size"] = sum((tmp / f).stat().st_size for f in files)
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf_config = gpt.to_hf()
+    hf_config.dtype = str(DTYPES[dtype]).removeprefix("torch.")
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else _find_tokenizer(ckpt_dir, run)
+    eos = None
+    if tok_dir is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        tok.save_pretrained(tmp)
+        eos = tok.eos_token_id
+    hf_config.bos_token_id = hf_config.eos_token_id = eos
+    hf_config.architectures = ["GPT2LMHeadModel"]
+    hf_config.save_pretrained(tmp)
+    GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _dp_of(tag_dir: Path) -> int:
+    client = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    return int(client.get("dp_world_size", 1))
+
+
+def _find_tokenizer(ckpt_dir: Path, run) -> Path | None:
+    """The tokenizer the run saved: <run dir>/tokenizer, which is the checkpoint directory by default."""
+    candidates = [ckpt_dir / "tokenizer"]
+    if run.section.logging.run_dir:
+        candidates.append(Path(run.section.logging.run_dir) / "tokenizer")
+    return next((c for c in candidates if (c / "tokenizer_config.json").exists()), None)
+
+
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="exporting", unit="layer")
+    except ImportError:
+        return None
+
+
+__all__ = ["ExportError", "TIED_HEAD", "export", "iter_full_parameters"]

@@ -1,0 +1,77 @@
+"""Initialise a pipeline module from a Hugging Face GPT-2 directory (``train_gpt.py --init-from-hf HF_DIR``).
+
+Each rank reads, lazily from the safetensors files, only the tensors its stage holds, converts them with the key map
+and keeps its TP shard (the same shard rules the layers were built with).  The pipeline-tied embedding copies are
+both loaded, so they start identical.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ds_megatron.checkpoint.keymap import is_conv1d
+from ds_megatron.model import GPTConfig
+from ds_megatron.parallelize import ParallelPlan, shard_rule
+from ds_megatron.pipeline import pipeline_param_name
+from ds_megatron.tensor_parallel import shard
+
+
+def _tensor_files(hf_dir: Path) -> dict[str, Path]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: hf_dir / f for name, f in weight_map.items()}
+    single = hf_dir / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"error: --init-from-hf: no model.safetensors in {hf_dir}; pass an exported directory")
+    from safetensors import safe_open
+
+    with safe_open(str(single), "pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def check_hf_config(hf_dir: Path, gpt: GPTConfig) -> None:
+    """The HF model must be a GPT-2 of exactly this shape; one error line otherwise."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(hf_dir)
+    if hf.model_type != "gpt2":
+        raise ValueError(f"error: --init-from-hf: model type {hf.model_type!r} is not gpt2; export a GPT-2 model")
+    ours = GPTConfig.from_hf(hf, attention=gpt.attention)
+    for field in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+        if getattr(ours, field) != getattr(gpt, field):
+            raise ValueError(
+                f"error: --init-from-hf: {field} differs ({getattr(ours, field)} in {hf_dir}, {getattr(gpt, field)} in "
+                "the config); set the model shape to match"
+            )
+
+
+@torch.no_grad()
+def load_hf_into_pipeline(module, plan: ParallelPlan, hf_dir: str | Path) -> int:
+    """Copy this rank's shards of the HF weights into ``module``; returns the number of tensors loaded."""
+    from safetensors import safe_open
+
+    hf_dir = Path(hf_dir)
+    check_hf_config(hf_dir, plan.config)
+    files = _tensor_files(hf_dir)
+    handles: dict[Path, object] = {}
+    loaded = 0
+    for local_name, param in module.named_parameters():
+        full = pipeline_param_name(local_name, module)
+        if full is None or full not in files:
+            raise KeyError(f"error: --init-from-hf: {hf_dir} has no tensor for {full or local_name}")
+        path = files[full]
+        if path not in handles:
+            handles[path] = safe_open(str(path), "pt")
+        tensor = handles[path].get_tensor(full).float()
+        if is_conv1d(full):
+            tensor = tensor.t()
+        part = shard(tensor, shard_rule(full, plan), plan.tp_rank, plan.tp_size)
+        if part.shape != param.shape:
+            raise ValueError(f"error: --init-from-hf: {full} shard {tuple(part.shape)} != {tuple(param.shape)}")
+        param.copy_(part.to(param.dtype))
+        loaded += 1
+    return loaded

@@ -1,0 +1,119 @@
+"""Issue 5: transformers -> ds_megatron (tp 2 x pp 2, --init-from-hf) -> DeepSpeed checkpoint -> export gives back
+bitwise-identical tensors; bad input to export is one error line and writes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from launch import WORKERS, deepspeed_launch
+from safetensors.torch import load_file
+from transformers import GPT2LMHeadModel
+
+from ds_megatron.checkpoint.__main__ import main as checkpoint_main
+from ds_megatron.model import GPTConfig
+
+
+def _random_hf(path):
+    cfg = GPTConfig(vocab_size=1001, n_positions=16, n_embd=64, n_layer=3, n_head=4).to_hf()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    with torch.no_grad():  # non-trivial LayerNorms and biases too
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    model.save_pretrained(path)
+    return model
+
+
+def test_import_at_tp2_pp2_then_export_is_bitwise_identical(tmp_path):
+    original = _random_hf(tmp_path / "hf")
+    deepspeed_launch(WORKERS / "hf_roundtrip.py", 4, ["--hf", str(tmp_path / "hf"), "--out", str(tmp_path)])
+    assert checkpoint_main(["export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "back")]) == 0
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    expected = {k: v for k, v in original.state_dict().items() if k != "lm_head.weight"}
+    assert set(back) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(back[name], tensor), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["vocab_size"] == 1001 and config["n_layer"] == 3
+    assert GPT2LMHeadModel.from_pretrained(tmp_path / "back").lm_head.weight.shape == (1001, 64)
+
+
+def test_export_refuses_bad_input_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert checkpoint_main(["export", "--checkpoint", str(tmp_path / "missing"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --checkpoint: no 'latest' file")
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+    partial = tmp_path / "partial"
+    (partial / "step00000001").mkdir(parents=True)
+    (partial / "latest").write_text("step00000001")
+    assert checkpoint_main(["export", "--checkpoint", str(partial), "--out", str(out)]) == 2
+    assert "incomplete checkpoint" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_init_from_hf_of_another_shape_or_architecture_is_refused_before_launch(tmp_path):
+    import subprocess
+    import sys
+
+    from launch import ROOT
+
+    _random_hf(tmp_path / "hf")  # vocab 1001, 3 layers: the tiny demo config has other shapes
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "recipes/train_gpt.py",
+            "--deepspeed_config",
+            "ds_configs/gpt_tiny.json",
+            "--init-from-hf",
+            str(tmp_path / "hf"),
+        ],
+        cwd=ROOT,
+        env={"WORLD_SIZE": "4", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ds_megatron.checkpoint.init_from_hf: vocab_size differs")
+
+
+def test_export_shards_above_the_size_limit_and_runs_in_a_pipeline(tmp_path):
+    from transformers import pipeline
+
+    original = _random_hf(tmp_path / "hf")
+    deepspeed_launch(WORKERS / "hf_roundtrip.py", 4, ["--hf", str(tmp_path / "hf"), "--out", str(tmp_path)])
+    out = tmp_path / "sharded"
+    assert (
+        checkpoint_main(
+            [
+                "export",
+                "--checkpoint",
+                str(tmp_path / "ck"),
+                "--out",
+                str(out),
+                "--max-shard-size",
+                "100KB",
+                "--tokenizer",
+                str(_byte_tokenizer(tmp_path)),
+            ]
+        )
+        == 0
+    )
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    reloaded = GPT2LMHeadModel.from_pretrained(out)
+    for name, tensor in original.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    text = pipeline("text-generation", model=str(out))("hello", max_new_tokens=3, do_sample=False)
+    assert text[0]["generated_text"].startswith("hello")
+
+
+def _byte_tokenizer(tmp_path):
+    """A real byte-level BPE tokenizer small enough for the 1001-token model."""
+    from ds_megatron.data import build_tokenizer, load_documents
+
+    ds = load_documents(None)
+    tok, path = build_tokenizer("bpe:600", ds, "roundtrip", tmp_path / "tokcache")
+    return path
