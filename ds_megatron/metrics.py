@@ -63,26 +63,31 @@ class WandbRun:
         run_id: str | None,
     ):
         self.run = None
-        try:
-            import wandb
+        self.id = run_id
+        if mode is None:
+            has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
+            mode = os.environ.get("WANDB_MODE") or ("online" if has_key else "offline")
+        for attempt in (mode, "offline"):
+            try:
+                import wandb
 
-            if mode is None:
-                has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
-                mode = os.environ.get("WANDB_MODE") or ("online" if has_key else "offline")
-            self.run = wandb.init(
-                project=project,
-                name=name,
-                tags=list(tags),
-                config=config,
-                dir=str(run_dir),
-                mode=mode,
-                id=run_id,
-                resume="allow" if run_id else None,
-            )
-            self.id = self.run.id
-        except Exception as err:  # wandb misconfigured or unreachable: keep training
-            print(f"warning: wandb disabled ({type(err).__name__}: {err})", file=sys.stderr, flush=True)
-            self.id = run_id
+                self.run = wandb.init(
+                    project=project,
+                    name=name,
+                    tags=list(tags),
+                    config=config,
+                    dir=str(run_dir),
+                    mode=attempt,
+                    id=run_id,
+                    resume="allow" if run_id else None,
+                )
+                self.id = self.run.id
+                return
+            except Exception as err:  # misconfigured or unreachable: warn, then try offline, then go on without
+                print(f"warning: wandb ({attempt}) failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+                if attempt == "offline":
+                    break
+        print("warning: wandb disabled for this run; metrics.jsonl still has every record", file=sys.stderr, flush=True)
 
     def log(self, record: dict, step: int) -> None:
         if self.run is None:

@@ -18,11 +18,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def deepspeed_launch(script: str | Path, nprocs: int, args: list[str], timeout: int = 600) -> str:
+def deepspeed_launch(
+    script: str | Path, nprocs: int, args: list[str], timeout: int = 600, env_extra: dict | None = None
+) -> str:
     """Launch ``script`` under ``deepspeed --num_gpus nprocs``; raise with the output tail on failure."""
     launcher = Path(sys.executable).parent / "deepspeed"
     cmd = [str(launcher), "--num_gpus", str(nprocs), "--master_port", str(_free_port()), str(script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    env.update(env_extra or {})
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:

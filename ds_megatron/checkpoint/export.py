@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ds_megatron.checkpoint.keymap import TIED_HEAD, is_conv1d
+from ds_megatron.checkpoint.manifest import is_complete
 from ds_megatron.checkpoint.run_state import latest_tag
 from ds_megatron.config import resolve
 from ds_megatron.model import GPTConfig
@@ -46,9 +47,11 @@ def parse_size(text: str) -> int:
 def read_checkpoint_config(ckpt_dir: Path, tag: str | None) -> tuple[str, dict]:
     tag = tag or latest_tag(ckpt_dir)
     if tag is None:
-        raise ExportError(f"error: --checkpoint: no 'latest' file in {ckpt_dir}; pass --tag or a checkpoint directory")
+        raise ExportError(
+            f"error: --checkpoint: no complete checkpoint in {ckpt_dir}; pass a directory written by --save (or --tag)"
+        )
     states = ckpt_dir / tag / "mp_rank_00_model_states.pt"
-    if not states.exists():
+    if not states.exists() or not is_complete(ckpt_dir / tag):
         raise ExportError(f"error: --checkpoint: {states} is missing (incomplete checkpoint); use a complete tag")
     client = torch.load(states, map_location="cpu", weights_only=False)
     if "config" not in client:

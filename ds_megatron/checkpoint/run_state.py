@@ -1,56 +1,100 @@
-"""Saving and resuming a training run with DeepSpeed checkpoints.
+"""Saving and resuming a training run with DeepSpeed checkpoints, crash-safe (trap 12).
 
 A checkpoint tag ``step<N>`` holds DeepSpeed's files (per-layer weights, optimizer and scheduler states) plus
 ``client_state``: the resolved configuration, the step (the data position follows from it), and the wandb run id.
 RNG states differ per rank (dropout seeds depend on pp/dp/tp rank), so every rank also writes its own
-``rng_rank<r>.pt`` into the tag; resuming restores them and the run continues bit for bit.
+``rng_rank<r>.pt``.
+
+DeepSpeed writes files in place and moves ``latest`` from rank 0 before the other ranks are done, so a crash can leave
+a half-written tag that ``latest`` names.  Here a tag counts only once every rank has finished (a barrier) and
+``manifest.json`` lists every file with its size and sha256 (computed in parallel, each rank a share of the files);
+only then is ``latest`` replaced, atomically (write a temporary file, rename).  Loading takes the newest *complete*
+tag and warns about any newer incomplete one; ``keep_last`` counts complete tags only and never deletes the newest.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ds_megatron.checkpoint.manifest import MANIFEST, TAG_CONFIG, complete_tags, newest_complete_tag, sha256_file
 from ds_megatron.random import RNGTracker
+
+# Test hook "STEP:SECONDS": when saving that step, sleep after the files are written and before the manifest (so a
+# test can kill the job in the middle of a save).
+PAUSE_ENV = "DS_MEGATRON_TEST_PAUSE_BEFORE_MANIFEST"
 
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def latest_tag(load_dir: str | Path) -> str | None:
-    latest = Path(load_dir) / "latest"
-    return latest.read_text().strip() if latest.exists() else None
+    """The newest complete tag (the one ``latest`` names, unless a crash left that one incomplete)."""
+    return newest_complete_tag(load_dir)
 
 
 def save_run(engine, save_dir: str | Path, step: int, client_state: dict, rng: RNGTracker, keep_last: int = 0) -> str:
-    """Collective.  Writes tag ``step<N>`` and moves ``latest`` to it."""
+    """Collective.  Writes tag ``step<N>``, its manifest, then moves ``latest`` to it."""
+    root = Path(save_dir)
     tag = tag_for(step)
-    engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state)
-    rank = dist.get_rank()
-    torch.save(rng.state_dict(), Path(save_dir) / tag / f"rng_rank{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0 and keep_last > 0:
-        tags = sorted(p.name for p in Path(save_dir).glob("step*") if p.is_dir())
-        for old in tags[:-keep_last]:
-            shutil.rmtree(Path(save_dir) / old, ignore_errors=True)
+    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.save(rng.state_dict(), root / tag / f"rng_rank{rank:05d}.pt")
+    if rank == 0 and "config" in client_state:
+        _atomic_write(root / tag / TAG_CONFIG, json.dumps(client_state["config"], indent=1))
+    dist.barrier()  # every rank has written its files
+    pause_step, _, pause_s = os.environ.get(PAUSE_ENV, "").partition(":")
+    if pause_step and int(pause_step) == step:
+        time.sleep(float(pause_s))
+    names = sorted(p.name for p in (root / tag).iterdir() if p.is_file() and p.name != MANIFEST)
+    mine = {
+        n: {"bytes": (root / tag / n).stat().st_size, "sha256": sha256_file(root / tag / n)} for n in names[rank::world]
+    }
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        files = {k: v for part in gathered for k, v in part.items()}
+        _atomic_write(root / tag / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+        _atomic_write(root / "latest", tag)
+        if keep_last > 0:
+            for old in complete_tags(root)[:-keep_last]:
+                shutil.rmtree(root / old, ignore_errors=True)
     dist.barrier()
     return tag
 
 
 def load_run(engine, load_dir: str | Path, rng: RNGTracker) -> dict:
-    """Collective.  Loads the latest tag into the engine and this rank's RNG states; returns the client state."""
-    tag = latest_tag(load_dir)
+    """Collective.  Loads the newest complete tag into the engine and this rank's RNG states; returns the client
+    state."""
+    root = Path(load_dir)
+    tag = latest_tag(root)
     if tag is None:
-        raise FileNotFoundError(f"error: --load: no checkpoint in {load_dir} (no 'latest' file); pass a checkpoint dir")
-    path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
+        raise FileNotFoundError(f"error: --load: no complete checkpoint in {root}; pass a directory written by --save")
+    newer = [p.name for p in root.glob("step*") if p.is_dir() and p.name > tag]
+    if newer and dist.get_rank() == 0:
+        print(
+            f"warning: skipping incomplete checkpoint(s) {sorted(newer)}; resuming from {tag}",
+            file=sys.stderr,
+            flush=True,
+        )
+    path, client_state = engine.load_checkpoint(str(root), tag=tag)
     if path is None:
-        raise FileNotFoundError(f"error: --load: checkpoint {load_dir}/{tag} could not be loaded; check the directory")
-    rng_file = Path(load_dir) / tag / f"rng_rank{dist.get_rank():05d}.pt"
+        raise FileNotFoundError(f"error: --load: checkpoint {root}/{tag} could not be loaded; check the directory")
+    rng_file = root / tag / f"rng_rank{dist.get_rank():05d}.pt"
     if rng_file.exists():
         rng.load_state_dict(torch.load(rng_file, weights_only=False))
     else:

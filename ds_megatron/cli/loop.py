@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import signal
 import sys
@@ -20,6 +21,9 @@ from ds_megatron.data.prepare import prepare_data
 from ds_megatron.engine import build_engine
 from ds_megatron.generate import greedy_continuation
 from ds_megatron.metrics import MetricsLogger, WandbRun, format_record, lookup_peak_tflops, throughput
+
+NAN_STEPS_ENV = "DS_MEGATRON_TEST_NAN_STEPS"  # test hook: comma-separated steps whose loss is made NaN
+EXIT_NUMERICS = 3  # stopped by the numerical guard
 
 
 class StopFlag:
@@ -105,6 +109,9 @@ def train(run: RunConfig, config_name: str = "run") -> int:
     if recompute.policy == "full" and recompute.method == "block":
         recomputed_layers = min(recompute.num_layers * run.pp, run.model.num_layers)
     stop = StopFlag()
+    # Test hook: steps whose loss is made NaN, to exercise the numerical guards end to end.
+    poisoned = {int(x) for x in os.environ.get(NAN_STEPS_ENV, "").split(",") if x.strip()}
+    bad_in_row = 0
 
     def client_state(step: int) -> dict:
         return {"step": step, "config": run.ds_config, "wandb_run_id": wandb_id, "skipped": skipped}
@@ -115,23 +122,41 @@ def train(run: RunConfig, config_name: str = "run") -> int:
             logger.say(f"saved checkpoint {sec.checkpoint.save}/{tag}")
 
     step = start_step
-    window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+    window_loss, window_good, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
     last_saved = None
     while step < iters:
         step += 1
+        engine.module.loss_fn.poison = step in poisoned
         loss = float(engine.train_batch(stream))
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         if not math.isfinite(norm) or not math.isfinite(loss):
             skipped += 1
-        window_loss, window_steps = window_loss + loss, window_steps + 1
+            bad_in_row += 1
+            logger.say(
+                f"step {step:>6}/{iters} | non-finite loss {loss} or grad norm {norm}: update skipped "
+                f"({bad_in_row} in a row, {skipped} in total)"
+            )
+            if bad_in_row >= sec.train.max_bad_steps:
+                checkpoint(step)
+                logger.say(
+                    f"error: training: {bad_in_row} steps in a row with a non-finite loss or gradient norm "
+                    f"(max_bad_steps={sec.train.max_bad_steps}); lower the learning rate or check the data, then "
+                    "resume from the checkpoint just saved (its weights are those of the last good step)"
+                )
+                logger.close()
+                return EXIT_NUMERICS
+        else:
+            bad_in_row = 0
+            window_loss, window_good = window_loss + loss, window_good + 1
+        window_steps += 1
         logger.advance()
         record = None
-        if step % log_every == 0 or step == iters:
+        if (step % log_every == 0 or step == iters) and window_good > 0:
             elapsed = (time.perf_counter() - window_start) / window_steps
             record = {
                 "step": step,
-                "loss": window_loss / window_steps,
+                "loss": window_loss / window_good,
                 "lr": engine.get_lr()[0],
                 "grad_norm": norm,
                 "step_ms": 1000 * elapsed,
@@ -150,7 +175,7 @@ def train(run: RunConfig, config_name: str = "run") -> int:
                     peak,
                 ),
             }
-            window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+            window_loss, window_good, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
         if sec.train.eval_interval and step % sec.train.eval_interval == 0 and step != iters:
             val = evaluate(engine, run, data.valid, topo.dp_rank, sec.train.eval_iters)
             record = {**(record or {"step": step}), "val_loss": val, "val_ppl": math.exp(min(val, 50))}

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ds_megatron.config import ConfigError, load_json, resolve
@@ -128,8 +129,6 @@ def validate(argv: list[str] | None = None):
 
 def check_inputs(run) -> None:
     """What can be checked before any process group: data files, tokenizer, checkpoint directory."""
-    from pathlib import Path
-
     from ds_megatron.config import check_tokenizer, effective_tokenizer
 
     data = run.section.data
@@ -137,8 +136,26 @@ def check_inputs(run) -> None:
     if data.path is not None:
         from ds_megatron.data.corpus import is_local, resolve_files
 
-        if is_local(data.path) and not resolve_files(data.path):
-            raise ConfigError("ds_megatron.data.path", "no file matches", data.path, "check the path or glob")
+        if is_local(data.path):
+            files = resolve_files(data.path)
+            if not files:
+                raise ConfigError("ds_megatron.data.path", "no file matches", data.path, "check the path or glob")
+            if all(os.path.getsize(f) == 0 for f in files):
+                raise ConfigError(
+                    "ds_megatron.data.path", "the dataset is empty", f"{len(files)} file(s) of 0 bytes", "add some text"
+                )
+    spec = effective_tokenizer(run)
+    if not spec.startswith("bpe:"):
+        from transformers import AutoTokenizer
+
+        size = len(AutoTokenizer.from_pretrained(spec))
+        if size > run.model.vocab_size:
+            raise ConfigError(
+                "ds_megatron.data.tokenizer",
+                "tokenizer vocabulary larger than the model's",
+                f"{size} tokens in {spec} > vocab_size {run.model.vocab_size}",
+                f"set ds_megatron.model.vocab_size to at least {size}",
+            )
     init = run.section.checkpoint.init_from_hf
     if init is not None:
         if not (Path(init) / "config.json").is_file():
@@ -157,13 +174,60 @@ def check_inputs(run) -> None:
             problem, _, fix = str(err).removeprefix("error: --init-from-hf: ").partition("; ")
             raise ConfigError("ds_megatron.checkpoint.init_from_hf", problem, init, fix) from None
     load = run.section.checkpoint.load
-    if load is not None and not (Path(load) / "latest").is_file():
+    if load is not None:
+        check_resume(run, Path(load))
+
+
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length", "max_position_embeddings")
+
+
+def check_resume(run, load: Path) -> None:
+    """``--load`` needs a complete checkpoint whose model and layout match this run."""
+    from ds_megatron.checkpoint.manifest import newest_complete_tag, tag_config
+    from ds_megatron.config import resolve
+
+    tag = newest_complete_tag(load)
+    if tag is None:
         raise ConfigError(
             "ds_megatron.checkpoint.load",
             "no complete checkpoint there",
-            f"{load} has no 'latest' file",
-            "pass a directory written by --save",
+            f"{load} has no tag with a manifest",
+            "pass a directory written by --save (incomplete tags from a crash are skipped)",
         )
+    saved = tag_config(load, tag)
+    if saved is None:
+        return
+    try:
+        old = resolve(saved, saved_world(saved))
+    except ConfigError:
+        return
+    for key in SHAPE_KEYS:
+        a, b = getattr(old.model, key), getattr(run.model, key)
+        if a != b:
+            raise ConfigError(
+                "ds_megatron.checkpoint.load",
+                f"checkpoint model shape does not match the config ({key})",
+                f"{key}={a} in {load}/{tag}, {b} in the config",
+                f"set ds_megatron.model.{key}={a} or start a new run",
+            )
+    if (old.tp, old.pp) != (run.tp, run.pp):
+        raise ConfigError(
+            "ds_megatron.checkpoint.load",
+            "checkpoint was saved at another tp x pp",
+            f"tp {old.tp} x pp {old.pp} in {load}/{tag}, tp {run.tp} x pp {run.pp} now",
+            f"resume with --tp {old.tp} --pp {old.pp}, or export and restart with --init-from-hf",
+        )
+
+
+def saved_world(cfg: dict) -> int:
+    """The world size a saved config was resolved for (from its batch arithmetic)."""
+    par = cfg.get("ds_megatron", {}).get("parallel", {})
+    tp, pp = par.get("tp", 1), par.get("pp", 1)
+    micro, gas, glob = (
+        cfg.get(k) for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+    )
+    dp = glob // (micro * gas) if micro and gas and glob else 1
+    return tp * pp * dp
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,7 @@ class TrainSection:
     log_interval: int = 10  # steps between log lines
     eval_interval: int = 0  # steps between validation runs (0: only at the end)
     eval_iters: int = 4  # validation batches per evaluation
+    max_bad_steps: int = 10  # stop (with a checkpoint) after this many non-finite steps in a row
     prompt: str = "The "  # prompt of the greedy continuation printed at the end
     generate_tokens: int = 48  # tokens of that continuation (0: none)
 

@@ -1,0 +1,277 @@
+"""Issue 7: bad input refused before anything happens; crash-safe checkpoints; graceful stop; numerical guards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launch import ROOT, _free_port, deepspeed_launch
+
+TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
+
+
+def cli(args: list[str], world: int = 4) -> subprocess.CompletedProcess:
+    env = {"WORLD_SIZE": str(world), "PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root")}
+    return subprocess.run(
+        [sys.executable, "recipes/train_gpt.py", "--deepspeed_config", TINY, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _fake_checkpoint(root: Path, shape_change: dict | None = None, tp: int = 2) -> Path:
+    """A complete-looking tag (manifest + config) for --load validation."""
+    cfg = json.loads(Path(TINY).read_text())
+    cfg["ds_megatron"]["model"].update(shape_change or {})
+    cfg["ds_megatron"]["parallel"]["tp"] = tp
+    tag = root / "step00000002"
+    tag.mkdir(parents=True)
+    (tag / "config.json").write_text(json.dumps(cfg))
+    (tag / "a.pt").write_bytes(b"x" * 10)
+    (tag / "manifest.json").write_text(json.dumps({"step": 2, "files": {"a.pt": {"bytes": 10, "sha256": ""}}}))
+    (root / "latest").write_text("step00000002")
+    return root
+
+
+BAD = [
+    ("invalid json", None, "--deepspeed_config", "invalid JSON"),
+    (
+        "unknown key",
+        ["--set", "ds_megatron.model.hiden_size=64"],
+        "ds_megatron.model.hiden_size",
+        "did you mean 'hidden_size'",
+    ),
+    (
+        "hidden % heads",
+        ["--set", "ds_megatron.model.hidden_size=130"],
+        "ds_megatron.model.hidden_size",
+        "not divisible",
+    ),
+    ("heads % tp", ["--tp", "3"], "ds_megatron.parallel.tp", "num_heads=4, tp=3"),
+    (
+        "seq % tp under SP",
+        ["--set", "ds_megatron.model.seq_length=127"],
+        "ds_megatron.parallel.sequence_parallel",
+        "seq_length=127",
+    ),
+    ("layers < stages", ["--pp", "8", "--tp", "1"], "ds_megatron.parallel.pp", "num_layers=4, pp=8"),
+    ("world size", ["--tp", "4"], "ds_megatron.parallel", "world size 4"),
+    ("batch arithmetic", ["--set", "train_batch_size=20"], "train_batch_size", "20 != 4 x 4 x 1"),
+    ("zero 2 with pp", ["--set", 'zero_optimization={"stage": 2}'], "zero_optimization.stage", "stage=2"),
+    ("bf16 and fp16", ["--set", 'bf16={"enabled": true}', "--set", 'fp16={"enabled": true}'], "bf16.enabled", "both"),
+    ("data missing", ["--data", "/nonexistent/*.txt"], "ds_megatron.data.path", "no file matches"),
+    ("dataset empty", "EMPTY", "ds_megatron.data.path", "empty"),
+    ("tokenizer too big", ["--tokenizer", "bpe:5000"], "ds_megatron.data.tokenizer", "bpe:5000 > vocab_size 1024"),
+    (
+        "sequence above positions",
+        ["--set", "ds_megatron.model.max_position_embeddings=64"],
+        "ds_megatron.model.seq_length",
+        "max_position_embeddings=64",
+    ),
+    ("load without checkpoint", "NOCKPT", "ds_megatron.checkpoint.load", "no complete checkpoint"),
+    ("checkpoint shape", "SHAPE", "ds_megatron.checkpoint.load", "hidden_size=256"),
+    ("checkpoint layout", "LAYOUT", "ds_megatron.checkpoint.load", "tp 1 x pp 2"),
+    ("recompute layers", ["--recompute", "full:3"], "ds_megatron.recompute.num_layers", "at most 2 per stage"),
+    ("attention kernel", ["--set", "ds_megatron.model.attention=flash"], "ds_megatron.model.attention", "'flash'"),
+    ("learning rate", ["--set", "optimizer.params.lr=0"], "optimizer.params.lr", "got 0"),
+    ("batch size", ["--set", "train_micro_batch_size_per_gpu=-1"], "train_micro_batch_size_per_gpu", "-1"),
+    ("step count", ["--train-iters", "0"], "ds_megatron.train.train_iters", "got 0"),
+]
+
+
+@pytest.mark.parametrize("name,args,setting,detail", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, name, args, setting, detail):
+    save = tmp_path / "save"
+    if args is None:
+        bad = tmp_path / "bad.json"
+        bad.write_text('{"train_batch_size": 16,\n  "ds_megatron": {\n')
+        proc = subprocess.run(
+            [sys.executable, "recipes/train_gpt.py", "--deepspeed_config", str(bad), "--save", str(save)],
+            cwd=ROOT,
+            env={"WORLD_SIZE": "4", "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+        )
+    else:
+        if args == "EMPTY":
+            (tmp_path / "empty.txt").write_text("")
+            args = ["--data", str(tmp_path / "empty.txt")]
+        elif args == "NOCKPT":
+            (tmp_path / "ck").mkdir()
+            args = ["--load", str(tmp_path / "ck")]
+        elif args == "SHAPE":
+            args = [
+                "--load",
+                str(
+                    _fake_checkpoint(
+                        tmp_path / "ck", {"size": None, "num_layers": 4, "hidden_size": 256, "num_heads": 4}
+                    )
+                ),
+            ]
+        elif args == "LAYOUT":
+            args = ["--load", str(_fake_checkpoint(tmp_path / "ck", tp=1)), "--tp", "2", "--pp", "2"]
+        proc = cli([*args, "--save", str(save)])
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"error: {setting}: ") and detail in lines[0] and ";" in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not save.exists()
+
+
+def _launch_recipe(args: list[str], env_extra: dict) -> subprocess.Popen:
+    launcher = Path(sys.executable).parent / "deepspeed"
+    cmd = [
+        str(launcher),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        "recipes/train_gpt.py",
+        "--deepspeed_config",
+        TINY,
+        *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", **env_extra)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def _common(tmp_path: Path, name: str) -> list[str]:
+    return [
+        "--tp",
+        "2",
+        "--pp",
+        "1",
+        "--log-interval",
+        "1",
+        "--set",
+        "ds_megatron.model.dropout=0.1",
+        "--set",
+        f"ds_megatron.logging.run_dir={tmp_path / name}",
+        "--set",
+        f"ds_megatron.data.cache_dir={tmp_path / 'cache'}",
+        "--set",
+        "ds_megatron.train.generate_tokens=0",
+        "--set",
+        "ds_megatron.logging.wandb_project=null",
+        "--set",
+        "ds_megatron.train.eval_iters=1",
+    ]
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early ({proc.returncode}):\n{proc.stdout.read()[-4000:]}")
+        if time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("timed out waiting for the run")
+        time.sleep(0.5)
+
+
+def test_crash_in_the_middle_of_a_save_resumes_from_the_previous_complete_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    straight = deepspeed_launch(
+        ROOT / "recipes" / "train_gpt.py",
+        2,
+        ["--deepspeed_config", TINY, "--train-iters", "6", *_common(tmp_path, "straight")],
+    )
+    assert straight
+    proc = _launch_recipe(
+        ["--train-iters", "6", "--save", str(ck), "--save-interval", "2", *_common(tmp_path, "crash")],
+        {"DS_MEGATRON_TEST_PAUSE_BEFORE_MANIFEST": "4:120"},
+    )
+    # step 4's files are written, its manifest is not: kill every process of the job there.
+    _wait_for(
+        lambda: (
+            (ck / "step00000004").is_dir()
+            and (ck / "step00000002" / "manifest.json").exists()
+            and len(list((ck / "step00000004").glob("rng_rank*.pt"))) == 2
+        ),
+        proc,
+    )
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (ck / "latest").read_text() == "step00000002"
+    assert not (ck / "step00000004" / "manifest.json").exists()
+    out = deepspeed_launch(
+        ROOT / "recipes" / "train_gpt.py",
+        2,
+        ["--deepspeed_config", TINY, "--train-iters", "6", "--load", str(ck), *_common(tmp_path, "resumed")],
+    )
+    assert "skipping incomplete checkpoint(s) ['step00000004']" in out
+    resumed, reference = _losses(tmp_path / "resumed"), _losses(tmp_path / "straight")
+    assert sorted(resumed) == [3, 4, 5, 6]
+    assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
+    ck = tmp_path / "ck"
+    proc = _launch_recipe(["--train-iters", "500", "--save", str(ck), *_common(tmp_path, "run")], {})
+    run_dir = tmp_path / "run"
+    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(_losses(run_dir)) >= 3, proc)
+    for child in _workers(proc.pid):
+        os.kill(child, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert "stop requested: saving at step" in out
+    assert "exits with return code" not in out  # every worker exited 0
+    tag = (ck / "latest").read_text()
+    step = int(tag.removeprefix("step"))
+    assert (ck / tag / "manifest.json").exists() and 3 <= step < 500
+    assert max(_losses(run_dir)) == step
+
+
+def _workers(launcher_pid: int) -> list[int]:
+    import psutil
+
+    return [
+        p.pid for p in psutil.Process(launcher_pid).children(recursive=True) if "train_gpt.py" in " ".join(p.cmdline())
+    ]
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
+    # one bad step: skipped, counted, training goes on
+    deepspeed_launch(
+        ROOT / "recipes" / "train_gpt.py",
+        2,
+        ["--deepspeed_config", TINY, "--train-iters", "5", *_common(tmp_path, "one")],
+        env_extra={"DS_MEGATRON_TEST_NAN_STEPS": "3"},
+    )
+    records = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    assert 3 not in _losses(tmp_path / "one") and max(_losses(tmp_path / "one")) == 5
+    assert records[-2]["skipped_steps"] == 1
+    # three in a row with max_bad_steps 3: the run stops with a checkpoint and a clear message
+    ck = tmp_path / "ck"
+    proc = _launch_recipe(
+        [
+            "--train-iters",
+            "20",
+            "--save",
+            str(ck),
+            "--set",
+            "ds_megatron.train.max_bad_steps=3",
+            *_common(tmp_path, "three"),
+        ],
+        {"DS_MEGATRON_TEST_NAN_STEPS": "3,4,5"},
+    )
+    out, _ = proc.communicate(timeout=240)
+    assert "error: training: 3 steps in a row with a non-finite loss" in out
+    assert proc.returncode != 0
+    assert (ck / "latest").read_text() == "step00000005" and (ck / "step00000005" / "manifest.json").exists()
