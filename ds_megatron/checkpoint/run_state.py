@@ -24,7 +24,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_megatron.checkpoint.manifest import MANIFEST, TAG_CONFIG, complete_tags, newest_complete_tag, sha256_file
+from ds_megatron.checkpoint.manifest import (
+    MANIFEST,
+    TAG_CONFIG,
+    complete_tags,
+    newest_complete_tag,
+    sha256_file,
+    tag_config,
+)
 from ds_megatron.random import RNGTracker
 
 # Test hook "STEP:SECONDS": when saving that step, sleep after the files are written and before the manifest (so a
@@ -47,13 +54,21 @@ def latest_tag(load_dir: str | Path) -> str | None:
     return newest_complete_tag(load_dir)
 
 
-def save_run(engine, save_dir: str | Path, step: int, client_state: dict, rng: RNGTracker, keep_last: int = 0) -> str:
-    """Collective.  Writes tag ``step<N>``, its manifest, then moves ``latest`` to it."""
+def save_run(
+    engine, save_dir: str | Path, step: int, client_state: dict, rng: RNGTracker, keep_last: int = 0, topology=None
+) -> str:
+    """Collective.  Writes tag ``step<N>``, its manifest, then moves ``latest`` to it.  With ``topology``, each rank
+    also records its optimizer's parameter order by name, which lets the checkpoint resume at another layout."""
     root = Path(save_dir)
     tag = tag_for(step)
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.save(rng.state_dict(), root / tag / f"rng_rank{rank:05d}.pt")
+    if topology is not None:
+        from ds_megatron.checkpoint.reshard import param_names_record
+
+        record = param_names_record(engine, topology)
+        _atomic_write(root / tag / f"params_rank{rank:05d}.json", json.dumps(record))
     if rank == 0 and "config" in client_state:
         _atomic_write(root / tag / TAG_CONFIG, json.dumps(client_state["config"], indent=1))
     dist.barrier()  # every rank has written its files
@@ -77,9 +92,9 @@ def save_run(engine, save_dir: str | Path, step: int, client_state: dict, rng: R
     return tag
 
 
-def load_run(engine, load_dir: str | Path, rng: RNGTracker) -> dict:
+def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=None) -> dict:
     """Collective.  Loads the newest complete tag into the engine and this rank's RNG states; returns the client
-    state."""
+    state.  A checkpoint written at another (tp, pp) is resharded (``reshard.py``) when ``plan`` is given."""
     root = Path(load_dir)
     tag = latest_tag(root)
     if tag is None:
@@ -91,6 +106,19 @@ def load_run(engine, load_dir: str | Path, rng: RNGTracker) -> dict:
             file=sys.stderr,
             flush=True,
         )
+    saved = tag_config(root, tag)
+    if plan is not None and saved is not None:
+        par = saved["ds_megatron"].get("parallel", {})
+        if (par.get("tp", 1), par.get("pp", 1)) != (topology.tp, topology.pp):
+            from ds_megatron.checkpoint.reshard import load_resharded
+
+            if dist.get_rank() == 0:
+                print(
+                    f"resharding {root}/{tag} from tp {par.get('tp', 1)} x pp {par.get('pp', 1)} "
+                    f"to tp {topology.tp} x pp {topology.pp}",
+                    flush=True,
+                )
+            return load_resharded(engine, plan, topology, root, tag)
     path, client_state = engine.load_checkpoint(str(root), tag=tag)
     if path is None:
         raise FileNotFoundError(f"error: --load: checkpoint {root}/{tag} could not be loaded; check the directory")

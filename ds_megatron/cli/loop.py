@@ -81,7 +81,7 @@ def train(run: RunConfig, config_name: str = "run") -> int:
 
     start_step, wandb_id, skipped = 0, None, 0
     if sec.checkpoint.load:
-        client = load_run(engine, sec.checkpoint.load, built.rng)
+        client = load_run(engine, sec.checkpoint.load, built.rng, built.plan, topo)
         start_step, wandb_id, skipped = client.get("step", 0), client.get("wandb_run_id"), client.get("skipped", 0)
 
     log = sec.logging
@@ -118,7 +118,9 @@ def train(run: RunConfig, config_name: str = "run") -> int:
 
     def checkpoint(step: int) -> None:
         if sec.checkpoint.save:
-            tag = save_run(engine, sec.checkpoint.save, step, client_state(step), built.rng, sec.checkpoint.keep_last)
+            tag = save_run(
+                engine, sec.checkpoint.save, step, client_state(step), built.rng, sec.checkpoint.keep_last, topo
+            )
             logger.say(f"saved checkpoint {sec.checkpoint.save}/{tag}")
 
     step = start_step

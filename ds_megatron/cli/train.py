@@ -210,13 +210,19 @@ def check_resume(run, load: Path) -> None:
                 f"{key}={a} in {load}/{tag}, {b} in the config",
                 f"set ds_megatron.model.{key}={a} or start a new run",
             )
-    if (old.tp, old.pp) != (run.tp, run.pp):
+    if (old.tp, old.pp) != (run.tp, run.pp) and (_mixed_or_zero(old.ds_config) or _mixed_or_zero(run.ds_config)):
         raise ConfigError(
             "ds_megatron.checkpoint.load",
-            "checkpoint was saved at another tp x pp",
+            "a bf16/fp16/ZeRO checkpoint resumes only at the tp x pp it was saved at",
             f"tp {old.tp} x pp {old.pp} in {load}/{tag}, tp {run.tp} x pp {run.pp} now",
             f"resume with --tp {old.tp} --pp {old.pp}, or export and restart with --init-from-hf",
         )
+
+
+def _mixed_or_zero(cfg: dict) -> bool:
+    zero = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    half = (cfg.get("bf16") or {}).get("enabled") or (cfg.get("fp16") or {}).get("enabled")
+    return bool(half or zero)
 
 
 def saved_world(cfg: dict) -> int:

@@ -1,0 +1,54 @@
+"""Issue 5, test c: a checkpoint saved at tp 2 x pp 2 resumes at tp 1 x pp 4, whose checkpoint resumes at
+tp 4 x pp 1 (weights and AdamW state resharded); the loss curve continues as without resharding (fp32, 1e-5)."""
+
+from __future__ import annotations
+
+import json
+
+from launch import ROOT, deepspeed_launch
+
+TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
+
+
+def _run(tmp_path, name: str, tp: int, pp: int, iters: int, extra: list[str]) -> dict[int, float]:
+    run_dir = tmp_path / name
+    deepspeed_launch(
+        ROOT / "recipes" / "train_gpt.py",
+        4,
+        [
+            "--deepspeed_config",
+            TINY,
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+            "--train-iters",
+            str(iters),
+            "--log-interval",
+            "1",
+            "--set",
+            f"ds_megatron.logging.run_dir={run_dir}",
+            "--set",
+            f"ds_megatron.data.cache_dir={tmp_path / 'cache'}",
+            "--set",
+            "ds_megatron.train.generate_tokens=0",
+            "--set",
+            "ds_megatron.logging.wandb_project=null",
+            "--set",
+            "ds_megatron.train.eval_iters=1",
+            *extra,
+        ],
+    )
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_reshard_2x2_to_1x4_to_4x1_continues_the_loss_curve(tmp_path):
+    reference = _run(tmp_path, "straight", 2, 2, 9, [])
+    first = _run(tmp_path, "a", 2, 2, 3, ["--save", str(tmp_path / "ck_a")])
+    second = _run(tmp_path, "b", 1, 4, 6, ["--load", str(tmp_path / "ck_a"), "--save", str(tmp_path / "ck_b")])
+    third = _run(tmp_path, "c", 4, 1, 9, ["--load", str(tmp_path / "ck_b")])
+    got = {**first, **second, **third}
+    assert sorted(got) == list(range(1, 10))
+    for step in range(1, 10):
+        assert abs(got[step] - reference[step]) <= 1e-5 * abs(reference[step]), (step, got, reference)
