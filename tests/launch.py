@@ -42,3 +42,44 @@ def deepspeed_launch(
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+TINY_CONFIG = str(ROOT / "ds_configs" / "gpt_tiny.json")
+RECIPE = ROOT / "recipes" / "train_gpt.py"
+
+
+def quiet_run_flags(tmp_path: Path, name: str, tp: int, pp: int, dropout: float | None = None) -> list[str]:
+    """Flags for short test runs of the recipe: own run dir, shared data cache, a log line per step, no sample,
+    no wandb, one validation batch."""
+    flags = [
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--log-interval",
+        "1",
+        "--set",
+        f"ds_megatron.logging.run_dir={tmp_path / name}",
+        "--set",
+        f"ds_megatron.data.cache_dir={tmp_path / 'cache'}",
+        "--set",
+        "ds_megatron.train.generate_tokens=0",
+        "--set",
+        "ds_megatron.logging.wandb_project=null",
+        "--set",
+        "ds_megatron.train.eval_iters=1",
+    ]
+    if dropout is not None:
+        flags += ["--set", f"ds_megatron.model.dropout={dropout}"]
+    return flags
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_losses(run_dir: Path) -> dict[int, float]:
+    """Per-step training loss from a run's metrics.jsonl."""
+    return {r["step"]: r["loss"] for r in read_records(run_dir) if "loss" in r}

@@ -11,6 +11,7 @@ PKG = Path(__file__).resolve().parent.parent / "ds_megatron"
 # Higher number = higher layer.  Sub-levels order the L3 modules that build on each other.
 LEVELS = {
     "config": 0,
+    "fileio": 0.5,
     "topology": 1,
     "random": 1,
     "tensor_parallel": 2,
@@ -29,7 +30,7 @@ LEVELS = {
     "generate": 4,
     "cli": 5,
 }
-STDLIB_ONLY = {"config"}
+STDLIB_ONLY = {"config", "fileio"}
 NO_DISTRIBUTED = {"model"}
 
 

@@ -5,13 +5,9 @@ from __future__ import annotations
 import json
 import math
 
-from launch import ROOT, deepspeed_launch
+from launch import RECIPE, ROOT, deepspeed_launch, quiet_run_flags, read_losses, read_records
 
 TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
-
-
-def _records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_demo_trains_and_reports(tmp_path):
@@ -36,7 +32,7 @@ def test_demo_trains_and_reports(tmp_path):
             "ds_megatron.train.generate_tokens=4",
         ],
     )
-    records = _records(run_dir)
+    records = read_records(run_dir)
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
     for r in records:
@@ -55,37 +51,9 @@ def test_demo_trains_and_reports(tmp_path):
 
 
 def _train(tmp_path, name: str, iters: int, extra: list[str]) -> list[float]:
-    run_dir = tmp_path / name
-    deepspeed_launch(
-        ROOT / "recipes" / "train_gpt.py",
-        2,
-        [
-            "--deepspeed_config",
-            TINY,
-            "--tp",
-            "2",
-            "--pp",
-            "1",
-            "--train-iters",
-            str(iters),
-            "--log-interval",
-            "1",
-            "--set",
-            "ds_megatron.model.dropout=0.1",
-            "--set",
-            f"ds_megatron.logging.run_dir={run_dir}",
-            "--set",
-            f"ds_megatron.data.cache_dir={tmp_path / 'cache'}",
-            "--set",
-            "ds_megatron.train.generate_tokens=0",
-            "--set",
-            "ds_megatron.logging.wandb_project=null",
-            "--set",
-            "ds_megatron.train.eval_iters=1",
-            *extra,
-        ],
-    )
-    return [r["loss"] for r in _records(run_dir) if "loss" in r]
+    flags = quiet_run_flags(tmp_path, name, tp=2, pp=1, dropout=0.1)
+    deepspeed_launch(RECIPE, 2, ["--deepspeed_config", TINY, "--train-iters", str(iters), *flags, *extra])
+    return list(read_losses(tmp_path / name).values())
 
 
 def test_resume_is_exact(tmp_path):
@@ -149,7 +117,7 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(tmp_path):
     )
     model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    records = _records(run_dir)
+    records = read_records(run_dir)
     sample = next(r for r in records if "sample_ids" in r)
     prompt = torch.tensor([sample["prompt_ids"]])
     generated = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)

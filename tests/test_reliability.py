@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import ROOT, _free_port, deepspeed_launch
+from launch import ROOT, _free_port, deepspeed_launch, quiet_run_flags, read_losses
 
 TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
 
@@ -150,31 +150,7 @@ def _launch_recipe(args: list[str], env_extra: dict) -> subprocess.Popen:
 
 
 def _common(tmp_path: Path, name: str) -> list[str]:
-    return [
-        "--tp",
-        "2",
-        "--pp",
-        "1",
-        "--log-interval",
-        "1",
-        "--set",
-        "ds_megatron.model.dropout=0.1",
-        "--set",
-        f"ds_megatron.logging.run_dir={tmp_path / name}",
-        "--set",
-        f"ds_megatron.data.cache_dir={tmp_path / 'cache'}",
-        "--set",
-        "ds_megatron.train.generate_tokens=0",
-        "--set",
-        "ds_megatron.logging.wandb_project=null",
-        "--set",
-        "ds_megatron.train.eval_iters=1",
-    ]
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    return quiet_run_flags(tmp_path, name, tp=2, pp=1, dropout=0.1)
 
 
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -219,7 +195,7 @@ def test_crash_in_the_middle_of_a_save_resumes_from_the_previous_complete_checkp
         ["--deepspeed_config", TINY, "--train-iters", "6", "--load", str(ck), *_common(tmp_path, "resumed")],
     )
     assert "skipping incomplete checkpoint(s) ['step00000004']" in out
-    resumed, reference = _losses(tmp_path / "resumed"), _losses(tmp_path / "straight")
+    resumed, reference = read_losses(tmp_path / "resumed"), read_losses(tmp_path / "straight")
     assert sorted(resumed) == [3, 4, 5, 6]
     assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
 
@@ -228,7 +204,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     ck = tmp_path / "ck"
     proc = _launch_recipe(["--train-iters", "500", "--save", str(ck), *_common(tmp_path, "run")], {})
     run_dir = tmp_path / "run"
-    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(_losses(run_dir)) >= 3, proc)
+    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_losses(run_dir)) >= 3, proc)
     for child in _workers(proc.pid):
         os.kill(child, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -237,7 +213,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     tag = (ck / "latest").read_text()
     step = int(tag.removeprefix("step"))
     assert (ck / tag / "manifest.json").exists() and 3 <= step < 500
-    assert max(_losses(run_dir)) == step
+    assert max(read_losses(run_dir)) == step
 
 
 def _workers(launcher_pid: int) -> list[int]:
@@ -257,7 +233,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
         env_extra={"DS_MEGATRON_TEST_NAN_STEPS": "3"},
     )
     records = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
-    assert 3 not in _losses(tmp_path / "one") and max(_losses(tmp_path / "one")) == 5
+    assert 3 not in read_losses(tmp_path / "one") and max(read_losses(tmp_path / "one")) == 5
     assert records[-2]["skipped_steps"] == 1
     # three in a row with max_bad_steps 3: the run stops with a checkpoint and a clear message
     ck = tmp_path / "ck"

@@ -3,44 +3,13 @@ tp 4 x pp 1 (weights and AdamW state resharded); the loss curve continues as wit
 
 from __future__ import annotations
 
-import json
-
-from launch import ROOT, deepspeed_launch
-
-TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
+from launch import RECIPE, TINY_CONFIG, deepspeed_launch, quiet_run_flags, read_losses
 
 
 def _run(tmp_path, name: str, tp: int, pp: int, iters: int, extra: list[str]) -> dict[int, float]:
-    run_dir = tmp_path / name
-    deepspeed_launch(
-        ROOT / "recipes" / "train_gpt.py",
-        4,
-        [
-            "--deepspeed_config",
-            TINY,
-            "--tp",
-            str(tp),
-            "--pp",
-            str(pp),
-            "--train-iters",
-            str(iters),
-            "--log-interval",
-            "1",
-            "--set",
-            f"ds_megatron.logging.run_dir={run_dir}",
-            "--set",
-            f"ds_megatron.data.cache_dir={tmp_path / 'cache'}",
-            "--set",
-            "ds_megatron.train.generate_tokens=0",
-            "--set",
-            "ds_megatron.logging.wandb_project=null",
-            "--set",
-            "ds_megatron.train.eval_iters=1",
-            *extra,
-        ],
-    )
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    flags = quiet_run_flags(tmp_path, name, tp, pp)
+    deepspeed_launch(RECIPE, 4, ["--deepspeed_config", TINY_CONFIG, "--train-iters", str(iters), *flags, *extra])
+    return read_losses(tmp_path / name)
 
 
 def test_reshard_2x2_to_1x4_to_4x1_continues_the_loss_curve(tmp_path):

@@ -6,20 +6,13 @@ tag also carries ``config.json``, the resolved configuration it was trained with
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
+from ds_megatron.fileio import sha256_file
+
 MANIFEST = "manifest.json"
 TAG_CONFIG = "config.json"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def is_complete(tag_dir: Path, verify_checksums: bool = False) -> bool:

@@ -29,9 +29,9 @@ from ds_megatron.checkpoint.manifest import (
     TAG_CONFIG,
     complete_tags,
     newest_complete_tag,
-    sha256_file,
     tag_config,
 )
+from ds_megatron.fileio import atomic_write_text, sha256_file
 from ds_megatron.random import RNGTracker
 
 # Test hook "STEP:SECONDS": when saving that step, sleep after the files are written and before the manifest (so a
@@ -41,12 +41,6 @@ PAUSE_ENV = "DS_MEGATRON_TEST_PAUSE_BEFORE_MANIFEST"
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def latest_tag(load_dir: str | Path) -> str | None:
@@ -68,9 +62,9 @@ def save_run(
         from ds_megatron.checkpoint.reshard import param_names_record
 
         record = param_names_record(engine, topology)
-        _atomic_write(root / tag / f"params_rank{rank:05d}.json", json.dumps(record))
+        atomic_write_text(root / tag / f"params_rank{rank:05d}.json", json.dumps(record))
     if rank == 0 and "config" in client_state:
-        _atomic_write(root / tag / TAG_CONFIG, json.dumps(client_state["config"], indent=1))
+        atomic_write_text(root / tag / TAG_CONFIG, json.dumps(client_state["config"], indent=1))
     dist.barrier()  # every rank has written its files
     pause_step, _, pause_s = os.environ.get(PAUSE_ENV, "").partition(":")
     if pause_step and int(pause_step) == step:
@@ -83,8 +77,8 @@ def save_run(
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         files = {k: v for part in gathered for k, v in part.items()}
-        _atomic_write(root / tag / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
-        _atomic_write(root / "latest", tag)
+        atomic_write_text(root / tag / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+        atomic_write_text(root / "latest", tag)
         if keep_last > 0:
             for old in complete_tags(root)[:-keep_last]:
                 shutil.rmtree(root / old, ignore_errors=True)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ds_megatron.fileio import atomic_write_text, sha256_file
+
 EOS_TOKEN = "<|endoftext|>"
 SUFFIX_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
@@ -205,23 +207,13 @@ def pack(ds, tok, key: str, cache_dir: Path, num_proc: int = 1) -> Path:
         "num_tokens": total,
         "num_docs": len(encoded),
         "bytes": total * np.dtype(dtype).itemsize,
-        "sha256": _sha256(tmp),
+        "sha256": sha256_file(tmp),
         "eos_id": eos,
         "key": key,
     }
     os.replace(tmp, out)
-    tmp_manifest = _manifest_path(out).with_suffix(".json.tmp")
-    tmp_manifest.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp_manifest, _manifest_path(out))
+    atomic_write_text(_manifest_path(out), json.dumps(manifest, indent=1))
     return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def open_packed(path: Path, verify_checksum: bool = True) -> PackedTokens:
@@ -232,7 +224,7 @@ def open_packed(path: Path, verify_checksum: bool = True) -> PackedTokens:
     manifest = json.loads(manifest_path.read_text())
     if path.stat().st_size != manifest["bytes"]:
         raise DataError(f"token cache {path} has {path.stat().st_size} bytes, manifest says {manifest['bytes']}")
-    if verify_checksum and _sha256(path) != manifest["sha256"]:
+    if verify_checksum and sha256_file(path) != manifest["sha256"]:
         raise DataError(f"token cache {path} fails its checksum")
     tokens = np.memmap(path, dtype=np.dtype(manifest["dtype"]), mode="r", shape=(manifest["num_tokens"],))
     return PackedTokens(path, tokens, manifest)
