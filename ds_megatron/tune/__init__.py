@@ -10,9 +10,10 @@ from ds_megatron.tune.memory_model import StageMemory, stage_memory, stage_param
 from ds_megatron.tune.search import Evaluation, SearchResult, common_configuration, evaluate, search
 from ds_megatron.tune.space import Rejection, enumerate_candidates
 from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, Pins, build_model_spec
-from ds_megatron.tune.time_model import Measurement, StepTime, calibrate, step_time
+from ds_megatron.tune.time_model import Calibration, Measurement, StepTime, calibrate, fit_time_model, step_time
 
 __all__ = [
+    "Calibration",
     "Candidate",
     "Cluster",
     "Evaluation",
@@ -28,6 +29,7 @@ __all__ = [
     "common_configuration",
     "enumerate_candidates",
     "evaluate",
+    "fit_time_model",
     "search",
     "stage_memory",
     "stage_param_counts",

@@ -3,6 +3,9 @@
     python -m ds_megatron.tune --model gpt3-175b --seq-length 2048 --global-batch-size 1536 \\
         --gpus 1024 --gpus-per-node 8 --gpu-memory-gb 80 --gpu-peak-tflops 312 [--json OUT] [--write-config PATH]
 
+With ``--empirical --max-minutes M`` it then trains the top candidates for a few steps on this machine, refits the
+time model to the measurements and ranks again (ds_megatron/tune/empirical.py).
+
 Exit status: 0 with a winner, 1 when nothing fits (the reasons are printed), 2 on bad input (one ``error:`` line).
 """
 
@@ -11,13 +14,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import NoReturn
 
 from ds_megatron.config import ConfigError
 from ds_megatron.config.sizes import all_size_names
+from ds_megatron.tune.empirical import DEVICES, EmpiricalOptions, EmpiricalResult, run_empirical, validate_options
+from ds_megatron.tune.empirical_report import format_empirical
 from ds_megatron.tune.report import format_report, to_json, write_config
 from ds_megatron.tune.search import search
-from ds_megatron.tune.spec import DEFAULT_EFFICIENCY, RECOMPUTE_CHOICES, Cluster, Pins, build_model_spec
+from ds_megatron.tune.spec import (
+    DEFAULT_EFFICIENCY,
+    INTER_NODE_LATENCY_S,
+    INTRA_NODE_LATENCY_S,
+    RECOMPUTE_CHOICES,
+    Cluster,
+    Pins,
+    build_model_spec,
+)
 
 EXIT_NO_FIT = 1
 EXIT_CONFIG_ERROR = 2
@@ -56,6 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_EFFICIENCY,
         help=f"achieved fraction of peak for matmuls (default {DEFAULT_EFFICIENCY}; fit with tune.calibrate)",
     )
+    g.add_argument(
+        "--intra-node-latency-us",
+        type=float,
+        default=INTRA_NODE_LATENCY_S * 1e6,
+        help=f"fixed cost of a collective or send inside a node (default {INTRA_NODE_LATENCY_S * 1e6:g})",
+    )
+    g.add_argument(
+        "--inter-node-latency-us",
+        type=float,
+        default=INTER_NODE_LATENCY_S * 1e6,
+        help=f"the same across nodes (default {INTER_NODE_LATENCY_S * 1e6:g})",
+    )
+    g.add_argument(
+        "--step-overhead-s",
+        type=float,
+        default=0.0,
+        help="fixed seconds per step outside the model (default 0; --empirical on CPU fits it)",
+    )
     g = p.add_argument_group("pins (fix a dimension; the rest is searched)")
     g.add_argument("--tp", type=int, help="tensor-parallel size")
     g.add_argument("--pp", type=int, help="pipeline-parallel size")
@@ -68,12 +100,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     g.add_argument("--json", metavar="OUT", help="write every candidate and every rejected family to OUT")
     g.add_argument("--write-config", metavar="PATH", help="write the winner as a ds_configs-style JSON")
+    g = p.add_argument_group("empirical mode (short real runs of the top candidates on this machine, then recalibrate)")
+    g.add_argument("--empirical", action="store_true", help="measure the top candidates with recipes/train_gpt.py")
+    g.add_argument("--max-minutes", type=float, help="wall-clock budget of the whole command (required)")
+    g.add_argument("--empirical-top", type=int, default=3, help="candidates to measure (default 3)")
+    g.add_argument("--empirical-steps", type=int, default=10, help="measured steps per run (default 10)")
+    g.add_argument("--empirical-warmup", type=int, default=3, help="warm-up steps dropped per run (default 3)")
+    g.add_argument("--device", choices=DEVICES, default="auto", help="auto: gpu when torch sees CUDA, else cpu")
+    g.add_argument("--empirical-dir", metavar="DIR", help="run directories (default runs/tune/<date-time>)")
+    g.add_argument(
+        "--empirical-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--set for every run, e.g. ds_megatron.data.path=corpus.txt or ds_megatron.data.cache_dir=DIR",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
     try:
         args = build_parser().parse_args(argv)
+        if args.empirical and args.max_minutes is None:
+            raise ConfigError("--max-minutes", "required with --empirical", "not set", "pass e.g. --max-minutes 10")
         model = build_model_spec(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length)
         cluster = Cluster(
             num_gpus=args.gpus,
@@ -83,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             intra_node_gbps=args.intra_node_gbps,
             inter_node_gbps=args.inter_node_gbps,
             efficiency=args.efficiency,
+            intra_node_latency_s=args.intra_node_latency_us * 1e-6,
+            inter_node_latency_s=args.inter_node_latency_us * 1e-6,
+            step_overhead_s=args.step_overhead_s,
         )
         pins = Pins(
             tp=args.tp,
@@ -94,13 +147,38 @@ def main(argv: list[str] | None = None) -> int:
             zero=args.zero,
         )
         result = search(model, cluster, args.global_batch_size, pins)
+        options = None
+        if args.empirical:
+            options = EmpiricalOptions(
+                max_minutes=args.max_minutes,
+                top=args.empirical_top,
+                steps=args.empirical_steps,
+                warmup=args.empirical_warmup,
+                device=args.device,
+                work_dir=args.empirical_dir,
+                extra_sets=tuple(args.empirical_set),
+            )
+            validate_options(result, options)
     except ConfigError as err:
         print(str(err), file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    print(format_report(result, top=max(1, args.top)))
+    print(format_report(result, top=max(1, args.top)), flush=True)
+    emp: EmpiricalResult | None = None
+    if options is not None and result.winner is None:
+        print("empirical: skipped, no candidate fits")
+    elif options is not None:
+        try:
+            emp = run_empirical(result, options, deadline=start + 60 * args.max_minutes, say=_say)
+        except ConfigError as err:
+            print(str(err), file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        print(format_empirical(emp, result.global_batch_size, result.model.seq_length, top=max(1, args.top)))
     if args.json:
+        data = to_json(result)
+        if emp is not None:
+            data["empirical"] = emp.as_dict(top=max(1, args.top))
         with open(args.json, "w") as f:
-            json.dump(to_json(result), f, indent=1)
+            json.dump(data, f, indent=1)
         print(
             f"wrote {len(result.evaluations)} candidates and {len(result.rejections)} rejected families to {args.json}"
         )
@@ -109,9 +187,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no config written to {args.write_config}: nothing fits", file=sys.stderr)
         return EXIT_NO_FIT
     if args.write_config:
-        command = write_config(result, args.write_config)
-        print(f"wrote the winner to {args.write_config}; launch it with:\n  {command}")
+        chosen = emp.winner.evaluation if emp is not None and emp.winner is not None else result.winner
+        command = write_config(result, args.write_config, chosen)
+        which = "the final (empirical) winner" if emp is not None and emp.winner is not None else "the winner"
+        print(f"wrote {which} to {args.write_config}; launch it with:\n  {command}")
     return 0
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

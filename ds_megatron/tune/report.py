@@ -8,6 +8,7 @@ from pathlib import Path
 from ds_megatron.tune import memory_model, time_model
 from ds_megatron.tune.memory_model import GIB, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
+from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Cluster
 
 COLUMNS = (
     ("rank", 4),
@@ -44,7 +45,7 @@ def _row(rank: int, e: Evaluation) -> str:
         str(c.zero),
         f"{e.first.required_bytes / GIB:.1f} GiB",
         f"{e.last.required_bytes / GIB:.1f} GiB",
-        _seconds(t.step_s),
+        seconds_text(t.step_s),
         f"{t.tokens_per_s:,.0f}",
         f"{t.mfu:.1%}",
         f"{t.hfu:.1%}",
@@ -60,7 +61,7 @@ def describe(e: Evaluation) -> str:
     return (
         f"tp {c.tp}, pp {c.pp}, dp {c.dp}, SP {'on' if c.sequence_parallel else 'off'}, "
         f"micro-batch {c.micro_batch_size} x {c.num_micro_batches}, recompute {c.recompute_label()}, ZeRO-{c.zero}: "
-        f"{_seconds(t.step_s)} s/step, "
+        f"{seconds_text(t.step_s)} s/step, "
         f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, HFU {t.hfu:.1%}"
     )
 
@@ -73,8 +74,9 @@ def format_report(result: SearchResult, top: int = 10) -> str:
         f"model: {m.size or 'custom'} (L {m.num_layers}, h {m.hidden_size}, a {m.num_heads}, V {m.vocab_size}, "
         f"s {m.seq_length}; {_count(total_param_count(m))} parameters), global batch {result.global_batch_size}",
         f"cluster: {cl.num_gpus} GPUs ({nodes} node(s) x {min(cl.gpus_per_node, cl.num_gpus)}), "
-        f"{cl.gpu_memory_gb:g} GiB, {cl.peak_tflops:g} TFLOP/s peak, efficiency {cl.efficiency:.2f}, "
-        f"intra-node {cl.intra_node_gbps:g} GB/s, inter-node {cl.inter_node_gbps:g} GB/s per GPU",
+        f"{cl.gpu_memory_gb:g} GiB, {cl.peak_tflops:g} TFLOP/s peak, efficiency {efficiency_text(cl.efficiency)}"
+        f"{f', overhead {seconds_text(cl.step_overhead_s)} s/step' if cl.step_overhead_s else ''}, "
+        f"intra-node {cl.intra_node_gbps:g} GB/s, inter-node {cl.inter_node_gbps:g} GB/s per GPU{_latencies(cl)}",
         f"searched {len(result.evaluations)} candidates in {result.elapsed_s:.2f} s: {len(result.ranked)} fit, "
         f"{len(result.rejections)} families rejected",
         "",
@@ -89,9 +91,11 @@ def format_report(result: SearchResult, top: int = 10) -> str:
         lines += [
             "",
             f"winner: {describe(winner)}",
-            f"  step {_seconds(t.step_s)} s = compute {_seconds(t.compute_s)} + TP comm {_seconds(t.tp_comm_s)} + "
-            f"pipeline p2p {_seconds(t.p2p_s)} (bubble {_seconds(t.bubble_s)} of these) + DP comm "
-            f"{_seconds(t.dp_comm_s)}",
+            f"  step {seconds_text(t.step_s)} s = compute {seconds_text(t.compute_s)} + "
+            f"TP comm {seconds_text(t.tp_comm_s)} + "
+            f"pipeline p2p {seconds_text(t.p2p_s)} (bubble {seconds_text(t.bubble_s)} of these) + DP comm "
+            f"{seconds_text(t.dp_comm_s)}"
+            + (f" + fixed overhead {seconds_text(t.overhead_s)}" if t.overhead_s else ""),
             f"  memory per GPU: first stage {_memory(winner, 'first')}; last stage {_memory(winner, 'last')}",
         ]
         close = [e for e in result.ranked if e.time.step_s <= winner.time.step_s * (1 + NEAR_TIE)]
@@ -113,11 +117,24 @@ def format_report(result: SearchResult, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+def _latencies(cl: Cluster) -> str:
+    """The collective latencies, when they are not the defaults (e.g. fitted by --empirical)."""
+    if (cl.intra_node_latency_s, cl.inter_node_latency_s) == (INTRA_NODE_LATENCY_S, INTER_NODE_LATENCY_S):
+        return ""
+    return (
+        f", latency {cl.intra_node_latency_s * 1e6:,.0f} us intra-node / {cl.inter_node_latency_s * 1e6:,.0f} us inter"
+    )
+
+
+def efficiency_text(x: float) -> str:
+    return f"{x:.2f}" if x >= 0.01 else f"{x:.3g}"
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _seconds(x: float) -> str:
+def seconds_text(x: float) -> str:
     return f"{x:.2f}" if x >= 10 else f"{x:.3f}" if x >= 0.1 else f"{x:.4f}"
 
 
@@ -190,6 +207,9 @@ def to_json(result: SearchResult) -> dict:
             "intra_node_gbps": cl.intra_node_gbps,
             "inter_node_gbps": cl.inter_node_gbps,
             "efficiency": cl.efficiency,
+            "intra_node_latency_s": cl.intra_node_latency_s,
+            "inter_node_latency_s": cl.inter_node_latency_s,
+            "step_overhead_s": cl.step_overhead_s,
         },
         "global_batch_size": result.global_batch_size,
         "search_seconds": result.elapsed_s,
@@ -210,8 +230,8 @@ def to_json(result: SearchResult) -> dict:
             "vocab_multiple": memory_model.VOCAB_MULTIPLE,
             "dp_overlap": time_model.DP_OVERLAP,
             "grad_reduce_bytes_per_param": time_model.GRAD_REDUCE_BYTES,
-            "intra_node_latency_s": time_model.INTRA_NODE_LATENCY_S,
-            "inter_node_latency_s": time_model.INTER_NODE_LATENCY_S,
+            "intra_node_latency_s": cl.intra_node_latency_s,
+            "inter_node_latency_s": cl.inter_node_latency_s,
             "attention": "eager (s x s softmax materialised, the paper's setting)",
         },
     }
@@ -249,9 +269,10 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
     }
 
 
-def write_config(result: SearchResult, path: str | Path) -> str:
-    """Write the winner's config to ``path``; returns the launch command."""
-    if result.winner is None:
+def write_config(result: SearchResult, path: str | Path, chosen: Evaluation | None = None) -> str:
+    """Write ``chosen`` (default: the winner) as a config to ``path``; returns the launch command."""
+    chosen = chosen or result.winner
+    if chosen is None:
         raise ValueError("no configuration fits, so there is no config to write")
-    Path(path).write_text(json.dumps(ds_config(result, result.winner), indent=2) + "\n")
+    Path(path).write_text(json.dumps(ds_config(result, chosen), indent=2) + "\n")
     return f"deepspeed --hostfile hostfile recipes/train_gpt.py --deepspeed_config {path}"

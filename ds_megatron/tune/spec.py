@@ -18,6 +18,8 @@ RECOMPUTE_CHOICES = ("none", "selective", "full")
 # published A100 runs imply roughly 0.5-0.65 (an MFU of 51-56% with communication and bubble on top); fit yours with
 # ds_megatron.tune.calibrate and pass it as --efficiency.
 DEFAULT_EFFICIENCY = 0.5
+INTRA_NODE_LATENCY_S = 20e-6  # per collective or transfer inside a node (NCCL launch + ring set-up)
+INTER_NODE_LATENCY_S = 50e-6  # per collective or transfer across nodes
 
 # Peak learning rates of the GPT-3 family (Brown et al. 2020, Table 2.1), written into generated configs.
 GPT3_LEARNING_RATES: dict[str, float] = {
@@ -62,6 +64,11 @@ class Cluster:
     efficiency: float = (
         DEFAULT_EFFICIENCY  # achieved fraction of peak for the model's matmuls (see time_model.calibrate)
     )
+    intra_node_latency_s: float = INTRA_NODE_LATENCY_S  # fixed cost of each collective or send inside a node
+    inter_node_latency_s: float = INTER_NODE_LATENCY_S  # the same across nodes
+    # Fixed time per optimizer step outside the model (optimizer update, Python and launch overheads); 0 unless
+    # fitted by time_model.fit_time_model from short runs (tune --empirical) or passed as --step-overhead-s.
+    step_overhead_s: float = 0.0
 
     @property
     def peak_flops(self) -> float:
@@ -172,6 +179,13 @@ def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     _positive("--global-batch-size", global_batch_size, "1536")
     if not 0.0 < cluster.efficiency <= 1.0:
         raise ConfigError("--efficiency", "must be in (0, 1]", f"got {cluster.efficiency}", "pass e.g. 0.5")
+    for flag, value in (
+        ("--step-overhead-s", cluster.step_overhead_s),
+        ("--intra-node-latency-us", cluster.intra_node_latency_s * 1e6),
+        ("--inter-node-latency-us", cluster.inter_node_latency_s * 1e6),
+    ):
+        if value < 0.0:
+            raise ConfigError(flag, "must not be negative", f"got {value:g}", "pass e.g. 0")
     if cluster.num_gpus > cluster.gpus_per_node and cluster.num_gpus % cluster.gpus_per_node != 0:
         raise ConfigError(
             "--gpus",

@@ -1,0 +1,367 @@
+"""The tuner's empirical mode: short real runs of the best analytic candidates, then a recalibrated ranking.
+
+    python -m ds_megatron.tune ... --empirical --max-minutes 10 [--empirical-top 3] [--empirical-steps 10]
+
+1. The top K analytic candidates are launched one after the other (``probe.probe``) within the time budget.  Each run
+   gets a timeout derived from what is left of the budget (:func:`plan_timeout`); a run that crashes, runs out of
+   memory or times out is recorded with its reason and the next one starts; candidates that no longer fit in the
+   budget are listed as not run.
+2. The time model is refitted to the measured step times (``time_model.fit_time_model``: the efficiency, and on CPU
+   also the latency of a collective and a fixed per-step overhead when they clearly help) and every analytic
+   candidate is ranked again with it.
+3. The final ranking uses the measured step time for each measured candidate and the recalibrated prediction for
+   the others; failed candidates are left out.  The Spearman rank correlation between predicted and measured step
+   times says how far the analytic ranking can be trusted.
+
+Standard library only (``--device auto`` asks torch about GPUs in a subprocess).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ds_megatron.config import ConfigError
+from ds_megatron.tune.probe import FAIL_ENV, ProbeResult, ProbeSettings, probe
+from ds_megatron.tune.search import Evaluation, SearchResult, search
+from ds_megatron.tune.time_model import FIT_TERMS, Calibration, Measurement, fit_time_model
+
+REPORT_RESERVE_S = 5.0  # kept back from the budget for the recalibrated search and the report
+MIN_LAUNCH_S = 10.0  # no launch finishes faster (launcher, imports, process group, data): do not start one
+FIRST_RUN_S = 120.0  # timeout floor before any run has finished (it builds the tokenizer/corpus cache)
+HANG_FACTOR = 3.0  # later runs may take this many times the slowest finished run before they count as hung
+DEVICES = ("auto", "cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class EmpiricalOptions:
+    """The ``--empirical*`` flags."""
+
+    max_minutes: float
+    top: int = 3
+    steps: int = 10
+    warmup: int = 3
+    device: str = "auto"
+    work_dir: str | None = None  # default runs/tune/<date-time>
+    extra_sets: tuple[str, ...] = ()
+
+
+@dataclass
+class ProbeRun:
+    """One candidate of the empirical phase: its analytic prediction, its run, its recalibrated prediction."""
+
+    index: int  # launch order, 1-based (the index DS_MEGATRON_TUNE_FAIL_CANDIDATE refers to)
+    rank: int  # analytic rank
+    evaluation: Evaluation
+    predicted_s: float  # analytic prediction, before calibration
+    outcome: ProbeResult | None = None  # None: not run (budget)
+    calibrated_s: float | None = None  # prediction of the recalibrated model
+
+    @property
+    def status(self) -> str:
+        return self.outcome.status if self.outcome else "not run"
+
+    @property
+    def measured_s(self) -> float | None:
+        return self.outcome.step_s if self.outcome else None
+
+    def as_dict(self) -> dict:
+        o = self.outcome
+        return {
+            "index": self.index,
+            "analytic_rank": self.rank,
+            **self.evaluation.candidate.settings(),
+            "status": self.status,
+            "reason": o.reason if o else "not run: the --max-minutes budget would be exceeded",
+            "predicted_step_s": self.predicted_s,
+            "calibrated_step_s": self.calibrated_s,
+            "measured_step_s": self.measured_s,
+            "measured_steps_s": o.step_times_s if o else [],
+            "peak_mem_gb": o.peak_mem_gb if o else None,
+            "duration_s": o.duration_s if o else None,
+            "returncode": o.returncode if o else None,
+            "run_dir": o.run_dir if o else None,
+            "command": o.command if o else None,
+        }
+
+
+@dataclass(frozen=True)
+class FinalEntry:
+    """A candidate of the final ranking and where its step time comes from."""
+
+    evaluation: Evaluation  # from the recalibrated search
+    step_s: float
+    source: str  # "measured" | "predicted"
+
+
+@dataclass
+class EmpiricalResult:
+    options: EmpiricalOptions
+    device: str  # "cpu" | "gpu"
+    processes: int  # launched per run (the --gpus of the problem)
+    work_dir: str
+    budget_s: float
+    runs: list[ProbeRun]
+    calibration: Calibration | None = None
+    calibration_note: str = ""  # why there is no calibration, when there is none
+    spearman_before: float | None = None  # predicted (analytic) vs measured step time
+    spearman_after: float | None = None  # predicted (recalibrated) vs measured
+    recalibrated: SearchResult | None = None
+    final: list[FinalEntry] = field(default_factory=list)
+    elapsed_s: float = 0.0  # since the command started (the budget's clock)
+
+    @property
+    def measured(self) -> list[ProbeRun]:
+        return [r for r in self.runs if r.measured_s is not None]
+
+    @property
+    def winner(self) -> FinalEntry | None:
+        return self.final[0] if self.final else None
+
+    def as_dict(self, top: int = 10) -> dict:
+        cal = self.calibration
+        return {
+            "device": self.device,
+            "processes": self.processes,
+            "warmup_steps": self.options.warmup,
+            "measured_steps": self.options.steps,
+            "max_minutes": self.options.max_minutes,
+            "elapsed_s": self.elapsed_s,
+            "work_dir": self.work_dir,
+            "peak_mem_note": PEAK_MEM_NOTE[self.device],
+            "runs": [r.as_dict() for r in self.runs],
+            "not_run": [r.index for r in self.runs if r.outcome is None],
+            "calibration": cal.as_dict() if cal else None,
+            "calibration_note": self.calibration_note,
+            "spearman_predicted_vs_measured": self.spearman_before,
+            "spearman_calibrated_vs_measured": self.spearman_after,
+            "final_ranking": [
+                {**f.evaluation.candidate.settings(), "step_time_s": f.step_s, "source": f.source}
+                for f in self.final[:top]
+            ],
+            "winner": (
+                {
+                    **self.winner.evaluation.candidate.settings(),
+                    "step_time_s": self.winner.step_s,
+                    "source": self.winner.source,
+                }
+                if self.winner
+                else None
+            ),
+        }
+
+
+PEAK_MEM_NOTE = {
+    "cpu": "peak_mem_gb is the max RSS of the logging process (last stage, dp 0, tp 0), not a stage's device memory",
+    "gpu": "peak_mem_gb is torch.cuda.max_memory_allocated of the logging process (last stage, dp 0, tp 0)",
+}
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (ties get their average rank); None for fewer than 2 points or a constant."""
+    if len(xs) != len(ys):
+        raise ValueError(f"spearman: {len(xs)} x values but {len(ys)} y values")
+    if len(xs) < 2:
+        return None
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    if sxx == 0 or syy == 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def plan_timeout(remaining_s: float, left: int, durations: list[float]) -> float | None:
+    """Timeout of the next run, or None when it should not start.
+
+    ``remaining_s`` is what is left of the budget (report reserve already taken off), ``left`` the candidates still
+    to run (this one included), ``durations`` the wall times of the runs that finished with a measurement.
+    A run starts only if the typical finished run (median; MIN_LAUNCH_S before any) still fits.  Its timeout is its
+    fair share of the rest (remaining / left), raised to HANG_FACTOR x the slowest finished run (FIRST_RUN_S before
+    any: the first run also builds the data cache), and never past the budget.
+    """
+    expected = statistics.median(durations) if durations else 0.0
+    if remaining_s < max(MIN_LAUNCH_S, expected):
+        return None
+    floor = HANG_FACTOR * max(durations) if durations else FIRST_RUN_S
+    return min(remaining_s, max(remaining_s / max(left, 1), floor))
+
+
+def resolve_device(device: str, num_gpus: int) -> str:
+    """``auto`` becomes ``gpu`` when torch sees a CUDA device, else ``cpu``; a GPU run needs enough devices.
+
+    torch is asked in a subprocess (the interpreter the recipe will run in), so the tuner itself never imports it.
+    """
+    if device not in DEVICES:
+        raise ConfigError("--device", "unknown device", repr(device), f"use one of {', '.join(DEVICES)}")
+    if device == "cpu":
+        return "cpu"
+    probe_cmd = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        proc = subprocess.run([sys.executable, "-c", probe_cmd], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise ConfigError("--device", "importing torch timed out", "300 s", "pass --device cpu or gpu") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError("--empirical", "cannot import torch to look for GPUs", last, "install torch and deepspeed")
+    count = int(proc.stdout.strip().splitlines()[-1])
+    if device == "auto" and count == 0:
+        return "cpu"
+    if count < num_gpus:
+        raise ConfigError(
+            "--device", "not enough GPUs on this machine", f"{count} visible, --gpus {num_gpus}", "lower --gpus"
+        )
+    return "gpu"
+
+
+def validate_options(result: SearchResult, options: EmpiricalOptions) -> None:
+    cl = result.cluster
+    if not options.max_minutes > 0:
+        raise ConfigError("--max-minutes", "must be positive", f"got {options.max_minutes}", "pass e.g. 10")
+    for flag, value, least in (
+        ("--empirical-top", options.top, 1),
+        ("--empirical-steps", options.steps, 1),
+        ("--empirical-warmup", options.warmup, 0),
+    ):
+        if value < least:
+            raise ConfigError(flag, f"must be at least {least}", f"got {value}", f"pass e.g. {max(least, 3)}")
+    if cl.num_gpus > cl.gpus_per_node:
+        raise ConfigError(
+            "--empirical",
+            "runs on this machine only",
+            f"gpus={cl.num_gpus} > gpus_per_node={cl.gpus_per_node}",
+            "measure a one-node problem (--gpus <= --gpus-per-node) or drop --empirical",
+        )
+    for item in options.extra_sets:
+        if "=" not in item:
+            raise ConfigError("--empirical-set", "expected KEY=VALUE", repr(item), "e.g. ds_megatron.data.path=x.txt")
+
+
+def run_empirical(
+    result: SearchResult,
+    options: EmpiricalOptions,
+    deadline: float,
+    say: Callable[[str], None] = print,
+    chosen: list[Evaluation] | None = None,
+) -> EmpiricalResult:
+    """Measure the top ``options.top`` candidates (or ``chosen``, in that order) before ``deadline``
+    (a time.monotonic() value), recalibrate, re-rank."""
+    validate_options(result, options)
+    start = time.monotonic()
+    device = resolve_device(options.device, result.cluster.num_gpus)
+    work_dir = Path(options.work_dir or f"runs/tune/{time.strftime('%Y%m%d-%H%M%S')}")
+    sets = dict(item.split("=", 1) for item in options.extra_sets)
+    cache = Path(sets.pop("ds_megatron.data.cache_dir", ".cache/ds_megatron")).resolve()  # the recipe's default
+    extra = tuple(f"{k}={v}" for k, v in sets.items())
+    settings = ProbeSettings(result.cluster.num_gpus, device, options.warmup, options.steps, work_dir, cache, extra)
+    picked = chosen if chosen is not None else result.ranked[: options.top]
+    rank = {e.candidate: i + 1 for i, e in enumerate(result.ranked)}
+    runs = [ProbeRun(i + 1, rank[e.candidate], e, e.time.step_s) for i, e in enumerate(picked)]
+    procs = result.cluster.num_gpus
+    emp = EmpiricalResult(options, device, procs, str(work_dir), max(0.0, deadline - start), runs)
+    hook = os.environ.get(FAIL_ENV, "").strip()
+    if hook and not hook.isdigit():
+        raise ConfigError(FAIL_ENV, "not a candidate index", repr(hook), "set it to e.g. 2 (launch order)")
+    fail_index = int(hook or 0)
+    kind = f"{procs} CPU process(es) (gloo, fp32)" if device == "cpu" else f"{procs} GPU(s) (bf16, ZeRO-1)"
+    say(
+        f"empirical: measuring {len(runs)} candidate(s) on {kind}, {options.warmup} warm-up + {options.steps}"
+        f" measured steps each, {emp.budget_s / 60:.1f} min budget; runs in {work_dir}"
+    )
+    durations: list[float] = []
+    for pos, run in enumerate(runs):
+        remaining = deadline - time.monotonic() - REPORT_RESERVE_S
+        timeout = plan_timeout(remaining, len(runs) - pos, durations)
+        if timeout is None:
+            names = ", ".join(str(r.index) for r in runs[pos:])
+            say(f"  budget: {max(remaining, 0):.0f} s left is too little for another run; not run: {names}")
+            break
+        say(f"  [{run.index}/{len(runs)}] {_short(run.evaluation)}: launching (timeout {timeout:.0f} s)")
+        run.outcome = probe(result, run.evaluation, run.index, settings, timeout, broken=run.index == fail_index)
+        o = run.outcome
+        if o.step_s is not None:
+            durations.append(o.duration_s)
+            say(
+                f"      ok in {o.duration_s:.0f} s: {o.step_s:.3f} s/step measured (median of {len(o.step_times_s)}),"
+                f" {run.predicted_s:.3f} predicted; peak {o.peak_mem_gb or 0:.2f} GB"
+            )
+        else:
+            say(f"      {o.status} after {o.duration_s:.0f} s: {o.reason} (log: {o.run_dir}/output.log)")
+    recalibrate(result, emp)
+    emp.elapsed_s = time.monotonic() - (deadline - 60 * options.max_minutes)  # of the whole command's budget
+    return emp
+
+
+def recalibrate(result: SearchResult, emp: EmpiricalResult) -> None:
+    """Fit the time model to the measured runs, re-rank every candidate, build the final ranking."""
+    measured = emp.measured
+    emp.spearman_before = spearman([r.predicted_s for r in measured], [r.measured_s for r in measured])
+    cluster = result.cluster
+    if not measured:
+        emp.calibration_note = "no candidate was measured: the analytic model is kept"
+    else:
+        points = [
+            Measurement(result.model, cluster, r.evaluation.candidate, result.global_batch_size, r.measured_s)
+            for r in measured
+        ]
+        try:
+            emp.calibration = fit_time_model(points, extra_terms=FIT_TERMS if emp.device == "cpu" else ())
+        except ValueError as err:
+            emp.calibration_note = f"calibration failed, the analytic model is kept: {err}"
+    if emp.calibration is not None:
+        cluster = emp.calibration.apply(cluster)
+    emp.recalibrated = search(result.model, cluster, result.global_batch_size, result.pins)
+    by_candidate = {e.candidate: e for e in emp.recalibrated.ranked}
+    for r in emp.runs:
+        again = by_candidate.get(r.evaluation.candidate)
+        r.calibrated_s = again.time.step_s if again else None
+    emp.spearman_after = spearman([r.calibrated_s for r in measured], [r.measured_s for r in measured])
+    emp.final = final_ranking(emp.recalibrated.ranked, emp.runs)
+
+
+def final_ranking(ranked: list[Evaluation], runs: list[ProbeRun]) -> list[FinalEntry]:
+    """Measured step time where a run measured one, recalibrated prediction otherwise; failed runs left out."""
+    measured = {r.evaluation.candidate: r.measured_s for r in runs if r.measured_s is not None}
+    failed = {r.evaluation.candidate for r in runs if r.outcome is not None and r.measured_s is None}
+    entries = []
+    for e in ranked:
+        if e.candidate in failed:
+            continue
+        if e.candidate in measured:
+            entries.append(FinalEntry(e, measured[e.candidate], "measured"))
+        else:
+            entries.append(FinalEntry(e, e.time.step_s, "predicted"))
+    # Measured first among equals: a measurement beats a prediction of the same time.
+    entries.sort(key=lambda f: (f.step_s, f.source != "measured", f.evaluation.required_bytes))
+    return entries
+
+
+def _short(e: Evaluation) -> str:
+    c = e.candidate
+    return (
+        f"tp {c.tp}, pp {c.pp}, dp {c.dp}, SP {'on' if c.sequence_parallel else 'off'}, "
+        f"b {c.micro_batch_size} x {c.num_micro_batches}, {c.recompute_label()}"
+    )

@@ -1,0 +1,232 @@
+"""Run one candidate for a few real steps and measure it (the empirical mode's probe).
+
+The probe writes the candidate's config with the tuner's own config writer, adapted to a short run (train_iters =
+warm-up + measured steps, a log line per step, no sample, no wandb, one validation batch, its own run directory, a
+data cache shared by every probe so the tokenizer and the packed corpus are built once), and launches
+
+    deepspeed --num_gpus N --master_port PORT recipes/train_gpt.py --deepspeed_config <run dir>/ds_config.json
+
+in a new session (its own process group), so that a timeout kills the launcher and every rank at once.  It then reads
+``<run dir>/metrics.jsonl``: the median ``step_ms`` of the steps after the warm-up, and the largest ``peak_mem_gb``.
+On CPU the config is fp32 without ZeRO (the recipe's CPU path) and ``peak_mem_gb`` is the logging process's max RSS;
+on GPUs it keeps the tuner's bf16 + ZeRO-1 and ``peak_mem_gb`` is that process's ``torch.cuda.max_memory_allocated``.
+
+Standard library only: the recipe runs in subprocesses, nothing here imports torch or deepspeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ds_megatron.config import ConfigError
+from ds_megatron.tune.report import ds_config
+from ds_megatron.tune.search import Evaluation, SearchResult
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "train_gpt.py"
+# Test hook: the 1-based index (launch order) of a candidate to launch with a key the recipe refuses (exit 2), so
+# the failure path runs for real.
+FAIL_ENV = "DS_MEGATRON_TUNE_FAIL_CANDIDATE"
+BROKEN_SET = "ds_megatron.tune_probe_broken=1"
+OOM_PATTERNS = re.compile(r"out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory", re.IGNORECASE)
+ERROR_LINE = re.compile(r"^error: ")  # ds_megatron's one-line configuration errors
+EXCEPTION_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt)\b")
+LAUNCHER_LINE = re.compile(r"\[(launch|runner)\.py:\d+")  # deepspeed launcher bookkeeping, not the cause
+MAX_REASON_CHARS = 300
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How every candidate of one empirical session runs."""
+
+    num_gpus: int  # processes per run (CPU: gloo processes)
+    device: str  # "cpu" | "gpu"
+    warmup_steps: int  # dropped: the first steps include allocation, graph building, communicator set-up
+    measured_steps: int  # the median of these is the measurement
+    work_dir: Path  # one sub-directory per candidate
+    cache_dir: Path  # ds_megatron.data.cache_dir of every run
+    extra_sets: tuple[str, ...] = ()  # more --set KEY=VALUE for every run (data, tokenizer, ...)
+
+
+@dataclass
+class ProbeResult:
+    """What one run gave: a median step time, or why it has none."""
+
+    status: str  # "ok" | "failed" | "out of memory" | "timeout"
+    reason: str | None  # None when ok
+    step_s: float | None  # median step time over the measured steps
+    step_times_s: list[float] = field(default_factory=list)  # the measured steps, in order
+    peak_mem_gb: float | None = None  # the logging process's peak (CPU: max RSS; GPU: max allocated)
+    duration_s: float = 0.0  # wall time of the launch, start-up included
+    run_dir: str = ""
+    command: list[str] = field(default_factory=list)
+    returncode: int | None = None  # None after a timeout
+
+
+def run_slug(index: int, e: Evaluation) -> str:
+    """A directory name for a candidate: ``03-tp2-pp2-dp1-sp-b4-selective``."""
+    c = e.candidate
+    sp = "-sp" if c.sequence_parallel else ""
+    return f"{index:02d}-tp{c.tp}-pp{c.pp}-dp{c.dp}{sp}-b{c.micro_batch_size}-{c.recompute_label().replace('/', '-')}"
+
+
+def probe_config(result: SearchResult, e: Evaluation, settings: ProbeSettings, run_dir: Path) -> dict:
+    """The tuner's config for ``e`` (report.ds_config), adapted to a short measuring run."""
+    cfg = ds_config(result, e)
+    if settings.device == "cpu":  # the recipe's CPU path: fp32, no ZeRO (gloo has no bf16 kernels worth timing)
+        for key in ("bf16", "data_types", "zero_optimization"):
+            cfg.pop(key, None)
+    section = cfg["ds_megatron"]
+    section["train"] = {
+        "train_iters": settings.warmup_steps + settings.measured_steps,
+        "log_interval": 1,
+        "eval_interval": 0,
+        "eval_iters": 1,
+        "generate_tokens": 0,
+    }
+    section["data"] = {"cache_dir": str(settings.cache_dir)}
+    section["logging"] = {"wandb_project": None, "run_dir": str(run_dir)}
+    return cfg
+
+
+def launcher() -> list[str]:
+    """The deepspeed launcher next to this interpreter, else on PATH, else its module."""
+    local = Path(sys.executable).parent / "deepspeed"
+    if local.exists():
+        return [str(local)]
+    found = shutil.which("deepspeed")
+    return [found] if found else [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (each launch gets its own master port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def probe_env(settings: ProbeSettings) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    if settings.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        # N processes share the cores: more threads than cores per process only thrash.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // settings.num_gpus)))
+    else:
+        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # TP communication and compute overlap in order
+    return env
+
+
+def run_process(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str, str]) -> tuple[int | None, float]:
+    """Run ``cmd`` in its own session with its output in ``log_path``; (exit status or None on timeout, seconds).
+
+    On timeout (or Ctrl-C) the whole process group is killed: the launcher and every rank it spawned.
+    """
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            returncode: int | None = proc.wait(timeout=max(timeout_s, 0.1))
+        except subprocess.TimeoutExpired:
+            returncode = None
+        except BaseException:
+            _kill_group(proc)
+            raise
+        _kill_group(proc)  # also reaps ranks a failed launcher left behind
+    return returncode, time.monotonic() - start
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is already gone
+    proc.wait()
+
+
+def failure_reason(returncode: int | None, output: str, timeout_s: float) -> tuple[str, str]:
+    """(status, reason) of a run that gave no measurement, from its exit status and the tail of its output."""
+    if returncode is None:
+        return "timeout", f"timeout after {timeout_s:.0f} s (process group killed)"
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    oom = [ln for ln in lines if OOM_PATTERNS.search(ln) and not LAUNCHER_LINE.search(ln)]
+    if oom:
+        return "out of memory", f"out of memory (exit {returncode}): {_clip(oom[-1])}"
+    if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        return "failed", f"exit {returncode}: killed by SIGKILL (out of host memory?)"
+    for pattern in (ERROR_LINE, EXCEPTION_LINE):
+        found = [ln for ln in lines if pattern.search(ln)]
+        if found:
+            return "failed", f"exit {returncode}: {_clip(found[-1])}"
+    found = [ln for ln in lines if "error" in ln.lower() and not LAUNCHER_LINE.search(ln)]
+    last = found[-1] if found else (lines[-1] if lines else "no output")
+    return "failed", f"exit {returncode}: {_clip(last)}"
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= MAX_REASON_CHARS else line[: MAX_REASON_CHARS - 3] + "..."
+
+
+def read_metrics(path: Path, warmup_steps: int) -> tuple[list[float], float | None]:
+    """(step times in s after the warm-up, in step order; the largest peak_mem_gb) from a metrics.jsonl."""
+    times: dict[int, float] = {}
+    peak = None
+    if not path.exists():
+        return [], None
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+        if "step_ms" not in record:
+            continue  # validation or sample records
+        if record["step"] > warmup_steps:
+            times[record["step"]] = record["step_ms"] / 1000.0
+        if record.get("peak_mem_gb") is not None:
+            peak = max(peak or 0.0, record["peak_mem_gb"])
+    return [times[s] for s in sorted(times)], peak
+
+
+def probe(
+    result: SearchResult, e: Evaluation, index: int, settings: ProbeSettings, timeout_s: float, broken: bool = False
+) -> ProbeResult:
+    """Launch candidate ``e`` for warm-up + measured steps and measure it; never raises for a failed run."""
+    if not RECIPE.exists():
+        raise ConfigError(
+            "--empirical", "the training recipe is missing", str(RECIPE), "run the tuner from a ds_megatron checkout"
+        )
+    run_dir = (settings.work_dir / run_slug(index, e)).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = run_dir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # the recipe appends; a stale file would mix runs
+    config_path = run_dir / "ds_config.json"
+    config_path.write_text(json.dumps(probe_config(result, e, settings, run_dir), indent=2) + "\n")
+    cmd = [*launcher(), "--num_gpus", str(settings.num_gpus), "--master_port", str(free_port())]
+    cmd += [str(RECIPE), "--deepspeed_config", str(config_path)]
+    for item in settings.extra_sets:
+        cmd += ["--set", item]
+    if broken:
+        cmd += ["--set", BROKEN_SET]
+    log_path = run_dir / "output.log"
+    returncode, duration = run_process(cmd, log_path, timeout_s, probe_env(settings))
+    times, peak = read_metrics(metrics, settings.warmup_steps)
+    out = ProbeResult("ok", None, None, times, peak, duration, str(run_dir), cmd, returncode)
+    if returncode != 0:
+        output = log_path.read_text(errors="replace")[-20000:]
+        out.status, out.reason = failure_reason(returncode, output, timeout_s)
+    elif len(times) < settings.measured_steps:
+        out.status = "failed"
+        out.reason = f"exit 0 but only {len(times)} of {settings.measured_steps} measured steps in {metrics}"
+    else:
+        out.step_s = statistics.median(times)
+    return out
