@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from launch import WORKERS, deepspeed_launch
 from safetensors.torch import load_file
@@ -25,10 +26,18 @@ def _random_hf(path):
     return model
 
 
-def test_import_at_tp2_pp2_then_export_is_bitwise_identical(tmp_path):
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """A random GPT-2 imported at tp 2 x pp 2 (--init-from-hf) and saved as a step-0 DeepSpeed checkpoint."""
+    tmp_path = tmp_path_factory.mktemp("imported")
     original = _random_hf(tmp_path / "hf")
     deepspeed_launch(WORKERS / "hf_roundtrip.py", 4, ["--hf", str(tmp_path / "hf"), "--out", str(tmp_path)])
-    assert checkpoint_main(["export", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "back")]) == 0
+    return original, tmp_path
+
+
+def test_import_at_tp2_pp2_then_export_is_bitwise_identical(imported, tmp_path):
+    original, work = imported
+    assert checkpoint_main(["export", "--checkpoint", str(work / "ck"), "--out", str(tmp_path / "back")]) == 0
     back = load_file(tmp_path / "back" / "model.safetensors")
     expected = {k: v for k, v in original.state_dict().items() if k != "lm_head.weight"}
     assert set(back) == set(expected)
@@ -81,18 +90,17 @@ def test_init_from_hf_of_another_shape_or_architecture_is_refused_before_launch(
     assert len(lines) == 1 and lines[0].startswith("error: ds_megatron.checkpoint.init_from_hf: vocab_size differs")
 
 
-def test_export_shards_above_the_size_limit_and_runs_in_a_pipeline(tmp_path):
+def test_export_shards_above_the_size_limit_and_runs_in_a_pipeline(imported, tmp_path):
     from transformers import pipeline
 
-    original = _random_hf(tmp_path / "hf")
-    deepspeed_launch(WORKERS / "hf_roundtrip.py", 4, ["--hf", str(tmp_path / "hf"), "--out", str(tmp_path)])
+    original, work = imported
     out = tmp_path / "sharded"
     assert (
         checkpoint_main(
             [
                 "export",
                 "--checkpoint",
-                str(tmp_path / "ck"),
+                str(work / "ck"),
                 "--out",
                 str(out),
                 "--max-shard-size",
@@ -119,3 +127,18 @@ def _byte_tokenizer(tmp_path):
     ds = load_documents(None)
     tok, path = build_tokenizer("bpe:600", ds, "roundtrip", tmp_path / "tokcache")
     return path
+
+
+def test_init_from_hf_of_another_architecture_is_refused(tmp_path):
+    from transformers import BertConfig
+
+    from ds_megatron.checkpoint.hf_import import check_hf_config
+
+    BertConfig(vocab_size=1001, hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
+    gpt = GPTConfig(vocab_size=1001, n_positions=16, n_embd=64, n_layer=3, n_head=4)
+    try:
+        check_hf_config(tmp_path, gpt)
+    except ValueError as err:
+        assert str(err).startswith("error: --init-from-hf: model type 'bert' is not gpt2")
+    else:
+        raise AssertionError("a BERT config was accepted")

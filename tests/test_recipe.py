@@ -1,19 +1,24 @@
-"""Issue 4, tests a and b: the recipe end to end under the deepspeed launcher, and exact resume."""
+"""Issue 4, test a (the demo end to end under the deepspeed launcher), generation parity and issue 5, test b (its
+export matches transformers).  Exact resume (issue 4, test b) is tested with a crash in test_reliability.py."""
 
 from __future__ import annotations
 
 import json
 import math
 
-from launch import RECIPE, ROOT, deepspeed_launch, quiet_run_flags, read_losses, read_records
+import pytest
+from launch import RECIPE, ROOT, deepspeed_launch, read_records
 
 TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
 
 
-def test_demo_trains_and_reports(tmp_path):
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """One run of the demo config (4 processes, tp 2 x pp 2, SP, selective recompute), shared by the tests below."""
+    tmp_path = tmp_path_factory.mktemp("demo")
     run_dir = tmp_path / "run"
     out = deepspeed_launch(
-        ROOT / "recipes" / "train_gpt.py",
+        RECIPE,
         4,
         [
             "--deepspeed_config",
@@ -29,9 +34,14 @@ def test_demo_trains_and_reports(tmp_path):
             "--set",
             f"ds_megatron.data.cache_dir={tmp_path / 'cache'}",
             "--set",
-            "ds_megatron.train.generate_tokens=4",
+            "ds_megatron.train.generate_tokens=6",
         ],
     )
+    return tmp_path, run_dir, out
+
+
+def test_demo_trains_and_reports(demo):
+    tmp_path, run_dir, out = demo
     records = read_records(run_dir)
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
@@ -50,21 +60,6 @@ def test_demo_trains_and_reports(tmp_path):
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step00000040"
 
 
-def _train(tmp_path, name: str, iters: int, extra: list[str]) -> list[float]:
-    flags = quiet_run_flags(tmp_path, name, tp=2, pp=1, dropout=0.1)
-    deepspeed_launch(RECIPE, 2, ["--deepspeed_config", TINY, "--train-iters", str(iters), *flags, *extra])
-    return list(read_losses(tmp_path / name).values())
-
-
-def test_resume_is_exact(tmp_path):
-    """6 steps straight == 3 steps, stop, --load, 3 more (fp32, dropout 0.1, SP at tp 2)."""
-    straight = _train(tmp_path, "straight", 6, [])
-    first = _train(tmp_path, "first", 3, ["--save", str(tmp_path / "ck")])
-    second = _train(tmp_path, "second", 6, ["--load", str(tmp_path / "ck")])
-    assert len(straight) == 6 and len(first) == 3 and len(second) == 3
-    assert first + second == straight, (straight, first, second)
-
-
 def test_greedy_continuation_matches_single_device(tmp_path):
     from launch import WORKERS
 
@@ -75,7 +70,7 @@ def test_greedy_continuation_matches_single_device(tmp_path):
         assert r["pipeline"] == r["reference"], (f.name, r)
 
 
-def test_export_of_a_tp2_pp2_sp_run_matches_transformers(tmp_path):
+def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
     """Issue 5, test b: train at tp 2 x pp 2 with SP, export; transformers' logits equal ds_megatron's, its greedy
     generate equals the recipe's greedy continuation, and its validation loss equals the recipe's."""
     import numpy as np
@@ -87,27 +82,8 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(tmp_path):
     from ds_megatron.data import MicroBatchStream, PackedSamples, open_packed, split_train_valid
     from ds_megatron.model import GPT, GPTConfig
 
-    run_dir, ck, cache = tmp_path / "run", tmp_path / "ck", tmp_path / "cache"
-    deepspeed_launch(
-        ROOT / "recipes" / "train_gpt.py",
-        4,
-        [
-            "--deepspeed_config",
-            TINY,
-            "--train-iters",
-            "30",
-            "--save",
-            str(ck),
-            "--set",
-            f"ds_megatron.logging.run_dir={run_dir}",
-            "--set",
-            f"ds_megatron.data.cache_dir={cache}",
-            "--set",
-            "ds_megatron.train.generate_tokens=6",
-            "--set",
-            "ds_megatron.logging.wandb_project=null",
-        ],
-    )
+    demo_dir, run_dir, _ = demo
+    ck, cache = demo_dir / "ck", demo_dir / "cache"
     hf_dir = tmp_path / "hf"
     assert (
         checkpoint_main(

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import ROOT, _free_port, deepspeed_launch, quiet_run_flags, read_losses
+from launch import RECIPE, ROOT, _free_port, deepspeed_launch, quiet_run_flags, read_losses
 
 TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
 
@@ -164,39 +164,37 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.5)
 
 
-def test_crash_in_the_middle_of_a_save_resumes_from_the_previous_complete_checkpoint(tmp_path):
+def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
+    """Issue 7, test 6 and issue 4, test b: 6 steps straight equal 3 steps, a crash, --load, 3 more steps.
+
+    The second run saves at step 3 and at its end (step 6); every process is killed in the middle of the step-6
+    save (files written, no manifest).  The restart skips that incomplete tag, resumes from step 3 and its losses
+    for steps 4-6 equal the straight run's bit for bit (fp32, dropout 0.1, SP at tp 2)."""
     ck = tmp_path / "ck"
-    straight = deepspeed_launch(
-        ROOT / "recipes" / "train_gpt.py",
-        2,
-        ["--deepspeed_config", TINY, "--train-iters", "6", *_common(tmp_path, "straight")],
-    )
-    assert straight
+    deepspeed_launch(RECIPE, 2, ["--deepspeed_config", TINY, "--train-iters", "6", *_common(tmp_path, "straight")])
     proc = _launch_recipe(
-        ["--train-iters", "6", "--save", str(ck), "--save-interval", "2", *_common(tmp_path, "crash")],
-        {"DS_MEGATRON_TEST_PAUSE_BEFORE_MANIFEST": "4:120"},
+        ["--train-iters", "6", "--save", str(ck), "--save-interval", "3", *_common(tmp_path, "crash")],
+        {"DS_MEGATRON_TEST_PAUSE_BEFORE_MANIFEST": "6:120"},
     )
-    # step 4's files are written, its manifest is not: kill every process of the job there.
     _wait_for(
         lambda: (
-            (ck / "step00000004").is_dir()
-            and (ck / "step00000002" / "manifest.json").exists()
-            and len(list((ck / "step00000004").glob("rng_rank*.pt"))) == 2
+            (ck / "step00000006").is_dir()
+            and (ck / "step00000003" / "manifest.json").exists()
+            and len(list((ck / "step00000006").glob("rng_rank*.pt"))) == 2
         ),
         proc,
     )
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert (ck / "latest").read_text() == "step00000002"
-    assert not (ck / "step00000004" / "manifest.json").exists()
+    assert (ck / "latest").read_text() == "step00000003"
+    assert not (ck / "step00000006" / "manifest.json").exists()
     out = deepspeed_launch(
-        ROOT / "recipes" / "train_gpt.py",
-        2,
-        ["--deepspeed_config", TINY, "--train-iters", "6", "--load", str(ck), *_common(tmp_path, "resumed")],
+        RECIPE, 2, ["--deepspeed_config", TINY, "--train-iters", "6", "--load", str(ck), *_common(tmp_path, "resumed")]
     )
-    assert "skipping incomplete checkpoint(s) ['step00000004']" in out
+    assert "skipping incomplete checkpoint(s) ['step00000006']" in out
     resumed, reference = read_losses(tmp_path / "resumed"), read_losses(tmp_path / "straight")
-    assert sorted(resumed) == [3, 4, 5, 6]
+    assert sorted(resumed) == [4, 5, 6] and sorted(read_losses(tmp_path / "crash")) == [1, 2, 3, 4, 5, 6]
+    assert all(read_losses(tmp_path / "crash")[s] == reference[s] for s in (1, 2, 3))
     assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
 
 
@@ -225,17 +223,8 @@ def _workers(launcher_pid: int) -> list[int]:
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
-    # one bad step: skipped, counted, training goes on
-    deepspeed_launch(
-        ROOT / "recipes" / "train_gpt.py",
-        2,
-        ["--deepspeed_config", TINY, "--train-iters", "5", *_common(tmp_path, "one")],
-        env_extra={"DS_MEGATRON_TEST_NAN_STEPS": "3"},
-    )
-    records = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
-    assert 3 not in read_losses(tmp_path / "one") and max(read_losses(tmp_path / "one")) == 5
-    assert records[-2]["skipped_steps"] == 1
-    # three in a row with max_bad_steps 3: the run stops with a checkpoint and a clear message
+    """NaN losses at steps 2, 4, 5, 6 with max_bad_steps 3: step 2 is skipped, counted and training goes on; steps
+    4-6 in a row stop the run with a checkpoint and a clear message."""
     ck = tmp_path / "ck"
     proc = _launch_recipe(
         [
@@ -245,11 +234,16 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
             str(ck),
             "--set",
             "ds_megatron.train.max_bad_steps=3",
-            *_common(tmp_path, "three"),
+            *_common(tmp_path, "run"),
         ],
-        {"DS_MEGATRON_TEST_NAN_STEPS": "3,4,5"},
+        {"DS_MEGATRON_TEST_NAN_STEPS": "2,4,5,6"},
     )
     out, _ = proc.communicate(timeout=240)
+    losses = read_losses(tmp_path / "run")
+    assert sorted(losses) == [1, 3], losses  # steps 2, 4, 5, 6 logged no loss
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in records if "loss" in r] == [0, 1]
+    assert "non-finite loss nan or grad norm nan: update skipped (1 in a row, 1 in total)" in out
     assert "error: training: 3 steps in a row with a non-finite loss" in out
     assert proc.returncode != 0
-    assert (ck / "latest").read_text() == "step00000005" and (ck / "step00000005" / "manifest.json").exists()
+    assert (ck / "latest").read_text() == "step00000006" and (ck / "step00000006" / "manifest.json").exists()
