@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from ds_megatron.config import RunConfig
+from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.model import GPTConfig
-from ds_megatron.optim import ClippedAdamW, adamw_kwargs, global_grad_norm, param_groups
+from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
 from ds_megatron.parallelize import ParallelPlan
 from ds_megatron.pipeline import build_pipeline_module
 from ds_megatron.random import RNGTracker, build_rng
@@ -83,6 +84,8 @@ def deepspeed_config_for(run: RunConfig, notes: list[str] | None = None) -> dict
     ds = copy.deepcopy(run.ds_config)
     ds.pop("ds_megatron", None)
     ds.pop("optimizer", None)  # built here (optim.py)
+    if warmup_cosine_from(run.ds_config) is not None:
+        ds.pop("scheduler")  # built here with the published semantics (config/schedule.py)
     ds["train_micro_batch_size_per_gpu"] = run.micro_batch_size
     ds["gradient_accumulation_steps"] = run.grad_accum_steps
     ds["train_batch_size"] = run.global_batch_size
@@ -138,5 +141,7 @@ def build_engine(run: RunConfig) -> Built:
     if topology.rank == 0:
         for line in notes:
             print(f"ds_megatron: {line}", flush=True)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config)
+    schedule = warmup_cosine_from(run.ds_config)
+    scheduler = None if schedule is None else functools.partial(WarmupCosineScheduler, schedule=schedule)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler)
     return Built(engine, topology, plan, rng, gpt_config, run)

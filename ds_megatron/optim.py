@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_megatron.config.schedule import WarmupCosine
 from ds_megatron.tensor_parallel import is_tp_sharded
 from ds_megatron.topology import ParallelTopology
 
@@ -99,3 +100,36 @@ def adamw_kwargs(ds_optimizer: dict | None) -> dict:
         "eps": float(p.get("eps", 1e-8)),
         "weight_decay": float(p.get("weight_decay", 0.0)),
     }
+
+
+class WarmupCosineScheduler:
+    """The learning-rate schedule of ``config.schedule.WarmupCosine`` applied to an optimizer's param groups.
+
+    DeepSpeed calls ``step()`` after every applied optimizer step and saves/loads ``state_dict()`` with each
+    checkpoint.  ``steps_done`` counts the optimizer steps taken; the groups always hold the learning rate of the
+    *next* step (so ``engine.get_lr()`` read before a step is the rate that step uses)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedule: WarmupCosine):
+        self.optimizer, self.schedule = optimizer, schedule
+        self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        self.steps_done = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        ratio = self.schedule.ratio(self.steps_done + 1)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * ratio
+
+    def step(self, *_args, **_kwargs) -> None:
+        self.steps_done += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"steps_done": self.steps_done, "base_lrs": list(self.base_lrs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps_done, self.base_lrs = int(state["steps_done"]), [float(x) for x in state["base_lrs"]]
+        self._apply()

@@ -22,6 +22,7 @@ import torch
 
 from ds_megatron.checkpoint.keymap import TIED_HEAD, is_conv1d
 from ds_megatron.checkpoint.manifest import is_complete
+from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.checkpoint.run_state import latest_tag
 from ds_megatron.config import resolve
 from ds_megatron.model import GPTConfig
@@ -68,7 +69,12 @@ def layer_names(gpt: GPTConfig) -> list[tuple[int, str]]:
 
 
 def iter_full_parameters(ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(full GPT name, merged tensor) for every parameter, one pipeline layer at a time."""
+    """(full GPT name, merged tensor) for every parameter, one pipeline layer at a time.
+
+    A mixed-precision checkpoint yields its fp32 master weights (``masters.py``), not the 16-bit copies of the
+    per-layer files: those are the weights training continues from, and a 16-bit export is a rounding of them."""
+    masters = MasterWeights.open(ckpt, tp)
+    stage = 0
     for idx, prefix in layer_names(gpt):
         shards = []
         for rank in range(tp):
@@ -76,6 +82,13 @@ def iter_full_parameters(ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int
             if not f.exists():
                 raise ExportError(f"error: --checkpoint: {f} is missing (partial checkpoint); use a complete one")
             shards.append(torch.load(f, map_location="cpu", weights_only=True))
+        if masters is not None:
+            stage = _stage_holding(masters, idx, next(iter(shards[0])), stage, f)
+            masters.release(keep_from_pp=stage)
+            shards = [
+                {k: masters.find(idx, k, rank, stage).view(v.shape) for k, v in shard.items()}
+                for rank, shard in enumerate(shards)
+            ]
         for local in shards[0]:
             name = prefix + local.removeprefix("block.")
             parts = [s[local] for s in shards]
@@ -91,6 +104,17 @@ def iter_full_parameters(ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int
             else:
                 full_size = gpt.vocab_size if name.endswith("wte.weight") else None
                 yield name, unshard(parts, rule, full_size)
+
+
+def _stage_holding(masters: MasterWeights, idx: int, key: str, start: int, layer_file: Path) -> int:
+    """The pipeline stage (from ``start`` on: layers come in order) whose optimizer files hold layer ``idx``."""
+    for stage in range(start, masters.num_stages):
+        if masters.holds(idx, key, 0, stage):
+            return stage
+    raise ExportError(
+        f"error: --checkpoint: no optimizer file holds the fp32 master of {layer_file.name}; the checkpoint is "
+        "incomplete or was written by another program"
+    )
 
 
 def expected_shape(name: str, gpt: GPTConfig) -> tuple[int, ...]:
@@ -167,7 +191,8 @@ def export(
                 f"error: --checkpoint: {name} has shape {tuple(tensor.shape)}, the config says "
                 f"{expected_shape(name, gpt)}; the checkpoint does not match its config"
             )
-        prefix = name.rsplit(".", 2)[0]
+        # one bar step per pipeline layer: wte, wpe, each block, ln_f
+        prefix = ".".join(name.split(".")[:3]) if name.startswith("transformer.h.") else name.rsplit(".", 1)[0]
         if prefix != last_prefix and bar is not None:
             bar.update(1)
         last_prefix = prefix

@@ -27,10 +27,24 @@ from ds_megatron.pipeline import pipeline_param_name
 from ds_megatron.tensor_parallel import shard, unshard
 
 
+def model_param_groups(optimizer) -> list[list[torch.Tensor]]:
+    """The model's parameters per optimizer group, in the order the optimizer holds them.
+
+    On the fp32 path the optimizer's ``param_groups`` hold the model's parameters.  DeepSpeed's mixed-precision
+    wrappers replace them with flat fp32 partitions and keep the model's (bf16/fp16) parameters elsewhere: the BF16
+    optimizer in ``bf16_groups``, the ZeRO-1/2 optimizer in ``bit16_groups``, the fp16 optimizers in
+    ``fp16_groups``.  The flat buffers are laid out in exactly this order, which is what makes them readable by name."""
+    for attr in ("bf16_groups", "bit16_groups", "fp16_groups"):
+        groups = getattr(optimizer, attr, None)
+        if groups:
+            return [list(g) for g in groups]
+    return [list(g["params"]) for g in optimizer.param_groups]
+
+
 def param_names_record(engine, topology) -> dict:
     """This rank's optimizer parameter order as full GPT names (written with every checkpoint)."""
     names = {id(p): pipeline_param_name(n, engine.module) for n, p in engine.module.named_parameters()}
-    groups = [[names[id(p)] for p in g["params"]] for g in _base_optimizer(engine).param_groups]
+    groups = [[names[id(p)] for p in g] for g in model_param_groups(engine.optimizer)]
     return {"tp_rank": topology.tp_rank, "pp_rank": topology.pp_rank, "dp_rank": topology.dp_rank, "groups": groups}
 
 

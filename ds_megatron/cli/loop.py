@@ -129,6 +129,7 @@ def train(run: RunConfig, config_name: str = "run") -> int:
     while step < iters:
         step += 1
         engine.module.loss_fn.poison = step in poisoned
+        lr = engine.get_lr()[0]  # the rate this step uses (the schedule moves on inside train_batch)
         loss = float(engine.train_batch(stream))
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
@@ -159,7 +160,7 @@ def train(run: RunConfig, config_name: str = "run") -> int:
             record = {
                 "step": step,
                 "loss": window_loss / window_good,
-                "lr": engine.get_lr()[0],
+                "lr": lr,
                 "grad_norm": norm,
                 "step_ms": 1000 * elapsed,
                 "peak_mem_gb": peak_memory_gb(),

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_megatron.config.errors import ConfigError
+from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
     ATTENTION_KERNELS,
     RECOMPUTE_METHODS,
@@ -29,14 +31,6 @@ from ds_megatron.config.schema import (
 from ds_megatron.config.sizes import GPT3_SEQ_LENGTH, GPT3_VOCAB_SIZE, all_size_names, named_shape
 
 SECTION = "ds_megatron"
-
-
-class ConfigError(ValueError):
-    """A bad setting.  ``str(err)`` is the single line shown to the user."""
-
-    def __init__(self, setting: str, problem: str, values: str, fix: str):
-        self.setting = setting
-        super().__init__(f"error: {setting}: {problem} ({values}); {fix}")
 
 
 def _nearest(key: str, valid: list[str]) -> str:
@@ -357,6 +351,7 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
     lr = ((ds_config.get("optimizer") or {}).get("params") or {}).get("lr", 1e-3)
     if not isinstance(lr, (int, float)) or lr <= 0:
         raise ConfigError("optimizer.params.lr", "must be a positive number", f"got {lr!r}", "set e.g. 6e-4")
+    warmup_cosine_from(ds_config)  # validates the scheduler section ds_megatron implements
     micro, gas, glob = resolve_batch(ds_config, dp)
     return RunConfig(
         section=section,

@@ -1,0 +1,94 @@
+"""The fp32 master weights of a mixed-precision checkpoint, read by pipeline layer and TP rank.
+
+Under bf16 (DeepSpeed's BF16 optimizer) or fp16 with ZeRO, the per-layer files hold the 16-bit copies the forward
+pass used; the weights the optimizer really trains are fp32 and live in the optimizer files
+``[bf16_]zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt``, one per (data-parallel rank, model-parallel rank), with
+``mp = pp_rank * tp + tp_rank``.  Each file holds, per parameter group, this data-parallel rank's contiguous slice of
+the group's flat fp32 buffer (``single_partition_of_fp32_groups``) and, per parameter name, the fragment of that
+slice that belongs to it (``param_slice_mappings``: start, numel).  A parameter's full fp32 value is its fragments
+concatenated in data-parallel order.
+
+Files are memory-mapped (``torch.load(mmap=True)``): only the fragments read are paged in, so the Adam moments in
+the same files cost nothing, and host memory stays bounded by what the caller keeps.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+_OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+TIED_PREFIX = "tied_modules.wte."  # DeepSpeed's name prefix of the tied embedding (pipeline.TIED_KEY)
+
+
+def optimizer_files(tag_dir: Path) -> dict[int, list[Path]]:
+    """{model-parallel rank: optimizer files in data-parallel order}; empty when the checkpoint has none."""
+    found: dict[int, dict[int, Path]] = {}
+    for f in tag_dir.iterdir():
+        m = _OPTIM_FILE.match(f.name)
+        if m:
+            found.setdefault(int(m.group(2)), {})[int(m.group(1))] = f
+    return {mp: [files[d] for d in sorted(files)] for mp, files in found.items()}
+
+
+def pipeline_local_name(layer_idx: int, key: str) -> str:
+    """DeepSpeed's name of ``key`` of pipeline layer ``layer_idx`` (the names ``param_slice_mappings`` uses)."""
+    return f"{TIED_PREFIX}{key}" if layer_idx == 0 else f"{layer_idx}.{key}"
+
+
+class MasterWeights:
+    """fp32 masters of one checkpoint tag; ``None`` from :meth:`open` when the tag has no mixed-precision optimizer
+    files (the fp32 path, where the per-layer files already hold the trained fp32 weights)."""
+
+    def __init__(self, files: dict[int, list[Path]], tp: int):
+        self.files, self.tp = files, tp
+        self._loaded: dict[int, list[dict]] = {}
+
+    @classmethod
+    def open(cls, tag_dir: Path, tp: int) -> MasterWeights | None:
+        files = optimizer_files(tag_dir)
+        if not files:
+            return None
+        probe = torch.load(next(iter(files.values()))[0], map_location="cpu", mmap=True, weights_only=False)
+        if "single_partition_of_fp32_groups" not in probe.get("optimizer_state_dict", {}):
+            return None
+        return cls(files, tp)
+
+    def _states(self, mp: int) -> list[dict]:
+        if mp not in self._loaded:
+            self._loaded[mp] = [
+                torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+                for f in self.files[mp]
+            ]
+        return self._loaded[mp]
+
+    def release(self, keep_from_pp: int) -> None:
+        """Forget the files of pipeline stages before ``keep_from_pp`` (callers walk the layers in order)."""
+        for mp in [m for m in self._loaded if m // self.tp < keep_from_pp]:
+            del self._loaded[mp]
+
+    def holds(self, layer_idx: int, key: str, tp_rank: int, pp_rank: int) -> bool:
+        mp = pp_rank * self.tp + tp_rank
+        name = pipeline_local_name(layer_idx, key)
+        return mp in self.files and any(name in m for s in self._states(mp) for m in s["param_slice_mappings"])
+
+    def find(self, layer_idx: int, key: str, tp_rank: int, pp_rank: int) -> torch.Tensor | None:
+        """The flat fp32 master of ``key`` in pipeline layer ``layer_idx`` on (pp_rank, tp_rank), or None when
+        that stage does not hold it."""
+        mp = pp_rank * self.tp + tp_rank
+        if mp not in self.files:
+            return None
+        name = pipeline_local_name(layer_idx, key)
+        pieces = []
+        for state in self._states(mp):
+            for group, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):
+                if name in mapping:
+                    address = mapping[name]
+                    pieces.append(group.narrow(0, address.start, address.numel))
+        return torch.cat(pieces) if pieces else None  # a copy: nothing stays mapped
+
+    @property
+    def num_stages(self) -> int:
+        return max(self.files) // self.tp + 1

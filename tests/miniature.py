@@ -1,0 +1,71 @@
+"""A shipped config in miniature: the same code paths on 2-4 CPU processes in seconds.
+
+``miniature(path)`` keeps everything that selects code (precision, ZeRO stage, gradient accumulation dtype,
+optimizer, scheduler type and ratios, clipping, SP, recompute policy, attention kernel, dropout, pipeline on or off)
+and shrinks what only sets sizes: a few layers (two per pipeline stage), width 64, 4 heads, sequence 64, a 1,024-token
+BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule steps scaled to a 3-step run.  tp/pp/dp are adapted
+to at most 4 processes: pp = min(pp, 2), tp = min(tp, 4 // pp), and dp = 2 where that still fits (so ZeRO-1
+really partitions the optimizer state).
+
+Configs whose miniatures differ only in numbers that select no code (learning rate, betas, schedule lengths, seed)
+share one run: ``code_path_key`` says which.  A config added to ds_configs/ is covered without writing a test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+MAX_PROCS = 4
+VOCAB = 1024
+MINI_STEPS = 3  # train 2, save, resume for 1
+
+
+def adapted_layout(tp: int, pp: int) -> tuple[int, int, int]:
+    """(tp, pp, dp) of the miniature."""
+    pp2 = min(pp, 2)
+    tp2 = min(tp, MAX_PROCS // pp2)
+    dp2 = 2 if tp2 * pp2 * 2 <= MAX_PROCS else 1
+    return tp2, pp2, dp2
+
+
+def miniature(path: Path) -> tuple[dict, int]:
+    """(the miniature DeepSpeed config, its number of processes)."""
+    cfg = copy.deepcopy(json.loads(Path(path).read_text()))
+    sec = cfg.setdefault("ds_megatron", {})
+    par = sec.setdefault("parallel", {})
+    tp, pp, dp = adapted_layout(par.get("tp", 1), par.get("pp", 1))
+    par.update(tp=tp, pp=pp)
+    model = sec.setdefault("model", {})
+    model.pop("size", None)
+    model.pop("max_position_embeddings", None)
+    model.update(num_layers=2 * pp, hidden_size=64, num_heads=4, seq_length=64, vocab_size=VOCAB)
+    rc = sec.setdefault("recompute", {})
+    if rc.get("policy") == "full":
+        rc["num_layers"] = min(rc.get("num_layers", 1), 2)
+    micro, gas = 2, 2
+    cfg.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas, train_batch_size=micro * gas * dp)
+    sched = (cfg.get("scheduler") or {}).get("params")
+    if sched is not None:  # warm up over 2 steps, decay over the next 2: the 3 steps see both
+        sched.update(warmup_num_steps=2, total_num_steps=4)
+    sec["train"] = {**sec.get("train", {}), "train_iters": MINI_STEPS, "eval_interval": 0, "eval_iters": 1}
+    sec["train"].update(log_interval=1, generate_tokens=0)
+    sec["data"] = {**sec.get("data", {}), "path": None, "tokenizer": f"bpe:{VOCAB}", "num_proc": 1}
+    sec["logging"] = {"wandb_project": None}
+    sec["checkpoint"] = {"save_interval": 2}
+    return cfg, tp * pp * dp
+
+
+# Keys that hold numbers only (no code path depends on them): two miniatures equal but for these run once.
+_NUMBERS_ONLY = (("optimizer", "params"), ("scheduler", "params"), ("ds_megatron", "train", "seed"))
+
+
+def code_path_key(cfg: dict) -> str:
+    key = copy.deepcopy(cfg)
+    for path in _NUMBERS_ONLY:
+        node = key
+        for part in path[:-1]:
+            node = node.get(part, {})
+        node.pop(path[-1], None)
+    return json.dumps(key, sort_keys=True)

@@ -1,0 +1,143 @@
+"""Every shipped config as a user runs it, in miniature (``miniature.py``: same precision, ZeRO stage, optimizer,
+scheduler, SP, recompute, attention kernel and dropout; tiny shapes, 2-4 processes).  Per miniature, two launches of
+the recipe: 3 straight steps saving at steps 2 and 3, then a resume from step 2 for one step.  Checked: the resumed
+step equals the straight run's bit for bit (loss, gradient norm, learning rate, validation loss), each step's
+logged learning rate is the published schedule's, and the checkpoint exports (from the fp32 masters when it has
+them) to a model transformers loads."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from launch import RECIPE, ROOT, deepspeed_launch, read_records
+from miniature import code_path_key, miniature
+
+from ds_megatron.config.schedule import WarmupCosine, warmup_cosine_from
+
+CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
+GROUPS: dict[str, list] = {}
+for _path in CONFIGS:
+    GROUPS.setdefault(code_path_key(miniature(_path)[0]), []).append(_path)
+RUNS = [paths[0] for paths in GROUPS.values()]
+IDS = ["+".join(p.stem for p in paths) for paths in GROUPS.values()]
+
+
+def test_every_shipped_config_is_covered_by_a_miniature():
+    covered = {p for paths in GROUPS.values() for p in paths}
+    assert covered == set(CONFIGS) and len(CONFIGS) >= 9
+    # the miniatures keep what selects code paths
+    for path in CONFIGS:
+        shipped, (mini, nprocs) = json.loads(path.read_text()), miniature(path)
+        assert 2 <= nprocs <= 4
+        for key in ("bf16", "fp16", "zero_optimization", "data_types", "optimizer", "gradient_clipping"):
+            assert mini.get(key) == shipped.get(key), (path.name, key)
+        s, m = shipped["ds_megatron"], mini["ds_megatron"]
+        assert m["recompute"].get("policy") == s.get("recompute", {}).get("policy")
+        for key in ("dropout", "attention"):
+            assert m["model"].get(key) == s["model"].get(key)
+        sp = s.get("parallel", {}).get("sequence_parallel", False)
+        assert m["parallel"].get("sequence_parallel", False) == sp and (not sp or m["parallel"]["tp"] > 1)
+        assert (m["parallel"]["pp"] > 1) == (s.get("parallel", {}).get("pp", 1) > 1)
+        assert mini["scheduler"]["type"] == shipped["scheduler"]["type"]
+
+
+@pytest.fixture(scope="session")
+def token_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("token_cache")
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=IDS)
+def mini_run(request, tmp_path_factory, token_cache):
+    cfg, nprocs = miniature(request.param)
+    work = tmp_path_factory.mktemp(request.param.stem)
+    config = work / "mini.json"
+    config.write_text(json.dumps(cfg))
+    common = ["--deepspeed_config", str(config), "--set", f"ds_megatron.data.cache_dir={token_cache}"]
+    deepspeed_launch(
+        RECIPE, nprocs, [*common, "--save", str(work / "ck"), "--set", f"ds_megatron.logging.run_dir={work / 'a'}"]
+    )
+    # Keep the end-of-run checkpoint for export; without it the newest complete tag is step 2.
+    (work / "final").mkdir()
+    shutil.move(work / "ck" / "step00000003", work / "final" / "step00000003")
+    deepspeed_launch(
+        RECIPE,
+        nprocs,
+        [
+            *common,
+            "--load",
+            str(work / "ck"),
+            "--save",
+            str(work / "ck_b"),
+            "--set",
+            f"ds_megatron.logging.run_dir={work / 'b'}",
+        ],
+    )
+    return cfg, work
+
+
+def test_resume_equals_the_straight_run(mini_run):
+    _, work = mini_run
+    straight, resumed = read_records(work / "a"), read_records(work / "b")
+    assert [r["step"] for r in straight if "loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in resumed if "loss" in r] == [3]
+    a3 = next(r for r in straight if r["step"] == 3 and "loss" in r)
+    b3 = next(r for r in resumed if "loss" in r)
+    for key in ("loss", "grad_norm", "lr"):
+        assert a3[key] == b3[key], (key, a3[key], b3[key])
+    val = [[r["val_loss"] for r in recs if "val_loss" in r] for recs in (straight, resumed)]
+    assert val[0] == val[1] and len(val[0]) == 1
+
+
+def test_logged_learning_rate_is_the_schedule(mini_run):
+    cfg, work = mini_run
+    schedule = warmup_cosine_from(cfg)
+    peak = cfg["optimizer"]["params"]["lr"]
+    logged = {r["step"]: r["lr"] for r in read_records(work / "a") if "lr" in r}
+    assert logged[1] > 0.0
+    for step, lr in logged.items():
+        assert math.isclose(lr, peak * schedule.ratio(step), rel_tol=1e-12), (step, lr)
+
+
+def test_export_from_the_masters_loads_in_transformers(mini_run, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ds_megatron.checkpoint.__main__ import main as checkpoint_main
+
+    cfg, work = mini_run
+    out = tmp_path / "hf"
+    args = ["export", "--checkpoint", str(work / "final"), "--tag", "step00000003", "--out", str(out)]
+    assert checkpoint_main([*args, "--tokenizer", str(work / "a" / "tokenizer")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 1024, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+    exported = load_file(out / "model.safetensors")
+    # the first block's LayerNorm sits in layer file 2 (replicated over TP: rank 0's copy is the whole tensor)
+    stored = torch.load(work / "final" / "step00000003" / "layer_02-model_00-model_states.pt", weights_only=True)
+    master, copy16 = exported["transformer.h.0.ln_1.weight"], stored["block.ln_1.weight"]
+    assert master.dtype == torch.float32
+    if cfg.get("bf16", {}).get("enabled"):
+        assert copy16.dtype == torch.bfloat16
+        assert torch.equal(master.to(torch.bfloat16), copy16)  # the bf16 copy is the master rounded
+        assert not torch.equal(master, copy16.float())  # ... and the export is not that rounding
+    else:
+        assert torch.equal(master, copy16)
+
+
+def test_published_schedule_of_a_shipped_config():
+    """gpt3_125m: linear warm-up over 715 steps from a non-zero first step, cosine to 10% at 260B tokens."""
+    cfg = json.loads((ROOT / "ds_configs" / "gpt3_125m.json").read_text())
+    s = warmup_cosine_from(cfg)
+    assert s == WarmupCosine(715, 495911, 0.0, 0.1)
+    assert s.ratio(1) == 1 / 715 and s.ratio(2) == 2 / 715 and s.ratio(715) == 1.0
+    assert math.isclose(s.ratio(716), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / (495911 - 715))))
+    mid = 715 + (495911 - 715) // 2
+    assert math.isclose(s.ratio(mid), 0.55, abs_tol=1e-5)
+    assert math.isclose(s.ratio(495911), 0.1) and math.isclose(s.ratio(572205), 0.1)  # floor to the end of training
+    tokens = cfg["train_batch_size"] * 2048
+    assert abs(cfg["scheduler"]["params"]["total_num_steps"] * tokens - 260e9) / 260e9 < 1e-3
