@@ -16,8 +16,8 @@ PROBE = (
 )
 
 
-def run_cli(args: list[str], world_size: int = 4) -> subprocess.CompletedProcess:
-    env = {"WORLD_SIZE": str(world_size), "PATH": "/usr/bin:/bin"}
+def run_cli(args: list[str], world_size: int = 4, rank: int = 0) -> subprocess.CompletedProcess:
+    env = {"WORLD_SIZE": str(world_size), "RANK": str(rank), "PATH": "/usr/bin:/bin"}
     return subprocess.run([sys.executable, "-c", PROBE, *args], cwd=ROOT, env=env, capture_output=True, text=True)
 
 
@@ -46,6 +46,12 @@ def test_bad_setup_exits_2_with_one_line(tmp_path, args, world, expected):
     assert proc.stdout.strip() == "clean"  # neither torch nor deepspeed was imported
 
 
+def test_only_rank_0_prints_the_error(tmp_path):
+    """Under the launcher every rank validates and exits 2; the error line appears once, not once per rank."""
+    proc = run_cli(["--deepspeed_config", str(tiny_config(tmp_path)), "--tp", "3"], 4, rank=1)
+    assert proc.returncode == 2 and proc.stderr == "", proc.stderr
+
+
 def test_invalid_json_names_line_and_column(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{\n  "train_batch_size": 16,\n  "ds_megatron": {,}\n}\n')
@@ -59,3 +65,16 @@ def test_help_documents_the_flags():
     assert proc.returncode == 0
     for flag in ("--deepspeed_config", "--tp", "--pp", "--sequence-parallel", "--train-iters", "--set"):
         assert flag in proc.stdout
+
+
+def test_a_bad_batch_size_under_the_launcher_prints_one_line(tmp_path):
+    """Two real ranks started by DeepSpeed's launcher: the error line is printed once."""
+    from launch import _free_port
+
+    launcher = Path(sys.executable).parent / "deepspeed"
+    cmd = [str(launcher), "--num_gpus", "2", "--master_port", str(_free_port()), "recipes/train_gpt.py"]
+    cmd += ["--deepspeed_config", str(tiny_config(tmp_path)), "--tp", "1", "--pp", "1", "--set", "train_batch_size=15"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: train_batch_size:"), errors

@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         if "--debug" in (argv if argv is not None else sys.argv):
             raise
-        print(str(err), file=sys.stderr)
+        # Every rank of a launch validates the same config and exits; one of them says why.
+        if os.environ.get("RANK", "0") == "0":
+            print(str(err), file=sys.stderr)
         return EXIT_CONFIG_ERROR
     from ds_megatron.cli.loop import train
 
