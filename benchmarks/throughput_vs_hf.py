@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from ds_megatron.checkpoint.keymap import to_hf_state_dict  # noqa: E402
 from ds_megatron.config import resolve  # noqa: E402
-from ds_megatron.engine import build_engine, gpt_config_from  # noqa: E402
-from ds_megatron.model import GPT  # noqa: E402
+from ds_megatron.engine import build_engine  # noqa: E402
+from ds_megatron.model import GPT, GPTConfig  # noqa: E402
 
 
 def ds_config(args, kernel: str) -> dict:
@@ -56,7 +56,7 @@ def ds_config(args, kernel: str) -> dict:
 
 def build_hf(run, seed: int):
     """transformers' GPT-2 with exactly ds_megatron's initial weights, under a plain DeepSpeed engine."""
-    cfg = gpt_config_from(run)
+    cfg = GPTConfig.from_shape(run.model)
     model = GPT2LMHeadModel(cfg.to_hf())
     model.load_state_dict(to_hf_state_dict(GPT(cfg, seed=seed).state_dict()))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ds_megatron.config import RunConfig
+from ds_megatron.config.facts import deepspeed_wraps_optimizer
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.model import GPTConfig
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
@@ -37,10 +38,6 @@ class Built:
     rng: RNGTracker
     gpt_config: GPTConfig
     run: RunConfig
-
-
-def gpt_config_from(run: RunConfig) -> GPTConfig:
-    return GPTConfig.from_shape(run.model)
 
 
 def init_distributed() -> None:
@@ -70,13 +67,6 @@ def device_type() -> str:
     return "cuda" if get_accelerator().device_name() == "cuda" else "cpu"
 
 
-def _uses_deepspeed_clipping(ds_config: dict) -> bool:
-    """bf16/fp16/ZeRO wrap the optimizer and compute a TP/PP-correct norm themselves (see optim.py)."""
-    zero = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    half = (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("fp16") or {}).get("enabled")
-    return bool(half or zero > 0)
-
-
 def deepspeed_config_for(run: RunConfig, notes: list[str] | None = None) -> dict:
     """DeepSpeed's own keys, with our section removed and the settings we own filled in (``notes`` collects one line
     per setting changed behind the user's back)."""
@@ -90,8 +80,9 @@ def deepspeed_config_for(run: RunConfig, notes: list[str] | None = None) -> dict
     ds["gradient_accumulation_steps"] = run.grad_accum_steps
     ds["train_batch_size"] = run.global_batch_size
     ds.setdefault("steps_per_print", 10**9)
-    if not _uses_deepspeed_clipping(run.ds_config):
-        ds["gradient_clipping"] = 0.0  # ClippedAdamW clips with the correct norm
+    if not deepspeed_wraps_optimizer(run.ds_config):
+        # DeepSpeed's wrappers compute a TP/PP-correct norm; on the plain fp32 path ClippedAdamW clips (optim.py)
+        ds["gradient_clipping"] = 0.0
     if run.section.parallel.sequence_parallel and run.tp > 1:
         # Stage-boundary tensors are already sequence shards; DeepSpeed's TP partitioning of them would garble them
         # (trap 2).  Without it the boundary tensors are s/t long: pipeline traffic falls by t.
@@ -110,7 +101,7 @@ def build_engine(run: RunConfig) -> Built:
     topology = ParallelTopology.build(run.tp, run.pp, run.dp)
     seed = run.section.train.seed
     rng = build_rng(seed, topology.tp_rank, topology.pp_rank, topology.dp_rank, device_type())
-    gpt_config = gpt_config_from(run)
+    gpt_config = GPTConfig.from_shape(run.model)
     plan = ParallelPlan(
         config=gpt_config,
         tp_group=topology.tp_group,
@@ -130,7 +121,7 @@ def build_engine(run: RunConfig) -> Built:
         load_hf_into_pipeline(module, plan, ckpt.init_from_hf)
     opt_kwargs = adamw_kwargs(run.ds_config.get("optimizer"))
     groups = param_groups(module, opt_kwargs.pop("weight_decay"))
-    if _uses_deepspeed_clipping(run.ds_config):
+    if deepspeed_wraps_optimizer(run.ds_config):
         optimizer = torch.optim.AdamW(groups, **opt_kwargs)
     else:
         norm_fn = functools.partial(global_grad_norm, list(module.parameters()), topology)

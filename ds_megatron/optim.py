@@ -87,12 +87,7 @@ class ClippedAdamW(torch.optim.AdamW):
 
 def adamw_kwargs(ds_optimizer: dict | None) -> dict:
     """torch AdamW keyword arguments from DeepSpeed's ``optimizer`` section (type Adam or AdamW)."""
-    ds_optimizer = ds_optimizer or {"type": "AdamW", "params": {}}
-    kind = str(ds_optimizer.get("type", "AdamW")).lower()
-    if kind not in ("adam", "adamw"):
-        raise ValueError(
-            f"error: optimizer.type: unsupported optimizer ({ds_optimizer.get('type')}); use Adam or AdamW"
-        )
+    ds_optimizer = ds_optimizer or {"type": "AdamW", "params": {}}  # its type was checked by config.resolve
     p = dict(ds_optimizer.get("params", {}))
     return {
         "lr": float(p.get("lr", 1e-3)),

@@ -16,6 +16,8 @@ The tied embedding's gradient is summed over the first and last stage by DeepSpe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
@@ -112,7 +114,75 @@ class VocabParallelLoss:
         return loss * float("nan") if self.poison else loss
 
 
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Which pipeline layer index holds what, for a GPT of ``n_layer`` blocks; every name mapping (checkpoint
+    records, export, resharding, HF import, fp32 masters) reads it here.
+
+        0: wte (tied, DeepSpeed names it ``tied_modules.wte.*``)   1: wpe   2 .. n_layer+1: blocks
+        n_layer+2: ln_f                                             n_layer+3: the tied wte again, as output layer
+
+    DeepSpeed names a local layer's parameters ``"<index>.<key>"`` and writes one file per layer and TP rank,
+    ``layer_<index>-model_<tp>-model_states.pt``, whose keys are the ``<key>`` part (``block.attn.c_attn.weight``)."""
+
+    n_layer: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer + 4
+
+    @property
+    def ln_f_index(self) -> int:
+        return self.n_layer + 2
+
+    def saved_layers(self) -> list[tuple[int, str]]:
+        """(layer index, prefix of its full GPT names) of every layer with a file of its own (the output layer is
+        the tied wte and has none), in pipeline order."""
+        names = [(0, "transformer."), (1, "transformer.")]
+        names += [(2 + i, f"transformer.h.{i}.") for i in range(self.n_layer)]
+        return [*names, (self.ln_f_index, "transformer.")]
+
+    def index_of(self, full_name: str) -> int:
+        """The (first) layer index holding full GPT parameter ``full_name``."""
+        if full_name == "transformer.wte.weight":
+            return 0
+        if full_name == "transformer.wpe.weight":
+            return 1
+        if full_name.startswith("transformer.h."):
+            return 2 + int(full_name.split(".")[2])
+        return self.ln_f_index
+
+    @staticmethod
+    def key_in_layer(full_name: str) -> str:
+        """The key of ``full_name`` inside its layer's state file."""
+        if full_name.startswith("transformer.h."):
+            return "block." + full_name.split(".", 3)[3]
+        return full_name.removeprefix("transformer.")
+
+    @staticmethod
+    def local_name(index: int, key: str) -> str:
+        """DeepSpeed's parameter name of ``key`` in layer ``index`` (what optimizer checkpoints are keyed by)."""
+        return f"tied_modules.{TIED_KEY}.{key}" if index == 0 else f"{index}.{key}"
+
+    def full_name(self, local_name: str) -> str | None:
+        """DeepSpeed's parameter name -> full GPT (HF GPT-2) name; None for names that are not ours."""
+        if local_name.startswith(f"tied_modules.{TIED_KEY}."):
+            return "transformer.wte.weight"
+        idx, _, rest = local_name.partition(".")
+        if not idx.isdigit():
+            return None
+        i = int(idx)
+        if i == 1:
+            return "transformer." + rest  # wpe.weight
+        if 2 <= i < 2 + self.n_layer:
+            return f"transformer.h.{i - 2}." + rest.removeprefix("block.")
+        if i == self.ln_f_index:
+            return "transformer." + rest  # ln_f.*
+        return None
+
+
 def layer_specs(config: GPTConfig, plan: ParallelPlan, seed: int) -> list:
+    """The layers in the order of :class:`PipelineLayout`."""
     specs: list = [
         TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, plan, seed, tied_weight_attr=["wte.weight"]),
         LayerSpec(PositionEmbeddingPipe, config, plan, seed),
@@ -124,6 +194,7 @@ def layer_specs(config: GPTConfig, plan: ParallelPlan, seed: int) -> list:
             TIED_KEY, WordEmbeddingPipe, config, plan, seed, forward_fn=lm_head_forward, tied_weight_attr=["wte.weight"]
         ),
     ]
+    assert len(specs) == PipelineLayout(config.n_layer).num_layers
     return specs
 
 
@@ -134,9 +205,10 @@ class GPTPipelineModule(PipelineModule):
     express "chunks of k blocks" or "the first k blocks of the stage"; this forward does, with exact RNG replay.
     """
 
-    def __init__(self, *args, recompute: RecomputePlan, rng: RNGTracker | None, **kwargs):
+    def __init__(self, *args, layout: PipelineLayout, recompute: RecomputePlan, rng: RNGTracker | None, **kwargs):
         super().__init__(*args, **kwargs)
         self.recompute_plan, self.rng = recompute, rng
+        self.layout = layout
         self.segments = self._segments()
 
     def _segments(self) -> list[tuple[int, int, bool]]:
@@ -185,28 +257,12 @@ def build_pipeline_module(
         loss_fn=VocabParallelLoss(plan),
         partition_method=partition_method,
         activation_checkpoint_interval=0,
+        layout=PipelineLayout(config.n_layer),
         recompute=plan.recompute,
         rng=plan.rng,
     )
 
 
-def pipeline_param_name(module_name: str, module: PipelineModule) -> str | None:
-    """Map a PipelineModule parameter name to its full GPT (HF GPT-2) name, or None for unknown names.
-
-    DeepSpeed names local layers by their global index (``"<idx>.block.attn.c_attn.weight"``) and tied ones
-    ``"tied_modules.wte.wte.weight"``.
-    """
-    if module_name.startswith(f"tied_modules.{TIED_KEY}."):
-        return "transformer.wte.weight"
-    idx, _, rest = module_name.partition(".")
-    if not idx.isdigit():
-        return None
-    i = int(idx)
-    n_layer = module._num_layers - 4
-    if i == 1:
-        return "transformer." + rest  # wpe.weight
-    if 2 <= i < 2 + n_layer:
-        return f"transformer.h.{i - 2}." + rest.removeprefix("block.")
-    if i == 2 + n_layer:
-        return "transformer." + rest  # ln_f.*
-    return None
+def pipeline_param_name(module_name: str, module: GPTPipelineModule) -> str | None:
+    """Full GPT name of a parameter of ``module`` (see :meth:`PipelineLayout.full_name`)."""
+    return module.layout.full_name(module_name)

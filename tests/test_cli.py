@@ -36,6 +36,9 @@ def tiny_config(tmp_path: Path, **model) -> Path:
         ([], 6, "error: ds_megatron.parallel: tp x pp does not divide the world size"),
         (["--set", "train_batch_size=15"], 4, "error: train_batch_size: not equal to micro batch x accumulation x dp"),
         (["--set", "ds_megatron.parallel.pipeline=2"], 4, "error: ds_megatron.parallel.pipeline: unknown key"),
+        (["--set", 'optimizer={"type": "SGD", "params": {"lr": 0.1}}'], 4, "error: optimizer.type: ds_megatron builds"),
+        (["--set", "train.seed=7"], 4, "error: --set train.seed: neither a DeepSpeed key nor under ds_megatron"),
+        (["--set", "scheduler.params.warmup_type=log"], 4, "error: scheduler.params.warmup_type: ds_megatron's"),
     ],
 )
 def test_bad_setup_exits_2_with_one_line(tmp_path, args, world, expected):
@@ -44,6 +47,27 @@ def test_bad_setup_exits_2_with_one_line(tmp_path, args, world, expected):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
     assert proc.stdout.strip() == "clean"  # neither torch nor deepspeed was imported
+
+
+def test_set_of_a_misplaced_path_names_the_right_one(tmp_path):
+    proc = run_cli(["--deepspeed_config", str(tiny_config(tmp_path)), "--set", "train.seed=7"])
+    assert "did you mean ds_megatron.train.seed?" in proc.stderr, proc.stderr
+
+
+def test_unknown_top_level_key_in_the_file_is_a_warning(tmp_path):
+    cfg = json.loads((ROOT / "ds_configs" / "gpt_tiny.json").read_text())
+    cfg["zero_optimisation"] = {"stage": 1}
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(cfg))
+    from ds_megatron.config.deepspeed_keys import unknown_top_level_warnings
+
+    assert unknown_top_level_warnings(cfg) == [
+        "warning: zero_optimisation: not a DeepSpeed or ds_megatron key, DeepSpeed ignores it; "
+        "did you mean 'zero_optimization'?"
+    ]
+    assert all(
+        unknown_top_level_warnings(json.loads(p.read_text())) == [] for p in (ROOT / "ds_configs").glob("*.json")
+    )
 
 
 def test_only_rank_0_prints_the_error(tmp_path):

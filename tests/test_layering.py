@@ -26,6 +26,7 @@ LEVELS = {
     "pipeline": 3.5,
     "checkpoint": 3.7,
     "tune": 3.8,
+    "preflight": 3.9,
     "engine": 4,
     "generate": 4,
     "cli": 5,

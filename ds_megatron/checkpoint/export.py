@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from ds_megatron.checkpoint.keymap import TIED_HEAD, is_conv1d
-from ds_megatron.checkpoint.manifest import is_complete
+from ds_megatron.checkpoint.manifest import is_complete, newest_complete_tag
 from ds_megatron.checkpoint.masters import MasterWeights
-from ds_megatron.checkpoint.run_state import latest_tag
 from ds_megatron.config import resolve
+from ds_megatron.config.facts import saved_layout
 from ds_megatron.model import GPTConfig
 from ds_megatron.parallelize import ParallelPlan, shard_rule
+from ds_megatron.pipeline import PipelineLayout
 from ds_megatron.tensor_parallel import unshard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,7 +47,7 @@ def parse_size(text: str) -> int:
 
 
 def read_checkpoint_config(ckpt_dir: Path, tag: str | None) -> tuple[str, dict]:
-    tag = tag or latest_tag(ckpt_dir)
+    tag = tag or newest_complete_tag(ckpt_dir)
     if tag is None:
         raise ExportError(
             f"error: --checkpoint: no complete checkpoint in {ckpt_dir}; pass a directory written by --save (or --tag)"
@@ -60,14 +61,6 @@ def read_checkpoint_config(ckpt_dir: Path, tag: str | None) -> tuple[str, dict]:
     return tag, client["config"]
 
 
-def layer_names(gpt: GPTConfig) -> list[tuple[int, str]]:
-    """(pipeline layer index, prefix of its full GPT names) in the order of pipeline.layer_specs."""
-    names = [(0, "transformer."), (1, "transformer.")]
-    names += [(2 + i, f"transformer.h.{i}.") for i in range(gpt.n_layer)]
-    names.append((2 + gpt.n_layer, "transformer."))
-    return names
-
-
 def iter_full_parameters(ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int) -> Iterator[tuple[str, torch.Tensor]]:
     """(full GPT name, merged tensor) for every parameter, one pipeline layer at a time.
 
@@ -75,7 +68,7 @@ def iter_full_parameters(ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int
     per-layer files: those are the weights training continues from, and a 16-bit export is a rounding of them."""
     masters = MasterWeights.open(ckpt, tp)
     stage = 0
-    for idx, prefix in layer_names(gpt):
+    for idx, prefix in PipelineLayout(gpt.n_layer).saved_layers():
         shards = []
         for rank in range(tp):
             f = ckpt / f"layer_{idx:02d}-model_{rank:02d}-model_states.pt"
@@ -161,9 +154,8 @@ def export(
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"error: --out: {out} exists and is not empty; choose a new directory")
     tag, ds_config = read_checkpoint_config(ckpt_dir, tag)
-    parallel = ds_config["ds_megatron"].get("parallel", {})
-    tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
-    run = resolve(ds_config, tp * pp * _dp_of(ckpt_dir / tag))
+    tp, pp, dp = saved_layout(ds_config)
+    run = resolve(ds_config, tp * pp * dp)
     gpt = GPTConfig.from_shape(run.model)
     plan = ParallelPlan(gpt, None, 0, tp, False, None, run.section.parallel.vocab_multiple)
     limit = parse_size(max_shard_size)
@@ -228,11 +220,6 @@ def export(
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
-
-
-def _dp_of(tag_dir: Path) -> int:
-    client = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-    return int(client.get("dp_world_size", 1))
 
 
 def _find_tokenizer(ckpt_dir: Path, run) -> Path | None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ds_megatron.checkpoint.keymap import is_conv1d
+from ds_megatron.config import ConfigError
 from ds_megatron.model import GPTConfig
 from ds_megatron.parallelize import ParallelPlan, shard_rule
 from ds_megatron.pipeline import pipeline_param_name
@@ -33,19 +34,21 @@ def _tensor_files(hf_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def check_hf_config(hf_dir: Path, gpt: GPTConfig) -> None:
-    """The HF model must be a GPT-2 of exactly this shape; one error line otherwise."""
+def check_hf_config(hf_dir: Path, gpt: GPTConfig, setting: str = "--init-from-hf") -> None:
+    """The HF model must be a GPT-2 of exactly this shape; a ConfigError naming ``setting`` otherwise."""
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(hf_dir)
     if hf.model_type != "gpt2":
-        raise ValueError(f"error: --init-from-hf: model type {hf.model_type!r} is not gpt2; export a GPT-2 model")
+        raise ConfigError(setting, f"model type {hf.model_type!r} is not gpt2", str(hf_dir), "export a GPT-2 model")
     ours = GPTConfig.from_hf(hf, attention=gpt.attention)
     for field in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
         if getattr(ours, field) != getattr(gpt, field):
-            raise ValueError(
-                f"error: --init-from-hf: {field} differs ({getattr(ours, field)} in {hf_dir}, {getattr(gpt, field)} in "
-                "the config); set the model shape to match"
+            raise ConfigError(
+                setting,
+                f"{field} differs",
+                f"{getattr(ours, field)} in {hf_dir}, {getattr(gpt, field)} in the config",
+                "set the model shape to match",
             )
 
 

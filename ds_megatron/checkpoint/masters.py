@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from ds_megatron.pipeline import PipelineLayout
+
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-TIED_PREFIX = "tied_modules.wte."  # DeepSpeed's name prefix of the tied embedding (pipeline.TIED_KEY)
 
 
 def optimizer_files(tag_dir: Path) -> dict[int, list[Path]]:
@@ -31,11 +32,6 @@ def optimizer_files(tag_dir: Path) -> dict[int, list[Path]]:
         if m:
             found.setdefault(int(m.group(2)), {})[int(m.group(1))] = f
     return {mp: [files[d] for d in sorted(files)] for mp, files in found.items()}
-
-
-def pipeline_local_name(layer_idx: int, key: str) -> str:
-    """DeepSpeed's name of ``key`` of pipeline layer ``layer_idx`` (the names ``param_slice_mappings`` uses)."""
-    return f"{TIED_PREFIX}{key}" if layer_idx == 0 else f"{layer_idx}.{key}"
 
 
 class MasterWeights:
@@ -71,7 +67,7 @@ class MasterWeights:
 
     def holds(self, layer_idx: int, key: str, tp_rank: int, pp_rank: int) -> bool:
         mp = pp_rank * self.tp + tp_rank
-        name = pipeline_local_name(layer_idx, key)
+        name = PipelineLayout.local_name(layer_idx, key)
         return mp in self.files and any(name in m for s in self._states(mp) for m in s["param_slice_mappings"])
 
     def find(self, layer_idx: int, key: str, tp_rank: int, pp_rank: int) -> torch.Tensor | None:
@@ -80,7 +76,7 @@ class MasterWeights:
         mp = pp_rank * self.tp + tp_rank
         if mp not in self.files:
             return None
-        name = pipeline_local_name(layer_idx, key)
+        name = PipelineLayout.local_name(layer_idx, key)
         pieces = []
         for state in self._states(mp):
             for group, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):

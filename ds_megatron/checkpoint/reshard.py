@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from ds_megatron.checkpoint.manifest import tag_config
 from ds_megatron.config import resolve
+from ds_megatron.config.facts import deepspeed_wraps_optimizer, saved_layout
 from ds_megatron.model import GPTConfig
 from ds_megatron.parallelize import ParallelPlan, shard_rule
-from ds_megatron.pipeline import pipeline_param_name
+from ds_megatron.pipeline import PipelineLayout, pipeline_param_name
 from ds_megatron.tensor_parallel import shard, unshard
 
 
@@ -52,23 +53,6 @@ def _base_optimizer(engine):
     return engine.optimizer
 
 
-def _layer_index(name: str, n_layer: int) -> int:
-    if name == "transformer.wte.weight":
-        return 0
-    if name == "transformer.wpe.weight":
-        return 1
-    if name.startswith("transformer.h."):
-        return 2 + int(name.split(".")[2])
-    return 2 + n_layer
-
-
-def _layer_key(name: str) -> str:
-    """The key of ``name`` inside its pipeline layer's state file."""
-    if name.startswith("transformer.h."):
-        return "block." + name.split(".", 3)[3]
-    return name.removeprefix("transformer.")
-
-
 class OldCheckpoint:
     """Read access to one tag of a checkpoint written at another layout."""
 
@@ -77,13 +61,10 @@ class OldCheckpoint:
         cfg = tag_config(root, tag)
         if cfg is None:
             raise FileNotFoundError(f"error: --load: {root}/{tag} has no config.json; cannot reshard it")
-        par = cfg["ds_megatron"].get("parallel", {})
-        self.tp, self.pp = par.get("tp", 1), par.get("pp", 1)
-        micro, gas, glob = (
-            cfg[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
-        )
-        self.run = resolve(cfg, self.tp * self.pp * (glob // (micro * gas)))
+        self.tp, self.pp, dp = saved_layout(cfg)
+        self.run = resolve(cfg, self.tp * self.pp * dp)
         self.gpt = GPTConfig.from_shape(self.run.model)
+        self.layout = PipelineLayout(self.gpt.n_layer)
         self.plan = ParallelPlan(self.gpt, None, 0, self.tp, False, None, self.run.section.parallel.vocab_multiple)
         self.where: dict[str, dict[int, tuple[int, int]]] = {}  # name -> {old tp rank: (mp file index, position)}
         for f in sorted((root / tag).glob("params_rank*.json")):
@@ -104,13 +85,13 @@ class OldCheckpoint:
         return self._states[mp_index]
 
     def full_weight(self, name: str) -> torch.Tensor:
-        idx = _layer_index(name, self.gpt.n_layer)
+        idx = self.layout.index_of(name)
         parts = []
         for r in range(self.tp):
             if (idx, r) not in self._layers:
                 f = self.root / self.tag / f"layer_{idx:02d}-model_{r:02d}-model_states.pt"
                 self._layers[(idx, r)] = torch.load(f, map_location="cpu", weights_only=True)
-            parts.append(self._layers[(idx, r)][_layer_key(name)])
+            parts.append(self._layers[(idx, r)][self.layout.key_in_layer(name)])
         return self._merge(name, parts)
 
     def full_optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
@@ -140,9 +121,7 @@ def load_resharded(engine, plan: ParallelPlan, topology, root: Path, tag: str) -
     """Collective.  Fill the engine (weights, AdamW state, LR schedule, counters) from a checkpoint written at
     another (tp, pp); returns its client state."""
     old = OldCheckpoint(root, tag)
-    if old.run.ds_config.get("bf16", {}).get("enabled") or (old.run.ds_config.get("zero_optimization") or {}).get(
-        "stage", 0
-    ):
+    if deepspeed_wraps_optimizer(old.run.ds_config):
         raise ValueError(
             f"error: --load: resuming a bf16/ZeRO checkpoint at another layout is not supported (saved at tp "
             f"{old.tp} x pp {old.pp}); resume at that layout, or export and restart with --init-from-hf"

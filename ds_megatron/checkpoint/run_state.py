@@ -43,11 +43,6 @@ def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
-def latest_tag(load_dir: str | Path) -> str | None:
-    """The newest complete tag (the one ``latest`` names, unless a crash left that one incomplete)."""
-    return newest_complete_tag(load_dir)
-
-
 def save_run(
     engine, save_dir: str | Path, step: int, client_state: dict, rng: RNGTracker, keep_last: int = 0, topology=None
 ) -> str:
@@ -90,7 +85,7 @@ def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=
     """Collective.  Loads the newest complete tag into the engine and this rank's RNG states; returns the client
     state.  A checkpoint written at another (tp, pp) is resharded (``reshard.py``) when ``plan`` is given."""
     root = Path(load_dir)
-    tag = latest_tag(root)
+    tag = newest_complete_tag(root)
     if tag is None:
         raise FileNotFoundError(f"error: --load: no complete checkpoint in {root}; pass a directory written by --save")
     newer = [p.name for p in root.glob("step*") if p.is_dir() and p.name > tag]

@@ -31,6 +31,7 @@ from ds_megatron.config.schema import (
 from ds_megatron.config.sizes import GPT3_SEQ_LENGTH, GPT3_VOCAB_SIZE, all_size_names, named_shape
 
 SECTION = "ds_megatron"
+OPTIMIZER_TYPES = ("adam", "adamw")  # DeepSpeed optimizer types ds_megatron builds (as torch AdamW)
 
 
 def _nearest(key: str, valid: list[str]) -> str:
@@ -347,6 +348,14 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             "must be in (0, 0.5)",
             f"got {section.data.valid_fraction}",
             "set e.g. 0.02",
+        )
+    kind = str((ds_config.get("optimizer") or {}).get("type", "AdamW"))
+    if kind.lower() not in OPTIMIZER_TYPES:
+        raise ConfigError(
+            "optimizer.type",
+            "ds_megatron builds torch AdamW from this section and supports no other optimizer",
+            f"got {kind!r}",
+            'set "type": "AdamW" (or "Adam")',
         )
     lr = ((ds_config.get("optimizer") or {}).get("params") or {}).get("lr", 1e-3)
     if not isinstance(lr, (int, float)) or lr <= 0:

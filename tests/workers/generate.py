@@ -13,9 +13,9 @@ import torch  # noqa: E402
 from common import tiny_ds_config, write_result  # noqa: E402
 
 from ds_megatron.config import resolve  # noqa: E402
-from ds_megatron.engine import build_engine, gpt_config_from  # noqa: E402
+from ds_megatron.engine import build_engine  # noqa: E402
 from ds_megatron.generate import greedy_continuation  # noqa: E402
-from ds_megatron.model import GPT  # noqa: E402
+from ds_megatron.model import GPT, GPTConfig  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
         pad_id=0,
         vocab_size=run.model.vocab_size,
     )
-    model = GPT(gpt_config_from(run), seed=run.section.train.seed).eval()
+    model = GPT(GPTConfig.from_shape(run.model), seed=run.section.train.seed).eval()
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(8):

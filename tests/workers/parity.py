@@ -18,8 +18,8 @@ import torch.nn.functional as F  # noqa: E402
 from common import log, micro_batches, tiny_ds_config, token_batches, write_result  # noqa: E402
 
 from ds_megatron.config import resolve  # noqa: E402
-from ds_megatron.engine import build_engine, gpt_config_from  # noqa: E402
-from ds_megatron.model import GPT  # noqa: E402
+from ds_megatron.engine import build_engine  # noqa: E402
+from ds_megatron.model import GPT, GPTConfig  # noqa: E402
 from ds_megatron.optim import param_groups  # noqa: E402
 from ds_megatron.parallelize import shard_rule  # noqa: E402
 from ds_megatron.pipeline import pipeline_param_name  # noqa: E402
@@ -29,7 +29,7 @@ from ds_megatron.tensor_parallel import shard  # noqa: E402
 def reference(run, batches):
     """Plain single-device training: losses per step, step-1 gradients (before clipping) and grad norms."""
     torch.manual_seed(0)
-    model = GPT(gpt_config_from(run), seed=run.section.train.seed)
+    model = GPT(GPTConfig.from_shape(run.model), seed=run.section.train.seed)
     opt_cfg = run.ds_config["optimizer"]["params"]
     opt = torch.optim.AdamW(
         param_groups(model, opt_cfg["weight_decay"]),

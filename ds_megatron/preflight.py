@@ -1,0 +1,118 @@
+"""Every check of a run that needs files but no process group: data files, tokenizer size, ``--init-from-hf`` and
+``--load`` compatibility.  ``config.resolve`` checks the configuration itself (shapes, layout, batch, optimizer,
+schedule); together they are the pre-flight the recipe runs on every rank before anything distributed starts, so a
+bad input costs one line (:class:`ConfigError`) and nothing is created.
+
+Heavy imports (transformers, safetensors) happen only when a check needs them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ds_megatron.config import ConfigError, RunConfig, check_tokenizer, effective_tokenizer, resolve
+from ds_megatron.config.facts import deepspeed_wraps_optimizer, saved_layout
+
+# Model shape fields a resumed checkpoint must share with the config.
+SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length", "max_position_embeddings")
+
+
+def check_run(run: RunConfig) -> None:
+    """All file-level checks of a resolved run."""
+    check_data(run)
+    check_tokenizer_files(run)
+    init = run.section.checkpoint.init_from_hf
+    if init is not None:
+        check_init_from_hf(run, Path(init))
+    load = run.section.checkpoint.load
+    if load is not None:
+        check_resume(run, Path(load))
+
+
+def check_data(run: RunConfig) -> None:
+    data = run.section.data
+    if data.path is None:
+        return
+    from ds_megatron.data.corpus import is_local, resolve_files
+
+    if is_local(data.path):
+        files = resolve_files(data.path)
+        if not files:
+            raise ConfigError("ds_megatron.data.path", "no file matches", data.path, "check the path or glob")
+        if all(os.path.getsize(f) == 0 for f in files):
+            raise ConfigError(
+                "ds_megatron.data.path", "the dataset is empty", f"{len(files)} file(s) of 0 bytes", "add some text"
+            )
+
+
+def check_tokenizer_files(run: RunConfig) -> None:
+    """``bpe:N`` or a directory; a directory's tokenizer must fit the model's vocabulary."""
+    spec = effective_tokenizer(run)
+    check_tokenizer(spec, run.model.vocab_size)
+    if spec.startswith("bpe:"):
+        return
+    from transformers import AutoTokenizer
+
+    size = len(AutoTokenizer.from_pretrained(spec))
+    if size > run.model.vocab_size:
+        raise ConfigError(
+            "ds_megatron.data.tokenizer",
+            "tokenizer vocabulary larger than the model's",
+            f"{size} tokens in {spec} > vocab_size {run.model.vocab_size}",
+            f"set ds_megatron.model.vocab_size to at least {size}",
+        )
+
+
+def check_init_from_hf(run: RunConfig, init: Path) -> None:
+    setting = "ds_megatron.checkpoint.init_from_hf"
+    if not (init / "config.json").is_file():
+        raise ConfigError(
+            setting,
+            "not a transformers model directory",
+            f"{init} has no config.json",
+            "pass a directory written by `python -m ds_megatron.checkpoint export` or save_pretrained",
+        )
+    from ds_megatron.checkpoint.hf_import import check_hf_config
+    from ds_megatron.model import GPTConfig
+
+    check_hf_config(init, GPTConfig.from_shape(run.model), setting)
+
+
+def check_resume(run: RunConfig, load: Path) -> None:
+    """``--load`` needs a complete checkpoint whose model and layout match this run."""
+    from ds_megatron.checkpoint.manifest import newest_complete_tag, tag_config
+
+    tag = newest_complete_tag(load)
+    if tag is None:
+        raise ConfigError(
+            "ds_megatron.checkpoint.load",
+            "no complete checkpoint there",
+            f"{load} has no tag with a manifest",
+            "pass a directory written by --save (incomplete tags from a crash are skipped)",
+        )
+    saved = tag_config(load, tag)
+    if saved is None:
+        return
+    tp, pp, dp = saved_layout(saved)
+    try:
+        old = resolve(saved, tp * pp * dp)
+    except ConfigError:
+        return
+    for key in SHAPE_KEYS:
+        a, b = getattr(old.model, key), getattr(run.model, key)
+        if a != b:
+            raise ConfigError(
+                "ds_megatron.checkpoint.load",
+                f"checkpoint model shape does not match the config ({key})",
+                f"{key}={a} in {load}/{tag}, {b} in the config",
+                f"set ds_megatron.model.{key}={a} or start a new run",
+            )
+    mixed = deepspeed_wraps_optimizer(old.ds_config) or deepspeed_wraps_optimizer(run.ds_config)
+    if (old.tp, old.pp) != (run.tp, run.pp) and mixed:
+        raise ConfigError(
+            "ds_megatron.checkpoint.load",
+            "a bf16/fp16/ZeRO checkpoint resumes only at the tp x pp it was saved at",
+            f"tp {old.tp} x pp {old.pp} in {load}/{tag}, tp {run.tp} x pp {run.pp} now",
+            f"resume with --tp {old.tp} --pp {old.pp}, or export and restart with --init-from-hf",
+        )

@@ -1,0 +1,337 @@
+"""Unit tier of the tensor-parallel layers: in-process, CPU (gloo), no DeepSpeed launcher.
+
+Each TP/SP layer, the vocab-parallel cross entropy and each autograd mapping is compared, forward and backward,
+with its unsharded single-process reference (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``F.cross_entropy``)
+at tp 1, 2 and 4, with sequence parallelism off and on.  The launcher suites check whole models and take minutes;
+this tier takes seconds and names the one layer or collective that broke.  One process group is spawned per world
+size and runs every check; each rank reports per check, and each (tp, check) pair is its own test.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from ds_megatron.parallelize import ParallelPlan
+from ds_megatron.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelLayerNorm,
+    SequenceShardedPositionEmbedding,
+    ShardRule,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    gather_last_dim,
+    gather_seq,
+    padded_vocab_size,
+    reduce_from_tp,
+    reduce_scatter_seq,
+    scatter_seq,
+    sync_grads,
+    vocab_parallel_cross_entropy,
+)
+
+S, B, H, FFN = 8, 2, 16, 32  # s divisible by every tp below, so each SP shard has s/t rows
+WORLD_SIZES = (1, 2, 4)
+# 1001 does not fill the padded table; with 513 at tp 4 the last rank's block is padding only.
+VOCABS = (1001, 513)
+
+Pairs = list[tuple[str, Tensor | None, Tensor]]  # (what, sharded result, reference), compared after all collectives
+
+
+class Ctx(NamedTuple):
+    group: ProcessGroup | None  # None for a group of one, as the topology builds it
+    rank: int
+    t: int
+
+
+def part(x: Tensor, dim: int, c: Ctx, fused: int = 1) -> Tensor:
+    """This rank's contiguous block of ``x`` along ``dim`` (in each of ``fused`` equal blocks).  Written here
+    rather than taken from ``shard`` so that a slicing bug in the library cannot cancel out in the comparison."""
+    return torch.cat([blk.chunk(c.t, dim)[c.rank] for blk in x.chunk(fused, dim)], dim)
+
+
+def seq_part(x: Tensor, c: Ctx, sp: bool) -> Tensor:
+    """Under SP an activation [s, b, h] lives as this rank's sequence chunk; otherwise it is replicated."""
+    return part(x, 0, c) if sp else x
+
+
+def leaf(x: Tensor) -> Tensor:
+    return x.detach().clone().requires_grad_()
+
+
+def padded(vocab: int, c: Ctx) -> int:
+    return padded_vocab_size(vocab, c.t, ParallelPlan.vocab_multiple)
+
+
+def pad_rows(x: Tensor, rows: int, value: float = 0.0) -> Tensor:
+    """Pad the last dim (1-d) or the first dim (2-d weight) of a vocabulary-sized tensor to ``rows``."""
+    extra = rows - (x.shape[-1] if x.dim() != 2 else x.shape[0])
+    return F.pad(x, (0, extra) if x.dim() != 2 else (0, 0, 0, extra), value=value)
+
+
+def token_ids(c: Ctx, vocab: int) -> Tensor:
+    """Random ids [s, b]; the first few are replaced by 0, vocab - 1 and the ids either side of each rank's block
+    boundary, where an off-by-one in the block masking would show."""
+    ids = torch.randint(0, vocab, (S, B))
+    block = padded(vocab, c) // c.t
+    edges = [e for e in [0, vocab - 1] + [k * block + d for k in range(1, c.t) for d in (-1, 0)] if e < vocab]
+    ids.view(-1)[: len(edges)] = torch.tensor(edges)
+    return ids
+
+
+def check_column(c: Ctx, sp: bool, fused: int = 1, gather: bool = False) -> Pairs:
+    ref = nn.Linear(H, FFN * fused)
+    x, gy = torch.randn(S, B, H, requires_grad=True), torch.randn(S, B, FFN * fused)
+    y_ref = ref(x)
+    y_ref.backward(gy)
+    layer = ColumnParallelLinear.from_dense(ref, ShardRule(dim=0, fused=fused), c.group, c.rank, c.t, sp)
+    x_in = leaf(seq_part(x, c, sp))
+    y = layer(x_in)
+    if gather:  # the layer always leaves its output split; gather_last_dim is how a caller gets the full one
+        y = gather_last_dim(y, c.group)
+        y.backward(gy)
+        out = ("gathered output", y, y_ref)
+    else:
+        y.backward(part(gy, -1, c, fused))
+        out = ("output", y, part(y_ref, -1, c, fused))
+    return [
+        out,
+        ("input grad", x_in.grad, seq_part(x.grad, c, sp)),
+        ("weight grad", layer.weight.grad, part(ref.weight.grad, 0, c, fused)),
+        ("bias grad", layer.bias.grad, part(ref.bias.grad, 0, c, fused)),
+    ]
+
+
+def check_row(c: Ctx, sp: bool) -> Pairs:
+    ref = nn.Linear(FFN, H)
+    x, gy = torch.randn(S, B, FFN, requires_grad=True), torch.randn(S, B, H)
+    y_ref = ref(x)
+    y_ref.backward(gy)
+    layer = RowParallelLinear.from_dense(ref, c.group, c.rank, c.t, sp)
+    x_in = leaf(part(x, -1, c))
+    y = layer(x_in)
+    y.backward(seq_part(gy, c, sp))
+    return [
+        ("output", y, seq_part(y_ref, c, sp)),
+        ("input grad", x_in.grad, part(x.grad, -1, c)),
+        ("weight grad", layer.weight.grad, part(ref.weight.grad, 1, c)),
+        # The bias is replicated: every rank must hold the full-sequence gradient, under SP too.
+        ("bias grad", layer.bias.grad, ref.bias.grad),
+    ]
+
+
+def check_embedding(c: Ctx, sp: bool, vocab: int) -> Pairs:
+    ref, ids, gy = nn.Embedding(vocab, H), token_ids(c, vocab), torch.randn(S, B, H)
+    out_ref = ref(ids)
+    out_ref.backward(gy)
+    layer = VocabParallelEmbedding.from_dense(ref, padded(vocab, c), c.group, c.rank, c.t, sp)
+    out = layer(ids)
+    out.backward(seq_part(gy, c, sp))
+    return [
+        ("output", out, seq_part(out_ref, c, sp)),
+        # Padding rows are never looked up, so their gradient must be exactly zero.
+        ("weight grad", layer.weight.grad, part(pad_rows(ref.weight.grad, padded(vocab, c)), 0, c)),
+    ]
+
+
+def check_tied_logits_ce(c: Ctx, sp: bool, vocab: int) -> Pairs:
+    """The tied output layer feeding the vocab-parallel loss, as the GPT uses them."""
+    ref, target, gl = nn.Embedding(vocab, H), token_ids(c, vocab), torch.rand(S, B)
+    x = torch.randn(S, B, H, requires_grad=True)
+    logits_ref = x @ ref.weight.t()
+    logits_ref.retain_grad()
+    loss_ref = F.cross_entropy(logits_ref.reshape(-1, vocab), target.reshape(-1), reduction="none").view(S, B)
+    loss_ref.backward(gl)
+    layer = VocabParallelEmbedding.from_dense(ref, padded(vocab, c), c.group, c.rank, c.t, sp)
+    x_in = leaf(seq_part(x, c, sp))
+    logits = layer.logits(x_in)
+    logits.retain_grad()
+    loss = vocab_parallel_cross_entropy(logits, target, c.group, layer.vocab_start)
+    loss.backward(gl)
+    n = padded(vocab, c)
+    return [
+        ("logits (padding columns -inf)", logits, part(pad_rows(logits_ref, n, float("-inf")), -1, c)),
+        ("loss", loss, loss_ref),
+        ("logits grad (zero on padding)", logits.grad, part(pad_rows(logits_ref.grad, n), -1, c)),
+        ("input grad", x_in.grad, seq_part(x.grad, c, sp)),
+        ("weight grad", layer.weight.grad, part(pad_rows(ref.weight.grad, n), 0, c)),
+    ]
+
+
+def check_cross_entropy(c: Ctx, vocab: int) -> Pairs:
+    """Logits large enough that exp overflows fp32 unless the global max is subtracted first."""
+    logits_ref = (30.0 * torch.randn(S, B, vocab)).requires_grad_()
+    target, gl = token_ids(c, vocab), torch.rand(S, B)
+    F.cross_entropy(logits_ref.reshape(-1, vocab), target.reshape(-1), reduction="none").view(S, B).backward(gl)
+    n = padded(vocab, c)
+    block = leaf(part(pad_rows(logits_ref, n, float("-inf")), -1, c))
+    loss = vocab_parallel_cross_entropy(block, target, c.group, c.rank * n // c.t)
+    loss.backward(gl)
+    loss_ref = F.cross_entropy(logits_ref.detach().reshape(-1, vocab), target.reshape(-1), reduction="none")
+    return [
+        ("loss", loss, loss_ref.view(S, B)),
+        ("logits grad (zero on padding)", block.grad, part(pad_rows(logits_ref.grad, n), -1, c)),
+    ]
+
+
+def check_sp_layernorm(c: Ctx) -> Pairs:
+    ref = nn.LayerNorm(H)
+    with torch.no_grad():  # non-trivial affine parameters, so a lost scale or shift shows in the output
+        ref.weight.normal_()
+        ref.bias.normal_()
+    x, gy = torch.randn(S, B, H, requires_grad=True), torch.randn(S, B, H)
+    y_ref = ref(x)
+    y_ref.backward(gy)
+    layer = SequenceParallelLayerNorm(ref, c.group)
+    x_in = leaf(part(x, 0, c))
+    y = layer(x_in)
+    y.backward(part(gy, 0, c))
+    return [
+        ("output", y, part(y_ref, 0, c)),
+        ("input grad", x_in.grad, part(x.grad, 0, c)),
+        ("weight grad (summed over TP)", layer.weight.grad, ref.weight.grad),
+        ("bias grad (summed over TP)", layer.bias.grad, ref.bias.grad),
+    ]
+
+
+def check_sp_position_embedding(c: Ctx) -> Pairs:
+    ref, gy = nn.Embedding(S, H), torch.randn(S, H)
+    out_ref = ref(torch.arange(S))
+    out_ref.backward(gy)
+    layer = SequenceShardedPositionEmbedding(ref.weight.data.clone(), c.group, c.rank, c.t)
+    out = layer(torch.arange(S))
+    out.backward(part(gy, 0, c))
+    return [("output", out, part(out_ref, 0, c)), ("weight grad (summed over TP)", layer.weight.grad, ref.weight.grad)]
+
+
+def check_mappings(c: Ctx) -> Pairs:
+    """Every autograd mapping against its docstring.  Per-rank inputs and gradients are drawn for all ranks on every
+    rank (same seed), so the expected sums and concatenations are computed locally."""
+    full, xs, g = torch.randn(S, B, H), torch.randn(c.t, S, B, H), torch.randn(S, B, H)
+    gs, gs_seq = torch.randn(c.t, S, B, H), torch.randn(c.t, S // c.t, B, H)
+    pairs: Pairs = []
+
+    x = leaf(full)  # copy_to_tp (f): identity / all-reduce
+    y = copy_to_tp(x, c.group)
+    y.backward(gs[c.rank])
+    pairs += [("copy_to_tp forward", y, full), ("copy_to_tp backward", x.grad, gs.sum(0))]
+
+    x = leaf(xs[c.rank])  # reduce_from_tp (g): all-reduce / identity, and the caller's tensor is left alone
+    y = reduce_from_tp(x, c.group)
+    y.backward(g)
+    pairs += [("reduce_from_tp forward", y, xs.sum(0)), ("reduce_from_tp input intact", x, xs[c.rank])]
+    pairs += [("reduce_from_tp backward", x.grad, g)]
+
+    x = leaf(part(full, 0, c))  # gather_seq: all-gather / reduce-scatter
+    y = gather_seq(x, c.group)
+    y.backward(gs[c.rank])
+    pairs += [("gather_seq forward", y, full), ("gather_seq backward", x.grad, part(gs.sum(0), 0, c))]
+
+    x = leaf(xs[c.rank])  # reduce_scatter_seq: reduce-scatter / all-gather
+    y = reduce_scatter_seq(x, c.group)
+    y.backward(gs_seq[c.rank])
+    pairs += [("reduce_scatter_seq forward", y, part(xs.sum(0), 0, c))]
+    pairs += [("reduce_scatter_seq input intact", x, xs[c.rank]), ("reduce_scatter_seq backward", x.grad, gs_seq.flatten(0, 1))]
+
+    x = leaf(full)  # scatter_seq: split / all-gather
+    y = scatter_seq(x, c.group)
+    y.backward(gs_seq[c.rank])
+    pairs += [("scatter_seq forward", y, part(full, 0, c)), ("scatter_seq backward", x.grad, gs_seq.flatten(0, 1))]
+
+    x = leaf(part(full, -1, c))  # gather_last_dim: all-gather / split
+    y = gather_last_dim(x, c.group)
+    y.backward(g)
+    pairs += [("gather_last_dim forward", y, full), ("gather_last_dim backward", x.grad, part(g, -1, c))]
+
+    a, b = leaf(full[0, 0]), leaf(full[:, 1])  # sync_grads: identity / one all-reduce (sum) of all gradients
+    ga, gb = gs[:, 0, 0], gs[:, :, 1]
+    a2, b2 = sync_grads(c.group, a, b)
+    torch.autograd.backward([a2, b2], [ga[c.rank], gb[c.rank]])
+    pairs += [("sync_grads forward", torch.cat([a2, b2.flatten()]), torch.cat([full[0, 0], full[:, 1].flatten()]))]
+    return pairs + [("sync_grads backward a", a.grad, ga.sum(0)), ("sync_grads backward b", b.grad, gb.sum(0))]
+
+
+CHECKS: dict[str, Callable[[Ctx], Pairs]] = {"mappings": check_mappings}
+for _sp, _tag in ((False, ""), (True, "-sp")):
+    CHECKS[f"column{_tag}"] = partial(check_column, sp=_sp)
+    CHECKS[f"column-gathered{_tag}"] = partial(check_column, sp=_sp, gather=True)
+    CHECKS[f"column-qkv{_tag}"] = partial(check_column, sp=_sp, fused=3)
+    CHECKS[f"row{_tag}"] = partial(check_row, sp=_sp)
+    for _v in VOCABS:
+        CHECKS[f"embedding-v{_v}{_tag}"] = partial(check_embedding, sp=_sp, vocab=_v)
+        CHECKS[f"tied-logits-ce-v{_v}{_tag}"] = partial(check_tied_logits_ce, sp=_sp, vocab=_v)
+for _v in VOCABS:
+    CHECKS[f"cross-entropy-v{_v}"] = partial(check_cross_entropy, vocab=_v)
+CHECKS["sp-layernorm"] = check_sp_layernorm
+CHECKS["sp-position-embedding"] = check_sp_position_embedding
+
+
+def run_checks(c: Ctx) -> dict[str, str]:
+    """Run every check on this rank; "ok" or the failures per check.  Comparisons happen only after a check's
+    collectives, so a mismatch on one rank never leaves the others waiting in a collective."""
+    report = {}
+    for name, check in CHECKS.items():
+        torch.manual_seed(0)  # identical draws on every rank: all ranks build the same reference and inputs
+        try:
+            errors = []
+            for what, actual, expected in check(c):
+                try:
+                    torch.testing.assert_close(actual, expected.detach(), atol=1e-5, rtol=1e-5)
+                except (AssertionError, TypeError) as e:  # TypeError: a gradient that never arrived (None)
+                    errors.append(f"{what}: {e}")
+            report[name] = "\n".join(errors) or "ok"
+        except Exception:
+            report[name] = traceback.format_exc()
+    return report
+
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)  # several ranks share few cores; intra-op threads would only oversubscribe them
+    # A short timeout turns a rank stuck in a collective into a failure instead of a hung test session.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        group = dist.new_group(list(range(world)))  # an explicit group, the way the topology hands one over
+        report = run_checks(Ctx(group, rank, world))
+    finally:
+        dist.destroy_process_group()
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict[str, str]]]:
+    cache: dict[int, list[dict[str, str]]] = {}
+
+    def get(t: int) -> list[dict[str, str]]:
+        if t not in cache:
+            if t == 1:  # a group of one is None and needs no processes: run here
+                cache[t] = [run_checks(Ctx(None, 0, 1))]
+            else:
+                tmp = tmp_path_factory.mktemp(f"tp{t}")
+                mp.spawn(_worker, args=(t, str(tmp)), nprocs=t)
+                cache[t] = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(t)]
+        return cache[t]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+@pytest.mark.parametrize("tp", WORLD_SIZES)
+def test_layer_matches_unsharded_reference(reports: Callable[[int], list[dict[str, str]]], tp: int, name: str) -> None:
+    failures = {r: rep.get(name, "did not run") for r, rep in enumerate(reports(tp)) if rep.get(name) != "ok"}
+    assert not failures, "\n".join(f"tp={tp} rank {r}: {msg}" for r, msg in failures.items())
