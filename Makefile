@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test test-fast lint clean
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -14,6 +14,10 @@ demo: venv
 
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# The unit tier: in-process tests only (no deepspeed launcher), for use while you work.
+test-fast: venv
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests
 
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -106,12 +106,10 @@ class VocabParallelLoss:
         self.tp_group = plan.tp_group
         self.vocab_start = plan.tp_rank * (plan.padded_vocab_size // plan.tp_size)
         self.__name__ = "vocab_parallel_cross_entropy"
-        self.poison = False  # fault injection for tests: make this step's loss NaN (see cli/loop.py)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """logits [s, b, V_pad/t], labels [b, s]."""
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start).mean()
-        return loss * float("nan") if self.poison else loss
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start).mean()
 
 
 @dataclass(frozen=True)

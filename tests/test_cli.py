@@ -91,6 +91,7 @@ def test_help_documents_the_flags():
         assert flag in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_bad_batch_size_under_the_launcher_prints_one_line(tmp_path):
     """Two real ranks started by DeepSpeed's launcher: the error line is printed once."""
     from launch import _free_port

@@ -3,9 +3,11 @@ check does not rot between the sessions that have a GPU: bf16 + ZeRO-1 through t
 
 from __future__ import annotations
 
+import pytest
 from launch import ROOT, deepspeed_launch
 
 
+@pytest.mark.slow
 def test_gpu_step_runs_tiny_on_cpu(tmp_path):
     out = tmp_path / "gpu.md"
     deepspeed_launch(ROOT / "benchmarks" / "gpu_step.py", 1, ["--tiny", "--markdown", str(out)])

@@ -35,6 +35,7 @@ def imported(tmp_path_factory):
     return original, tmp_path
 
 
+@pytest.mark.slow
 def test_import_at_tp2_pp2_then_export_is_bitwise_identical(imported, tmp_path):
     original, work = imported
     assert checkpoint_main(["export", "--checkpoint", str(work / "ck"), "--out", str(tmp_path / "back")]) == 0
@@ -90,6 +91,7 @@ def test_init_from_hf_of_another_shape_or_architecture_is_refused_before_launch(
     assert len(lines) == 1 and lines[0].startswith("error: ds_megatron.checkpoint.init_from_hf: vocab_size differs")
 
 
+@pytest.mark.slow
 def test_export_shards_above_the_size_limit_and_runs_in_a_pipeline(imported, tmp_path):
     from transformers import pipeline
 

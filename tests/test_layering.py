@@ -29,6 +29,7 @@ LEVELS = {
     "preflight": 3.9,
     "engine": 4,
     "generate": 4,
+    "trainer": 4.5,
     "cli": 5,
 }
 STDLIB_ONLY = {"config", "fileio"}

@@ -3,8 +3,8 @@
 Each TP/SP layer, the vocab-parallel cross entropy and each autograd mapping is compared, forward and backward,
 with its unsharded single-process reference (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``, ``F.cross_entropy``)
 at tp 1, 2 and 4, with sequence parallelism off and on.  The launcher suites check whole models and take minutes;
-this tier takes seconds and names the one layer or collective that broke.  One process group is spawned per world
-size and runs every check; each rank reports per check, and each (tp, check) pair is its own test.
+this tier takes seconds and names the one layer or collective that broke.  One gloo group is spawned per tp > 1 (tp 1
+runs in the test process) and runs every check; each rank reports per check, and each (tp, check) is its own test.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -25,24 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+import ds_megatron.tensor_parallel as tpl
 from ds_megatron.parallelize import ParallelPlan
-from ds_megatron.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    SequenceParallelLayerNorm,
-    SequenceShardedPositionEmbedding,
-    ShardRule,
-    VocabParallelEmbedding,
-    copy_to_tp,
-    gather_last_dim,
-    gather_seq,
-    padded_vocab_size,
-    reduce_from_tp,
-    reduce_scatter_seq,
-    scatter_seq,
-    sync_grads,
-    vocab_parallel_cross_entropy,
-)
 
 S, B, H, FFN = 8, 2, 16, 32  # s divisible by every tp below, so each SP shard has s/t rows
 WORLD_SIZES = (1, 2, 4)
@@ -73,8 +57,20 @@ def leaf(x: Tensor) -> Tensor:
     return x.detach().clone().requires_grad_()
 
 
+def run(fn: Callable[[Tensor], Tensor], x: Tensor, grad: Tensor) -> Tensor:
+    """Forward ``fn(x)`` and backward ``grad`` through it; returns the output."""
+    out = fn(x)
+    out.backward(grad)
+    return out
+
+
+def ce(logits: Tensor, target: Tensor) -> Tensor:
+    """The reference per-token loss [s, b] from unpadded logits [s, b, V]."""
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
+
+
 def padded(vocab: int, c: Ctx) -> int:
-    return padded_vocab_size(vocab, c.t, ParallelPlan.vocab_multiple)
+    return tpl.padded_vocab_size(vocab, c.t, ParallelPlan.vocab_multiple)
 
 
 def pad_rows(x: Tensor, rows: int, value: float = 0.0) -> Tensor:
@@ -96,13 +92,12 @@ def token_ids(c: Ctx, vocab: int) -> Tensor:
 def check_column(c: Ctx, sp: bool, fused: int = 1, gather: bool = False) -> Pairs:
     ref = nn.Linear(H, FFN * fused)
     x, gy = torch.randn(S, B, H, requires_grad=True), torch.randn(S, B, FFN * fused)
-    y_ref = ref(x)
-    y_ref.backward(gy)
-    layer = ColumnParallelLinear.from_dense(ref, ShardRule(dim=0, fused=fused), c.group, c.rank, c.t, sp)
+    y_ref = run(ref, x, gy)
+    layer = tpl.ColumnParallelLinear.from_dense(ref, tpl.ShardRule(dim=0, fused=fused), c.group, c.rank, c.t, sp)
     x_in = leaf(seq_part(x, c, sp))
     y = layer(x_in)
     if gather:  # the layer always leaves its output split; gather_last_dim is how a caller gets the full one
-        y = gather_last_dim(y, c.group)
+        y = tpl.gather_last_dim(y, c.group)
         y.backward(gy)
         out = ("gathered output", y, y_ref)
     else:
@@ -119,12 +114,10 @@ def check_column(c: Ctx, sp: bool, fused: int = 1, gather: bool = False) -> Pair
 def check_row(c: Ctx, sp: bool) -> Pairs:
     ref = nn.Linear(FFN, H)
     x, gy = torch.randn(S, B, FFN, requires_grad=True), torch.randn(S, B, H)
-    y_ref = ref(x)
-    y_ref.backward(gy)
-    layer = RowParallelLinear.from_dense(ref, c.group, c.rank, c.t, sp)
+    y_ref = run(ref, x, gy)
+    layer = tpl.RowParallelLinear.from_dense(ref, c.group, c.rank, c.t, sp)
     x_in = leaf(part(x, -1, c))
-    y = layer(x_in)
-    y.backward(seq_part(gy, c, sp))
+    y = run(layer, x_in, seq_part(gy, c, sp))
     return [
         ("output", y, seq_part(y_ref, c, sp)),
         ("input grad", x_in.grad, part(x.grad, -1, c)),
@@ -136,11 +129,9 @@ def check_row(c: Ctx, sp: bool) -> Pairs:
 
 def check_embedding(c: Ctx, sp: bool, vocab: int) -> Pairs:
     ref, ids, gy = nn.Embedding(vocab, H), token_ids(c, vocab), torch.randn(S, B, H)
-    out_ref = ref(ids)
-    out_ref.backward(gy)
-    layer = VocabParallelEmbedding.from_dense(ref, padded(vocab, c), c.group, c.rank, c.t, sp)
-    out = layer(ids)
-    out.backward(seq_part(gy, c, sp))
+    out_ref = run(ref, ids, gy)
+    layer = tpl.VocabParallelEmbedding.from_dense(ref, padded(vocab, c), c.group, c.rank, c.t, sp)
+    out = run(layer, ids, seq_part(gy, c, sp))
     return [
         ("output", out, seq_part(out_ref, c, sp)),
         # Padding rows are never looked up, so their gradient must be exactly zero.
@@ -154,13 +145,12 @@ def check_tied_logits_ce(c: Ctx, sp: bool, vocab: int) -> Pairs:
     x = torch.randn(S, B, H, requires_grad=True)
     logits_ref = x @ ref.weight.t()
     logits_ref.retain_grad()
-    loss_ref = F.cross_entropy(logits_ref.reshape(-1, vocab), target.reshape(-1), reduction="none").view(S, B)
-    loss_ref.backward(gl)
-    layer = VocabParallelEmbedding.from_dense(ref, padded(vocab, c), c.group, c.rank, c.t, sp)
+    loss_ref = run(partial(ce, target=target), logits_ref, gl)
+    layer = tpl.VocabParallelEmbedding.from_dense(ref, padded(vocab, c), c.group, c.rank, c.t, sp)
     x_in = leaf(seq_part(x, c, sp))
     logits = layer.logits(x_in)
     logits.retain_grad()
-    loss = vocab_parallel_cross_entropy(logits, target, c.group, layer.vocab_start)
+    loss = tpl.vocab_parallel_cross_entropy(logits, target, c.group, layer.vocab_start)
     loss.backward(gl)
     n = padded(vocab, c)
     return [
@@ -176,14 +166,16 @@ def check_cross_entropy(c: Ctx, vocab: int) -> Pairs:
     """Logits large enough that exp overflows fp32 unless the global max is subtracted first."""
     logits_ref = (30.0 * torch.randn(S, B, vocab)).requires_grad_()
     target, gl = token_ids(c, vocab), torch.rand(S, B)
-    F.cross_entropy(logits_ref.reshape(-1, vocab), target.reshape(-1), reduction="none").view(S, B).backward(gl)
+    loss_ref = run(partial(ce, target=target), logits_ref, gl)
     n = padded(vocab, c)
     block = leaf(part(pad_rows(logits_ref, n, float("-inf")), -1, c))
-    loss = vocab_parallel_cross_entropy(block, target, c.group, c.rank * n // c.t)
-    loss.backward(gl)
-    loss_ref = F.cross_entropy(logits_ref.detach().reshape(-1, vocab), target.reshape(-1), reduction="none")
+    loss = run(
+        partial(tpl.vocab_parallel_cross_entropy, target=target, group=c.group, vocab_start=c.rank * n // c.t),
+        block,
+        gl,
+    )
     return [
-        ("loss", loss, loss_ref.view(S, B)),
+        ("loss", loss, loss_ref),
         ("logits grad (zero on padding)", block.grad, part(pad_rows(logits_ref.grad, n), -1, c)),
     ]
 
@@ -194,12 +186,10 @@ def check_sp_layernorm(c: Ctx) -> Pairs:
         ref.weight.normal_()
         ref.bias.normal_()
     x, gy = torch.randn(S, B, H, requires_grad=True), torch.randn(S, B, H)
-    y_ref = ref(x)
-    y_ref.backward(gy)
-    layer = SequenceParallelLayerNorm(ref, c.group)
+    y_ref = run(ref, x, gy)
     x_in = leaf(part(x, 0, c))
-    y = layer(x_in)
-    y.backward(part(gy, 0, c))
+    layer = tpl.SequenceParallelLayerNorm(ref, c.group)
+    y = run(layer, x_in, part(gy, 0, c))
     return [
         ("output", y, part(y_ref, 0, c)),
         ("input grad", x_in.grad, part(x.grad, 0, c)),
@@ -210,59 +200,66 @@ def check_sp_layernorm(c: Ctx) -> Pairs:
 
 def check_sp_position_embedding(c: Ctx) -> Pairs:
     ref, gy = nn.Embedding(S, H), torch.randn(S, H)
-    out_ref = ref(torch.arange(S))
-    out_ref.backward(gy)
-    layer = SequenceShardedPositionEmbedding(ref.weight.data.clone(), c.group, c.rank, c.t)
-    out = layer(torch.arange(S))
-    out.backward(part(gy, 0, c))
+    out_ref = run(ref, torch.arange(S), gy)
+    layer = tpl.SequenceShardedPositionEmbedding(ref.weight.data.clone(), c.group, c.rank, c.t)
+    out = run(layer, torch.arange(S), part(gy, 0, c))
     return [("output", out, part(out_ref, 0, c)), ("weight grad (summed over TP)", layer.weight.grad, ref.weight.grad)]
 
 
 def check_mappings(c: Ctx) -> Pairs:
     """Every autograd mapping against its docstring.  Per-rank inputs and gradients are drawn for all ranks on every
-    rank (same seed), so the expected sums and concatenations are computed locally."""
+    rank (same seed), so the expected sums and concatenations are computed locally.  Each backward gets a fresh
+    gradient, as autograd hands over a tensor that nothing else holds; shared gradients are ``check_forked_input``'s."""
     full, xs, g = torch.randn(S, B, H), torch.randn(c.t, S, B, H), torch.randn(S, B, H)
     gs, gs_seq = torch.randn(c.t, S, B, H), torch.randn(c.t, S // c.t, B, H)
     pairs: Pairs = []
 
     x = leaf(full)  # copy_to_tp (f): identity / all-reduce
-    y = copy_to_tp(x, c.group)
-    y.backward(gs[c.rank])
+    y = run(partial(tpl.copy_to_tp, group=c.group), x, gs[c.rank].clone())
     pairs += [("copy_to_tp forward", y, full), ("copy_to_tp backward", x.grad, gs.sum(0))]
 
     x = leaf(xs[c.rank])  # reduce_from_tp (g): all-reduce / identity, and the caller's tensor is left alone
-    y = reduce_from_tp(x, c.group)
-    y.backward(g)
-    pairs += [("reduce_from_tp forward", y, xs.sum(0)), ("reduce_from_tp input intact", x, xs[c.rank])]
+    y = run(partial(tpl.reduce_from_tp, group=c.group), x, g.clone())
+    pairs += [("reduce_from_tp forward", y, xs.sum(0)), ("reduce_from_tp intact", x, xs[c.rank])]
     pairs += [("reduce_from_tp backward", x.grad, g)]
 
     x = leaf(part(full, 0, c))  # gather_seq: all-gather / reduce-scatter
-    y = gather_seq(x, c.group)
-    y.backward(gs[c.rank])
+    y = run(partial(tpl.gather_seq, group=c.group), x, gs[c.rank].clone())
     pairs += [("gather_seq forward", y, full), ("gather_seq backward", x.grad, part(gs.sum(0), 0, c))]
 
     x = leaf(xs[c.rank])  # reduce_scatter_seq: reduce-scatter / all-gather
-    y = reduce_scatter_seq(x, c.group)
-    y.backward(gs_seq[c.rank])
-    pairs += [("reduce_scatter_seq forward", y, part(xs.sum(0), 0, c))]
-    pairs += [("reduce_scatter_seq input intact", x, xs[c.rank]), ("reduce_scatter_seq backward", x.grad, gs_seq.flatten(0, 1))]
+    y = run(partial(tpl.reduce_scatter_seq, group=c.group), x, gs_seq[c.rank].clone())
+    pairs += [("reduce_scatter_seq forward", y, part(xs.sum(0), 0, c)), ("reduce_scatter_seq intact", x, xs[c.rank])]
+    pairs += [("reduce_scatter_seq backward", x.grad, gs_seq.flatten(0, 1))]
 
     x = leaf(full)  # scatter_seq: split / all-gather
-    y = scatter_seq(x, c.group)
-    y.backward(gs_seq[c.rank])
+    y = run(partial(tpl.scatter_seq, group=c.group), x, gs_seq[c.rank].clone())
     pairs += [("scatter_seq forward", y, part(full, 0, c)), ("scatter_seq backward", x.grad, gs_seq.flatten(0, 1))]
 
     x = leaf(part(full, -1, c))  # gather_last_dim: all-gather / split
-    y = gather_last_dim(x, c.group)
-    y.backward(g)
+    y = run(partial(tpl.gather_last_dim, group=c.group), x, g.clone())
     pairs += [("gather_last_dim forward", y, full), ("gather_last_dim backward", x.grad, part(g, -1, c))]
 
     a, b = leaf(full[0, 0]), leaf(full[:, 1])  # sync_grads: identity / one all-reduce (sum) of all gradients
     ga, gb = gs[:, 0, 0], gs[:, :, 1]
-    a2, b2 = sync_grads(c.group, a, b)
-    torch.autograd.backward([a2, b2], [ga[c.rank], gb[c.rank]])
+    a2, b2 = tpl.sync_grads(c.group, a, b)
+    torch.autograd.backward([a2, b2], [ga[c.rank].clone(), gb[c.rank].clone()])
     pairs += [("sync_grads forward", torch.cat([a2, b2.flatten()]), torch.cat([full[0, 0], full[:, 1].flatten()]))]
     return pairs + [("sync_grads backward a", a.grad, ga.sum(0)), ("sync_grads backward b", b.grad, gb.sum(0))]
+
+
+def check_forked_input(c: Ctx, mapping: str) -> Pairs:
+    """x feeds both the mapping and a direct path, so autograd hands the same gradient tensor to both branches
+    (as a residual connection does).  The direct branch must still contribute exactly its own gradient."""
+    full, gs = torch.randn(S, B, H), torch.randn(c.t, S, B, H)
+    x = leaf(full)
+    if mapping == "copy_to_tp":  # d/dx [x + f(x)] = g + sum_r g_r
+        y, expected = x + tpl.copy_to_tp(x, c.group), gs[c.rank] + gs.sum(0)
+    else:  # d/dx [x + gather_seq(x's chunk)] = g + (sum_r g_r) on this rank's chunk rows
+        y, expected = x + tpl.gather_seq(part(x, 0, c), c.group), gs[c.rank].clone()
+        expected.chunk(c.t, 0)[c.rank].add_(part(gs.sum(0), 0, c))
+    y.backward(gs[c.rank].clone())
+    return [(f"{mapping} forked-input grad", x.grad, expected)]
 
 
 CHECKS: dict[str, Callable[[Ctx], Pairs]] = {"mappings": check_mappings}
@@ -278,8 +275,8 @@ for _v in VOCABS:
     CHECKS[f"cross-entropy-v{_v}"] = partial(check_cross_entropy, vocab=_v)
 CHECKS["sp-layernorm"] = check_sp_layernorm
 CHECKS["sp-position-embedding"] = check_sp_position_embedding
-
-
+for _m in ("copy_to_tp", "gather_seq"):
+    CHECKS[f"{_m}-forked-input"] = partial(check_forked_input, mapping=_m)
 def run_checks(c: Ctx) -> dict[str, str]:
     """Run every check on this rank; "ok" or the failures per check.  Comparisons happen only after a check's
     collectives, so a mismatch on one rank never leaves the others waiting in a collective."""
@@ -330,8 +327,11 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[di
     return get
 
 
-@pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("tp", WORLD_SIZES)
+def _case(tp: int, name: str) -> Any:  # a pytest ParameterSet (its type is not public)
+    return pytest.param(tp, name, id=f"tp{tp}-{name}")
+
+
+@pytest.mark.parametrize("tp, name", [_case(tp, name) for tp in WORLD_SIZES for name in CHECKS])
 def test_layer_matches_unsharded_reference(reports: Callable[[int], list[dict[str, str]]], tp: int, name: str) -> None:
     failures = {r: rep.get(name, "did not run") for r, rep in enumerate(reports(tp)) if rep.get(name) != "ok"}
     assert not failures, "\n".join(f"tp={tp} rank {r}: {msg}" for r, msg in failures.items())

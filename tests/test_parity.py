@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from launch import WORKERS, deepspeed_launch
 
+pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
+
 GROUPS = {
     1: ["1,1,1"],
     2: ["2,1,1", "1,2,1", "1,1,2"],

@@ -9,6 +9,8 @@ import math
 import pytest
 from launch import RECIPE, ROOT, deepspeed_launch, read_records
 
+pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
+
 TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
 
 

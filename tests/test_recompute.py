@@ -12,6 +12,7 @@ from ds_megatron.config import ConfigError, resolve
 from ds_megatron.recompute import RecomputePlan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_recompute_replays_dropout_exactly(tmp_path, sp):
     deepspeed_launch(WORKERS / "recompute.py", 4, ["--out", str(tmp_path)] + (["--sequence-parallel"] if sp else []))

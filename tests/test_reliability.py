@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import RECIPE, ROOT, _free_port, deepspeed_launch, quiet_run_flags, read_losses
+from launch import RECIPE, ROOT, WORKERS, _free_port, deepspeed_launch, quiet_run_flags, read_losses
 
 TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
 
@@ -130,20 +130,13 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, name, args, setting
     assert not save.exists()
 
 
-def _launch_recipe(args: list[str], env_extra: dict) -> subprocess.Popen:
+def _launch_recipe(args: list[str], faults: list[str] | None = None) -> subprocess.Popen:
+    """The recipe under the launcher in the background; with ``faults``, through tests/workers/faulty_train.py."""
     launcher = Path(sys.executable).parent / "deepspeed"
-    cmd = [
-        str(launcher),
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        "recipes/train_gpt.py",
-        "--deepspeed_config",
-        TINY,
-        *args,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", **env_extra)
+    script = [str(WORKERS / "faulty_train.py"), *faults] if faults else ["recipes/train_gpt.py"]
+    cmd = [str(launcher), "--num_gpus", "2", "--master_port", str(_free_port()), *script, "--deepspeed_config", TINY]
+    cmd += args
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -164,6 +157,7 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
     """Issue 7, test 6 and issue 4, test b: 6 steps straight equal 3 steps, a crash, --load, 3 more steps.
 
@@ -174,7 +168,7 @@ def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
     deepspeed_launch(RECIPE, 2, ["--deepspeed_config", TINY, "--train-iters", "6", *_common(tmp_path, "straight")])
     proc = _launch_recipe(
         ["--train-iters", "6", "--save", str(ck), "--save-interval", "3", *_common(tmp_path, "crash")],
-        {"DS_MEGATRON_TEST_PAUSE_BEFORE_MANIFEST": "6:120"},
+        ["--pause-before-manifest", "6:120"],
     )
     _wait_for(
         lambda: (
@@ -198,9 +192,10 @@ def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
     assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
     ck = tmp_path / "ck"
-    proc = _launch_recipe(["--train-iters", "500", "--save", str(ck), *_common(tmp_path, "run")], {})
+    proc = _launch_recipe(["--train-iters", "500", "--save", str(ck), *_common(tmp_path, "run")])
     run_dir = tmp_path / "run"
     _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_losses(run_dir)) >= 3, proc)
     for child in _workers(proc.pid):
@@ -222,6 +217,7 @@ def _workers(launcher_pid: int) -> list[int]:
     ]
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
     """NaN losses at steps 2, 4, 5, 6 with max_bad_steps 3: step 2 is skipped, counted and training goes on; steps
     4-6 in a row stop the run with a checkpoint and a clear message."""
@@ -236,7 +232,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
             "ds_megatron.train.max_bad_steps=3",
             *_common(tmp_path, "run"),
         ],
-        {"DS_MEGATRON_TEST_NAN_STEPS": "2,4,5,6"},
+        ["--nan-steps", "2,4,5,6"],
     )
     out, _ = proc.communicate(timeout=240)
     losses = read_losses(tmp_path / "run")

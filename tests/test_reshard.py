@@ -3,7 +3,10 @@ tp 4 x pp 1 (weights and AdamW state resharded); the loss curve continues as wit
 
 from __future__ import annotations
 
+import pytest
 from launch import RECIPE, TINY_CONFIG, deepspeed_launch, quiet_run_flags, read_losses
+
+pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
 
 def _run(tmp_path, name: str, tp: int, pp: int, iters: int, extra: list[str]) -> dict[int, float]:

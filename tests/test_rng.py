@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from launch import WORKERS, deepspeed_launch
+
+pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
 
 def test_dropout_masks_follow_the_regions(tmp_path):

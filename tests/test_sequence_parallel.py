@@ -13,6 +13,8 @@ import json
 import pytest
 from launch import WORKERS, deepspeed_launch
 
+pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
+
 SEQ, TP = 16, 2
 LAYOUTS = {2: "2,1,1", 4: "2,2,1"}
 

@@ -79,6 +79,7 @@ def mini_run(request, tmp_path_factory, token_cache):
     return cfg, work
 
 
+@pytest.mark.slow
 def test_resume_equals_the_straight_run(mini_run):
     _, work = mini_run
     straight, resumed = read_records(work / "a"), read_records(work / "b")
@@ -92,6 +93,7 @@ def test_resume_equals_the_straight_run(mini_run):
     assert val[0] == val[1] and len(val[0]) == 1
 
 
+@pytest.mark.slow
 def test_logged_learning_rate_is_the_schedule(mini_run):
     cfg, work = mini_run
     schedule = warmup_cosine_from(cfg)
@@ -102,6 +104,7 @@ def test_logged_learning_rate_is_the_schedule(mini_run):
         assert math.isclose(lr, peak * schedule.ratio(step), rel_tol=1e-12), (step, lr)
 
 
+@pytest.mark.slow
 def test_export_from_the_masters_loads_in_transformers(mini_run, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -296,6 +296,7 @@ def _tune(
     return proc.returncode, text, json.loads(out.read_text())["empirical"], wall
 
 
+@pytest.mark.slow
 def test_empirical_mode_measures_recalibrates_and_ranks_past_a_failing_candidate(tmp_path, cache_dir):
     """Top 3 (tp 1, 2, 4 at b 4); #2 is launched with a key the recipe refuses: recorded, and #3 still runs.
 
@@ -335,6 +336,7 @@ def test_empirical_mode_measures_recalibrates_and_ranks_past_a_failing_candidate
     assert "max RSS" in emp["peak_mem_note"] and "max RSS" in text
 
 
+@pytest.mark.slow
 def test_empirical_mode_kills_a_run_that_outlives_the_budget(tmp_path, cache_dir):
     """A 24 s budget: the first run is killed at its timeout (launcher and ranks), the others are not started."""
     max_minutes = 0.4

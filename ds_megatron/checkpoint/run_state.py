@@ -15,10 +15,8 @@ tag and warns about any newer incomplete one; ``keep_last`` counts complete tags
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,10 +32,6 @@ from ds_megatron.checkpoint.manifest import (
 from ds_megatron.fileio import atomic_write_text, sha256_file
 from ds_megatron.random import RNGTracker
 
-# Test hook "STEP:SECONDS": when saving that step, sleep after the files are written and before the manifest (so a
-# test can kill the job in the middle of a save).
-PAUSE_ENV = "DS_MEGATRON_TEST_PAUSE_BEFORE_MANIFEST"
-
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
@@ -51,7 +45,7 @@ def save_run(
     root = Path(save_dir)
     tag = tag_for(step)
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.save(rng.state_dict(), root / tag / f"rng_rank{rank:05d}.pt")
     if topology is not None:
         from ds_megatron.checkpoint.reshard import param_names_record
@@ -61,9 +55,14 @@ def save_run(
     if rank == 0 and "config" in client_state:
         atomic_write_text(root / tag / TAG_CONFIG, json.dumps(client_state["config"], indent=1))
     dist.barrier()  # every rank has written its files
-    pause_step, _, pause_s = os.environ.get(PAUSE_ENV, "").partition(":")
-    if pause_step and int(pause_step) == step:
-        time.sleep(float(pause_s))
+    seal_tag(root, tag, step, keep_last)
+    return tag
+
+
+def seal_tag(root: Path, tag: str, step: int, keep_last: int) -> None:
+    """Collective, after every rank has written its files: the manifest, then ``latest``, then old tags go.
+    Until the manifest exists the tag does not count as a checkpoint (a crash before this leaves it ignored)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     names = sorted(p.name for p in (root / tag).iterdir() if p.is_file() and p.name != MANIFEST)
     mine = {
         n: {"bytes": (root / tag / n).stat().st_size, "sha256": sha256_file(root / tag / n)} for n in names[rank::world]
@@ -78,7 +77,6 @@ def save_run(
             for old in complete_tags(root)[:-keep_last]:
                 shutil.rmtree(root / old, ignore_errors=True)
     dist.barrier()
-    return tag
 
 
 def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=None) -> dict:

@@ -160,6 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RANK", "0") == "0":
         for line in unknown_top_level_warnings(run.ds_config):
             print(line, file=sys.stderr, flush=True)
-    from ds_megatron.cli.loop import train
+    from ds_megatron.trainer import train
 
     return train(run, config_name=os.path.splitext(os.path.basename(args.deepspeed_config))[0])

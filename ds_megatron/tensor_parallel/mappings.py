@@ -44,11 +44,12 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     n = group_size(group)
     if x.shape[0] % n != 0:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {n}")
-    x = x.contiguous()
-    if _is_gloo(group):
+    if _is_gloo(group):  # gloo has no reduce-scatter: all-reduce a copy (the caller's tensor stays as it was)
         rank = dist.get_rank(group)
+        x = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(x, group=group)
         return x.chunk(n, dim=0)[rank].contiguous()
+    x = x.contiguous()
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x, group=group)
     return out
@@ -77,7 +78,9 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        # The incoming gradient may be shared with another branch of the graph (``a + f(a)`` hands both addends
+        # the same tensor): reduce a copy, never the caller's tensor.
+        return _all_reduce(grad.clone(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -111,7 +114,7 @@ class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_dim0(x.clone(), group)
+        return _reduce_scatter_dim0(x, group)  # out of place on every backend
 
     @staticmethod
     def backward(ctx, grad):

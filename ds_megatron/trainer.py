@@ -1,0 +1,299 @@
+"""L4: the training loop behind ``recipes/train_gpt.py`` (the configuration is already validated).
+
+Reads top to bottom: :meth:`Trainer.setup` builds the engine, the data and the logger and resumes; :meth:`Trainer.fit`
+loops ``step -> log -> maybe eval -> maybe save -> maybe stop``; :meth:`Trainer.finish` evaluates, saves and prints a
+sample.  Exit status: 0 done (or stopped on request), 2 bad data, 3 stopped by the numerical guard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ds_megatron.checkpoint.run_state import load_run, save_run
+from ds_megatron.config import RunConfig
+from ds_megatron.data import DataError, MicroBatchStream
+from ds_megatron.data.prepare import RunData, prepare_data
+from ds_megatron.engine import Built, build_engine
+from ds_megatron.generate import greedy_continuation
+from ds_megatron.metrics import MetricsLogger, WandbRun, format_record, lookup_peak_tflops, throughput
+
+EXIT_BAD_DATA = 2
+EXIT_NUMERICS = 3  # stopped by the numerical guard
+
+
+class StopFlag:
+    """SIGTERM / SIGINT ask for a graceful stop: finish the current step, save, exit 0."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def agreed(self, device) -> bool:
+        """Collective: stop when any rank was asked to."""
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def peak_memory_gb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+def run_dir_for(run: RunConfig, config_name: str) -> Path:
+    sec = run.section
+    return Path(sec.logging.run_dir or sec.checkpoint.save or f"runs/{config_name}")
+
+
+@dataclass
+class LogWindow:
+    """Steps since the last log line: their mean loss (finite steps only) and time per step."""
+
+    loss_sum: float = 0.0
+    good_steps: int = 0
+    steps: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, loss: float | None) -> None:
+        self.steps += 1
+        if loss is not None:
+            self.loss_sum, self.good_steps = self.loss_sum + loss, self.good_steps + 1
+
+    def seconds_per_step(self) -> float:
+        return (time.perf_counter() - self.start) / max(1, self.steps)
+
+
+@dataclass
+class Trainer:
+    run: RunConfig
+    built: Built
+    data: RunData
+    logger: MetricsLogger
+    stream: MicroBatchStream
+    start_step: int
+    wandb_id: str | None
+    skipped: int = 0
+    bad_in_row: int = 0
+    last_saved: int | None = None
+    window: LogWindow = field(default_factory=LogWindow)
+    stop: StopFlag = field(default_factory=StopFlag)
+
+    # ---- setup -------------------------------------------------------------------------------------------------
+    @classmethod
+    def setup(cls, run: RunConfig, config_name: str) -> Trainer:
+        """Build everything and resume from ``checkpoint.load``; raises DataError for unusable data."""
+        sec = run.section
+        built = build_engine(run)
+        topo = built.topology
+        run_dir = run_dir_for(run, config_name)
+        if topo.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            print("resolved configuration:\n" + json.dumps(run.ds_config, indent=2), flush=True)
+            (run_dir / "config.json").write_text(json.dumps(run.ds_config, indent=2))
+        data = prepare_data(run, topo.rank, run_dir if topo.rank == 0 else None)
+        start_step, wandb_id, skipped = 0, None, 0
+        if sec.checkpoint.load:
+            client = load_run(built.engine, sec.checkpoint.load, built.rng, built.plan, topo)
+            start_step, wandb_id, skipped = client.get("step", 0), client.get("wandb_run_id"), client.get("skipped", 0)
+        log = sec.logging
+        wandb_run = None
+        if topo.is_logging_rank and log.wandb_project:
+            wandb_run = WandbRun(
+                log.wandb_project, log.wandb_run_name, log.wandb_tags, log.wandb_mode, run.ds_config, run_dir, wandb_id
+            )
+        # Every rank needs the id for its checkpoint client state.
+        id_box = [wandb_run.id if wandb_run is not None else wandb_id]
+        dist.broadcast_object_list(id_box, src=topo.ds_topology.get_rank(pipe=run.pp - 1, data=0, model=0))
+        iters = sec.train.train_iters
+        logger = MetricsLogger(run_dir, iters, start_step, topo.is_logging_rank, wandb_run)
+        logger.say(
+            f"training steps {start_step + 1}..{iters}: tp {run.tp} pp {run.pp} dp {run.dp}, "
+            f"{run.global_batch_size * run.model.seq_length} tokens per step, {data.num_tokens:,} tokens of data"
+        )
+        stream = MicroBatchStream(
+            data.train, run.micro_batch_size, run.grad_accum_steps, topo.dp_rank, run.dp, start_step
+        )
+        return cls(run, built, data, logger, stream, start_step, id_box[0], skipped)
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+    def fit(self) -> int:
+        iters = self.run.section.train.train_iters
+        step = self.start_step
+        while step < iters:
+            step += 1
+            record = self.train_step(step)
+            if self.bad_in_row >= self.run.section.train.max_bad_steps:
+                return self.stop_on_numerics(step)
+            record = self.maybe_eval(step, record)
+            self.log(step, record)
+            self.maybe_save(step)
+            if self.stop.agreed(self.built.engine.device):
+                self.logger.say(f"stop requested: saving at step {step} and exiting")
+                if self.last_saved != step:
+                    self.save(step)
+                self.logger.close()
+                return 0
+        self.finish(step)
+        return 0
+
+    def train_step(self, step: int) -> dict | None:
+        """One optimizer step; the record to log when this step ends a log window."""
+        engine = self.built.engine
+        lr = engine.get_lr()[0]  # the rate this step uses (the schedule moves on inside train_batch)
+        loss = float(engine.train_batch(self.stream))
+        norm = engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        finite = math.isfinite(norm) and math.isfinite(loss)
+        if not finite:
+            self.skipped += 1
+            self.bad_in_row += 1
+            self.logger.say(
+                f"step {step:>6}/{self.run.section.train.train_iters} | non-finite loss {loss} or grad norm {norm}: "
+                f"update skipped ({self.bad_in_row} in a row, {self.skipped} in total)"
+            )
+        else:
+            self.bad_in_row = 0
+        self.window.add(loss if finite else None)
+        self.logger.advance()
+        last = step == self.run.section.train.train_iters
+        if not ((step % self.run.section.train.log_interval == 0 or last) and self.window.good_steps > 0):
+            return None
+        record = self.metrics(step, lr, norm, self.window)
+        self.window = LogWindow()
+        return record
+
+    def metrics(self, step: int, lr: float, norm: float, window: LogWindow) -> dict:
+        run, recompute = self.run, self.run.section.recompute
+        recomputed_layers = None
+        if recompute.policy == "full" and recompute.method == "block":
+            recomputed_layers = min(recompute.num_layers * run.pp, run.model.num_layers)
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        peak = run.section.logging.peak_tflops or lookup_peak_tflops(device_name)
+        seconds = window.seconds_per_step()
+        return {
+            "step": step,
+            "loss": window.loss_sum / window.good_steps,
+            "lr": lr,
+            "grad_norm": norm,
+            "step_ms": 1000 * seconds,
+            "peak_mem_gb": peak_memory_gb(),
+            "skipped_steps": self.skipped,
+            **throughput(
+                seconds,
+                run.global_batch_size,
+                run.model.seq_length,
+                run.model.num_layers,
+                run.model.hidden_size,
+                run.model.vocab_size,
+                run.world_size,
+                recompute.policy,
+                recomputed_layers,
+                peak,
+            ),
+        }
+
+    def maybe_eval(self, step: int, record: dict | None) -> dict | None:
+        train = self.run.section.train
+        if not (train.eval_interval and step % train.eval_interval == 0 and step != train.train_iters):
+            return record
+        val = self.evaluate()
+        return {**(record or {"step": step}), "val_loss": val, "val_ppl": math.exp(min(val, 50))}
+
+    def log(self, step: int, record: dict | None) -> None:
+        if record is None:
+            return
+        self.logger.log(record)
+        iters = self.run.section.train.train_iters
+        if "loss" in record:
+            self.logger.say(format_record(record, iters))
+        if "val_loss" in record:
+            val, ppl = record["val_loss"], record["val_ppl"]
+            self.logger.say(f"step {step:>6}/{iters} | validation loss {val:.4f} | perplexity {ppl:.2f}")
+
+    def maybe_save(self, step: int) -> None:
+        interval = self.run.section.checkpoint.save_interval
+        if interval and step % interval == 0:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        ck = self.run.section.checkpoint
+        if not ck.save:
+            return
+        client = {"step": step, "config": self.run.ds_config, "wandb_run_id": self.wandb_id, "skipped": self.skipped}
+        tag = save_run(self.built.engine, ck.save, step, client, self.built.rng, ck.keep_last, self.built.topology)
+        self.last_saved = step
+        self.logger.say(f"saved checkpoint {ck.save}/{tag}")
+
+    def stop_on_numerics(self, step: int) -> int:
+        self.save(step)
+        self.logger.say(
+            f"error: training: {self.bad_in_row} steps in a row with a non-finite loss or gradient norm "
+            f"(max_bad_steps={self.run.section.train.max_bad_steps}); lower the learning rate or check the data, then "
+            "resume from the checkpoint just saved (its weights are those of the last good step)"
+        )
+        self.logger.close()
+        return EXIT_NUMERICS
+
+    # ---- the end -----------------------------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        run, engine = self.run, self.built.engine
+        stream = MicroBatchStream(
+            self.data.valid, run.micro_batch_size, run.grad_accum_steps, self.built.topology.dp_rank, run.dp
+        )
+        losses = [float(engine.eval_batch(stream)) for _ in range(run.section.train.eval_iters)]
+        engine.module.train()
+        return sum(losses) / len(losses)
+
+    def finish(self, step: int) -> None:
+        val = self.evaluate()
+        self.logger.log({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
+        self.logger.say(f"validation | loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
+        if self.last_saved != step:
+            self.save(step)
+        if self.run.section.train.generate_tokens > 0:
+            self.sample(step)
+        self.logger.close()
+        dist.barrier()
+
+    def sample(self, step: int) -> None:
+        train, tok = self.run.section.train, self.data.tokenizer
+        prompt_ids = tok(train.prompt, add_special_tokens=False)["input_ids"]
+        new = greedy_continuation(
+            self.built.engine,
+            self.built.topology,
+            prompt_ids,
+            train.generate_tokens,
+            self.run.model.seq_length,
+            self.run.micro_batch_size,
+            tok.eos_token_id,
+            self.run.model.vocab_size,
+        )
+        record = {"sample_prompt": train.prompt, "sample": tok.decode(new), "sample_ids": new, "prompt_ids": prompt_ids}
+        self.logger.log({"step": step, **record})
+        self.logger.say(f"sample | {train.prompt!r} -> {tok.decode(new)!r}")
+
+
+def train(run: RunConfig, config_name: str = "run") -> int:
+    """Train ``run``; the exit status of the recipe."""
+    try:
+        trainer = Trainer.setup(run, config_name)
+    except DataError as err:
+        if dist.is_initialized() and dist.get_rank() == 0:
+            print(str(err), file=sys.stderr, flush=True)
+        return EXIT_BAD_DATA
+    return trainer.fit()
