@@ -277,6 +277,8 @@ CHECKS["sp-layernorm"] = check_sp_layernorm
 CHECKS["sp-position-embedding"] = check_sp_position_embedding
 for _m in ("copy_to_tp", "gather_seq"):
     CHECKS[f"{_m}-forked-input"] = partial(check_forked_input, mapping=_m)
+
+
 def run_checks(c: Ctx) -> dict[str, str]:
     """Run every check on this rank; "ok" or the failures per check.  Comparisons happen only after a check's
     collectives, so a mismatch on one rank never leaves the others waiting in a collective."""
