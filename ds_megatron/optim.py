@@ -68,12 +68,16 @@ class ClippedAdamW(torch.optim.AdamW):
         self._max_norm = max_norm
         self._global_grad_norm: float | None = None
         self.skipped_steps = 0
+        # DeepSpeed's engine reads ``overflow`` after each step: True skips the learning-rate schedule's step too
+        # (as on the bf16/fp16 paths), so a skipped update does not consume a step of warm-up or decay.
+        self.overflow = False
 
     @torch.no_grad()
     def step(self, closure=None):
         norm = self._grad_norm_fn()
         self._global_grad_norm = float(norm)
-        if not torch.isfinite(norm).all():  # non-finite gradients: skip the update (counted, logged by the recipe)
+        self.overflow = not bool(torch.isfinite(norm).all())
+        if self.overflow:  # non-finite gradients: skip the update (counted, logged by the recipe)
             self.skipped_steps += 1
             return None
         if self._max_norm > 0:

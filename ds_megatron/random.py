@@ -1,10 +1,14 @@
 """L1: named RNG states for dropout under tensor/sequence parallelism.
 
 Two states per process:
-- ``default`` (the global torch RNG): seeded with seed + 100 pp_rank + 1009 dp_rank: identical across the ranks of
-  a TP group, so dropout in replicated regions draws the same mask on every TP rank; different across DP ranks.
-- ``tensor-parallel``: default seed + 2718 + tp_rank: different on each TP rank, for dropout on TP-split tensors
-  (attention probabilities of the local heads) and, under SP, on sequence shards.
+- ``default`` (the global torch RNG): seeded from (seed, pp_rank, dp_rank): identical across the ranks of a TP
+  group, so dropout in replicated regions draws the same mask on every TP rank; different across DP ranks.
+- ``tensor-parallel``: seeded from (seed, pp_rank, dp_rank, tp_rank): different on each TP rank, for dropout on
+  TP-split tensors (attention probabilities of the local heads) and, under SP, on sequence shards.
+
+Seeds are 63-bit hashes of the stream's name and coordinates (``stream_seed``), so no two streams of a run
+coincide: additive offsets (seed + 100 pp + 1009 dp, + 2718 + tp) made the tensor-parallel stream of (tp 0, pp 0,
+dp 0) equal the default stream of (pp 7, dp 2) at tp 8 pp 8 dp 16.
 
 ``fork(name)`` swaps a state in for a ``with`` block and saves its advance on exit.  Recompute replays a region by
 restoring the states captured before it (``get_states`` / ``set_states``).
@@ -13,6 +17,7 @@ restoring the states captured before it (``get_states`` / ``set_states``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator
 
 import torch
@@ -89,12 +94,18 @@ def _seed_device(device_type: str, seed: int) -> None:
         torch.manual_seed(seed)
 
 
+def stream_seed(seed: int, name: str, **coords: int) -> int:
+    """A 63-bit seed for the RNG stream ``name`` at ``coords``: distinct streams get unrelated seeds."""
+    key = f"{seed}/{name}/" + "/".join(f"{k}={v}" for k, v in sorted(coords.items()))
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+
 def build_rng(seed: int, tp_rank: int, pp_rank: int, dp_rank: int, device_type: str = "cpu") -> RNGTracker:
-    """Seed the default state and create the tensor-parallel one (see the module docstring for the offsets)."""
-    default_seed = seed + 100 * pp_rank + 1009 * dp_rank
+    """Seed the default state and create the tensor-parallel one (see the module docstring)."""
+    default_seed = stream_seed(seed, "default", pp=pp_rank, dp=dp_rank)
     torch.manual_seed(default_seed)
     if device_type == "cuda":
         torch.cuda.manual_seed(default_seed)
     tracker = RNGTracker(device_type)
-    tracker.add(TENSOR_PARALLEL, default_seed + 2718 + tp_rank)
+    tracker.add(TENSOR_PARALLEL, stream_seed(seed, TENSOR_PARALLEL, pp=pp_rank, dp=dp_rank, tp=tp_rank))
     return tracker

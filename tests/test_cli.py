@@ -37,6 +37,7 @@ def tiny_config(tmp_path: Path, **model) -> Path:
         (["--set", "train_batch_size=15"], 4, "error: train_batch_size: not equal to micro batch x accumulation x dp"),
         (["--set", "ds_megatron.parallel.pipeline=2"], 4, "error: ds_megatron.parallel.pipeline: unknown key"),
         (["--set", 'optimizer={"type": "SGD", "params": {"lr": 0.1}}'], 4, "error: optimizer.type: ds_megatron builds"),
+        (["--set", "pipeline.activation_checkpoint_interval=1"], 4, "error: pipeline.activation_checkpoint_interval:"),
         (["--set", "train.seed=7"], 4, "error: --set train.seed: neither a DeepSpeed key nor under ds_megatron"),
         (["--set", "scheduler.params.warmup_type=log"], 4, "error: scheduler.params.warmup_type: ds_megatron's"),
     ],

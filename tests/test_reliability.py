@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from launch import RECIPE, ROOT, WORKERS, _free_port, deepspeed_launch, quiet_run_flags, read_losses
 
+from ds_megatron.config.schedule import warmup_cosine_from
+
 TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
 
 
@@ -239,6 +241,10 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
     assert sorted(losses) == [1, 3], losses  # steps 2, 4, 5, 6 logged no loss
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in records if "loss" in r] == [0, 1]
+    # the skipped step did not advance the schedule: step 3 uses the rate of the second applied update
+    cfg = json.loads(Path(TINY).read_text())
+    peak = cfg["optimizer"]["params"]["lr"]
+    assert [r["lr"] for r in records if "loss" in r] == [peak * warmup_cosine_from(cfg).ratio(k) for k in (1, 2)]
     assert "non-finite loss nan or grad norm nan: update skipped (1 in a row, 1 in total)" in out
     assert "error: training: 3 steps in a row with a non-finite loss" in out
     assert proc.returncode != 0

@@ -19,6 +19,7 @@ from ds_megatron.config.schema import (
     ATTENTION_KERNELS,
     RECOMPUTE_METHODS,
     RECOMPUTE_POLICIES,
+    SP_GRAD_SYNC,
     CheckpointSection,
     DataSection,
     DsMegatronConfig,
@@ -304,6 +305,13 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         raise ConfigError(
             "ds_megatron.recompute.policy", "unknown policy", f"got {rc.policy!r}", f"use one of {RECOMPUTE_POLICIES}"
         )
+    if section.parallel.sp_grad_sync not in SP_GRAD_SYNC:
+        raise ConfigError(
+            "ds_megatron.parallel.sp_grad_sync",
+            "unknown mode",
+            f"got {section.parallel.sp_grad_sync!r}",
+            f"use one of {SP_GRAD_SYNC}",
+        )
     if rc.method not in RECOMPUTE_METHODS:
         raise ConfigError(
             "ds_megatron.recompute.method", "unknown method", f"got {rc.method!r}", f"use one of {RECOMPUTE_METHODS}"
@@ -348,6 +356,21 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             "must be in (0, 0.5)",
             f"got {section.data.valid_fraction}",
             "set e.g. 0.02",
+        )
+    if ds_config.get("activation_checkpointing") or (ds_config.get("pipeline") or {}).get(
+        "activation_checkpoint_interval"
+    ):
+        key = (
+            "activation_checkpointing"
+            if ds_config.get("activation_checkpointing")
+            else "pipeline.activation_checkpoint_interval"
+        )
+        raise ConfigError(
+            key,
+            "ds_megatron would ignore it: recomputation is ds_megatron.recompute's (DeepSpeed's assumes "
+            "activations replicated over TP, wrong under SP)",
+            f"{key} is set",
+            'remove it and set ds_megatron.recompute (e.g. {"policy": "selective"} or {"policy": "full"})',
         )
     kind = str((ds_config.get("optimizer") or {}).get("type", "AdamW"))
     if kind.lower() not in OPTIMIZER_TYPES:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 ATTENTION_KERNELS = ("eager", "sdpa")
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+SP_GRAD_SYNC = ("step", "micro_batch")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class ParallelSection:
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group (needs tp > 1)
     vocab_multiple: int = 128  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = "type:GPTBlockPipe"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
+    sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
 
 
 @dataclass(frozen=True)

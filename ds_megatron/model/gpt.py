@@ -22,6 +22,29 @@ from torch import nn
 from ds_megatron.model.config import GPTConfig
 
 
+class ScaledCausalSoftmax(torch.autograd.Function):
+    """softmax(scores with the future masked) along the last dim, computed in fp32, stored in the scores' dtype.
+
+    ``F.softmax(x, dtype=float32).to(bf16)`` would keep the fp32 result for backward (4 bytes per score instead of 2:
+    +25% of a block's activations at s 512, h 256, a 8) and ``masked_fill`` would keep the [s, s] mask.  Here only
+    the low-precision output is saved; backward recomputes nothing and works in fp32:
+    dx = y * (dy - sum(dy * y)), which is zero at masked positions because y is zero there."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+        """scores [..., s, s] (already scaled); future [s, s] bool, True where a token must not attend."""
+        x = scores.float().masked_fill_(future, torch.finfo(torch.float32).min)
+        probs = torch.softmax(x, dim=-1).to(scores.dtype)
+        ctx.save_for_backward(probs)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (probs,) = ctx.saved_tensors
+        dx = torch._softmax_backward_data(grad.float(), probs.float(), -1, torch.float32)
+        return dx.to(grad.dtype), None
+
+
 class CoreAttention(nn.Module):
     """softmax(Q K^T / sqrt(d) + causal mask) -> dropout -> x V: the part selective recompute checkpoints.
 
@@ -51,8 +74,7 @@ class CoreAttention(nn.Module):
                 p = self.attn_dropout.p if self.training else 0.0
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale)
             scores = torch.matmul(q * self.scale, k.transpose(-1, -2))  # [b, n, s, s]; scaling q is s/d cheaper
-            scores.masked_fill_(self._future_mask(q.shape[-2], q.device), torch.finfo(scores.dtype).min)
-            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            probs = ScaledCausalSoftmax.apply(scores, self._future_mask(q.shape[-2], q.device))
             probs = self.attn_dropout(probs)
             return torch.matmul(probs, v)
 

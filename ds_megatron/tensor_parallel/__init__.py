@@ -23,6 +23,7 @@ from ds_megatron.tensor_parallel.mappings import (
     reduce_from_tp,
     reduce_scatter_seq,
     scatter_seq,
+    sum_sp_replicated_grads,
     sync_grads,
 )
 from ds_megatron.tensor_parallel.sharding import REPLICATED, ShardRule, padded_vocab_size, shard, unshard
@@ -48,6 +49,7 @@ __all__ = [
     "reduce_scatter_seq",
     "scatter_seq",
     "shard",
+    "sum_sp_replicated_grads",
     "sync_grads",
     "unshard",
     "vocab_parallel_cross_entropy",

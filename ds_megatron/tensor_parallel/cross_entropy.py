@@ -23,14 +23,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits_max = logits.max(dim=-1).values
         if n > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
+        shifted = logits - logits_max.unsqueeze(-1)  # the one full-size fp32 buffer this function allocates
         vocab_local = logits.shape[-1]
         in_block = (target >= vocab_start) & (target < vocab_start + vocab_local)
         local_target = (target - vocab_start).masked_fill(~in_block, 0)
         picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         picked = torch.where(in_block, picked, torch.zeros_like(picked))
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
         if n > 1:
             both = torch.stack([sum_exp, picked])
             dist.all_reduce(both, group=group)
@@ -41,10 +41,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # softmax - one_hot(target), times the incoming gradient, computed in place in the saved softmax buffer
+        # (which this function allocated and nothing else reads): no full-size temporaries.  A second backward
+        # through the same graph (retain_graph) is therefore not supported.
         softmax, local_target, in_block = ctx.saved_tensors
         grad = softmax
-        one_hot = torch.zeros_like(grad).scatter_(-1, local_target.unsqueeze(-1), 1.0)
-        grad = (grad - one_hot * in_block.unsqueeze(-1).to(grad.dtype)) * grad_loss.unsqueeze(-1)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -in_block.unsqueeze(-1).to(grad.dtype))
+        grad.mul_(grad_loss.unsqueeze(-1))
         return grad, None, None, None
 
 

@@ -20,10 +20,11 @@ from torch.distributed import ProcessGroup
 
 from ds_megatron.tensor_parallel.mappings import (
     _all_gather_dim0,
-    _reduce_scatter_dim0,
-    copy_to_tp,
+    all_gather_dim0_async,
+    all_reduce_async,
     group_size,
-    reduce_from_tp,
+    reduce_from_tp_,
+    reduce_scatter_dim0_async,
     reduce_scatter_seq,
     sync_grads,
 )
@@ -44,10 +45,39 @@ def is_tp_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
+def _weight_and_bias_grads(grad_out: torch.Tensor, x: torch.Tensor, has_bias: bool):
+    """dW = dY^T X and db = sum dY over the tokens, for Y = X W^T + b with any leading dims."""
+    g2 = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_weight = g2.t().matmul(x.reshape(-1, x.shape[-1]))
+    return grad_weight, (g2.sum(0) if has_bias else None)
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """Y = X A^T + b with X replicated over the TP group (f: identity forward, all-reduce of dX backward).
+
+    Backward starts the all-reduce of dX as soon as dX exists and computes dA and db while it runs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_in = all_reduce_async(grad_out.matmul(weight), ctx.group)
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, x, ctx.has_bias)
+        return grad_in.wait(), grad_weight, grad_bias, None
+
+
 class _SequenceParallelColumnLinear(torch.autograd.Function):
     """All-gather the sequence shard, then Y = X A^T + b.  Only the shard [s/t, b, in] is saved: backward gathers it
     again for the weight gradient and reduce-scatters the input gradient (Korthikanti et al. 2022, sec. 4.2.2), so
-    under SP the inputs of QKV, fc1 and the output layer are stored once per TP group, not t times."""
+    under SP the inputs of QKV, fc1 and the output layer are stored once per TP group, not t times.
+
+    Backward overlaps both collectives with compute: the all-gather of X runs while dX = dY A is computed, and the
+    reduce-scatter of dX runs while dA = dY^T X is computed."""
 
     @staticmethod
     def forward(ctx, x_shard, weight, bias, group):
@@ -58,11 +88,12 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_shard, weight = ctx.saved_tensors
-        x_full = _all_gather_dim0(x_shard, ctx.group)  # [s, b, in]
-        grad_in = _reduce_scatter_dim0(grad_out.matmul(weight), ctx.group)
-        grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x_full.reshape(-1, x_full.shape[-1]))
-        grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_in, grad_weight, grad_bias, None
+        gathering = all_gather_dim0_async(x_shard, ctx.group)
+        grad_full = grad_out.matmul(weight)  # [s, b, in]
+        x_full = gathering.wait()  # [s, b, in]
+        grad_in = reduce_scatter_dim0_async(grad_full, ctx.group)
+        grad_weight, grad_bias = _weight_and_bias_grads(grad_out, x_full, ctx.has_bias)
+        return grad_in.wait(), grad_weight, grad_bias, None
 
 
 def column_linear(
@@ -73,9 +104,11 @@ def column_linear(
     sequence_parallel: bool,
 ) -> torch.Tensor:
     """Column-parallel matmul: input replicated (f) or, under SP, a sequence shard gathered on the fly."""
-    if sequence_parallel and group_size(group) > 1:
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    if sequence_parallel:
         return _SequenceParallelColumnLinear.apply(x, weight, bias, group)
-    return F.linear(copy_to_tp(x, group), weight, bias)
+    return _ColumnLinear.apply(x, weight, bias, group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -155,6 +188,10 @@ class RowParallelLinear(nn.Module):
         self.full_shape = full_shape
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
         self.sequence_parallel = sequence_parallel
+        # True: the gradient is summed over the TP group in autograd, per micro-batch (correct on its own).  The
+        # engine sets False when it sums every SP-replicated gradient once per optimizer step instead
+        # (``tensor_parallel.sum_sp_replicated_grads``).
+        self.sync_grads_in_backward = True
 
     @classmethod
     def from_dense(
@@ -172,10 +209,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if not self.sequence_parallel:
-            y = reduce_from_tp(y, self.tp_group)
+            y = reduce_from_tp_(y, self.tp_group)  # y is F.linear's fresh output
             return y + self.bias if self.bias is not None else y
         y = reduce_scatter_seq(y, self.tp_group)
-        return y + sync_grads(self.tp_group, self.bias)[0] if self.bias is not None else y
+        if self.bias is None:
+            return y
+        return y + (sync_grads(self.tp_group, self.bias)[0] if self.sync_grads_in_backward else self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -227,8 +266,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_scatter_seq(out, self.tp_group) if self.sequence_parallel else reduce_from_tp(out, self.tp_group)
+        out = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_seq(out, self.tp_group) if self.sequence_parallel else reduce_from_tp_(out, self.tp_group)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Tied output layer: [s(/t), b, h] -> this rank's vocabulary block of logits [s, b, V_pad/t].
@@ -239,7 +278,7 @@ class VocabParallelEmbedding(nn.Module):
         logits = column_linear(x, self.weight, None, self.tp_group, self.sequence_parallel)
         if self.vocab_end > self.vocab_size:
             cols = torch.arange(self.vocab_start, self.vocab_end, device=logits.device)
-            logits = logits.masked_fill(cols >= self.vocab_size, float("-inf"))
+            logits.masked_fill_(cols >= self.vocab_size, float("-inf"))  # in place: the matmul's fresh output
         return logits
 
     def extra_repr(self) -> str:
@@ -258,11 +297,16 @@ class SequenceShardedPositionEmbedding(nn.Module):
         self.weight = nn.Parameter(weight)
         mark_sp_replicated(self.weight)
         self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        # True: the gradient is summed over the TP group in autograd, per micro-batch (correct on its own).  The
+        # engine sets False when it sums every SP-replicated gradient once per optimizer step instead
+        # (``tensor_parallel.sum_sp_replicated_grads``).
+        self.sync_grads_in_backward = True
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         """position_ids [s] -> [s/t, h]; the table's gradient is summed over the TP group."""
         chunk = position_ids.chunk(self.tp_size, dim=0)[self.tp_rank]
-        return F.embedding(chunk, sync_grads(self.tp_group, self.weight)[0])
+        weight = sync_grads(self.tp_group, self.weight)[0] if self.sync_grads_in_backward else self.weight
+        return F.embedding(chunk, weight)
 
 
 class SequenceParallelLayerNorm(nn.LayerNorm):
@@ -276,9 +320,15 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
         mark_sp_replicated(self.weight)
         mark_sp_replicated(self.bias)
         self.tp_group = tp_group
+        # True: the gradient is summed over the TP group in autograd, per micro-batch (correct on its own).  The
+        # engine sets False when it sums every SP-replicated gradient once per optimizer step instead
+        # (``tensor_parallel.sum_sp_replicated_grads``).
+        self.sync_grads_in_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = sync_grads(self.tp_group, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        if self.sync_grads_in_backward:
+            weight, bias = sync_grads(self.tp_group, weight, bias)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 

@@ -55,6 +55,46 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return out
 
 
+class Pending:
+    """A collective launched with ``async_op=True``: compute that does not need its result runs in between, then
+    :meth:`wait` returns the result (the overlap of Megatron's linear layers, on NCCL and gloo alike)."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+        return self._finish()
+
+
+def all_reduce_async(x: torch.Tensor, group: ProcessGroup) -> Pending:
+    """Sum over ``group`` in place of ``x`` (a fresh buffer the caller owns), started now."""
+    x = x.contiguous()
+    return Pending(dist.all_reduce(x, group=group, async_op=True), lambda: x)
+
+
+def all_gather_dim0_async(x: torch.Tensor, group: ProcessGroup) -> Pending:
+    n, x = group_size(group), x.contiguous()
+    if _is_gloo(group):
+        parts = [torch.empty_like(x) for _ in range(n)]
+        return Pending(dist.all_gather(parts, x, group=group, async_op=True), lambda: torch.cat(parts, dim=0))
+    out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return Pending(dist.all_gather_into_tensor(out, x, group=group, async_op=True), lambda: out)
+
+
+def reduce_scatter_dim0_async(x: torch.Tensor, group: ProcessGroup) -> Pending:
+    """Reduce-scatter along dim 0 of ``x`` (a fresh buffer the caller owns; gloo sums it in place)."""
+    n, x = group_size(group), x.contiguous()
+    if x.shape[0] % n != 0:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {n}")
+    if _is_gloo(group):  # no reduce-scatter in gloo: all-reduce, then keep this rank's chunk
+        rank = dist.get_rank(group)
+        return Pending(dist.all_reduce(x, group=group, async_op=True), lambda: x.chunk(n, dim=0)[rank].contiguous())
+    out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    return Pending(dist.reduce_scatter_tensor(out, x, group=group, async_op=True), lambda: out)
+
+
 def _split_dim(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     n = group_size(group)
     if x.shape[dim] % n != 0:
@@ -89,6 +129,21 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceFromTPInPlace(torch.autograd.Function):
+    """g without a copy: forward all-reduce in place, backward identity.  For fresh intermediates only (a matmul's
+    output); autograd's version counter turns any other use into an error, never a wrong gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
@@ -173,6 +228,30 @@ class _SyncGrads(torch.autograd.Function):
         return (None, *grads)
 
 
+@torch.no_grad()
+def sum_sp_replicated_grads(
+    params: list[torch.Tensor], grads: list[torch.Tensor | None], group: ProcessGroup | None
+) -> None:
+    """Sum the accumulated gradients ``grads`` of ``params`` over ``group`` in place, in fp32, with one all-reduce:
+    the once-per-step form of ``sync_grads``.  A missing gradient takes part as zeros of its parameter's size, so
+    every rank of the group sends the same layout."""
+    if group_size(group) == 1 or not params:
+        return
+    device = params[0].device
+    flat = torch.cat(
+        [
+            g.reshape(-1).float() if g is not None else torch.zeros(p.numel(), device=device)
+            for p, g in zip(params, grads)
+        ]
+    )
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p, g in zip(params, grads):
+        if g is not None:
+            g.copy_(flat[offset : offset + p.numel()].view_as(g))
+        offset += p.numel()
+
+
 def sync_grads(group: ProcessGroup | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Identity on the values; sums the tensors' gradients over ``group`` in backward (one all-reduce)."""
     if group_size(group) == 1:
@@ -188,6 +267,15 @@ def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
 def reduce_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """g (all-reduce / identity)."""
     return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def reduce_from_tp_(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """g in place on a fresh, contiguous intermediate (saves one full copy per row-parallel layer)."""
+    if group_size(group) == 1:
+        return x
+    if not x.is_contiguous():
+        return _ReduceFromTP.apply(x, group)
+    return _ReduceFromTPInPlace.apply(x, group)
 
 
 def gather_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

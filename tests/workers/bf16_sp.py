@@ -1,5 +1,6 @@
-"""bf16 + ZeRO-1 (DeepSpeed's BF16 optimizer) with SP at tp 2: the path GPUs use.  Writes per rank the losses, the
-gradient norm and this rank's LayerNorm/bias weights (bf16 model copies) after 5 steps."""
+"""bf16 + ZeRO-1 (DeepSpeed's BF16 optimizer) with SP at tp 2 and 4 micro-batches per step: the path GPUs use.
+Writes per rank the losses, the gradient norm and this rank's LayerNorm/bias weights (bf16 model copies) after 5
+steps, with the SP-replicated gradients summed once per step (default) or per micro-batch (--sp-grad-sync)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=0)
+    ap.add_argument("--sp-grad-sync", default="step", choices=["step", "micro_batch"])
     args = ap.parse_args()
     cfg = tiny_ds_config(
         2,
@@ -33,6 +35,7 @@ def main() -> None:
             "data_types": {"grad_accum_dtype": "fp32"},
         },
     )
+    cfg["ds_megatron"]["parallel"]["sp_grad_sync"] = args.sp_grad_sync
     run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     built = build_engine(run)
     engine = built.engine
@@ -47,7 +50,7 @@ def main() -> None:
     }
     write_result(
         args.out,
-        "bf16-sp",
+        f"bf16-sp-{args.sp_grad_sync}",
         {"losses": losses, "norms": norms, "replicated": replicated, "tp_rank": built.topology.tp_rank},
     )
 
