@@ -100,7 +100,8 @@ def deepspeed_config_for(run: RunConfig, notes: list[str] | None = None) -> dict
         ds["gradient_clipping"] = 0.0
     if run.section.parallel.sequence_parallel and run.tp > 1:
         # Stage-boundary tensors are already sequence shards; DeepSpeed's TP partitioning of them would garble them
-        # (trap 2).  Without it the boundary tensors are s/t long: pipeline traffic falls by t.
+        # (DeepSpeed splits them over the TP group a second time).  Without it the boundary tensors are s/t long:
+        # pipeline traffic falls by t.
         pipe = ds.setdefault("pipeline", {})
         if pipe.get("pipe_partitioned", True) or pipe.get("grad_partitioned", True):
             notes.append("sequence parallel: pipeline.pipe_partitioned and grad_partitioned turned off")

@@ -1,6 +1,7 @@
 """L4: greedy continuation through the pipeline engine (the recipe's end-of-training sample).
 
-The pipeline needs fixed shapes (trap 9), so every step feeds one micro-batch of the training shape [b, s]: the
+The pipeline needs fixed shapes (its stage boundary buffers are allocated once), so every step feeds one micro-batch
+of the training shape [b, s]: the
 context left-aligned and padded with EOS, and reads the logits at the last context position.  The last stage
 gathers its TP ranks' vocabulary blocks (padding columns are -inf), takes the argmax, and the token is broadcast to
 every rank.  No KV cache: each new token costs one forward of s positions, fine for a sample of a few dozen tokens.

@@ -1,4 +1,4 @@
-"""L3: analytic activation memory (Korthikanti et al. 2022, sec. 4; formulas in shared/REFERENCE.md).  Pure Python.
+"""L3: analytic activation memory (Korthikanti et al. 2022, sec. 4).  Pure Python.
 
 Per transformer layer, in bytes, for s sequence, b micro-batch, h hidden, a heads, t tensor-parallel size.  The
 paper counts 2-byte activations and 1-byte dropout masks; ``act_bytes`` and ``mask_bytes`` generalise that so a
@@ -15,7 +15,9 @@ Terms, in units of s*b*h elements (from the paper's sec. 4.1):
 
 from __future__ import annotations
 
-MODES = ("none", "selective", "full")
+from ds_megatron.config.schema import RECOMPUTE_POLICIES
+
+MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
 
 
 def activation_bytes_per_layer(

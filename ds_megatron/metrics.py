@@ -2,7 +2,8 @@
 
 Throughput: tokens/s; TFLOP/s per GPU and MFU from the model FLOPs (Narayanan et al. 2021), HFU counting the
 recomputation that was executed.  wandb logs against the optimizer step and resumes the same run from the id stored
-in the checkpoint (trap 14); with no credentials it runs offline (``wandb sync`` uploads later), and any wandb failure
+in the checkpoint (wandb drops a log to a smaller step with only a warning, so a resume must continue the run); with
+no credentials it runs offline (``wandb sync`` uploads later), and any wandb failure
 becomes a warning, never a crash.
 """
 

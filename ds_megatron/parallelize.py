@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.model import GPT, GPTBlock, GPTConfig
 from ds_megatron.random import TENSOR_PARALLEL, RNGTracker
 from ds_megatron.recompute import RecomputedCoreAttention, RecomputePlan
@@ -50,7 +51,7 @@ class ParallelPlan:
     tp_size: int
     sequence_parallel: bool
     rng: RNGTracker | None
-    vocab_multiple: int = 128
+    vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE
     recompute: RecomputePlan = RecomputePlan()
 
     @property
@@ -125,7 +126,7 @@ def parallelize_position_embedding(wpe: nn.Embedding, plan: ParallelPlan) -> nn.
 
 
 def parallelize_norm(ln: nn.LayerNorm, plan: ParallelPlan) -> nn.LayerNorm:
-    """Under SP a LayerNorm sees a sequence shard: its gradients are summed over TP (trap 1)."""
+    """Under SP a LayerNorm sees a sequence shard: its gradients are summed over TP."""
     return SequenceParallelLayerNorm(ln, plan.tp_group) if plan.sp else ln
 
 

@@ -10,8 +10,9 @@ then sharded by the plan):
     TiedLayerSpec("wte", WordEmbeddingPipe, forward_fn=lm_head_forward)   -> logits [s, b, V_pad/t]
     loss: vocab-parallel cross entropy against labels [b, s]
 
-Only fixed-shape hidden states cross stage boundaries; positions and the causal mask are made locally (trap 9).
-The tied embedding's gradient is summed over the first and last stage by DeepSpeed (trap 13).
+Only fixed-shape hidden states cross stage boundaries; positions and the causal mask are made locally (the engine's
+boundary carries fixed-shape tensors only).
+The tied embedding's gradient is summed over the first and last stage by DeepSpeed (``TiedLayerSpec``).
 """
 
 from __future__ import annotations

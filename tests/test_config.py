@@ -1,4 +1,4 @@
-"""Issue 2, test e (and the config contract): bad input gives one line naming the setting, the values and the fix,
+"""The config contract: bad input gives one line naming the setting, the values and the fix,
 raised by pure validation (no process group, nothing written)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 4, test c: the token cache is reused, the resume position is exact, both token dtypes work."""
+"""The token cache is reused, the resume position is exact, both token dtypes work."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FLOPs formulas against the published closed forms (shared/REFERENCE.md)."""
+"""FLOPs formulas against the published closed forms (Narayanan et al. 2021, eq. 3; Korthikanti et al. 2022, sec. 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 5: transformers -> ds_megatron (tp 2 x pp 2, --init-from-hf) -> DeepSpeed checkpoint -> export gives back
+"""transformers -> ds_megatron (tp 2 x pp 2, --init-from-hf) -> DeepSpeed checkpoint -> export gives back
 bitwise-identical tensors; bad input to export is one error line and writes nothing."""
 
 from __future__ import annotations

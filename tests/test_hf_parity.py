@@ -1,4 +1,4 @@
-"""Issue 2, test a: at tp 1 the GPT's logits equal transformers' GPT2LMHeadModel with the same weights."""
+"""At tp 1 the GPT's logits equal transformers' GPT2LMHeadModel with the same weights."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The layering of shared/ARCHITECTURE.md, enforced: a module imports only from layers below it (or its own
+"""The package's layering (README, "Layout"), enforced: a module imports only from layers below it (or its own
 package), and the single-device model never touches torch.distributed or deepspeed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The analytic activation memory reproduces the paper's table (Korthikanti et al. 2022; shared/REFERENCE.md)."""
+"""The analytic activation memory reproduces the paper's table (Korthikanti et al. 2022, sec. 4 and Table 2)."""
 
 from __future__ import annotations
 

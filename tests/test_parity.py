@@ -1,4 +1,4 @@
-"""Issue 2, test b and d: every (tp, pp, dp) layout trains exactly like the single-device GPT.
+"""Every (tp, pp, dp) layout trains exactly like the single-device GPT.
 
 Real processes (deepspeed launcher, gloo), fp32, dropout 0, vocabulary 1001 (padded to 1024, not divisible by 2 or
 by 128).  Each worker compares its own shards with the single-device reference: losses of 3 optimizer steps,

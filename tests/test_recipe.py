@@ -1,5 +1,5 @@
-"""Issue 4, test a (the demo end to end under the deepspeed launcher), generation parity and issue 5, test b (its
-export matches transformers).  Exact resume (issue 4, test b) is tested with a crash in test_reliability.py."""
+"""The demo end to end under the deepspeed launcher, generation parity, and its export matching transformers.
+Exact resume is tested with a crash in test_reliability.py and for every shipped config in test_shipped_configs.py."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_greedy_continuation_matches_single_device(tmp_path):
 
 
 def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
-    """Issue 5, test b: train at tp 2 x pp 2 with SP, export; transformers' logits equal ds_megatron's, its greedy
+    """Train at tp 2 x pp 2 with SP, export; transformers' logits equal ds_megatron's, its greedy
     generate equals the recipe's greedy continuation, and its validation loss equals the recipe's."""
     import numpy as np
     import torch

@@ -1,4 +1,4 @@
-"""Issue 3, test c: selective, full-uniform and full-block recompute give the gradients of no recompute with
+"""Selective, full-uniform and full-block recompute give the gradients of no recompute with
 dropout 0.1 and the same seed (exact RNG replay), inside the pipeline engine at tp 2 x pp 2, with and without SP."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 7: bad input refused before anything happens; crash-safe checkpoints; graceful stop; numerical guards."""
+"""Bad input refused before anything happens; crash-safe checkpoints; graceful stop; numerical guards."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240) -> None:
 
 @pytest.mark.slow
 def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
-    """Issue 7, test 6 and issue 4, test b: 6 steps straight equal 3 steps, a crash, --load, 3 more steps.
+    """6 steps straight equal 3 steps, a crash, --load, 3 more steps.
 
     The second run saves at step 3 and at its end (step 6); every process is killed in the middle of the step-6
     save (files written, no manifest).  The restart skips that incomplete tag, resumes from step 3 and its losses

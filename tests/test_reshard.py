@@ -1,4 +1,4 @@
-"""Issue 5, test c: a checkpoint saved at tp 2 x pp 2 resumes at tp 1 x pp 4, whose checkpoint resumes at
+"""A checkpoint saved at tp 2 x pp 2 resumes at tp 1 x pp 4, whose checkpoint resumes at
 tp 4 x pp 1 (weights and AdamW state resharded); the loss curve continues as without resharding (fp32, 1e-5)."""
 
 from __future__ import annotations

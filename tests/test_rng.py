@@ -1,4 +1,4 @@
-"""Issue 2, test c: dropout masks are identical across TP ranks in replicated regions, different inside TP-split
+"""Dropout masks are identical across TP ranks in replicated regions, different inside TP-split
 regions (attention probabilities of the local heads), and different across DP ranks (same data on both)."""
 
 from __future__ import annotations

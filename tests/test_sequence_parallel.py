@@ -1,9 +1,10 @@
-"""Issue 3, tests a, b, d: sequence parallelism inside the pipeline equals the single-device GPT.
+"""Sequence parallelism inside the pipeline equals the single-device GPT.
 
 (tp, pp) = (2, 1) and (2, 2) with SP, 5 optimizer steps, fp32, dropout 0: losses, every gradient, the gradient norm
 and the weights match the single-device reference (which the parity suite also matches with SP off, so SP on
 equals SP off).  LayerNorm weights stay bit-identical across TP ranks (their gradients are summed over the TP group,
-trap 1), and the tensors that cross the pipeline stage boundary are sequence shards of s/t rows.
+DeepSpeed does not know they need it), and the tensors that cross the pipeline stage boundary are sequence shards of
+s/t rows.
 """
 
 from __future__ import annotations
@@ -96,3 +97,19 @@ def test_bf16_zero1_path_keeps_sp_replicated_weights_identical(tmp_path):
     for name, values in step["replicated"].items():
         diff = max(abs(x - y) for x, y in zip(values, micro["replicated"][name]))
         assert diff <= 0.02, (name, diff)  # a few bf16 ulps of weights near 1 after 5 updates
+
+
+def test_tp_collectives_per_step_are_the_stated_count(tmp_path):
+    """tp 2 x pp 2 with SP, 4 micro-batches, 2 blocks per stage: per block and micro-batch 6 all-gathers (2 forward,
+    4 backward: the saved sequence shards are gathered again, and the row-parallel gradients) and 4 reduce-scatters
+    (gloo: all-reduces); the first stage adds the vocabulary embedding's reduce-scatter and its backward all-gather,
+    the last stage the output layer's 2 all-gathers and 1 reduce-scatter and the cross entropy's 2 all-reduces per
+    micro-batch; and each stage sums its SP-replicated gradients with one all-reduce per step."""
+    deepspeed_launch(WORKERS / "collectives.py", 4, ["--out", str(tmp_path)])
+    for rank in range(4):
+        r = json.loads((tmp_path / f"collectives.rank{rank}.json").read_text())
+        m, blocks, first = r["micro_batches"], r["blocks"], r["pp_rank"] == 0
+        assert (m, blocks) == (4, 2)
+        all_gathers = m * (6 * blocks + (1 if first else 2))
+        all_reduces = m * (4 * blocks + (1 if first else 1 + 2)) + 1
+        assert r["counts"] == {"all_gather": all_gathers, "all_reduce": all_reduces}, (rank, r)

@@ -1,4 +1,4 @@
-"""Saving and resuming a training run with DeepSpeed checkpoints, crash-safe (trap 12).
+"""Saving and resuming a training run with DeepSpeed checkpoints, crash-safe.
 
 A checkpoint tag ``step<N>`` holds DeepSpeed's files (per-layer weights, optimizer and scheduler states) plus
 ``client_state``: the resolved configuration, the step (the data position follows from it), and the wandb run id.

@@ -12,6 +12,7 @@ ATTENTION_KERNELS = ("eager", "sdpa")
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 SP_GRAD_SYNC = ("step", "micro_batch")
+DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fast matmul shapes on GPUs)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class ParallelSection:
     tp: int = 1  # tensor-parallel size (t); stays inside a node
     pp: int = 1  # pipeline-parallel size (p)
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group (needs tp > 1)
-    vocab_multiple: int = 128  # vocabulary padded to a multiple of vocab_multiple * tp
+    vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = "type:GPTBlockPipe"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
 

@@ -19,6 +19,20 @@ TINY_SHAPES: dict[str, tuple[int, int, int]] = {
     "gpt-tiny": (4, 128, 4),  # L, h, a of the CPU demo
 }
 
+# Peak learning rates of the GPT-3 family (Brown et al. 2020, Table 2.1), written into generated configs
+# by the tuner.
+GPT3_LEARNING_RATES: dict[str, float] = {
+    "gpt3-125m": 6.0e-4,
+    "gpt3-350m": 3.0e-4,
+    "gpt3-760m": 2.5e-4,
+    "gpt3-1.3b": 2.0e-4,
+    "gpt3-2.7b": 1.6e-4,
+    "gpt3-6.7b": 1.2e-4,
+    "gpt3-13b": 1.0e-4,
+    "gpt3-175b": 0.6e-4,
+}
+
+
 GPT3_VOCAB_SIZE = 50257
 GPT3_SEQ_LENGTH = 2048
 

@@ -3,9 +3,10 @@ so a sharded model starts from exactly the single-device weights.
 
 Parameter marks (read by DeepSpeed and by ds_megatron):
 - ``tensor_model_parallel`` / ``model_parallel`` = True on TP-sharded weights, so DeepSpeed's gradient norm counts
-  them on every TP rank (trap 10); replicated parameters are left unmarked and counted on TP rank 0 only.
+  them on every TP rank; replicated parameters are left unmarked and counted on TP rank 0 only.
 - ``sequence_parallel_replicated`` = True on replicated parameters that see only a sequence shard under SP
-  (LayerNorms, row-parallel biases, position embedding): their gradients are summed over the TP group (trap 1).
+  (LayerNorms, row-parallel biases, position embedding): their gradients are summed over the TP group (DeepSpeed knows
+  nothing of it; without the sum the TP ranks' copies drift apart).
 """
 
 from __future__ import annotations
@@ -290,7 +291,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class SequenceShardedPositionEmbedding(nn.Module):
     """Learned position table, replicated; under SP each rank returns the rows of its own sequence chunk only
-    (positions [r s/t, (r+1) s/t)), so the full sequence is embedded exactly once (trap 6)."""
+    (positions [r s/t, (r+1) s/t)), so the full sequence is embedded exactly once (not split twice)."""
 
     def __init__(self, weight: torch.Tensor, tp_group: ProcessGroup | None, tp_rank: int, tp_size: int):
         super().__init__()

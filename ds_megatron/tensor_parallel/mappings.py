@@ -205,7 +205,8 @@ class _GatherLastDim(torch.autograd.Function):
 class _SyncGrads(torch.autograd.Function):
     """Parameters that see only a sequence shard under SP: forward identity, backward one all-reduce (sum) of all
     their gradients, coalesced into a single buffer.  The gradient that reaches ``.grad`` (and so any DeepSpeed
-    optimizer, accumulation or bf16 path) is already the full-sequence gradient (trap 1)."""
+    optimizer, accumulation or bf16 path) is already the full-sequence gradient (DeepSpeed does not know these
+    parameters need a TP sum)."""
 
     @staticmethod
     def forward(ctx, group, *tensors):

@@ -1,6 +1,7 @@
 """Per-GPU memory of a candidate on the first and the last pipeline stage.  Pure Python.
 
-Model states (mixed-precision Adam as DeepSpeed's BF16 optimizer keeps them, REFERENCE.md "memory of model states"):
+Model states (mixed-precision Adam as DeepSpeed's BF16 optimizer keeps them: 2 bytes bf16 weights + 4 fp32 gradients +
+12 fp32 master and Adam moments per parameter):
 bf16 weights 2 bytes, bf16 gradients 2 + their fp32 accumulation copy 4, fp32 master weights 4 + Adam m and v 8;
 ZeRO-1 shards the last 12 over the data-parallel group.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.memory import activation_bytes_per_layer
 from ds_megatron.tune.spec import Candidate, ModelSpec
 
@@ -37,7 +39,7 @@ LOGITS_BYTES = 2 + 4  # bf16 logits and the fp32 copy the cross entropy computes
 MARGIN_FRACTION = 0.10
 MARGIN_BYTES = 2 * GIB
 
-VOCAB_MULTIPLE = 128  # ds_megatron pads the vocabulary to a multiple of vocab_multiple * tp (parallel.vocab_multiple)
+VOCAB_MULTIPLE = DEFAULT_VOCAB_MULTIPLE  # ds_megatron pads the vocabulary to a multiple of this x tp
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:

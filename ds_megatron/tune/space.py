@@ -1,6 +1,6 @@
 """The search space: every (tp, pp, dp, sp, b, recompute, zero) the tuner considers, and why the rest is left out.
 
-Rules (shared/ARCHITECTURE.md and the pipeline engine's limits):
+Rules (the package's layout constraints and the pipeline engine's limits):
 - tp divides the heads and the node (a TP group never leaves its node); tp * pp * dp = gpus; pp <= L (layers need
   not divide evenly: the largest stage holds ceil(L/p) blocks);
 - the global batch B splits into dp replicas of m micro-batches of b sequences, b a power of two up to 16 dividing

@@ -10,9 +10,16 @@ import difflib
 from dataclasses import dataclass
 
 from ds_megatron.config import ConfigError
-from ds_megatron.config.sizes import GPT3_SEQ_LENGTH, GPT3_VOCAB_SIZE, all_size_names, named_shape
+from ds_megatron.config.schema import RECOMPUTE_POLICIES
+from ds_megatron.config.sizes import (
+    GPT3_LEARNING_RATES,
+    GPT3_SEQ_LENGTH,
+    GPT3_VOCAB_SIZE,
+    all_size_names,
+    named_shape,
+)
 
-RECOMPUTE_CHOICES = ("none", "selective", "full")
+RECOMPUTE_CHOICES = RECOMPUTE_POLICIES
 
 # Achieved fraction of peak for the model's large bf16 matmuls: the time model's one free parameter.  Megatron's
 # published A100 runs imply roughly 0.5-0.65 (an MFU of 51-56% with communication and bubble on top); fit yours with
@@ -20,18 +27,6 @@ RECOMPUTE_CHOICES = ("none", "selective", "full")
 DEFAULT_EFFICIENCY = 0.5
 INTRA_NODE_LATENCY_S = 20e-6  # per collective or transfer inside a node (NCCL launch + ring set-up)
 INTER_NODE_LATENCY_S = 50e-6  # per collective or transfer across nodes
-
-# Peak learning rates of the GPT-3 family (Brown et al. 2020, Table 2.1), written into generated configs.
-GPT3_LEARNING_RATES: dict[str, float] = {
-    "gpt3-125m": 6.0e-4,
-    "gpt3-350m": 3.0e-4,
-    "gpt3-760m": 2.5e-4,
-    "gpt3-1.3b": 2.0e-4,
-    "gpt3-2.7b": 1.6e-4,
-    "gpt3-6.7b": 1.2e-4,
-    "gpt3-13b": 1.0e-4,
-    "gpt3-175b": 0.6e-4,
-}
 
 
 @dataclass(frozen=True)

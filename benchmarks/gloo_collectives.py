@@ -1,0 +1,103 @@
+"""Where SP's extra step time goes on CPU: the cost of one gloo collective of each kind ds_megatron uses, at the
+shape of the efficiency benchmark (s 256, b 4, h 256, fp32, tp 2), and the SP-on minus SP-off difference the counts
+predict.
+
+    python benchmarks/gloo_collectives.py [--reps 200] [--markdown OUT.md]
+
+Per transformer block and micro-batch, SP runs 6 all-gathers and 4 reduce-scatters where SP off runs 4 all-reduces
+(tests/test_sequence_parallel.py counts them).  gloo has no reduce-scatter: ds_megatron emulates it by an all-reduce
+of the full tensor, so on CPU each of SP's reduce-scatters costs an all-reduce, and SP pays its 6 all-gathers on
+top (on NCCL an all-reduce costs about a reduce-scatter plus an all-gather, and SP's extra traffic is 2 all-gathers,
+the re-gathers of the saved shards).  The embedding adds 1 all-gather and the output layer 2, per micro-batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+S, B, H, TP = 256, 4, 256, 2
+BLOCKS, MICRO_BATCHES = 4, 4
+
+
+def _time(fn, reps: int) -> float:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def worker(rank: int, port: int, reps: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=TP)
+    full = torch.randn(S, B, H)
+    shard = torch.randn(S // TP, B, H)
+
+    def all_reduce():
+        dist.all_reduce(full.clone())
+
+    def all_gather():
+        parts = [torch.empty_like(shard) for _ in range(TP)]
+        dist.all_gather(parts, shard)
+        torch.cat(parts)
+
+    result = {"all_reduce": _time(all_reduce, reps), "all_gather": _time(all_gather, reps)}
+    if rank == 0:
+        queue.put(result)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--markdown")
+    args = ap.parse_args()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(worker, args=(port, args.reps, queue), nprocs=TP, join=True, start_method="spawn")
+    r = queue.get()
+    extra_gathers = MICRO_BATCHES * (6 * BLOCKS + 1 + 2)
+    predicted = extra_gathers * r["all_gather"]
+    table = "\n".join(
+        [
+            f"gloo, 2 processes, fp32 [s, b, h] = [{S}, {B}, {H}] ({S * B * H * 4 / 2**20:.0f} MiB), median of "
+            f"{args.reps}:",
+            "",
+            "| collective | ms |",
+            "|---|---|",
+            f"| all-reduce of [s, b, h] (SP off's g/f; SP's emulated reduce-scatter) | {1000 * r['all_reduce']:.2f} |",
+            f"| all-gather of [s/2, b, h] into [s, b, h] | {1000 * r['all_gather']:.2f} |",
+            "",
+            f"SP's extra collectives per step at {BLOCKS} blocks x {MICRO_BATCHES} micro-batches: {extra_gathers} "
+            f"all-gathers = **{1000 * predicted:.0f} ms** predicted SP-on minus SP-off step time.",
+        ]
+    )
+    print(table)
+    if args.markdown:
+        header = (
+            f"# gloo collective costs\n\n{datetime.date.today().isoformat()}, {platform.machine()} "
+            f"({os.cpu_count()} cores), torch {torch.__version__}, `python benchmarks/gloo_collectives.py`\n\n"
+        )
+        with open(args.markdown, "w") as f:
+            f.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
