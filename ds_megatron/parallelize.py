@@ -1,18 +1,14 @@
 """L3: the one place that knows the parallel plan.  It turns single-device GPT modules into TP/SP ones by module swap.
 
-The plan (Megatron; Shoeybi et al. 2019, Korthikanti et al. 2022):
+The plan (Megatron; Shoeybi et al. 2019, Korthikanti et al. 2022) is data, ``GPT2_PLAN`` below: one row per module,
+its parallel style and the shard rule of its weight.  The module swap (``parallelize_block`` / ``parallelize_gpt``),
+the shard rules of checkpoints (``shard_rule``: export, resharding, HF import) and the tests read that table; a new
+model family adds a table.  What the table does not hold is behaviour, not layout: the core attention's RNG state
+(tensor-parallel once heads are split), selective recompute around it, and dropout on sequence shards under SP
+drawing a different mask on each TP rank.
 
-    attn.c_attn  -> ColumnParallelLinear, split by heads (fused q|k|v)
-    attn.c_proj  -> RowParallelLinear
-    mlp.c_fc     -> ColumnParallelLinear
-    mlp.c_proj   -> RowParallelLinear
-    wte          -> VocabParallelEmbedding (vocabulary padded to a multiple of vocab_multiple * tp), tied output layer
-    wpe          -> sequence-sharded position lookup under SP
-    ln_*, biases of row-parallel layers -> replicated (SP: sequence-sharded input, gradients summed over TP)
-    core attention dropout -> tensor-parallel RNG state; residual/embedding dropout -> tensor-parallel state under SP
-
-Order inside a block: swap the linears, set the core attention's RNG state, wrap it for selective recompute, swap
-the dropouts, then the LayerNorms.  Full recompute (chunks of blocks) is applied by the pipeline module's forward.
+Order inside a block: swap the modules of the plan, set the core attention's RNG state, wrap it for selective
+recompute, swap the dropouts.  Full recompute (chunks of blocks) is applied by the pipeline module's forward.
 """
 
 from __future__ import annotations
@@ -39,6 +35,46 @@ from ds_megatron.tensor_parallel import (
     VocabParallelEmbedding,
     padded_vocab_size,
 )
+
+COLUMN, ROW, VOCAB, POSITION, NORM = "column", "row", "vocab", "position", "norm"
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One module of a model family's plan.  ``path``: the module inside a block (``attn.c_attn``) or the model
+    (``transformer.wte``).  ``style``:
+      column   ColumnParallelLinear: weight and bias split on the output dim (``fused`` blocks, e.g. q|k|v, by heads)
+      row      RowParallelLinear: weight split on the input dim, bias replicated (summed over TP under SP)
+      vocab    VocabParallelEmbedding: rows split in vocabulary blocks, padded to vocab_multiple x tp; tied output
+      position learned position table, replicated; each rank looks up its own sequence chunk under SP
+      norm     LayerNorm, replicated; sees a sequence shard under SP (gradients summed over TP)"""
+
+    path: str
+    style: str
+    fused: int = 1
+
+
+GPT2_PLAN: tuple[PlanRow, ...] = (
+    PlanRow("attn.c_attn", COLUMN, fused=3),
+    PlanRow("attn.c_proj", ROW),
+    PlanRow("mlp.c_fc", COLUMN),
+    PlanRow("mlp.c_proj", ROW),
+    PlanRow("ln_1", NORM),
+    PlanRow("ln_2", NORM),
+    PlanRow("transformer.wte", VOCAB),
+    PlanRow("transformer.wpe", POSITION),
+    PlanRow("transformer.ln_f", NORM),
+)
+_BLOCK_ROWS = tuple(r for r in GPT2_PLAN if not r.path.startswith("transformer."))
+_BY_PATH = {r.path: r for r in GPT2_PLAN}
+
+
+def plan_row(name: str) -> PlanRow | None:
+    """The plan row of a full GPT parameter name (``transformer.h.3.attn.c_attn.weight`` -> ``attn.c_attn``)."""
+    module = name.rsplit(".", 1)[0]
+    if module.startswith("transformer.h."):
+        module = module.split(".", 3)[3]
+    return _BY_PATH.get(module)
 
 
 @dataclass
@@ -70,14 +106,16 @@ class ParallelPlan:
 
 
 def shard_rule(name: str, plan: ParallelPlan) -> ShardRule:
-    """The shard rule of one full GPT parameter (HF GPT-2 name), used by layers, checkpoints and tests."""
-    if name.endswith("attn.c_attn.weight") or name.endswith("attn.c_attn.bias"):
-        return ShardRule(dim=0, fused=3)
-    if name.endswith("mlp.c_fc.weight") or name.endswith("mlp.c_fc.bias"):
-        return ShardRule(dim=0)
-    if name.endswith("c_proj.weight"):
+    """The shard rule of one full GPT parameter (HF GPT-2 name), read off the plan table; used by the layers'
+    construction, checkpoints (export, resharding, HF import) and tests."""
+    row = plan_row(name)
+    if row is None:
+        return REPLICATED
+    if row.style == COLUMN:
+        return ShardRule(dim=0, fused=row.fused)
+    if row.style == ROW and name.endswith(".weight"):
         return ShardRule(dim=1)
-    if name.endswith("wte.weight"):
+    if row.style == VOCAB:
         return ShardRule(dim=0, padded_size=plan.padded_vocab_size)
     return REPLICATED
 
@@ -95,21 +133,41 @@ def _sp_dropout(drop: nn.Dropout, plan: ParallelPlan) -> nn.Module:
     return ForkedDropout(drop.p, plan.tp_fork()) if plan.sp else drop
 
 
+def _swap(root: nn.Module, path: str, build) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, attr, build(getattr(parent, attr)))
+
+
+def _builder(row: PlanRow, plan: ParallelPlan):
+    """The module swap of one plan row: full single-device module in, this rank's parallel module out."""
+    if row.style == COLUMN:
+        return lambda m: _column(m, ShardRule(dim=0, fused=row.fused), plan)
+    if row.style == ROW:
+        return lambda m: _row(m, plan)
+    if row.style == VOCAB:
+        return lambda m: parallelize_word_embedding(m, plan)
+    if row.style == POSITION:
+        return lambda m: parallelize_position_embedding(m, plan)
+    return lambda m: parallelize_norm(m, plan)
+
+
+def parallelize_module(path: str, module: nn.Module, plan: ParallelPlan) -> nn.Module:
+    """The parallel form of the model-level module at ``path`` of the plan (``transformer.wte``, ``.wpe``, ...)."""
+    return _builder(_BY_PATH[path], plan)(module)
+
+
 def parallelize_block(block: GPTBlock, plan: ParallelPlan) -> GPTBlock:
     """Apply the plan to one transformer block in place (full weights in, this rank's shards out)."""
+    for row in _BLOCK_ROWS:
+        _swap(block, row.path, _builder(row, plan))
     attn, mlp = block.attn, block.mlp
-    attn.c_attn = _column(attn.c_attn, ShardRule(dim=0, fused=3), plan)
-    attn.c_proj = _row(attn.c_proj, plan)
-    mlp.c_fc = _column(mlp.c_fc, ShardRule(dim=0), plan)
-    mlp.c_proj = _row(mlp.c_proj, plan)
     if plan.tp_size > 1:
         attn.core_attention.rng_fork = plan.tp_fork()
     if plan.recompute.policy == "selective":
         attn.core_attention = RecomputedCoreAttention(attn.core_attention, plan.rng)
     attn.resid_dropout = _sp_dropout(attn.resid_dropout, plan)
     mlp.dropout = _sp_dropout(mlp.dropout, plan)
-    block.ln_1 = parallelize_norm(block.ln_1, plan)
-    block.ln_2 = parallelize_norm(block.ln_2, plan)
     return block
 
 
@@ -134,11 +192,10 @@ def parallelize_gpt(model: GPT, plan: ParallelPlan) -> GPT:
     """Apply the plan to a whole single-device GPT in place.  Its forward then returns this rank's vocabulary block
     of logits ([b, s, V_pad/t]; use vocab-parallel cross entropy).  Under SP the plain forward stays correct because
     the embedding reduce-scatters along the sequence and the position lookup keeps this rank's rows."""
-    t = model.transformer
-    t.wte = parallelize_word_embedding(t.wte, plan)
-    t.wpe = parallelize_position_embedding(t.wpe, plan)
-    t.drop = _sp_dropout(t.drop, plan)
-    for block in t.h:
+    for row in GPT2_PLAN:
+        if row.path.startswith("transformer."):
+            _swap(model, row.path, _builder(row, plan))
+    model.transformer.drop = _sp_dropout(model.transformer.drop, plan)
+    for block in model.transformer.h:
         parallelize_block(block, plan)
-    t.ln_f = parallelize_norm(t.ln_f, plan)
     return model

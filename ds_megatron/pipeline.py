@@ -28,9 +28,7 @@ from ds_megatron.model.gpt import TiedEmbedding
 from ds_megatron.parallelize import (
     ParallelPlan,
     parallelize_block,
-    parallelize_norm,
-    parallelize_position_embedding,
-    parallelize_word_embedding,
+    parallelize_module,
 )
 from ds_megatron.random import RNGTracker
 from ds_megatron.recompute import RecomputePlan, checkpoint
@@ -47,7 +45,7 @@ class WordEmbeddingPipe(nn.Module):
         super().__init__()
         full = TiedEmbedding(config.vocab_size, config.n_embd)
         init_module(full, config, seed, prefix="transformer.wte.")
-        self.wte = parallelize_word_embedding(full, plan)
+        self.wte = parallelize_module("transformer.wte", full, plan)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] -> [s, b, h] (SP: [s/t, b, h])."""
@@ -64,7 +62,7 @@ class PositionEmbeddingPipe(nn.Module):
         super().__init__()
         full = nn.Embedding(config.n_positions, config.n_embd)
         init_module(full, config, seed, prefix="transformer.wpe.")
-        self.wpe = parallelize_position_embedding(full, plan)
+        self.wpe = parallelize_module("transformer.wpe", full, plan)
         drop = nn.Dropout(config.embd_pdrop)
         self.drop = ForkedDropout(drop.p, plan.tp_fork()) if plan.sp else drop
         self.seq_factor = plan.tp_size if plan.sp else 1
@@ -94,7 +92,7 @@ class FinalNormPipe(nn.Module):
         super().__init__()
         ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         init_module(ln_f, config, seed, prefix="transformer.ln_f.")
-        self.ln_f = parallelize_norm(ln_f, plan)
+        self.ln_f = parallelize_module("transformer.ln_f", ln_f, plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ln_f(x)

@@ -50,3 +50,30 @@ def test_round_trip_every_rule():
     wte = [shard(torch.randn(1001, 16), shard_rule("transformer.wte.weight", plan), r, 4) for r in range(4)]
     assert all(p.shape == (1024 // 4, 16) for p in wte)
     assert torch.count_nonzero(wte[-1][1001 - 3 * 256 :]) == 0  # padding rows are zero
+
+
+def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
+    """Every parameter of the single-device GPT has a row in the plan table, and the module swap builds each row's
+    style (so layers, checkpoints and export read one table)."""
+    from ds_megatron.model import GPT, GPTConfig
+    from ds_megatron.parallelize import COLUMN, GPT2_PLAN, NORM, ROW, VOCAB, ParallelPlan, parallelize_gpt, plan_row
+    from ds_megatron.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        SequenceParallelLayerNorm,
+        VocabParallelEmbedding,
+    )
+
+    config = GPTConfig(vocab_size=1001, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    model = GPT(config)
+    assert all(plan_row(name) is not None for name, _ in model.named_parameters())
+    parallelize_gpt(model, ParallelPlan(config, None, 0, 1, True, None))
+    expected = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear, VOCAB: VocabParallelEmbedding}
+    for row in GPT2_PLAN:
+        paths = [row.path] if row.path.startswith("transformer.") else [f"transformer.h.{i}.{row.path}" for i in (0, 1)]
+        for path in paths:
+            module = model.get_submodule(path)
+            if row.style in expected:
+                assert isinstance(module, expected[row.style]), (path, type(module))
+            elif row.style == NORM:  # tp 1: SP is a no-op, the LayerNorm stays as it is
+                assert isinstance(module, torch.nn.LayerNorm) and not isinstance(module, SequenceParallelLayerNorm)
