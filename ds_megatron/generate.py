@@ -1,19 +1,24 @@
-"""L4: greedy continuation through the pipeline engine (the recipe's end-of-training sample).
+"""L4: continuations of a prompt through the pipeline engine (the recipe's end-of-training samples): greedy, and
+sampled from the top k tokens at a temperature.
 
 The pipeline needs fixed shapes (its stage boundary buffers are allocated once), so every step feeds one micro-batch
 of the training shape [b, s]: the
 context left-aligned and padded with EOS, and reads the logits at the last context position.  The last stage
-gathers its TP ranks' vocabulary blocks (padding columns are -inf), takes the argmax, and the token is broadcast to
+gathers its TP ranks' vocabulary blocks (padding columns are -inf), picks the token, and the token is broadcast to
 every rank.  No KV cache: each new token costs one forward of s positions, fine for a sample of a few dozen tokens.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from ds_megatron.tensor_parallel import gather_last_dim
 from ds_megatron.topology import ParallelTopology
+
+STOPS = ("length", "eos", "blank")  # why a continuation ended: its token budget, EOS, a run of whitespace tokens
 
 
 def greedy_continuation(
@@ -26,10 +31,83 @@ def greedy_continuation(
     pad_id: int,
     vocab_size: int,
 ) -> list[int]:
-    """Collective over all ranks: returns the generated token ids (the same list everywhere)."""
+    """Collective over all ranks: returns the generated token ids (the same list everywhere), always ``num_tokens``
+    of them."""
+
+    def pick(full: torch.Tensor) -> int:
+        return int(full.argmax())
+
+    ids, _ = _continue(engine, topology, prompt_ids, num_tokens, seq_length, micro_batch, pad_id, vocab_size, pick)
+    return ids
+
+
+def top_k_pick(logits: torch.Tensor, top_k: int, temperature: float, generator: torch.Generator) -> int:
+    """Sample a token id from the ``top_k`` largest of ``logits`` [V], softened or sharpened by ``temperature``."""
+    values, index = torch.topk(logits.float().cpu(), min(top_k, logits.numel()))
+    probs = torch.softmax(values / temperature, dim=-1)
+    return int(index[torch.multinomial(probs, 1, generator=generator)])
+
+
+def sampled_continuation(
+    engine,
+    topology: ParallelTopology,
+    prompt_ids: list[int],
+    num_tokens: int,
+    seq_length: int,
+    micro_batch: int,
+    pad_id: int,
+    vocab_size: int,
+    top_k: int,
+    temperature: float,
+    seed: int,
+    eos_id: int | None = None,
+    is_blank: Callable[[int], bool] | None = None,
+    max_blank: int = 4,
+) -> tuple[list[int], str]:
+    """Collective over all ranks: top-k / temperature sampling; returns the ids (the same everywhere, EOS included
+    when drawn) and why it stopped (see STOPS): after ``num_tokens``, at ``eos_id``, or after ``max_blank`` tokens in a
+    row that ``is_blank`` (whitespace only; a small model tends to fall into runs of newlines)."""
+    # A generator of its own, seeded from the run's seed: the sample is reproducible and the global RNG state (and so
+    # whatever draws from it after the sample) is untouched.  Only the last stage draws (its TP ranks hold the same
+    # gathered logits and the same generator); the broadcast of one rank's pick makes every rank take the same token.
+    # Vocabulary parallelism: the last position's logits are gathered over TP (one row of V floats, nothing next to
+    # the forward of s positions that produced it), so top-k sees the whole vocabulary at once; a vocab-parallel top-k
+    # (local top-k per rank, then a merge of the t x k candidates) would save that gather and cost a second step.
+    generator = torch.Generator().manual_seed(seed)
+    blank_run = 0
+
+    def stop(token: int) -> str | None:
+        nonlocal blank_run
+        if token == eos_id:
+            return "eos"
+        blank_run = blank_run + 1 if is_blank is not None and is_blank(token) else 0
+        return "blank" if blank_run >= max_blank else None
+
+    def pick(full: torch.Tensor) -> int:
+        return top_k_pick(full, top_k, temperature, generator)
+
+    return _continue(engine, topology, prompt_ids, num_tokens, seq_length, micro_batch, pad_id, vocab_size, pick, stop)
+
+
+def _continue(
+    engine,
+    topology: ParallelTopology,
+    prompt_ids: list[int],
+    num_tokens: int,
+    seq_length: int,
+    micro_batch: int,
+    pad_id: int,
+    vocab_size: int,
+    pick: Callable[[torch.Tensor], int],
+    stop: Callable[[int], str | None] | None = None,
+) -> tuple[list[int], str]:
+    """The decoding loop: ``pick`` maps the full-vocabulary logits [V] of the last position to a token and ``stop``
+    may end the loop after a token; both run on the last stage only, and their results travel with the broadcast, so
+    every rank runs the same number of forwards (a rank that stopped early would leave the others hanging)."""
     ids = list(prompt_ids)[-seq_length:] or [pad_id]
     src = topology.ds_topology.get_rank(pipe=topology.pp - 1, data=0, model=0)
     out: list[int] = []
+    reason = 0
     for _ in range(num_tokens):
         window = ids[-seq_length:]
         n = len(window)
@@ -45,15 +123,20 @@ def greedy_continuation(
             reduce_output=None,
             num_micro_batches=1,
         )
-        token = torch.zeros(1, dtype=torch.long)
+        message = torch.zeros(2, dtype=torch.long)  # [token, index in STOPS + 1 of why to stop, 0 to go on]
         if topology.is_last_stage:
             local = logits[n - 1, 0].float().unsqueeze(0)  # [1, V_pad/t] at the last context position
             full = gather_last_dim(local, topology.tp_group)[0, :vocab_size]
-            token[0] = int(full.argmax())
-        token = token.to(engine.device)
-        dist.broadcast(token, src=src)
-        ids.append(int(token))
-        out.append(int(token))
+            message[0] = int(pick(full))
+            reason = stop(int(message[0])) if stop is not None else None
+            message[1] = STOPS.index(reason) + 1 if reason else 0
+        message = message.to(engine.device)
+        dist.broadcast(message, src=src)
+        token, reason = int(message[0]), int(message[1])
+        ids.append(token)
+        out.append(token)
+        if reason:
+            break
     engine.total_loss = None
     engine.module.train()
-    return out
+    return out, STOPS[reason - 1] if reason else "length"

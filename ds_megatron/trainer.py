@@ -1,8 +1,9 @@
 """L4: the training loop behind ``recipes/train_gpt.py`` (the configuration is already validated).
 
 Reads top to bottom: :meth:`Trainer.setup` builds the engine, the data and the logger and resumes; :meth:`Trainer.fit`
-loops ``step -> log -> maybe eval -> maybe save -> maybe stop``; :meth:`Trainer.finish` evaluates, saves and prints a
-sample.  Exit status: 0 done (or stopped on request), 2 bad data, 3 stopped by the numerical guard.
+loops ``step -> log -> maybe eval -> maybe save -> maybe stop``; :meth:`Trainer.finish` evaluates, saves, prints two
+samples (greedy, top-k) and draws the loss curve.  Exit status: 0 done (or stopped on request), 2 bad data, 3 stopped
+by the numerical guard.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from ds_megatron.config import RunConfig
 from ds_megatron.data import DataError, MicroBatchStream
 from ds_megatron.data.prepare import RunData, prepare_data
 from ds_megatron.engine import Built, build_engine
-from ds_megatron.generate import greedy_continuation
+from ds_megatron.generate import greedy_continuation, sampled_continuation
 from ds_megatron.metrics import MetricsLogger, WandbRun, format_record, lookup_peak_tflops, throughput
+from ds_megatron.plot import read_records, write_loss_plot
 
 EXIT_BAD_DATA = 2
 EXIT_NUMERICS = 3  # stopped by the numerical guard
@@ -267,13 +269,16 @@ class Trainer:
             self.save(step)
         if self.run.section.train.generate_tokens > 0:
             self.sample(step)
+        self.plot()
         self.logger.close()
         dist.barrier()
 
     def sample(self, step: int) -> None:
+        """Two continuations of the prompt, logged in one record: greedy (what transformers' greedy generate gives
+        for the exported model; a small model soon repeats itself) and top-k with temperature (reads more like text)."""
         train, tok = self.run.section.train, self.data.tokenizer
         prompt_ids = tok(train.prompt, add_special_tokens=False)["input_ids"]
-        new = greedy_continuation(
+        args = (
             self.built.engine,
             self.built.topology,
             prompt_ids,
@@ -283,9 +288,51 @@ class Trainer:
             tok.eos_token_id,
             self.run.model.vocab_size,
         )
+
+        def is_blank(token: int) -> bool:
+            return not tok.decode([token]).strip()
+
+        new = greedy_continuation(*args)
+        self.logger.say(f"sample (greedy) | {train.prompt!r} -> {_shown(tok, new, is_blank)}")
+        drawn, why = sampled_continuation(
+            *args,
+            train.sample_top_k,
+            train.sample_temperature,
+            train.seed,
+            eos_id=tok.eos_token_id,
+            is_blank=is_blank,
+        )
+        settings = f"top-k {train.sample_top_k}, temperature {train.sample_temperature:g}"
+        ending = {"eos": " (stopped at EOS)", "blank": " (stopped: whitespace only)"}.get(why, "")
+        self.logger.say(f"sample ({settings}) | {train.prompt!r} -> {_shown(tok, drawn, is_blank)}{ending}")
         record = {"sample_prompt": train.prompt, "sample": tok.decode(new), "sample_ids": new, "prompt_ids": prompt_ids}
-        self.logger.log({"step": step, **record})
-        self.logger.say(f"sample | {train.prompt!r} -> {tok.decode(new)!r}")
+        topk = {"sample_topk": tok.decode(drawn), "sample_topk_ids": drawn, "sample_topk_stop": why}
+        knobs = {"sample_top_k": train.sample_top_k, "sample_temperature": train.sample_temperature}
+        self.logger.log({"step": step, **record, **topk, **knobs})
+
+    def plot(self) -> None:
+        """The logging rank draws ``loss.png`` next to ``metrics.jsonl`` (the logger's file names the run directory),
+        from every record there: a resumed run's picture shows the whole run."""
+        if self.logger.file is None:
+            return
+        metrics = Path(self.logger.file.name)
+        try:
+            path = write_loss_plot(read_records(metrics), metrics.with_name("loss.png"))
+        except Exception as err:  # a picture is not worth failing a finished, saved run, nor hanging the other ranks
+            self.logger.say(f"warning: loss curve not drawn: {type(err).__name__}: {err}")
+            return
+        self.logger.say(f"loss curve | {path} (training loss per logged step, validation loss points)")
+
+
+def _shown(tok, ids: list[int], is_blank) -> str:
+    """The continuation as the console shows it: a trailing run of whitespace tokens (a small model's greedy decoding
+    often ends in newlines) is counted instead of printed; the record keeps the full text."""
+    blank = 0
+    while blank < len(ids) and is_blank(ids[len(ids) - 1 - blank]):
+        blank += 1
+    if blank < 4:
+        return repr(tok.decode(ids))
+    return f"{tok.decode(ids[: len(ids) - blank])!r} + {blank} whitespace tokens"
 
 
 def train(run: RunConfig, config_name: str = "run") -> int:

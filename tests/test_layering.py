@@ -22,6 +22,7 @@ LEVELS = {
     "memory": 3,
     "flops": 3,
     "metrics": 3.2,
+    "plot": 3,
     "data": 3,
     "pipeline": 3.5,
     "checkpoint": 3.7,

@@ -54,6 +54,21 @@ def test_demo_trains_and_reports(demo):
     assert [r["step"] for r in vals] == [20, 40] and all(math.isfinite(r["val_ppl"]) for r in vals)
     assert "validation | loss" in out and "perplexity" in out
     assert any("sample" in r for r in records)
+    # the top-k sample: 6 tokens, or fewer when it drew EOS or ran into whitespace only; its text is its ids
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
+    sample = next(r for r in records if "sample_topk_ids" in r)
+    ids, stop = sample["sample_topk_ids"], sample["sample_topk_stop"]
+    assert (sample["sample_top_k"], sample["sample_temperature"]) == (40, 0.8)
+    assert 1 <= len(ids) <= 6 and (len(ids) == 6 or stop != "length"), sample
+    assert stop != "eos" or ids[-1] == tok.eos_token_id, sample
+    assert stop != "blank" or all(not tok.decode([t]).strip() for t in ids[-4:]), sample
+    assert sample["sample_topk"] == tok.decode(ids) and "sample (top-k 40, temperature 0.8) |" in out
+    assert len(sample["sample_ids"]) == 6  # the greedy continuation keeps its full length
+    # the loss curve: a PNG next to metrics.jsonl, its path printed
+    png = run_dir / "loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"loss curve | {png}" in out
     # the offline wandb run holds the metrics
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(p.suffix == ".wandb" and p.stat().st_size > 0 for p in runs[0].iterdir())

@@ -348,6 +348,14 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
     _positive("ds_megatron.train.train_iters", train.train_iters)
     _positive("ds_megatron.train.log_interval", train.log_interval)
     _positive("ds_megatron.train.eval_iters", train.eval_iters)
+    _positive("ds_megatron.train.sample_top_k", train.sample_top_k)
+    if not (0.0 < train.sample_temperature < float("inf")):
+        raise ConfigError(
+            "ds_megatron.train.sample_temperature",
+            "must be a positive number",
+            f"got {train.sample_temperature!r}",
+            "set e.g. 0.8",
+        )
     if section.data.tokenizer is not None:
         check_tokenizer(section.data.tokenizer, shape.vocab_size)
     if not 0.0 < section.data.valid_fraction < 0.5:

@@ -65,6 +65,8 @@ class TrainSection:
     max_bad_steps: int = 10  # stop (with a checkpoint) after this many non-finite steps in a row
     prompt: str = "The "  # prompt of the greedy continuation printed at the end
     generate_tokens: int = 48  # tokens of that continuation (0: none)
+    sample_top_k: int = 40  # the sampled continuation printed beside it draws from this many most likely tokens
+    sample_temperature: float = 0.8  # that sample divides its logits by this (< 1 sharper, > 1 flatter)
 
 
 @dataclass(frozen=True)
