@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ds_megatron.config import ConfigError, RunConfig, check_tokenizer, effective_tokenizer, resolve
-from ds_megatron.config.facts import deepspeed_wraps_optimizer, saved_layout
+from ds_megatron.config.facts import needs_resharding, precision, saved_layout
 
 # Model shape fields a resumed checkpoint must share with the config.
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length", "max_position_embeddings")
@@ -108,11 +108,11 @@ def check_resume(run: RunConfig, load: Path) -> None:
                 f"{key}={a} in {load}/{tag}, {b} in the config",
                 f"set ds_megatron.model.{key}={a} or start a new run",
             )
-    mixed = deepspeed_wraps_optimizer(old.ds_config) or deepspeed_wraps_optimizer(run.ds_config)
-    if (old.tp, old.pp) != (run.tp, run.pp) and mixed:
+    fp16 = "fp16" in (precision(old.ds_config), precision(run.ds_config))
+    if needs_resharding(old.ds_config, run.ds_config) and fp16:
         raise ConfigError(
             "ds_megatron.checkpoint.load",
-            "a bf16/fp16/ZeRO checkpoint resumes only at the tp x pp it was saved at",
-            f"tp {old.tp} x pp {old.pp} in {load}/{tag}, tp {run.tp} x pp {run.pp} now",
-            f"resume with --tp {old.tp} --pp {old.pp}, or export and restart with --init-from-hf",
+            "an fp16 run resumes only at the tp x pp x dp it was saved at (its loss-scaler state is not resharded)",
+            f"tp {old.tp} x pp {old.pp} x dp {old.dp} in {load}/{tag}, tp {run.tp} x pp {run.pp} x dp {run.dp} now",
+            f"resume with --tp {old.tp} --pp {old.pp} on {old.world_size} processes, or export and --init-from-hf",
         )

@@ -110,7 +110,7 @@ class Trainer:
         data = prepare_data(run, topo.rank, run_dir if topo.rank == 0 else None)
         start_step, wandb_id, skipped = 0, None, 0
         if sec.checkpoint.load:
-            client = load_run(built.engine, sec.checkpoint.load, built.rng, built.plan, topo)
+            client = load_run(built.engine, sec.checkpoint.load, built.rng, built.plan, topo, run.ds_config)
             start_step, wandb_id, skipped = client.get("step", 0), client.get("wandb_run_id"), client.get("skipped", 0)
         log = sec.logging
         wandb_run = None

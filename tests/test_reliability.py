@@ -30,11 +30,11 @@ def cli(args: list[str], world: int = 4) -> subprocess.CompletedProcess:
     )
 
 
-def _fake_checkpoint(root: Path, shape_change: dict | None = None, tp: int = 2, bf16: bool = False) -> Path:
+def _fake_checkpoint(root: Path, shape_change: dict | None = None, tp: int = 2, fp16: bool = False) -> Path:
     """A complete-looking tag (manifest + config) for --load validation."""
     cfg = json.loads(Path(TINY).read_text())
-    if bf16:
-        cfg["bf16"] = {"enabled": True}
+    if fp16:  # fp16 runs resume only at their layout (bf16 and fp32 ones are resharded)
+        cfg["fp16"] = {"enabled": True}
     cfg["ds_megatron"]["model"].update(shape_change or {})
     cfg["ds_megatron"]["parallel"]["tp"] = tp
     tag = root / "step00000002"
@@ -122,7 +122,7 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, name, args, setting
                 ),
             ]
         elif args == "LAYOUT":
-            args = ["--load", str(_fake_checkpoint(tmp_path / "ck", tp=1, bf16=True)), "--tp", "2", "--pp", "2"]
+            args = ["--load", str(_fake_checkpoint(tmp_path / "ck", tp=1, fp16=True)), "--tp", "2", "--pp", "2"]
         proc = cli([*args, "--save", str(save)])
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     lines = proc.stderr.strip().splitlines()

@@ -101,13 +101,13 @@ def iter_full_parameters(ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int
 
 def _stage_holding(masters: MasterWeights, idx: int, key: str, start: int, layer_file: Path) -> int:
     """The pipeline stage (from ``start`` on: layers come in order) whose optimizer files hold layer ``idx``."""
-    for stage in range(start, masters.num_stages):
-        if masters.holds(idx, key, 0, stage):
-            return stage
-    raise ExportError(
-        f"error: --checkpoint: no optimizer file holds the fp32 master of {layer_file.name}; the checkpoint is "
-        "incomplete or was written by another program"
-    )
+    stage = masters.stage_of(idx, key, start)
+    if stage is None:
+        raise ExportError(
+            f"error: --checkpoint: no optimizer file holds the fp32 master of {layer_file.name}; the checkpoint is "
+            "incomplete or was written by another program"
+        )
+    return stage
 
 
 def expected_shape(name: str, gpt: GPTConfig) -> tuple[int, ...]:

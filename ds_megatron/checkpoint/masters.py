@@ -70,20 +70,38 @@ class MasterWeights:
         name = PipelineLayout.local_name(layer_idx, key)
         return mp in self.files and any(name in m for s in self._states(mp) for m in s["param_slice_mappings"])
 
-    def find(self, layer_idx: int, key: str, tp_rank: int, pp_rank: int) -> torch.Tensor | None:
-        """The flat fp32 master of ``key`` in pipeline layer ``layer_idx`` on (pp_rank, tp_rank), or None when
-        that stage does not hold it."""
+    def find(
+        self, layer_idx: int, key: str, tp_rank: int, pp_rank: int, state_key: str | None = None
+    ) -> torch.Tensor | None:
+        """The flat fp32 master of ``key`` in pipeline layer ``layer_idx`` on (pp_rank, tp_rank), or with
+        ``state_key`` its optimizer state (``exp_avg``, ``exp_avg_sq``: the wrapped optimizer holds one flat tensor
+        per group, laid out like the master partition); None when that stage does not hold it."""
         mp = pp_rank * self.tp + tp_rank
         if mp not in self.files:
             return None
         name = PipelineLayout.local_name(layer_idx, key)
         pieces = []
         for state in self._states(mp):
-            for group, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):
+            for g, (group, mapping) in enumerate(
+                zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"])
+            ):
                 if name in mapping:
+                    flat = group if state_key is None else state["base_optimizer_state"]["state"][g][state_key]
                     address = mapping[name]
-                    pieces.append(group.narrow(0, address.start, address.numel))
+                    pieces.append(flat.narrow(0, address.start, address.numel))
         return torch.cat(pieces) if pieces else None  # a copy: nothing stays mapped
+
+    def optimizer_step(self) -> torch.Tensor | None:
+        """Adam's step count (the same for every group and rank), None before the first step."""
+        state = self._states(min(self.files))[0]["base_optimizer_state"]["state"]
+        return state[0]["step"].clone() if 0 in state else None
+
+    def stage_of(self, layer_idx: int, key: str, start: int = 0) -> int | None:
+        """The pipeline stage (from ``start`` on) whose optimizer files hold layer ``layer_idx``."""
+        for stage in range(start, self.num_stages):
+            if self.holds(layer_idx, key, 0, stage):
+                return stage
+        return None
 
     @property
     def num_stages(self) -> int:

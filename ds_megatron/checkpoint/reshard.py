@@ -1,14 +1,21 @@
-"""Resume a checkpoint at another tensor/pipeline layout (weights *and* optimizer state).
+"""Resume a checkpoint at another tensor/pipeline/data-parallel layout (weights *and* optimizer state).
 
 Every save records, per rank, the full GPT name of each parameter in the optimizer's order
-(``params_rank<r>.json``).  To resume at a new (tp, pp), each new rank takes, for every parameter it holds, the old
-TP shards of the weight (from DeepSpeed's per-layer files) and of the Adam moments (from the old ranks'
-``mp_rank_XX_model_states.pt``), merges them with the old shard rule and cuts its own shard with the new one: the same
-one rule per parameter that builds the layers and exports to transformers.  The learning-rate schedule, step
-counters and data position carry over; dropout RNG streams cannot (they depend on the layout).
+(``params_rank<r>.json``).  To resume at a new layout, each new rank takes, for every parameter it holds, the old TP
+shards of the weight and of the Adam moments, merges them with the old shard rule and cuts its own shard with the new
+one: the same one rule per parameter that builds the layers and exports to transformers (the fused QKV split by
+heads, the padded vocabulary rows, replicated parameters kept whole).
 
-Supported: the fp32 path (ds_megatron's AdamW, ZeRO 0), where DeepSpeed keeps the optimizer state per parameter.
-bf16/ZeRO-1 keep flat, DP-partitioned fp32 copies; resuming those at another layout is refused with a clear error.
+Both optimizer paths, in both directions:
+- fp32 (ds_megatron's AdamW, ZeRO 0): weights from DeepSpeed's per-layer files, Adam state per parameter from the
+  old ranks' ``mp_rank_XX_model_states.pt``;
+- bf16 (DeepSpeed's BF16 optimizer, ZeRO-1): the fp32 master weights and both Adam moments from the flat,
+  data-parallel-partitioned optimizer files (``masters.py``), written into the new engine's flat partitions at each
+  parameter's fragment address, with the bf16 model copy set to the master rounded (as the optimizer keeps it).
+
+The learning-rate schedule, step counters and data position carry over; dropout RNG streams cannot (they depend on
+the layout), so with dropout on the losses continue within numerical noise, not bit for bit.  fp16 (its loss-scaler
+state) is refused before launch.
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ds_megatron.checkpoint.manifest import tag_config
+from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import resolve
-from ds_megatron.config.facts import deepspeed_wraps_optimizer, saved_layout
+from ds_megatron.config.facts import precision, saved_layout
 from ds_megatron.model import GPTConfig
 from ds_megatron.parallelize import ParallelPlan, shard_rule
 from ds_megatron.pipeline import PipelineLayout, pipeline_param_name
@@ -49,12 +57,9 @@ def param_names_record(engine, topology) -> dict:
     return {"tp_rank": topology.tp_rank, "pp_rank": topology.pp_rank, "dp_rank": topology.dp_rank, "groups": groups}
 
 
-def _base_optimizer(engine):
-    return engine.optimizer
-
-
 class OldCheckpoint:
-    """Read access to one tag of a checkpoint written at another layout."""
+    """Read access to one tag of a checkpoint written at another layout: full (unsharded) fp32 weights and Adam
+    states by full GPT name."""
 
     def __init__(self, root: Path, tag: str):
         self.root, self.tag = root, tag
@@ -66,6 +71,7 @@ class OldCheckpoint:
         self.gpt = GPTConfig.from_shape(self.run.model)
         self.layout = PipelineLayout(self.gpt.n_layer)
         self.plan = ParallelPlan(self.gpt, None, 0, self.tp, False, None, self.run.section.parallel.vocab_multiple)
+        self.masters = MasterWeights.open(root / tag, self.tp)  # None on the fp32 path
         self.where: dict[str, dict[int, tuple[int, int]]] = {}  # name -> {old tp rank: (mp file index, position)}
         for f in sorted((root / tag).glob("params_rank*.json")):
             rec = json.loads(f.read_text())
@@ -77,6 +83,7 @@ class OldCheckpoint:
                 self.where.setdefault(name, {}).setdefault(rec["tp_rank"], (mp_index, pos))
         self._states: dict[int, dict] = {}
         self._layers: dict[tuple[int, int], dict] = {}
+        self._stages: dict[int, int] = {}
 
     def client(self, mp_index: int = 0) -> dict:
         if mp_index not in self._states:
@@ -84,17 +91,37 @@ class OldCheckpoint:
             self._states[mp_index] = torch.load(f, map_location="cpu", weights_only=False)
         return self._states[mp_index]
 
-    def full_weight(self, name: str) -> torch.Tensor:
+    def _layer_shards(self, name: str) -> list[torch.Tensor]:
+        """This parameter's tensors in the per-layer files, one per old TP rank (the model copy: bf16 under bf16)."""
         idx = self.layout.index_of(name)
-        parts = []
         for r in range(self.tp):
             if (idx, r) not in self._layers:
                 f = self.root / self.tag / f"layer_{idx:02d}-model_{r:02d}-model_states.pt"
                 self._layers[(idx, r)] = torch.load(f, map_location="cpu", weights_only=True)
-            parts.append(self._layers[(idx, r)][self.layout.key_in_layer(name)])
-        return self._merge(name, parts)
+        return [self._layers[(idx, r)][self.layout.key_in_layer(name)] for r in range(self.tp)]
+
+    def _master_shards(self, name: str, state_key: str | None) -> list[torch.Tensor]:
+        idx, key = self.layout.index_of(name), self.layout.key_in_layer(name)
+        if idx not in self._stages:
+            self._stages[idx] = self.masters.stage_of(idx, key)
+        stage = self._stages[idx]
+        shapes = [t.shape for t in self._layer_shards(name)]
+        return [self.masters.find(idx, key, r, stage, state_key).view(shapes[r]) for r in range(self.tp)]
+
+    def full_weight(self, name: str) -> torch.Tensor:
+        """The full fp32 weight: the master under bf16, the per-layer files' tensor on the fp32 path."""
+        if self.masters is not None:
+            return self._merge(name, self._master_shards(name, None))
+        return self._merge(name, self._layer_shards(name))
 
     def full_optimizer_state(self, name: str) -> dict[str, torch.Tensor] | None:
+        """{"step", "exp_avg", "exp_avg_sq"} of the full parameter, or None before the first optimizer step."""
+        if self.masters is not None:
+            step = self.masters.optimizer_step()
+            if step is None:
+                return None
+            moments = {k: self._merge(name, self._master_shards(name, k)) for k in ("exp_avg", "exp_avg_sq")}
+            return {"step": step, **moments}
         where = self.where.get(name)
         if where is None or len(where) != self.tp:
             return None
@@ -113,20 +140,12 @@ class OldCheckpoint:
     def _merge(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
         rule = shard_rule(name, self.plan)
         full = self.gpt.vocab_size if name.endswith("wte.weight") else None
-        return unshard(parts, rule, full)
+        return unshard([p.float() for p in parts], rule, full)
 
 
-@torch.no_grad()
-def load_resharded(engine, plan: ParallelPlan, topology, root: Path, tag: str) -> dict:
-    """Collective.  Fill the engine (weights, AdamW state, LR schedule, counters) from a checkpoint written at
-    another (tp, pp); returns its client state."""
-    old = OldCheckpoint(root, tag)
-    if deepspeed_wraps_optimizer(old.run.ds_config):
-        raise ValueError(
-            f"error: --load: resuming a bf16/ZeRO checkpoint at another layout is not supported (saved at tp "
-            f"{old.tp} x pp {old.pp}); resume at that layout, or export and restart with --init-from-hf"
-        )
-    optimizer = _base_optimizer(engine)
+def _fill_fp32_optimizer(engine, plan: ParallelPlan, old: OldCheckpoint) -> None:
+    """ds_megatron's AdamW: the model's parameters are the optimizer's, with per-parameter state."""
+    optimizer = engine.optimizer
     for local, param in engine.module.named_parameters():
         name = pipeline_param_name(local, engine.module)
         rule = shard_rule(name, plan)
@@ -138,9 +157,56 @@ def load_resharded(engine, plan: ParallelPlan, topology, root: Path, tag: str) -
                 "exp_avg": shard(state["exp_avg"], rule, plan.tp_rank, plan.tp_size),
                 "exp_avg_sq": shard(state["exp_avg_sq"], rule, plan.tp_rank, plan.tp_size),
             }
+
+
+def _fill_partitioned_optimizer(engine, plan: ParallelPlan, old: OldCheckpoint) -> None:
+    """DeepSpeed's BF16 (or ZeRO-1) optimizer: each model parameter owns a fragment (``_hp_mapping``: where it
+    starts in the parameter and in this data-parallel rank's flat fp32 partition) of its group's partition; the Adam
+    moments are flat tensors laid out like the partition.  Every rank also sets its full 16-bit model copy."""
+    optimizer = engine.optimizer
+    names = {id(p): pipeline_param_name(n, engine.module) for n, p in engine.module.named_parameters()}
+    partitions = getattr(optimizer, "fp32_groups_flat_partition", None) or optimizer.single_partition_of_fp32_groups
+    for group, hp in zip(model_param_groups(optimizer), partitions):
+        moments = {k: torch.zeros_like(hp) for k in ("exp_avg", "exp_avg_sq")}
+        step = None
+        for lp in group:
+            name = names[id(lp)]
+            rule = shard_rule(name, plan)
+            weight = shard(old.full_weight(name), rule, plan.tp_rank, plan.tp_size)
+            lp.data.copy_(weight.to(lp.dtype))
+            state = old.full_optimizer_state(name)
+            mapping = getattr(lp, "_hp_mapping", None)
+            if mapping is None:  # no fragment of this parameter lives in this data-parallel rank's partition
+                continue
+            lp_at, hp_at = mapping.lp_fragment_address.start, mapping.hp_fragment_address.start
+            n = mapping.lp_fragment_address.numel
+            hp.data.narrow(0, hp_at, n).copy_(weight.reshape(-1).narrow(0, lp_at, n))
+            if state is not None:
+                step = state["step"]
+                for k, flat in moments.items():
+                    part = shard(state[k], rule, plan.tp_rank, plan.tp_size).reshape(-1)
+                    flat.narrow(0, hp_at, n).copy_(part.narrow(0, lp_at, n))
+        if step is not None:
+            optimizer.optimizer.state[hp] = {"step": step.clone(), **moments}
+    # The optimizer links each fragment to its slice of the moments lazily, at its next step.
+    optimizer._hp_optimizer_states_linked = False
+
+
+@torch.no_grad()
+def load_resharded(engine, plan: ParallelPlan, topology, root: Path, tag: str) -> dict:
+    """Collective.  Fill the engine (weights, fp32 masters, Adam state, LR schedule, counters) from a checkpoint
+    written at another layout; returns its client state."""
+    old = OldCheckpoint(root, tag)
+    if precision(old.run.ds_config) == "fp16":
+        raise ValueError(f"error: --load: {root}/{tag} is fp16; fp16 checkpoints resume only at their own layout")
+    if hasattr(engine.optimizer, "bf16_groups") or hasattr(engine.optimizer, "bit16_groups"):
+        _fill_partitioned_optimizer(engine, plan, old)
+    else:
+        _fill_fp32_optimizer(engine, plan, old)
     client = old.client(0)
     # The current learning rate lives in the optimizer's param groups (the schedule writes it there each step).
-    for group, saved in zip(optimizer.param_groups, client["optimizer"]["param_groups"]):
+    saved_groups = (client.get("optimizer") or {}).get("param_groups") or []
+    for group, saved in zip(engine.optimizer.param_groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
     if engine.lr_scheduler is not None and client.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(client["lr_scheduler"])

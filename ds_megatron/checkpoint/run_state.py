@@ -29,6 +29,7 @@ from ds_megatron.checkpoint.manifest import (
     newest_complete_tag,
     tag_config,
 )
+from ds_megatron.config.facts import needs_resharding, precision, saved_layout
 from ds_megatron.fileio import atomic_write_text, sha256_file
 from ds_megatron.random import RNGTracker
 
@@ -79,9 +80,10 @@ def seal_tag(root: Path, tag: str, step: int, keep_last: int) -> None:
     dist.barrier()
 
 
-def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=None) -> dict:
+def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=None, run_config=None) -> dict:
     """Collective.  Loads the newest complete tag into the engine and this rank's RNG states; returns the client
-    state.  A checkpoint written at another (tp, pp) is resharded (``reshard.py``) when ``plan`` is given."""
+    state.  A checkpoint written at another layout (``facts.needs_resharding`` against ``run_config``, the resolved
+    config of this run) is resharded (``reshard.py``)."""
     root = Path(load_dir)
     tag = newest_complete_tag(root)
     if tag is None:
@@ -94,18 +96,18 @@ def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=
             flush=True,
         )
     saved = tag_config(root, tag)
-    if plan is not None and saved is not None:
-        par = saved["ds_megatron"].get("parallel", {})
-        if (par.get("tp", 1), par.get("pp", 1)) != (topology.tp, topology.pp):
-            from ds_megatron.checkpoint.reshard import load_resharded
+    if plan is not None and saved is not None and run_config is not None and needs_resharding(saved, run_config):
+        from ds_megatron.checkpoint.reshard import load_resharded
 
-            if dist.get_rank() == 0:
-                print(
-                    f"resharding {root}/{tag} from tp {par.get('tp', 1)} x pp {par.get('pp', 1)} "
-                    f"to tp {topology.tp} x pp {topology.pp}",
-                    flush=True,
-                )
-            return load_resharded(engine, plan, topology, root, tag)
+        tp, pp, dp = saved_layout(saved)
+        if dist.get_rank() == 0:
+            print(
+                f"resharding {root}/{tag} from tp {tp} x pp {pp} x dp {dp} to tp {topology.tp} x pp {topology.pp} "
+                f"x dp {topology.dp}: weights, {precision(saved)} optimizer state, schedule and data position carry "
+                "over; dropout RNG streams start afresh (they depend on the layout)",
+                flush=True,
+            )
+        return load_resharded(engine, plan, topology, root, tag)
     path, client_state = engine.load_checkpoint(str(root), tag=tag)
     if path is None:
         raise FileNotFoundError(f"error: --load: checkpoint {root}/{tag} could not be loaded; check the directory")

@@ -33,3 +33,12 @@ def saved_layout(ds_config: dict) -> tuple[int, int, int]:
     )
     dp = glob // (micro * gas) if micro and gas and glob else 1
     return tp, pp, dp
+
+
+def needs_resharding(saved: dict, now: dict) -> bool:
+    """Whether a checkpoint saved with config ``saved`` must be resharded to resume with config ``now``: another
+    tp or pp always; another dp too when either run partitions its optimizer state over data parallelism (bf16,
+    fp16 or ZeRO: the flat partitions are cut per dp rank)."""
+    (tp0, pp0, dp0), (tp1, pp1, dp1) = saved_layout(saved), saved_layout(now)
+    partitioned = deepspeed_wraps_optimizer(saved) or deepspeed_wraps_optimizer(now)
+    return (tp0, pp0) != (tp1, pp1) or (partitioned and dp0 != dp1)

@@ -393,6 +393,10 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         raise ConfigError("optimizer.params.lr", "must be a positive number", f"got {lr!r}", "set e.g. 6e-4")
     warmup_cosine_from(ds_config)  # validates the scheduler section ds_megatron implements
     micro, gas, glob = resolve_batch(ds_config, dp)
+    # The resolved batch arithmetic is written back, so the config saved with a checkpoint states its layout
+    # (``facts.saved_layout`` reads dp from it) even when the file gave only two of the three numbers.
+    batch = {"train_batch_size": glob, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
+    ds_config = {**ds_config, **batch}
     return RunConfig(
         section=section,
         model=shape,
