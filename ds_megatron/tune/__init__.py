@@ -1,22 +1,26 @@
-"""L3: the hyperparameter tool.  Finds the fastest (tp, pp, dp, sp, micro-batch, recompute, ZeRO) for a GPT on a
-cluster from analytic memory and time models; no torch, no deepspeed, no GPU.
+"""L3: the hyperparameter tool.  Finds the fastest (tp, pp, dp, sp, micro-batch, recompute, attention kernel, ZeRO)
+for a GPT on a cluster from analytic memory and time models; no torch, no deepspeed, no GPU.
 
-    python -m ds_megatron.tune --model gpt3-175b --global-batch-size 1536 --gpus 1024
+    python -m ds_megatron.tune --model gpt3-175b --global-batch-size 1536 --gpus 1024 --gpu h100-sxm
 
 See docs/tuner.md for the models, their assumptions and a worked example.
 """
 
+from ds_megatron.tune.calibration import Calibration, Measurement, calibrate, fit_time_model
+from ds_megatron.tune.gpus import GPUS, GpuPreset
 from ds_megatron.tune.memory_model import StageMemory, stage_memory, stage_param_counts, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult, common_configuration, evaluate, search
 from ds_megatron.tune.space import Rejection, enumerate_candidates
-from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, Pins, build_model_spec
-from ds_megatron.tune.time_model import Calibration, Measurement, StepTime, calibrate, fit_time_model, step_time
+from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, Pins, build_cluster, build_model_spec
+from ds_megatron.tune.time_model import StepTime, step_time
 
 __all__ = [
     "Calibration",
     "Candidate",
     "Cluster",
     "Evaluation",
+    "GPUS",
+    "GpuPreset",
     "Measurement",
     "ModelSpec",
     "Pins",
@@ -24,6 +28,7 @@ __all__ = [
     "SearchResult",
     "StageMemory",
     "StepTime",
+    "build_cluster",
     "build_model_spec",
     "calibrate",
     "common_configuration",

@@ -1,7 +1,10 @@
 """``python -m ds_megatron.tune``: rank training configurations for a GPT on a cluster (analytic; seconds, no GPU).
 
     python -m ds_megatron.tune --model gpt3-175b --seq-length 2048 --global-batch-size 1536 \\
-        --gpus 1024 --gpus-per-node 8 --gpu-memory-gb 80 --gpu-peak-tflops 312 [--json OUT] [--write-config PATH]
+        --gpus 1024 --gpus-per-node 8 --gpu a100-80gb [--gpu-memory-gb 80 ...] [--json OUT] [--write-config PATH]
+
+``--gpu`` sets the memory, peak, HBM, NVLink and network figures from ds_megatron/tune/gpus.py; each explicit flag
+overrides its figure.
 
 With ``--empirical --max-minutes M`` it then trains the top candidates for a few steps on this machine, refits the
 time model to the measurements and ranks again (ds_megatron/tune/empirical.py).
@@ -12,6 +15,7 @@ Exit status: 0 with a winner, 1 when nothing fits (the reasons are printed), 2 o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -19,20 +23,33 @@ from typing import NoReturn
 
 from ds_megatron.config import ConfigError
 from ds_megatron.config.sizes import all_size_names
-from ds_megatron.tune.empirical import DEVICES, EmpiricalOptions, EmpiricalResult, run_empirical, validate_options
+from ds_megatron.tune.empirical import (
+    DEVICES,
+    EmpiricalOptions,
+    EmpiricalResult,
+    resolve_device,
+    run_empirical,
+    validate_options,
+)
 from ds_megatron.tune.empirical_report import format_empirical
+from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 from ds_megatron.tune.report import format_report, to_json, write_config
 from ds_megatron.tune.search import search
 from ds_megatron.tune.spec import (
+    ATTENTION_CHOICES,
     DEFAULT_EFFICIENCY,
     INTER_NODE_LATENCY_S,
     INTRA_NODE_LATENCY_S,
     RECOMPUTE_CHOICES,
-    Cluster,
     Pins,
+    build_cluster,
     build_model_spec,
 )
 
+CPU_KERNEL_NOTE = (
+    "empirical on CPU: attention pinned to eager (with dropout on, torch's CPU sdpa falls back to its math path, the "
+    "eager kernel's work; pass --attention sdpa to rank sdpa instead)"
+)
 EXIT_NO_FIT = 1
 EXIT_CONFIG_ERROR = 2
 
@@ -47,7 +64,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m ds_megatron.tune",
-        description="Find the fastest TP/PP/DP/SP/micro-batch/recompute/ZeRO configuration for a GPT, analytically.",
+        description="Find the fastest TP/PP/DP/SP/micro-batch/recompute/attention/ZeRO configuration for a GPT, "
+        "analytically.",
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", help=f"named size: {', '.join(all_size_names())}")
@@ -60,10 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("cluster")
     g.add_argument("--gpus", type=int, required=True, help="total GPUs")
     g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    g.add_argument("--gpu-memory-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
-    g.add_argument("--gpu-peak-tflops", type=float, default=312.0, help="bf16 dense peak per GPU (default 312, A100)")
-    g.add_argument("--intra-node-gbps", type=float, default=300.0, help="NVLink GB/s per GPU, one way (default 300)")
-    g.add_argument("--inter-node-gbps", type=float, default=25.0, help="network GB/s per GPU (default 25)")
+    g.add_argument(
+        "--gpu",
+        choices=list(GPUS),
+        help=f"GPU preset: memory, peak, HBM, NVLink and network figures (default: {DEFAULT_GPU}'s figures); the "
+        "flags below override it",
+    )
+    g.add_argument("--gpu-memory-gb", type=float, help="memory per GPU in GiB (A100-80GB: 80)")
+    g.add_argument("--gpu-peak-tflops", type=float, help="dense bf16 peak per GPU (A100: 312)")
+    g.add_argument("--memory-gbps", type=float, help="HBM bandwidth per GPU in GB/s (A100-80GB: 2039)")
+    g.add_argument("--intra-node-gbps", type=float, help="NVLink GB/s per GPU, one way (A100: 300)")
+    g.add_argument("--inter-node-gbps", type=float, help="network GB/s per GPU, one way (200 Gb/s HDR: 25)")
     g.add_argument(
         "--efficiency",
         type=float,
@@ -95,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, help="micro-batch size b")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None, help="SP on or off")
     g.add_argument("--recompute", choices=RECOMPUTE_CHOICES, help="recompute policy")
+    g.add_argument("--attention", choices=ATTENTION_CHOICES, help="attention kernel (sdpa never with selective)")
     g.add_argument("--zero", type=int, choices=(0, 1), help="ZeRO stage")
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
@@ -125,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.empirical and args.max_minutes is None:
             raise ConfigError("--max-minutes", "required with --empirical", "not set", "pass e.g. --max-minutes 10")
         model = build_model_spec(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length)
-        cluster = Cluster(
-            num_gpus=args.gpus,
-            gpus_per_node=args.gpus_per_node,
+        cluster = build_cluster(
+            args.gpu,
+            args.gpus,
+            args.gpus_per_node,
             gpu_memory_gb=args.gpu_memory_gb,
             peak_tflops=args.gpu_peak_tflops,
+            memory_gbps=args.memory_gbps,
             intra_node_gbps=args.intra_node_gbps,
             inter_node_gbps=args.inter_node_gbps,
             efficiency=args.efficiency,
@@ -145,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
             sequence_parallel=args.sequence_parallel,
             recompute=args.recompute,
             zero=args.zero,
+            attention=args.attention,
         )
         result = search(model, cluster, args.global_batch_size, pins)
-        options = None
+        options, cpu_note = None, ""
         if args.empirical:
             options = EmpiricalOptions(
                 max_minutes=args.max_minutes,
@@ -159,10 +188,18 @@ def main(argv: list[str] | None = None) -> int:
                 extra_sets=tuple(args.empirical_set),
             )
             validate_options(result, options)
+            options = dataclasses.replace(options, device=resolve_device(options.device, cluster.num_gpus))
+            if options.device == "cpu" and pins.attention is None:
+                # With dropout on, torch's CPU sdpa runs its math path: the eager kernel's work and memory.  The CPU
+                # runs cannot tell the kernels apart, so rank (and measure) eager, which also allows selective.
+                result = search(model, cluster, args.global_batch_size, dataclasses.replace(pins, attention="eager"))
+                cpu_note = CPU_KERNEL_NOTE
     except ConfigError as err:
         print(str(err), file=sys.stderr)
         return EXIT_CONFIG_ERROR
     print(format_report(result, top=max(1, args.top)), flush=True)
+    if cpu_note:
+        print(cpu_note)
     emp: EmpiricalResult | None = None
     if options is not None and result.winner is None:
         print("empirical: skipped, no candidate fits")

@@ -6,7 +6,7 @@
    gets a timeout derived from what is left of the budget (:func:`plan_timeout`); a run that crashes, runs out of
    memory or times out is recorded with its reason and the next one starts; candidates that no longer fit in the
    budget are listed as not run.
-2. The time model is refitted to the measured step times (``time_model.fit_time_model``: the efficiency, and on CPU
+2. The time model is refitted to the measured step times (``calibration.fit_time_model``: the efficiency, and on CPU
    also the latency of a collective and a fixed per-step overhead when they clearly help) and every analytic
    candidate is ranked again with it.
 3. The final ranking uses the measured step time for each measured candidate and the recalibrated prediction for
@@ -18,6 +18,8 @@ Standard library only (``--device auto`` asks torch about GPUs in a subprocess).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import statistics
@@ -29,9 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_megatron.config import ConfigError
+from ds_megatron.tune.calibration import Calibration, Measurement, fit_time_model
 from ds_megatron.tune.probe import FAIL_ENV, ProbeResult, ProbeSettings, probe
 from ds_megatron.tune.search import Evaluation, SearchResult, search
-from ds_megatron.tune.time_model import FIT_TERMS, Calibration, Measurement, fit_time_model
+from ds_megatron.tune.time_model import FIT_TERMS
 
 REPORT_RESERVE_S = 5.0  # kept back from the budget for the recalibrated search and the report
 MIN_LAUNCH_S = 10.0  # no launch finishes faster (launcher, imports, process group, data): do not start one
@@ -210,6 +213,7 @@ def plan_timeout(remaining_s: float, left: int, durations: list[float]) -> float
     return min(remaining_s, max(remaining_s / max(left, 1), floor))
 
 
+@functools.cache  # asked once per process: the command line resolves it before the search, run_empirical again
 def resolve_device(device: str, num_gpus: int) -> str:
     """``auto`` becomes ``gpu`` when torch sees a CUDA device, else ``cpu``; a GPU run needs enough devices.
 
@@ -260,6 +264,23 @@ def validate_options(result: SearchResult, options: EmpiricalOptions) -> None:
             raise ConfigError("--empirical-set", "expected KEY=VALUE", repr(item), "e.g. ds_megatron.data.path=x.txt")
 
 
+def top_candidates(ranked: list[Evaluation], top: int, device: str) -> list[Evaluation]:
+    """The first ``top`` of the analytic ranking.  On CPU, one attention kernel per configuration: there the runs keep
+    dropout on, and torch's CPU sdpa then falls back to its math path, which computes and stores what the eager
+    kernel does, so the second kernel of a configuration would measure the same thing again."""
+    if device != "cpu":
+        return ranked[:top]
+    picked, seen = [], set()
+    for e in ranked:
+        twin = dataclasses.replace(e.candidate, attention="eager")
+        if twin not in seen:
+            seen.add(twin)
+            picked.append(e)
+        if len(picked) == top:
+            break
+    return picked
+
+
 def run_empirical(
     result: SearchResult,
     options: EmpiricalOptions,
@@ -277,7 +298,7 @@ def run_empirical(
     cache = Path(sets.pop("ds_megatron.data.cache_dir", ".cache/ds_megatron")).resolve()  # the recipe's default
     extra = tuple(f"{k}={v}" for k, v in sets.items())
     settings = ProbeSettings(result.cluster.num_gpus, device, options.warmup, options.steps, work_dir, cache, extra)
-    picked = chosen if chosen is not None else result.ranked[: options.top]
+    picked = chosen if chosen is not None else top_candidates(result.ranked, options.top, device)
     rank = {e.candidate: i + 1 for i, e in enumerate(result.ranked)}
     runs = [ProbeRun(i + 1, rank[e.candidate], e, e.time.step_s) for i, e in enumerate(picked)]
     procs = result.cluster.num_gpus
@@ -363,5 +384,5 @@ def _short(e: Evaluation) -> str:
     c = e.candidate
     return (
         f"tp {c.tp}, pp {c.pp}, dp {c.dp}, SP {'on' if c.sequence_parallel else 'off'}, "
-        f"b {c.micro_batch_size} x {c.num_micro_batches}, {c.recompute_label()}"
+        f"b {c.micro_batch_size} x {c.num_micro_batches}, {c.recompute_label()}, {c.attention}"
     )

@@ -16,6 +16,7 @@ EMPIRICAL_COLUMNS = (
     ("sp", 3),
     ("b", 3),
     ("m", 4),
+    ("attn", 5),
     ("recompute", 17),
     ("status", 13),
     ("predicted s", 11),
@@ -32,11 +33,14 @@ FINAL_COLUMNS = (
     ("sp", 3),
     ("b", 3),
     ("m", 4),
+    ("attn", 5),
     ("recompute", 17),
     ("step s", 8),
     ("tokens/s", 10),
     ("source", 9),
 )
+EMPIRICAL_LEFT = {8, 9, 10}  # attn, recompute, status: text columns, left-aligned
+FINAL_LEFT = {7, 8, 11}  # attn, recompute, source
 
 
 def _table_line(cells: tuple[str, ...] | list[str], columns: tuple[tuple[str, int], ...], left: set[int]) -> str:
@@ -47,7 +51,8 @@ def _table_line(cells: tuple[str, ...] | list[str], columns: tuple[tuple[str, in
 def _layout_cells(e: Evaluation) -> list[str]:
     c = e.candidate
     sp = "on" if c.sequence_parallel else "off"
-    return [str(c.tp), str(c.pp), str(c.dp), sp, str(c.micro_batch_size), str(c.num_micro_batches), c.recompute_label()]
+    cells = [str(c.tp), str(c.pp), str(c.dp), sp, str(c.micro_batch_size), str(c.num_micro_batches)]
+    return cells + [c.attention, c.recompute_label()]
 
 
 def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: int, top: int = 10) -> str:
@@ -58,7 +63,7 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
         "",
         f"empirical: {len(emp.runs)} candidate(s) on {emp.processes} {kind}; {o.warmup} warm-up + {o.steps} measured "
         f"steps each; {emp.elapsed_s / 60:.1f} of {o.max_minutes:g} min used",
-        _table_line([n for n, _ in EMPIRICAL_COLUMNS], EMPIRICAL_COLUMNS, {8, 9}),
+        _table_line([n for n, _ in EMPIRICAL_COLUMNS], EMPIRICAL_COLUMNS, EMPIRICAL_LEFT),
     ]
     reasons = []
     for r in emp.runs:
@@ -68,7 +73,7 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
         cells = [str(r.index), str(r.rank), *_layout_cells(r.evaluation), r.status, seconds_text(r.predicted_s)]
         cells += [seconds_text(cal) if cal is not None else "-", seconds_text(m) if m is not None else "-", error]
         cells.append(f"{peak:.2f} GB" if peak is not None else "-")
-        lines.append(_table_line(cells, EMPIRICAL_COLUMNS, {8, 9}))
+        lines.append(_table_line(cells, EMPIRICAL_COLUMNS, EMPIRICAL_LEFT))
         if r.outcome is not None and r.outcome.reason:
             reasons.append(f"  #{r.index} {r.status}: {r.outcome.reason}")
     lines += reasons
@@ -111,12 +116,12 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
         return "\n".join(lines)
     lines += [
         "final ranking (measured step time where measured, else the calibrated prediction; failed runs left out):",
-        _table_line([n for n, _ in FINAL_COLUMNS], FINAL_COLUMNS, {7, 10}),
+        _table_line([n for n, _ in FINAL_COLUMNS], FINAL_COLUMNS, FINAL_LEFT),
     ]
     for i, f in enumerate(emp.final[:top]):
         cells = [str(i + 1), *_layout_cells(f.evaluation), seconds_text(f.step_s)]
         cells += [f"{global_batch_size * seq_length / f.step_s:,.0f}", f.source]
-        lines.append(_table_line(cells, FINAL_COLUMNS, {7, 10}))
+        lines.append(_table_line(cells, FINAL_COLUMNS, FINAL_LEFT))
     w = emp.final[0]
     lines.append(f"final winner ({w.source}): {_describe_final(w, global_batch_size, seq_length)}")
     if w.source == "predicted":
@@ -131,6 +136,7 @@ def _describe_final(f: FinalEntry, global_batch_size: int, seq_length: int) -> s
     c = f.evaluation.candidate
     return (
         f"tp {c.tp}, pp {c.pp}, dp {c.dp}, SP {'on' if c.sequence_parallel else 'off'}, micro-batch "
-        f"{c.micro_batch_size} x {c.num_micro_batches}, recompute {c.recompute_label()}, ZeRO-{c.zero}: "
+        f"{c.micro_batch_size} x {c.num_micro_batches}, recompute {c.recompute_label()}, attention {c.attention}, "
+        f"ZeRO-{c.zero}: "
         f"{seconds_text(f.step_s)} s/step, {global_batch_size * seq_length / f.step_s:,.0f} tokens/s"
     )

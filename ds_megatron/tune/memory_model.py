@@ -5,7 +5,9 @@ Model states (mixed-precision Adam as DeepSpeed's BF16 optimizer keeps them: 2 b
 bf16 weights 2 bytes, bf16 gradients 2 + their fp32 accumulation copy 4, fp32 master weights 4 + Adam m and v 8;
 ZeRO-1 shards the last 12 over the data-parallel group.
 
-Activations (Korthikanti et al. 2022, sec. 4): per layer from :func:`ds_megatron.memory.activation_bytes_per_layer`;
+Activations (Korthikanti et al. 2022, sec. 4): per layer from :func:`ds_megatron.memory.activation_bytes_per_layer`
+with the candidate's attention kernel (eager: the paper's s^2 terms; sdpa: the fused GPU kernels' fp32 log-sum-exp
+instead);
 under the 1F1B schedule the first stage keeps min(p, m) micro-batches in flight (L layers' worth when m >= p) and the
 last stage one (sec. 4.2.3).  The first stage adds the embedding dropout mask, the last stage the final LayerNorm
 input, the output-layer input and the logits (bf16, plus the fp32 copy the loss works on) (sec. 4.3).
@@ -119,7 +121,7 @@ def layer_activation_bytes(
 ) -> float:
     """One block's activations for one micro-batch, per TP rank (sec. 4.1-4.2; Table 2 of the paper, 2-byte
     activations and 1-byte masks by default): ``recompute`` "none" or "selective" keeps that policy's tensors,
-    "full" only the block input."""
+    "full" only the block input; the attention kernel is the candidate's (sdpa: CUDA's fused kernels)."""
     return activation_bytes_per_layer(
         model.seq_length,
         cand.micro_batch_size,
@@ -130,6 +132,7 @@ def layer_activation_bytes(
         recompute,
         act_bytes,
         mask_bytes,
+        attention=cand.attention,
     )
 
 
@@ -150,7 +153,7 @@ def stored_activation_bytes(model: ModelSpec, cand: Candidate, num_blocks: int) 
 
 def recompute_transient_bytes(model: ModelSpec, cand: Candidate, num_blocks: int) -> float:
     """Activations re-created for one micro-batch while its backward runs: one block's s x s core (selective),
-    one block (full, block method) or one chunk of k blocks (full, uniform)."""
+    one block (full, block method) or one chunk of k blocks (full, uniform).  Selective is eager-only."""
     whole = layer_activation_bytes(model, cand, "none")
     if cand.recompute == "selective":
         return whole - layer_activation_bytes(model, cand, "selective")

@@ -74,10 +74,12 @@ class ProbeResult:
 
 
 def run_slug(index: int, e: Evaluation) -> str:
-    """A directory name for a candidate: ``03-tp2-pp2-dp1-sp-b4-selective``."""
+    """A directory name for a candidate: ``03-tp2-pp2-dp1-sp-b4-selective`` (``-sdpa`` with that kernel)."""
     c = e.candidate
     sp = "-sp" if c.sequence_parallel else ""
-    return f"{index:02d}-tp{c.tp}-pp{c.pp}-dp{c.dp}{sp}-b{c.micro_batch_size}-{c.recompute_label().replace('/', '-')}"
+    kernel = "-sdpa" if c.attention == "sdpa" else ""
+    label = c.recompute_label().replace("/", "-")
+    return f"{index:02d}-tp{c.tp}-pp{c.pp}-dp{c.dp}{sp}-b{c.micro_batch_size}-{label}{kernel}"
 
 
 def probe_config(result: SearchResult, e: Evaluation, settings: ProbeSettings, run_dir: Path) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ds_megatron.tune import memory_model, time_model
@@ -18,6 +19,7 @@ COLUMNS = (
     ("sp", 3),
     ("b", 3),
     ("m", 5),
+    ("attn", 5),
     ("recompute", 17),
     ("zero", 4),
     ("mem first", 10),
@@ -27,6 +29,7 @@ COLUMNS = (
     ("MFU", 6),
     ("HFU", 6),
 )
+LEFT = {7, 8}  # the attention and recompute columns are text, left-aligned
 MAX_REJECTIONS_SHOWN = 8
 NEAR_TIE = 0.01  # candidates this close to the winner's step time are within the time model's error of it
 
@@ -41,6 +44,7 @@ def _row(rank: int, e: Evaluation) -> str:
         "on" if c.sequence_parallel else "off",
         str(c.micro_batch_size),
         str(c.num_micro_batches),
+        c.attention,
         c.recompute_label(),
         str(c.zero),
         f"{e.first.required_bytes / GIB:.1f} GiB",
@@ -50,9 +54,11 @@ def _row(rank: int, e: Evaluation) -> str:
         f"{t.mfu:.1%}",
         f"{t.hfu:.1%}",
     )
-    return "  ".join(
-        cell.rjust(width) if i != 7 else cell.ljust(width) for i, (cell, (_, width)) in enumerate(zip(cells, COLUMNS))
-    )
+    return _aligned(cells)
+
+
+def _aligned(cells: tuple[str, ...] | list[str]) -> str:
+    return "  ".join(c.ljust(w) if i in LEFT else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS)))
 
 
 def describe(e: Evaluation) -> str:
@@ -60,7 +66,8 @@ def describe(e: Evaluation) -> str:
     c, t = e.candidate, e.time
     return (
         f"tp {c.tp}, pp {c.pp}, dp {c.dp}, SP {'on' if c.sequence_parallel else 'off'}, "
-        f"micro-batch {c.micro_batch_size} x {c.num_micro_batches}, recompute {c.recompute_label()}, ZeRO-{c.zero}: "
+        f"micro-batch {c.micro_batch_size} x {c.num_micro_batches}, recompute {c.recompute_label()}, "
+        f"attention {c.attention}, ZeRO-{c.zero}: "
         f"{seconds_text(t.step_s)} s/step, "
         f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, HFU {t.hfu:.1%}"
     )
@@ -73,8 +80,10 @@ def format_report(result: SearchResult, top: int = 10) -> str:
     lines = [
         f"model: {m.size or 'custom'} (L {m.num_layers}, h {m.hidden_size}, a {m.num_heads}, V {m.vocab_size}, "
         f"s {m.seq_length}; {_count(total_param_count(m))} parameters), global batch {result.global_batch_size}",
-        f"cluster: {cl.num_gpus} GPUs ({nodes} node(s) x {min(cl.gpus_per_node, cl.num_gpus)}), "
-        f"{cl.gpu_memory_gb:g} GiB, {cl.peak_tflops:g} TFLOP/s peak, efficiency {efficiency_text(cl.efficiency)}"
+        f"cluster: {cl.num_gpus} {'x ' + cl.gpu if cl.gpu else 'GPUs'} "
+        f"({nodes} node(s) x {min(cl.gpus_per_node, cl.num_gpus)}), "
+        f"{cl.gpu_memory_gb:g} GiB, {cl.peak_tflops:g} TFLOP/s peak, HBM {cl.memory_gbps:g} GB/s, "
+        f"efficiency {efficiency_text(cl.efficiency)}"
         f"{f', overhead {seconds_text(cl.step_overhead_s)} s/step' if cl.step_overhead_s else ''}, "
         f"intra-node {cl.intra_node_gbps:g} GB/s, inter-node {cl.inter_node_gbps:g} GB/s per GPU{_latencies(cl)}",
         f"searched {len(result.evaluations)} candidates in {result.elapsed_s:.2f} s: {len(result.ranked)} fit, "
@@ -85,19 +94,23 @@ def format_report(result: SearchResult, top: int = 10) -> str:
     if winner is None:
         lines += _no_fit_lines(result)
     else:
-        lines.append("  ".join(name.rjust(w) if i != 7 else name.ljust(w) for i, (name, w) in enumerate(COLUMNS)))
+        lines.append(_aligned([name for name, _ in COLUMNS]))
         lines += [_row(i + 1, e) for i, e in enumerate(result.ranked[:top])]
         t = winner.time
         lines += [
             "",
             f"winner: {describe(winner)}",
             f"  step {seconds_text(t.step_s)} s = compute {seconds_text(t.compute_s)} + "
-            f"TP comm {seconds_text(t.tp_comm_s)} + "
+            + (f"eager score passes {seconds_text(t.attention_s)} + " if t.attention_s else "")
+            + f"TP comm {seconds_text(t.tp_comm_s)} + "
             f"pipeline p2p {seconds_text(t.p2p_s)} (bubble {seconds_text(t.bubble_s)} of these) + DP comm "
             f"{seconds_text(t.dp_comm_s)}"
             + (f" + fixed overhead {seconds_text(t.overhead_s)}" if t.overhead_s else ""),
             f"  memory per GPU: first stage {_memory(winner, 'first')}; last stage {_memory(winner, 'last')}",
         ]
+        if len(result.ranked) > 1:
+            lines += why_ahead(winner, result.ranked[1], 1, 2)
+        lines += _kernel_note(result)
         close = [e for e in result.ranked if e.time.step_s <= winner.time.step_s * (1 + NEAR_TIE)]
         leanest = min(close, key=lambda e: e.required_bytes)
         if leanest is not winner and leanest.required_bytes < 0.8 * winner.required_bytes:
@@ -117,9 +130,85 @@ def format_report(result: SearchResult, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+SETTINGS = (  # (label, how to read it off a candidate) for the comparison of two candidates
+    ("tp", lambda c: c.tp),
+    ("pp", lambda c: c.pp),
+    ("dp", lambda c: c.dp),
+    ("SP", lambda c: "on" if c.sequence_parallel else "off"),
+    ("micro-batch", lambda c: c.micro_batch_size),
+    ("recompute", lambda c: c.recompute_label()),
+    ("attention", lambda c: c.attention),
+    ("ZeRO", lambda c: c.zero),
+)
+TIME_PARTS = (
+    ("compute", "compute_s"),
+    ("eager score passes", "attention_s"),
+    ("TP comm", "tp_comm_s"),
+    ("pipeline p2p", "p2p_s"),
+    ("DP comm", "dp_comm_s"),
+    ("bubble (part of the above)", "bubble_s"),
+)
+PART_SHOWN = 0.001  # time parts that differ by less than this fraction of the step are left out of the comparison
+
+
+def why_ahead(a: Evaluation, b: Evaluation, rank_a: int, rank_b: int) -> list[str]:
+    """Two lines on why ``a`` ranks ahead of ``b``: the settings that differ, then the time parts and memory they
+    change."""
+    ca, cb = a.candidate, b.candidate
+    differs = [f"{label} {get(ca)} instead of {get(cb)}" for label, get in SETTINGS if get(ca) != get(cb)]
+    ta, tb = a.time, b.time
+    gap = tb.step_s - ta.step_s
+    parts = [
+        f"{name} {seconds_text(getattr(ta, field))} vs {seconds_text(getattr(tb, field))}"
+        for name, field in TIME_PARTS
+        if abs(getattr(ta, field) - getattr(tb, field)) > PART_SHOWN * tb.step_s
+    ]
+    verdict = f"{gap / tb.step_s:.1%} faster" if gap > 0 else "as fast (ranked ahead on memory)"
+    return [
+        f"why rank {rank_a} is ahead of rank {rank_b} (which differs in: {'; '.join(differs) or 'nothing'}):",
+        f"  time: {seconds_text(ta.step_s)} vs {seconds_text(tb.step_s)} s/step, {verdict}"
+        + (f"; {', '.join(parts)}" if parts else ""),
+        f"  memory per GPU: first stage {a.first.required_bytes / GIB:.1f} vs {b.first.required_bytes / GIB:.1f} GiB "
+        f"(activations {a.first.activation_bytes / GIB:.1f} vs {b.first.activation_bytes / GIB:.1f}), last stage "
+        f"{a.last.required_bytes / GIB:.1f} vs {b.last.required_bytes / GIB:.1f} GiB",
+    ]
+
+
+def _kernel_note(result: SearchResult) -> list[str]:
+    """What the kernel is worth: with an sdpa winner, the best eager candidate; else why the winner is not sdpa."""
+    winner = result.winner
+    if winner is None:
+        return []
+    if winner.candidate.attention == "sdpa":
+        eager = next((e for e in result.ranked if e.candidate.attention == "eager"), None)
+        if eager is None:
+            return []
+        t = eager.time
+        return [
+            f"best eager-attention candidate: rank {result.ranked.index(eager) + 1}, {seconds_text(t.step_s)} s/step "
+            f"({t.step_s / winner.time.step_s - 1:.1%} slower; its score passes {seconds_text(t.attention_s)} s), "
+            f"{eager.required_bytes / GIB:.1f} GiB on the first stage (activations "
+            f"{eager.first.activation_bytes / GIB:.1f} GiB against the winner's "
+            f"{winner.first.activation_bytes / GIB:.1f})"
+        ]
+    if result.pins.attention == "eager":
+        return ["  the winner uses eager attention because attention was pinned to eager"]
+    if result.pins.recompute == "selective":
+        return ["  the winner uses eager attention because --recompute selective was pinned (sdpa has no selective)"]
+    sdpa = [e for e in result.ranked if e.candidate.attention == "sdpa"]
+    if not sdpa:
+        return ["  the winner uses eager attention because no sdpa candidate fits"]
+    rank = result.ranked.index(sdpa[0]) + 1
+    return ["  the winner uses eager attention; against the best sdpa candidate:"] + [
+        "  " + line for line in why_ahead(winner, sdpa[0], 1, rank)
+    ]
+
+
 def _latencies(cl: Cluster) -> str:
     """The collective latencies, when they are not the defaults (e.g. fitted by --empirical)."""
-    if (cl.intra_node_latency_s, cl.inter_node_latency_s) == (INTRA_NODE_LATENCY_S, INTER_NODE_LATENCY_S):
+    if math.isclose(cl.intra_node_latency_s, INTRA_NODE_LATENCY_S) and math.isclose(
+        cl.inter_node_latency_s, INTER_NODE_LATENCY_S
+    ):  # the command line's microseconds do not round-trip exactly
         return ""
     return (
         f", latency {cl.intra_node_latency_s * 1e6:,.0f} us intra-node / {cl.inter_node_latency_s * 1e6:,.0f} us inter"
@@ -206,6 +295,8 @@ def to_json(result: SearchResult) -> dict:
             "peak_tflops": cl.peak_tflops,
             "intra_node_gbps": cl.intra_node_gbps,
             "inter_node_gbps": cl.inter_node_gbps,
+            "memory_gbps": cl.memory_gbps,
+            "gpu": cl.gpu,
             "efficiency": cl.efficiency,
             "intra_node_latency_s": cl.intra_node_latency_s,
             "inter_node_latency_s": cl.inter_node_latency_s,
@@ -232,7 +323,13 @@ def to_json(result: SearchResult) -> dict:
             "grad_reduce_bytes_per_param": time_model.GRAD_REDUCE_BYTES,
             "intra_node_latency_s": cl.intra_node_latency_s,
             "inter_node_latency_s": cl.inter_node_latency_s,
-            "attention": "eager (s x s softmax materialised, the paper's setting)",
+            "attention": {
+                "eager": "s x s softmax materialised (the paper's setting); its elementwise passes over the scores "
+                "run at the HBM bandwidth",
+                "sdpa": "fused kernel (CUDA flash / memory-efficient): no s x s term stored, fp32 log-sum-exp instead",
+                "eager_score_bytes_forward": time_model.EAGER_FORWARD_BYTES,
+                "eager_score_bytes_backward": time_model.EAGER_BACKWARD_BYTES,
+            },
         },
     }
 
@@ -247,7 +344,7 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
         num_heads=m.num_heads,
         vocab_size=m.vocab_size,
         seq_length=m.seq_length,
-        attention="eager",  # selective recompute needs the materialised softmax (the loader refuses sdpa with it)
+        attention=c.attention,  # never sdpa with selective: the search does not generate it, the loader refuses it
     )
     return {
         "train_batch_size": result.global_batch_size,

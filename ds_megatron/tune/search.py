@@ -1,8 +1,9 @@
 """Evaluate every candidate's memory and step time, rank those that fit, and compare with the common configuration.
 
 The "common configuration" is what large GPT runs used before sequence parallelism and selective recompute (and
-what the NeMo announcement measured its 20-30% against): full recompute of every block, no SP, the largest TP that
-stays in a node, the smallest pipeline that fits, and the fastest micro-batch for that.  Pure Python.
+what the NeMo announcement measured its 20-30% against): full recompute of every block, no SP, the eager attention
+kernel, the largest TP that stays in a node, the smallest pipeline that fits, and the fastest micro-batch for that.
+Pure Python.
 """
 
 from __future__ import annotations
@@ -104,27 +105,28 @@ def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:
     groups: dict[tuple, list[Evaluation]] = defaultdict(list)
     for e in evaluations:
         c = e.candidate
-        groups[(c.tp, c.pp, c.dp, c.sequence_parallel, c.recompute)].append(e)
+        groups[(c.tp, c.pp, c.dp, c.sequence_parallel, c.recompute, c.attention)].append(e)
     rejected = []
-    for (tp, pp, dp, sp, policy), members in groups.items():
+    for (tp, pp, dp, sp, policy, kernel), members in groups.items():
         if any(e.fits for e in members):
             continue
         closest = min(members, key=lambda e: e.required_bytes)
-        family = {"tp": tp, "pp": pp, "dp": dp, "sequence_parallel": sp, "recompute": policy}
+        family = {"tp": tp, "pp": pp, "dp": dp, "sequence_parallel": sp, "recompute": policy, "attention": kernel}
         best = closest.candidate
         reason = f"{closest.reason}; closest member b={best.micro_batch_size} {best.recompute_label()}"
         rejected.append(Rejection(family, reason, len(members), closest.required_bytes))
-    rejected.sort(key=lambda r: (r.family["tp"], r.family["pp"], r.family["sequence_parallel"], r.family["recompute"]))
+    rejected.sort(key=lambda r: tuple(r.family[k] for k in ("tp", "pp", "sequence_parallel", "recompute", "attention")))
     return rejected
 
 
 def common_configuration(model: ModelSpec, cluster: Cluster, global_batch_size: int) -> tuple[Evaluation | None, str]:
-    """Full recompute of every block, no SP, the largest in-node tp, the smallest pp that fits, its best b."""
+    """Full recompute of every block, no SP, eager attention, the largest in-node tp, the smallest pp that fits, its
+    best b."""
     tps, _ = tp_sizes(model, cluster, Pins())
     if not tps:
         return None, "no tensor-parallel size fits in a node"
     tp = max(tps)
-    pins = Pins(tp=tp, sequence_parallel=False, recompute="full")
+    pins = Pins(tp=tp, sequence_parallel=False, recompute="full", attention="eager")
     for pp in range(1, model.num_layers + 1):
         if cluster.num_gpus % (tp * pp) != 0:
             continue
@@ -134,8 +136,10 @@ def common_configuration(model: ModelSpec, cluster: Cluster, global_batch_size: 
         fitting = [e for e in (evaluate(model, cluster, c, global_batch_size) for c in every_block) if e.fits]
         if fitting:
             best = min(fitting, key=lambda e: e.time.step_s)
-            return best, f"full recompute of every block, no SP, tp {tp}, smallest pp that fits ({pp}), best b"
-    return None, f"does not fit at any pipeline depth (tp {tp}, full recompute of every block, no SP)"
+            return best, (
+                f"full recompute of every block, no SP, eager attention, tp {tp}, smallest pp that fits ({pp}), best b"
+            )
+    return None, f"does not fit at any pipeline depth (tp {tp}, full recompute of every block, no SP, eager attention)"
 
 
 def search(model: ModelSpec, cluster: Cluster, global_batch_size: int, pins: Pins | None = None) -> SearchResult:

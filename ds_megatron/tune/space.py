@@ -1,4 +1,5 @@
-"""The search space: every (tp, pp, dp, sp, b, recompute, zero) the tuner considers, and why the rest is left out.
+"""The search space: every (tp, pp, dp, sp, b, recompute, attention, zero) the tuner considers, and why the rest is
+left out.
 
 Rules (the package's layout constraints and the pipeline engine's limits):
 - tp divides the heads and the node (a TP group never leaves its node); tp * pp * dp = gpus; pp <= L (layers need
@@ -8,6 +9,8 @@ Rules (the package's layout constraints and the pipeline engine's limits):
 - SP only with tp > 1 and s divisible by tp;
 - recompute: none, selective (core attention), or full with k blocks by the ``uniform`` (chunks of k) or ``block``
   (the first k blocks of each stage) method, k in {1, 2, 4, ...} up to the blocks per stage;
+- attention kernel: eager (materialised s x s softmax) or sdpa (fused kernel), each with every recompute policy
+  except sdpa with selective (it checkpoints the s x s core sdpa never stores; the config loader refuses it);
 - ZeRO stage 0 or 1 (the pipeline engine's limit).
 
 Every family that is left out is reported with its reason.  Pure Python.
@@ -18,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_megatron.tune.memory_model import layers_per_stage
-from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, Pins
+from ds_megatron.tune.spec import ATTENTION_CHOICES, SDPA_SELECTIVE_REASON, Candidate, Cluster, ModelSpec, Pins
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 
@@ -65,6 +68,11 @@ def tp_sizes(model: ModelSpec, cluster: Cluster, pins: Pins) -> tuple[list[int],
     return sizes, rejected
 
 
+def attention_options(pins: Pins) -> list[str]:
+    """The attention kernels to try: both unless pinned."""
+    return [k for k in ATTENTION_CHOICES if pins.attention is None or k == pins.attention]
+
+
 def recompute_options(num_blocks: int, pins: Pins) -> list[tuple[str, int, str]]:
     """(policy, k, method) choices for a stage of ``num_blocks`` blocks."""
     ks = sorted({k for k in (2**i for i in range(num_blocks.bit_length())) if k < num_blocks} | {num_blocks})
@@ -105,10 +113,12 @@ def layout_candidates(
 
     recompute = recompute_options(layers_per_stage(model.num_layers, pp), pins)
     candidates = [
-        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, zero=1)
+        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, zero=1, attention=kernel)
         for sp in sp_options
         for b in micro
+        for kernel in attention_options(pins)
         for policy, k, method in recompute
+        if not (kernel == "sdpa" and policy == "selective")
     ]
     return candidates, rejected
 
@@ -122,6 +132,8 @@ def enumerate_candidates(
         rejected.append(Rejection({"zero_stage": 0}, ZERO0_REASON))
     if pins.zero == 0:
         return [], rejected
+    if "sdpa" in attention_options(pins) and pins.recompute in (None, "selective"):
+        rejected.append(Rejection({"attention": "sdpa", "recompute": "selective"}, SDPA_SELECTIVE_REASON))
     tps, tp_rejected = tp_sizes(model, cluster, pins)
     rejected += tp_rejected
     candidates: list[Candidate] = []

@@ -10,7 +10,7 @@ import difflib
 from dataclasses import dataclass
 
 from ds_megatron.config import ConfigError
-from ds_megatron.config.schema import RECOMPUTE_POLICIES
+from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_POLICIES
 from ds_megatron.config.sizes import (
     GPT3_LEARNING_RATES,
     GPT3_SEQ_LENGTH,
@@ -18,8 +18,14 @@ from ds_megatron.config.sizes import (
     all_size_names,
     named_shape,
 )
+from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 
 RECOMPUTE_CHOICES = RECOMPUTE_POLICIES
+ATTENTION_CHOICES = ATTENTION_KERNELS  # "eager" (materialised s x s softmax) or "sdpa" (fused kernel)
+SDPA_SELECTIVE_REASON = (
+    "selective recompute with sdpa is not offered: it checkpoints the s x s attention core, which the sdpa kernel "
+    "never stores, so it would save nothing and cost a recompute (the config loader refuses it)"
+)
 
 # Achieved fraction of peak for the model's large bf16 matmuls: the time model's one free parameter.  Megatron's
 # published A100 runs imply roughly 0.5-0.65 (an MFU of 51-56% with communication and bubble on top); fit yours with
@@ -57,13 +63,15 @@ class Cluster:
     intra_node_gbps: float = 300.0  # NVLink (A100: 600 GB/s both directions = 300 each way)
     inter_node_gbps: float = 25.0  # InfiniBand share per GPU (one 200 Gb/s HDR NIC per GPU = 25 GB/s)
     efficiency: float = (
-        DEFAULT_EFFICIENCY  # achieved fraction of peak for the model's matmuls (see time_model.calibrate)
+        DEFAULT_EFFICIENCY  # achieved fraction of peak for the model's matmuls (see calibration.calibrate)
     )
     intra_node_latency_s: float = INTRA_NODE_LATENCY_S  # fixed cost of each collective or send inside a node
     inter_node_latency_s: float = INTER_NODE_LATENCY_S  # the same across nodes
     # Fixed time per optimizer step outside the model (optimizer update, Python and launch overheads); 0 unless
-    # fitted by time_model.fit_time_model from short runs (tune --empirical) or passed as --step-overhead-s.
+    # fitted by calibration.fit_time_model from short runs (tune --empirical) or passed as --step-overhead-s.
     step_overhead_s: float = 0.0
+    memory_gbps: float = 2039.0  # HBM bandwidth (A100 80GB: 2,039 GB/s); the eager kernel's s x s passes run at it
+    gpu: str | None = None  # the preset the figures came from (ds_megatron.tune.gpus), with any flags that changed it
 
     @property
     def peak_flops(self) -> float:
@@ -81,6 +89,7 @@ class Pins:
     sequence_parallel: bool | None = None
     recompute: str | None = None  # "none" | "selective" | "full"
     zero: int | None = None  # 0 | 1
+    attention: str | None = None  # "eager" | "sdpa"
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,7 @@ class Candidate:
     recompute_layers: int = 1  # full only: chunk size (uniform) or recomputed blocks per stage (block)
     recompute_method: str = "uniform"  # full only: "uniform" | "block"
     zero: int = 1
+    attention: str = "eager"  # "eager" | "sdpa" (never with selective recompute)
 
     def recompute_label(self) -> str:
         if self.recompute != "full":
@@ -115,6 +125,7 @@ class Candidate:
             "recompute_layers": self.recompute_layers if self.recompute == "full" else None,
             "recompute_method": self.recompute_method if self.recompute == "full" else None,
             "zero_stage": self.zero,
+            "attention": self.attention,
         }
 
 
@@ -163,6 +174,35 @@ def build_model_spec(
     return ModelSpec(layers, hidden, heads, vocab, seq_length, size=named)
 
 
+# Cluster field <- (GpuPreset field, command-line flag): what --gpu sets and which explicit flag overrides it.
+PRESET_FIELDS = {
+    "gpu_memory_gb": ("memory_gb", "--gpu-memory-gb"),
+    "peak_tflops": ("peak_tflops", "--gpu-peak-tflops"),
+    "memory_gbps": ("memory_gbps", "--memory-gbps"),
+    "intra_node_gbps": ("intra_node_gbps", "--intra-node-gbps"),
+    "inter_node_gbps": ("inter_node_gbps", "--inter-node-gbps"),
+}
+
+
+def build_cluster(gpu: str | None, num_gpus: int, gpus_per_node: int, **values: float | None) -> Cluster:
+    """A cluster of ``gpu`` (a :data:`ds_megatron.tune.gpus.GPUS` name; None: the a100-80gb defaults) whose figures
+    are replaced by every explicit value that is not None (``gpu_memory_gb=40``); other keywords (``efficiency``,
+    latencies, ``step_overhead_s``) pass through to :class:`Cluster`."""
+    if gpu is not None and gpu not in GPUS:
+        near = difflib.get_close_matches(gpu, list(GPUS), n=1, cutoff=0.0)
+        raise ConfigError("--gpu", "unknown GPU", repr(gpu), f"use one of {', '.join(GPUS)} ({near[0]!r}?)")
+    preset = GPUS[gpu or DEFAULT_GPU]
+    fields, changed = {}, []
+    for name, (column, flag) in PRESET_FIELDS.items():
+        value = values.pop(name, None)
+        fields[name] = getattr(preset, column) if value is None else value
+        if value is not None and value != getattr(preset, column):
+            changed.append(f"{flag} {value:g}")
+    rest = {k: v for k, v in values.items() if v is not None}
+    label = None if gpu is None else gpu + (f" with {', '.join(changed)}" if changed else "")
+    return Cluster(num_gpus=num_gpus, gpus_per_node=gpus_per_node, gpu=label, **fields, **rest)
+
+
 def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int, pins: Pins) -> None:
     """Refuse inputs no search can satisfy, naming the values and the fix."""
     _positive("--gpus", cluster.num_gpus, "8")
@@ -171,6 +211,7 @@ def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     _positive("--gpu-peak-tflops", cluster.peak_tflops, "312")
     _positive("--intra-node-gbps", cluster.intra_node_gbps, "300")
     _positive("--inter-node-gbps", cluster.inter_node_gbps, "25")
+    _positive("--memory-gbps", cluster.memory_gbps, "2039")
     _positive("--global-batch-size", global_batch_size, "1536")
     if not 0.0 < cluster.efficiency <= 1.0:
         raise ConfigError("--efficiency", "must be in (0, 1]", f"got {cluster.efficiency}", "pass e.g. 0.5")
@@ -253,6 +294,15 @@ def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int,
         )
     if pins.recompute is not None and pins.recompute not in RECOMPUTE_CHOICES:
         raise ConfigError("--recompute", "unknown policy", repr(pins.recompute), f"use one of {RECOMPUTE_CHOICES}")
+    if pins.attention is not None and pins.attention not in ATTENTION_CHOICES:
+        raise ConfigError("--attention", "unknown kernel", repr(pins.attention), f"use one of {ATTENTION_CHOICES}")
+    if pins.attention == "sdpa" and pins.recompute == "selective":
+        raise ConfigError(
+            "--recompute",
+            "selective recompute checkpoints the s x s attention core, which sdpa never stores",
+            "recompute=selective, attention=sdpa",
+            "pin --attention eager with selective, or --recompute none or full with sdpa",
+        )
     if pins.zero is not None and pins.zero not in (0, 1):
         raise ConfigError(
             "--zero", "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only", f"got {pins.zero}", "pass 0 or 1"

@@ -1,0 +1,196 @@
+"""Calibration of the time model: fit its constants (the efficiency, and optionally the collective latency and a
+fixed per-step overhead) to measured step times.  Pure Python.
+
+The predicted step of a measured run is linear in 1/efficiency, the latency and the overhead (see ``_parts``), so
+every fit is a small closed-form weighted least squares on the relative errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec
+from ds_megatron.tune.time_model import FIT_TERMS, step_time
+
+# fit_time_model's extra terms (FIT_TERMS) are added one at a time, each only when it cuts the relative RMS error of
+# the fit so far by FIT_MIN_GAIN or more, and only with at least two more measurements than fitted parameters.
+FIT_MIN_GAIN = 1.25
+EXACT_FIT = 1e-9  # a relative RMS error this small leaves nothing for another term to explain
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A measured step of a known configuration, for :func:`calibrate`."""
+
+    model: ModelSpec
+    cluster: Cluster
+    candidate: Candidate
+    global_batch_size: int
+    step_time_s: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What :func:`fit_time_model` found: the fitted constants and how well they explain the measured runs."""
+
+    efficiency: float
+    intra_node_latency_s: float | None  # fitted cost of each collective or send in a node (None: not fitted)
+    step_overhead_s: float  # fitted fixed time per step (0 when not fitted)
+    num_measurements: int
+    rms_error: float  # relative RMS error of the chosen fit: sqrt(mean(((predicted - measured) / measured)^2))
+    rms_error_efficiency_only: float  # the same for the efficiency-only fit
+    terms: tuple[str, ...]  # "efficiency" plus the extra terms kept, in the order they were added
+    note: str  # one line: why the extra terms were kept or left out
+
+    def apply(self, cluster: Cluster) -> Cluster:
+        """``cluster`` with the fitted constants."""
+        latency = cluster.intra_node_latency_s if self.intra_node_latency_s is None else self.intra_node_latency_s
+        return dataclasses.replace(
+            cluster, efficiency=self.efficiency, intra_node_latency_s=latency, step_overhead_s=self.step_overhead_s
+        )
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _parts(meas: Measurement) -> tuple[float, float, float]:
+    """(C, N, B) with predicted step = C / efficiency + N x intra-node latency + B (+ overhead).
+
+    C is the critical-path compute at peak, N the number of intra-node collectives and sends on the critical path,
+    B the rest (bandwidth terms, the eager kernel's memory-bound passes, inter-node latencies).  The step is linear
+    in 1/efficiency and in the latency, so two evaluations of :func:`step_time` separate them.
+    """
+    base = dataclasses.replace(meas.cluster, efficiency=1.0, step_overhead_s=0.0, intra_node_latency_s=0.0)
+    pred = step_time(meas.model, base, meas.candidate, meas.global_batch_size)
+    unit = step_time(
+        meas.model, dataclasses.replace(base, intra_node_latency_s=1.0), meas.candidate, meas.global_batch_size
+    )
+    return pred.compute_s, unit.step_s - pred.step_s, pred.step_s - pred.compute_s
+
+
+def _solve(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """Weighted least squares (rows and rhs already weighted) by the normal equations; None when singular."""
+    k = len(rows[0])
+    a = [
+        [sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * y for r, y in zip(rows, rhs))]
+        for i in range(k)
+    ]
+    for col in range(k):  # Gauss-Jordan with partial pivoting on a k x k system (k <= 3)
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-12 * max(abs(a[i][i]) for i in range(k)):
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [v - f * w for v, w in zip(a[r], a[col])]
+    return [a[i][k] / a[i][i] for i in range(k)]
+
+
+def _fit(points: list[tuple[float, float, float, float, float]], terms: tuple[str, ...]) -> tuple[dict, float] | None:
+    """Fit 1/efficiency and ``terms`` minimising the relative squared error; (parameters, RMS) or None if invalid.
+
+    points: (C, N, B, latency in the model, measured step).  Without "latency" the model's own latency is kept.
+    """
+    rows, rhs = [], []
+    for c, n, b, lat, m in points:
+        row = [c / m]
+        if "latency" in terms:
+            row.append(n / m)
+        else:
+            b += n * lat
+        if "overhead" in terms:
+            row.append(1.0 / m)
+        rows.append(row)
+        rhs.append((m - b) / m)
+    sol = _solve(rows, rhs)
+    if sol is None:
+        return None
+    params = dict(zip(("x", *terms), sol))
+    if params["x"] < 1.0 or any(params[t] < 0.0 for t in terms):  # efficiency > 1 or a negative cost
+        return None
+    pred = [sum(p * v for p, v in zip(sol, row)) for row in rows]  # predicted / measured
+    return params, math.sqrt(sum((p - y) ** 2 for p, y in zip(pred, rhs)) / len(rows))
+
+
+def fit_time_model(measurements: Iterable[Measurement], extra_terms: tuple[str, ...] = ()) -> Calibration:
+    """Fit the efficiency, and any of ``extra_terms`` that clearly help, to measured step times.
+
+    The predicted step of run i is C_i x + N_i L + B_i + o with x = 1/efficiency, L the intra-node latency of a
+    collective or send ("latency"), o a fixed per-step overhead ("overhead") and C_i, N_i, B_i from the model
+    (:func:`_parts`).  It is linear in (x, L, o), so each fit is a closed-form weighted least squares that minimises
+    the relative error sum(((predicted_i - M_i) / M_i)^2).  Starting from the efficiency alone, the extra term that
+    lowers the error most is added while it divides the RMS error by FIT_MIN_GAIN or more, there are at least two
+    more measurements than parameters (n >= parameters + 2), and every constant stays physical (efficiency <= 1,
+    L >= 0, o >= 0).  Terms not fitted keep the cluster's values.
+    """
+    unknown = set(extra_terms) - set(FIT_TERMS)
+    if unknown:
+        raise ValueError(f"fit_time_model: unknown terms {sorted(unknown)}; choose from {FIT_TERMS}")
+    points = []
+    for meas in measurements:
+        if not meas.step_time_s > 0:
+            raise ValueError(f"calibrate: measured step time must be positive, got {meas.step_time_s}")
+        points.append((*_parts(meas), meas.cluster.intra_node_latency_s, meas.step_time_s))
+    if not points:
+        raise ValueError("calibrate: no measurements given; pass at least one Measurement")
+    if sum(c * (m - b - n * lat) / m**2 for c, n, b, lat, m in points) <= 0.0:
+        raise ValueError("calibrate: the measured steps are faster than their communication alone; check the inputs")
+    plain = _fit(points, ())
+    if plain is None:
+        x = sum(c * (m - b - n * lat) / m**2 for c, n, b, lat, m in points) / sum(c * c / m**2 for c, *_, m in points)
+        raise ValueError(
+            f"calibrate: fitted efficiency {1 / x:.2f} > 1: the measured steps beat the peak; check peak_tflops"
+        )
+    chosen, (params, rms), notes = (), plain, []
+    while rms > EXACT_FIT:
+        options = []
+        for term in extra_terms:
+            if term in chosen:
+                continue
+            trial = (*chosen, term)
+            if len(points) < len(trial) + 3:
+                notes.append(f"{term}: needs {len(trial) + 3} runs")
+                continue
+            fitted = _fit(points, tuple(t for t in FIT_TERMS if t in trial))
+            if fitted is None:
+                notes.append(f"{term}: would be negative or beat the peak")
+                continue
+            options.append((fitted[1], term, fitted[0]))
+        if not options:
+            break
+        best_rms, term, best = min(options)
+        if best_rms * FIT_MIN_GAIN > rms:
+            notes.append(f"{term}: cuts the error only to {best_rms:.1%} from {rms:.1%}")
+            break
+        chosen, params, rms = (*chosen, term), best, best_rms
+        notes = []
+    kept = ("efficiency", *chosen)
+    note = "fitted: " + " + ".join(kept)
+    if extra_terms and notes:
+        note += " (left out: " + "; ".join(dict.fromkeys(notes)) + ")"
+    return Calibration(
+        efficiency=1.0 / params["x"],
+        intra_node_latency_s=params.get("latency"),
+        step_overhead_s=params.get("overhead", 0.0),
+        num_measurements=len(points),
+        rms_error=rms,
+        rms_error_efficiency_only=plain[1],
+        terms=kept,
+        note=note,
+    )
+
+
+def calibrate(measurements: Iterable[Measurement]) -> float:
+    """The achieved-efficiency factor that best explains measured step times.
+
+    The predicted step is C / e + R, C the critical-path compute at peak and R everything else (communication), so
+    e is fitted in closed form by least squares on x = 1/e, weighting each run by 1/M^2 (relative errors):
+    x = sum(C_i (M_i - R_i) / M_i^2) / sum(C_i^2 / M_i^2).  Pass the result as ``--efficiency`` (or
+    ``Cluster.efficiency``) to rank with your cluster's numbers; :func:`fit_time_model` can also fit the
+    collective latency and a fixed per-step overhead.
+    """
+    return fit_time_model(measurements).efficiency
