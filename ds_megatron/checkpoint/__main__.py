@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ds_megatron.checkpoint.export import ExportError, export
+from ds_megatron.checkpoint.export import export
 from ds_megatron.config import ConfigError
 
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out, args.tag, args.dtype, args.max_shard_size, args.tokenizer)
-    except (ExportError, ConfigError) as err:
+    except ConfigError as err:
         if args.debug:
             raise
         print(str(err), file=sys.stderr)

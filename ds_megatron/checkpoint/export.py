@@ -23,7 +23,7 @@ import torch
 from ds_megatron.checkpoint.keymap import TIED_HEAD, is_conv1d
 from ds_megatron.checkpoint.manifest import is_complete, newest_complete_tag
 from ds_megatron.checkpoint.masters import MasterWeights
-from ds_megatron.config import resolve
+from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import saved_layout
 from ds_megatron.model import GPTConfig
 from ds_megatron.parallelize import ParallelPlan, shard_rule
@@ -31,10 +31,6 @@ from ds_megatron.pipeline import PipelineLayout
 from ds_megatron.tensor_parallel import unshard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class ExportError(ValueError):
-    """``str`` is the one line shown to the user."""
 
 
 def parse_size(text: str) -> int:
@@ -49,15 +45,17 @@ def parse_size(text: str) -> int:
 def read_checkpoint_config(ckpt_dir: Path, tag: str | None) -> tuple[str, dict]:
     tag = tag or newest_complete_tag(ckpt_dir)
     if tag is None:
-        raise ExportError(
-            f"error: --checkpoint: no complete checkpoint in {ckpt_dir}; pass a directory written by --save (or --tag)"
+        raise ConfigError(
+            "--checkpoint", "no complete checkpoint", str(ckpt_dir), "pass a directory written by --save (or --tag)"
         )
     states = ckpt_dir / tag / "mp_rank_00_model_states.pt"
     if not states.exists() or not is_complete(ckpt_dir / tag):
-        raise ExportError(f"error: --checkpoint: {states} is missing (incomplete checkpoint); use a complete tag")
+        raise ConfigError("--checkpoint", "incomplete checkpoint", f"{states} is missing", "use a complete tag")
     client = torch.load(states, map_location="cpu", weights_only=False)
     if "config" not in client:
-        raise ExportError(f"error: --checkpoint: {states} has no ds_megatron config; was it written by train_gpt.py?")
+        raise ConfigError(
+            "--checkpoint", "no ds_megatron config", str(states), "pass a checkpoint written by train_gpt.py"
+        )
     return tag, client["config"]
 
 
@@ -73,7 +71,7 @@ def iter_full_parameters(ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int
         for rank in range(tp):
             f = ckpt / f"layer_{idx:02d}-model_{rank:02d}-model_states.pt"
             if not f.exists():
-                raise ExportError(f"error: --checkpoint: {f} is missing (partial checkpoint); use a complete one")
+                raise ConfigError("--checkpoint", "partial checkpoint", f"{f} is missing", "use a complete one")
             shards.append(torch.load(f, map_location="cpu", weights_only=True))
         if masters is not None:
             stage = _stage_holding(masters, idx, next(iter(shards[0])), stage, f)
@@ -89,9 +87,11 @@ def iter_full_parameters(ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int
             if rule.replicated:
                 for r, p in enumerate(parts[1:], start=1):
                     if not torch.equal(p, parts[0]):
-                        raise ExportError(
-                            f"error: --checkpoint: replicated parameter {name} differs between TP ranks 0 and {r}; "
-                            "the checkpoint is inconsistent"
+                        raise ConfigError(
+                            "--checkpoint",
+                            "inconsistent checkpoint",
+                            f"replicated parameter {name} differs between TP ranks 0 and {r}",
+                            "export another tag",
                         )
                 yield name, parts[0]
             else:
@@ -103,9 +103,11 @@ def _stage_holding(masters: MasterWeights, idx: int, key: str, start: int, layer
     """The pipeline stage (from ``start`` on: layers come in order) whose optimizer files hold layer ``idx``."""
     stage = masters.stage_of(idx, key, start)
     if stage is None:
-        raise ExportError(
-            f"error: --checkpoint: no optimizer file holds the fp32 master of {layer_file.name}; the checkpoint is "
-            "incomplete or was written by another program"
+        raise ConfigError(
+            "--checkpoint",
+            "no optimizer file holds an fp32 master",
+            layer_file.name,
+            "use a complete checkpoint written by train_gpt.py",
         )
     return stage
 
@@ -133,7 +135,7 @@ def expected_shape(name: str, gpt: GPTConfig) -> tuple[int, ...]:
     for suffix, shape in table.items():
         if name.endswith(suffix):
             return shape
-    raise ExportError(f"error: --checkpoint: unexpected parameter {name}; not a ds_megatron GPT checkpoint")
+    raise ConfigError("--checkpoint", "unexpected parameter", name, "pass a ds_megatron GPT checkpoint")
 
 
 def export(
@@ -150,9 +152,9 @@ def export(
 
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     if dtype not in DTYPES:
-        raise ExportError(f"error: --dtype: unknown dtype ({dtype}); use one of {sorted(DTYPES)}")
+        raise ConfigError("--dtype", "unknown dtype", dtype, f"use one of {sorted(DTYPES)}")
     if out.exists() and any(out.iterdir()):
-        raise ExportError(f"error: --out: {out} exists and is not empty; choose a new directory")
+        raise ConfigError("--out", "exists and is not empty", str(out), "choose a new directory")
     tag, ds_config = read_checkpoint_config(ckpt_dir, tag)
     tp, pp, dp = saved_layout(ds_config)
     run = resolve(ds_config, tp * pp * dp)
@@ -179,9 +181,11 @@ def export(
     last_prefix = None
     for name, tensor in iter_full_parameters(ckpt_dir / tag, gpt, plan, tp):
         if tuple(tensor.shape) != expected_shape(name, gpt):
-            raise ExportError(
-                f"error: --checkpoint: {name} has shape {tuple(tensor.shape)}, the config says "
-                f"{expected_shape(name, gpt)}; the checkpoint does not match its config"
+            raise ConfigError(
+                "--checkpoint",
+                "the checkpoint does not match its config",
+                f"{name} has shape {tuple(tensor.shape)}, the config says {expected_shape(name, gpt)}",
+                "export a checkpoint written by train_gpt.py",
             )
         # one bar step per pipeline layer: wte, wpe, each block, ln_f
         prefix = ".".join(name.split(".")[:3]) if name.startswith("transformer.h.") else name.rsplit(".", 1)[0]
@@ -241,4 +245,4 @@ def _bar(total: int, enabled: bool):
         return None
 
 
-__all__ = ["ExportError", "TIED_HEAD", "export", "iter_full_parameters"]
+__all__ = ["TIED_HEAD", "export", "iter_full_parameters"]
