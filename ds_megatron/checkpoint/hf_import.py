@@ -27,7 +27,7 @@ def _tensor_files(hf_dir: Path) -> dict[str, Path]:
         return {name: hf_dir / f for name, f in weight_map.items()}
     single = hf_dir / "model.safetensors"
     if not single.exists():
-        raise FileNotFoundError(f"error: --init-from-hf: no model.safetensors in {hf_dir}; pass an exported directory")
+        raise ConfigError("--init-from-hf", "no model.safetensors", str(hf_dir), "pass an exported directory")
     from safetensors import safe_open
 
     with safe_open(str(single), "pt") as f:
@@ -65,7 +65,9 @@ def load_hf_into_pipeline(module, plan: ParallelPlan, hf_dir: str | Path) -> int
     for local_name, param in module.named_parameters():
         full = pipeline_param_name(local_name, module)
         if full is None or full not in files:
-            raise KeyError(f"error: --init-from-hf: {hf_dir} has no tensor for {full or local_name}")
+            raise ConfigError(
+                "--init-from-hf", "missing tensor", f"{hf_dir} has none for {full or local_name}", "re-export"
+            )
         path = files[full]
         if path not in handles:
             handles[path] = safe_open(str(path), "pt")
@@ -74,7 +76,9 @@ def load_hf_into_pipeline(module, plan: ParallelPlan, hf_dir: str | Path) -> int
             tensor = tensor.t()
         part = shard(tensor, shard_rule(full, plan), plan.tp_rank, plan.tp_size)
         if part.shape != param.shape:
-            raise ValueError(f"error: --init-from-hf: {full} shard {tuple(part.shape)} != {tuple(param.shape)}")
+            raise ConfigError(
+                "--init-from-hf", "shape mismatch", f"{full}: {tuple(part.shape)} != {tuple(param.shape)}", "re-export"
+            )
         param.copy_(part.to(param.dtype))
         loaded += 1
     return loaded

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ds_megatron.checkpoint.manifest import tag_config
 from ds_megatron.checkpoint.masters import MasterWeights
-from ds_megatron.config import resolve
+from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import precision, saved_layout
 from ds_megatron.model import GPTConfig
 from ds_megatron.parallelize import ParallelPlan, shard_rule
@@ -65,7 +65,7 @@ class OldCheckpoint:
         self.root, self.tag = root, tag
         cfg = tag_config(root, tag)
         if cfg is None:
-            raise FileNotFoundError(f"error: --load: {root}/{tag} has no config.json; cannot reshard it")
+            raise ConfigError("--load", "no config.json, cannot reshard", f"{root}/{tag}", "resume at the saved layout")
         self.tp, self.pp, dp = saved_layout(cfg)
         self.run = resolve(cfg, self.tp * self.pp * dp)
         self.gpt = GPTConfig.from_shape(self.run.model)
@@ -198,7 +198,7 @@ def load_resharded(engine, plan: ParallelPlan, topology, root: Path, tag: str) -
     written at another layout; returns its client state."""
     old = OldCheckpoint(root, tag)
     if precision(old.run.ds_config) == "fp16":
-        raise ValueError(f"error: --load: {root}/{tag} is fp16; fp16 checkpoints resume only at their own layout")
+        raise ConfigError("--load", "fp16 checkpoints resume only at their own layout", f"{root}/{tag}", "resume there")
     if hasattr(engine.optimizer, "bf16_groups") or hasattr(engine.optimizer, "bit16_groups"):
         _fill_partitioned_optimizer(engine, plan, old)
     else:

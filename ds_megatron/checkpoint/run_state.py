@@ -29,6 +29,7 @@ from ds_megatron.checkpoint.manifest import (
     newest_complete_tag,
     tag_config,
 )
+from ds_megatron.config import ConfigError
 from ds_megatron.config.facts import needs_resharding, precision, saved_layout
 from ds_megatron.fileio import atomic_write_text, sha256_file
 from ds_megatron.random import RNGTracker
@@ -87,7 +88,7 @@ def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=
     root = Path(load_dir)
     tag = newest_complete_tag(root)
     if tag is None:
-        raise FileNotFoundError(f"error: --load: no complete checkpoint in {root}; pass a directory written by --save")
+        raise ConfigError("--load", "no complete checkpoint", str(root), "pass a directory written by --save")
     newer = [p.name for p in root.glob("step*") if p.is_dir() and p.name > tag]
     if newer and dist.get_rank() == 0:
         print(
@@ -110,7 +111,7 @@ def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=
         return load_resharded(engine, plan, topology, root, tag)
     path, client_state = engine.load_checkpoint(str(root), tag=tag)
     if path is None:
-        raise FileNotFoundError(f"error: --load: checkpoint {root}/{tag} could not be loaded; check the directory")
+        raise ConfigError("--load", "checkpoint could not be loaded", f"{root}/{tag}", "check the directory")
     rng_file = root / tag / f"rng_rank{dist.get_rank():05d}.pt"
     if rng_file.exists():
         rng.load_state_dict(torch.load(rng_file, weights_only=False))
