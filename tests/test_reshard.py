@@ -1,5 +1,5 @@
 """A checkpoint saved at one layout resumes at another with its optimizer state: fp32 at tp 2 x pp 2 -> 1 x 4 -> 4 x 1
-(the loss curve continues within 1e-5), and bf16 + ZeRO-1 at tp 2 x dp 2 -> pp 2 x dp 2 (state carried exactly)."""
+(2 steps each; the loss curve continues within 1e-5), and bf16 + ZeRO-1 at tp 2 x dp 2 -> pp 2 x dp 2 (state carried exactly)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ def _run(tmp_path, name: str, tp: int, pp: int, iters: int, extra: list[str]) ->
 
 
 def test_reshard_2x2_to_1x4_to_4x1_continues_the_loss_curve(tmp_path):
-    reference = _run(tmp_path, "straight", 2, 2, 9, [])
-    first = _run(tmp_path, "a", 2, 2, 3, ["--save", str(tmp_path / "ck_a")])
-    second = _run(tmp_path, "b", 1, 4, 6, ["--load", str(tmp_path / "ck_a"), "--save", str(tmp_path / "ck_b")])
-    third = _run(tmp_path, "c", 4, 1, 9, ["--load", str(tmp_path / "ck_b")])
+    reference = _run(tmp_path, "straight", 2, 2, 6, [])
+    first = _run(tmp_path, "a", 2, 2, 2, ["--save", str(tmp_path / "ck_a")])
+    second = _run(tmp_path, "b", 1, 4, 4, ["--load", str(tmp_path / "ck_a"), "--save", str(tmp_path / "ck_b")])
+    third = _run(tmp_path, "c", 4, 1, 6, ["--load", str(tmp_path / "ck_b")])
     got = {**first, **second, **third}
-    assert sorted(got) == list(range(1, 10))
-    for step in range(1, 10):
+    assert sorted(got) == list(range(1, 7))
+    for step in range(1, 7):
         assert abs(got[step] - reference[step]) <= 1e-5 * abs(reference[step]), (step, got, reference)
 
 
