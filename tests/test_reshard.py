@@ -1,5 +1,6 @@
 """A checkpoint saved at one layout resumes at another with its optimizer state: fp32 at tp 2 x pp 2 -> 1 x 4 -> 4 x 1
-(2 steps each; the loss curve continues within 1e-5), and bf16 + ZeRO-1 at tp 2 x dp 2 -> pp 2 x dp 2 (state carried exactly)."""
+(2 steps each; the loss curve continues within 1e-5), and bf16 + ZeRO-1 at tp 2 x dp 2 -> pp 2 x dp 2 (the state
+carried exactly)."""
 
 from __future__ import annotations
 
