@@ -31,19 +31,123 @@ def check_run(run: RunConfig) -> None:
 
 
 def check_data(run: RunConfig) -> None:
+    """Prepared directories (``data.path`` or ``data.blend``) are complete and match their manifests; local text
+    exists, is not empty and is small enough to tokenise inside the launch (``data.max_inlaunch_bytes``)."""
     data = run.section.data
+    if data.blend:
+        check_blend(run)
+        return
     if data.path is None:
+        return
+    from ds_megatron.data.prepared import is_prepared
+
+    if is_prepared(data.path):
+        check_prepared_dir(run, data.path, "ds_megatron.data.path")
         return
     from ds_megatron.data.corpus import is_local, resolve_files
 
     if is_local(data.path):
         files = resolve_files(data.path)
+        if not files and os.path.isdir(os.path.expanduser(data.path)):
+            raise ConfigError(
+                "ds_megatron.data.path",
+                "a directory with neither a prepared manifest nor text files",
+                f"{data.path} has no manifest.json and no .txt/.json/.jsonl/.parquet file",
+                "pass a directory written by `python -m ds_megatron.data prepare`, or text files",
+            )
         if not files:
             raise ConfigError("ds_megatron.data.path", "no file matches", data.path, "check the path or glob")
         if all(os.path.getsize(f) == 0 for f in files):
             raise ConfigError(
                 "ds_megatron.data.path", "the dataset is empty", f"{len(files)} file(s) of 0 bytes", "add some text"
             )
+        check_inlaunch_size(run, files)
+
+
+def prepare_command(run: RunConfig, files: list[str]) -> tuple[str, str]:
+    """The ``python -m ds_megatron.data prepare`` command for this run's text, and the directory it writes."""
+    import shlex
+
+    data = run.section.data
+    common = os.path.commonpath([os.path.abspath(f) for f in files])
+    out = (os.path.splitext(common)[0] if os.path.isfile(common) else common.rstrip("/")) + ".prepared"
+    argv = ["python", "-m", "ds_megatron.data", "prepare", "--data", data.path, "--tokenizer", effective_tokenizer(run)]
+    argv += ["--out", out]
+    if data.text_field != "text":
+        argv += ["--text-field", data.text_field]
+    if data.valid_fraction != 0.02:
+        argv += ["--valid-fraction", str(data.valid_fraction)]
+    return shlex.join(argv), out
+
+
+def check_inlaunch_size(run: RunConfig, files: list[str]) -> None:
+    """Tokenising inside the launch holds every rank back while it runs: above the limit, prepare beforehand."""
+    limit = run.section.data.max_inlaunch_bytes
+    total = sum(os.path.getsize(f) for f in files)
+    if total > limit:
+        command, out = prepare_command(run, files)
+        raise ConfigError(
+            "ds_megatron.data.path",
+            "too much text to tokenise inside the training launch",
+            f"{total / 1e9:.2f} GB in {len(files)} file(s) > data.max_inlaunch_bytes {limit / 1e9:.2f} GB",
+            f"prepare it first with `{command}`, then pass --data {out}",
+        )
+
+
+def check_prepared_dir(run: RunConfig, directory: str, setting: str) -> dict:
+    """A complete prepared directory whose files match the manifest (sha256 too with ``data.verify_checksums``, read by
+    one process per node), a tokenizer that fits the model and enough tokens for a sample in both splits."""
+    from ds_megatron.data.prepared import check_prepared, read_manifest
+
+    checksums = run.section.data.verify_checksums and os.environ.get("LOCAL_RANK", "0") == "0"
+    problem = check_prepared(directory, checksums)
+    if problem is not None:
+        raise ConfigError(setting, *problem)
+    manifest = read_manifest(directory)
+    size = manifest["tokenizer"]["vocab_size"]
+    if size > run.model.vocab_size:
+        raise ConfigError(
+            setting,
+            "the prepared directory's tokenizer is larger than the model's vocabulary",
+            f"{size} tokens in {directory} > vocab_size {run.model.vocab_size}",
+            f"set ds_megatron.model.vocab_size to at least {size}",
+        )
+    total, fraction = manifest["num_tokens"], manifest["valid_fraction"]
+    valid = total - int(total * (1.0 - fraction))
+    if min(valid, total - valid) <= run.model.seq_length:
+        raise ConfigError(
+            setting,
+            "too few tokens for one sample of seq_length + 1 in each split",
+            f"{total} tokens in {directory}, {valid} of them for validation, seq_length {run.model.seq_length}",
+            "prepare more text (or a larger --valid-fraction), or lower seq_length",
+        )
+    return manifest
+
+
+def check_blend(run: RunConfig) -> None:
+    """Every blended directory passes ``check_prepared_dir``; all were made with one tokenizer."""
+    from ds_megatron.data.prepared import is_prepared
+
+    setting = "ds_megatron.data.blend"
+    fingerprints = {}
+    for directory, _ in run.section.data.blend:
+        if not is_prepared(directory):
+            raise ConfigError(
+                setting,
+                "not a prepared directory",
+                f"{directory} has no manifest.json written by prepare",
+                "run `python -m ds_megatron.data prepare --out DIR ...` for it",
+            )
+        manifest = check_prepared_dir(run, directory, setting)
+        fingerprints[directory] = manifest["tokenizer"]["fingerprint"]
+    if len(set(fingerprints.values())) > 1:
+        seen = ", ".join(f"{d}: {f}" for d, f in fingerprints.items())
+        raise ConfigError(
+            setting,
+            "the directories were tokenised with different tokenizers",
+            seen,
+            "prepare them all with the same --tokenizer directory",
+        )
 
 
 def check_tokenizer_files(run: RunConfig) -> None:

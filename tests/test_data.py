@@ -100,3 +100,12 @@ def test_samples_cover_each_epoch_once_and_dp_ranks_are_disjoint():
     ids_a = {int(x) for _ in range(5) for x in next(a)[0][:, 0]}
     ids_b = {int(x) for _ in range(5) for x in next(b)[0][:, 0]}
     assert not ids_a & ids_b
+
+
+def test_a_directory_stands_for_the_text_files_under_it(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_text("second")
+    (tmp_path / "sub" / "c.txt").write_text("third")
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "notes.md").write_text("not a corpus file")
+    assert load_documents(str(tmp_path))["text"] == ["first", "second", "third"]

@@ -365,6 +365,7 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             f"got {section.data.valid_fraction}",
             "set e.g. 0.02",
         )
+    check_data_section(section.data)
     if ds_config.get("activation_checkpointing") or (ds_config.get("pipeline") or {}).get(
         "activation_checkpoint_interval"
     ):
@@ -409,6 +410,34 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         global_batch_size=glob,
         ds_config=ds_config,
     )
+
+
+def check_data_section(data: DataSection) -> None:
+    """``max_inlaunch_bytes`` positive; ``blend`` a list of [directory, weight] with weights >= 0, not all zero, and
+    not together with ``path``."""
+    _positive("ds_megatron.data.max_inlaunch_bytes", data.max_inlaunch_bytes)
+    if not data.blend:
+        return
+    setting = "ds_megatron.data.blend"
+    example = 'write e.g. [["a.prepared", 0.7], ["b.prepared", 0.3]]'
+    for i, entry in enumerate(data.blend):
+        ok = isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)
+        if not ok or not isinstance(entry[1], (int, float)) or isinstance(entry[1], bool):
+            raise ConfigError(setting, f"entry {i} is not [prepared directory, weight]", f"got {entry!r}", example)
+        if not entry[1] >= 0 or entry[1] == float("inf"):
+            raise ConfigError(
+                setting,
+                "weights must be finite and >= 0",
+                f"{entry[0]}: {entry[1]}",
+                "give every directory a weight >= 0",
+            )
+    if sum(float(entry[1]) for entry in data.blend) <= 0:
+        weights = ", ".join(f"{entry[0]}: {entry[1]}" for entry in data.blend)
+        raise ConfigError(setting, "all weights are zero", weights, "give at least one directory a positive weight")
+    if data.path is not None:
+        raise ConfigError(
+            setting, "set together with data.path", f"path={data.path!r}", "use either data.blend or data.path (--data)"
+        )
 
 
 def effective_tokenizer(run: RunConfig) -> str:

@@ -82,6 +82,9 @@ class DataSection:
     cache_dir: str = ".cache/ds_megatron"  # packed token files, keyed by content hash
     valid_fraction: float = 0.02  # tail of the token stream held out for validation
     num_proc: int = 2  # tokenisation processes
+    blend: tuple = ()  # instead of path: [[prepared directory, weight], ...]; samples drawn in those proportions
+    max_inlaunch_bytes: int = 1_000_000_000  # local text above this is refused in a launch: prepare it beforehand
+    verify_checksums: bool = False  # check every prepared file's sha256 at start (reads it all); sizes always
 
 
 @dataclass(frozen=True)

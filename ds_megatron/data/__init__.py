@@ -1,34 +1,46 @@
-"""L3: training data: corpora, tokenizers, packed memory-mapped token files, deterministic micro-batch streams."""
+"""L3: training data: corpora, tokenizers, packed memory-mapped token files, prepared directories, blends,
+deterministic micro-batch streams.
 
-from ds_megatron.data.corpus import (
-    EOS_TOKEN,
-    DataError,
-    PackedTokens,
-    build_tokenizer,
-    fingerprint_documents,
-    load_documents,
-    open_packed,
-    pack,
-    tokenizer_fingerprint,
-)
-from ds_megatron.data.demo import BYTE_VOCAB_SIZE, EOS_BYTE_ID, builtin_corpus_bytes, builtin_documents
-from ds_megatron.data.stream import MicroBatchStream, PackedSamples, split_train_valid
+Names are imported on first use (PEP 562), so that ``python -m ds_megatron.data``, its worker processes and the
+pre-flight checks load only what they need (no torch for preparing data or reading a manifest)."""
 
-__all__ = [
-    "BYTE_VOCAB_SIZE",
-    "EOS_BYTE_ID",
-    "EOS_TOKEN",
-    "DataError",
-    "MicroBatchStream",
-    "PackedSamples",
-    "PackedTokens",
-    "build_tokenizer",
-    "builtin_corpus_bytes",
-    "builtin_documents",
-    "fingerprint_documents",
-    "load_documents",
-    "open_packed",
-    "pack",
-    "split_train_valid",
-    "tokenizer_fingerprint",
-]
+from __future__ import annotations
+
+import importlib
+
+_WHERE = {
+    "EOS_TOKEN": "corpus",
+    "DataError": "corpus",
+    "PackedTokens": "corpus",
+    "build_tokenizer": "corpus",
+    "fingerprint_documents": "corpus",
+    "load_documents": "corpus",
+    "open_packed": "corpus",
+    "pack": "corpus",
+    "tokenizer_fingerprint": "corpus",
+    "BYTE_VOCAB_SIZE": "demo",
+    "EOS_BYTE_ID": "demo",
+    "builtin_corpus_bytes": "demo",
+    "builtin_documents": "demo",
+    "MicroBatchStream": "stream",
+    "PackedSamples": "stream",
+    "split_train_valid": "stream",
+    "BlendedSamples": "blend",
+    "ShardedTokens": "prepared",
+    "is_prepared": "prepared",
+    "open_prepared": "prepared",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -1,14 +1,14 @@
 """Documents in, packed token files out.
 
 - ``load_documents``: a ``datasets.Dataset`` with one column ``text`` from the built-in corpus, local files
-  (.txt: one document per file; .json/.jsonl/.parquet: one per record, text in ``text_field``; comma-separated paths
-  and globs) or a Hugging Face dataset name (needs a network).
+  (.txt: one document per file; .json/.jsonl/.parquet: one per record, text in ``text_field``; comma-separated paths,
+  globs and directories) or a Hugging Face dataset name (needs a network).
 - ``build_tokenizer``: a tokenizer directory (AutoTokenizer), or ``bpe:N``: a byte-level BPE of N tokens trained on
   the training text (cached by content hash), with ``<|endoftext|>`` as end-of-document token.
 - ``pack``: tokenise once (``datasets.map`` in parallel, with a progress bar) into one flat memory-mapped file of
   token ids, EOS after every document, uint16 when the vocabulary fits, else uint32, cached by the hash of the text,
   the tokenizer and the settings; written to a temporary name and renamed, with a JSON manifest (dtype, token count,
-  size, sha256) that ``open_packed`` verifies.
+  size, sha256) that ``open_packed`` verifies.  Big corpora are prepared outside the launch instead (``build.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import glob
 import hashlib
 import json
 import os
+import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +34,22 @@ class DataError(ValueError):
     """Bad data input; ``str`` is the one line shown to the user."""
 
 
+def _writer_id() -> str:
+    """Host and process: unique among the processes of a job, also across nodes sharing a filesystem."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 def resolve_files(path: str) -> list[str]:
-    """Expand comma-separated paths and globs; an empty result for a local-looking path is an error."""
+    """Expand comma-separated paths and globs; a directory stands for the text files under it (recursively, known
+    suffixes only, sorted).  An empty result for a local-looking path is an error."""
     files: list[str] = []
     for part in [p.strip() for p in path.split(",") if p.strip()]:
-        matches = sorted(glob.glob(os.path.expanduser(part)))
-        files += [m for m in matches if os.path.isfile(m)]
+        for match in sorted(glob.glob(os.path.expanduser(part))):
+            if os.path.isfile(match):
+                files.append(match)
+            elif os.path.isdir(match):
+                found = (str(f) for f in Path(match).rglob("*") if f.suffix in SUFFIX_BUILDERS and f.is_file())
+                files += sorted(found)
     return files
 
 
@@ -107,24 +119,34 @@ def fingerprint_documents(ds, path: str | None) -> str:
 
 def train_bpe(ds, vocab_size: int, out_dir: Path):
     """Train a byte-level BPE on the corpus and save it as a transformers tokenizer directory."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = ByteLevelBPETokenizer()
 
     def texts():
         for batch in ds.iter(batch_size=1000):
             yield from batch["text"]
 
+    return train_bpe_from_texts(texts(), vocab_size, out_dir, len(ds))
+
+
+def train_bpe_from_texts(texts, vocab_size: int, out_dir: Path, length: int | None = None):
+    """Train a byte-level BPE on an iterable of documents (read once, streamed) and save it as a transformers
+    tokenizer directory (written under a temporary name, then renamed)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(
-        texts(), vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN], show_progress=True, length=len(ds)
+        texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN], show_progress=True, length=length
     )
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, unk_token=EOS_TOKEN
     )
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    # A name of this process's own: processes that build the same tokenizer at once never write into one directory.
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{_writer_id()}")
     tok.save_pretrained(tmp)
-    os.replace(tmp, out_dir)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:  # another process renamed an identical tokenizer into place first
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 
@@ -179,7 +201,8 @@ def pack(ds, tok, key: str, cache_dir: Path, num_proc: int = 1) -> Path:
     dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.uint32
 
     def encode(batch):
-        return {"ids": tok(batch["text"], add_special_tokens=False)["input_ids"]}
+        ids = tok(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"ids": ids, "n": [len(x) + 1 for x in ids]}
 
     encoded = ds.map(
         encode,
@@ -189,17 +212,18 @@ def pack(ds, tok, key: str, cache_dir: Path, num_proc: int = 1) -> Path:
         remove_columns=["text"],
         desc="tokenizing",
     )
-    total = sum(len(ids) + 1 for ids in encoded["ids"])
+    total = int(sum(encoded["n"]))  # one int per document; the ids stay on disk in the Arrow cache
     if total <= len(encoded):
         raise DataError("error: ds_megatron.data.path: the corpus has no tokens; point it at some text")
-    tmp = out.with_suffix(".bin.tmp")
+    tmp = out.with_name(f"{out.name}.tmp-{_writer_id()}")  # concurrent builders never share a temporary file
     arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=(total,))
     pos = 0
-    for ids in encoded["ids"]:
-        n = len(ids)
-        arr[pos : pos + n] = ids
-        arr[pos + n] = eos
-        pos += n + 1
+    for batch in encoded.iter(batch_size=1000):  # a batch at a time: memory stays bounded by the batch
+        for ids in batch["ids"]:
+            n = len(ids)
+            arr[pos : pos + n] = ids
+            arr[pos + n] = eos
+            pos += n + 1
     arr.flush()
     del arr
     manifest = {

@@ -1,37 +1,87 @@
-"""Prepare a run's data on every rank: rank 0 loads the corpus, builds or loads the tokenizer and packs the token
-file (cached); the other ranks wait, then open what rank 0 made.  Train / validation split and samples."""
+"""A run's data, on every rank, without any process-group collective (a collective would time out while a long
+tokenisation runs):
+
+- ``data.path`` a prepared directory (``python -m ds_megatron.data prepare``), or ``data.blend`` a weighted list of
+  them: nothing is tokenised.  The shards are memory-mapped and checked against the manifest (sizes here; sha256 in
+  pre-flight with ``data.verify_checksums``), the tokenizer is the directory's, and validation is the tail
+  ``valid_fraction`` of the token stream (the value recorded by ``prepare``, default 0.02).
+- anything else (the built-in corpus, local files up to ``data.max_inlaunch_bytes``, a Hugging Face dataset): tokenised
+  here into the packed cache under ``data.cache_dir``.  The first process of a node to take the file lock in that
+  directory builds the cache (or checks the one there); the others wait on the lock, then find it through a small
+  record keyed by the inputs and open it.  The last ``data.valid_fraction`` of the tokens is the validation split.
+
+Samples follow from the seed and the step (``stream.py``), so a resumed run continues at the exact sample.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
 from ds_megatron.config import RunConfig, effective_tokenizer
+from ds_megatron.data.blend import BlendedSamples
 from ds_megatron.data.corpus import (
     DataError,
     build_tokenizer,
     fingerprint_documents,
+    is_local,
     load_documents,
     open_packed,
     pack,
+    resolve_files,
     tokenizer_fingerprint,
 )
+from ds_megatron.data.lock import file_lock
+from ds_megatron.data.prepared import Prepared, is_prepared, open_prepared
 from ds_megatron.data.stream import PackedSamples, split_train_valid
+from ds_megatron.fileio import atomic_write_text
 
 
 @dataclass
 class RunData:
     tokenizer: object
-    train: PackedSamples
-    valid: PackedSamples
+    train: PackedSamples | BlendedSamples
+    valid: PackedSamples | BlendedSamples
     num_tokens: int
-    cache_file: Path
+    cache_file: Path  # the packed token file, or the (first) prepared directory
 
 
-def _rank0_build(run: RunConfig) -> tuple[str, str]:
+def _say(rank: int, line: str) -> None:
+    if rank == 0:
+        print(line, flush=True)
+
+
+def _load_tokenizer(path: str | Path, run: RunConfig):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if len(tok) > run.model.vocab_size:
+        raise DataError(
+            f"error: ds_megatron.data.tokenizer: tokenizer vocabulary larger than the model's "
+            f"({len(tok)} > vocab_size {run.model.vocab_size}); raise model.vocab_size to at least {len(tok)}"
+        )
+    return tok
+
+
+# ---- raw text, tokenised in the launch -----------------------------------------------------------------------------
+def inputs_key(run: RunConfig) -> str:
+    """A cheap key of what the packed cache is built from (file names, sizes and times, not contents): processes
+    that wait for the builder find its result by it without reading the corpus."""
+    data = run.section.data
+    spec = effective_tokenizer(run)
+    parts: list = [data.path, data.text_field, data.split, spec, sys.version_info[:2]]
+    if data.path is not None and is_local(data.path):
+        parts += [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in resolve_files(data.path)]
+    if not spec.startswith("bpe:") and Path(spec).is_dir():
+        parts += [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(Path(spec).iterdir()) if p.is_file()]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
+
+
+def _build(run: RunConfig) -> tuple[str, str]:
     data = run.section.data
     cache = Path(data.cache_dir)
     ds = load_documents(data.path, data.text_field, data.split)
@@ -43,37 +93,122 @@ def _rank0_build(run: RunConfig) -> tuple[str, str]:
     return str(path), tok_dir
 
 
-def prepare_data(run: RunConfig, rank: int, run_dir: Path | None = None) -> RunData:
-    """Collective: every rank calls it.  Errors on rank 0 reach all ranks as a DataError."""
-    payload: list = [None]
-    if rank == 0:
-        try:
-            payload[0] = _rank0_build(run)
-        except DataError as err:
-            payload[0] = err
-    if dist.is_initialized():
-        dist.broadcast_object_list(payload, src=0)
-    if isinstance(payload[0], DataError):
-        raise payload[0]
-    cache_file, tok_path = payload[0]
-    from transformers import AutoTokenizer
+def build_in_launch(run: RunConfig, rank: int = 0) -> tuple[str, str]:
+    """(packed token file, tokenizer directory): built by the first process to take the cache directory's lock,
+    found by the others once they take it in turn."""
+    cache = Path(run.section.data.cache_dir)
+    record = cache / f"launch-{inputs_key(run)}.json"
+    waiting = f"waiting for another process building the token cache in {cache} (lock {cache / '.lock'})"
+    with file_lock(cache / ".lock", on_wait=lambda: _say(rank, waiting)):
+        if record.is_file():
+            found = json.loads(record.read_text())
+            try:
+                open_packed(Path(found["cache_file"]), verify_checksum=False)
+                if Path(found["tokenizer"]).is_dir():
+                    return found["cache_file"], found["tokenizer"]
+            except DataError:
+                pass  # gone or damaged since: build again (pack verifies and rebuilds)
+        cache_file, tok_dir = _build(run)
+        atomic_write_text(record, json.dumps({"cache_file": cache_file, "tokenizer": tok_dir}))
+        return cache_file, tok_dir
 
-    tok = AutoTokenizer.from_pretrained(tok_path)
-    if len(tok) > run.model.vocab_size:
-        raise DataError(
-            f"error: ds_megatron.data.tokenizer: tokenizer vocabulary larger than the model's "
-            f"({len(tok)} > vocab_size {run.model.vocab_size}); raise model.vocab_size to at least {len(tok)}"
-        )
-    if rank == 0 and run_dir is not None:
-        tok.save_pretrained(run_dir / "tokenizer")
-    packed = open_packed(Path(cache_file), verify_checksum=False)  # rank 0 verified it when building
+
+def _in_launch_data(run: RunConfig, rank: int) -> RunData:
+    cache_file, tok_path = build_in_launch(run, rank)
+    tok = _load_tokenizer(tok_path, run)
+    packed = open_packed(Path(cache_file), verify_checksum=False)  # the builder verified it
     train_tokens, valid_tokens = split_train_valid(packed.tokens, run.section.data.valid_fraction)
-    seed = run.section.train.seed
-    s = run.model.seq_length
+    seed, s = run.section.train.seed, run.model.seq_length
     return RunData(
         tok,
         PackedSamples(train_tokens, s, seed),
         PackedSamples(valid_tokens, s, seed + 1),
         len(packed.tokens),
-        Path(cache_file),
+        packed.path,
     )
+
+
+# ---- prepared directories ------------------------------------------------------------------------------------------
+def _open_checked(directory: str) -> Prepared:
+    prepared = open_prepared(directory)
+    if len(prepared.tokens) < 2:
+        raise DataError(
+            f"error: ds_megatron.data.path: the prepared directory has no tokens ({directory}); prepare text"
+        )
+    return prepared
+
+
+def _prepared_tokenizer(prepared: Prepared, run: RunConfig):
+    tok = _load_tokenizer(prepared.tokenizer_dir, run)
+    expected = prepared.manifest["tokenizer"]["fingerprint"]
+    if tokenizer_fingerprint(tok) != expected:
+        raise DataError(
+            f"error: ds_megatron.data.path: the tokenizer in {prepared.tokenizer_dir} is not the one its shards were "
+            f"made with ({tokenizer_fingerprint(tok)} != {expected}); prepare the directory again"
+        )
+    return tok
+
+
+def _splits(prepared: Prepared, run: RunConfig) -> tuple[PackedSamples, PackedSamples]:
+    fraction = prepared.manifest["valid_fraction"]
+    train_tokens, valid_tokens = split_train_valid(prepared.tokens, fraction)
+    seed, s = run.section.train.seed, run.model.seq_length
+    return PackedSamples(train_tokens, s, seed), PackedSamples(valid_tokens, s, seed + 1)
+
+
+def _prepared_data(run: RunConfig, rank: int) -> RunData:
+    data = run.section.data
+    prepared = _open_checked(data.path)
+    tok = _prepared_tokenizer(prepared, run)
+    m = prepared.manifest
+    spec = data.tokenizer
+    if spec is not None and spec != m["tokenizer"]["spec"]:
+        _say(rank, f"note: data.tokenizer={spec} is ignored: {data.path} was tokenised with {m['tokenizer']['spec']}")
+    _say(
+        rank,
+        f"data: prepared directory {data.path}: {m['num_tokens']:,} tokens, {m['num_docs']:,} documents, "
+        f"{len(m['shards'])} shards, tokenizer {m['tokenizer']['spec']}; validation: the last "
+        f"{m['valid_fraction']:g} of the tokens",
+    )
+    train, valid = _splits(prepared, run)
+    return RunData(tok, train, valid, len(prepared.tokens), prepared.directory)
+
+
+def _blend_data(run: RunConfig, rank: int) -> RunData:
+    data = run.section.data
+    paths = [str(entry[0]) for entry in data.blend]
+    weights = [float(entry[1]) for entry in data.blend]
+    members = [_open_checked(p) for p in paths]
+    prints = {m.manifest["tokenizer"]["fingerprint"] for m in members}
+    if len(prints) > 1:
+        raise DataError(
+            "error: ds_megatron.data.blend: the directories were tokenised with different tokenizers "
+            f"({sorted(prints)}); prepare them all with one --tokenizer"
+        )
+    tok = _prepared_tokenizer(members[0], run)
+    splits = [_splits(m, run) for m in members]
+    seed = run.section.train.seed
+    train = BlendedSamples([t for t, _ in splits], weights, seed)
+    valid = BlendedSamples([v for _, v in splits], weights, seed + 1)
+    planned = run.section.train.train_iters * run.global_batch_size
+    realised = train.realised(planned) / max(1, planned)
+    shares = ", ".join(f"{p} {r:.4f} (weight {w / sum(weights):.4f})" for p, r, w in zip(paths, realised, weights))
+    _say(
+        rank,
+        f"data: blend of {len(paths)} prepared directories; realised shares of the run's {planned:,} samples: {shares}",
+    )
+    return RunData(tok, train, valid, sum(len(m.tokens) for m in members), members[0].directory)
+
+
+def prepare_data(run: RunConfig, rank: int, run_dir: Path | None = None) -> RunData:
+    """Every rank calls it, each on its own (no collective).  Raises DataError for unusable data."""
+    data = run.section.data
+    if data.blend:
+        result = _blend_data(run, rank)
+    elif is_prepared(data.path):
+        result = _prepared_data(run, rank)
+    else:
+        result = _in_launch_data(run, rank)
+    if rank == 0 and run_dir is not None:
+        result.tokenizer.save_pretrained(run_dir / "tokenizer")
+    return result

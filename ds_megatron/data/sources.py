@@ -1,0 +1,207 @@
+"""Streaming reads of local corpora, cut into chunks that tokenise independently (one chunk becomes one shard).
+
+Documents come in the same order, with the same text, as ``corpus.load_documents`` gives them (files sorted as
+``resolve_files`` lists them, records in file order), so a prepared directory holds the very token stream the
+in-launch path packs.  Formats:
+
+- ``.txt``: one document per file (read whole, in text mode: universal newlines, as ``datasets`` reads it); a chunk
+  is a run of consecutive files.
+- ``.jsonl`` and ``.json`` that starts with ``{``: one JSON record per line; a chunk is a byte range of a file, and a
+  line belongs to the chunk its first byte falls in, so chunks of one file can be read by different processes.
+- ``.json`` that starts with ``[``: a JSON array of records, one chunk per file (parsed whole: prefer JSON lines for
+  big files).
+- ``.parquet``: a chunk is a run of row groups, read a record batch at a time, the text column only.
+
+Only a batch of documents is in memory at a time (about ``BATCH_BYTES`` of text), whatever the corpus size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ds_megatron.data.corpus import SUFFIX_BUILDERS, DataError
+
+BATCH_DOCS = 512  # documents per tokenizer call
+BATCH_BYTES = 1 << 20  # ... or this many bytes of text, whichever comes first
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of the corpus: ``files`` (several for .txt, else one) and, for one file, a byte range (jsonl) or a
+    row-group range (parquet) ``[start, stop)``.  ``nbytes`` is its share of the input, for progress."""
+
+    index: int
+    kind: str  # "txt", "jsonl", "json" (array) or "parquet"
+    files: tuple[str, ...]
+    start: int = 0
+    stop: int = 0
+    nbytes: int = 0
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "files": list(self.files), "start": self.start, "stop": self.stop}
+
+
+def file_kind(path: str) -> str:
+    suffix = os.path.splitext(path)[1]
+    if suffix not in SUFFIX_BUILDERS:
+        raise DataError(f"error: --data: unknown file type ({path}); use {', '.join(sorted(SUFFIX_BUILDERS))} files")
+    if suffix == ".txt":
+        return "txt"
+    if suffix == ".parquet":
+        return "parquet"
+    if suffix == ".json":
+        with open(path, "rb") as fh:
+            head = fh.read(4096).lstrip()
+        return "json" if head.startswith(b"[") else "jsonl"
+    return "jsonl"
+
+
+def plan_chunks(files: list[str], chunk_bytes: int) -> list[Chunk]:
+    """Cut the corpus into chunks of about ``chunk_bytes`` of input each, in corpus order."""
+    chunks: list[Chunk] = []
+    txt_run: list[str] = []
+    txt_bytes = 0
+
+    def add(kind: str, group: tuple[str, ...], start: int = 0, stop: int = 0, nbytes: int = 0) -> None:
+        chunks.append(Chunk(len(chunks), kind, group, start, stop, nbytes))
+
+    def flush_txt() -> None:
+        nonlocal txt_run, txt_bytes
+        if txt_run:
+            add("txt", tuple(txt_run), nbytes=txt_bytes)
+        txt_run, txt_bytes = [], 0
+
+    for path in files:
+        kind, size = file_kind(path), os.path.getsize(path)
+        if kind != "txt":
+            flush_txt()
+        if kind == "txt":
+            txt_run.append(path)
+            txt_bytes += size
+            if txt_bytes >= chunk_bytes:
+                flush_txt()
+        elif kind == "jsonl":
+            for start in range(0, max(size, 1), chunk_bytes):
+                stop = min(start + chunk_bytes, size)
+                add("jsonl", (path,), start, stop, stop - start)
+        elif kind == "json":
+            add("json", (path,), nbytes=size)
+        else:
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(path).metadata
+            groups = [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
+            total = sum(groups) or 1
+            start, acc = 0, 0
+            for i, group_bytes in enumerate(groups):
+                acc += group_bytes
+                if acc >= chunk_bytes or i == len(groups) - 1:
+                    add("parquet", (path,), start, i + 1, size * acc // total)
+                    start, acc = i + 1, 0
+    flush_txt()
+    return chunks
+
+
+def _field(record, field: str, where: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise DataError(f"error: --text-field: no field {field!r} in {where} ({keys}); pass --text-field")
+    text = record[field]
+    if not isinstance(text, str):
+        raise DataError(f"error: --text-field: {field!r} is not text in {where} (got {type(text).__name__})")
+    return text
+
+
+def check_fields(files: list[str], field: str) -> None:
+    """The first record of every structured file has the text field (checked before any work starts)."""
+    for path in files:
+        kind = file_kind(path)
+        if kind == "jsonl":
+            with open(path, "rb") as fh:
+                for number, line in enumerate(fh, 1):
+                    if line.strip():
+                        where = f"{path} line {number}"
+                        _field(_loads(line, where), field, where)
+                        break
+        elif kind == "parquet":
+            import pyarrow.parquet as pq
+
+            names = pq.ParquetFile(path).schema_arrow.names
+            if field not in names:
+                raise DataError(f"error: --text-field: no column {field!r} in {path} ({names}); pass --text-field")
+
+
+def _loads(line: bytes, where: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"error: --data: invalid JSON in {where} ({err.msg}); fix or remove that line") from None
+
+
+def _documents(chunk: Chunk, field: str) -> Iterator[tuple[str, int]]:
+    """(text, input bytes it accounts for) for every document of the chunk, in order."""
+    if chunk.kind == "txt":
+        for path in chunk.files:
+            with open(path, encoding="utf-8") as fh:
+                yield fh.read(), os.path.getsize(path)
+    elif chunk.kind == "jsonl":
+        path = chunk.files[0]
+        with open(path, "rb") as fh:
+            if chunk.start > 0:
+                fh.seek(chunk.start - 1)
+                fh.readline()  # the line holding byte start - 1 belongs to the previous chunk
+            pos = fh.tell()
+            while pos < chunk.stop:
+                line = fh.readline()
+                if not line:
+                    break
+                if line.strip():
+                    where = f"{path} at byte {pos}"
+                    yield _field(_loads(line, where), field, where), len(line)
+                pos += len(line)
+    elif chunk.kind == "json":
+        path = chunk.files[0]
+        with open(path, encoding="utf-8") as fh:
+            records = json.load(fh)
+        share = chunk.nbytes // max(1, len(records))
+        for i, record in enumerate(records):
+            yield _field(record, field, f"{path} record {i}"), share
+    else:
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(chunk.files[0])
+        groups = list(range(chunk.start, chunk.stop))
+        rows = sum(pf.metadata.row_group(i).num_rows for i in groups) or 1
+        for batch in pf.iter_batches(batch_size=BATCH_DOCS, row_groups=groups, columns=[field]):
+            share = chunk.nbytes // rows
+            for text in batch.column(0).to_pylist():
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"error: --text-field: {field!r} is not text in {chunk.files[0]} (got {type(text).__name__})"
+                    )
+                yield text, share
+
+
+def read_batches(chunk: Chunk, field: str) -> Iterator[tuple[list[str], int]]:
+    """The chunk's documents in batches: (texts, input bytes they account for)."""
+    texts: list[str] = []
+    size = nbytes = 0
+    for text, accounted in _documents(chunk, field):
+        texts.append(text)
+        size += len(text)
+        nbytes += accounted
+        if len(texts) >= BATCH_DOCS or size >= BATCH_BYTES:
+            yield texts, nbytes
+            texts, size, nbytes = [], 0, 0
+    if texts:
+        yield texts, nbytes
+
+
+def iter_texts(chunks: list[Chunk], field: str) -> Iterator[str]:
+    """Every document of the corpus, in order (to train a tokenizer on)."""
+    for chunk in chunks:
+        for text, _ in _documents(chunk, field):
+            yield text
