@@ -13,9 +13,7 @@ run stores: activations in the run's dtype (4 or 2 bytes) and dropout masks of t
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import socket
 import sys
 
@@ -24,6 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from _results import write_markdown  # noqa: E402
 
 from ds_megatron.memory import activation_bytes_per_layer  # noqa: E402
 from ds_megatron.model import GPTBlock, GPTConfig, init_module  # noqa: E402
@@ -180,12 +180,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.markdown:
-        header = (
-            f"# Activation memory benchmark\n\n{datetime.date.today().isoformat()}, {platform.machine()} "
-            f"({os.cpu_count()} cores), torch {torch.__version__}, `python benchmarks/activation_memory.py`\n\n"
-        )
-        with open(args.markdown, "w") as f:
-            f.write(header + table + "\n")
+        write_markdown(args.markdown, "Activation memory benchmark", "python benchmarks/activation_memory.py", table)
 
 
 if __name__ == "__main__":

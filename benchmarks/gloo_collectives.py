@@ -14,9 +14,7 @@ the re-gathers of the saved shards).  The embedding adds 1 all-gather and the ou
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import socket
 import statistics
 import time
@@ -24,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _results import write_markdown  # noqa: E402
 
 S, B, H, TP = 256, 4, 256, 2
 BLOCKS, MICRO_BATCHES = 4, 4
@@ -91,12 +90,7 @@ def main() -> None:
     )
     print(table)
     if args.markdown:
-        header = (
-            f"# gloo collective costs\n\n{datetime.date.today().isoformat()}, {platform.machine()} "
-            f"({os.cpu_count()} cores), torch {torch.__version__}, `python benchmarks/gloo_collectives.py`\n\n"
-        )
-        with open(args.markdown, "w") as f:
-            f.write(header + table + "\n")
+        write_markdown(args.markdown, "gloo collective costs", "python benchmarks/gloo_collectives.py", table)
 
 
 if __name__ == "__main__":

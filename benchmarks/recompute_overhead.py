@@ -12,9 +12,7 @@ prediction beside it.  Two shapes keep the attention core a small share of the F
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -22,6 +20,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from _results import write_markdown  # noqa: E402
 
 from ds_megatron.flops import core_attention_forward_flops, layer_forward_flops  # noqa: E402
 from ds_megatron.model import GPTBlock, GPTConfig, init_module  # noqa: E402
@@ -121,12 +121,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.markdown:
-        header = (
-            f"# Recompute overhead benchmark\n\n{datetime.date.today().isoformat()}, {platform.machine()} "
-            f"({os.cpu_count()} cores), torch {torch.__version__}, `python benchmarks/recompute_overhead.py`\n\n"
-        )
-        with open(args.markdown, "w") as f:
-            f.write(header + table + "\n")
+        write_markdown(args.markdown, "Recompute overhead benchmark", "python benchmarks/recompute_overhead.py", table)
 
 
 if __name__ == "__main__":
