@@ -25,7 +25,7 @@ from ds_megatron.config import RunConfig
 from ds_megatron.data import DataError, MicroBatchStream
 from ds_megatron.data.prepare import RunData, prepare_data
 from ds_megatron.engine import Built, build_engine
-from ds_megatron.generate import greedy_continuation, sampled_continuation
+from ds_megatron.generate import Decoder
 from ds_megatron.metrics import MetricsLogger, WandbRun, format_record, lookup_peak_tflops, throughput
 from ds_megatron.plot import read_records, write_loss_plot
 
@@ -278,11 +278,9 @@ class Trainer:
         for the exported model; a small model soon repeats itself) and top-k with temperature (reads more like text)."""
         train, tok = self.run.section.train, self.data.tokenizer
         prompt_ids = tok(train.prompt, add_special_tokens=False)["input_ids"]
-        args = (
+        decoder = Decoder(
             self.built.engine,
             self.built.topology,
-            prompt_ids,
-            train.generate_tokens,
             self.run.model.seq_length,
             self.run.micro_batch_size,
             tok.eos_token_id,
@@ -292,10 +290,11 @@ class Trainer:
         def is_blank(token: int) -> bool:
             return not tok.decode([token]).strip()
 
-        new = greedy_continuation(*args)
+        new = decoder.greedy(prompt_ids, train.generate_tokens)
         self.logger.say(f"sample (greedy) | {train.prompt!r} -> {_shown(tok, new, is_blank)}")
-        drawn, why = sampled_continuation(
-            *args,
+        drawn, why = decoder.sampled(
+            prompt_ids,
+            train.generate_tokens,
             train.sample_top_k,
             train.sample_temperature,
             train.seed,

@@ -14,7 +14,7 @@ from common import tiny_ds_config, write_result  # noqa: E402
 
 from ds_megatron.config import resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
-from ds_megatron.generate import greedy_continuation  # noqa: E402
+from ds_megatron.generate import Decoder  # noqa: E402
 from ds_megatron.model import GPT, GPTConfig  # noqa: E402
 
 
@@ -28,16 +28,15 @@ def main() -> None:
     run = resolve(tiny_ds_config(tp, pp, dp, sequence_parallel=tp > 1), int(os.environ["WORLD_SIZE"]))
     built = build_engine(run)
     prompt = [5, 17, 99, 3, 250]
-    got = greedy_continuation(
+    decoder = Decoder(
         built.engine,
         built.topology,
-        prompt,
-        8,
         run.model.seq_length,
         run.micro_batch_size,
         pad_id=0,
         vocab_size=run.model.vocab_size,
     )
+    got = decoder.greedy(prompt, 8)
     model = GPT(GPTConfig.from_shape(run.model), seed=run.section.train.seed).eval()
     ids = list(prompt)
     with torch.no_grad():
