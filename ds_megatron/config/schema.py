@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ATTENTION_KERNELS = ("eager", "sdpa")
+MODEL_FAMILIES = ("gpt2", "llama")  # GPT-2/GPT-3 (learned positions, LayerNorm, GELU) or Llama (RoPE, RMSNorm, SwiGLU)
+ROPE_SCALING_TYPES = ("llama3",)  # rope_scaling.rope_type values the llama family implements
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 SP_GRAD_SYNC = ("step", "micro_batch")
@@ -17,19 +19,26 @@ DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fa
 
 @dataclass(frozen=True)
 class ModelSection:
-    """Shape of the GPT.  ``size`` picks a named GPT-3 shape; explicit fields override it."""
+    """Shape of the model.  ``size`` picks a named shape (and its family); explicit fields override it."""
 
-    size: str | None = None  # named shape from ds_megatron.config.sizes (e.g. "gpt3-125m")
+    size: str | None = None  # named shape from ds_megatron.config.sizes (e.g. "gpt3-125m", "llama3-8b")
+    family: str | None = None  # "gpt2" or "llama"; None: the named size's family, else "gpt2"
     num_layers: int | None = None  # transformer blocks (L)
     hidden_size: int | None = None  # model width (h)
     num_heads: int | None = None  # attention heads (a)
     vocab_size: int | None = None  # real vocabulary size (V), before padding for TP
     seq_length: int | None = None  # training sequence length (s); also the position table size by default
     max_position_embeddings: int | None = None  # rows of the learned position table (>= seq_length)
-    dropout: float = 0.1  # embedding, attention-probability and residual dropout (GPT-2's three places)
+    dropout: float = 0.1  # gpt2: embedding, attention-probability and residual dropout; llama: attention only
     attention: str = "eager"  # "eager" (materialised softmax, the paper's setting) or "sdpa"
-    layer_norm_epsilon: float = 1e-5  # LayerNorm epsilon
+    layer_norm_epsilon: float = 1e-5  # LayerNorm epsilon (llama: RMSNorm's rms_norm_eps)
     init_std: float = 0.02  # std of the normal init; residual projections use init_std / sqrt(2 L)
+    # llama only (refused for gpt2):
+    num_kv_heads: int | None = None  # grouped-query attention's KV heads (None: num_heads); must divide num_heads
+    intermediate_size: int | None = None  # SwiGLU width (gate_proj/up_proj outputs)
+    rope_theta: float | None = None  # rotary embedding base (None: the named size's, else 10000)
+    rope_scaling: dict | None = None  # Llama 3's {"rope_type": "llama3", "factor", "low_freq_factor", ...} or None
+    tie_word_embeddings: bool | None = None  # output layer shares the embedding (None: the size's, else False)
 
 
 @dataclass(frozen=True)
