@@ -163,7 +163,9 @@ def check_rope_scaling(scaling: Any, setting: str = "ds_megatron.model.rope_scal
     if isinstance(scaling, tuple):
         scaling = dict(scaling)
     if not isinstance(scaling, dict):
-        raise ConfigError(setting, "must be an object or null", f"got {scaling!r}", 'write {"rope_type": "llama3", ...}')
+        raise ConfigError(
+            setting, "must be an object or null", f"got {scaling!r}", 'write {"rope_type": "llama3", ...}'
+        )
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind not in ROPE_SCALING_TYPES:
         raise ConfigError(

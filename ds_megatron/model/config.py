@@ -22,6 +22,8 @@ class GPTConfig:
     initializer_range: float = 0.02  # std of the normal init
     attention: str = "eager"  # "eager" (materialised softmax) or "sdpa"
 
+    family = "gpt2"
+
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head

@@ -68,15 +68,28 @@ class CoreAttention(nn.Module):
         return self._masks[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v: [b, n_heads, s, d] -> context [b, n_heads, s, d]."""
+        """q [b, n_heads, s, d], k and v [b, n_kv, s, d] -> context [b, n_heads, s, d].
+
+        With fewer KV heads than query heads (grouped-query attention), query head i attends with KV head
+        i // (n_heads / n_kv).  K and V are never expanded to n_heads: the eager path folds each KV head's group of
+        query heads into the row dim ([b, n_kv, g s, d]), so the matmuls store K and V at KV size."""
         with self.rng_fork():
+            n, n_kv = q.shape[1], k.shape[1]
             if self.kernel == "sdpa":
                 p = self.attn_dropout.p if self.training else 0.0
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.scale)
-            scores = torch.matmul(q * self.scale, k.transpose(-1, -2))  # [b, n, s, s]; scaling q is s/d cheaper
-            probs = ScaledCausalSoftmax.apply(scores, self._future_mask(q.shape[-2], q.device))
+                return F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=p, is_causal=True, scale=self.scale, enable_gqa=n != n_kv
+                )
+            b, _, s, d = q.shape
+            q = q * self.scale  # scaling q is s/d cheaper than scaling the scores
+            if n != n_kv:
+                q = q.reshape(b, n_kv, (n // n_kv) * s, d)
+            scores = torch.matmul(q, k.transpose(-1, -2)).view(b, n, s, s)
+            probs = ScaledCausalSoftmax.apply(scores, self._future_mask(s, q.device))
             probs = self.attn_dropout(probs)
-            return torch.matmul(probs, v)
+            if n == n_kv:
+                return torch.matmul(probs, v)
+            return torch.matmul(probs.view(b, n_kv, -1, s), v).view(b, n, s, d)
 
 
 class CausalSelfAttention(nn.Module):
@@ -177,19 +190,23 @@ def _is_norm(name: str) -> bool:
 
 
 @torch.no_grad()
-def init_parameter(name: str, param: torch.Tensor, config: GPTConfig, seed: int) -> None:
-    """Initialise one full (unsharded) parameter from a generator seeded by (seed, its GPT-2 name).
+def seeded_normal_(param: torch.Tensor, name: str, std: float, seed: int) -> None:
+    """Fill ``param`` with N(0, std) from a generator seeded by (seed, its full name): the values depend only on the
+    name and the seed, never on which stage or rank builds the module, which is what makes a tp=2, pp=2 model start
+    from exactly the weights of the single-device one (for every model family)."""
+    gen = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+    param.copy_(values)
 
-    The values depend only on the name and the seed, never on which stage or rank builds the module: that is
-    what makes a tp=2, pp=2 model start from exactly the weights of the single-device one.
-    """
+
+@torch.no_grad()
+def init_parameter(name: str, param: torch.Tensor, config: GPTConfig, seed: int) -> None:
+    """Initialise one full (unsharded) GPT parameter by its GPT-2 name (see :func:`seeded_normal_`)."""
     std = init_std_for(name, config)
     if std is None:
         param.fill_(1.0 if _is_norm(name) and name.endswith(".weight") else 0.0)
         return
-    gen = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-    param.copy_(values)
+    seeded_normal_(param, name, std, seed)
 
 
 def init_module(module: nn.Module, config: GPTConfig, seed: int, prefix: str = "") -> None:

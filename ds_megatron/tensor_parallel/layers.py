@@ -112,6 +112,44 @@ def column_linear(
     return _ColumnLinear.apply(x, weight, bias, group)
 
 
+class _GroupedColumnLinear(torch.autograd.Function):
+    """Y_i = X A_i^T for several bias-free weights that share one input (q|k|v, gate|up): one f (identity /
+    all-reduce) or, under SP, one all-gather / reduce-scatter for all of them instead of one per weight, and the
+    input (its sequence shard under SP) saved once.  Backward overlaps the collectives with compute as the
+    single-weight functions do."""
+
+    @staticmethod
+    def forward(ctx, x, group, sequence_parallel, *weights):
+        ctx.group, ctx.sp = group, sequence_parallel
+        ctx.save_for_backward(x, *weights)
+        full = _all_gather_dim0(x, group) if sequence_parallel else x
+        return tuple(F.linear(full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        gathering = all_gather_dim0_async(x, ctx.group) if ctx.sp else None
+        grad_full = grads[0].matmul(weights[0])
+        for g, w in zip(grads[1:], weights[1:]):
+            grad_full.add_(g.matmul(w))
+        x_full = gathering.wait() if gathering is not None else x
+        if ctx.sp:
+            grad_in = reduce_scatter_dim0_async(grad_full, ctx.group)
+        else:
+            grad_in = all_reduce_async(grad_full, ctx.group)
+        grad_weights = [_weight_and_bias_grads(g, x_full, False)[0] for g in grads]
+        return grad_in.wait(), None, None, *grad_weights
+
+
+def grouped_column_linear(
+    x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: ProcessGroup | None, sequence_parallel: bool
+) -> tuple[torch.Tensor, ...]:
+    """Several column-parallel, bias-free matmuls of one input (replicated, or a sequence shard under SP)."""
+    if group_size(group) == 1:
+        return tuple(F.linear(x, w) for w in weights)
+    return _GroupedColumnLinear.apply(x, group, sequence_parallel, *weights)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T with A split along its output dim: each rank computes Y[..., out/t].
 
@@ -276,15 +314,80 @@ class VocabParallelEmbedding(nn.Module):
         Under SP the input is all-gathered along the sequence first (column-parallel in the vocabulary).
         Padding columns are set to -inf, so they can never be predicted and get zero gradient.
         """
-        logits = column_linear(x, self.weight, None, self.tp_group, self.sequence_parallel)
-        if self.vocab_end > self.vocab_size:
-            cols = torch.arange(self.vocab_start, self.vocab_end, device=logits.device)
-            logits.masked_fill_(cols >= self.vocab_size, float("-inf"))  # in place: the matmul's fresh output
-        return logits
+        return vocab_parallel_logits(
+            x, self.weight, self.vocab_start, self.vocab_size, self.tp_group, self.sequence_parallel
+        )
 
     def extra_repr(self) -> str:
         return (
             f"vocab={self.vocab_size} (padded {self.padded_size}), rows=[{self.vocab_start}, {self.vocab_end}), "
+            f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}"
+        )
+
+
+def vocab_parallel_logits(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    group: ProcessGroup | None,
+    sequence_parallel: bool,
+) -> torch.Tensor:
+    """[s(/t), b, h] x this rank's rows [V_pad/t, h] of the output table -> its block of logits [s, b, V_pad/t];
+    columns past the real vocabulary (padding) are -inf, so they are never predicted and get zero gradient."""
+    logits = column_linear(x, weight, None, group, sequence_parallel)
+    vocab_end = vocab_start + weight.shape[0]
+    if vocab_end > vocab_size:
+        cols = torch.arange(vocab_start, vocab_end, device=logits.device)
+        logits.masked_fill_(cols >= vocab_size, float("-inf"))  # in place: the matmul's fresh output
+    return logits
+
+
+class VocabParallelOutput(nn.Module):
+    """An untied output layer [V, h] split in contiguous vocabulary blocks of V_pad/t rows (padded with zero rows):
+    column-parallel in the vocabulary, input replicated or (SP) a sequence shard gathered on the fly.
+    Output: this rank's block of logits [s, b, V_pad/t] for the vocab-parallel cross entropy."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        vocab_size: int,
+        padded_size: int,
+        tp_group: ProcessGroup | None,
+        tp_rank: int,
+        tp_size: int,
+        sequence_parallel: bool,
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        mark_tp_sharded(self.weight, 0)
+        self.vocab_size, self.padded_size = vocab_size, padded_size
+        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
+        self.sequence_parallel = sequence_parallel
+        self.vocab_start = tp_rank * weight.shape[0]
+
+    @classmethod
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        padded_size: int,
+        tp_group: ProcessGroup | None,
+        tp_rank: int,
+        tp_size: int,
+        sequence_parallel: bool = False,
+    ) -> VocabParallelOutput:
+        w = shard(linear.weight.data, ShardRule(dim=0, padded_size=padded_size), tp_rank, tp_size)
+        return cls(w, linear.weight.shape[0], padded_size, tp_group, tp_rank, tp_size, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_logits(
+            x, self.weight, self.vocab_start, self.vocab_size, self.tp_group, self.sequence_parallel
+        )
+
+    def extra_repr(self) -> str:
+        end = self.vocab_start + self.weight.shape[0]
+        return (
+            f"vocab={self.vocab_size} (padded {self.padded_size}), rows=[{self.vocab_start}, {end}), "
             f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}"
         )
 
