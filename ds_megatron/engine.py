@@ -21,7 +21,7 @@ from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
 from ds_megatron.config import RunConfig
 from ds_megatron.config.facts import deepspeed_wraps_optimizer, precision
 from ds_megatron.config.schedule import warmup_cosine_from
-from ds_megatron.model import GPTConfig
+from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
 from ds_megatron.parallelize import ParallelPlan
 from ds_megatron.pipeline import build_pipeline_module
@@ -39,7 +39,7 @@ class Built:
     topology: ParallelTopology
     plan: ParallelPlan
     rng: RNGTracker
-    gpt_config: GPTConfig
+    gpt_config: ModelConfig  # the model family's config (GPTConfig or LlamaConfig)
     run: RunConfig
 
 
@@ -147,7 +147,7 @@ def build_engine(run: RunConfig) -> Built:
     topology = ParallelTopology.build(run.tp, run.pp, run.dp)
     seed = run.section.train.seed
     rng = build_rng(seed, topology.tp_rank, topology.pp_rank, topology.dp_rank, device_type())
-    gpt_config = GPTConfig.from_shape(run.model)
+    gpt_config = model_config(run.model)
     plan = ParallelPlan(
         config=gpt_config,
         tp_group=topology.tp_group,

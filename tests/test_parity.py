@@ -1,7 +1,8 @@
-"""Every (tp, pp, dp) layout trains exactly like the single-device GPT.
+"""Every (tp, pp, dp) layout trains exactly like the single-device model, for both families.
 
 Real processes (deepspeed launcher, gloo), fp32, dropout 0, vocabulary 1001 (padded to 1024, not divisible by 2 or
-by 128).  Each worker compares its own shards with the single-device reference: losses of 3 optimizer steps,
+by 128).  Llama layouts (4 heads, 2 KV heads: grouped-query attention split over TP) run with SP on and off and with
+tied and untied output layers, in the same launches as the GPT-2 ones.  Each worker compares its own shards with the single-device reference: losses of 3 optimizer steps,
 step-1 gradients (every parameter, before clipping), the global gradient norm, and the weights after 3 steps.
 """
 
@@ -16,10 +17,17 @@ from launch import WORKERS, deepspeed_launch
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
 GROUPS = {
-    1: ["1,1,1"],
-    2: ["2,1,1", "1,2,1", "1,1,2"],
-    4: ["2,2,1", "2,1,2"],
+    1: ["1,1,1", "1,1,1,llama,tied"],
+    2: ["2,1,1", "1,2,1", "1,1,2", "2,1,1,llama,sp", "2,1,1,llama,tied", "1,2,1,llama,tied"],
+    4: ["2,2,1", "2,1,2", "2,2,1,llama,sp,tied", "2,2,1,llama", "2,1,2,llama,sp"],
 }
+
+
+def result_name(layout: str) -> str:
+    """The worker's result-file stem of a layout argument (``2,1,1,llama,sp`` -> ``2-1-1-sp-llama-untied``)."""
+    tp, pp, dp, *options = layout.split(",")
+    family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
+    return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family])
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +39,15 @@ def results(tmp_path_factory):
 
 
 def _load(out: Path, layout: str) -> list[dict]:
-    files = sorted(out.glob(f"{layout}-eager.rank*.json"))
+    files = sorted(out.glob(f"{result_name(layout)}-eager.rank*.json"))
     assert files, f"no results for {layout}"
     return [json.loads(f.read_text()) for f in files]
 
 
-@pytest.mark.parametrize("layout", [lay.replace(",", "-") for group in GROUPS.values() for lay in group])
+@pytest.mark.parametrize("layout", [lay for group in GROUPS.values() for lay in group], ids=result_name)
 def test_layout_matches_single_device(results, layout):
     ranks = _load(results, layout)
-    tp, pp, dp = (int(x) for x in layout.split("-"))
+    tp, pp, dp = (int(x) for x in layout.split(",")[:3])
     assert len(ranks) == tp * pp * dp
     for r in ranks:
         for got, ref in zip(r["losses"], r["ref_losses"]):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ds_megatron.checkpoint import safe_load
 from ds_megatron.pipeline import PipelineLayout
 
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -38,25 +39,31 @@ class MasterWeights:
     """fp32 masters of one checkpoint tag; ``None`` from :meth:`open` when the tag has no mixed-precision optimizer
     files (the fp32 path, where the per-layer files already hold the trained fp32 weights)."""
 
-    def __init__(self, files: dict[int, list[Path]], tp: int):
-        self.files, self.tp = files, tp
+    def __init__(
+        self, files: dict[int, list[Path]], tp: int, layout: PipelineLayout | None = None, trust: bool = False
+    ):
+        self.files, self.tp, self.trust = files, tp, trust
+        # Only the naming of layer 0 (a tied embedding or not) depends on the layout; GPT-2's is always tied.
+        self.layout = layout if layout is not None else PipelineLayout(0)
         self._loaded: dict[int, list[dict]] = {}
 
     @classmethod
-    def open(cls, tag_dir: Path, tp: int) -> MasterWeights | None:
+    def open(
+        cls, tag_dir: Path, tp: int, layout: PipelineLayout | None = None, trust: bool = False
+    ) -> MasterWeights | None:
+        """``trust`` reads files that need more than the weights-only unpickler allows (``safe_load``)."""
         files = optimizer_files(tag_dir)
         if not files:
             return None
-        probe = torch.load(next(iter(files.values()))[0], map_location="cpu", mmap=True, weights_only=False)
+        probe = safe_load.load(next(iter(files.values()))[0], trust=trust, mmap=True)
         if "single_partition_of_fp32_groups" not in probe.get("optimizer_state_dict", {}):
             return None
-        return cls(files, tp)
+        return cls(files, tp, layout, trust)
 
     def _states(self, mp: int) -> list[dict]:
         if mp not in self._loaded:
             self._loaded[mp] = [
-                torch.load(f, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
-                for f in self.files[mp]
+                safe_load.load(f, trust=self.trust, mmap=True)["optimizer_state_dict"] for f in self.files[mp]
             ]
         return self._loaded[mp]
 
@@ -67,7 +74,7 @@ class MasterWeights:
 
     def holds(self, layer_idx: int, key: str, tp_rank: int, pp_rank: int) -> bool:
         mp = pp_rank * self.tp + tp_rank
-        name = PipelineLayout.local_name(layer_idx, key)
+        name = self.layout.local_name(layer_idx, key)
         return mp in self.files and any(name in m for s in self._states(mp) for m in s["param_slice_mappings"])
 
     def find(
@@ -79,7 +86,7 @@ class MasterWeights:
         mp = pp_rank * self.tp + tp_rank
         if mp not in self.files:
             return None
-        name = PipelineLayout.local_name(layer_idx, key)
+        name = self.layout.local_name(layer_idx, key)
         pieces = []
         for state in self._states(mp):
             for g, (group, mapping) in enumerate(

@@ -1,7 +1,9 @@
 """Parity worker: train the pipeline GPT at each (tp, pp, dp) layout for 3 steps and compare, on every rank, with
 the single-device GPT trained by plain torch (same weights, same data, same AdamW and clipping).
 
-Usage (under the deepspeed launcher): parity.py --out DIR --layouts 2,1,1 1,2,1 [--sequence-parallel]
+Usage (under the deepspeed launcher): parity.py --out DIR --layouts 2,1,1 1,2,1 2,1,1,llama,sp,tied [--sequence-parallel]
+A layout is tp,pp,dp, optionally followed by the Llama family (``llama``: 4 heads, 2 KV heads, SwiGLU width 96,
+untied unless ``tied``) and per-layout ``sp``.
 Writes DIR/<layout>.rank<r>.json with losses, gradient differences and gradient norms.
 """
 
@@ -19,7 +21,7 @@ from common import log, micro_batches, tiny_ds_config, token_batches, write_resu
 
 from ds_megatron.config import resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
-from ds_megatron.model import GPT, GPTConfig  # noqa: E402
+from ds_megatron.model import build_model, model_config  # noqa: E402
 from ds_megatron.optim import param_groups  # noqa: E402
 from ds_megatron.parallelize import shard_rule  # noqa: E402
 from ds_megatron.pipeline import pipeline_param_name  # noqa: E402
@@ -29,7 +31,7 @@ from ds_megatron.tensor_parallel import shard  # noqa: E402
 def reference(run, batches):
     """Plain single-device training: losses per step, step-1 gradients (before clipping) and grad norms."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig.from_shape(run.model), seed=run.section.train.seed)
+    model = build_model(model_config(run.model), seed=run.section.train.seed)
     opt_cfg = run.ds_config["optimizer"]["params"]
     opt = torch.optim.AdamW(
         param_groups(model, opt_cfg["weight_decay"]),
@@ -51,8 +53,14 @@ def reference(run, batches):
     return losses, grads, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_layout(tp: int, pp: int, dp: int, args) -> None:
-    cfg = tiny_ds_config(tp, pp, dp, sequence_parallel=args.sequence_parallel, attention=args.attention)
+LLAMA_FIELDS = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 96, "rope_theta": 10000.0}
+
+
+def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -> None:
+    sp = args.sequence_parallel or "sp" in options
+    cfg = tiny_ds_config(tp, pp, dp, sequence_parallel=sp, attention=args.attention)
+    if "llama" in options:
+        cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings="tied" in options)
     run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     built = build_engine(run)
     engine, topo, plan = built.engine, built.topology, built.plan
@@ -95,9 +103,10 @@ def run_layout(tp: int, pp: int, dp: int, args) -> None:
         grad_diff = max(grad_diff, float((got - expected_grad).abs().max()))
         param_diff = max(param_diff, float((p.detach() - expected_param).abs().max()))
         checked.append(full)
-        if ".ln_" in full:
+        if ".ln_" in full or "norm" in full:
             norm_weights[full] = {"got": p.detach().flatten().tolist(), "ref": ref_params[full].flatten().tolist()}
-    layout = f"{tp}-{pp}-{dp}" + ("-sp" if args.sequence_parallel else "") + f"-{args.attention}"
+    family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
+    layout = "-".join([f"{tp}-{pp}-{dp}", *(["sp"] if sp else []), *family, args.attention])
     log(layout, "losses", losses, "ref", ref_losses, "grad_diff", grad_diff, "norms", norms, ref_norms)
     write_result(
         args.out,
@@ -130,8 +139,9 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     for layout in args.layouts:
-        tp, pp, dp = (int(x) for x in layout.split(","))
-        run_layout(tp, pp, dp, args)
+        fields = layout.split(",")
+        tp, pp, dp = (int(x) for x in fields[:3])
+        run_layout(tp, pp, dp, args, tuple(fields[3:]))
 
 
 if __name__ == "__main__":
