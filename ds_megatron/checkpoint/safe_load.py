@@ -1,0 +1,82 @@
+"""Reading checkpoint files without running code from them.
+
+``torch.load`` unpickles: with ``weights_only=False`` a crafted file can name any importable function and have the
+unpickler call it (write files, start processes).  Every read of a checkpoint by ds_megatron goes through
+:func:`load`, which unpickles with ``weights_only=True``: tensors, containers and plain types only, plus the one
+class DeepSpeed's files need beyond those (found by loading every file a bf16 / ZeRO-1, fp32 and pipeline
+checkpoint holds): ``fragment_address``, the (numel, start) pair naming each parameter's slice of the flat fp32
+partition in the mixed-precision optimizer files, a plain dataclass whose unpickling only sets two integers.
+ds_megatron's own files (RNG states, run state, configs) hold tensors and plain types and need nothing more.
+
+A file that needs anything else is refused with one line naming it and what it asks for, unless the caller was
+given an explicit trust flag (``--trust-checkpoint`` on the offline commands).
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from deepspeed.utils.tensor_fragment import fragment_address
+
+from ds_megatron.config import ConfigError
+
+SAFE_GLOBALS = [fragment_address]
+
+
+def unsafe_reason(path: Path) -> str | None:
+    """What the weights-only unpickler refuses in ``path`` (``"GLOBAL pathlib.Path.touch"``), or None when the
+    file reads safely.  Tensor data is memory-mapped, not read, so this costs about one pickle's parse."""
+    try:
+        _weights_only(path, mmap=True)
+    except pickle.UnpicklingError as err:
+        return _what(err)
+    return None
+
+
+def load(path: Path, *, trust: bool = False, mmap: bool = False, setting: str = "--checkpoint", fix: str = "") -> Any:
+    """``torch.load`` of one checkpoint file on the CPU, weights only unless ``trust``.  ``mmap`` maps tensor data
+    instead of reading it (host memory then holds only the pages touched).  A refused file raises a ConfigError
+    naming ``setting`` and ``fix`` (default: the offline commands' ``--trust-checkpoint``)."""
+    if trust:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+    try:
+        return _weights_only(path, mmap)
+    except pickle.UnpicklingError as err:
+        raise refusal(path, _what(err), setting, fix) from None
+    except (RuntimeError, EOFError) as err:  # torch's reader on a truncated or foreign file
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        where = f"{path.parent.name}/{path.name}: {first}"
+        raise ConfigError(setting, "a checkpoint file cannot be read", where, "use a complete checkpoint") from None
+
+
+def refusal(path: Path, what: str, setting: str = "--checkpoint", fix: str = "") -> ConfigError:
+    return ConfigError(
+        setting,
+        "a checkpoint file needs more than tensors and plain types to unpickle, and unpickling it could run code "
+        "from the file",
+        f"{path.parent.name}/{path.name} asks for {what}",
+        fix or "pass --trust-checkpoint only if you trust where the checkpoint came from",
+    )
+
+
+def _weights_only(path: Path, mmap: bool) -> Any:
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        try:
+            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+        except RuntimeError as err:
+            if not mmap or "mmap" not in str(err):
+                raise
+            # Files in torch's legacy (non-zip) format cannot be memory-mapped; read them whole.
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _what(err: pickle.UnpicklingError) -> str:
+    found = re.search(r"GLOBAL [\w.]+", str(err))
+    if found:
+        return found.group(0)
+    lines = [line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line]
+    return lines[0].removeprefix("WeightsUnpickler error: ") if lines else "an object the weights-only reader refuses"
