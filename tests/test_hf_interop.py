@@ -88,7 +88,9 @@ def test_init_from_hf_of_another_shape_or_architecture_is_refused_before_launch(
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ds_megatron.checkpoint.init_from_hf: vocab_size differs")
+    assert len(lines) == 1 and lines[0].startswith("error: ds_megatron.checkpoint.init_from_hf: shape differs"), lines
+    for key in ("vocab_size: 1001", "n_layer: 3"):  # every differing key is named
+        assert key in lines[0], lines
 
 
 @pytest.mark.slow
@@ -141,6 +143,6 @@ def test_init_from_hf_of_another_architecture_is_refused(tmp_path):
     try:
         check_hf_config(tmp_path, gpt)
     except ValueError as err:
-        assert str(err).startswith("error: --init-from-hf: model type 'bert' is not gpt2")
+        assert str(err).startswith("error: --init-from-hf: model type 'bert' is not the run's family (gpt2)")
     else:
         raise AssertionError("a BERT config was accepted")

@@ -1,4 +1,5 @@
-"""Initialise a pipeline module from a Hugging Face GPT-2 directory (``train_gpt.py --init-from-hf HF_DIR``).
+"""Initialise a pipeline module from a Hugging Face directory of the run's family (``GPT2LMHeadModel`` or
+``LlamaForCausalLM``; ``train_gpt.py --init-from-hf HF_DIR``).
 
 Each rank reads, lazily from the safetensors files, only the tensors its stage holds, converts them with the key map
 and keeps its TP shard (the same shard rules the layers were built with).  The pipeline-tied embedding copies are
@@ -14,7 +15,7 @@ import torch
 
 from ds_megatron.checkpoint.keymap import is_conv1d
 from ds_megatron.config import ConfigError
-from ds_megatron.model import GPTConfig
+from ds_megatron.model import FAMILIES, ModelConfig
 from ds_megatron.parallelize import ParallelPlan, shard_rule
 from ds_megatron.pipeline import pipeline_param_name
 from ds_megatron.tensor_parallel import shard
@@ -34,22 +35,35 @@ def _tensor_files(hf_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def check_hf_config(hf_dir: Path, gpt: GPTConfig, setting: str = "--init-from-hf") -> None:
-    """The HF model must be a GPT-2 of exactly this shape; a ConfigError naming ``setting`` otherwise."""
+HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}  # transformers' model_type of each family
+
+
+def check_hf_config(hf_dir: Path, config: ModelConfig, setting: str = "--init-from-hf") -> None:
+    """The HF model must be of the run's family and exactly its shape; one ConfigError naming ``setting`` and every
+    differing key otherwise."""
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(hf_dir)
-    if hf.model_type != "gpt2":
-        raise ConfigError(setting, f"model type {hf.model_type!r} is not gpt2", str(hf_dir), "export a GPT-2 model")
-    ours = GPTConfig.from_hf(hf, attention=gpt.attention)
-    for field in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-        if getattr(ours, field) != getattr(gpt, field):
-            raise ConfigError(
-                setting,
-                f"{field} differs",
-                f"{getattr(ours, field)} in {hf_dir}, {getattr(gpt, field)} in the config",
-                "set the model shape to match",
-            )
+    family = config.family
+    if hf.model_type != HF_MODEL_TYPES[family]:
+        raise ConfigError(
+            setting,
+            f"model type {hf.model_type!r} is not the run's family ({family})",
+            str(hf_dir),
+            f"export a {family} model or set ds_megatron.model.family to match",
+        )
+    try:
+        theirs = FAMILIES[family].config.from_hf(hf, attention=config.attention)
+    except ValueError as err:
+        raise ConfigError(setting, "unsupported model settings", str(err).removeprefix("error: "), "use another model")
+    ignore = {"attention", "initializer_range", "embd_pdrop", "attn_pdrop", "resid_pdrop", "attention_dropout"}
+    differing = [
+        f"{key}: {getattr(theirs, key)} in {hf_dir.name}, {getattr(config, key)} in the config"
+        for key in vars(config)
+        if key not in ignore and getattr(theirs, key) != getattr(config, key)
+    ]
+    if differing:
+        raise ConfigError(setting, "shape differs from the run's", "; ".join(differing), "set the model shape to match")
 
 
 @torch.no_grad()
