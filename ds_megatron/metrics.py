@@ -37,10 +37,12 @@ def throughput(
     recompute: str,
     recomputed_layers: int | None,
     peak_tflops: float | None,
+    **block: str | int | None,
 ) -> dict:
-    """tokens/s, model TFLOP/s per GPU, MFU and HFU (None without a peak)."""
-    model = model_flops_per_step(global_batch, seq, layers, hidden, vocab)
-    executed = executed_flops_per_step(global_batch, seq, layers, hidden, vocab, recompute, recomputed_layers)
+    """tokens/s, model TFLOP/s per GPU, MFU and HFU (None without a peak).  ``block``: the family's shape fields
+    (``ds_megatron.flops.block_fields(run.model)``; none for GPT)."""
+    model = model_flops_per_step(global_batch, seq, layers, hidden, vocab, **block)
+    executed = executed_flops_per_step(global_batch, seq, layers, hidden, vocab, recompute, recomputed_layers, **block)
     tflops = model / step_seconds / num_gpus / 1e12
     return {
         "tokens_per_s": global_batch * seq / step_seconds,

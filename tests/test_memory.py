@@ -181,3 +181,148 @@ def test_one_sdpa_block_stores_what_the_formula_counts(dtype, attn_dropout):
         f"{formula:.0f} B, ratio {measured / formula:.4f}"
     )
     assert abs(measured / formula - 1) < 0.05, (path, measured, formula)
+
+
+# The llama family (RMSNorm, rotary embedding, grouped-query attention, SwiGLU)
+
+# Llama 3 8B (s 8192, b 1, h 4096, a 32, k 8 KV heads of d 128, F 14336) in bf16, t 8, eager, no dropout, per token:
+# replicated under TP, split by SP: two norm inputs, q/k/v and gate/up inputs 4 h x 2 bytes + two fp32 1/rms 8 bytes
+L8B = dict(s=8192, h=4096, a=32, k=8, f=14336)
+L8B_SP_SPLIT = 4 * 4096 * 2 + 8  # 32,776
+# split by TP: Q, o_proj input 2 h; K, V 2 k d; gate, up, down_proj input 3 F; 2 bytes each
+L8B_TP_SPLIT = (2 * 4096 + 2 * 8 * 128 + 3 * 14336) * 2  # 106,496
+L8B_SOFTMAX = 32 * 8192 * 2  # a s, bf16: 524,288
+
+
+def _llama_8b(t: int, sp: bool, recompute: str, **kw) -> float:
+    s, h, a, k, f = (L8B[n] for n in ("s", "h", "a", "k", "f"))
+    return activation_bytes_per_layer(
+        s, 1, h, a, t, sp, recompute, family="llama", num_kv_heads=k, intermediate_size=f, **kw
+    )
+
+
+@pytest.mark.parametrize(
+    "t,sp,recompute,per_token",
+    [
+        (8, True, "none", (L8B_SP_SPLIT + L8B_TP_SPLIT + L8B_SOFTMAX) / 8),  # 82,945
+        (8, False, "none", L8B_SP_SPLIT + (L8B_TP_SPLIT + L8B_SOFTMAX) / 8),  # 111,624
+        (8, True, "selective", (L8B_SP_SPLIT + L8B_TP_SPLIT) / 8),  # 17,409
+        (8, False, "selective", L8B_SP_SPLIT + L8B_TP_SPLIT / 8),  # 46,088
+        (1, False, "none", L8B_SP_SPLIT + L8B_TP_SPLIT + L8B_SOFTMAX),  # 663,560
+        (8, True, "full", 4096 * 2 / 8),  # the block input only
+        (8, False, "full", 4096 * 2),
+    ],
+)
+def test_llama_3_8b_by_hand(t, sp, recompute, per_token):
+    assert _llama_8b(t, sp, recompute) == pytest.approx(8192 * per_token, rel=1e-12)
+
+
+def test_llama_3_8b_by_hand_exact_figures():
+    assert _llama_8b(8, True, "none") == 679_485_440  # 82,945 bytes per token: 20.25 s*b*h (GPT's shape: 44.25)
+    assert _llama_8b(8, True, "selective") == 142_614_528
+    # sdpa (fused): the fp32 log-sum-exp, 4 a bytes per token, in place of the softmax
+    assert _llama_8b(8, True, "none", attention="sdpa") == 8192 * (L8B_SP_SPLIT + L8B_TP_SPLIT + 4 * 32) / 8
+    # an attention dropout brings back its output (a s, 2 bytes) and mask (a s, 1 byte)
+    dropout = _llama_8b(8, True, "none", attention_dropout=0.1)
+    assert dropout == 8192 * (L8B_SP_SPLIT + L8B_TP_SPLIT + L8B_SOFTMAX * 5 // 2) / 8
+
+
+def test_llama_terms_scale_with_kv_heads_and_width():
+    # K and V are stored at KV size: one more KV head adds 2 d s b act bytes split by TP; the MLP 3 s b act per F
+    s, b, h, a, t = 1024, 2, 512, 8, 2
+    base = activation_bytes_per_layer(s, b, h, a, t, family="llama", num_kv_heads=2, intermediate_size=1024)
+    more_kv = activation_bytes_per_layer(s, b, h, a, t, family="llama", num_kv_heads=4, intermediate_size=1024)
+    wider = activation_bytes_per_layer(s, b, h, a, t, family="llama", num_kv_heads=2, intermediate_size=1536)
+    assert more_kv - base == pytest.approx(2 * 2 * (h // a) * s * b * 2 / t)
+    assert wider - base == pytest.approx(3 * 512 * s * b * 2 / t)
+
+
+def test_gpt_is_the_default_family_and_llama_needs_its_fields():
+    s, h, a = 2048, 1024, 16
+    gpt = activation_bytes_per_layer(s, 1, h, a, 2)
+    assert activation_bytes_per_layer(s, 1, h, a, 2, family="gpt2", num_kv_heads=a, intermediate_size=4 * h) == gpt
+    with pytest.raises(ValueError, match="num_kv_heads and intermediate_size"):
+        activation_bytes_per_layer(s, 1, h, a, family="llama")
+    with pytest.raises(ValueError, match="attention_dropout applies to the llama family"):
+        activation_bytes_per_layer(s, 1, h, a, attention_dropout=0.0)
+    with pytest.raises(ValueError, match="family"):
+        activation_bytes_per_layer(s, 1, h, a, family="mamba")
+
+
+LLAMA_CASES = [  # (attention, attention dropout, recompute, sdpa path torch takes on CPU)
+    ("eager", 0.0, "none", "fused"),
+    ("eager", 0.0, "selective", "fused"),
+    ("eager", 0.0, "full", "fused"),
+    ("eager", 0.1, "none", "fused"),
+    ("sdpa", 0.0, "none", "fused"),  # CPU flash kernel, grouped-query attention included
+    ("sdpa", 0.1, "none", "math"),  # CPU math path: K and V repeated to every query head, fp32
+]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("attention,dropout,recompute,path", LLAMA_CASES)
+def test_one_llama_block_stores_what_the_formula_counts(dtype, attention, dropout, recompute, path):
+    """A real LlamaBlock (4 heads, 2 KV heads, SwiGLU 176) saves within 5% of the formula in the run's dtype.  The
+    remainder is the rotary cos/sin tables (2 s d elements, shared by every block of a process; here 0.4-1.6%);
+    under full recompute only the block input is kept."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from activation_memory import DTYPES, measure, probe_mask_bytes
+
+    from ds_megatron.model import LlamaBlock, LlamaConfig
+    from ds_megatron.model.llama import init_llama_module
+    from ds_megatron.parallelize import ParallelPlan, parallelize_block
+    from ds_megatron.random import build_rng
+    from ds_megatron.recompute import RecomputePlan
+
+    s, b, h, a, k, f = 128, 2, 64, 4, 2, 176
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=h,
+        num_layers=1,
+        num_heads=a,
+        num_kv_heads=k,
+        intermediate_size=f,
+        max_position_embeddings=s,
+        rope_theta=10000.0,
+        attention_dropout=dropout,
+        attention=attention,
+    )
+    rng = build_rng(1234, 0, 0, 0)
+    plan = ParallelPlan(config, None, 0, 1, False, rng, recompute=RecomputePlan(recompute))
+    block = LlamaBlock(config)
+    init_llama_module(block, config, 1234, prefix="model.layers.0.")
+    block = parallelize_block(block, plan).to(DTYPES[dtype]).train()
+    x = torch.randn(s, b, h).to(DTYPES[dtype]).requires_grad_()
+    measured = measure(block, x, recompute == "full", rng)
+    if attention == "sdpa":
+        assert _cpu_sdpa_path(DTYPES[dtype], dropout) == path
+    formula = activation_bytes_per_layer(
+        s,
+        b,
+        h,
+        a,
+        recompute=recompute,
+        act_bytes=torch.finfo(DTYPES[dtype]).bits // 8,
+        mask_bytes=probe_mask_bytes(DTYPES[dtype]),
+        attention=attention,
+        sdpa_path=path,
+        math_act_bytes=4,
+        math_mask_bytes=probe_mask_bytes(torch.float32),
+        family="llama",
+        num_kv_heads=k,
+        intermediate_size=f,
+        attention_dropout=dropout,
+    )
+    rotary = 2 * s * (h // a) * torch.finfo(DTYPES[dtype]).bits // 8
+    print(
+        f"\nllama block {dtype} {attention} p={dropout} {recompute}: measured {measured} B, formula {formula:.0f} B, "
+        f"ratio {measured / formula:.4f}, rotary tables {rotary} B"
+    )
+    assert abs(measured / formula - 1) < 0.05, (measured, formula)
+    tables = 0 if recompute == "full" else rotary
+    assert measured - tables == pytest.approx(formula, rel=1e-9)  # every other saved byte is a counted term

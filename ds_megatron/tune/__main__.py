@@ -1,4 +1,5 @@
-"""``python -m ds_megatron.tune``: rank training configurations for a GPT on a cluster (analytic; seconds, no GPU).
+"""``python -m ds_megatron.tune``: rank training configurations for a GPT or a Llama on a cluster (analytic; seconds,
+no GPU).
 
     python -m ds_megatron.tune --model gpt3-175b --seq-length 2048 --global-batch-size 1536 \\
         --gpus 1024 --gpus-per-node 8 --gpu a100-80gb [--gpu-memory-gb 80 ...] [--json OUT] [--write-config PATH]
@@ -22,7 +23,7 @@ import time
 from typing import NoReturn
 
 from ds_megatron.config import ConfigError
-from ds_megatron.config.sizes import all_size_names
+from ds_megatron.config.sizes import FAMILIES, all_size_names
 from ds_megatron.tune.empirical import (
     DEVICES,
     EmpiricalOptions,
@@ -64,16 +65,25 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m ds_megatron.tune",
-        description="Find the fastest TP/PP/DP/SP/micro-batch/recompute/attention/ZeRO configuration for a GPT, "
-        "analytically.",
+        description="Find the fastest TP/PP/DP/SP/micro-batch/recompute/attention/ZeRO configuration for a GPT or a "
+        "Llama, analytically.",
     )
     g = p.add_argument_group("model")
     g.add_argument("--model", help=f"named size: {', '.join(all_size_names())}")
+    g.add_argument("--family", choices=FAMILIES, help="model family of an explicit shape (default gpt2)")
     g.add_argument("--layers", type=int, help="transformer blocks L (overrides --model)")
     g.add_argument("--hidden", type=int, help="hidden size h (overrides --model)")
     g.add_argument("--heads", type=int, help="attention heads a (overrides --model)")
-    g.add_argument("--vocab", type=int, help="vocabulary size V (default 50257)")
-    g.add_argument("--seq-length", type=int, help="sequence length s (default 2048)")
+    g.add_argument("--kv-heads", type=int, help="llama: grouped-query attention's KV heads (default: --heads)")
+    g.add_argument("--intermediate-size", type=int, help="llama: SwiGLU width F (overrides --model)")
+    g.add_argument(
+        "--tie-word-embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="llama: output layer tied to the embedding (default: the named size's, else untied)",
+    )
+    g.add_argument("--vocab", type=int, help="vocabulary size V (default: the named size's, else 50257 or 128256)")
+    g.add_argument("--seq-length", type=int, help="sequence length s (default: the named size's, else 2048 or 8192)")
     g.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
     g = p.add_argument_group("cluster")
     g.add_argument("--gpus", type=int, required=True, help="total GPUs")
@@ -150,7 +160,18 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.empirical and args.max_minutes is None:
             raise ConfigError("--max-minutes", "required with --empirical", "not set", "pass e.g. --max-minutes 10")
-        model = build_model_spec(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length)
+        model = build_model_spec(
+            args.model,
+            args.layers,
+            args.hidden,
+            args.heads,
+            args.vocab,
+            args.seq_length,
+            family=args.family,
+            kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate_size,
+            tie_word_embeddings=args.tie_word_embeddings,
+        )
         cluster = build_cluster(
             args.gpu,
             args.gpus,

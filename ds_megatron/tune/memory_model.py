@@ -5,11 +5,15 @@ Model states (mixed-precision Adam as DeepSpeed's BF16 optimizer keeps them: 2 b
 bf16 weights 2 bytes, bf16 gradients 2 + their fp32 accumulation copy 4, fp32 master weights 4 + Adam m and v 8;
 ZeRO-1 shards the last 12 over the data-parallel group.
 
+Parameters: per family (``FAMILIES``): a GPT block 12 h^2 + 13 h, a Llama block 2 h^2 + 2 h kv + 3 h F + 2 h
+(kv = KV heads x head dim, F the SwiGLU width), the embedding, a GPT's position table, the final norm and the output
+layer (tied or not).
+
 Activations (Korthikanti et al. 2022, sec. 4): per layer from :func:`ds_megatron.memory.activation_bytes_per_layer`
-with the candidate's attention kernel (eager: the paper's s^2 terms; sdpa: the fused GPU kernels' fp32 log-sum-exp
-instead);
+for the model's family, with the candidate's attention kernel (eager: the s^2 terms; sdpa: the fused GPU kernels'
+fp32 log-sum-exp instead); a Llama is modelled, and written, without dropout (``spec.LLAMA_DROPOUT``);
 under the 1F1B schedule the first stage keeps min(p, m) micro-batches in flight (L layers' worth when m >= p) and the
-last stage one (sec. 4.2.3).  The first stage adds the embedding dropout mask, the last stage the final LayerNorm
+last stage one (sec. 4.2.3).  The first stage adds a GPT's embedding dropout mask, the last stage the final norm
 input, the output-layer input and the logits (bf16, plus the fp32 copy the loss works on) (sec. 4.3).
 
 Conservative choices, stated once: every stage is assumed to hold ceil(L/p) blocks (DeepSpeed balances blocks, so
@@ -23,8 +27,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE
-from ds_megatron.memory import activation_bytes_per_layer
-from ds_megatron.tune.spec import Candidate, ModelSpec
+from ds_megatron.memory import RSTD_BYTES, activation_bytes_per_layer
+from ds_megatron.tune.spec import LLAMA_DROPOUT, Candidate, ModelSpec
 
 GIB = 2**30
 
@@ -56,7 +60,7 @@ def layers_per_stage(num_layers: int, pp: int) -> int:
 
 
 def layer_param_count(hidden: int, tp: int = 1) -> int:
-    """Parameters of one block per TP rank.
+    """Parameters of one GPT block per TP rank.
 
     Unsharded: 12 h^2 + 13 h (QKV 3h^2 + 3h, projection h^2 + h, fc1 4h^2 + 4h, fc2 4h^2 + h, two LayerNorms 4h),
     the per-layer part of N = 12 L h^2 (1 + 13/(12h) + ...) (Narayanan et al. 2021, sec. 5.1).  TP splits the four
@@ -67,26 +71,67 @@ def layer_param_count(hidden: int, tp: int = 1) -> int:
     return (12 * h * h + 7 * h) // tp + 6 * h
 
 
+def llama_layer_param_count(hidden: int, kv_size: int, intermediate_size: int, tp: int = 1) -> int:
+    """Parameters of one Llama block per TP rank: q and o_proj 2 h^2, k and v 2 h kv (kv = KV heads x head dim),
+    gate, up and down 3 h F, all split by TP (no biases); the two RMSNorm weights (2h) are replicated."""
+    h = hidden
+    return (2 * h * h + 2 * h * kv_size + 3 * h * intermediate_size) // tp + 2 * h
+
+
+@dataclass(frozen=True)
+class FamilyLayout:
+    """What a model family adds around its blocks, for the parameter and activation counts."""
+
+    learned_positions: bool  # a position table (s x h, replicated) on the first stage; rotary embedding has none
+    norm_params: int  # parameters of one norm per h: LayerNorm's weight and bias 2, RMSNorm's weight 1
+    embedding_dropout: bool  # a dropout mask after the embedding on the first stage
+    norm_stat_bytes: int  # bytes per token a norm keeps besides its input (RMSNorm's fp32 1/rms; LayerNorm's are
+    # left out, as the paper leaves them out)
+    attention_dropout: float | None  # what the activation formula is told (None: GPT's dropouts, always on)
+
+    @property
+    def has_attention_dropout(self) -> bool:
+        return self.attention_dropout is None or self.attention_dropout > 0
+
+
+FAMILIES = {
+    "gpt2": FamilyLayout(True, 2, True, 0, None),
+    "llama": FamilyLayout(False, 1, False, RSTD_BYTES, LLAMA_DROPOUT),
+}
+
+
+def block_param_count(model: ModelSpec, tp: int = 1) -> int:
+    """Parameters of one block of ``model`` per TP rank."""
+    if model.family == "gpt2":
+        return layer_param_count(model.hidden_size, tp)
+    kv_size = model.hidden_size // model.num_heads * model.num_kv_heads  # type: ignore[operator]
+    return llama_layer_param_count(model.hidden_size, kv_size, model.intermediate_size, tp)  # type: ignore[arg-type]
+
+
 def stage_param_counts(model: ModelSpec, tp: int, pp: int, vocab_multiple: int = VOCAB_MULTIPLE) -> tuple[int, int]:
     """(first stage, last stage) parameters per TP rank.
 
-    First: the vocab-parallel token embedding V_pad h / t, the replicated position table s h, ceil(L/p) blocks.
-    Last: ceil(L/p) blocks, the final LayerNorm 2h and the tied output layer (a second copy of the token embedding,
-    kept in sync by DeepSpeed's tied-weight all-reduce).  With p = 1 both are the whole model, counted once.
+    First: the vocab-parallel token embedding V_pad h / t, a GPT's replicated position table s h, ceil(L/p) blocks.
+    Last: ceil(L/p) blocks, the final norm (LayerNorm 2h, RMSNorm h) and the output layer V_pad h / t: a tied copy of
+    the token embedding (kept in sync by DeepSpeed's tied-weight all-reduce) or an untied Llama's own ``lm_head``.
+    With p = 1 both are the whole model, a tied embedding counted once.
     """
     h = model.hidden_size
+    layout = FAMILIES[model.family]
     embedding = padded_vocab_size(model.vocab_size, tp, vocab_multiple) * h // tp
-    positions = model.seq_length * h
-    final_norm = 2 * h
+    positions = model.seq_length * h if layout.learned_positions else 0
+    final_norm = layout.norm_params * h
+    block = block_param_count(model, tp)
     if pp == 1:
-        total = embedding + positions + model.num_layers * layer_param_count(h, tp) + final_norm
+        output = 0 if model.tie_word_embeddings else embedding
+        total = embedding + positions + model.num_layers * block + final_norm + output
         return total, total
-    blocks = layers_per_stage(model.num_layers, pp) * layer_param_count(h, tp)
+    blocks = layers_per_stage(model.num_layers, pp) * block
     return embedding + positions + blocks, blocks + final_norm + embedding
 
 
 def total_param_count(model: ModelSpec, vocab_multiple: int = 1) -> int:
-    """All parameters of the single-device GPT (``vocab_multiple=1``: the unpadded vocabulary)."""
+    """All parameters of the single-device model (``vocab_multiple=1``: the unpadded vocabulary)."""
     return stage_param_counts(model, 1, 1, vocab_multiple)[0]
 
 
@@ -133,6 +178,10 @@ def layer_activation_bytes(
         act_bytes,
         mask_bytes,
         attention=cand.attention,
+        family=model.family,
+        num_kv_heads=model.num_kv_heads,
+        intermediate_size=model.intermediate_size,
+        attention_dropout=FAMILIES[model.family].attention_dropout,
     )
 
 
@@ -163,17 +212,22 @@ def recompute_transient_bytes(model: ModelSpec, cand: Candidate, num_blocks: int
 
 
 def embedding_activation_bytes(model: ModelSpec, cand: Candidate) -> float:
-    """First stage, per micro-batch: the embedding dropout mask, s b h one-byte elements (/t under SP) (sec. 4.3)."""
+    """First stage, per micro-batch: a GPT's embedding dropout mask, s b h one-byte elements (/t under SP)
+    (sec. 4.3); nothing for a Llama (no embedding dropout)."""
+    if not FAMILIES[model.family].embedding_dropout:
+        return 0.0
     sp = cand.sequence_parallel and cand.tp > 1
     return model.seq_length * cand.micro_batch_size * model.hidden_size * MASK_BYTES / (cand.tp if sp else 1)
 
 
 def output_activation_bytes(model: ModelSpec, cand: Candidate) -> float:
-    """Last stage, per micro-batch (sec. 4.3): final LayerNorm input and output-layer input, 2 s b h bytes each
-    (/t under SP), and the logits s b V_pad / t in bf16 plus their fp32 copy for the loss."""
+    """Last stage, per micro-batch (sec. 4.3): final norm input and output-layer input, 2 s b h bytes each
+    (+ RMSNorm's fp32 1/rms, 4 s b bytes; all /t under SP), and the logits s b V_pad / t in bf16 plus their fp32
+    copy for the loss."""
     s, b, h = model.seq_length, cand.micro_batch_size, model.hidden_size
     sp = cand.sequence_parallel and cand.tp > 1
-    hidden_terms = 2 * ACT_BYTES * s * b * h / (cand.tp if sp else 1)
+    per_token = 2 * ACT_BYTES * h + FAMILIES[model.family].norm_stat_bytes
+    hidden_terms = per_token * s * b / (cand.tp if sp else 1)
     logits = LOGITS_BYTES * s * b * padded_vocab_size(model.vocab_size, cand.tp) / cand.tp
     return hidden_terms + logits
 

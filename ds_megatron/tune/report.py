@@ -1,4 +1,5 @@
-"""What the tuner shows and writes: the ranked console table, the JSON of every candidate, the winner's config."""
+"""What the tuner shows and writes: the ranked console table, the JSON of every candidate, the winner's config
+(a GPT's or a Llama's: the family's fields are written so that the config resolves to the same shape)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from ds_megatron.tune import memory_model, time_model
 from ds_megatron.tune.memory_model import GIB, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
-from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Cluster
+from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, LLAMA_DROPOUT, Cluster, ModelSpec
 
 COLUMNS = (
     ("rank", 4),
@@ -78,7 +79,7 @@ def format_report(result: SearchResult, top: int = 10) -> str:
     m, cl = result.model, result.cluster
     nodes = max(1, cl.num_gpus // cl.gpus_per_node)
     lines = [
-        f"model: {m.size or 'custom'} (L {m.num_layers}, h {m.hidden_size}, a {m.num_heads}, V {m.vocab_size}, "
+        f"model: {m.size or 'custom'} ({_shape_text(m)}, V {m.vocab_size}, "
         f"s {m.seq_length}; {_count(total_param_count(m))} parameters), global batch {result.global_batch_size}",
         f"cluster: {cl.num_gpus} {'x ' + cl.gpu if cl.gpu else 'GPUs'} "
         f"({nodes} node(s) x {min(cl.gpus_per_node, cl.num_gpus)}), "
@@ -128,6 +129,15 @@ def format_report(result: SearchResult, top: int = 10) -> str:
     lines.append("")
     lines += _rejection_lines(result, nothing_fits=winner is None)
     return "\n".join(lines)
+
+
+def _shape_text(m: ModelSpec) -> str:
+    """``L 96, h 12288, a 96`` for a GPT; a Llama adds its KV heads, SwiGLU width and output layer."""
+    text = f"L {m.num_layers}, h {m.hidden_size}, a {m.num_heads}"
+    if m.family == "gpt2":
+        return text
+    tied = "tied" if m.tie_word_embeddings else "untied"
+    return f"{m.family}: {text}, KV heads {m.num_kv_heads}, F {m.intermediate_size}, {tied} output layer"
 
 
 SETTINGS = (  # (label, how to read it off a candidate) for the comparison of two candidates
@@ -281,9 +291,13 @@ def to_json(result: SearchResult) -> dict:
     return {
         "model": {
             "size": m.size,
+            "family": m.family,
             "num_layers": m.num_layers,
             "hidden_size": m.hidden_size,
             "num_heads": m.num_heads,
+            "num_kv_heads": m.num_kv_heads,
+            "intermediate_size": m.intermediate_size,
+            "tie_word_embeddings": m.tie_word_embeddings,
             "vocab_size": m.vocab_size,
             "seq_length": m.seq_length,
             "parameters": total_param_count(m),
@@ -346,6 +360,20 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
         seq_length=m.seq_length,
         attention=c.attention,  # never sdpa with selective: the search does not generate it, the loader refuses it
     )
+    if m.family != "gpt2":  # the loader refuses the llama-only fields for a GPT
+        model.update(
+            family=m.family,
+            num_kv_heads=m.num_kv_heads,
+            intermediate_size=m.intermediate_size,
+            tie_word_embeddings=m.tie_word_embeddings,
+            dropout=LLAMA_DROPOUT,  # what the memory model assumed (the loader's default, 0.1, is GPT's)
+        )
+        if not m.size:  # a named size brings its own; a custom or changed shape keeps its origin's
+            model.update(
+                rope_theta=m.rope_theta,
+                rope_scaling=dict(m.rope_scaling) if m.rope_scaling else None,
+            )
+            model = {k: v for k, v in model.items() if v is not None}
     return {
         "train_batch_size": result.global_batch_size,
         "train_micro_batch_size_per_gpu": c.micro_batch_size,

@@ -2,8 +2,8 @@
 left out.
 
 Rules (the package's layout constraints and the pipeline engine's limits):
-- tp divides the heads and the node (a TP group never leaves its node); tp * pp * dp = gpus; pp <= L (layers need
-  not divide evenly: the largest stage holds ceil(L/p) blocks);
+- tp divides the heads, the KV heads, the MLP width and the node (a TP group never leaves its node);
+  tp * pp * dp = gpus; pp <= L (layers need not divide evenly: the largest stage holds ceil(L/p) blocks);
 - the global batch B splits into dp replicas of m micro-batches of b sequences, b a power of two up to 16 dividing
   B/dp, with m >= p so the 1F1B pipeline fills;
 - SP only with tp > 1 and s divisible by tp;
@@ -21,7 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_megatron.tune.memory_model import layers_per_stage
-from ds_megatron.tune.spec import ATTENTION_CHOICES, SDPA_SELECTIVE_REASON, Candidate, Cluster, ModelSpec, Pins
+from ds_megatron.tune.spec import (
+    ATTENTION_CHOICES,
+    SDPA_SELECTIVE_REASON,
+    Candidate,
+    Cluster,
+    ModelSpec,
+    Pins,
+)
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 
@@ -51,11 +58,19 @@ class Rejection:
 
 
 def tp_sizes(model: ModelSpec, cluster: Cluster, pins: Pins) -> tuple[list[int], list[Rejection]]:
-    """Tensor-parallel sizes that divide the heads and fit in one node."""
+    """Tensor-parallel sizes that divide the heads (query and KV) and the MLP width and fit in one node."""
     node = min(cluster.gpus_per_node, cluster.num_gpus)
     divisors = [tp for tp in range(1, model.num_heads + 1) if model.num_heads % tp == 0]
     divisors = [tp for tp in divisors if pins.tp is None or tp == pins.tp]
     rejected = []
+    for name, value, why in (
+        ("num_kv_heads", model.num_kv_heads, "TP splits the KV heads like the query heads"),
+        ("intermediate_size", model.intermediate_size, "TP splits the MLP width"),
+    ):
+        left_out = [tp for tp in divisors if value % tp != 0]  # type: ignore[operator]
+        if left_out:
+            rejected.append(Rejection({"tp": left_out}, f"tp does not divide {name} ({value}): {why}"))
+            divisors = [tp for tp in divisors if tp not in left_out]
     too_big = [tp for tp in divisors if tp > node]
     if too_big:
         reason = f"tp > GPUs per node ({node}): TP communicates in every layer and must stay on NVLink"

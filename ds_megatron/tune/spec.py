@@ -6,17 +6,22 @@ Inputs are checked here, before any search, and a bad one raises :class:`ds_mega
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
+from typing import Any
 
 from ds_megatron.config import ConfigError
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_POLICIES
 from ds_megatron.config.sizes import (
-    GPT3_LEARNING_RATES,
+    FAMILIES,
     GPT3_SEQ_LENGTH,
     GPT3_VOCAB_SIZE,
+    LEARNING_RATES,
+    LLAMA3_SEQ_LENGTH,
+    LLAMA3_VOCAB_SIZE,
     all_size_names,
-    named_shape,
+    named,
 )
 from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 
@@ -35,21 +40,63 @@ INTRA_NODE_LATENCY_S = 20e-6  # per collective or transfer inside a node (NCCL l
 INTER_NODE_LATENCY_S = 50e-6  # per collective or transfer across nodes
 
 
+# Dropout of a generated Llama config: Llama's published recipes train without dropout (its only one is on the
+# attention probabilities), so the tuner models and writes 0.  A GPT config keeps the loader's default (0.1), every
+# dropout on, as the paper's memory table counts it.
+LLAMA_DROPOUT = 0.0
+# Vocabulary and sequence length when neither a named size nor a flag gives them.
+DEFAULT_VOCAB = {"gpt2": GPT3_VOCAB_SIZE, "llama": LLAMA3_VOCAB_SIZE}
+DEFAULT_SEQ_LENGTH = {"gpt2": GPT3_SEQ_LENGTH, "llama": LLAMA3_SEQ_LENGTH}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """The GPT to train (pre-LayerNorm, learned positions, MLP width 4h, tied embeddings)."""
+    """The decoder to train.  ``family`` "gpt2": pre-LayerNorm, learned positions, MLP width 4h, tied embeddings
+    (the llama fields then hold those fixed values); "llama": RMSNorm, rotary positions, grouped-query attention
+    with ``num_kv_heads``, SwiGLU of width ``intermediate_size``, tied or untied output layer."""
 
     num_layers: int  # L
     hidden_size: int  # h
     num_heads: int  # a
     vocab_size: int  # V, before TP padding
-    seq_length: int  # s (also the size of the position table)
-    size: str | None = None  # named size from ds_megatron.config.sizes, when one was given
+    seq_length: int  # s (also the size of a GPT's position table)
+    size: str | None = None  # named size from ds_megatron.config.sizes, when one was given and kept unchanged
+    family: str = "gpt2"  # "gpt2" or "llama"
+    num_kv_heads: int | None = None  # k (None: num_heads)
+    intermediate_size: int | None = None  # F, the MLP width (None: 4h, GPT's; a llama needs it)
+    tie_word_embeddings: bool | None = None  # output layer shares the embedding (None: gpt2 tied, llama untied)
+    rope_theta: float | None = None  # llama: carried into the written config (no effect on memory or time)
+    rope_scaling: tuple | None = None  # llama: the same, Llama 3.2's (key, value) pairs or None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError("--family", "unknown family", repr(self.family), f"use one of {', '.join(FAMILIES)}")
+        gpt = self.family == "gpt2"
+        fill = {
+            "num_kv_heads": self.num_heads,
+            "intermediate_size": 4 * self.hidden_size if gpt else None,
+            "tie_word_embeddings": gpt,
+        }
+        for name, default in fill.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        if gpt and (self.num_kv_heads, self.intermediate_size, self.tie_word_embeddings) != tuple(fill.values()):
+            raise ConfigError(
+                "--family",
+                "a GPT has num_kv_heads = num_heads, intermediate_size = 4 h and tied embeddings",
+                f"num_kv_heads={self.num_kv_heads}, intermediate_size={self.intermediate_size}, "
+                f"tie_word_embeddings={self.tie_word_embeddings}",
+                "pass --family llama for another shape",
+            )
+        if self.intermediate_size is None:
+            raise ConfigError(
+                "--intermediate-size", "not set", "a llama without a named size", "pass e.g. --intermediate-size 14336"
+            )
 
     @property
     def learning_rate(self) -> float:
-        """The GPT-3 table's peak learning rate for a named size; 1e-4 otherwise."""
-        return GPT3_LEARNING_RATES.get(self.size or "", 1.0e-4)
+        """The published peak learning rate of a named size (GPT-3's table, Llama 3's paper); 1e-4 otherwise."""
+        return LEARNING_RATES.get(self.size or "", 1.0e-4)
 
 
 @dataclass(frozen=True)
@@ -134,6 +181,11 @@ def _positive(setting: str, value: int | float | None, example: str) -> None:
         raise ConfigError(setting, "must be positive", f"got {value}", f"pass e.g. {setting} {example}")
 
 
+# The fields that make a shape that of a named size (vocabulary and sequence length may differ: the written config
+# states them next to the size).
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "tie_word_embeddings")
+
+
 def build_model_spec(
     model: str | None,
     layers: int | None,
@@ -141,23 +193,47 @@ def build_model_spec(
     heads: int | None,
     vocab: int | None,
     seq_length: int | None,
+    *,
+    family: str | None = None,
+    kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    tie_word_embeddings: bool | None = None,
 ) -> ModelSpec:
-    """A named size (``--model gpt3-175b``), optionally overridden, or an explicit shape."""
-    if model is not None:
-        shape = named_shape(model)
-        if shape is None:
-            near = difflib.get_close_matches(model, all_size_names(), n=1, cutoff=0.0)
-            raise ConfigError(
-                "--model", "unknown size", repr(model), f"use one of {', '.join(all_size_names())} ({near[0]!r}?)"
-            )
-        layers = layers if layers is not None else shape[0]
-        hidden = hidden if hidden is not None else shape[1]
-        heads = heads if heads is not None else shape[2]
+    """A named size (``--model gpt3-175b``, ``--model llama3-70b``), optionally overridden, or an explicit shape
+    (``family="llama"`` for a Llama one).  ``size`` is kept only when the named shape is unchanged."""
+    shape = named(model) if model is not None else None
+    if model is not None and shape is None:
+        near = difflib.get_close_matches(model, all_size_names(), n=1, cutoff=0.0)
+        raise ConfigError(
+            "--model", "unknown size", repr(model), f"use one of {', '.join(all_size_names())} ({near[0]!r}?)"
+        )
+    if shape is not None and family is not None and family != shape.family:
+        raise ConfigError(
+            "--family",
+            "differs from the named size's family",
+            f"family={family!r}, {model!r} is {shape.family!r}",
+            "drop --family",
+        )
+    family = shape.family if shape is not None else family or "gpt2"
+    if family not in FAMILIES:
+        raise ConfigError("--family", "unknown family", repr(family), f"use one of {', '.join(FAMILIES)}")
+    llama_flags = {"--kv-heads": kv_heads, "--intermediate-size": intermediate_size}
+    given = [f for f, v in {**llama_flags, "--tie-word-embeddings": tie_word_embeddings}.items() if v is not None]
+    if family == "gpt2" and given:
+        raise ConfigError(given[0], "applies to the llama family only", f"{given[0]} with a GPT", "pass --family llama")
+
+    def pick(value: Any, named_value: Any, default: Any = None) -> Any:
+        """The flag's value, else the named size's, else the default."""
+        return value if value is not None else named_value if named_value is not None else default
+
+    layers = pick(layers, shape and shape.num_layers)
+    hidden = pick(hidden, shape and shape.hidden_size)
+    heads = pick(heads, shape and shape.num_heads)
     for flag, value in (("--layers", layers), ("--hidden", hidden), ("--heads", heads)):
         if value is None:
             raise ConfigError(flag, "not set", "no --model and no explicit shape", f"pass --model or {flag}")
-    vocab = vocab if vocab is not None else GPT3_VOCAB_SIZE
-    seq_length = seq_length if seq_length is not None else GPT3_SEQ_LENGTH
+    vocab = pick(vocab, shape and shape.vocab_size, DEFAULT_VOCAB[family])
+    seq_length = pick(seq_length, shape and shape.seq_length, DEFAULT_SEQ_LENGTH[family])
     for flag, value in (
         ("--layers", layers),
         ("--hidden", hidden),
@@ -166,12 +242,50 @@ def build_model_spec(
         ("--seq-length", seq_length),
     ):
         _positive(flag, value, "2048" if flag == "--seq-length" else "a positive integer")
+    for flag, value in llama_flags.items():
+        if value is not None:
+            _positive(flag, value, "a positive integer")
     if hidden % heads != 0:
         raise ConfigError(
             "--hidden", "not divisible by the number of heads", f"hidden={hidden}, heads={heads}", "choose h = a x d"
         )
-    named = model if model is not None and named_shape(model) == (layers, hidden, heads) else None
-    return ModelSpec(layers, hidden, heads, vocab, seq_length, size=named)
+    kv = pick(kv_heads, shape and shape.num_kv_heads, heads)
+    if heads % kv != 0:
+        raise ConfigError(
+            "--kv-heads",
+            "must divide the number of heads",
+            f"heads={heads}, kv_heads={kv}",
+            f"use one of {[d for d in range(1, heads + 1) if heads % d == 0]}",
+        )
+    llama = family == "llama"
+    spec = ModelSpec(
+        layers,
+        hidden,
+        heads,
+        vocab,
+        seq_length,
+        family=family,
+        num_kv_heads=kv,
+        intermediate_size=pick(intermediate_size, shape and shape.intermediate_size),
+        tie_word_embeddings=pick(tie_word_embeddings, shape and shape.tie_word_embeddings),
+        rope_theta=shape.rope_theta if llama and shape is not None else None,
+        rope_scaling=shape.rope_scaling if llama and shape is not None else None,
+    )
+    if shape is None:
+        return spec
+    base = ModelSpec(
+        shape.num_layers,
+        shape.hidden_size,
+        shape.num_heads,
+        1,
+        1,
+        family=family,
+        num_kv_heads=shape.num_kv_heads,
+        intermediate_size=shape.intermediate_size,
+        tie_word_embeddings=shape.tie_word_embeddings,
+    )
+    unchanged = all(getattr(spec, f) == getattr(base, f) for f in SHAPE_FIELDS)
+    return dataclasses.replace(spec, size=model) if unchanged else spec
 
 
 # Cluster field <- (GpuPreset field, command-line flag): what --gpu sets and which explicit flag overrides it.
@@ -201,6 +315,16 @@ def build_cluster(gpu: str | None, num_gpus: int, gpus_per_node: int, **values: 
     rest = {k: v for k, v in values.items() if v is not None}
     label = None if gpu is None else gpu + (f" with {', '.join(changed)}" if changed else "")
     return Cluster(num_gpus=num_gpus, gpus_per_node=gpus_per_node, gpu=label, **fields, **rest)
+
+
+def tp_divides_model(model: ModelSpec, tp: int) -> bool:
+    """TP splits the query heads, the KV heads and the MLP width: tp must divide all three."""
+    return all(n % tp == 0 for n in (model.num_heads, model.num_kv_heads, model.intermediate_size))  # type: ignore[operator]
+
+
+def tp_choices(model: ModelSpec, node: int) -> list[int]:
+    """Tensor-parallel sizes the model and a node of ``node`` GPUs allow."""
+    return [t for t in range(1, node + 1) if tp_divides_model(model, t) and node % t == 0]
 
 
 def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int, pins: Pins) -> None:
@@ -240,13 +364,22 @@ def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int,
     if pins.tp is not None:
         if model.num_heads % pins.tp != 0:
             node = min(cluster.gpus_per_node, cluster.num_gpus)
-            divisors = [t for t in range(1, node + 1) if model.num_heads % t == 0 and node % t == 0]
             raise ConfigError(
                 "--tp",
                 "num_heads not divisible by tp",
                 f"num_heads={model.num_heads}, tp={pins.tp}",
-                f"choose tp from {divisors}",
+                f"choose tp from {tp_choices(model, node)}",
             )
+        for name, value in (("num_kv_heads", model.num_kv_heads), ("intermediate_size", model.intermediate_size)):
+            if value % pins.tp != 0:  # type: ignore[operator]
+                node = min(cluster.gpus_per_node, cluster.num_gpus)
+                what = "the KV heads like the query heads" if name == "num_kv_heads" else "the MLP width"
+                raise ConfigError(
+                    "--tp",
+                    f"{name} not divisible by tp",
+                    f"{name}={value}, tp={pins.tp}",
+                    f"choose tp from {tp_choices(model, node)} (TP splits {what})",
+                )
         node = min(cluster.gpus_per_node, cluster.num_gpus)
         if node % pins.tp != 0:
             raise ConfigError(

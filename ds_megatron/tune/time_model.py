@@ -7,15 +7,17 @@
   scores, plus the TP collectives, plus the pipeline point-to-point.  The (p - 1) extra slots are the 1F1B bubble,
   (p - 1)/m of the ideal step (Narayanan et al. 2021, sec. 2.2.1).
 - Attention: both kernels run the same matmul FLOPs (QK^T and x V).  The eager kernel also moves the
-  [b, a/t, s, s] scores through separate elementwise kernels (mask, softmax, dropout, and their backward), bound by
-  the GPU's memory bandwidth (EAGER_SCORE_OPS); sdpa's fused kernel keeps the scores in on-chip memory and pays
-  none of it.
+  [b, a/t, s, s] scores through separate elementwise kernels (mask, softmax, dropout when there is one, and their
+  backward), bound by the GPU's memory bandwidth (EAGER_SCORE_OPS); sdpa's fused kernel keeps the scores in on-chip
+  memory and pays none of it.
 - TP (Korthikanti et al. 2022, sec. 4.2): per block and micro-batch, two all-reduces of s b h bf16 values forward and
   two backward (with SP each becomes an all-gather plus a reduce-scatter of the same volume); full recompute repeats
-  the forward two.  The embedding (first stage) and output layer (last stage) add one more each.
+  the forward two.  The embedding (first stage) and output layer (last stage) add one more each.  The same for a
+  Llama block: grouped-query attention shrinks the k and v weights, not the [s, b, h] tensors TP exchanges.
 - Pipeline point-to-point: the s b h boundary tensor (s/t rows under SP) forward, its gradient backward.
 - DP: DeepSpeed's BF16 optimizer all-reduces the fp32 gradients over dp after the last micro-batch and, as ZeRO-1,
-  all-gathers the updated bf16 weights; the tied embedding gradient is all-reduced between first and last stage.
+  all-gathers the updated bf16 weights; a tied embedding's gradient is all-reduced between first and last stage
+  (GPT, Llama 3.2; an untied Llama's output layer is a weight of its own).
 - overhead: a fixed time per step (``Cluster.step_overhead_s``, 0 by default), fitted only from measured runs
   (``ds_megatron.tune.calibration``).
 
@@ -29,6 +31,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ds_megatron.flops import (
+    block_fields,
     core_attention_forward_flops,
     executed_flops_per_step,
     layer_forward_flops,
@@ -37,6 +40,7 @@ from ds_megatron.flops import (
 )
 from ds_megatron.tune.memory_model import (
     ACT_BYTES,
+    FAMILIES,
     WEIGHT_BYTES,
     layers_per_stage,
     padded_vocab_size,
@@ -80,6 +84,16 @@ EAGER_SCORE_OPS = {
 }
 EAGER_FORWARD_BYTES = sum(r + w for _, r, w in EAGER_SCORE_OPS["forward"])  # 33 per score element
 EAGER_BACKWARD_BYTES = sum(r + w for _, r, w in EAGER_SCORE_OPS["backward"])  # 35 per score element
+
+
+def eager_score_bytes(attention_dropout: bool) -> tuple[int, int]:
+    """(forward, backward) bytes per score element; without an attention dropout (a Llama trained as published)
+    its two passes are not run (dropout with p = 0 returns its input): 28 and 30."""
+    return tuple(
+        sum(r + w for op, r, w in EAGER_SCORE_OPS[phase] if attention_dropout or not op.startswith("dropout"))
+        for phase in ("forward", "backward")
+    )  # type: ignore[return-value]
+
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
@@ -157,7 +171,8 @@ def eager_score_s(model: ModelSpec, cluster: Cluster, cand: Candidate, num_block
         return 0.0
     scores = cand.micro_batch_size * model.num_heads / cand.tp * model.seq_length**2
     forwards = num_blocks + recomputed + (num_blocks if cand.recompute == "selective" else 0)
-    moved = scores * (forwards * EAGER_FORWARD_BYTES + num_blocks * EAGER_BACKWARD_BYTES)
+    forward_bytes, backward_bytes = eager_score_bytes(FAMILIES[model.family].has_attention_dropout)
+    moved = scores * (forwards * forward_bytes + num_blocks * backward_bytes)
     return moved / (cluster.memory_gbps * 1e9)
 
 
@@ -166,7 +181,8 @@ def stage_times(model: ModelSpec, cluster: Cluster, cand: Candidate) -> tuple[St
     s, b, h, t = model.seq_length, cand.micro_batch_size, model.hidden_size, cand.tp
     n = layers_per_stage(model.num_layers, cand.pp)
     recomputed = _recomputed_blocks(cand, n)
-    block_flops = 3 * n * layer_forward_flops(b, s, h) + recomputed * layer_forward_flops(b, s, h)
+    layer = layer_forward_flops(b, s, h, **block_fields(model))
+    block_flops = 3 * n * layer + recomputed * layer
     if cand.recompute == "selective":
         block_flops += n * core_attention_forward_flops(b, s, h)
     logits_flops = 3 * logits_forward_flops(b, s, h, padded_vocab_size(model.vocab_size, t))
@@ -198,7 +214,8 @@ def stage_times(model: ModelSpec, cluster: Cluster, cand: Candidate) -> tuple[St
 
 
 def dp_comm_s(model: ModelSpec, cluster: Cluster, cand: Candidate) -> float:
-    """Gradient all-reduce (+ ZeRO-1 weight all-gather) over dp and the tied-embedding all-reduce, not overlapped."""
+    """Gradient all-reduce (+ ZeRO-1 weight all-gather) over dp and, for tied embeddings split over first and last
+    stage, their all-reduce; not overlapped."""
     params = max(stage_param_counts(model, cand.tp, cand.pp))
     within_node = cand.tp * cand.dp <= cluster.gpus_per_node
     gbps = cluster.intra_node_gbps if within_node else cluster.inter_node_gbps
@@ -207,7 +224,7 @@ def dp_comm_s(model: ModelSpec, cluster: Cluster, cand: Candidate) -> float:
     if cand.zero == 1:
         total += allgather_s(WEIGHT_BYTES * params, cand.dp, gbps, latency)
     total *= 1.0 - DP_OVERLAP
-    if cand.pp > 1:
+    if cand.pp > 1 and model.tie_word_embeddings:
         inter = cluster.num_gpus > cluster.gpus_per_node
         embedding = padded_vocab_size(model.vocab_size, cand.tp) * model.hidden_size / cand.tp
         total += allreduce_s(
@@ -231,6 +248,7 @@ def executed_flops(model: ModelSpec, cand: Candidate, global_batch_size: int) ->
         model.vocab_size,
         cand.recompute,
         recomputed,
+        **block_fields(model),
     )
 
 
@@ -243,7 +261,12 @@ def step_time(model: ModelSpec, cluster: Cluster, cand: Candidate, global_batch_
     step = slots * slowest.total_s + dp + cluster.step_overhead_s
     capacity = step * cluster.peak_flops * cluster.num_gpus
     model_flops = model_flops_per_step(
-        global_batch_size, model.seq_length, model.num_layers, model.hidden_size, model.vocab_size
+        global_batch_size,
+        model.seq_length,
+        model.num_layers,
+        model.hidden_size,
+        model.vocab_size,
+        **block_fields(model),
     )
     return StepTime(
         step_s=step,
