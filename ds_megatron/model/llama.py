@@ -79,8 +79,7 @@ class LlamaConfig:
             initializer_range=self.initializer_range,
             rms_norm_eps=self.rms_norm_eps,
             tie_word_embeddings=self.tie_word_embeddings,
-            rope_theta=self.rope_theta,
-            rope_scaling=dict(self.rope_scaling) if self.rope_scaling else None,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta, **dict(self.rope_scaling or ())},
             attention_bias=False,
             mlp_bias=False,
             attention_dropout=self.attention_dropout,
@@ -198,13 +197,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # RMSNorm and SwiGLU with lean saved tensors.
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32 (bf16/fp16 upcast; fp32 and fp64 kept)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNormFunction(torch.autograd.Function):
     """y = weight * (x / rms(x)) with the normalisation in fp32 and the result cast back before the weight (the
     rounding order of transformers' LlamaRMSNorm).  Saves x and the fp32 1/rms per token only."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
+        xf = _upcast(x)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
         return weight * (xf * rstd).to(x.dtype)
@@ -212,10 +216,10 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd  # [..., h] fp32
-        g = grad.float()
-        grad_weight = (g * normed.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gn = g * weight.float()
+        normed = _upcast(x) * rstd  # [..., h], fp32 (or wider)
+        g = _upcast(grad)
+        grad_weight = (g * _upcast(normed.to(x.dtype))).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gn = g * _upcast(weight)
         grad_x = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_weight, None
 
@@ -248,7 +252,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        g, u, dy = gate.float(), up.float(), grad.float()
+        g, u, dy = _upcast(gate), _upcast(up), _upcast(grad)
         sig = torch.sigmoid(g)
         silu = g * sig
         grad_gate = dy * u * sig * (1 + g * (1 - sig))
