@@ -25,6 +25,7 @@ from ds_megatron.config import RunConfig
 from ds_megatron.data import DataError, MicroBatchStream
 from ds_megatron.data.prepare import RunData, prepare_data
 from ds_megatron.engine import Built, build_engine
+from ds_megatron.flops import block_fields
 from ds_megatron.generate import Decoder
 from ds_megatron.metrics import MetricsLogger, WandbRun, format_record, lookup_peak_tflops, throughput
 from ds_megatron.plot import read_records, write_loss_plot
@@ -206,6 +207,7 @@ class Trainer:
                 recompute.policy,
                 recomputed_layers,
                 peak,
+                **block_fields(run.model),
             ),
         }
 

@@ -2,8 +2,9 @@
 
 Real processes (deepspeed launcher, gloo), fp32, dropout 0, vocabulary 1001 (padded to 1024, not divisible by 2 or
 by 128).  Llama layouts (4 heads, 2 KV heads: grouped-query attention split over TP) run with SP on and off and with
-tied and untied output layers, in the same launches as the GPT-2 ones.  Each worker compares its own shards with the single-device reference: losses of 3 optimizer steps,
-step-1 gradients (every parameter, before clipping), the global gradient norm, and the weights after 3 steps.
+tied and untied output layers, in the same launches as the GPT-2 ones.  Each worker compares its own shards with
+the single-device reference: losses of 3 optimizer steps, step-1 gradients (every parameter, before clipping), the
+global gradient norm, and the weights after 3 steps.
 """
 
 from __future__ import annotations

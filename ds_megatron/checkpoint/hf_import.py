@@ -55,7 +55,9 @@ def check_hf_config(hf_dir: Path, config: ModelConfig, setting: str = "--init-fr
     try:
         theirs = FAMILIES[family].config.from_hf(hf, attention=config.attention)
     except ValueError as err:
-        raise ConfigError(setting, "unsupported model settings", str(err).removeprefix("error: "), "use another model")
+        raise ConfigError(
+            setting, "unsupported model settings", str(err).removeprefix("error: "), "use another model"
+        ) from None
     ignore = {"attention", "initializer_range", "embd_pdrop", "attn_pdrop", "resid_pdrop", "attention_dropout"}
     differing = [
         f"{key}: {getattr(theirs, key)} in {hf_dir.name}, {getattr(config, key)} in the config"

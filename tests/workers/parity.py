@@ -1,7 +1,8 @@
 """Parity worker: train the pipeline GPT at each (tp, pp, dp) layout for 3 steps and compare, on every rank, with
 the single-device GPT trained by plain torch (same weights, same data, same AdamW and clipping).
 
-Usage (under the deepspeed launcher): parity.py --out DIR --layouts 2,1,1 1,2,1 2,1,1,llama,sp,tied [--sequence-parallel]
+Usage (under the deepspeed launcher):
+    parity.py --out DIR --layouts 2,1,1 1,2,1 2,1,1,llama,sp,tied [--sequence-parallel]
 A layout is tp,pp,dp, optionally followed by the Llama family (``llama``: 4 heads, 2 KV heads, SwiGLU width 96,
 untied unless ``tied``) and per-layout ``sp``.
 Writes DIR/<layout>.rank<r>.json with losses, gradient differences and gradient norms.
