@@ -4,13 +4,17 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test test-fast lint clean
+.PHONY: venv demo demo-llama test test-fast lint clean
 
 venv:
 	@bash scripts/bootstrap.sh
 
 demo: venv
 	DEEPSPEED=$(VENV)/bin/deepspeed bash recipes/gpt_tiny.sh --save checkpoints/gpt_tiny
+
+# The same demo with the Llama family (RoPE, RMSNorm, SwiGLU, grouped-query attention).
+demo-llama: venv
+	DEEPSPEED=$(VENV)/bin/deepspeed bash recipes/llama_tiny.sh --save checkpoints/llama_tiny
 
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests

@@ -17,6 +17,8 @@ import copy
 import json
 from pathlib import Path
 
+from ds_megatron.config import sizes
+
 MAX_PROCS = 4
 VOCAB = 1024
 MINI_STEPS = 3  # train 2, save, resume for 1
@@ -38,9 +40,18 @@ def miniature(path: Path) -> tuple[dict, int]:
     tp, pp, dp = adapted_layout(par.get("tp", 1), par.get("pp", 1))
     par.update(tp=tp, pp=pp)
     model = sec.setdefault("model", {})
-    model.pop("size", None)
+    named = sizes.named(model.pop("size", None) or "")
     model.pop("max_position_embeddings", None)
     model.update(num_layers=2 * pp, hidden_size=64, num_heads=4, seq_length=64, vocab_size=VOCAB)
+    family = model.get("family") or (named.family if named else "gpt2")
+    if family == "llama":  # the family and its code-selecting choices (tying, rope scaling) stay; widths shrink
+        model.update(family="llama", num_kv_heads=max(2, tp), intermediate_size=176)
+        for key in ("tie_word_embeddings", "rope_theta", "rope_scaling"):
+            value = getattr(named, key, None) if named else None
+            if key not in model and value is not None:
+                model[key] = dict(value) if key == "rope_scaling" else value
+        if "rope_scaling" in model:  # scaling over an original context longer than the miniature's sequence
+            model["rope_scaling"]["original_max_position_embeddings"] = 32
     rc = sec.setdefault("recompute", {})
     if rc.get("policy") == "full":
         rc["num_layers"] = min(rc.get("num_layers", 1), 2)

@@ -16,7 +16,17 @@ import torch
 from launch import RECIPE, ROOT, deepspeed_launch, read_records
 from miniature import code_path_key, miniature
 
+from ds_megatron.config import resolve
 from ds_megatron.config.schedule import WarmupCosine, warmup_cosine_from
+from ds_megatron.model import model_config
+from ds_megatron.parallelize import NORM, PLANS
+from ds_megatron.pipeline import PipelineLayout
+
+
+def miniature_procs(cfg: dict) -> int:
+    par = cfg["ds_megatron"]["parallel"]
+    return par["tp"] * par["pp"] * cfg["train_batch_size"] // (2 * 2)  # dp from micro 2 x accumulation 2
+
 
 CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
 GROUPS: dict[str, list] = {}
@@ -112,6 +122,7 @@ def test_export_from_the_masters_loads_in_transformers(mini_run, tmp_path):
     from ds_megatron.checkpoint.__main__ import main as checkpoint_main
 
     cfg, work = mini_run
+    nprocs = miniature_procs(cfg)
     out = tmp_path / "hf"
     args = ["export", "--checkpoint", str(work / "final"), "--tag", "step00000003", "--out", str(out)]
     assert checkpoint_main([*args, "--tokenizer", str(work / "a" / "tokenizer")]) == 0
@@ -120,9 +131,14 @@ def test_export_from_the_masters_loads_in_transformers(mini_run, tmp_path):
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
     exported = load_file(out / "model.safetensors")
-    # the first block's LayerNorm sits in layer file 2 (replicated over TP: rank 0's copy is the whole tensor)
-    stored = torch.load(work / "final" / "step00000003" / "layer_02-model_00-model_states.pt", weights_only=True)
-    master, copy16 = exported["transformer.h.0.ln_1.weight"], stored["block.ln_1.weight"]
+    # the first block's first norm (replicated over TP: rank 0's copy is the whole tensor), found by the family's
+    # plan and layout tables
+    config = model_config(resolve(cfg, nprocs).model)
+    layout = PipelineLayout.of(config)
+    norm = next(r.path for r in PLANS[config.family].block_rows if r.style == NORM)
+    name = f"{layout.table.blocks}.0.{norm}.weight"
+    layer = work / "final" / "step00000003" / f"layer_{layout.index_of(name):02d}-model_00-model_states.pt"
+    master, copy16 = exported[name], torch.load(layer, weights_only=True)[layout.key_in_layer(name)]
     assert master.dtype == torch.float32
     if cfg.get("bf16", {}).get("enabled"):
         assert copy16.dtype == torch.bfloat16

@@ -193,7 +193,10 @@ def _is_norm(name: str) -> bool:
 def seeded_normal_(param: torch.Tensor, name: str, std: float, seed: int) -> None:
     """Fill ``param`` with N(0, std) from a generator seeded by (seed, its full name): the values depend only on the
     name and the seed, never on which stage or rank builds the module, which is what makes a tp=2, pp=2 model start
-    from exactly the weights of the single-device one (for every model family)."""
+    from exactly the weights of the single-device one (for every model family).  Meta tensors (shapes only) are
+    left alone."""
+    if param.is_meta:
+        return
     gen = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
     param.copy_(values)
