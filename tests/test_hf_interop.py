@@ -26,13 +26,61 @@ def _random_hf(path):
     return model
 
 
+def _random_llama(path):
+    """A random LlamaForCausalLM (GQA: 4 heads, 2 KV heads; untied) with non-trivial RMSNorm weights."""
+    from transformers import LlamaForCausalLM
+
+    from ds_megatron.model import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=1001,
+        hidden_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=16,
+        rope_theta=10000.0,
+    ).to_hf()
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    model.save_pretrained(path)
+    return model
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    """A random GPT-2 imported at tp 2 x pp 2 (--init-from-hf) and saved as a step-0 DeepSpeed checkpoint."""
+    """A random GPT-2 and a random Llama imported at tp 2 x pp 2 with SP (--init-from-hf) and saved as step-0
+    DeepSpeed checkpoints (one launch)."""
     tmp_path = tmp_path_factory.mktemp("imported")
     original = _random_hf(tmp_path / "hf")
-    deepspeed_launch(WORKERS / "hf_roundtrip.py", 4, ["--hf", str(tmp_path / "hf"), "--out", str(tmp_path)])
+    _random_llama(tmp_path / "hf_llama")
+    args = ["--hf", str(tmp_path / "hf"), "--hf-llama", str(tmp_path / "hf_llama"), "--out", str(tmp_path)]
+    deepspeed_launch(WORKERS / "hf_roundtrip.py", 4, args)
     return original, tmp_path
+
+
+@pytest.mark.slow
+def test_llama_import_at_tp2_pp2_sp_then_export_is_bitwise_identical(imported, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    _, work = imported
+    assert checkpoint_main(["export", "--checkpoint", str(work / "ck_llama"), "--out", str(tmp_path / "back")]) == 0
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    original = load_file(work / "hf_llama" / "model.safetensors")
+    assert set(back) == set(original) and "lm_head.weight" in back
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    ids = torch.randint(0, 1001, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = LlamaForCausalLM.from_pretrained(work / "hf_llama").eval()(ids).logits
+        assert torch.equal(reloaded(ids).logits, ref)
 
 
 @pytest.mark.slow
