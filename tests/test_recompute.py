@@ -15,9 +15,12 @@ from ds_megatron.recompute import RecomputePlan
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_recompute_replays_dropout_exactly(tmp_path, sp):
-    deepspeed_launch(WORKERS / "recompute.py", 4, ["--out", str(tmp_path)] + (["--sequence-parallel"] if sp else []))
+    """Every policy at tp 2 x pp 2; with SP for both families (the Llama's dropout is on its attention only)."""
+    deepspeed_launch(
+        WORKERS / "recompute.py", 4, ["--out", str(tmp_path)] + (["--sequence-parallel", "--llama"] if sp else [])
+    )
     files = sorted(tmp_path.glob("recompute*.rank*.json"))
-    assert len(files) == 4
+    assert len(files) == (8 if sp else 4)
     for f in files:
         result = json.loads(f.read_text())
         assert set(result) == {"none", "selective", "full-uniform-1", "full-uniform-2", "full-block-1"}

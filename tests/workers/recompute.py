@@ -1,5 +1,6 @@
 """Recompute worker: one training step per recompute policy with dropout on and the same seed; writes each policy's
-loss and its largest gradient difference from the ``none`` run (every parameter of this rank)."""
+loss and its largest gradient difference from the ``none`` run (every parameter of this rank).  ``--llama`` repeats
+it for the Llama family (its attention dropout is its only dropout)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,13 @@ POLICIES = {
 }
 
 
-def one_step(policy: dict, args) -> tuple[float, dict]:
+LLAMA_FIELDS = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 96, "rope_theta": 10000.0}
+
+
+def one_step(policy: dict, args, llama: bool = False) -> tuple[float, dict]:
     cfg = tiny_ds_config(args.tp, args.pp, 1, dropout=0.1, sequence_parallel=args.sequence_parallel)
+    if llama:
+        cfg["ds_megatron"]["model"].update(LLAMA_FIELDS)
     cfg["ds_megatron"]["recompute"] = policy
     run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     built = build_engine(run)
@@ -47,16 +53,19 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--llama", action="store_true")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    base_loss, base_grads = one_step(POLICIES["none"], args)
-    result = {}
-    for name, policy in POLICIES.items():
-        loss, grads = one_step(policy, args)
-        diff = max(float((grads[k] - base_grads[k]).abs().max()) for k in base_grads)
-        result[name] = {"loss": loss, "base_loss": base_loss, "grad_diff": diff, "num_params": len(grads)}
-    log(result)
-    write_result(args.out, "recompute" + ("-sp" if args.sequence_parallel else ""), result)
+    for llama in (False, True) if args.llama else (False,):
+        base_loss, base_grads = one_step(POLICIES["none"], args, llama)
+        result = {}
+        for name, policy in POLICIES.items():
+            loss, grads = one_step(policy, args, llama)
+            diff = max(float((grads[k] - base_grads[k]).abs().max()) for k in base_grads)
+            result[name] = {"loss": loss, "base_loss": base_loss, "grad_diff": diff, "num_params": len(grads)}
+        log(result)
+        name = "recompute" + ("-sp" if args.sequence_parallel else "") + ("-llama" if llama else "")
+        write_result(args.out, name, result)
 
 
 if __name__ == "__main__":
