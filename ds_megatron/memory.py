@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_POLICIES
+from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 
 MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
 KERNELS = ATTENTION_KERNELS  # "eager", "sdpa"
@@ -73,6 +73,7 @@ class BlockTerms(NamedTuple):
     split: float  # bytes split by TP, in activation dtype
     qkv: float  # Q, K and V in units of h elements (what the sdpa math path saves again in its own dtype)
     attention_dropout: bool  # the core has a dropout (its output and mask are s^2 terms)
+    mlp_act: float  # the MLP activation's output (the second linear's input), units of h; "mlp_act" drops it
 
 
 def _gpt2_terms(
@@ -86,7 +87,7 @@ def _gpt2_terms(
     ffn = 4.0 if intermediate_size is None else intermediate_size / h  # F / h
     # paper: 10 = 4 activations + 2 masks (in its bytes: 2 x 4 + 2); 24 = Q, projection input, K, V, GELU and fc2
     # inputs (2 x 12)
-    return BlockTerms(4 * act, 2, (2 + 2 * kv + 2 * ffn) * act, 1 + 2 * kv, True)
+    return BlockTerms(4 * act, 2, (2 + 2 * kv + 2 * ffn) * act, 1 + 2 * kv, True, ffn)
 
 
 def _llama_terms(
@@ -99,7 +100,7 @@ def _llama_terms(
     ffn = intermediate_size / h  # F / h
     replicated = 4 * act + 2 * RSTD_BYTES / h  # two norm inputs, the q/k/v and gate/up inputs; two fp32 1/rms
     split = (2 + 2 * kv + 3 * ffn) * act  # Q, o_proj input, K, V, gate, up, down_proj input
-    return BlockTerms(replicated, 0, split, 1 + 2 * kv, bool(attention_dropout))
+    return BlockTerms(replicated, 0, split, 1 + 2 * kv, bool(attention_dropout), ffn)
 
 
 # One row per model family: its block's terms (the attention kernels and recompute policies are shared).
@@ -125,8 +126,13 @@ def activation_bytes_per_layer(
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
     attention_dropout: float | None = None,
+    modules: tuple[str, ...] = (),
 ) -> float:
     """Bytes of activations one transformer layer keeps for backward, per TP rank.
+
+    ``modules`` (selective recompute only; empty means ``("core_attn",)``): ``core_attn`` drops the s^2 terms,
+    ``mlp_act`` the MLP activation's output (GELU's 4h, SwiGLU's F per token, split by TP), ``layernorm`` the two
+    norm outputs (2h per token, split by SP): each is recomputed from what its function keeps anyway.
 
     ``attention`` "eager" is the paper's table; "sdpa" with ``sdpa_path`` "fused" drops the s^2 terms and adds
     the fp32 log-sum-exp, 4 a s b / t bytes; "math" is the reference path described in the module docstring.
@@ -140,8 +146,13 @@ def activation_bytes_per_layer(
         raise ValueError(f"sdpa_path must be one of {SDPA_PATHS}, got {sdpa_path!r}")
     if family not in BLOCKS:
         raise ValueError(f"family must be one of {tuple(BLOCKS)}, got {family!r}")
-    if attention == "sdpa" and recompute == "selective":
-        raise ValueError("selective recompute checkpoints the s x s core, which sdpa never stores: use eager with it")
+    if modules and recompute != "selective":
+        raise ValueError(f"modules apply to selective recompute only, got recompute={recompute!r}")
+    modules = (tuple(modules) or ("core_attn",)) if recompute == "selective" else ()
+    if set(modules) - set(RECOMPUTE_MODULES):
+        raise ValueError(f"modules must be among {RECOMPUTE_MODULES}, got {modules}")
+    if attention == "sdpa" and "core_attn" in modules:
+        raise ValueError("core_attn recompute checkpoints the s x s core, which sdpa never stores: use eager with it")
     terms = BLOCKS[family](h, a, num_kv_heads, intermediate_size, attention_dropout, act_bytes)
     sp = sequence_parallel and t > 1
     sbh = s * b * h
@@ -149,7 +160,11 @@ def activation_bytes_per_layer(
         return act_bytes * sbh / (t if sp else 1)
     replicated = terms.replicated + terms.replicated_masks * mask_bytes
     split = terms.split
-    if recompute == "selective":
+    if "layernorm" in modules:
+        replicated -= 2 * act_bytes  # the q/k/v (c_attn) input and the fc1 (gate/up) input
+    if "mlp_act" in modules:
+        split -= terms.mlp_act * act_bytes
+    if "core_attn" in modules:
         quadratic = 0.0
     elif attention == "sdpa" and sdpa_path == "fused":
         quadratic = LSE_BYTES * a / h  # the log-sum-exp in place of the s^2 terms; split by TP like them

@@ -8,8 +8,9 @@ HF import) and the tests read those tables.  What a table does not hold is behav
 attention's RNG state (tensor-parallel once heads are split), selective recompute around it, and dropout on sequence
 shards under SP drawing a different mask on each TP rank.
 
-Order inside a block: swap the modules of the plan, set the core attention's RNG state, wrap it for selective
-recompute, swap the dropouts.  Full recompute (chunks of blocks) is applied by the pipeline module's forward.
+Order inside a block: swap the modules of the plan, set the core attention's RNG state, apply selective recompute
+(the core attention wrapped; norm and activation outputs recomputed instead of stored), swap the dropouts.  Full
+recompute (chunks of blocks) is applied by the pipeline module's forward.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.model import ModelConfig
 from ds_megatron.model.llama import RMSNorm, rms_norm
 from ds_megatron.random import TENSOR_PARALLEL, RNGTracker
-from ds_megatron.recompute import RecomputedCoreAttention, RecomputePlan
+from ds_megatron.recompute import RecomputedCoreAttention, RecomputePlan, discard_output
 from ds_megatron.tensor_parallel import (
     REPLICATED,
     ColumnParallelLinear,
@@ -255,8 +256,13 @@ def parallelize_block(block: nn.Module, plan: ParallelPlan) -> nn.Module:
     attn = block.get_submodule(family.attention)
     if plan.tp_size > 1:
         attn.core_attention.rng_fork = plan.tp_fork()
-    if plan.recompute.policy == "selective":
+    modules = plan.recompute.selective_modules
+    if "core_attn" in modules:
         attn.core_attention = RecomputedCoreAttention(attn.core_attention, plan.rng)
+    if "layernorm" in modules:
+        block.around_norm = discard_output
+    if "mlp_act" in modules:
+        block.mlp.around_act = discard_output
     for path in family.sp_dropouts:
         _swap(block, path, lambda drop: _sp_dropout(drop, plan))
     return block

@@ -2,8 +2,15 @@
 
 Policies (``recompute`` in the config):
 - ``none``: everything is stored.
-- ``selective``: only the core attention (QK^T, scale, mask, softmax, softmax dropout, x V) is recomputed: its
-  s x s tensors (5 a s / h of the 34 + 5 a s / h bytes per token and hidden unit) are never stored.
+- ``selective``: the chosen ``modules`` are recomputed, by default only the core attention:
+  ``core_attn``  QK^T, scale, mask, softmax, softmax dropout, x V: its s x s tensors (5 a s / h of the 34 + 5 a s / h
+                 bytes per token and hidden unit) are never stored (a checkpoint of the core, with RNG replay);
+  ``mlp_act``    the MLP activation's output (GELU's, SwiGLU's) is not stored for the second linear: backward
+                 recomputes it from the activation's input, which the activation keeps anyway (4h per token in a
+                 GPT, F in a Llama);
+  ``layernorm``  the two norms' outputs are not stored for the linears that read them: backward recomputes them from
+                 the norm inputs, which the norms keep anyway (2h per token, split by SP).
+  ``mlp_act`` and ``layernorm`` involve no randomness and work with every attention kernel.
 - ``full`` with ``num_layers`` k: ``uniform`` splits each stage's blocks into chunks of k and keeps only each chunk's
   input; ``block`` recomputes the first k blocks of each stage (each keeps only its input) and stores the rest.
 
@@ -64,6 +71,49 @@ def checkpoint(run_fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, rng: 
     return _Recompute.apply(run_fn, rng, *inputs)
 
 
+class _Recipe:
+    """A saved tensor replaced by the function and inputs that recompute it, and the view of the function's output
+    it was (linears save a flattened [tokens, features] view of their input)."""
+
+    __slots__ = ("fn", "inputs", "view")
+
+    def __init__(self, fn: Callable, inputs: tuple[torch.Tensor, ...], view: tuple):
+        self.fn, self.inputs, self.view = fn, inputs, view
+
+    def recompute(self) -> torch.Tensor:
+        with torch.no_grad():
+            out = self.fn(*self.inputs)
+        size, stride, offset = self.view
+        return out.as_strided(size, stride, out.storage_offset() + offset)
+
+
+def discard_output(fn: Callable, inputs: tuple[torch.Tensor, ...], consumer: Callable) -> torch.Tensor:
+    """``consumer(fn(*inputs))`` where every tensor the consumer saves for backward that *is* ``fn``'s output (same
+    storage, shape and strides) is replaced by a recipe that recomputes it from ``inputs`` when backward needs it.
+    Only worth it where ``fn``'s own backward keeps ``inputs`` anyway (norms, activations): then the output is
+    simply never stored.  ``fn`` must be deterministic (no dropout).  Saved-tensor hooks already active around the
+    call (memory accounting, offloading) still see every other saved tensor: they are chained, not replaced."""
+    out = fn(*inputs)
+    if not torch.is_grad_enabled():
+        return consumer(out)
+    storage, base = out.untyped_storage().data_ptr(), out.storage_offset()
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == storage and t.dtype == out.dtype:  # the output or a view of it
+            return _Recipe(fn, inputs, (t.shape, t.stride(), t.storage_offset() - base))
+        return outer_pack(t) if outer_pack is not None else t
+
+    def unpack(saved):
+        if isinstance(saved, _Recipe):
+            return saved.recompute()
+        return outer_unpack(saved) if outer_unpack is not None else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return consumer(out)
+
+
 class RecomputedCoreAttention(nn.Module):
     """Selective recompute: wraps a core-attention module (no parameters) so its s x s tensors are recomputed."""
 
@@ -83,6 +133,14 @@ class RecomputePlan:
     policy: str = "none"  # none | selective | full
     num_layers: int = 1
     method: str = "uniform"  # uniform | block
+    modules: tuple = ()  # selective: what it recomputes (empty: the core attention only)
+
+    @property
+    def selective_modules(self) -> tuple[str, ...]:
+        """The modules selective recompute applies to (none for the other policies)."""
+        if self.policy != "selective":
+            return ()
+        return tuple(self.modules) or ("core_attn",)
 
     def chunks(self, num_blocks: int) -> list[tuple[int, int, bool]]:
         """Cover local blocks [0, num_blocks) with (start, end, recomputed) ranges, in order."""

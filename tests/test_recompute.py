@@ -23,7 +23,7 @@ def test_recompute_replays_dropout_exactly(tmp_path, sp):
     assert len(files) == (8 if sp else 4)
     for f in files:
         result = json.loads(f.read_text())
-        assert set(result) == {"none", "selective", "full-uniform-1", "full-uniform-2", "full-block-1"}
+        assert set(result) == {"none", "selective", "full-uniform-1", "full-uniform-2", "full-block-1", "modules"}
         for name, r in result.items():
             assert r["grad_diff"] <= 1e-6, (f.name, name, r)
             assert r["loss"] == r["base_loss"], (f.name, name, r)
@@ -90,3 +90,53 @@ def test_full_recompute_replays_dropout_for_both_attention_kernels(kernel):
         block.zero_grad()
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     assert not torch.equal(grads[0][0], torch.zeros_like(grads[0][0]))
+
+
+@pytest.mark.parametrize(
+    "recompute,attention,message",
+    [
+        (
+            {"policy": "selective"},
+            "sdpa",
+            "error: ds_megatron.recompute.modules: core_attn recomputes the s x s attention core, which the sdpa "
+            "kernel never stores, so it would save nothing and cost a recompute (policy=selective, "
+            "modules=['core_attn'] (the default), attention=sdpa); with sdpa list other modules (e.g. "
+            '["mlp_act", "layernorm"]), or use attention=eager with core_attn",
+        ),
+        (
+            {"policy": "selective", "modules": ["mlp_act", "gelu"]},
+            "eager",
+            "error: ds_megatron.recompute.modules: unknown or repeated module (got ['mlp_act', 'gelu']); list each at "
+            "most once from ['core_attn', 'mlp_act', 'layernorm']",
+        ),
+        (
+            {"policy": "full", "modules": ["mlp_act"]},
+            "eager",
+            "error: ds_megatron.recompute.modules: applies to policy selective only (policy='full', "
+            "modules=['mlp_act']); set policy \"selective\" or remove modules",
+        ),
+    ],
+    ids=["core-attn-with-sdpa", "unknown-module", "modules-without-selective"],
+)
+def test_recompute_modules_are_validated(recompute, attention, message):
+    from ds_megatron.config import ConfigError, resolve
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "ds_megatron": {
+            "model": {"size": "gpt-tiny", "vocab_size": 1000, "seq_length": 32, "attention": attention},
+            "recompute": recompute,
+        },
+    }
+    with pytest.raises(ConfigError) as err:
+        resolve(cfg, 1)
+    assert str(err.value) == message
+
+
+def test_recompute_modules_compose_with_sdpa():
+    from ds_megatron.config import resolve
+
+    model = {"size": "gpt-tiny", "vocab_size": 1000, "seq_length": 32, "attention": "sdpa"}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "ds_megatron": {"model": model}}
+    cfg["ds_megatron"]["recompute"] = {"policy": "selective", "modules": ["mlp_act", "layernorm"]}
+    assert resolve(cfg, 1).section.recompute.modules == ("mlp_act", "layernorm")

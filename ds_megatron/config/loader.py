@@ -19,6 +19,7 @@ from ds_megatron.config.schema import (
     ATTENTION_KERNELS,
     MODEL_FAMILIES,
     RECOMPUTE_METHODS,
+    RECOMPUTE_MODULES,
     RECOMPUTE_POLICIES,
     ROPE_SCALING_TYPES,
     SP_GRAD_SYNC,
@@ -430,13 +431,28 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         raise ConfigError(
             "ds_megatron.recompute.method", "unknown method", f"got {rc.method!r}", f"use one of {RECOMPUTE_METHODS}"
         )
-    if rc.policy == "selective" and shape.attention == "sdpa":
+    unknown = [m for m in rc.modules if m not in RECOMPUTE_MODULES]
+    if unknown or len(set(rc.modules)) != len(rc.modules):
         raise ConfigError(
-            "ds_megatron.recompute.policy",
-            "selective recompute checkpoints the s x s attention core, which the sdpa kernel never stores, so it "
-            "would save nothing and cost a recompute",
-            "policy=selective, attention=sdpa",
-            "use attention=eager with selective (the paper's setting), or keep sdpa with policy none or full",
+            "ds_megatron.recompute.modules",
+            "unknown or repeated module",
+            f"got {list(rc.modules)}",
+            f"list each at most once from {list(RECOMPUTE_MODULES)}",
+        )
+    if rc.modules and rc.policy != "selective":
+        raise ConfigError(
+            "ds_megatron.recompute.modules",
+            "applies to policy selective only",
+            f"policy={rc.policy!r}, modules={list(rc.modules)}",
+            'set policy "selective" or remove modules',
+        )
+    if rc.policy == "selective" and shape.attention == "sdpa" and "core_attn" in (rc.modules or ("core_attn",)):
+        raise ConfigError(
+            "ds_megatron.recompute.modules",
+            "core_attn recomputes the s x s attention core, which the sdpa kernel never stores, so it would save "
+            "nothing and cost a recompute",
+            f"policy=selective, modules={list(rc.modules) or ['core_attn']} (the default), attention=sdpa",
+            'with sdpa list other modules (e.g. ["mlp_act", "layernorm"]), or use attention=eager with core_attn',
         )
     if rc.policy == "full":
         _positive("ds_megatron.recompute.num_layers", rc.num_layers)

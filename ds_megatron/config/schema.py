@@ -13,6 +13,9 @@ MODEL_FAMILIES = ("gpt2", "llama")  # GPT-2/GPT-3 (learned positions, LayerNorm,
 ROPE_SCALING_TYPES = ("llama3",)  # rope_scaling.rope_type values the llama family implements
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+# What selective recompute can recompute instead of storing: the attention core's s x s tensors, the MLP
+# activation's output (the second linear's input), the two norms' outputs (the first linears' inputs).
+RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm")
 SP_GRAD_SYNC = ("step", "micro_batch")
 DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fast matmul shapes on GPUs)
 
@@ -57,7 +60,8 @@ class ParallelSection:
 class RecomputeSection:
     """Activation recomputation policy."""
 
-    policy: str = "none"  # "none", "selective" (core attention) or "full"
+    policy: str = "none"  # "none", "selective" (the modules below) or "full"
+    modules: tuple = ()  # selective only: any of "core_attn", "mlp_act", "layernorm" (empty: ["core_attn"])
     num_layers: int = 1  # full only: layers per checkpointed chunk (uniform) or recomputed layers per stage (block)
     method: str = "uniform"  # full only: "uniform" or "block"
 

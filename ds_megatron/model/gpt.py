@@ -45,6 +45,17 @@ class ScaledCausalSoftmax(torch.autograd.Function):
         return dx.to(grad.dtype), None
 
 
+def compose(fn: Callable, inputs: tuple[torch.Tensor, ...], consumer: Callable) -> torch.Tensor:
+    """``consumer(fn(*inputs))``.  Blocks call their norms and MLP activations through an attribute holding this
+    function, so the recompute plan can swap in a version that does not store ``fn``'s output for the consumer's
+    backward but recomputes it from ``inputs`` (``ds_megatron.recompute.discard_output``)."""
+    return consumer(fn(*inputs))
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 class CoreAttention(nn.Module):
     """softmax(Q K^T / sqrt(d) + causal mask) -> dropout -> x V: the part selective recompute checkpoints.
 
@@ -118,9 +129,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.dropout = nn.Dropout(config.resid_pdrop)
+        self.around_act = compose
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        return self.dropout(self.around_act(gelu_tanh, (self.c_fc(x),), self.c_proj))
 
 
 class GPTBlock(nn.Module):
@@ -132,10 +144,11 @@ class GPTBlock(nn.Module):
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
+        self.around_norm = compose
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.around_norm(self.ln_1, (x,), self.attn)
+        return x + self.around_norm(self.ln_2, (x,), self.mlp)
 
 
 class TiedEmbedding(nn.Embedding):

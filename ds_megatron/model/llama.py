@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_megatron.model.gpt import CoreAttention, TiedEmbedding, seeded_normal_
+from ds_megatron.model.gpt import CoreAttention, TiedEmbedding, compose, seeded_normal_
 
 
 @dataclass(frozen=True)
@@ -305,10 +305,11 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(h, f, bias=False)
         self.down_proj = nn.Linear(f, h, bias=False)
         self.project: Projection = project_each
+        self.around_act = compose
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.project(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(SwiGLUFunction.apply(gate, up))
+        return self.around_act(SwiGLUFunction.apply, (gate, up), self.down_proj)
 
 
 class LlamaBlock(nn.Module):
@@ -320,10 +321,11 @@ class LlamaBlock(nn.Module):
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        self.around_norm = compose
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.around_norm(self.input_layernorm, (x,), self.self_attn)
+        return x + self.around_norm(self.post_attention_layernorm, (x,), self.mlp)
 
 
 class Llama(nn.Module):

@@ -21,6 +21,7 @@ POLICIES = {
     "full-uniform-1": {"policy": "full", "method": "uniform", "num_layers": 1},
     "full-uniform-2": {"policy": "full", "method": "uniform", "num_layers": 2},
     "full-block-1": {"policy": "full", "method": "block", "num_layers": 1},
+    "modules": {"policy": "selective", "modules": ["core_attn", "mlp_act", "layernorm"]},
 }
 
 
