@@ -32,7 +32,8 @@ def check_run(run: RunConfig) -> None:
 
 def check_data(run: RunConfig) -> None:
     """Prepared directories (``data.path`` or ``data.blend``) are complete and match their manifests; local text
-    exists, is not empty and is small enough to tokenise inside the launch (``data.max_inlaunch_bytes``)."""
+    exists, is not empty and is small enough to tokenise inside the launch (``data.max_inlaunch_bytes``); a Hugging
+    Face dataset name resolves (``data.hub``: metadata only, the Hub or the local cache)."""
     data = run.section.data
     if data.blend:
         check_blend(run)
@@ -62,6 +63,10 @@ def check_data(run: RunConfig) -> None:
                 "ds_megatron.data.path", "the dataset is empty", f"{len(files)} file(s) of 0 bytes", "add some text"
             )
         check_inlaunch_size(run, files)
+        return
+    from ds_megatron.data.hub import check_hub_dataset
+
+    check_hub_dataset(data.path, data.split, data.text_field)
 
 
 def prepare_command(run: RunConfig, files: list[str]) -> tuple[str, str]:

@@ -1,11 +1,15 @@
-"""Run a worker script in N real processes with the deepspeed launcher (CPU: gloo) and return its output."""
+"""Run a worker script in N real processes with the deepspeed launcher (CPU: gloo), as one node or as several nodes on
+this machine, and return its output."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +46,62 @@ def deepspeed_launch(
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+def deepspeed_launch_nodes(
+    script: str | Path,
+    nodes: int,
+    procs_per_node: int,
+    args: list[str],
+    node_args=lambda node: [],
+    timeout: int = 600,
+) -> list[str]:
+    """Launch ``script`` as ``nodes`` nodes of ``procs_per_node`` processes on this machine, the way a cluster without
+    ssh between its nodes is launched: a hostfile names the nodes, and every node runs ``deepspeed --hostfile H
+    --no_ssh --node_rank i --master_addr <node 0> --master_port P``.  ``node_args(i)`` adds node i's own flags.
+    Returns each node's output; raises with every node's output tail when one fails."""
+    launcher = Path(sys.executable).parent / "deepspeed"
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    with tempfile.TemporaryDirectory() as tmp:
+        hostfile = Path(tmp) / "hostfile"
+        hostfile.write_text("".join(f"node{i} slots={procs_per_node}\n" for i in range(nodes)))
+        common = [str(launcher), "--hostfile", str(hostfile), "--no_ssh", "--master_addr", "127.0.0.1"]
+        common += ["--master_port", str(port)]
+        logs = [Path(tmp) / f"node{i}.log" for i in range(nodes)]  # files, not pipes: no node blocks on a full pipe
+        procs = []
+        for i in range(nodes):
+            with open(logs[i], "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [*common, "--node_rank", str(i), str(script), *args, *node_args(i)],
+                        cwd=ROOT,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # a node's launcher and its processes end together on a timeout
+                    )
+                )
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        outputs = [log.read_text() for log in logs]
+    leaked = shm_buffers(port)
+    for f in leaked:
+        f.unlink(missing_ok=True)
+    failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
+    if failed:
+        tails = "\n".join(f"--- node {i} ({procs[i].returncode}):\n{out[-4000:]}" for i, out in enumerate(outputs))
+        raise AssertionError(f"node(s) {failed} of {script} failed:\n{tails}")
+    if leaked:
+        raise AssertionError(f"the run left DeepSpeed shared-memory buffers behind: {[f.name for f in leaked]}")
+    return outputs
 
 
 TINY_CONFIG = str(ROOT / "ds_configs" / "gpt_tiny.json")

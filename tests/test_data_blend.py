@@ -110,11 +110,15 @@ def two_prepared(tmp_path_factory):
 
 def test_training_reads_a_blend(tmp_path, two_prepared, capsys):
     blend = [[str(two_prepared / "a"), 3], [str(two_prepared / "b"), 1]]
-    run = resolve(blend_config(tmp_path, blend), 1)
+    cfg = blend_config(tmp_path, blend)
+    cfg["ds_megatron"]["data"]["valid_fraction"] = 0.1
+    run = resolve(cfg, 1)
     check_data(run)
     data = prepare_data(run, 0, tmp_path / "run")
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "data: blend of 2 prepared directories" in out and "0.7500 (weight 0.7500)" in out
+    a, b = two_prepared / "a", two_prepared / "b"  # prepared with the default 0.02: the run's 0.1 does nothing
+    assert f"valid_fraction=0.1 is ignored: {a} was prepared with 0.02, {b} was prepared with 0.02 (" in err
     sources = [data.train.locate(k)[0] for k in range(8192)]
     assert sources.count(0) == 6144 and data.train[0].shape == (33,)
     assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
@@ -145,3 +149,21 @@ def test_recipe_refuses_a_blend_of_two_tokenizers_in_one_line(tmp_path, two_prep
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("error: ds_megatron.data.blend: the directories were tokenised with different")
     assert not (tmp_path / "save").exists()
+
+
+def test_a_blend_is_set_on_the_command_line_with_set(tmp_path, two_prepared, monkeypatch, capsys):
+    from ds_megatron.cli.train import build_parser, validate
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    a, b = str(two_prepared / "a"), str(two_prepared / "b")
+    base = ["--deepspeed_config", str(TINY), "--set", "ds_megatron.model.seq_length=32", "--set"]
+    _, run = validate([*base, f"ds_megatron.data.blend={json.dumps([[a, 0.7], [b, 0.3]])}"])
+    assert [list(entry) for entry in run.section.data.blend] == [[a, 0.7], [b, 0.3]] and run.section.data.path is None
+    with pytest.raises(ConfigError) as err:  # the shell ate the inner quotes
+        validate([*base, f"ds_megatron.data.blend=[[{a},0.7]]"])
+    line = str(err.value)
+    assert line.startswith("error: --set ds_megatron.data.blend: not valid JSON (Expecting value at character 2 of ")
+    assert line.endswith("""--set 'ds_megatron.data.blend=[["web.prepared", 0.7], ["code.prepared", 0.3]]'""")
+    assert validate([*base, "ds_megatron.train.prompt=plain text"])[1].section.train.prompt == "plain text"
+    help_text = " ".join(build_parser().format_help().split())
+    assert """--set 'ds_megatron.data.blend=[["web.prepared", 0.7], ["code.prepared", 0.3]]'""" in help_text

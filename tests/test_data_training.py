@@ -69,7 +69,12 @@ def test_training_reads_a_prepared_directory_without_tokenizing(tmp_path, prepar
     run = run_config(tmp_path, path=str(prepared), valid_fraction=0.3)
     check_data(run)
     data = run_data.prepare_data(run, 0, tmp_path / "run")
-    assert "data: prepared directory" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "data: prepared directory" in out
+    assert err.splitlines() == [
+        f"warning: ds_megatron.data.valid_fraction=0.3 is ignored: {prepared} was prepared with 0.05 (a prepared "
+        "directory fixes its validation split; prepare again with --valid-fraction 0.3 to change it)"
+    ]
     flat = np.asarray(open_prepared(prepared).tokens)
     cut = int(len(flat) * 0.95)  # the manifest's valid fraction, not the config's
     assert data.num_tokens == len(flat) and len(data.valid.tokens) == len(flat) - cut
@@ -81,6 +86,13 @@ def test_training_reads_a_prepared_directory_without_tokenizing(tmp_path, prepar
     seen = [next(full) for _ in range(10)]
     resumed = MicroBatchStream(data.train, 2, 2, 0, 1, start_step=3)
     assert all(torch.equal(next(resumed)[0], x) for x, _ in seen[6:])
+
+
+def test_valid_fraction_warns_only_when_set_and_different(tmp_path, prepared, capsys):
+    for fraction, rank in [(None, 0), (0.05, 0), (0.1, 1)]:  # the default; the prepared value; another rank
+        data = {"valid_fraction": fraction} if fraction is not None else {}
+        run_data.prepare_data(run_config(tmp_path, path=str(prepared), **data), rank)
+        assert capsys.readouterr().err == "", fraction
 
 
 def _copy(prepared: Path, tmp_path: Path) -> Path:
@@ -184,12 +196,12 @@ def test_pipeline_no_longer_uses_a_collective_for_data():
     assert "broadcast" not in source and "torch.distributed" not in source and "dist." not in source
 
 
-def recipe(args: list[str]) -> subprocess.CompletedProcess:
+def recipe(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     """The training recipe at world size 4, as pre-flight sees it (it exits before any process group)."""
     return subprocess.run(
         [sys.executable, "recipes/train_gpt.py", "--deepspeed_config", str(TINY), *args],
         cwd=ROOT,
-        env={"WORLD_SIZE": "4", "PATH": "/usr/bin:/bin"},
+        env={"WORLD_SIZE": "4", "PATH": "/usr/bin:/bin", **(env or {})},
         capture_output=True,
         text=True,
         timeout=120,
@@ -214,20 +226,6 @@ def test_recipe_refuses_bad_data_in_one_line(tmp_path, prepared, case):
     setting = "ds_megatron.data.blend" if case == "weights" else "ds_megatron.data.path"
     assert lines[0].startswith(f"error: {setting}: {expected}") and "Traceback" not in proc.stderr
     assert not (tmp_path / "save").exists()
-
-
-@pytest.mark.slow
-def test_launch_trains_from_a_prepared_directory(tmp_path, prepared):
-    from launch import RECIPE, deepspeed_launch, quiet_run_flags, read_losses
-
-    flags = quiet_run_flags(tmp_path, "run", tp=2, pp=1)
-    out = deepspeed_launch(
-        RECIPE, 2, ["--deepspeed_config", str(TINY), "--data", str(prepared), "--train-iters", "2", *flags]
-    )
-    assert "data: prepared directory" in out and "tokenizing" not in out
-    assert not (tmp_path / "cache").exists()  # nothing tokenised, nothing cached
-    assert sorted(read_losses(tmp_path / "run")) == [1, 2]
-    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
 
 
 def test_in_launch_path_builds_once_then_finds_the_cache(tmp_path, monkeypatch):

@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="override any key by dotted path; VALUE is parsed as JSON when it can be "
-        "(e.g. --set ds_megatron.model.dropout=0.0 --set train_micro_batch_size_per_gpu=4)",
+        "(e.g. --set ds_megatron.model.dropout=0.0 --set train_micro_batch_size_per_gpu=4). A weighted blend of "
+        "prepared directories, instead of --data: "
+        """--set 'ds_megatron.data.blend=[["web.prepared", 0.7], ["code.prepared", 0.3]]'""",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks for configuration errors")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)), help=argparse.SUPPRESS)
@@ -110,12 +112,25 @@ def apply_overrides(cfg: dict, args: argparse.Namespace) -> dict:
             )
         key, raw = item.split("=", 1)
         check_set_path(key)
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        _set_path(cfg, key, value)
+        _set_path(cfg, key, parse_set_value(key, raw))
     return cfg
+
+
+def parse_set_value(key: str, raw: str) -> Any:
+    """JSON when it parses, else the text itself; but text that starts like a JSON list or object was meant as one
+    (a blend, a tuple), and kept as text it would only be refused later as a mistyped value."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as err:
+        if raw.lstrip().startswith(("[", "{")):
+            raise ConfigError(
+                f"--set {key}",
+                "not valid JSON",
+                f"{err.msg} at character {err.pos} of {raw!r}",
+                "double-quote the strings inside and single-quote the whole for the shell, e.g. "
+                f"""--set '{key}=[["web.prepared", 0.7], ["code.prepared", 0.3]]'""",
+            ) from None
+        return raw
 
 
 def check_set_path(dotted: str) -> None:

@@ -86,7 +86,7 @@ def load_documents(path: str | None, text_field: str = "text", split: str = "tra
         ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
         field = "text" if builder == "text" else text_field
     else:
-        ds = datasets.load_dataset(path, split=split)
+        ds = _load_hub_dataset(path, split)
         field = text_field
     if field not in ds.column_names:
         raise DataError(
@@ -98,6 +98,21 @@ def load_documents(path: str | None, text_field: str = "text", split: str = "tra
     if len(ds) == 0:
         raise DataError(f"error: ds_megatron.data.path: the dataset is empty ({path}); point it at some text")
     return ds
+
+
+def _load_hub_dataset(name: str, split: str):
+    """A Hugging Face dataset; pre-flight resolved the name already, so a failure here (the network went away since)
+    is one DataError line like pre-flight's, not a traceback from every process."""
+    import datasets
+
+    from ds_megatron.config import ConfigError
+    from ds_megatron.data.hub import SETTING, describe_failure
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as err:
+        problem = describe_failure(name, split, err, bool(datasets.config.HF_HUB_OFFLINE))
+        raise DataError(str(ConfigError(SETTING, *problem))) from None
 
 
 def fingerprint_documents(ds, path: str | None) -> str:

@@ -4,7 +4,8 @@ tokenisation runs):
 - ``data.path`` a prepared directory (``python -m ds_megatron.data prepare``), or ``data.blend`` a weighted list of
   them: nothing is tokenised.  The shards are memory-mapped and checked against the manifest (sizes here; sha256 in
   pre-flight with ``data.verify_checksums``), the tokenizer is the directory's, and validation is the tail
-  ``valid_fraction`` of the token stream (the value recorded by ``prepare``, default 0.02).
+  ``valid_fraction`` of the token stream (the value recorded by ``prepare``, default 0.02; a different
+  ``data.valid_fraction`` set for the run is ignored, with a warning).
 - anything else (the built-in corpus, local files up to ``data.max_inlaunch_bytes``, a Hugging Face dataset): tokenised
   here into the packed cache under ``data.cache_dir``.  The first process of a node to take the file lock in that
   directory builds the cache (or checks the one there); the others wait on the lock, then find it through a small
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ds_megatron.config import RunConfig, effective_tokenizer
+from ds_megatron.config.schema import DataSection
 from ds_megatron.data.blend import BlendedSamples
 from ds_megatron.data.corpus import (
     DataError,
@@ -53,6 +55,24 @@ class RunData:
 def _say(rank: int, line: str) -> None:
     if rank == 0:
         print(line, flush=True)
+
+
+def _warn_ignored_valid_fraction(run: RunConfig, rank: int, fractions: dict[str, float]) -> None:
+    """A prepared directory fixes its validation split (``prepare --valid-fraction``, recorded in its manifest), so a
+    ``data.valid_fraction`` the user set does nothing there: say so once, naming both values.  Left at its default
+    (``DataSection.valid_fraction``), the setting was never asked for and says nothing."""
+    asked = run.section.data.valid_fraction
+    differ = {d: f for d, f in fractions.items() if f != asked}
+    if asked == DataSection.valid_fraction or not differ:
+        return
+    where = ", ".join(f"{d} was prepared with {f:g}" for d, f in differ.items())
+    if rank == 0:
+        print(
+            f"warning: ds_megatron.data.valid_fraction={asked:g} is ignored: {where} (a prepared directory fixes its "
+            f"validation split; prepare again with --valid-fraction {asked:g} to change it)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _load_tokenizer(path: str | Path, run: RunConfig):
@@ -170,6 +190,7 @@ def _prepared_data(run: RunConfig, rank: int) -> RunData:
         f"{len(m['shards'])} shards, tokenizer {m['tokenizer']['spec']}; validation: the last "
         f"{m['valid_fraction']:g} of the tokens",
     )
+    _warn_ignored_valid_fraction(run, rank, {data.path: m["valid_fraction"]})
     train, valid = _splits(prepared, run)
     return RunData(tok, train, valid, len(prepared.tokens), prepared.directory)
 
@@ -186,6 +207,7 @@ def _blend_data(run: RunConfig, rank: int) -> RunData:
             f"({sorted(prints)}); prepare them all with one --tokenizer"
         )
     tok = _prepared_tokenizer(members[0], run)
+    _warn_ignored_valid_fraction(run, rank, {p: m.manifest["valid_fraction"] for p, m in zip(paths, members)})
     splits = [_splits(m, run) for m in members]
     seed = run.section.train.seed
     train = BlendedSamples([t for t, _ in splits], weights, seed)
