@@ -97,6 +97,37 @@ def test_import_at_tp2_pp2_then_export_is_bitwise_identical(imported, tmp_path):
     assert GPT2LMHeadModel.from_pretrained(tmp_path / "back").lm_head.weight.shape == (1001, 64)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("ck", "hf", "tp"), [("ck", "hf", 4), ("ck_llama", "hf_llama", 1)])
+def test_offline_reshard_then_export_is_bitwise_identical(imported, tmp_path, monkeypatch, ck, hf, tp):
+    """The step-0 checkpoints (tp 2 x pp 2) resharded offline to tp 4 (GPT-2: the vocabulary padded to another
+    multiple) or tp 1 (Llama: GQA, untied lm_head) x pp 3, then exported: every tensor as imported.  A failure
+    while writing leaves neither the output nor its temporary directory."""
+    from ds_megatron.checkpoint import reshard_offline
+
+    _, work = imported
+    out = tmp_path / "resharded"
+    argv = ["reshard", "--checkpoint", str(work / ck), "--tp", str(tp), "--pp", "3", "--dp", "1", "--out", str(out)]
+
+    def crash(self):
+        raise OSError("no space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(reshard_offline._Writer, "_write_records", crash)
+        with pytest.raises(OSError, match="no space left"):
+            checkpoint_main(argv)
+    assert list(tmp_path.iterdir()) == []
+    assert checkpoint_main(argv) == 0
+    saved = json.loads((out / "step00000000" / "config.json").read_text())["ds_megatron"]["parallel"]
+    assert (saved["tp"], saved["pp"]) == (tp, 3)
+    assert checkpoint_main(["export", "--checkpoint", str(out), "--out", str(tmp_path / "back")]) == 0
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    original = load_file(work / hf / "model.safetensors")
+    assert set(back) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+
+
 def test_export_refuses_bad_input_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "out"
     assert checkpoint_main(["export", "--checkpoint", str(tmp_path / "missing"), "--out", str(out)]) == 2

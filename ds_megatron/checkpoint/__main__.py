@@ -1,36 +1,73 @@
-"""``python -m ds_megatron.checkpoint export --checkpoint DIR [--tag T] --out HF_DIR [--dtype fp32|bf16|fp16]
-[--max-shard-size 5GB] [--tokenizer DIR]``: a DeepSpeed checkpoint of any tp/pp/dp -> a transformers GPT-2 directory.
-(Import into training: ``recipes/train_gpt.py --init-from-hf HF_DIR``.)"""
+"""``python -m ds_megatron.checkpoint``: offline work on the checkpoints of ``recipes/train_gpt.py --save``.
+
+``export --checkpoint DIR [--tag T] --out HF_DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB] [--tokenizer DIR]``:
+a DeepSpeed checkpoint of any tp/pp/dp -> a transformers directory (import into training:
+``recipes/train_gpt.py --init-from-hf HF_DIR``).
+
+``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D --out DIR2``: the same checkpoint at another layout,
+ready for ``--load DIR2`` on N x M x D processes (resharding on load does the same inside the launch).
+
+Both read files weights-only and refuse one that needs more, unless ``--trust-checkpoint``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ds_megatron.checkpoint.export import export
 from ds_megatron.config import ConfigError
+
+TRUST_HELP = "read files that need arbitrary unpickling (it can run code from them): only for checkpoints you trust"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ds_megatron.checkpoint", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("export", help="DeepSpeed checkpoint -> Hugging Face GPT2LMHeadModel directory")
+    ex = sub.add_parser("export", help="DeepSpeed checkpoint -> Hugging Face directory")
     ex.add_argument("--checkpoint", required=True, help="directory written by train_gpt.py --save")
-    ex.add_argument("--tag", help="checkpoint tag (default: the one 'latest' names)")
+    ex.add_argument("--tag", help="checkpoint tag (default: the newest complete one)")
     ex.add_argument("--out", required=True, help="new output directory")
     ex.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     ex.add_argument("--max-shard-size", default="5GB")
     ex.add_argument("--tokenizer", help="tokenizer directory (default: the one saved with the run)")
-    ex.add_argument("--debug", action="store_true")
+    rs = sub.add_parser("reshard", help="checkpoint -> the same checkpoint at another tp x pp x dp")
+    rs.add_argument("--checkpoint", required=True, help="directory written by train_gpt.py --save")
+    rs.add_argument("--tag", help="checkpoint tag (default: the newest complete one)")
+    rs.add_argument("--tp", type=int, required=True, help="tensor-parallel size of the new layout")
+    rs.add_argument("--pp", type=int, required=True, help="pipeline stages of the new layout")
+    rs.add_argument("--dp", type=int, required=True, help="data-parallel size of the new layout")
+    rs.add_argument("--out", required=True, help="new output directory (must not exist)")
+    for p in (ex, rs):
+        p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
+        p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = ap.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, args.tag, args.dtype, args.max_shard_size, args.tokenizer)
+        if args.command == "export":
+            from ds_megatron.checkpoint.export import export
+
+            out = export(
+                args.checkpoint,
+                args.out,
+                args.tag,
+                args.dtype,
+                args.max_shard_size,
+                args.tokenizer,
+                trust_checkpoint=args.trust_checkpoint,
+            )
+            done = f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
+        else:
+            from ds_megatron.checkpoint.reshard_offline import reshard_checkpoint
+
+            out = reshard_checkpoint(
+                args.checkpoint, args.out, args.tp, args.pp, args.dp, args.tag, args.trust_checkpoint
+            )
+            world = args.tp * args.pp * args.dp
+            done = f"resume with --load {out} --tp {args.tp} --pp {args.pp} on {world} processes"
     except ConfigError as err:
         if args.debug:
             raise
         print(str(err), file=sys.stderr)
         return 2
-    print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    print(f"wrote {out}: {done}")
     return 0
 
 

@@ -20,14 +20,15 @@ from pathlib import Path
 
 import torch
 
+from ds_megatron.checkpoint import safe_load
 from ds_megatron.checkpoint.keymap import TIED_HEAD, is_conv1d
+from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_plan
 from ds_megatron.checkpoint.manifest import is_complete, newest_complete_tag
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import saved_layout
 from ds_megatron.model import GPTConfig
 from ds_megatron.parallelize import ParallelPlan, shard_rule
-from ds_megatron.pipeline import PipelineLayout
 from ds_megatron.tensor_parallel import unshard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -42,7 +43,7 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
-def read_checkpoint_config(ckpt_dir: Path, tag: str | None) -> tuple[str, dict]:
+def read_checkpoint_config(ckpt_dir: Path, tag: str | None, trust: bool = False) -> tuple[str, dict]:
     tag = tag or newest_complete_tag(ckpt_dir)
     if tag is None:
         raise ConfigError(
@@ -51,7 +52,7 @@ def read_checkpoint_config(ckpt_dir: Path, tag: str | None) -> tuple[str, dict]:
     states = ckpt_dir / tag / "mp_rank_00_model_states.pt"
     if not states.exists() or not is_complete(ckpt_dir / tag):
         raise ConfigError("--checkpoint", "incomplete checkpoint", f"{states} is missing", "use a complete tag")
-    client = torch.load(states, map_location="cpu", weights_only=False)
+    client = safe_load.load(states, trust=trust, mmap=True)
     if "config" not in client:
         raise ConfigError(
             "--checkpoint", "no ds_megatron config", str(states), "pass a checkpoint written by train_gpt.py"
@@ -59,20 +60,23 @@ def read_checkpoint_config(ckpt_dir: Path, tag: str | None) -> tuple[str, dict]:
     return tag, client["config"]
 
 
-def iter_full_parameters(ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_parameters(
+    ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int, trust: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(full GPT name, merged tensor) for every parameter, one pipeline layer at a time.
 
     A mixed-precision checkpoint yields its fp32 master weights (``masters.py``), not the 16-bit copies of the
-    per-layer files: those are the weights training continues from, and a 16-bit export is a rounding of them."""
-    masters = MasterWeights.open(ckpt, tp)
+    per-layer files: those are the weights training continues from, and a 16-bit export is a rounding of them.
+    Files are read weights-only unless ``trust`` (``safe_load``)."""
+    masters = MasterWeights.open(ckpt, tp, pipeline_layout(gpt), trust=trust)
     stage = 0
-    for idx, prefix in PipelineLayout(gpt.n_layer).saved_layers():
+    for idx, prefix in pipeline_layout(gpt).saved_layers():
         shards = []
         for rank in range(tp):
             f = ckpt / f"layer_{idx:02d}-model_{rank:02d}-model_states.pt"
             if not f.exists():
                 raise ConfigError("--checkpoint", "partial checkpoint", f"{f} is missing", "use a complete one")
-            shards.append(torch.load(f, map_location="cpu", weights_only=True))
+            shards.append(safe_load.load(f, trust=trust))
         if masters is not None:
             stage = _stage_holding(masters, idx, next(iter(shards[0])), stage, f)
             masters.release(keep_from_pp=stage)
@@ -146,6 +150,7 @@ def export(
     max_shard_size: str = "5GB",
     tokenizer_dir: str | Path | None = None,
     progress: bool = True,
+    trust_checkpoint: bool = False,
 ) -> Path:
     from safetensors.torch import save_file
     from transformers import GenerationConfig
@@ -155,11 +160,11 @@ def export(
         raise ConfigError("--dtype", "unknown dtype", dtype, f"use one of {sorted(DTYPES)}")
     if out.exists() and any(out.iterdir()):
         raise ConfigError("--out", "exists and is not empty", str(out), "choose a new directory")
-    tag, ds_config = read_checkpoint_config(ckpt_dir, tag)
+    tag, ds_config = read_checkpoint_config(ckpt_dir, tag, trust_checkpoint)
     tp, pp, dp = saved_layout(ds_config)
     run = resolve(ds_config, tp * pp * dp)
-    gpt = GPTConfig.from_shape(run.model)
-    plan = ParallelPlan(gpt, None, 0, tp, False, None, run.section.parallel.vocab_multiple)
+    gpt = run_model_config(run)
+    plan = shard_plan(gpt, run, tp)
     limit = parse_size(max_shard_size)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -179,7 +184,7 @@ def export(
             shard, shard_bytes = {}, 0
 
     last_prefix = None
-    for name, tensor in iter_full_parameters(ckpt_dir / tag, gpt, plan, tp):
+    for name, tensor in iter_full_parameters(ckpt_dir / tag, gpt, plan, tp, trust_checkpoint):
         if tuple(tensor.shape) != expected_shape(name, gpt):
             raise ConfigError(
                 "--checkpoint",

@@ -9,27 +9,44 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ds_megatron.fileio import sha256_file
+from ds_megatron.fileio import atomic_write_text, sha256_file
 
 MANIFEST = "manifest.json"
 TAG_CONFIG = "config.json"
 
 
 def is_complete(tag_dir: Path, verify_checksums: bool = False) -> bool:
+    return incompleteness(tag_dir, verify_checksums) is None
+
+
+def incompleteness(tag_dir: Path, verify_checksums: bool = False) -> str | None:
+    """Why ``tag_dir`` is not a complete tag (the first problem found), or None when it is."""
     manifest = tag_dir / MANIFEST
     if not manifest.is_file():
-        return False
+        return f"{tag_dir.name} has no {MANIFEST}"
     try:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError):
-        return False
+        return f"{tag_dir.name}/{MANIFEST} is not a manifest"
     for name, meta in files.items():
         f = tag_dir / name
-        if not f.is_file() or f.stat().st_size != meta["bytes"]:
-            return False
+        if not f.is_file():
+            return f"{tag_dir.name}/{name} is missing"
+        if f.stat().st_size != meta["bytes"]:
+            return f"{tag_dir.name}/{name} has {f.stat().st_size} bytes, the manifest says {meta['bytes']}"
         if verify_checksums and sha256_file(f) != meta["sha256"]:
-            return False
-    return True
+            return f"{tag_dir.name}/{name} does not match its sha256 in the manifest"
+    return None
+
+
+def file_record(path: Path) -> dict:
+    """What the manifest records of one file: its size and sha256."""
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def write_manifest(tag_dir: Path, step: int, files: dict[str, dict]) -> None:
+    """The marker that makes a tag complete (written last, atomically): every file's record, and the step."""
+    atomic_write_text(tag_dir / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
 
 
 def complete_tags(save_dir: str | Path) -> list[str]:

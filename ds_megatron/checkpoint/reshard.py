@@ -26,13 +26,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ds_megatron.checkpoint import safe_load
+from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_plan
 from ds_megatron.checkpoint.manifest import tag_config
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import precision, saved_layout
-from ds_megatron.model import GPTConfig
 from ds_megatron.parallelize import ParallelPlan, shard_rule
-from ds_megatron.pipeline import PipelineLayout, pipeline_param_name
+from ds_megatron.pipeline import pipeline_param_name
 from ds_megatron.tensor_parallel import shard, unshard
 
 
@@ -59,19 +60,23 @@ def param_names_record(engine, topology) -> dict:
 
 class OldCheckpoint:
     """Read access to one tag of a checkpoint written at another layout: full (unsharded) fp32 weights and Adam
-    states by full GPT name."""
+    states by full GPT name.
 
-    def __init__(self, root: Path, tag: str):
-        self.root, self.tag = root, tag
+    Files are read weights-only (``safe_load``; ``trust`` lifts that) and memory-mapped: a tensor's pages are read
+    when it is used, and only the current pipeline layer's files stay open, so a caller walking the parameters in
+    pipeline order holds about one full parameter (and its Adam moments) at a time."""
+
+    def __init__(self, root: Path, tag: str, trust: bool = False):
+        self.root, self.tag, self.trust = root, tag, trust
         cfg = tag_config(root, tag)
         if cfg is None:
             raise ConfigError("--load", "no config.json, cannot reshard", f"{root}/{tag}", "resume at the saved layout")
         self.tp, self.pp, dp = saved_layout(cfg)
         self.run = resolve(cfg, self.tp * self.pp * dp)
-        self.gpt = GPTConfig.from_shape(self.run.model)
-        self.layout = PipelineLayout(self.gpt.n_layer)
-        self.plan = ParallelPlan(self.gpt, None, 0, self.tp, False, None, self.run.section.parallel.vocab_multiple)
-        self.masters = MasterWeights.open(root / tag, self.tp)  # None on the fp32 path
+        self.gpt = run_model_config(self.run)
+        self.layout = pipeline_layout(self.gpt)
+        self.plan = shard_plan(self.gpt, self.run, self.tp)
+        self.masters = MasterWeights.open(root / tag, self.tp, self.layout, trust=trust)  # None on the fp32 path
         self.where: dict[str, dict[int, tuple[int, int]]] = {}  # name -> {old tp rank: (mp file index, position)}
         for f in sorted((root / tag).glob("params_rank*.json")):
             rec = json.loads(f.read_text())
@@ -86,19 +91,27 @@ class OldCheckpoint:
         self._stages: dict[int, int] = {}
 
     def client(self, mp_index: int = 0) -> dict:
+        """DeepSpeed's ``mp_rank_XX_model_states.pt`` (counters, schedule, our client state; on the fp32 path the
+        optimizer's per-parameter state too, memory-mapped)."""
         if mp_index not in self._states:
             f = self.root / self.tag / f"mp_rank_{mp_index:02d}_model_states.pt"
-            self._states[mp_index] = torch.load(f, map_location="cpu", weights_only=False)
+            self._states[mp_index] = safe_load.load(f, trust=self.trust, mmap=True)
         return self._states[mp_index]
+
+    def layer_file(self, idx: int, tp_rank: int) -> dict[str, torch.Tensor]:
+        """The per-layer file of layer ``idx`` written by ``tp_rank`` (memory-mapped; only the current layer's
+        files are kept)."""
+        if (idx, tp_rank) not in self._layers:
+            if any(i != idx for i, _ in self._layers):
+                self._layers.clear()
+            f = self.root / self.tag / f"layer_{idx:02d}-model_{tp_rank:02d}-model_states.pt"
+            self._layers[(idx, tp_rank)] = safe_load.load(f, trust=self.trust, mmap=True)
+        return self._layers[(idx, tp_rank)]
 
     def _layer_shards(self, name: str) -> list[torch.Tensor]:
         """This parameter's tensors in the per-layer files, one per old TP rank (the model copy: bf16 under bf16)."""
-        idx = self.layout.index_of(name)
-        for r in range(self.tp):
-            if (idx, r) not in self._layers:
-                f = self.root / self.tag / f"layer_{idx:02d}-model_{r:02d}-model_states.pt"
-                self._layers[(idx, r)] = torch.load(f, map_location="cpu", weights_only=True)
-        return [self._layers[(idx, r)][self.layout.key_in_layer(name)] for r in range(self.tp)]
+        idx, key = self.layout.index_of(name), self.layout.key_in_layer(name)
+        return [self.layer_file(idx, r)[key] for r in range(self.tp)]
 
     def _master_shards(self, name: str, state_key: str | None) -> list[torch.Tensor]:
         idx, key = self.layout.index_of(name), self.layout.key_in_layer(name)
@@ -107,6 +120,10 @@ class OldCheckpoint:
         stage = self._stages[idx]
         shapes = [t.shape for t in self._layer_shards(name)]
         return [self.masters.find(idx, key, r, stage, state_key).view(shapes[r]) for r in range(self.tp)]
+
+    def full_shape(self, name: str) -> torch.Size:
+        """The full parameter's shape (vocabulary padding stripped), from the shards' shapes alone."""
+        return self._merge(name, [torch.empty(t.shape, device="meta") for t in self._layer_shards(name)]).shape
 
     def full_weight(self, name: str) -> torch.Tensor:
         """The full fp32 weight: the master under bf16, the per-layer files' tensor on the fp32 path."""

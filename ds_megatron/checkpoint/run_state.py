@@ -22,16 +22,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ds_megatron.checkpoint import safe_load
 from ds_megatron.checkpoint.manifest import (
     MANIFEST,
     TAG_CONFIG,
     complete_tags,
+    file_record,
     newest_complete_tag,
     tag_config,
+    write_manifest,
 )
 from ds_megatron.config import ConfigError
 from ds_megatron.config.facts import needs_resharding, precision, saved_layout
-from ds_megatron.fileio import atomic_write_text, sha256_file
+from ds_megatron.fileio import atomic_write_text
 from ds_megatron.random import RNGTracker
 
 
@@ -66,14 +69,12 @@ def seal_tag(root: Path, tag: str, step: int, keep_last: int) -> None:
     Until the manifest exists the tag does not count as a checkpoint (a crash before this leaves it ignored)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     names = sorted(p.name for p in (root / tag).iterdir() if p.is_file() and p.name != MANIFEST)
-    mine = {
-        n: {"bytes": (root / tag / n).stat().st_size, "sha256": sha256_file(root / tag / n)} for n in names[rank::world]
-    }
+    mine = {n: file_record(root / tag / n) for n in names[rank::world]}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         files = {k: v for part in gathered for k, v in part.items()}
-        atomic_write_text(root / tag / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+        write_manifest(root / tag, step, files)
         atomic_write_text(root / "latest", tag)
         if keep_last > 0:
             for old in complete_tags(root)[:-keep_last]:
@@ -96,6 +97,7 @@ def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=
             file=sys.stderr,
             flush=True,
         )
+    refuse_unsafe_files(root / tag)
     saved = tag_config(root, tag)
     if plan is not None and saved is not None and run_config is not None and needs_resharding(saved, run_config):
         from ds_megatron.checkpoint.reshard import load_resharded
@@ -114,7 +116,41 @@ def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=
         raise ConfigError("--load", "checkpoint could not be loaded", f"{root}/{tag}", "check the directory")
     rng_file = root / tag / f"rng_rank{dist.get_rank():05d}.pt"
     if rng_file.exists():
-        rng.load_state_dict(torch.load(rng_file, weights_only=False))
+        rng.load_state_dict(safe_load.load(rng_file, setting="--load", fix=UNSAFE_FIX))
+    elif (client_state or {}).get("resharded_from"):
+        if dist.get_rank() == 0:
+            was = client_state["resharded_from"]
+            print(
+                f"{root}/{tag} was resharded offline from tp {was['tp']} x pp {was['pp']} x dp {was['dp']}: dropout "
+                "RNG streams start afresh (they depend on the layout)",
+                flush=True,
+            )
     else:
         print(f"warning: {rng_file} missing; dropout masks will not continue exactly", file=sys.stderr, flush=True)
     return client_state or {}
+
+
+UNSAFE_FIX = (
+    "if you trust where it came from, rewrite it with `python -m ds_megatron.checkpoint reshard --checkpoint DIR "
+    "--tp T --pp P --dp D --out NEW --trust-checkpoint` (any layout, the saved one too) and --load NEW"
+)
+
+
+def refuse_unsafe_files(tag_dir: Path) -> None:
+    """Collective.  DeepSpeed's ``engine.load_checkpoint`` unpickles its files with ``weights_only=False`` (its
+    torch checkpoint engine), so a crafted file would run code in every process.  Before DeepSpeed reads anything,
+    every ``.pt`` file of the tag is read weights-only once (each rank a share; tensor data is memory-mapped, not
+    read), and a file that needs more refuses the resume on every rank with the same line."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = sorted(p.name for p in tag_dir.glob("*.pt"))
+    mine = None
+    for name in names[rank::world]:
+        what = safe_load.unsafe_reason(tag_dir / name)
+        if what is not None:
+            mine = (name, what)
+            break
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    found = next((g for g in gathered if g is not None), None)
+    if found is not None:
+        raise safe_load.refusal(tag_dir / found[0], found[1], "--load", UNSAFE_FIX)

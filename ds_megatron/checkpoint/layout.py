@@ -1,0 +1,77 @@
+"""The model facts the checkpoint tools read off a run's saved configuration, each obtained in one place: the
+model's config, its pipeline layout, the plan whose shard rules cut it at a given tp, the pipeline stages'
+layers and the ranks of a (tp, pp, dp) layout.  Everything here works without a process group."""
+
+from __future__ import annotations
+
+import re
+
+from deepspeed.pipe import TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+from ds_megatron.config import ConfigError, RunConfig
+from ds_megatron.model import ModelConfig, model_config
+from ds_megatron.parallelize import ParallelPlan
+from ds_megatron.pipeline import PipelineLayout, layer_specs
+
+
+def run_model_config(run: RunConfig) -> ModelConfig:
+    """The single-device model's config of a resolved run."""
+    return model_config(run.model)
+
+
+def pipeline_layout(config: ModelConfig) -> PipelineLayout:
+    """Which pipeline layer index holds which parameter, and DeepSpeed's names for them."""
+    return PipelineLayout.of(config)
+
+
+def shard_plan(config: ModelConfig, run: RunConfig, tp: int) -> ParallelPlan:
+    """The plan whose shard rules cut (and merge) parameters at ``tp``: no group, only the rules."""
+    return ParallelPlan(config, None, 0, tp, False, None, run.section.parallel.vocab_multiple)
+
+
+def stage_param_layers(config: ModelConfig, run: RunConfig, pp: int) -> list[list[int]]:
+    """Per pipeline stage, the layer indices whose parameters the stage holds, in the order DeepSpeed's
+    ``PipelineModule`` registers them (which is the optimizer's order): tied modules first, each under the index of
+    its first layer (whose file holds it), then the stage's own layers in order.  The split over stages is
+    DeepSpeed's own (``partition_balanced`` over the layers matching ``type:<regex>``, or ``partition_uniform``),
+    computed from the layer specs without building a layer."""
+    specs = layer_specs(config, shard_plan(config, run, 1), run.section.train.seed)
+    method = run.section.parallel.partition_method.lower()
+    if method == "uniform":
+        parts = partition_uniform(len(specs), pp)
+    elif method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        parts = partition_balanced([1 if pattern.search(s.typename.__name__) else 0 for s in specs], pp)
+    else:
+        raise ConfigError(
+            "ds_megatron.parallel.partition_method",
+            "offline resharding reproduces DeepSpeed's 'uniform' and 'type:<regex>' stage splits only (the others "
+            "measure built layers)",
+            f"partition_method={run.section.parallel.partition_method!r}",
+            "resume with --load at the new layout instead (it reshards on load)",
+        )
+    first_of_key: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            first_of_key.setdefault(spec.key, i)
+    stages = []
+    for s in range(pp):
+        tied, own = [], []
+        for i in range(parts[s], parts[s + 1]):
+            if isinstance(specs[i], TiedLayerSpec):
+                if first_of_key[specs[i].key] not in tied:
+                    tied.append(first_of_key[specs[i].key])
+            else:
+                own.append(i)
+        stages.append(tied + own)
+    return stages
+
+
+def layout_ranks(tp: int, pp: int, dp: int) -> list[tuple[int, int, int, int]]:
+    """(global rank, tp rank, pp rank, dp rank) of every process, in DeepSpeed's topology order (axes pipe, data,
+    model: the one ``ParallelTopology`` builds on)."""
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    coords = [topo.get_coord(r) for r in range(tp * pp * dp)]
+    return [(r, c.model, c.pipe, c.data) for r, c in enumerate(coords)]

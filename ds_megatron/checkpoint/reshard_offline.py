@@ -1,0 +1,420 @@
+"""``python -m ds_megatron.checkpoint reshard``: rewrite a checkpoint at another tp x pp x dp, offline.
+
+The output is what a run at the new layout would have saved at the same step: DeepSpeed's per-layer files
+(``layer_<i>-model_<tp>-model_states.pt``), one ``mp_rank_<pp*tp+tp>_model_states.pt`` per model-parallel rank
+(counters, schedule, our client state; on the fp32 path the optimizer's per-parameter Adam state), under bf16 the
+BF16 optimizer's flat partition files (``bf16_zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt``), and ds_megatron's
+own records (``params_rank<r>.json``, ``config.json`` with the new tp/pp and batch split, ``manifest.json``,
+``latest``).  ``--load`` then resumes it like any checkpoint of its own layout, without resharding on load.  The
+values are those the on-load path (``reshard.py``) puts into a new engine: the same shard rules, the fp32 masters
+and both Adam moments exactly, the 16-bit copy the master rounded, the step, schedule and data position.  No RNG
+files are written: dropout streams depend on the layout and start afresh at the new one, as on the on-load path.
+
+DeepSpeed's BF16 optimizer keeps, per (pipeline stage, TP rank) and optimizer group, one flat buffer holding the
+group's parameters back to back in the optimizer's order, zero-padded to a multiple of 2 x dp elements (it aligns
+16-bit all-gather buffers to 4 bytes per rank), cut into dp equal partitions; each file holds one partition of the
+fp32 master and of both Adam moments, and the (start, numel) of every parameter fragment in it.
+
+Streaming: parameters are taken one at a time in pipeline order (the old files memory-mapped), merged to the full
+fp32 tensor with the old shard rule and cut with the new one.  Only one layer's 16-bit or fp32 weights wait in
+memory for its files; optimizer state goes straight into scratch files mapped into memory (``_Scratch``), which
+``torch.save`` copies into the final files at the end, so host memory holds about one full parameter with its Adam
+moments, whatever the model's size (the scratch files take disk space the size of the optimizer state meanwhile).
+Everything is written under ``<out>.tmp-<random>`` and renamed to ``<out>`` at the end: a failure leaves no ``<out>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from deepspeed.utils.tensor_fragment import fragment_address
+from torch import nn
+
+from ds_megatron.checkpoint import safe_load
+from ds_megatron.checkpoint.layout import layout_ranks, run_model_config, shard_plan, stage_param_layers
+from ds_megatron.checkpoint.manifest import (
+    MANIFEST,
+    TAG_CONFIG,
+    complete_tags,
+    file_record,
+    incompleteness,
+    newest_complete_tag,
+    tag_config,
+    write_manifest,
+)
+from ds_megatron.checkpoint.masters import optimizer_files
+from ds_megatron.checkpoint.reshard import OldCheckpoint
+from ds_megatron.config import ConfigError, RunConfig, resolve
+from ds_megatron.config.facts import precision, saved_layout, zero_stage
+from ds_megatron.fileio import atomic_write_text
+from ds_megatron.optim import param_groups
+from ds_megatron.parallelize import shard_rule
+from ds_megatron.tensor_parallel import shard
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+BF16_ALIGNMENT = 2  # DeepSpeed's BF16 optimizer pads each flat group to a multiple of this x dp elements
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def reshard_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    tp: int,
+    pp: int,
+    dp: int,
+    tag: str | None = None,
+    trust: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Write tag ``tag`` (default: the newest complete one) of ``checkpoint`` at tp x pp x dp into the new
+    directory ``out``; every refusal is a ConfigError raised before anything is written."""
+    src, out = Path(checkpoint), Path(out)
+    if out.exists() or out.is_symlink():
+        raise ConfigError("--out", "already exists", str(out), "choose a new directory (reshard never writes into one)")
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
+        if value < 1:
+            raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
+    tag = _source_tag(src, tag)
+    old_cfg = tag_config(src, tag)
+    kind = _optimizer_kind(src / tag, old_cfg)
+    target = _target_run(old_cfg, tp, pp, dp)
+    for f in sorted((src / tag).glob("*.pt")):  # refuse before DeepSpeed-format files are unpickled for real
+        what = None if trust else safe_load.unsafe_reason(f)
+        if what is not None:
+            raise safe_load.refusal(f, what)
+    old = OldCheckpoint(src, tag, trust=trust)
+    created = _first_missing_ancestor(out.parent)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    try:
+        _Writer(old, target, kind, tmp, tag, progress).write()
+        if (src / "tokenizer").is_dir():  # export finds the run's tokenizer beside the tags
+            shutil.copytree(src / "tokenizer", tmp / "tokenizer")
+        atomic_write_text(tmp / "latest", tag)
+        if out.exists():
+            raise ConfigError("--out", "appeared while resharding", str(out), "choose a new directory")
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    return out
+
+
+def _source_tag(src: Path, tag: str | None) -> str:
+    """The complete ds_megatron tag to read, or the one-line reason there is none."""
+    if not src.is_dir():
+        raise ConfigError("--checkpoint", "no such directory", str(src), "pass a directory written by --save")
+    tags = sorted(p for p in src.iterdir() if p.is_dir() and p.name != "tokenizer")
+    if tag is None:
+        tag = newest_complete_tag(src)
+        if not tags:
+            raise ConfigError("--checkpoint", "no checkpoint in it", str(src), "pass a directory written by --save")
+        if tag is None and not any((p / TAG_CONFIG).is_file() or (p / MANIFEST).is_file() for p in tags):
+            raise ConfigError(
+                "--checkpoint",
+                "not a ds_megatron checkpoint (no tag has the config.json and manifest.json train_gpt.py writes)",
+                str(src),
+                "pass a directory written by recipes/train_gpt.py --save",
+            )
+        if tag is None:
+            raise ConfigError(
+                "--checkpoint", "no complete checkpoint", incompleteness(tags[-1]), "pass a directory written by --save"
+            )
+    elif not (src / tag).is_dir():
+        raise ConfigError("--tag", "no such tag", f"{src}/{tag}", f"use one of {complete_tags(src)}")
+    problem = incompleteness(src / tag)
+    if problem is not None:
+        raise ConfigError("--checkpoint", "incomplete checkpoint", problem, "use a complete tag")
+    try:
+        cfg = tag_config(src, tag)
+    except ValueError:
+        cfg = None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("ds_megatron"), dict):
+        raise ConfigError(
+            "--checkpoint",
+            "not a ds_megatron checkpoint",
+            f"{tag}/{TAG_CONFIG} is missing or has no ds_megatron section",
+            "pass a directory written by recipes/train_gpt.py --save",
+        )
+    return tag
+
+
+def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:
+    """``"fp32"`` (ds_megatron's AdamW, state in the mp_rank files) or ``"bf16"`` (DeepSpeed's BF16 optimizer)."""
+    prec, stage = precision(cfg), zero_stage(cfg)
+    bf16_files = any(f.name.startswith("bf16_") for files in optimizer_files(tag_dir).values() for f in files)
+    if (prec, stage) == ("fp32", 0) or (prec == "bf16" and bf16_files):
+        return prec
+    fix = "resume at the saved layout, or export and --init-from-hf"
+    if prec != "fp16":
+        fix = "resume it with --load at the new layout instead (it reshards on load)"
+    raise ConfigError(
+        "--checkpoint",
+        "offline resharding writes fp32 (ZeRO 0) and bf16 (DeepSpeed's BF16 optimizer) checkpoints",
+        f"this one is {prec} with ZeRO stage {stage}",
+        fix,
+    )
+
+
+def _target_run(old_cfg: dict, tp: int, pp: int, dp: int) -> RunConfig:
+    """The old run's configuration at the new layout, validated.  The global batch stays (the step count is the
+    data position), and so does the micro batch; gradient accumulation takes up the change of dp."""
+    old = resolve(old_cfg, _world(old_cfg))
+    glob, micro = old.global_batch_size, old.micro_batch_size
+    if glob % (micro * dp) != 0:
+        raise ConfigError(
+            "--dp",
+            "the global batch does not split into micro batches over dp",
+            f"train_batch_size={glob}, train_micro_batch_size_per_gpu={micro}, dp={dp}",
+            f"use a dp dividing {glob // micro}",
+        )
+    cfg = copy.deepcopy(old.ds_config)
+    cfg["ds_megatron"].setdefault("parallel", {}).update(tp=tp, pp=pp)
+    cfg["gradient_accumulation_steps"] = glob // (micro * dp)
+    return resolve(cfg, tp * pp * dp)
+
+
+def _world(cfg: dict) -> int:
+    tp, pp, dp = saved_layout(cfg)
+    return tp * pp * dp
+
+
+def _first_missing_ancestor(path: Path) -> Path | None:
+    missing = None
+    while not path.exists():
+        missing, path = path, path.parent
+    return missing
+
+
+class _Scratch:
+    """Zero-filled tensors backed by files of a scratch directory and mapped into memory: what is written to them
+    goes to the page cache (which the kernel writes back and frees under pressure), not to process memory."""
+
+    def __init__(self, root: Path):
+        self.root, self.count = root, 0
+        root.mkdir()
+
+    def zeros(self, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+        numel = int(torch.Size(shape).numel())
+        if numel == 0:
+            return torch.zeros(shape)
+        path = self.root / f"{self.count}.bin"
+        self.count += 1
+        with open(path, "wb") as fh:
+            fh.truncate(numel * 4)
+        return torch.from_file(str(path), shared=True, size=numel, dtype=torch.float32).view(shape)
+
+
+class _Writer:
+    """Writes one tag at the target layout from ``old`` (see the module docstring for the files)."""
+
+    def __init__(self, old: OldCheckpoint, target: RunConfig, kind: str, tmp: Path, tag: str, progress: bool):
+        self.old, self.run, self.kind, self.progress = old, target, kind, progress
+        self.tp, self.pp, self.dp = target.tp, target.pp, target.dp
+        self.dir = tmp / tag
+        self.dir.mkdir()
+        self.scratch = _Scratch(tmp / ".scratch")
+        self.gpt = run_model_config(target)
+        self.plan = shard_plan(self.gpt, target, self.tp)
+        layout = old.layout
+        self.saved = layout.saved_layers()
+        self.keys = {idx: list(old.layer_file(idx, 0)) for idx, _ in self.saved}
+        self.name = {(i, k): self._full_name(i, k) for i, keys in self.keys.items() for k in keys}
+        self.shape = {n: self._new_shape(n) for n in self.name.values()}
+        stages = stage_param_layers(self.gpt, target, self.pp)
+        self.stage_of = {i: [s for s, layers in enumerate(stages) if i in layers] for i in self.keys}
+        self.local = [
+            {self.name[(i, k)]: layout.local_name(i, k) for i in layers for k in self.keys[i]} for layers in stages
+        ]
+        self.groups = [self._optimizer_groups(list(local)) for local in self.local]
+        self.client = self.old.client(0)
+        self.ds_config = {**self.client["ds_config"], **{k: target.ds_config[k] for k in BATCH_KEYS}}
+        self.fp32_state: dict[tuple[int, int], dict[str, dict]] = {}
+        if kind == "bf16":
+            self._plan_partitions()
+
+    # ---- the new layout ----------------------------------------------------------------------------------------
+    def _full_name(self, idx: int, key: str) -> str:
+        name = self.old.layout.full_name(self.old.layout.local_name(idx, key))
+        if name is None:
+            raise ConfigError(
+                "--checkpoint",
+                "a layer file holds an entry that is not a parameter of the model",
+                f"{key} in layer {idx}",
+                "reshard only checkpoints written by recipes/train_gpt.py",
+            )
+        return name
+
+    def _new_shape(self, name: str) -> torch.Size:
+        meta = torch.empty(self.old.full_shape(name), device="meta")
+        return shard(meta, shard_rule(name, self.plan), 0, self.tp).shape
+
+    def _optimizer_groups(self, names: list[str]) -> list[list[str]]:
+        """The optimizer's groups of one stage, in its order: ``optim.param_groups`` (the one owner of that rule)
+        applied to placeholders of the new shapes that take no memory."""
+        holder, by_id = nn.Module(), {}
+        for i, name in enumerate(names):
+            p = nn.Parameter(torch.empty(self.shape[name], device="meta"))
+            holder.register_parameter(f"p{i}", p)
+            by_id[id(p)] = name
+        return [[by_id[id(p)] for p in g["params"]] for g in param_groups(holder, 0.0)]
+
+    def _plan_partitions(self) -> None:
+        """Per stage and group, the flat buffer's partition size and padding, and per parameter its fragments
+        (dp rank, start in the parameter, start in the partition, numel); then the scratch partitions."""
+        self.part_size: list[list[int]] = []
+        self.padding: list[list[int]] = []
+        self.fragments: list[dict[str, list[tuple[int, int, int, int, int]]]] = []
+        for groups in self.groups:
+            sizes, pads, frags = [], [], {}
+            for g, names in enumerate(groups):
+                total = sum(self.shape[n].numel() for n in names)
+                align = BF16_ALIGNMENT * self.dp
+                padded = -(-total // align) * align
+                size = padded // self.dp
+                offset = 0
+                for n in names if size else []:
+                    end = offset + self.shape[n].numel()
+                    for d in range(offset // size, min(self.dp, -(-end // size))):
+                        lo, hi = max(offset, d * size), min(end, (d + 1) * size)
+                        if lo < hi:
+                            frags.setdefault(n, []).append((d, g, lo - offset, lo - d * size, hi - lo))
+                    offset = end
+                sizes.append(size)
+                pads.append(padded - total)
+            self.part_size.append(sizes)
+            self.padding.append(pads)
+            self.fragments.append(frags)
+        self.partitions = {
+            (s, t, d): [{k: self.scratch.zeros((size,)) for k in ("master", *MOMENTS)} for size in self.part_size[s]]
+            for s in range(self.pp)
+            for t in range(self.tp)
+            for d in range(self.dp)
+        }
+
+    # ---- writing ------------------------------------------------------------------------------------------------
+    def write(self) -> None:
+        from tqdm.auto import tqdm
+
+        for idx, _ in tqdm(self.saved, desc="resharding", unit="layer", disable=not self.progress):
+            self._write_layer(idx)
+        self._write_model_states()
+        if self.kind == "bf16":
+            self._write_partitions()
+        shutil.rmtree(self.scratch.root)
+        self._write_records()
+
+    @torch.no_grad()
+    def _write_layer(self, idx: int) -> None:
+        """Every parameter of layer ``idx``: its new per-layer files, and its optimizer state into the scratch."""
+        dtype = torch.bfloat16 if self.kind == "bf16" else torch.float32
+        template = self.old.layer_file(idx, 0)
+        files = [OrderedDict() for _ in range(self.tp)]
+        for f in files:
+            if hasattr(template, "_metadata"):
+                f._metadata = copy.deepcopy(template._metadata)  # module versions, as load_state_dict expects
+        for key in self.keys[idx]:
+            name = self.name[(idx, key)]
+            rule = shard_rule(name, self.plan)
+            weight, state = self.old.full_weight(name), self.old.full_optimizer_state(name)
+            for t in range(self.tp):
+                w = shard(weight, rule, t, self.tp)
+                files[t][key] = w.to(dtype)
+                moments = None if state is None else {k: shard(state[k], rule, t, self.tp) for k in MOMENTS}
+                for s in self.stage_of[idx]:
+                    if self.kind == "bf16":
+                        self._scatter(s, t, name, {"master": w, **(moments or {})})
+                    elif moments is not None:
+                        copies = {k: self.scratch.zeros(v.shape).copy_(v) for k, v in moments.items()}
+                        self.fp32_state.setdefault((s, t), {})[name] = {"step": state["step"].clone(), **copies}
+            del weight, state
+        for t, f in enumerate(files):
+            torch.save(f, self.dir / f"layer_{idx:02d}-model_{t:02d}-model_states.pt")
+
+    def _scatter(self, s: int, t: int, name: str, values: dict[str, torch.Tensor]) -> None:
+        for d, g, at, hp, n in self.fragments[s].get(name, []):
+            part = self.partitions[(s, t, d)][g]
+            for k, v in values.items():
+                part[k].narrow(0, hp, n).copy_(v.reshape(-1).narrow(0, at, n))
+
+    def _write_model_states(self) -> None:
+        """One ``mp_rank`` file per (stage, TP rank): the old counters, schedule and client state, with the
+        layout's fields and (fp32) the optimizer's state renumbered for this rank's parameters."""
+        for s in range(self.pp):
+            for t in range(self.tp):
+                out = dict(self.client)
+                if self.kind == "fp32":
+                    out["optimizer"] = self._fp32_optimizer(s, t)
+                if self.client.get("param_shapes") is not None:
+                    out["param_shapes"] = [
+                        OrderedDict((self.local[s][n], torch.Size(self.shape[n])) for n in names)
+                        for names in self.groups[s]
+                    ]
+                out.update(dp_world_size=self.dp, mp_world_size=self.tp * self.pp, ds_config=self.ds_config)
+                if "checkpoint_parallel_dimensions" in self.client:
+                    out["checkpoint_parallel_dimensions"] = {"pp_degree": self.pp, "tp_degree": self.tp}
+                out["config"] = self.run.ds_config
+                old_layout = saved_layout(self.old.run.ds_config)
+                out["resharded_from"] = dict(zip(("tp", "pp", "dp"), old_layout))
+                torch.save(out, self.dir / f"mp_rank_{s * self.tp + t:02d}_model_states.pt")
+
+    def _fp32_optimizer(self, s: int, t: int) -> dict:
+        """ds_megatron's AdamW state dict for one rank: per-parameter state keyed by position over the groups."""
+        saved = self.client["optimizer"]
+        state, groups, pos = {}, [], 0
+        mine = self.fp32_state.get((s, t), {})
+        for saved_group, names in zip(saved["param_groups"], self.groups[s]):
+            groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": []})
+            for n in names:
+                if n in mine:
+                    state[pos] = mine[n]
+                groups[-1]["params"].append(pos)
+                pos += 1
+        return {"state": state, "param_groups": groups}
+
+    def _write_partitions(self) -> None:
+        """The BF16 optimizer's file of every (dp rank, stage, TP rank), laid out as its ``state_dict``."""
+        files = optimizer_files(self.old.root / self.old.tag)
+        template = safe_load.load(files[min(files)][0], trust=self.old.trust, mmap=True)
+        sd = template["optimizer_state_dict"]
+        base = sd["base_optimizer_state"]
+        for (s, t, d), parts in self.partitions.items():
+            state = {
+                g: {"step": base["state"][g]["step"].clone(), **{k: p[k] for k in MOMENTS}}
+                for g, p in enumerate(parts)
+                if g in base["state"]
+            }
+            mappings = [OrderedDict() for _ in parts]
+            for names in self.groups[s]:
+                for n in names:
+                    for dd, g, _, hp, numel in self.fragments[s].get(n, []):
+                        if dd == d:
+                            mappings[g][self.local[s][n]] = fragment_address(numel=numel, start=hp)
+            new_sd = {
+                **sd,
+                "base_optimizer_state": {"state": state, "param_groups": copy.deepcopy(base["param_groups"])},
+                "single_partition_of_fp32_groups": [p["master"] for p in parts],
+                "group_paddings": [pad if d == self.dp - 1 else 0 for pad in self.padding[s]],
+                "partition_count": [self.dp] * len(parts),
+                "param_slice_mappings": mappings,
+            }
+            name = f"bf16_zero_pp_rank_{d}_mp_rank_{s * self.tp + t:02d}_optim_states.pt"
+            torch.save({**template, "optimizer_state_dict": new_sd, "ds_config": self.ds_config}, self.dir / name)
+
+    def _write_records(self) -> None:
+        """ds_megatron's own files: every rank's parameter order by name, the config, then the manifest."""
+        for rank, t, s, d in layout_ranks(self.tp, self.pp, self.dp):
+            record = {"tp_rank": t, "pp_rank": s, "dp_rank": d, "groups": self.groups[s]}
+            atomic_write_text(self.dir / f"params_rank{rank:05d}.json", json.dumps(record))
+        atomic_write_text(self.dir / TAG_CONFIG, json.dumps(self.run.ds_config, indent=1))
+        files = {p.name: file_record(p) for p in sorted(self.dir.iterdir()) if p.is_file()}
+        write_manifest(self.dir, self.client.get("step", self.client.get("global_steps", 0)), files)

@@ -1,0 +1,141 @@
+"""Fast tier: ``python -m ds_megatron.checkpoint reshard`` refuses bad input with one line (exit 2) and writes
+nothing; checkpoint files are read weights-only, and a file whose unpickling would run code is refused (no marker
+written) unless ``--trust-checkpoint``.  The conversion itself is checked against the on-load path in
+test_reshard.py and round-tripped through export in test_hf_interop.py (they need launched checkpoints)."""
+
+from __future__ import annotations
+
+import fractions
+import json
+import pathlib
+
+import pytest
+import torch
+
+from ds_megatron.checkpoint import safe_load
+from ds_megatron.checkpoint.__main__ import main as checkpoint_main
+from ds_megatron.checkpoint.manifest import MANIFEST, TAG_CONFIG, file_record
+from ds_megatron.config import ConfigError, load_json, resolve
+
+TINY = pathlib.Path(__file__).resolve().parent.parent / "ds_configs" / "gpt_tiny.json"
+TAG = "step00000002"
+
+
+class _WritesMarker:
+    """Unpickling this calls ``Path.touch(marker)``: what a crafted checkpoint could do with any function."""
+
+    def __init__(self, marker: pathlib.Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return pathlib.Path.touch, (self.marker,)
+
+
+def _tag(root: pathlib.Path, files: dict[str, object], manifest: bool = True, config: bool = True) -> pathlib.Path:
+    """A ds_megatron-looking tag of the tiny model saved at tp 2 x pp 2 x dp 1: its resolved config, the given
+    files (torch-saved), and a manifest listing them."""
+    tag = root / TAG
+    tag.mkdir(parents=True)
+    if config:
+        cfg = load_json(TINY)
+        cfg["ds_megatron"]["parallel"].update(tp=2, pp=2)
+        (tag / TAG_CONFIG).write_text(json.dumps(resolve(cfg, 4).ds_config))
+    for name, obj in files.items():
+        torch.save(obj, tag / name)
+    if manifest:
+        records = {p.name: file_record(p) for p in sorted(tag.iterdir())}
+        (tag / MANIFEST).write_text(json.dumps({"step": 2, "files": records}))
+    (root / "latest").write_text(TAG)
+    return root
+
+
+def _refused(tmp_path, capsys, argv: list[str], expected: str) -> str:
+    out = tmp_path / "out"
+    assert checkpoint_main(argv + ["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert not out.exists() and not list(tmp_path.glob("out.tmp-*")), "an error left files behind"
+    return err[0]
+
+
+def _reshard(src, tp=1, pp=2, dp=1) -> list[str]:
+    return ["reshard", "--checkpoint", str(src), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp)]
+
+
+def test_refuses_an_existing_output_directory(tmp_path, capsys):
+    src = _tag(tmp_path / "ck", {})
+    (tmp_path / "out").mkdir()
+    assert checkpoint_main(_reshard(src) + ["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --out: already exists")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp", "expected"),
+    [
+        (3, 1, 1, "num_heads not divisible by tp (num_heads=4, tp=3)"),
+        (1, 5, 1, "fewer layers than pipeline stages (num_layers=4, pp=5)"),
+        (1, 1, 3, "--dp: the global batch does not split into micro batches over dp"),
+        (0, 1, 1, "--tp: must be a positive integer"),
+    ],
+)
+def test_refuses_a_layout_the_model_cannot_take(tmp_path, capsys, tp, pp, dp, expected):
+    src = _tag(tmp_path / "ck", {})
+    _refused(tmp_path, capsys, _reshard(src, tp, pp, dp), expected)
+
+
+def test_refuses_incomplete_and_foreign_checkpoints(tmp_path, capsys):
+    no_manifest = _tag(tmp_path / "a", {}, manifest=False)
+    _refused(tmp_path, capsys, _reshard(no_manifest), f"no complete checkpoint ({TAG} has no manifest.json)")
+    missing = _tag(tmp_path / "b", {"mp_rank_00_model_states.pt": {"step": 2}})
+    (missing / TAG / "mp_rank_00_model_states.pt").unlink()
+    _refused(
+        tmp_path, capsys, _reshard(missing), f"no complete checkpoint ({TAG}/mp_rank_00_model_states.pt is missing"
+    )
+    _refused(tmp_path, capsys, _reshard(missing) + ["--tag", "step9"], "error: --tag: no such tag")
+    deepspeed_only = _tag(tmp_path / "c", {"mp_rank_00_model_states.pt": {"module": None}}, False, False)
+    _refused(tmp_path, capsys, _reshard(deepspeed_only), "not a ds_megatron checkpoint")
+    no_config = _tag(tmp_path / "d", {"mp_rank_00_model_states.pt": {"module": None}}, config=False)
+    _refused(tmp_path, capsys, _reshard(no_config), "not a ds_megatron checkpoint")
+    _refused(tmp_path, capsys, _reshard(tmp_path / "nowhere"), "error: --checkpoint: no such directory")
+    fp16 = _tag(tmp_path / "e", {})
+    cfg = json.loads((fp16 / TAG / TAG_CONFIG).read_text())
+    cfg["fp16"] = {"enabled": True}
+    (fp16 / TAG / TAG_CONFIG).write_text(json.dumps(cfg))
+    (fp16 / TAG / MANIFEST).unlink()
+    _tag_manifest(fp16 / TAG)
+    _refused(tmp_path, capsys, _reshard(fp16), "this one is fp16 with ZeRO stage 0")
+
+
+def _tag_manifest(tag: pathlib.Path) -> None:
+    records = {p.name: file_record(p) for p in sorted(tag.iterdir())}
+    (tag / MANIFEST).write_text(json.dumps({"step": 2, "files": records}))
+
+
+def test_a_file_whose_unpickling_would_run_code_is_refused(tmp_path, capsys):
+    marker = tmp_path / "marker"
+    src = _tag(tmp_path / "ck", {"mp_rank_00_model_states.pt": {"step": 2, "payload": _WritesMarker(marker)}})
+    line = _refused(tmp_path, capsys, _reshard(src), "mp_rank_00_model_states.pt asks for GLOBAL ")
+    assert "--trust-checkpoint" in line
+    assert not marker.exists()
+    export = ["export", "--checkpoint", str(src)]
+    line = _refused(tmp_path, capsys, export, "needs more than tensors and plain types")
+    assert not marker.exists()
+    # ds_megatron's own reads (run state, RNG states, resharding on --load) go through the same reader
+    evil = src / TAG / "mp_rank_00_model_states.pt"
+    assert safe_load.unsafe_reason(evil).startswith("GLOBAL ")
+    with pytest.raises(ConfigError, match="error: --load: .* asks for GLOBAL "):
+        safe_load.load(evil, setting="--load")
+    assert not marker.exists()
+
+
+def test_trust_reads_what_weights_only_refuses(tmp_path):
+    f = tmp_path / "counts.pt"
+    torch.save({"counts": fractions.Fraction(1, 3)}, f)
+    with pytest.raises(ConfigError, match="GLOBAL fractions.Fraction"):
+        safe_load.load(f)
+    assert safe_load.load(f, trust=True)["counts"] == fractions.Fraction(1, 3)
+    plain = tmp_path / "plain.pt"
+    torch.save({"step": 3, "rng": torch.get_rng_state(), "name": "x", "shape": torch.Size([2])}, plain)
+    assert safe_load.unsafe_reason(plain) is None and safe_load.load(plain, mmap=True)["step"] == 3
