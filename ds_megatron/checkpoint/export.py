@@ -1,4 +1,5 @@
-"""Export a ds_megatron DeepSpeed checkpoint (any tp / pp / dp) to a Hugging Face ``GPT2LMHeadModel`` directory.
+"""Export a ds_megatron DeepSpeed checkpoint (any tp / pp / dp) to a Hugging Face directory of the run's family
+(``GPT2LMHeadModel`` or ``LlamaForCausalLM``).
 
 Reads the pipeline's per-layer files (``layer_<i>-model_<tp>-model_states.pt``, written once per TP rank by DP rank
 0), merges each parameter's TP shards with its shard rule from ``parallelize.shard_rule`` (fused QKV by heads,
@@ -27,7 +28,7 @@ from ds_megatron.checkpoint.manifest import is_complete, newest_complete_tag
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import saved_layout
-from ds_megatron.model import GPTConfig
+from ds_megatron.model import ModelConfig, build_model
 from ds_megatron.parallelize import ParallelPlan, shard_rule
 from ds_megatron.tensor_parallel import unshard
 
@@ -61,7 +62,7 @@ def read_checkpoint_config(ckpt_dir: Path, tag: str | None, trust: bool = False)
 
 
 def iter_full_parameters(
-    ckpt: Path, gpt: GPTConfig, plan: ParallelPlan, tp: int, trust: bool = False
+    ckpt: Path, gpt: ModelConfig, plan: ParallelPlan, tp: int, trust: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(full GPT name, merged tensor) for every parameter, one pipeline layer at a time.
 
@@ -99,7 +100,7 @@ def iter_full_parameters(
                         )
                 yield name, parts[0]
             else:
-                full_size = gpt.vocab_size if name.endswith("wte.weight") else None
+                full_size = gpt.vocab_size if rule.padded_size is not None else None  # strip vocabulary padding
                 yield name, unshard(parts, rule, full_size)
 
 
@@ -116,30 +117,14 @@ def _stage_holding(masters: MasterWeights, idx: int, key: str, start: int, layer
     return stage
 
 
-def expected_shape(name: str, gpt: GPTConfig) -> tuple[int, ...]:
-    h, v, npos = gpt.n_embd, gpt.vocab_size, gpt.n_positions
-    table = {
-        "wte.weight": (v, h),
-        "wpe.weight": (npos, h),
-        "ln_1.weight": (h,),
-        "ln_1.bias": (h,),
-        "ln_2.weight": (h,),
-        "ln_2.bias": (h,),
-        "ln_f.weight": (h,),
-        "ln_f.bias": (h,),
-        "attn.c_attn.weight": (3 * h, h),
-        "attn.c_attn.bias": (3 * h,),
-        "attn.c_proj.weight": (h, h),
-        "attn.c_proj.bias": (h,),
-        "mlp.c_fc.weight": (4 * h, h),
-        "mlp.c_fc.bias": (4 * h,),
-        "mlp.c_proj.weight": (h, 4 * h),
-        "mlp.c_proj.bias": (h,),
-    }
-    for suffix, shape in table.items():
-        if name.endswith(suffix):
-            return shape
-    raise ConfigError("--checkpoint", "unexpected parameter", name, "pass a ds_megatron GPT checkpoint")
+HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's full shape, read off the single-device model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = build_model(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def export(
@@ -171,7 +156,8 @@ def export(
     tmp.mkdir(parents=True)
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, files, weight_map = 0, [], {}
-    total = gpt.n_layer + 3
+    total = len(pipeline_layout(gpt).saved_layers())
+    shapes = expected_shapes(gpt)
     bar = _bar(total, progress)
 
     def flush():
@@ -185,15 +171,15 @@ def export(
 
     last_prefix = None
     for name, tensor in iter_full_parameters(ckpt_dir / tag, gpt, plan, tp, trust_checkpoint):
-        if tuple(tensor.shape) != expected_shape(name, gpt):
+        if tuple(tensor.shape) != shapes.get(name):
             raise ConfigError(
                 "--checkpoint",
                 "the checkpoint does not match its config",
-                f"{name} has shape {tuple(tensor.shape)}, the config says {expected_shape(name, gpt)}",
+                f"{name} has shape {tuple(tensor.shape)}, the config says {shapes.get(name)}",
                 "export a checkpoint written by train_gpt.py",
             )
-        # one bar step per pipeline layer: wte, wpe, each block, ln_f
-        prefix = ".".join(name.split(".")[:3]) if name.startswith("transformer.h.") else name.rsplit(".", 1)[0]
+        # one bar step per pipeline layer with a file
+        prefix = pipeline_layout(gpt).index_of(name)
         if prefix != last_prefix and bar is not None:
             bar.update(1)
         last_prefix = prefix
@@ -223,7 +209,7 @@ def export(
         tok.save_pretrained(tmp)
         eos = tok.eos_token_id
     hf_config.bos_token_id = hf_config.eos_token_id = eos
-    hf_config.architectures = ["GPT2LMHeadModel"]
+    hf_config.architectures = [HF_ARCHITECTURES[gpt.family]]
     hf_config.save_pretrained(tmp)
     GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
