@@ -183,9 +183,9 @@ def check_init_from_hf(run: RunConfig, init: Path) -> None:
             "pass a directory written by `python -m ds_megatron.checkpoint export` or save_pretrained",
         )
     from ds_megatron.checkpoint.hf_import import check_hf_config
-    from ds_megatron.model import GPTConfig
+    from ds_megatron.model import model_config
 
-    check_hf_config(init, GPTConfig.from_shape(run.model), setting)
+    check_hf_config(init, model_config(run.model), setting)
 
 
 def check_resume(run: RunConfig, load: Path) -> None:
