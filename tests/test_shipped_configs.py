@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from launch import RECIPE, ROOT, deepspeed_launch, read_records
+from launch import ROOT, WORKERS, deepspeed_launch, read_records
 from miniature import code_path_key, miniature
 
 from ds_megatron.config import resolve
@@ -60,32 +60,60 @@ def token_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("token_cache")
 
 
-@pytest.fixture(scope="module", params=RUNS, ids=IDS)
-def mini_run(request, tmp_path_factory, token_cache):
-    cfg, nprocs = miniature(request.param)
-    work = tmp_path_factory.mktemp(request.param.stem)
-    config = work / "mini.json"
-    config.write_text(json.dumps(cfg))
-    common = ["--deepspeed_config", str(config), "--set", f"ds_megatron.data.cache_dir={token_cache}"]
-    deepspeed_launch(
-        RECIPE, nprocs, [*common, "--save", str(work / "ck"), "--set", f"ds_megatron.logging.run_dir={work / 'a'}"]
-    )
-    # Keep the end-of-run checkpoint for export; without it the newest complete tag is step 2.
-    (work / "final").mkdir()
-    shutil.move(work / "ck" / "step00000003", work / "final" / "step00000003")
-    deepspeed_launch(
-        RECIPE,
-        nprocs,
-        [
-            *common,
-            "--load",
-            str(work / "ck"),
-            "--save",
-            str(work / "ck_b"),
-            "--set",
-            f"ds_megatron.logging.run_dir={work / 'b'}",
-        ],
-    )
+@pytest.fixture(scope="module")
+def all_runs(tmp_path_factory, token_cache):
+    """Every miniature, run as a user runs the recipe: 3 straight steps saving at steps 2 and 3, then (in a new
+    launch, so nothing carries over in memory) a resume from step 2 for one step.  Runs with the same process count
+    share a launch (``workers/recipe_runs.py``): two launches per process count, not two per miniature."""
+    works, straight, resumed = {}, {}, {}
+    for path in RUNS:
+        cfg, nprocs = miniature(path)
+        work = tmp_path_factory.mktemp(path.stem)
+        config = work / "mini.json"
+        config.write_text(json.dumps(cfg))
+        common = ["--deepspeed_config", str(config), "--set", f"ds_megatron.data.cache_dir={token_cache}"]
+        run_dir = ["--set", f"ds_megatron.logging.run_dir={work / 'a'}"]
+        straight.setdefault(nprocs, []).append(
+            {"name": path.stem, "status_dir": str(work), "argv": [*common, "--save", str(work / "ck"), *run_dir]}
+        )
+        resume = ["--load", str(work / "ck"), "--save", str(work / "ck_b")]
+        resumed.setdefault(nprocs, []).append(
+            {
+                "name": path.stem + "-resume",
+                "status_dir": str(work),
+                "argv": [*common, *resume, "--set", f"ds_megatron.logging.run_dir={work / 'b'}"],
+            }
+        )
+        works[path] = (cfg, work)
+    for plans, after in ((straight, _keep_final), (resumed, None)):
+        for nprocs, plan in plans.items():
+            plan_file = tmp_path_factory.mktemp("plan") / "plan.json"
+            plan_file.write_text(json.dumps(plan))
+            try:
+                deepspeed_launch(WORKERS / "recipe_runs.py", nprocs, ["--plan", str(plan_file)])
+            except AssertionError as err:  # reported per miniature below, from its status file
+                print(err)
+        if after is not None:
+            for _, work in works.values():
+                after(work)
+    return works
+
+
+def _keep_final(work) -> None:
+    """Keep the end-of-run checkpoint for export; without it the newest complete tag is step 2."""
+    if (work / "ck" / "step00000003").exists():
+        (work / "final").mkdir()
+        shutil.move(work / "ck" / "step00000003", work / "final" / "step00000003")
+
+
+@pytest.fixture(params=RUNS, ids=IDS)
+def mini_run(request, all_runs):
+    cfg, work = all_runs[request.param]
+    for name in (request.param.stem, request.param.stem + "-resume"):
+        status = work / f"{name}.status.json"
+        assert status.exists(), f"{name}: its launch ended before it ran"
+        result = json.loads(status.read_text())
+        assert result["status"] == 0, f"{name} failed:\n{result['error']}"
     return cfg, work
 
 

@@ -1,0 +1,47 @@
+"""Run the training recipe several times in one launch: ``recipe_runs.py --plan PLAN.json``, where the plan is a
+JSON list of {"name": ..., "argv": [...]} and each argv is what ``recipes/train_gpt.py`` would get.
+
+One launch per process count instead of one per run: the launcher, the imports and the process group are paid once.
+Each run builds its own topology, engine and data and ends before the next starts.  Each run's exit status is
+recorded (``<name>.status.json`` by rank 0); a non-zero status (every rank returns the same) lets the next run start,
+but an exception ends the launch (rank 0 records it first): the other ranks may be waiting in a collective of the
+failed run, and the launcher stops them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+from ds_megatron.cli.train import main as train_main  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    plan = json.loads(Path(args.plan).read_text())
+    failed = 0
+    for item in plan:
+        out = Path(item["status_dir"]) / f"{item['name']}.status.json"
+        try:
+            status = train_main(item["argv"])
+        except Exception:
+            if os.environ.get("RANK", "0") == "0":
+                out.write_text(json.dumps({"status": 1, "error": traceback.format_exc()}))
+            raise
+        failed += status != 0
+        if os.environ.get("RANK", "0") == "0":
+            out.write_text(json.dumps({"status": status, "error": f"exit status {status}" if status else None}))
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
