@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--efficiency",
         type=float,
         default=DEFAULT_EFFICIENCY,
-        help=f"achieved fraction of peak for matmuls (default {DEFAULT_EFFICIENCY}; fit with tune.calibrate)",
+        help=f"ceiling of the matmul-efficiency curve, the fraction of peak a very large GEMM reaches (default "
+        f"{DEFAULT_EFFICIENCY}, fitted on published A100 step times; fit yours with --empirical or tune.calibrate)",
     )
     g.add_argument(
         "--intra-node-latency-us",

@@ -1,5 +1,5 @@
-"""Calibration of the time model: fit its constants (the efficiency, and optionally the collective latency and a
-fixed per-step overhead) to measured step times.  Pure Python.
+"""Calibration of the time model: fit its constants (the ceiling of the matmul-efficiency curve, and optionally the
+collective latency and a fixed per-step overhead) to measured step times.  Pure Python.
 
 The predicted step of a measured run is linear in 1/efficiency, the latency and the overhead (see ``_parts``), so
 every fit is a small closed-form weighted least squares on the relative errors.
@@ -59,9 +59,11 @@ class Calibration:
 def _parts(meas: Measurement) -> tuple[float, float, float]:
     """(C, N, B) with predicted step = C / efficiency + N x intra-node latency + B (+ overhead).
 
-    C is the critical-path compute at peak, N the number of intra-node collectives and sends on the critical path,
+    C is the critical-path matmul time at a ceiling of 1 (each matmul's FLOPs at the peak plus its bytes at the HBM
+    bandwidth, ``ds_megatron.tune.matmuls``), N the number of intra-node collectives and sends on the critical path,
     B the rest (bandwidth terms, the eager kernel's memory-bound passes, inter-node latencies).  The step is linear
-    in 1/efficiency and in the latency, so two evaluations of :func:`step_time` separate them.
+    in 1/efficiency (the curve's ceiling divides every matmul's time) and in the latency, so two evaluations of
+    :func:`step_time` separate them.
     """
     base = dataclasses.replace(meas.cluster, efficiency=1.0, step_overhead_s=0.0, intra_node_latency_s=0.0)
     pred = step_time(meas.model, base, meas.candidate, meas.global_batch_size)
@@ -187,8 +189,9 @@ def fit_time_model(measurements: Iterable[Measurement], extra_terms: tuple[str, 
 def calibrate(measurements: Iterable[Measurement]) -> float:
     """The achieved-efficiency factor that best explains measured step times.
 
-    The predicted step is C / e + R, C the critical-path compute at peak and R everything else (communication), so
-    e is fitted in closed form by least squares on x = 1/e, weighting each run by 1/M^2 (relative errors):
+    The predicted step is C / e + R, C the critical-path matmul time at a ceiling of 1 and R everything else
+    (communication, the eager kernel's score passes), so the ceiling e of the matmul-efficiency curve is fitted in
+    closed form by least squares on x = 1/e, weighting each run by 1/M^2 (relative errors):
     x = sum(C_i (M_i - R_i) / M_i^2) / sum(C_i^2 / M_i^2).  Pass the result as ``--efficiency`` (or
     ``Cluster.efficiency``) to rank with your cluster's numbers; :func:`fit_time_model` can also fit the
     collective latency and a fixed per-step overhead.

@@ -84,7 +84,7 @@ def format_report(result: SearchResult, top: int = 10) -> str:
         f"cluster: {cl.num_gpus} {'x ' + cl.gpu if cl.gpu else 'GPUs'} "
         f"({nodes} node(s) x {min(cl.gpus_per_node, cl.num_gpus)}), "
         f"{cl.gpu_memory_gb:g} GiB, {cl.peak_tflops:g} TFLOP/s peak, HBM {cl.memory_gbps:g} GB/s, "
-        f"efficiency {efficiency_text(cl.efficiency)}"
+        f"matmul ceiling {efficiency_text(cl.efficiency)}"
         f"{f', overhead {seconds_text(cl.step_overhead_s)} s/step' if cl.step_overhead_s else ''}, "
         f"intra-node {cl.intra_node_gbps:g} GB/s, inter-node {cl.inter_node_gbps:g} GB/s per GPU{_latencies(cl)}",
         f"searched {len(result.evaluations)} candidates in {result.elapsed_s:.2f} s: {len(result.ranked)} fit, "
@@ -101,7 +101,8 @@ def format_report(result: SearchResult, top: int = 10) -> str:
         lines += [
             "",
             f"winner: {describe(winner)}",
-            f"  step {seconds_text(t.step_s)} s = compute {seconds_text(t.compute_s)} + "
+            f"  step {seconds_text(t.step_s)} s = compute {seconds_text(t.compute_s)} "
+            f"(matmuls at {t.matmul_efficiency:.0%} of peak) + "
             + (f"eager score passes {seconds_text(t.attention_s)} + " if t.attention_s else "")
             + f"TP comm {seconds_text(t.tp_comm_s)} + "
             f"pipeline p2p {seconds_text(t.p2p_s)} (bubble {seconds_text(t.bubble_s)} of these) + DP comm "

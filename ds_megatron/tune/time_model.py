@@ -2,14 +2,15 @@
 
     step = (m + p - 1) * t_mb + t_dp * (1 - DP_OVERLAP) + t_tied + overhead
 
-- t_mb, one micro-batch's forward and backward on the slowest stage: matmul FLOPs (``ds_megatron.flops``,
-  recomputation included) / (t * peak * efficiency), plus the eager kernel's memory-bound passes over the s x s
-  scores, plus the TP collectives, plus the pipeline point-to-point.  The (p - 1) extra slots are the 1F1B bubble,
-  (p - 1)/m of the ideal step (Narayanan et al. 2021, sec. 2.2.1).
-- Attention: both kernels run the same matmul FLOPs (QK^T and x V).  The eager kernel also moves the
-  [b, a/t, s, s] scores through separate elementwise kernels (mask, softmax, dropout when there is one, and their
-  backward), bound by the GPU's memory bandwidth (EAGER_SCORE_OPS); sdpa's fused kernel keeps the scores in on-chip
-  memory and pays none of it.
+- t_mb, one micro-batch's forward and backward on the slowest stage: its matmuls (recomputation included), each at
+  the efficiency its shape allows (``ds_megatron.tune.matmuls``: ceiling x I / (I + peak / bandwidth), I its FLOPs
+  per byte moved), plus the eager kernel's memory-bound passes over the s x s scores, plus the TP collectives, plus
+  the pipeline point-to-point.  The (p - 1) extra slots are the 1F1B bubble, (p - 1)/m of the ideal step
+  (Narayanan et al. 2021, sec. 2.2.1).
+- Attention: both kernels run the same matmul FLOPs (QK^T and x V).  The eager kernel's matmuls write and read the
+  [b, a/t, s, s] scores through HBM (charged with them), and it moves the scores through separate elementwise
+  kernels (mask, softmax, dropout when there is one, and their backward), bound by the GPU's memory bandwidth
+  (EAGER_SCORE_OPS); sdpa's fused kernel keeps the scores in on-chip memory and pays none of either.
 - TP (Korthikanti et al. 2022, sec. 4.2): per block and micro-batch, two all-reduces of s b h bf16 values forward and
   two backward (with SP each becomes an all-gather plus a reduce-scatter of the same volume); full recompute repeats
   the forward two.  The embedding (first stage) and output layer (last stage) add one more each.  The same for a
@@ -30,14 +31,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ds_megatron.flops import (
-    block_fields,
-    core_attention_forward_flops,
-    executed_flops_per_step,
-    layer_forward_flops,
-    logits_forward_flops,
-    model_flops_per_step,
-)
+from ds_megatron.flops import block_fields, executed_flops_per_step, model_flops_per_step
+from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
 from ds_megatron.tune.memory_model import (
     ACT_BYTES,
     FAMILIES,
@@ -63,8 +58,8 @@ DP_OVERLAP = 0.0
 # The eager kernel's memory traffic per element of the [b, a/t, s, s] score tensor, in bytes: (op, read, written).
 # Why: ds_megatron.model.gpt runs each of these as its own kernel over the whole tensor (ScaledCausalSoftmax computes
 # in fp32 and stores bf16; nn.Dropout keeps a 1-byte mask on CUDA), so at bf16 they are bound by HBM bandwidth, not
-# by FLOPs; a fused sdpa kernel keeps the scores on chip and moves none of these bytes.  The s x s reads and writes
-# of the QK^T and x V matmuls themselves are left out for both kernels (the same FLOPs are charged to both).  The
+# by FLOPs; a fused sdpa kernel keeps the scores on chip and moves none of these bytes.  The s x s result of QK^T and
+# operand of x V are those matmuls' own traffic, charged with them (ds_megatron.tune.matmuls).  The
 # bytes move at the full HBM bandwidth (Cluster.memory_gbps): optimistic for eager, so it understates sdpa's lead.
 EAGER_SCORE_OPS = {
     "forward": (
@@ -130,6 +125,7 @@ class StageTime:
     tp_comm_s: float
     p2p_s: float
     attention_s: float = 0.0  # the eager kernel's memory-bound passes over the s x s scores (0 with sdpa)
+    flops: float = 0.0  # matmul FLOPs of the micro-batch on this GPU, recomputation included
 
     @property
     def total_s(self) -> float:
@@ -151,6 +147,7 @@ class StepTime:
     hfu: float  # executed FLOPs (recompute included) / (step * peak * gpus)
     overhead_s: float = 0.0  # the cluster's fixed per-step overhead (fitted from measurements; 0 by default)
     attention_s: float = 0.0  # the eager kernel's s x s passes on the critical path, bubble slots included
+    matmul_efficiency: float = 0.0  # fraction of peak the slowest stage's matmuls run at (ds_megatron.tune.matmuls)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -181,12 +178,15 @@ def stage_times(model: ModelSpec, cluster: Cluster, cand: Candidate) -> tuple[St
     s, b, h, t = model.seq_length, cand.micro_batch_size, model.hidden_size, cand.tp
     n = layers_per_stage(model.num_layers, cand.pp)
     recomputed = _recomputed_blocks(cand, n)
-    layer = layer_forward_flops(b, s, h, **block_fields(model))
-    block_flops = 3 * n * layer + recomputed * layer
-    if cand.recompute == "selective":
-        block_flops += n * core_attention_forward_flops(b, s, h)
-    logits_flops = 3 * logits_forward_flops(b, s, h, padded_vocab_size(model.vocab_size, t))
-    rate = t * cluster.peak_flops * cluster.efficiency  # FLOP/s of a TP group
+    # Forward and backward (twice the forward: input and weight gradients, GEMMs of the same shapes) of every block,
+    # plus the recomputed forwards: full recompute re-runs whole blocks, selective the core attention of each block.
+    core = core_attention_matmuls(model, cand)
+    block = block_matmuls(model, cand) + core
+    block_runs, core_reruns = 3 * n + recomputed, n if cand.recompute == "selective" else 0
+    block_s = block_runs * matmul_s(block, cluster) + core_reruns * matmul_s(core, cluster)
+    block_flops = block_runs * sum(op.flops for op in block) + core_reruns * sum(op.flops for op in core)
+    logits = logits_matmul(model, cand)
+    logits_s, logits_flops = 3 * matmul_s((logits,), cluster), 3 * logits.flops
 
     boundary = s * b * h * ACT_BYTES  # one [s, b, h] bf16 tensor
     if t == 1:
@@ -206,10 +206,10 @@ def stage_times(model: ModelSpec, cluster: Cluster, cand: Candidate) -> tuple[St
         p2p = 2 * (latency + sent / (gbps * 1e9))  # activation forward, its gradient backward
 
     scores = eager_score_s(model, cluster, cand, n, recomputed)
-    first = StageTime(block_flops / rate, (block_units + 1) * unit, p2p, scores)
-    last = StageTime((block_flops + logits_flops) / rate, (block_units + 1) * unit, p2p, scores)
+    first = StageTime(block_s, (block_units + 1) * unit, p2p, scores, block_flops)
+    last = StageTime(block_s + logits_s, (block_units + 1) * unit, p2p, scores, block_flops + logits_flops)
     if cand.pp == 1:
-        first = last = StageTime(last.compute_s, (block_units + 2) * unit, 0.0, scores)
+        first = last = StageTime(last.compute_s, (block_units + 2) * unit, 0.0, scores, last.flops)
     return first, last
 
 
@@ -280,4 +280,5 @@ def step_time(model: ModelSpec, cluster: Cluster, cand: Candidate, global_batch_
         hfu=executed_flops(model, cand, global_batch_size) / capacity,
         overhead_s=cluster.step_overhead_s,
         attention_s=slots * slowest.attention_s,
+        matmul_efficiency=slowest.flops / (slowest.compute_s * cluster.peak_flops),
     )
