@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# GPT-3 13B (Brown et al. 2020): 8 node(s) x 8 GPUs (80 GB), tp 8 x pp 1 x dp 8,
-# sequence parallel on, recompute selective, micro-batch 4 x 32 accumulation = 1024 sequences of 2048.
+# GPT-3 13B (Brown et al. 2020): 8 node(s) x 8 H100 80GB, tp 1 x pp 8 x dp 8,
+# sequence parallel off, recompute none, attention sdpa,
+# micro-batch 2 x 64 accumulation = 1024 sequences of 2048.
+# Chosen by `python -m ds_megatron.tune --model gpt3-13b --gpu h100-sxm --gpus 64 --global-batch-size 1024`;
+# regenerate with scripts/gpt3_configs.py.
 # Usage: [HOSTFILE=hostfile] bash recipes/gpt3_13b.sh --data "my/corpus/*.jsonl" [more train_gpt.py flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."

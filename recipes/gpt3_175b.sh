@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# GPT-3 175B (Brown et al. 2020): 128 node(s) x 8 GPUs (80 GB), tp 8 x pp 8 x dp 16,
-# sequence parallel on, recompute selective, micro-batch 1 x 96 accumulation = 1536 sequences of 2048.
+# GPT-3 175B (Brown et al. 2020): 128 node(s) x 8 H100 80GB, tp 4 x pp 16 x dp 16,
+# sequence parallel on, recompute none, attention sdpa,
+# micro-batch 1 x 96 accumulation = 1536 sequences of 2048.
+# Chosen by `python -m ds_megatron.tune --model gpt3-175b --gpu h100-sxm --gpus 1024 --global-batch-size 1536`;
+# regenerate with scripts/gpt3_configs.py.
 # Usage: [HOSTFILE=hostfile] bash recipes/gpt3_175b.sh --data "my/corpus/*.jsonl" [more train_gpt.py flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# GPT-3 6.7B (Brown et al. 2020): 4 node(s) x 8 GPUs (80 GB), tp 4 x pp 1 x dp 8,
-# sequence parallel on, recompute selective, micro-batch 4 x 32 accumulation = 1024 sequences of 2048.
+# GPT-3 6.7B (Brown et al. 2020): 4 node(s) x 8 H100 80GB, tp 1 x pp 4 x dp 8,
+# sequence parallel off, recompute none, attention sdpa,
+# micro-batch 2 x 64 accumulation = 1024 sequences of 2048.
+# Chosen by `python -m ds_megatron.tune --model gpt3-6.7b --gpu h100-sxm --gpus 32 --global-batch-size 1024`;
+# regenerate with scripts/gpt3_configs.py.
 # Usage: [HOSTFILE=hostfile] bash recipes/gpt3_6.7b.sh --data "my/corpus/*.jsonl" [more train_gpt.py flags]
 set -euo pipefail
 cd "$(dirname "$0")/.."
