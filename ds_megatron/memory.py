@@ -152,7 +152,7 @@ def activation_bytes_per_layer(
     if set(modules) - set(RECOMPUTE_MODULES):
         raise ValueError(f"modules must be among {RECOMPUTE_MODULES}, got {modules}")
     if attention == "sdpa" and "core_attn" in modules:
-        raise ValueError("core_attn recompute checkpoints the s x s core, which sdpa never stores: use eager with it")
+        raise ValueError("selective recompute of core_attn checkpoints the s x s core, which sdpa never stores")
     terms = BLOCKS[family](h, a, num_kv_heads, intermediate_size, attention_dropout, act_bytes)
     sp = sequence_parallel and t > 1
     sbh = s * b * h

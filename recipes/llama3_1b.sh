@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # llama3.2-1b (Llama 3 shapes): 1 node(s) x 8 H100 80GB, tp 1 x pp 1 x dp 8,
 # sequence parallel off, recompute none, attention sdpa,
-# micro-batch 1 x 64 accumulation = 512 sequences of 8192.
+# micro-batch 2 x 32 accumulation = 512 sequences of 8192.
 # Chosen by `python -m ds_megatron.tune --model llama3.2-1b --gpu h100-sxm --gpus 8 --global-batch-size 512`;
 # regenerate with scripts/llama_configs.py.  Pass a Llama 3 tokenizer directory (vocabulary 128,256) as --tokenizer.
 # Usage: [HOSTFILE=hostfile] bash recipes/llama3_1b.sh --data "my/corpus/*.jsonl" --tokenizer DIR [more flags]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# llama3-70b (Llama 3 shapes): 8 node(s) x 8 H100 80GB, tp 8 x pp 2 x dp 4,
-# sequence parallel on, recompute none, attention sdpa,
-# micro-batch 1 x 128 accumulation = 512 sequences of 8192.
+# llama3-70b (Llama 3 shapes): 8 node(s) x 8 H100 80GB, tp 4 x pp 8 x dp 2,
+# sequence parallel on, recompute full, attention sdpa,
+# micro-batch 1 x 256 accumulation = 512 sequences of 8192.
 # Chosen by `python -m ds_megatron.tune --model llama3-70b --gpu h100-sxm --gpus 64 --global-batch-size 512`;
 # regenerate with scripts/llama_configs.py.  Pass a Llama 3 tokenizer directory (vocabulary 128,256) as --tokenizer.
 # Usage: [HOSTFILE=hostfile] bash recipes/llama3_70b.sh --data "my/corpus/*.jsonl" --tokenizer DIR [more flags]
