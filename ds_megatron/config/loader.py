@@ -153,6 +153,12 @@ LLAMA_ONLY = ("num_kv_heads", "intermediate_size", "rope_theta", "rope_scaling",
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
+def gpt2_fixed_fields(hidden_size: int, num_heads: int) -> dict[str, Any]:
+    """What the gpt2 family fixes that a llama chooses: every head its own K and V, an MLP of width 4 h, the output
+    layer tied to the embedding (read by the config loader and the tuner's model spec)."""
+    return {"num_kv_heads": num_heads, "intermediate_size": 4 * hidden_size, "tie_word_embeddings": True}
+
+
 def _pick(explicit: Any, named_value: Any, default: Any) -> Any:
     return explicit if explicit is not None else named_value if named_value is not None else default
 
@@ -278,7 +284,7 @@ def resolve_shape(m: ModelSection) -> ModelShape:
                 f"family=gpt2, {', '.join(given)} set",
                 'remove it or set model.family to "llama"',
             )
-        return ModelShape(**common, num_kv_heads=heads, intermediate_size=4 * hidden)
+        return ModelShape(**common, **gpt2_fixed_fields(hidden, heads))
     kv = _pick(m.num_kv_heads, shape.num_kv_heads, heads)
     if kv <= 0 or heads % kv != 0:
         raise ConfigError(

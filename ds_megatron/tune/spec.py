@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_megatron.config import ConfigError
+from ds_megatron.config.loader import gpt2_fixed_fields
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_POLICIES
 from ds_megatron.config.sizes import (
     FAMILIES,
@@ -79,11 +80,9 @@ class ModelSpec:
         if self.family not in FAMILIES:
             raise ConfigError("--family", "unknown family", repr(self.family), f"use one of {', '.join(FAMILIES)}")
         gpt = self.family == "gpt2"
-        fill = {
-            "num_kv_heads": self.num_heads,
-            "intermediate_size": 4 * self.hidden_size if gpt else None,
-            "tie_word_embeddings": gpt,
-        }
+        fixed = gpt2_fixed_fields(self.hidden_size, self.num_heads)
+        llama = {"num_kv_heads": self.num_heads, "intermediate_size": None, "tie_word_embeddings": False}
+        fill = fixed if gpt else llama
         for name, default in fill.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
