@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -60,7 +61,11 @@ def timed_prepare(corpus: Path, out: Path) -> float:
 def timed_launch(work: Path, name: str, extra: list[str], hf_home: Path) -> dict[str, float]:
     """Seconds from starting the launcher to each mark, and to its exit."""
     launcher = Path(sys.executable).parent / "deepspeed"
-    cmd = [str(launcher), "--num_gpus", "4", "recipes/train_gpt.py", "--deepspeed_config", "ds_configs/gpt_tiny.json"]
+    with socket.socket() as free:  # a port of its own: other jobs on the machine may hold DeepSpeed's default
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    cmd = [str(launcher), "--num_gpus", "4", "--master_port", port, "recipes/train_gpt.py"]
+    cmd += ["--deepspeed_config", "ds_configs/gpt_tiny.json"]
     cmd += ["--train-iters", "1", "--log-interval", "1", "--set", f"ds_megatron.logging.run_dir={work / name}"]
     cmd += ["--set", "ds_megatron.logging.wandb_project=null", "--set", "ds_megatron.train.generate_tokens=0"]
     cmd += ["--set", "ds_megatron.train.eval_iters=1", *extra]

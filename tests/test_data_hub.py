@@ -42,6 +42,7 @@ def test_a_hub_name_that_cannot_be_had_is_one_line_before_any_process_group(tmp_
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     name, expected = "someone/no-such-corpus", "no local file of that name, and no Hugging Face dataset of that name"
     if case == "needs a configuration":
+        env = {"HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_OFFLINE": "1"}  # datasets' own name for offline works too
         cache_dataset(tmp_path / "hf", "wikitext", {"wikitext-103-raw-v1": ["text"], "wikitext-2-raw-v1": ["text"]})
         name, expected = "wikitext", "the Hugging Face dataset needs a configuration name"
     elif case == "unreachable":
@@ -133,3 +134,14 @@ def test_the_probe_connects_to_the_hub_or_to_the_proxy_named_for_it(monkeypatch)
         assert hub.hub_unreachable("https://hub.example").startswith(f"proxy {closed}: ")
         monkeypatch.setenv("HTTPS_PROXY", listening)
         assert hub.hub_unreachable("https://hub.example") is None
+
+
+def test_a_configuration_name_listed_by_the_hub_is_named_too():
+    err = ValueError(
+        "Config name is missing.\nPlease pick one among the available configs: ['wikitext-103-raw-v1', "
+        "'wikitext-2-raw-v1']\nExample of usage:\n\t`load_dataset('wikitext', 'wikitext-103-raw-v1')`"
+    )
+    problem, values, fix = hub.describe_failure("wikitext", "train", err, offline=False)
+    assert problem == "the Hugging Face dataset needs a configuration name, which data.path cannot carry"
+    assert values == "'wikitext' has wikitext-103-raw-v1, wikitext-2-raw-v1"
+    assert "datasets.load_dataset('wikitext', 'wikitext-103-raw-v1', split='train')" in fix
