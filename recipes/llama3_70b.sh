@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # llama3-70b (Llama 3 shapes): 8 node(s) x 8 H100 80GB, tp 4 x pp 8 x dp 2,
-# sequence parallel on, recompute full, attention sdpa,
+# sequence parallel on, recompute selective of layernorm, attention sdpa,
 # micro-batch 1 x 256 accumulation = 512 sequences of 8192.
 # Chosen by `python -m ds_megatron.tune --model llama3-70b --gpu h100-sxm --gpus 64 --global-batch-size 512`;
 # regenerate with scripts/llama_configs.py.  Pass a Llama 3 tokenizer directory (vocabulary 128,256) as --tokenizer.

@@ -54,7 +54,7 @@ def config(stem: str, size: str, tuned: Tuned) -> dict:
     tokens = layout["train_batch_size"] * SEQ
     recompute = dict(layout["ds_megatron"]["recompute"])
     if recompute["policy"] != "full":  # chunk size and method only mean something for full recompute
-        recompute = {"policy": recompute["policy"]}
+        recompute = {k: v for k, v in recompute.items() if k in ("policy", "modules")}
     section = {
         "model": {"size": size, "dropout": DROPOUT, "attention": layout["ds_megatron"]["model"]["attention"]},
         "parallel": layout["ds_megatron"]["parallel"],

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ds_megatron.tune import ModelSpec, Pins, build_cluster, build_model_spec, search
-from ds_megatron.tune.report import ds_config
 from ds_megatron.tune.search import Evaluation
+from ds_megatron.tune.written import ds_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GPUS_PER_NODE = 8
@@ -56,6 +56,8 @@ def _pin_flags(pins: Pins) -> list[tuple[str, object]]:
     for name in ("recompute", "attention", "zero"):
         if getattr(pins, name) is not None:
             flags.append((f"--{name}", getattr(pins, name)))
+    if pins.recompute_modules is not None:
+        flags.append(("--recompute-modules", ",".join(pins.recompute_modules)))
     return flags
 
 
@@ -88,7 +90,8 @@ def run_sections(stem: str, train_iters: int) -> dict:
 def recipe(stem: str, title: str, tuned: Tuned, gpu: str, generator: str, note: str, usage: str) -> str:
     """The launch script: the node count, the layout and where it came from in comments, then deepspeed."""
     cfg = tuned.config
-    par, rc = cfg["ds_megatron"]["parallel"], cfg["ds_megatron"]["recompute"]["policy"]
+    par, recompute = cfg["ds_megatron"]["parallel"], cfg["ds_megatron"]["recompute"]
+    rc = recompute["policy"] + (f" of {', '.join(recompute['modules'])}" if "modules" in recompute else "")
     gpus = par["tp"] * par["pp"] * tuned.dp
     nodes = max(1, gpus // GPUS_PER_NODE)
     sp = "on" if par["sequence_parallel"] else "off"

@@ -11,7 +11,7 @@ import pytest
 
 from ds_megatron.config import resolve
 from ds_megatron.memory import activation_bytes_per_layer, lse_bytes_per_layer
-from ds_megatron.tune import GPUS, Candidate, Pins, build_cluster, build_model_spec, search, step_time
+from ds_megatron.tune import GPUS, Candidate, Pins, build_cluster, build_model_spec, evaluate, search, step_time
 from ds_megatron.tune.__main__ import main
 from ds_megatron.tune.empirical import top_candidates
 from ds_megatron.tune.memory_model import layer_activation_bytes
@@ -97,7 +97,10 @@ def test_every_preset_picks_sdpa_for_gpt3(searches, gpu, size):
     report = format_report(result)
     assert w.candidate.attention == "sdpa" or "the winner uses eager attention" in report
     assert w.candidate.attention == "sdpa"  # and here it always is: sdpa is faster and needs less memory
-    twin = next(e for e in result.evaluations if e.candidate == dataclasses.replace(w.candidate, attention="eager"))
+    # the same configuration with eager attention (evaluated directly: eager is searched with other module sets)
+    twin = evaluate(
+        result.model, result.cluster, dataclasses.replace(w.candidate, attention="eager"), result.global_batch_size
+    )
     assert twin.time.step_s > w.time.step_s and twin.required_bytes > w.required_bytes
     assert "why rank 1 is ahead of rank 2 (which differs in: " in report
     assert "best eager-attention candidate: rank " in report
@@ -114,11 +117,24 @@ def test_175b_search_covers_both_kernels_in_under_10_s(searches):
     assert wall_s < 10.0
     kernels = {e.candidate.attention for e in result.evaluations}
     assert kernels == {"eager", "sdpa"}
-    assert not any(e.candidate.attention == "sdpa" and e.candidate.recompute == "selective" for e in result.evaluations)
+    sets = {(e.candidate.attention, e.candidate.recompute_modules) for e in result.evaluations}
+    assert {modules for kernel, modules in sets if kernel == "sdpa"} == {
+        (),
+        ("mlp_act",),
+        ("layernorm",),
+        ("mlp_act", "layernorm"),
+    }
+    assert {modules for kernel, modules in sets if kernel == "eager"} == {
+        (),
+        ("core_attn",),
+        ("core_attn", "mlp_act", "layernorm"),
+    }
     eager = sum(e.candidate.attention == "eager" for e in result.evaluations)
     selective = sum(e.candidate.recompute == "selective" for e in result.evaluations)
-    assert len(result.evaluations) == 2 * eager - selective  # sdpa: every eager candidate but the selective ones
-    assert any(r.family == {"attention": "sdpa", "recompute": "selective"} for r in result.rejections)
+    # per (layout, SP, b): eager has two selective sets, sdpa three, and the same other policies
+    assert len(result.evaluations) == 2 * eager + selective // 5
+    family = {"attention": "sdpa", "recompute": "selective", "recompute_modules": "core_attn"}
+    assert any(r.family == family for r in result.rejections)
     assert result.common is not None and result.common.candidate.attention == "eager"
     print(f"\n175B on 1024 GPUs: {len(result.evaluations)} candidates searched in {wall_s:.3f} s")
 
@@ -128,13 +144,15 @@ def test_pins_on_the_kernel(capsys):
     eager = search(model, cluster, 1024, Pins(attention="eager"))
     assert {e.candidate.attention for e in eager.evaluations} == {"eager"}
     assert "the winner uses eager attention because attention was pinned to eager" in format_report(eager)
-    selective = search(model, cluster, 1024, Pins(recompute="selective"))
-    assert {e.candidate.attention for e in selective.evaluations} == {"eager"}
-    assert "because --recompute selective was pinned" in format_report(selective)
+    core = search(model, cluster, 1024, Pins(recompute_modules=("core_attn",)))
+    assert {(e.candidate.attention, e.candidate.recompute_label()) for e in core.evaluations} == {
+        ("eager", "selective")
+    }
+    assert "because --recompute-modules includes core_attn" in format_report(core)
     args = ["--model", "gpt3-13b", "--global-batch-size", "1024", "--gpus", "64"]
-    assert main([*args, "--attention", "sdpa", "--recompute", "selective"]) == 2
+    assert main([*args, "--attention", "sdpa", "--recompute-modules", "mlp_act,core_attn"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --recompute: selective recompute checkpoints the s x s")
+    assert len(err) == 1 and err[0].startswith("error: --recompute-modules: core_attn recomputes the s x s")
 
 
 def test_report_explains_why_the_winner_beats_the_runner_up():

@@ -23,6 +23,7 @@ import time
 from typing import NoReturn
 
 from ds_megatron.config import ConfigError
+from ds_megatron.config.schema import RECOMPUTE_MODULES
 from ds_megatron.config.sizes import FAMILIES, all_size_names
 from ds_megatron.tune.empirical import (
     DEVICES,
@@ -34,7 +35,7 @@ from ds_megatron.tune.empirical import (
 )
 from ds_megatron.tune.empirical_report import format_empirical
 from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
-from ds_megatron.tune.report import format_report, to_json, write_config
+from ds_megatron.tune.report import format_report
 from ds_megatron.tune.search import search
 from ds_megatron.tune.spec import (
     ATTENTION_CHOICES,
@@ -46,6 +47,7 @@ from ds_megatron.tune.spec import (
     build_cluster,
     build_model_spec,
 )
+from ds_megatron.tune.written import to_json, write_config
 
 CPU_KERNEL_NOTE = (
     "empirical on CPU: attention pinned to eager (with dropout on, torch's CPU sdpa falls back to its math path, the "
@@ -131,7 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, help="micro-batch size b")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None, help="SP on or off")
     g.add_argument("--recompute", choices=RECOMPUTE_CHOICES, help="recompute policy")
-    g.add_argument("--attention", choices=ATTENTION_CHOICES, help="attention kernel (sdpa never with selective)")
+    g.add_argument(
+        "--recompute-modules",
+        metavar="A,B",
+        help=f"what selective recompute recomputes, from {','.join(RECOMPUTE_MODULES)} (implies --recompute "
+        "selective; default: searched per kernel)",
+    )
+    g.add_argument("--attention", choices=ATTENTION_CHOICES, help="attention kernel (sdpa never with core_attn)")
     g.add_argument("--zero", type=int, choices=(0, 1), help="ZeRO stage")
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
@@ -196,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             recompute=args.recompute,
             zero=args.zero,
             attention=args.attention,
+            recompute_modules=None if args.recompute_modules is None else _modules(args.recompute_modules),
         )
         result = search(model, cluster, args.global_batch_size, pins)
         options, cpu_note = None, ""
@@ -251,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         which = "the final (empirical) winner" if emp is not None and emp.winner is not None else "the winner"
         print(f"wrote {which} to {args.write_config}; launch it with:\n  {command}")
     return 0
+
+
+def _modules(text: str) -> tuple[str, ...]:
+    """``mlp_act,layernorm`` -> ("mlp_act", "layernorm"); the names are checked with the other pins."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _say(line: str) -> None:

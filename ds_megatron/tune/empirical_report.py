@@ -4,7 +4,7 @@ the final ranking (measured where measured)."""
 from __future__ import annotations
 
 from ds_megatron.tune.empirical import PEAK_MEM_NOTE, EmpiricalResult, FinalEntry
-from ds_megatron.tune.report import efficiency_text, seconds_text
+from ds_megatron.tune.report import column_widths, efficiency_text, seconds_text
 from ds_megatron.tune.search import Evaluation
 
 EMPIRICAL_COLUMNS = (
@@ -43,6 +43,12 @@ EMPIRICAL_LEFT = {8, 9, 10}  # attn, recompute, status: text columns, left-align
 FINAL_LEFT = {7, 8, 11}  # attn, recompute, source
 
 
+def _widened(columns: tuple[tuple[str, int], ...], shown: list[Evaluation]) -> tuple[tuple[str, int], ...]:
+    """``columns`` with the recompute column as wide as the longest label of the ``shown`` candidates."""
+    names = [name for name, _ in columns]
+    return tuple(zip(names, column_widths(shown, columns, names.index("recompute"))))
+
+
 def _table_line(cells: tuple[str, ...] | list[str], columns: tuple[tuple[str, int], ...], left: set[int]) -> str:
     line = "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, columns)))
     return line.rstrip()
@@ -59,11 +65,12 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
     """The empirical section: each run against its predictions, the calibration, the correlation, the final ranking."""
     kind = "CPU process(es), gloo, fp32" if emp.device == "cpu" else "GPU(s), bf16, ZeRO-1"
     o = emp.options
+    run_columns = _widened(EMPIRICAL_COLUMNS, [r.evaluation for r in emp.runs])
     lines = [
         "",
         f"empirical: {len(emp.runs)} candidate(s) on {emp.processes} {kind}; {o.warmup} warm-up + {o.steps} measured "
         f"steps each; {emp.elapsed_s / 60:.1f} of {o.max_minutes:g} min used",
-        _table_line([n for n, _ in EMPIRICAL_COLUMNS], EMPIRICAL_COLUMNS, EMPIRICAL_LEFT),
+        _table_line([n for n, _ in run_columns], run_columns, EMPIRICAL_LEFT),
     ]
     reasons = []
     for r in emp.runs:
@@ -73,7 +80,7 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
         cells = [str(r.index), str(r.rank), *_layout_cells(r.evaluation), r.status, seconds_text(r.predicted_s)]
         cells += [seconds_text(cal) if cal is not None else "-", seconds_text(m) if m is not None else "-", error]
         cells.append(f"{peak:.2f} GB" if peak is not None else "-")
-        lines.append(_table_line(cells, EMPIRICAL_COLUMNS, EMPIRICAL_LEFT))
+        lines.append(_table_line(cells, run_columns, EMPIRICAL_LEFT))
         if r.outcome is not None and r.outcome.reason:
             reasons.append(f"  #{r.index} {r.status}: {r.outcome.reason}")
     lines += reasons
@@ -114,14 +121,15 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
     if not emp.final:
         lines.append("final ranking: nothing left (every measured candidate failed and nothing else fits)")
         return "\n".join(lines)
+    final_columns = _widened(FINAL_COLUMNS, [f.evaluation for f in emp.final[:top]])
     lines += [
         "final ranking (measured step time where measured, else the calibrated prediction; failed runs left out):",
-        _table_line([n for n, _ in FINAL_COLUMNS], FINAL_COLUMNS, FINAL_LEFT),
+        _table_line([n for n, _ in final_columns], final_columns, FINAL_LEFT),
     ]
     for i, f in enumerate(emp.final[:top]):
         cells = [str(i + 1), *_layout_cells(f.evaluation), seconds_text(f.step_s)]
         cells += [f"{global_batch_size * seq_length / f.step_s:,.0f}", f.source]
-        lines.append(_table_line(cells, FINAL_COLUMNS, FINAL_LEFT))
+        lines.append(_table_line(cells, final_columns, FINAL_LEFT))
     w = emp.final[0]
     lines.append(f"final winner ({w.source}): {_describe_final(w, global_batch_size, seq_length)}")
     if w.source == "predicted":

@@ -11,14 +11,15 @@ layer (tied or not).
 
 Activations (Korthikanti et al. 2022, sec. 4): per layer from :func:`ds_megatron.memory.activation_bytes_per_layer`
 for the model's family, with the candidate's attention kernel (eager: the s^2 terms; sdpa: the fused GPU kernels'
-fp32 log-sum-exp instead); a Llama is modelled, and written, without dropout (``spec.LLAMA_DROPOUT``);
-under the 1F1B schedule the first stage keeps min(p, m) micro-batches in flight (L layers' worth when m >= p) and the
-last stage one (sec. 4.2.3).  The first stage adds a GPT's embedding dropout mask, the last stage the final norm
-input, the output-layer input and the logits (bf16, plus the fp32 copy the loss works on) (sec. 4.3).
+fp32 log-sum-exp instead) and, under selective recompute, its modules; a Llama is modelled, and written, without
+dropout (``spec.LLAMA_DROPOUT``); under the 1F1B schedule the first stage keeps min(p, m) micro-batches in flight
+(L layers' worth when m >= p) and the last stage one (sec. 4.2.3).  The first stage adds a GPT's embedding dropout
+mask, the last stage the final norm input, the output-layer input and the logits (bf16, plus the fp32 copy the loss
+works on) (sec. 4.3).
 
 Conservative choices, stated once: every stage is assumed to hold ceil(L/p) blocks (DeepSpeed balances blocks, so
 the real first or last stage may hold one fewer); while a micro-batch's backward runs, the activations being
-recomputed for it (one s x s core, one layer, or one chunk of k layers) are added on top.
+recomputed for it (one block's recomputed modules, one layer, or one chunk of k layers) are added on top.
 """
 
 from __future__ import annotations
@@ -165,8 +166,9 @@ def layer_activation_bytes(
     model: ModelSpec, cand: Candidate, recompute: str, act_bytes: int = ACT_BYTES, mask_bytes: int = MASK_BYTES
 ) -> float:
     """One block's activations for one micro-batch, per TP rank (sec. 4.1-4.2; Table 2 of the paper, 2-byte
-    activations and 1-byte masks by default): ``recompute`` "none" or "selective" keeps that policy's tensors,
-    "full" only the block input; the attention kernel is the candidate's (sdpa: CUDA's fused kernels)."""
+    activations and 1-byte masks by default): ``recompute`` "none" keeps every tensor, "selective" all but the
+    candidate's recomputed modules, "full" only the block input; the attention kernel is the candidate's (sdpa:
+    CUDA's fused kernels)."""
     return activation_bytes_per_layer(
         model.seq_length,
         cand.micro_batch_size,
@@ -182,6 +184,7 @@ def layer_activation_bytes(
         num_kv_heads=model.num_kv_heads,
         intermediate_size=model.intermediate_size,
         attention_dropout=FAMILIES[model.family].attention_dropout,
+        modules=cand.recompute_modules if recompute == "selective" else (),
     )
 
 
@@ -201,8 +204,8 @@ def stored_activation_bytes(model: ModelSpec, cand: Candidate, num_blocks: int) 
 
 
 def recompute_transient_bytes(model: ModelSpec, cand: Candidate, num_blocks: int) -> float:
-    """Activations re-created for one micro-batch while its backward runs: one block's s x s core (selective),
-    one block (full, block method) or one chunk of k blocks (full, uniform).  Selective is eager-only."""
+    """Activations re-created for one micro-batch while its backward runs: what selective leaves out of one block
+    (its recomputed modules), one block (full, block method) or one chunk of k blocks (full, uniform)."""
     whole = layer_activation_bytes(model, cand, "none")
     if cand.recompute == "selective":
         return whole - layer_activation_bytes(model, cand, "selective")

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_megatron.config import ConfigError
-from ds_megatron.tune.report import ds_config
 from ds_megatron.tune.search import Evaluation, SearchResult
+from ds_megatron.tune.written import ds_config
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "train_gpt.py"
 # Test hook: the 1-based index (launch order) of a candidate to launch with a key the recipe refuses (exit 2), so
@@ -74,11 +74,12 @@ class ProbeResult:
 
 
 def run_slug(index: int, e: Evaluation) -> str:
-    """A directory name for a candidate: ``03-tp2-pp2-dp1-sp-b4-selective`` (``-sdpa`` with that kernel)."""
+    """A directory name for a candidate: ``03-tp2-pp2-dp1-sp-b4-selective`` (``-sdpa`` with that kernel;
+    ``selective-mlp_act-layernorm`` for selective[mlp_act,layernorm])."""
     c = e.candidate
     sp = "-sp" if c.sequence_parallel else ""
     kernel = "-sdpa" if c.attention == "sdpa" else ""
-    label = c.recompute_label().replace("/", "-")
+    label = re.sub(r"[^A-Za-z0-9_]+", "-", c.recompute_label()).strip("-")  # selective[mlp_act,layernorm] -> ...
     return f"{index:02d}-tp{c.tp}-pp{c.pp}-dp{c.dp}{sp}-b{c.micro_batch_size}-{label}{kernel}"
 
 

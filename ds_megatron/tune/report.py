@@ -1,16 +1,14 @@
-"""What the tuner shows and writes: the ranked console table, the JSON of every candidate, the winner's config
-(a GPT's or a Llama's: the family's fields are written so that the config resolves to the same shape)."""
+"""What the tuner shows: the ranked console table, the winner and why it wins, the rejected families.  What it
+writes (the JSON, the winner's config) is ds_megatron.tune.written."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
-from ds_megatron.tune import memory_model, time_model
+from ds_megatron.tune import memory_model
 from ds_megatron.tune.memory_model import GIB, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
-from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, LLAMA_DROPOUT, Cluster, ModelSpec
+from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Cluster, ModelSpec
 
 COLUMNS = (
     ("rank", 4),
@@ -31,11 +29,12 @@ COLUMNS = (
     ("HFU", 6),
 )
 LEFT = {7, 8}  # the attention and recompute columns are text, left-aligned
+RECOMPUTE_COLUMN = 8  # widened to the longest label shown (selective[core_attn,mlp_act,layernorm])
 MAX_REJECTIONS_SHOWN = 8
 NEAR_TIE = 0.01  # candidates this close to the winner's step time are within the time model's error of it
 
 
-def _row(rank: int, e: Evaluation) -> str:
+def _row(rank: int, e: Evaluation, widths: list[int]) -> str:
     c, t = e.candidate, e.time
     cells = (
         str(rank),
@@ -55,11 +54,20 @@ def _row(rank: int, e: Evaluation) -> str:
         f"{t.mfu:.1%}",
         f"{t.hfu:.1%}",
     )
-    return _aligned(cells)
+    return _aligned(cells, widths)
 
 
-def _aligned(cells: tuple[str, ...] | list[str]) -> str:
-    return "  ".join(c.ljust(w) if i in LEFT else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS)))
+def column_widths(
+    evaluations: list[Evaluation], columns: tuple[tuple[str, int], ...] = COLUMNS, recompute: int = RECOMPUTE_COLUMN
+) -> list[int]:
+    """The widths of ``columns``, the recompute column (index ``recompute``) widened to the longest label shown."""
+    widths = [w for _, w in columns]
+    widths[recompute] = max([widths[recompute]] + [len(e.candidate.recompute_label()) for e in evaluations])
+    return widths
+
+
+def _aligned(cells: tuple[str, ...] | list[str], widths: list[int]) -> str:
+    return "  ".join(c.ljust(w) if i in LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
 
 def describe(e: Evaluation) -> str:
@@ -95,8 +103,9 @@ def format_report(result: SearchResult, top: int = 10) -> str:
     if winner is None:
         lines += _no_fit_lines(result)
     else:
-        lines.append(_aligned([name for name, _ in COLUMNS]))
-        lines += [_row(i + 1, e) for i, e in enumerate(result.ranked[:top])]
+        widths = column_widths(result.ranked[:top])
+        lines.append(_aligned([name for name, _ in COLUMNS], widths))
+        lines += [_row(i + 1, e, widths) for i, e in enumerate(result.ranked[:top])]
         t = winner.time
         lines += [
             "",
@@ -104,6 +113,7 @@ def format_report(result: SearchResult, top: int = 10) -> str:
             f"  step {seconds_text(t.step_s)} s = compute {seconds_text(t.compute_s)} "
             f"(matmuls at {t.matmul_efficiency:.0%} of peak) + "
             + (f"eager score passes {seconds_text(t.attention_s)} + " if t.attention_s else "")
+            + (f"recomputed elementwise passes {seconds_text(t.recompute_passes_s)} + " if t.recompute_passes_s else "")
             + f"TP comm {seconds_text(t.tp_comm_s)} + "
             f"pipeline p2p {seconds_text(t.p2p_s)} (bubble {seconds_text(t.bubble_s)} of these) + DP comm "
             f"{seconds_text(t.dp_comm_s)}"
@@ -113,6 +123,7 @@ def format_report(result: SearchResult, top: int = 10) -> str:
         if len(result.ranked) > 1:
             lines += why_ahead(winner, result.ranked[1], 1, 2)
         lines += _kernel_note(result)
+        lines += _recompute_note(result)
         close = [e for e in result.ranked if e.time.step_s <= winner.time.step_s * (1 + NEAR_TIE)]
         leanest = min(close, key=lambda e: e.required_bytes)
         if leanest is not winner and leanest.required_bytes < 0.8 * winner.required_bytes:
@@ -154,6 +165,7 @@ SETTINGS = (  # (label, how to read it off a candidate) for the comparison of tw
 TIME_PARTS = (
     ("compute", "compute_s"),
     ("eager score passes", "attention_s"),
+    ("recomputed elementwise passes", "recompute_passes_s"),
     ("TP comm", "tp_comm_s"),
     ("pipeline p2p", "p2p_s"),
     ("DP comm", "dp_comm_s"),
@@ -204,8 +216,10 @@ def _kernel_note(result: SearchResult) -> list[str]:
         ]
     if result.pins.attention == "eager":
         return ["  the winner uses eager attention because attention was pinned to eager"]
-    if result.pins.recompute == "selective":
-        return ["  the winner uses eager attention because --recompute selective was pinned (sdpa has no selective)"]
+    if "core_attn" in (result.pins.recompute_modules or ()):
+        return [
+            "  the winner uses eager attention because --recompute-modules includes core_attn (sdpa stores no core)"
+        ]
     sdpa = [e for e in result.ranked if e.candidate.attention == "sdpa"]
     if not sdpa:
         return ["  the winner uses eager attention because no sdpa candidate fits"]
@@ -213,6 +227,38 @@ def _kernel_note(result: SearchResult) -> list[str]:
     return ["  the winner uses eager attention; against the best sdpa candidate:"] + [
         "  " + line for line in why_ahead(winner, sdpa[0], 1, rank)
     ]
+
+
+def _recompute_note(result: SearchResult) -> list[str]:
+    """With a selective winner, what recomputing its modules buys: the best candidate without recompute (or what the
+    closest one needs when none fits) and the best with full recompute, unless the runner-up line compared it."""
+    winner = result.winner
+    if winner is None or winner.candidate.recompute != "selective":
+        return []
+    lines = []
+    for policy, what in (("none", "without recompute"), ("full", "with full recompute")):
+        best = next((e for e in result.ranked if e.candidate.recompute == policy), None)
+        if best is not None and result.ranked.index(best) == 1:
+            continue
+        if best is not None:
+            t = best.time
+            lines.append(
+                f"best candidate {what}: rank {result.ranked.index(best) + 1}, {seconds_text(t.step_s)} s/step "
+                f"({t.step_s / winner.time.step_s - 1:.1%} slower), {best.required_bytes / GIB:.1f} GiB "
+                f"(activations {best.first.activation_bytes / GIB:.1f} GiB on the first stage against the winner's "
+                f"{winner.first.activation_bytes / GIB:.1f})"
+            )
+            continue
+        tried = [e for e in result.evaluations if e.candidate.recompute == policy]
+        if tried:
+            closest = min(tried, key=lambda e: e.required_bytes)
+            c = closest.candidate
+            lines.append(
+                f"no candidate {what} fits: the closest, tp {c.tp}, pp {c.pp}, dp {c.dp}, b {c.micro_batch_size}, "
+                f"{c.attention} attention, needs {closest.required_bytes / GIB:.1f} GiB > "
+                f"{result.cluster.gpu_memory_gb:g} GiB"
+            )
+    return lines
 
 
 def _latencies(cl: Cluster) -> str:
@@ -284,121 +330,3 @@ def _rejection_lines(result: SearchResult, nothing_fits: bool) -> list[str]:
 
 def _family(family: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in family.items())
-
-
-def to_json(result: SearchResult) -> dict:
-    """Every candidate with its settings, memory breakdown and prediction; every rejected family with its reason."""
-    m, cl = result.model, result.cluster
-    return {
-        "model": {
-            "size": m.size,
-            "family": m.family,
-            "num_layers": m.num_layers,
-            "hidden_size": m.hidden_size,
-            "num_heads": m.num_heads,
-            "num_kv_heads": m.num_kv_heads,
-            "intermediate_size": m.intermediate_size,
-            "tie_word_embeddings": m.tie_word_embeddings,
-            "vocab_size": m.vocab_size,
-            "seq_length": m.seq_length,
-            "parameters": total_param_count(m),
-        },
-        "cluster": {
-            "num_gpus": cl.num_gpus,
-            "gpus_per_node": cl.gpus_per_node,
-            "gpu_memory_gb": cl.gpu_memory_gb,
-            "peak_tflops": cl.peak_tflops,
-            "intra_node_gbps": cl.intra_node_gbps,
-            "inter_node_gbps": cl.inter_node_gbps,
-            "memory_gbps": cl.memory_gbps,
-            "gpu": cl.gpu,
-            "efficiency": cl.efficiency,
-            "intra_node_latency_s": cl.intra_node_latency_s,
-            "inter_node_latency_s": cl.inter_node_latency_s,
-            "step_overhead_s": cl.step_overhead_s,
-        },
-        "global_batch_size": result.global_batch_size,
-        "search_seconds": result.elapsed_s,
-        "winner": result.winner.as_dict() if result.winner else None,
-        "common_configuration": result.common.as_dict() if result.common else None,
-        "common_configuration_note": result.common_note,
-        "speedup_over_common": result.speedup,
-        "candidates": [e.as_dict() for e in result.evaluations],
-        "rejected": [r.as_dict() for r in result.rejections],
-        "assumptions": {
-            "weight_bytes_per_param": memory_model.WEIGHT_BYTES,
-            "grad_bytes_per_param": memory_model.GRAD_BYTES,
-            "optimizer_bytes_per_param": memory_model.OPTIMIZER_BYTES,
-            "activation_bytes": memory_model.ACT_BYTES,
-            "dropout_mask_bytes": memory_model.MASK_BYTES,
-            "memory_margin_fraction": memory_model.MARGIN_FRACTION,
-            "memory_margin_bytes": memory_model.MARGIN_BYTES,
-            "vocab_multiple": memory_model.VOCAB_MULTIPLE,
-            "dp_overlap": time_model.DP_OVERLAP,
-            "grad_reduce_bytes_per_param": time_model.GRAD_REDUCE_BYTES,
-            "intra_node_latency_s": cl.intra_node_latency_s,
-            "inter_node_latency_s": cl.inter_node_latency_s,
-            "attention": {
-                "eager": "s x s softmax materialised (the paper's setting); its elementwise passes over the scores "
-                "run at the HBM bandwidth",
-                "sdpa": "fused kernel (CUDA flash / memory-efficient): no s x s term stored, fp32 log-sum-exp instead",
-                "eager_score_bytes_forward": time_model.EAGER_FORWARD_BYTES,
-                "eager_score_bytes_backward": time_model.EAGER_BACKWARD_BYTES,
-            },
-        },
-    }
-
-
-def ds_config(result: SearchResult, e: Evaluation) -> dict:
-    """A ds_configs-style JSON for ``e``: DeepSpeed's keys plus the "ds_megatron" section."""
-    c, m = e.candidate, result.model
-    model = {"size": m.size} if m.size else {}
-    model.update(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_heads=m.num_heads,
-        vocab_size=m.vocab_size,
-        seq_length=m.seq_length,
-        attention=c.attention,  # never sdpa with selective: the search does not generate it, the loader refuses it
-    )
-    if m.family != "gpt2":  # the loader refuses the llama-only fields for a GPT
-        model.update(
-            family=m.family,
-            num_kv_heads=m.num_kv_heads,
-            intermediate_size=m.intermediate_size,
-            tie_word_embeddings=m.tie_word_embeddings,
-            dropout=LLAMA_DROPOUT,  # what the memory model assumed (the loader's default, 0.1, is GPT's)
-        )
-        if not m.size:  # a named size brings its own; a custom or changed shape keeps its origin's
-            model.update(
-                rope_theta=m.rope_theta,
-                rope_scaling=dict(m.rope_scaling) if m.rope_scaling else None,
-            )
-            model = {k: v for k, v in model.items() if v is not None}
-    return {
-        "train_batch_size": result.global_batch_size,
-        "train_micro_batch_size_per_gpu": c.micro_batch_size,
-        "gradient_accumulation_steps": c.num_micro_batches,
-        "gradient_clipping": 1.0,
-        "bf16": {"enabled": True},
-        "data_types": {"grad_accum_dtype": "fp32"},
-        "zero_optimization": {"stage": c.zero},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": m.learning_rate, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
-        },
-        "ds_megatron": {
-            "model": model,
-            "parallel": {"tp": c.tp, "pp": c.pp, "sequence_parallel": c.sequence_parallel},
-            "recompute": {"policy": c.recompute, "num_layers": c.recompute_layers, "method": c.recompute_method},
-        },
-    }
-
-
-def write_config(result: SearchResult, path: str | Path, chosen: Evaluation | None = None) -> str:
-    """Write ``chosen`` (default: the winner) as a config to ``path``; returns the launch command."""
-    chosen = chosen or result.winner
-    if chosen is None:
-        raise ValueError("no configuration fits, so there is no config to write")
-    Path(path).write_text(json.dumps(ds_config(result, chosen), indent=2) + "\n")
-    return f"deepspeed --hostfile hostfile recipes/train_gpt.py --deepspeed_config {path}"

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from ds_megatron.tune.memory_model import GIB, MARGIN_BYTES, MARGIN_FRACTION, StageMemory, stage_memory
 from ds_megatron.tune.space import Rejection, enumerate_candidates, layout_candidates, tp_sizes
-from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, Pins, validate_request
+from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, Pins
 from ds_megatron.tune.time_model import StepTime, step_time
+from ds_megatron.tune.validate import validate_request
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,11 @@ Rules (the package's layout constraints and the pipeline engine's limits):
 - the global batch B splits into dp replicas of m micro-batches of b sequences, b a power of two up to 16 dividing
   B/dp, with m >= p so the 1F1B pipeline fills;
 - SP only with tp > 1 and s divisible by tp;
-- recompute: none, selective (core attention), or full with k blocks by the ``uniform`` (chunks of k) or ``block``
-  (the first k blocks of each stage) method, k in {1, 2, 4, ...} up to the blocks per stage;
-- attention kernel: eager (materialised s x s softmax) or sdpa (fused kernel), each with every recompute policy
-  except sdpa with selective (it checkpoints the s x s core sdpa never stores; the config loader refuses it);
+- recompute: none, selective with the module sets of ``SELECTIVE_MODULES`` for the kernel, or full with k blocks by
+  the ``uniform`` (chunks of k) or ``block`` (the first k blocks of each stage) method, k in {1, 2, 4, ...} up to the
+  blocks per stage;
+- attention kernel: eager (materialised s x s softmax) or sdpa (fused kernel), each with every recompute policy;
+  sdpa never recomputes core_attn (it checkpoints the s x s core sdpa never stores; the config loader refuses it);
 - ZeRO stage 0 or 1 (the pipeline engine's limit).
 
 Every family that is left out is reported with its reason.  Pure Python.
@@ -23,14 +24,24 @@ from dataclasses import dataclass
 from ds_megatron.tune.memory_model import layers_per_stage
 from ds_megatron.tune.spec import (
     ATTENTION_CHOICES,
-    SDPA_SELECTIVE_REASON,
+    SDPA_CORE_ATTN_REASON,
     Candidate,
     Cluster,
     ModelSpec,
     Pins,
+    ordered_modules,
 )
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+
+# The module sets selective recompute is searched with, per attention kernel.  Eager: the s x s core alone (the
+# paper's selective recompute: the most memory for the least recompute), and everything (the norm and activation
+# outputs cost one memory-bound elementwise pass each, so they are worth adding where memory is short).  sdpa
+# stores no s x s core, so it has only the other two, together or alone (each alone saves less and costs less).
+SELECTIVE_MODULES = {
+    "eager": (("core_attn",), ("core_attn", "mlp_act", "layernorm")),
+    "sdpa": (("mlp_act", "layernorm"), ("mlp_act",), ("layernorm",)),
+}
 
 ZERO0_REASON = (
     "ZeRO stage 0 is not offered: with bf16 and fp32 gradient accumulation DeepSpeed's pipeline engine accepts only "
@@ -88,13 +99,24 @@ def attention_options(pins: Pins) -> list[str]:
     return [k for k in ATTENTION_CHOICES if pins.attention is None or k == pins.attention]
 
 
-def recompute_options(num_blocks: int, pins: Pins) -> list[tuple[str, int, str]]:
-    """(policy, k, method) choices for a stage of ``num_blocks`` blocks."""
+def selective_modules(kernel: str, pins: Pins) -> tuple[tuple[str, ...], ...]:
+    """The module sets selective recompute is tried with under ``kernel``: the pinned set where the kernel allows it,
+    else the kernel's row of SELECTIVE_MODULES."""
+    if pins.recompute_modules is None:
+        return SELECTIVE_MODULES[kernel]
+    pinned = ordered_modules(pins.recompute_modules)
+    return () if kernel == "sdpa" and "core_attn" in pinned else (pinned,)
+
+
+def recompute_options(num_blocks: int, kernel: str, pins: Pins) -> list[tuple[str, int, str, tuple[str, ...]]]:
+    """(policy, k, method, modules) choices for a stage of ``num_blocks`` blocks under attention ``kernel``."""
     ks = sorted({k for k in (2**i for i in range(num_blocks.bit_length())) if k < num_blocks} | {num_blocks})
-    options = [("none", 1, "uniform"), ("selective", 1, "uniform")]
-    options += [("full", k, "uniform") for k in ks]
-    options += [("full", k, "block") for k in ks if k < num_blocks]  # block with k = n equals uniform with k = 1
-    return [o for o in options if pins.recompute is None or o[0] == pins.recompute]
+    options = [("none", 1, "uniform", ())]
+    options += [("selective", 1, "uniform", modules) for modules in selective_modules(kernel, pins)]
+    options += [("full", k, "uniform", ()) for k in ks]
+    options += [("full", k, "block", ()) for k in ks if k < num_blocks]  # block with k = n equals uniform with k = 1
+    policy = "selective" if pins.recompute_modules is not None else pins.recompute
+    return [o for o in options if policy is None or o[0] == policy]
 
 
 def layout_candidates(
@@ -126,14 +148,14 @@ def layout_candidates(
         reason = f"SP needs seq_length ({model.seq_length}) divisible by tp ({tp})"
         rejected.append(Rejection({**layout, "sequence_parallel": True}, reason))
 
-    recompute = recompute_options(layers_per_stage(model.num_layers, pp), pins)
+    num_blocks = layers_per_stage(model.num_layers, pp)
+    recompute = {kernel: recompute_options(num_blocks, kernel, pins) for kernel in attention_options(pins)}
     candidates = [
-        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, zero=1, attention=kernel)
+        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules)
         for sp in sp_options
         for b in micro
-        for kernel in attention_options(pins)
-        for policy, k, method in recompute
-        if not (kernel == "sdpa" and policy == "selective")
+        for kernel, options in recompute.items()
+        for policy, k, method, modules in options
     ]
     return candidates, rejected
 
@@ -148,7 +170,10 @@ def enumerate_candidates(
     if pins.zero == 0:
         return [], rejected
     if "sdpa" in attention_options(pins) and pins.recompute in (None, "selective"):
-        rejected.append(Rejection({"attention": "sdpa", "recompute": "selective"}, SDPA_SELECTIVE_REASON))
+        asked = ("core_attn",) if pins.recompute_modules is None else ordered_modules(pins.recompute_modules)
+        if "core_attn" in asked:  # what the unpinned search leaves out of sdpa, or all a pinned set would give it
+            family = {"attention": "sdpa", "recompute": "selective", "recompute_modules": ",".join(asked)}
+            rejected.append(Rejection(family, SDPA_CORE_ATTN_REASON))
     tps, tp_rejected = tp_sizes(model, cluster, pins)
     rejected += tp_rejected
     candidates: list[Candidate] = []

@@ -1,7 +1,9 @@
 """What the tuner is asked about: the model, the cluster, the pinned dimensions, and one candidate configuration.
 
-Inputs are checked here, before any search, and a bad one raises :class:`ds_megatron.config.ConfigError` (one line:
-``error: <setting>: <problem> (<values>); <fix>``).  Standard library only.
+The model and the cluster are checked here as they are built, the request as a whole (pins against model and
+cluster) in :mod:`ds_megatron.tune.validate`, before any search; a bad input raises
+:class:`ds_megatron.config.ConfigError` (one line: ``error: <setting>: <problem> (<values>); <fix>``).  Standard
+library only.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from ds_megatron.config import ConfigError
 from ds_megatron.config.loader import gpt2_fixed_fields
-from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_POLICIES
+from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.config.sizes import (
     FAMILIES,
     GPT3_SEQ_LENGTH,
@@ -28,9 +30,11 @@ from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 
 RECOMPUTE_CHOICES = RECOMPUTE_POLICIES
 ATTENTION_CHOICES = ATTENTION_KERNELS  # "eager" (materialised s x s softmax) or "sdpa" (fused kernel)
-SDPA_SELECTIVE_REASON = (
-    "selective recompute with sdpa is not offered: it checkpoints the s x s attention core, which the sdpa kernel "
-    "never stores, so it would save nothing and cost a recompute (the config loader refuses it)"
+DEFAULT_SELECTIVE_MODULES = ("core_attn",)  # what "selective" recomputes when no modules are named (the loader's)
+SDPA_CORE_ATTN_REASON = (
+    "recomputing core_attn with sdpa is not offered: it checkpoints the s x s attention core, which the sdpa kernel "
+    "never stores, so it would save nothing and cost a recompute (the config loader refuses it); sdpa is searched "
+    "with selective recompute of mlp_act and layernorm instead"
 )
 
 # The ceiling of the matmul-efficiency curve (ds_megatron.tune.matmuls: a matmul of intensity I runs at
@@ -141,6 +145,12 @@ class Pins:
     recompute: str | None = None  # "none" | "selective" | "full"
     zero: int | None = None  # 0 | 1
     attention: str | None = None  # "eager" | "sdpa"
+    recompute_modules: tuple[str, ...] | None = None  # selective's modules, in any order (implies "selective")
+
+
+def ordered_modules(modules: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """``modules`` in RECOMPUTE_MODULES order: one spelling per set, so that equal sets compare equal."""
+    return tuple(m for m in RECOMPUTE_MODULES if m in modules)
 
 
 @dataclass(frozen=True)
@@ -157,12 +167,28 @@ class Candidate:
     recompute_layers: int = 1  # full only: chunk size (uniform) or recomputed blocks per stage (block)
     recompute_method: str = "uniform"  # full only: "uniform" | "block"
     zero: int = 1
-    attention: str = "eager"  # "eager" | "sdpa" (never with selective recompute)
+    attention: str = "eager"  # "eager" | "sdpa" (sdpa never with core_attn recomputed)
+    # What selective recompute recomputes (empty: DEFAULT_SELECTIVE_MODULES); stored in RECOMPUTE_MODULES order,
+    # and emptied for the other policies (so that dataclasses.replace(c, recompute="full") stays valid).
+    recompute_modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        modules = tuple(self.recompute_modules)
+        if set(modules) - set(RECOMPUTE_MODULES):
+            raise ValueError(f"recompute_modules must be among {RECOMPUTE_MODULES}, got {modules}")
+        if self.recompute != "selective":
+            modules = ()
+        else:
+            modules = ordered_modules(modules or DEFAULT_SELECTIVE_MODULES)
+        object.__setattr__(self, "recompute_modules", modules)
 
     def recompute_label(self) -> str:
-        if self.recompute != "full":
-            return self.recompute
-        return f"full/{self.recompute_method}/{self.recompute_layers}"
+        """``none``, ``selective`` (core attention, the default), ``selective[mlp_act,layernorm]``, ``full/block/1``."""
+        if self.recompute == "full":
+            return f"full/{self.recompute_method}/{self.recompute_layers}"
+        if self.recompute == "selective" and self.recompute_modules != DEFAULT_SELECTIVE_MODULES:
+            return f"selective[{','.join(self.recompute_modules)}]"
+        return self.recompute
 
     def settings(self) -> dict:
         return {
@@ -175,12 +201,14 @@ class Candidate:
             "recompute": self.recompute,
             "recompute_layers": self.recompute_layers if self.recompute == "full" else None,
             "recompute_method": self.recompute_method if self.recompute == "full" else None,
+            "recompute_modules": list(self.recompute_modules) if self.recompute == "selective" else None,
             "zero_stage": self.zero,
             "attention": self.attention,
         }
 
 
-def _positive(setting: str, value: int | float | None, example: str) -> None:
+def check_positive(setting: str, value: int | float | None, example: str) -> None:
+    """Refuse a count or rate that is not positive, naming the flag."""
     if value is None or value <= 0:
         raise ConfigError(setting, "must be positive", f"got {value}", f"pass e.g. {setting} {example}")
 
@@ -245,10 +273,10 @@ def build_model_spec(
         ("--vocab", vocab),
         ("--seq-length", seq_length),
     ):
-        _positive(flag, value, "2048" if flag == "--seq-length" else "a positive integer")
+        check_positive(flag, value, "2048" if flag == "--seq-length" else "a positive integer")
     for flag, value in llama_flags.items():
         if value is not None:
-            _positive(flag, value, "a positive integer")
+            check_positive(flag, value, "a positive integer")
     if hidden % heads != 0:
         raise ConfigError(
             "--hidden", "not divisible by the number of heads", f"hidden={hidden}, heads={heads}", "choose h = a x d"
@@ -319,128 +347,3 @@ def build_cluster(gpu: str | None, num_gpus: int, gpus_per_node: int, **values: 
     rest = {k: v for k, v in values.items() if v is not None}
     label = None if gpu is None else gpu + (f" with {', '.join(changed)}" if changed else "")
     return Cluster(num_gpus=num_gpus, gpus_per_node=gpus_per_node, gpu=label, **fields, **rest)
-
-
-def tp_divides_model(model: ModelSpec, tp: int) -> bool:
-    """TP splits the query heads, the KV heads and the MLP width: tp must divide all three."""
-    return all(n % tp == 0 for n in (model.num_heads, model.num_kv_heads, model.intermediate_size))  # type: ignore[operator]
-
-
-def tp_choices(model: ModelSpec, node: int) -> list[int]:
-    """Tensor-parallel sizes the model and a node of ``node`` GPUs allow."""
-    return [t for t in range(1, node + 1) if tp_divides_model(model, t) and node % t == 0]
-
-
-def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int, pins: Pins) -> None:
-    """Refuse inputs no search can satisfy, naming the values and the fix."""
-    _positive("--gpus", cluster.num_gpus, "8")
-    _positive("--gpus-per-node", cluster.gpus_per_node, "8")
-    _positive("--gpu-memory-gb", cluster.gpu_memory_gb, "80")
-    _positive("--gpu-peak-tflops", cluster.peak_tflops, "312")
-    _positive("--intra-node-gbps", cluster.intra_node_gbps, "300")
-    _positive("--inter-node-gbps", cluster.inter_node_gbps, "25")
-    _positive("--memory-gbps", cluster.memory_gbps, "2039")
-    _positive("--global-batch-size", global_batch_size, "1536")
-    if not 0.0 < cluster.efficiency <= 1.0:
-        raise ConfigError("--efficiency", "must be in (0, 1]", f"got {cluster.efficiency}", "pass e.g. 0.8")
-    for flag, value in (
-        ("--step-overhead-s", cluster.step_overhead_s),
-        ("--intra-node-latency-us", cluster.intra_node_latency_s * 1e6),
-        ("--inter-node-latency-us", cluster.inter_node_latency_s * 1e6),
-    ):
-        if value < 0.0:
-            raise ConfigError(flag, "must not be negative", f"got {value:g}", "pass e.g. 0")
-    if cluster.num_gpus > cluster.gpus_per_node and cluster.num_gpus % cluster.gpus_per_node != 0:
-        raise ConfigError(
-            "--gpus",
-            "not a whole number of nodes",
-            f"gpus={cluster.num_gpus}, gpus_per_node={cluster.gpus_per_node}",
-            f"pass a multiple of {cluster.gpus_per_node}",
-        )
-    for flag, value in (
-        ("--tp", pins.tp),
-        ("--pp", pins.pp),
-        ("--dp", pins.dp),
-        ("--micro-batch-size", pins.micro_batch_size),
-    ):
-        if value is not None:
-            _positive(flag, value, "1")
-    if pins.tp is not None:
-        if model.num_heads % pins.tp != 0:
-            node = min(cluster.gpus_per_node, cluster.num_gpus)
-            raise ConfigError(
-                "--tp",
-                "num_heads not divisible by tp",
-                f"num_heads={model.num_heads}, tp={pins.tp}",
-                f"choose tp from {tp_choices(model, node)}",
-            )
-        for name, value in (("num_kv_heads", model.num_kv_heads), ("intermediate_size", model.intermediate_size)):
-            if value % pins.tp != 0:  # type: ignore[operator]
-                node = min(cluster.gpus_per_node, cluster.num_gpus)
-                what = "the KV heads like the query heads" if name == "num_kv_heads" else "the MLP width"
-                raise ConfigError(
-                    "--tp",
-                    f"{name} not divisible by tp",
-                    f"{name}={value}, tp={pins.tp}",
-                    f"choose tp from {tp_choices(model, node)} (TP splits {what})",
-                )
-        node = min(cluster.gpus_per_node, cluster.num_gpus)
-        if node % pins.tp != 0:
-            raise ConfigError(
-                "--tp",
-                "a TP group must fit inside one node",
-                f"tp={pins.tp}, gpus_per_node={cluster.gpus_per_node}, gpus={cluster.num_gpus}",
-                f"choose tp dividing {node}",
-            )
-        if pins.sequence_parallel and pins.tp == 1:
-            raise ConfigError(
-                "--sequence-parallel", "needs tp > 1", "tp=1", "drop --sequence-parallel or pin --tp above 1"
-            )
-    if pins.pp is not None and pins.pp > model.num_layers:
-        raise ConfigError(
-            "--pp",
-            "more pipeline stages than layers",
-            f"pp={pins.pp}, layers={model.num_layers}",
-            f"pass --pp <= {model.num_layers}",
-        )
-    fixed = [(n, v) for n, v in (("tp", pins.tp), ("pp", pins.pp), ("dp", pins.dp)) if v is not None]
-    product = 1
-    for _, value in fixed:
-        product *= value
-    if fixed and cluster.num_gpus % product != 0:
-        desc = " x ".join(f"{n}({v})" for n, v in fixed)
-        raise ConfigError(
-            "--gpus",
-            "the pinned dimensions do not divide the GPU count",
-            f"{desc} = {product}, gpus={cluster.num_gpus}",
-            "change a pin or the GPU count",
-        )
-    if len(fixed) == 3 and product != cluster.num_gpus:
-        raise ConfigError(
-            "--gpus",
-            "tp x pp x dp must equal the GPU count",
-            f"tp({pins.tp}) x pp({pins.pp}) x dp({pins.dp}) = {product} != {cluster.num_gpus}",
-            "drop one pin or fix the product",
-        )
-    if pins.dp is not None and global_batch_size % pins.dp != 0:
-        raise ConfigError(
-            "--global-batch-size",
-            "not divisible by dp",
-            f"{global_batch_size} % {pins.dp} != 0",
-            f"pass a multiple of {pins.dp}",
-        )
-    if pins.recompute is not None and pins.recompute not in RECOMPUTE_CHOICES:
-        raise ConfigError("--recompute", "unknown policy", repr(pins.recompute), f"use one of {RECOMPUTE_CHOICES}")
-    if pins.attention is not None and pins.attention not in ATTENTION_CHOICES:
-        raise ConfigError("--attention", "unknown kernel", repr(pins.attention), f"use one of {ATTENTION_CHOICES}")
-    if pins.attention == "sdpa" and pins.recompute == "selective":
-        raise ConfigError(
-            "--recompute",
-            "selective recompute checkpoints the s x s attention core, which sdpa never stores",
-            "recompute=selective, attention=sdpa",
-            "pin --attention eager with selective, or --recompute none or full with sdpa",
-        )
-    if pins.zero is not None and pins.zero not in (0, 1):
-        raise ConfigError(
-            "--zero", "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only", f"got {pins.zero}", "pass 0 or 1"
-        )

@@ -4,13 +4,18 @@
 
 - t_mb, one micro-batch's forward and backward on the slowest stage: its matmuls (recomputation included), each at
   the efficiency its shape allows (``ds_megatron.tune.matmuls``: ceiling x I / (I + peak / bandwidth), I its FLOPs
-  per byte moved), plus the eager kernel's memory-bound passes over the s x s scores, plus the TP collectives, plus
-  the pipeline point-to-point.  The (p - 1) extra slots are the 1F1B bubble, (p - 1)/m of the ideal step
-  (Narayanan et al. 2021, sec. 2.2.1).
+  per byte moved), plus the eager kernel's memory-bound passes over the s x s scores, plus the elementwise passes
+  selective recompute runs again, plus the TP collectives, plus the pipeline point-to-point.  The (p - 1) extra
+  slots are the 1F1B bubble, (p - 1)/m of the ideal step (Narayanan et al. 2021, sec. 2.2.1).
 - Attention: both kernels run the same matmul FLOPs (QK^T and x V).  The eager kernel's matmuls write and read the
   [b, a/t, s, s] scores through HBM (charged with them), and it moves the scores through separate elementwise
   kernels (mask, softmax, dropout when there is one, and their backward), bound by the GPU's memory bandwidth
   (EAGER_SCORE_OPS); sdpa's fused kernel keeps the scores in on-chip memory and pays none of either.
+- Selective recompute, per module and block, once per micro-batch's backward: core_attn re-runs the attention core's
+  forward (its matmuls, and with eager its forward score passes); mlp_act re-runs GELU / SwiGLU on [s b, F/t];
+  layernorm re-runs the two norms on [s b (/t under SP), h].  The last two are memory-bound elementwise passes
+  (RECOMPUTED_PASSES), charged by bytes moved like the eager kernel's.  The first run of every elementwise op is not
+  charged (for any candidate, as the matmul-only model leaves it out), so these are what recompute adds.
 - TP (Korthikanti et al. 2022, sec. 4.2): per block and micro-batch, two all-reduces of s b h bf16 values forward and
   two backward (with SP each becomes an all-gather plus a reduce-scatter of the same volume); full recompute repeats
   the forward two.  The embedding (first stage) and output layer (last stage) add one more each.  The same for a
@@ -77,17 +82,55 @@ EAGER_SCORE_OPS = {
         ("gradient to bf16", 4, ACT_BYTES),
     ),
 }
-EAGER_FORWARD_BYTES = sum(r + w for _, r, w in EAGER_SCORE_OPS["forward"])  # 33 per score element
-EAGER_BACKWARD_BYTES = sum(r + w for _, r, w in EAGER_SCORE_OPS["backward"])  # 35 per score element
+
+
+def pass_bytes(ops: tuple[tuple[str, int, int], ...]) -> int:
+    """Bytes one element costs over a sequence of memory-bound passes given as (op, read, written) rows."""
+    return sum(r + w for _, r, w in ops)
+
+
+def memory_bound_s(num_bytes: float, cluster: Cluster) -> float:
+    """Time of elementwise passes that move ``num_bytes`` through HBM (read + written), at its full bandwidth."""
+    return num_bytes / (cluster.memory_gbps * 1e9)
+
+
+EAGER_FORWARD_BYTES = pass_bytes(EAGER_SCORE_OPS["forward"])  # 33 per score element
+EAGER_BACKWARD_BYTES = pass_bytes(EAGER_SCORE_OPS["backward"])  # 35 per score element
 
 
 def eager_score_bytes(attention_dropout: bool) -> tuple[int, int]:
     """(forward, backward) bytes per score element; without an attention dropout (a Llama trained as published)
     its two passes are not run (dropout with p = 0 returns its input): 28 and 30."""
     return tuple(
-        sum(r + w for op, r, w in EAGER_SCORE_OPS[phase] if attention_dropout or not op.startswith("dropout"))
+        pass_bytes(
+            tuple(row for row in EAGER_SCORE_OPS[phase] if attention_dropout or not row[0].startswith("dropout"))
+        )
         for phase in ("forward", "backward")
     )  # type: ignore[return-value]
+
+
+# The forward passes selective recompute runs again for its elementwise modules, per model family: (op, bytes read,
+# bytes written) per element of the module's output, [s b, F/t] for mlp_act (GELU's input; SwiGLU's gate and up,
+# one autograd function of two inputs) and [s b (/t under SP), h] for each of the two norms of layernorm (input in,
+# output out; the per-token statistics are negligible).  Why bandwidth: each is its own kernel over the whole tensor
+# in bf16, doing a few FLOPs per byte.  core_attn is not here: it re-runs the attention core's matmuls (and eager's
+# score passes), charged with them.
+RECOMPUTED_PASSES = {
+    "gpt2": {
+        "mlp_act": (("GELU", ACT_BYTES, ACT_BYTES),),
+        "layernorm": (
+            ("LayerNorm before attention", ACT_BYTES, ACT_BYTES),
+            ("LayerNorm before the MLP", ACT_BYTES, ACT_BYTES),
+        ),
+    },
+    "llama": {
+        "mlp_act": (("silu(gate) * up", 2 * ACT_BYTES, ACT_BYTES),),
+        "layernorm": (
+            ("RMSNorm before attention", ACT_BYTES, ACT_BYTES),
+            ("RMSNorm before the MLP", ACT_BYTES, ACT_BYTES),
+        ),
+    },
+}
 
 
 __all__ = [
@@ -126,10 +169,11 @@ class StageTime:
     p2p_s: float
     attention_s: float = 0.0  # the eager kernel's memory-bound passes over the s x s scores (0 with sdpa)
     flops: float = 0.0  # matmul FLOPs of the micro-batch on this GPU, recomputation included
+    recompute_passes_s: float = 0.0  # elementwise passes selective recompute runs again (mlp_act, layernorm)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.attention_s + self.tp_comm_s + self.p2p_s
+        return self.compute_s + self.attention_s + self.recompute_passes_s + self.tp_comm_s + self.p2p_s
 
 
 @dataclass(frozen=True)
@@ -148,6 +192,7 @@ class StepTime:
     overhead_s: float = 0.0  # the cluster's fixed per-step overhead (fitted from measurements; 0 by default)
     attention_s: float = 0.0  # the eager kernel's s x s passes on the critical path, bubble slots included
     matmul_efficiency: float = 0.0  # fraction of peak the slowest stage's matmuls run at (ds_megatron.tune.matmuls)
+    recompute_passes_s: float = 0.0  # selective recompute's elementwise passes on the critical path, bubble included
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -160,17 +205,37 @@ def _recomputed_blocks(cand: Candidate, num_blocks: int) -> int:
     return num_blocks if cand.recompute_method == "uniform" else min(cand.recompute_layers, num_blocks)
 
 
+def recomputes_core(cand: Candidate) -> bool:
+    """Whether the candidate re-runs the attention core's forward in every block (selective with core_attn)."""
+    return cand.recompute == "selective" and "core_attn" in cand.recompute_modules
+
+
 def eager_score_s(model: ModelSpec, cluster: Cluster, cand: Candidate, num_blocks: int, recomputed: int) -> float:
     """Memory-bound time of the eager kernel's passes over the [b, a/t, s, s] scores of ``num_blocks`` blocks for one
-    micro-batch, forward and backward, plus the forward again where it is recomputed (selective: every block; full:
-    the ``recomputed`` blocks); 0 with sdpa."""
+    micro-batch, forward and backward, plus the forward again where it is recomputed (selective with core_attn: every
+    block; full: the ``recomputed`` blocks); 0 with sdpa."""
     if cand.attention != "eager":
         return 0.0
     scores = cand.micro_batch_size * model.num_heads / cand.tp * model.seq_length**2
-    forwards = num_blocks + recomputed + (num_blocks if cand.recompute == "selective" else 0)
+    forwards = num_blocks + recomputed + (num_blocks if recomputes_core(cand) else 0)
     forward_bytes, backward_bytes = eager_score_bytes(FAMILIES[model.family].has_attention_dropout)
-    moved = scores * (forwards * forward_bytes + num_blocks * backward_bytes)
-    return moved / (cluster.memory_gbps * 1e9)
+    return memory_bound_s(scores * (forwards * forward_bytes + num_blocks * backward_bytes), cluster)
+
+
+def recompute_passes_s(model: ModelSpec, cluster: Cluster, cand: Candidate, num_blocks: int) -> float:
+    """Memory-bound time of the elementwise passes selective recompute runs again in ``num_blocks`` blocks for one
+    micro-batch (RECOMPUTED_PASSES); 0 for the other policies and for core_attn alone."""
+    if cand.recompute != "selective":
+        return 0.0
+    tokens = model.seq_length * cand.micro_batch_size
+    sp = cand.sequence_parallel and cand.tp > 1
+    elements = {  # of each pass's output, per TP rank
+        "mlp_act": tokens * model.intermediate_size / cand.tp,  # type: ignore[operator]
+        "layernorm": tokens / (cand.tp if sp else 1) * model.hidden_size,
+    }
+    passes = RECOMPUTED_PASSES[model.family]
+    moved = sum(elements[m] * pass_bytes(passes[m]) for m in cand.recompute_modules if m in passes)
+    return num_blocks * memory_bound_s(moved, cluster)
 
 
 def stage_times(model: ModelSpec, cluster: Cluster, cand: Candidate) -> tuple[StageTime, StageTime]:
@@ -179,10 +244,11 @@ def stage_times(model: ModelSpec, cluster: Cluster, cand: Candidate) -> tuple[St
     n = layers_per_stage(model.num_layers, cand.pp)
     recomputed = _recomputed_blocks(cand, n)
     # Forward and backward (twice the forward: input and weight gradients, GEMMs of the same shapes) of every block,
-    # plus the recomputed forwards: full recompute re-runs whole blocks, selective the core attention of each block.
+    # plus the recomputed forwards: full recompute re-runs whole blocks, selective with core_attn the core attention
+    # of each block (its other modules are elementwise: recompute_passes_s).
     core = core_attention_matmuls(model, cand)
     block = block_matmuls(model, cand) + core
-    block_runs, core_reruns = 3 * n + recomputed, n if cand.recompute == "selective" else 0
+    block_runs, core_reruns = 3 * n + recomputed, n if recomputes_core(cand) else 0
     block_s = block_runs * matmul_s(block, cluster) + core_reruns * matmul_s(core, cluster)
     block_flops = block_runs * sum(op.flops for op in block) + core_reruns * sum(op.flops for op in core)
     logits = logits_matmul(model, cand)
@@ -206,10 +272,11 @@ def stage_times(model: ModelSpec, cluster: Cluster, cand: Candidate) -> tuple[St
         p2p = 2 * (latency + sent / (gbps * 1e9))  # activation forward, its gradient backward
 
     scores = eager_score_s(model, cluster, cand, n, recomputed)
-    first = StageTime(block_s, (block_units + 1) * unit, p2p, scores, block_flops)
-    last = StageTime(block_s + logits_s, (block_units + 1) * unit, p2p, scores, block_flops + logits_flops)
+    passes = recompute_passes_s(model, cluster, cand, n)
+    first = StageTime(block_s, (block_units + 1) * unit, p2p, scores, block_flops, passes)
+    last = StageTime(block_s + logits_s, (block_units + 1) * unit, p2p, scores, block_flops + logits_flops, passes)
     if cand.pp == 1:
-        first = last = StageTime(last.compute_s, (block_units + 2) * unit, 0.0, scores, last.flops)
+        first = last = StageTime(last.compute_s, (block_units + 2) * unit, 0.0, scores, last.flops, passes)
     return first, last
 
 
@@ -240,13 +307,15 @@ def executed_flops(model: ModelSpec, cand: Candidate, global_batch_size: int) ->
     """FLOPs the whole job runs per step, recomputation included (for HFU)."""
     n = layers_per_stage(model.num_layers, cand.pp)
     recomputed = min(model.num_layers, _recomputed_blocks(cand, n) * cand.pp) if cand.recompute == "full" else None
+    # selective re-runs matmuls only with core_attn; its other modules are elementwise (no matmul FLOPs)
+    policy = "none" if cand.recompute == "selective" and not recomputes_core(cand) else cand.recompute
     return executed_flops_per_step(
         global_batch_size,
         model.seq_length,
         model.num_layers,
         model.hidden_size,
         model.vocab_size,
-        cand.recompute,
+        policy,
         recomputed,
         **block_fields(model),
     )
@@ -281,4 +350,5 @@ def step_time(model: ModelSpec, cluster: Cluster, cand: Candidate, global_batch_
         overhead_s=cluster.step_overhead_s,
         attention_s=slots * slowest.attention_s,
         matmul_efficiency=slowest.flops / (slowest.compute_s * cluster.peak_flops),
+        recompute_passes_s=slots * slowest.recompute_passes_s,
     )

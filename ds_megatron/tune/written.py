@@ -1,0 +1,138 @@
+"""What the tuner writes: the JSON of every candidate (``--json``) and the winner's config (``--write-config``; a
+GPT's or a Llama's: the family's fields are written so that the config resolves to the same shape)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ds_megatron.tune import memory_model, time_model
+from ds_megatron.tune.memory_model import total_param_count
+from ds_megatron.tune.search import Evaluation, SearchResult
+from ds_megatron.tune.spec import DEFAULT_SELECTIVE_MODULES, LLAMA_DROPOUT
+
+
+def to_json(result: SearchResult) -> dict:
+    """Every candidate with its settings, memory breakdown and prediction; every rejected family with its reason."""
+    m, cl = result.model, result.cluster
+    return {
+        "model": {
+            "size": m.size,
+            "family": m.family,
+            "num_layers": m.num_layers,
+            "hidden_size": m.hidden_size,
+            "num_heads": m.num_heads,
+            "num_kv_heads": m.num_kv_heads,
+            "intermediate_size": m.intermediate_size,
+            "tie_word_embeddings": m.tie_word_embeddings,
+            "vocab_size": m.vocab_size,
+            "seq_length": m.seq_length,
+            "parameters": total_param_count(m),
+        },
+        "cluster": {
+            "num_gpus": cl.num_gpus,
+            "gpus_per_node": cl.gpus_per_node,
+            "gpu_memory_gb": cl.gpu_memory_gb,
+            "peak_tflops": cl.peak_tflops,
+            "intra_node_gbps": cl.intra_node_gbps,
+            "inter_node_gbps": cl.inter_node_gbps,
+            "memory_gbps": cl.memory_gbps,
+            "gpu": cl.gpu,
+            "efficiency": cl.efficiency,
+            "intra_node_latency_s": cl.intra_node_latency_s,
+            "inter_node_latency_s": cl.inter_node_latency_s,
+            "step_overhead_s": cl.step_overhead_s,
+        },
+        "global_batch_size": result.global_batch_size,
+        "search_seconds": result.elapsed_s,
+        "winner": result.winner.as_dict() if result.winner else None,
+        "common_configuration": result.common.as_dict() if result.common else None,
+        "common_configuration_note": result.common_note,
+        "speedup_over_common": result.speedup,
+        "candidates": [e.as_dict() for e in result.evaluations],
+        "rejected": [r.as_dict() for r in result.rejections],
+        "assumptions": {
+            "weight_bytes_per_param": memory_model.WEIGHT_BYTES,
+            "grad_bytes_per_param": memory_model.GRAD_BYTES,
+            "optimizer_bytes_per_param": memory_model.OPTIMIZER_BYTES,
+            "activation_bytes": memory_model.ACT_BYTES,
+            "dropout_mask_bytes": memory_model.MASK_BYTES,
+            "memory_margin_fraction": memory_model.MARGIN_FRACTION,
+            "memory_margin_bytes": memory_model.MARGIN_BYTES,
+            "vocab_multiple": memory_model.VOCAB_MULTIPLE,
+            "dp_overlap": time_model.DP_OVERLAP,
+            "grad_reduce_bytes_per_param": time_model.GRAD_REDUCE_BYTES,
+            "intra_node_latency_s": cl.intra_node_latency_s,
+            "inter_node_latency_s": cl.inter_node_latency_s,
+            "attention": {
+                "eager": "s x s softmax materialised (the paper's setting); its elementwise passes over the scores "
+                "run at the HBM bandwidth",
+                "sdpa": "fused kernel (CUDA flash / memory-efficient): no s x s term stored, fp32 log-sum-exp instead",
+                "eager_score_bytes_forward": time_model.EAGER_FORWARD_BYTES,
+                "eager_score_bytes_backward": time_model.EAGER_BACKWARD_BYTES,
+            },
+            "recomputed_elementwise_bytes": {  # per element of each pass's output, by family and module
+                family: {module: time_model.pass_bytes(ops) for module, ops in passes.items()}
+                for family, passes in time_model.RECOMPUTED_PASSES.items()
+            },
+        },
+    }
+
+
+def ds_config(result: SearchResult, e: Evaluation) -> dict:
+    """A ds_configs-style JSON for ``e``: DeepSpeed's keys plus the "ds_megatron" section."""
+    c, m = e.candidate, result.model
+    model = {"size": m.size} if m.size else {}
+    model.update(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_heads=m.num_heads,
+        vocab_size=m.vocab_size,
+        seq_length=m.seq_length,
+        attention=c.attention,  # never sdpa with core_attn recomputed: the search does not generate it, the loader
+        # refuses it
+    )
+    if m.family != "gpt2":  # the loader refuses the llama-only fields for a GPT
+        model.update(
+            family=m.family,
+            num_kv_heads=m.num_kv_heads,
+            intermediate_size=m.intermediate_size,
+            tie_word_embeddings=m.tie_word_embeddings,
+            dropout=LLAMA_DROPOUT,  # what the memory model assumed (the loader's default, 0.1, is GPT's)
+        )
+        if not m.size:  # a named size brings its own; a custom or changed shape keeps its origin's
+            model.update(
+                rope_theta=m.rope_theta,
+                rope_scaling=dict(m.rope_scaling) if m.rope_scaling else None,
+            )
+            model = {k: v for k, v in model.items() if v is not None}
+    recompute = {"policy": c.recompute, "num_layers": c.recompute_layers, "method": c.recompute_method}
+    if c.recompute == "selective" and c.recompute_modules != DEFAULT_SELECTIVE_MODULES:
+        recompute["modules"] = list(c.recompute_modules)
+    return {
+        "train_batch_size": result.global_batch_size,
+        "train_micro_batch_size_per_gpu": c.micro_batch_size,
+        "gradient_accumulation_steps": c.num_micro_batches,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "zero_optimization": {"stage": c.zero},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": m.learning_rate, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+        },
+        "ds_megatron": {
+            "model": model,
+            "parallel": {"tp": c.tp, "pp": c.pp, "sequence_parallel": c.sequence_parallel},
+            "recompute": recompute,
+        },
+    }
+
+
+def write_config(result: SearchResult, path: str | Path, chosen: Evaluation | None = None) -> str:
+    """Write ``chosen`` (default: the winner) as a config to ``path``; returns the launch command."""
+    chosen = chosen or result.winner
+    if chosen is None:
+        raise ValueError("no configuration fits, so there is no config to write")
+    Path(path).write_text(json.dumps(ds_config(result, chosen), indent=2) + "\n")
+    return f"deepspeed --hostfile hostfile recipes/train_gpt.py --deepspeed_config {path}"
