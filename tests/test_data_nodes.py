@@ -39,8 +39,9 @@ def test_two_nodes_with_their_own_data_caches_train_save_and_resume(tmp_path):
     def own_cache(node: int) -> list[str]:
         return ["--set", f"ds_megatron.data.cache_dir={caches[node]}"]
 
-    outs = deepspeed_launch_nodes(RECIPE, 2, 2, ["--data", corpus, "--train-iters", "2", *common], own_cache)
-    assert all("tokenizing" in out for out in outs), "each node tokenises for its own cache"
+    deepspeed_launch_nodes(RECIPE, 2, 2, ["--data", corpus, "--train-iters", "2", *common], own_cache)
+    # Each node built the packed file in its own cache.  (Not read off the "tokenizing" progress bar: `datasets`
+    # skips it when its own map cache already holds this corpus from an earlier run of the same text.)
     built = [sorted(cache.glob("*.bin")) for cache in caches]
     assert [len(b) for b in built] == [1, 1] and built[0][0].name == built[1][0].name
     assert sha256_file(built[0][0]) == sha256_file(built[1][0])
