@@ -3,10 +3,11 @@
     deepspeed --num_gpus 1 benchmarks/gpu_step.py [--layers 8] [--micro-batch 2] [--markdown OUT.md] [--tiny]
 
 A GPT-3 1.3B-shaped model (h 2048, 16 heads, s 2048, V 50257; fewer layers than 24 to fit the time) in bf16 with
-ZeRO-1 and fp32 gradient accumulation, trained through the real ds_megatron pipeline engine for each recompute
-policy and attention kernel.  Per configuration: median step time of the measured steps (warm-up dropped),
-tokens/s, MFU and HFU against the device's peak, peak memory (``max_memory_allocated``), the growth of memory during
-a step (activations and workspace) and the analytic activation prediction for the transformer layers.
+ZeRO-1 and fp32 gradient accumulation, trained through the real ds_megatron pipeline engine for each attention
+kernel with recompute none, selective (eager: the core attention; sdpa: the MLP activation and the LayerNorm outputs,
+the modules that compose with it) and full.  Per configuration: median step time of the measured steps (warm-up
+dropped), tokens/s, MFU and HFU against the device's peak, peak memory (``max_memory_allocated``), the growth of
+memory during a step (activations and workspace) and the analytic activation prediction for the transformer layers.
 """
 
 from __future__ import annotations
@@ -30,8 +31,15 @@ from ds_megatron.flops import executed_flops_per_step, model_flops_per_step  # n
 from ds_megatron.memory import activation_bytes_per_layer  # noqa: E402
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
-POLICIES = ("none", "selective", "full")
-KERNELS = ("eager", "sdpa")
+# (attention kernel, recompute policy, selective recompute modules)
+CONFIGS = (
+    ("eager", "none", ()),
+    ("eager", "selective", ("core_attn",)),
+    ("eager", "full", ()),
+    ("sdpa", "none", ()),
+    ("sdpa", "selective", ("mlp_act", "layernorm")),
+    ("sdpa", "full", ()),
+)
 
 
 def peak_tflops(override: float | None) -> float | None:
@@ -43,7 +51,7 @@ def peak_tflops(override: float | None) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def ds_config(args, policy: str, kernel: str) -> dict:
+def ds_config(args, policy: str, kernel: str, modules: tuple = ()) -> dict:
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -63,14 +71,15 @@ def ds_config(args, policy: str, kernel: str) -> dict:
                 "dropout": 0.1,
                 "attention": kernel,
             },
-            "recompute": {"policy": policy, "num_layers": 1, "method": "uniform"},
+            "recompute": {"policy": policy, "num_layers": 1, "method": "uniform"}
+            | ({"modules": list(modules)} if modules else {}),
         },
     }
 
 
-def measure(args, policy: str, kernel: str, peak: float | None) -> dict:
+def measure(args, policy: str, kernel: str, modules: tuple, peak: float | None) -> dict:
     try:
-        run = resolve(ds_config(args, policy, kernel), 1)
+        run = resolve(ds_config(args, policy, kernel, modules), 1)
     except ConfigError as err:
         return {"refused": str(err).split(":", 2)[-1].split(";")[0].strip()}
     built = build_engine(run)
@@ -95,7 +104,9 @@ def measure(args, policy: str, kernel: str, peak: float | None) -> dict:
     step = statistics.median(times)
     b, s, h, a, n, v = args.micro_batch, args.seq, args.hidden, args.heads, args.layers, args.vocab
     model_flops = model_flops_per_step(b, s, n, h, v)
-    hw_flops = executed_flops_per_step(b, s, n, h, v, policy if policy != "selective" else "selective")
+    # Only core_attn re-runs matmuls; the other modules recompute elementwise functions.
+    executed = "none" if policy == "selective" and "core_attn" not in modules else policy
+    hw_flops = executed_flops_per_step(b, s, n, h, v, executed)
     result = {
         "step_ms": 1000 * step,
         "tokens_s": b * s / step,
@@ -103,11 +114,10 @@ def measure(args, policy: str, kernel: str, peak: float | None) -> dict:
         "hfu": hw_flops / step / (peak * 1e12) if peak else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "step_growth_gib": (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None,
-        # GPU dropout masks are 1 byte; sdpa never stores the s x s terms (same as the selective formula).
+        # GPU dropout masks are 1 byte; CUDA's sdpa takes a fused kernel (dropout included), which keeps the
+        # log-sum-exp instead of the s x s terms.
         "predicted_act_gib": n
-        * activation_bytes_per_layer(
-            s, b, h, a, recompute="selective" if kernel == "sdpa" and policy == "none" else policy
-        )
+        * activation_bytes_per_layer(s, b, h, a, recompute=policy, attention=kernel, sdpa_path="fused", modules=modules)
         / 2**30,
     }
     del engine, built
@@ -150,17 +160,17 @@ def main() -> None:
         "predicted layer activations (GiB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for kernel in KERNELS:
-        for policy in POLICIES:
-            r = measure(args, policy, kernel, peak)
-            if "refused" in r:
-                lines.append(f"| {kernel} | {policy} | refused: {r['refused']} | | | | | | |")
-                continue
-            lines.append(
-                f"| {kernel} | {policy} | {r['step_ms']:.1f} | {r['tokens_s']:,.0f} | {fmt(r['mfu'], '.1%')} | "
-                f"{fmt(r['hfu'], '.1%')} | {fmt(r['peak_gib'], '.2f')} | {fmt(r['step_growth_gib'], '.2f')} | "
-                f"{r['predicted_act_gib']:.2f} |"
-            )
+    for kernel, policy, modules in CONFIGS:
+        label = f"{policy}[{','.join(modules)}]" if modules else policy
+        r = measure(args, policy, kernel, modules, peak)
+        if "refused" in r:
+            lines.append(f"| {kernel} | {label} | refused: {r['refused']} | | | | | | |")
+            continue
+        lines.append(
+            f"| {kernel} | {label} | {r['step_ms']:.1f} | {r['tokens_s']:,.0f} | {fmt(r['mfu'], '.1%')} | "
+            f"{fmt(r['hfu'], '.1%')} | {fmt(r['peak_gib'], '.2f')} | {fmt(r['step_growth_gib'], '.2f')} | "
+            f"{r['predicted_act_gib']:.2f} |"
+        )
     lines += [
         "",
         "Step growth = peak during the measured steps minus memory held between steps (weights, gradients, optimizer "
