@@ -161,7 +161,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for kernel, policy, modules in CONFIGS:
-        label = f"{policy}[{','.join(modules)}]" if modules else policy
+        label = f"{policy}[{','.join(modules)}]" if modules and modules != ("core_attn",) else policy
         r = measure(args, policy, kernel, modules, peak)
         if "refused" in r:
             lines.append(f"| {kernel} | {label} | refused: {r['refused']} | | | | | | |")
