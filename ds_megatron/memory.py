@@ -48,8 +48,11 @@ torch takes, so ``sdpa_path`` names it (the same for both families):
   are h each even under grouped-query attention, as measured on CPU), softmax and dropout outputs (a s each in
   ``math_act_bytes``) and the mask (a s in ``math_mask_bytes``; the dropout terms only when there is a dropout).
   The projection input is a copy in activation bytes (1, unchanged); no log-sum-exp is kept.
-Selective recompute with sdpa is refused (the config loader refuses it too: it checkpoints the s x s core that the
-fused kernels never store).  Full recompute keeps the block input whatever the kernel.
+Selective recompute takes ``modules``: ``core_attn`` (the default, the paper's selective recompute) drops the s^2
+terms and is refused with sdpa (the config loader refuses it too: the fused kernels never store the s x s core);
+``mlp_act`` drops the MLP activation's output (the second linear's input: 4h per token for GPT, F for Llama, split by
+TP) and ``layernorm`` the two norm outputs (the first linears' inputs: 2h, split by SP), with any kernel.  Full
+recompute keeps the block input whatever the kernel.
 """
 
 from __future__ import annotations
