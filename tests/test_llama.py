@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_megatron.config import ConfigError
-from ds_megatron.config.loader import resolve, resolve_shape
+from ds_megatron.config import ConfigError, resolve, resolve_shape
 from ds_megatron.config.schema import ModelSection
 from ds_megatron.model import Llama, LlamaConfig, build_model, model_config
 from ds_megatron.model.llama import RMSNormFunction, SwiGLUFunction

@@ -1,8 +1,7 @@
 """L0: the ``"ds_megatron"`` config section: typed dataclasses and validation.  Standard library only."""
 
+from ds_megatron.config.errors import ConfigError
 from ds_megatron.config.loader import (
-    ConfigError,
-    ModelShape,
     RunConfig,
     check_tokenizer,
     effective_tokenizer,
@@ -10,9 +9,9 @@ from ds_megatron.config.loader import (
     parse_section,
     resolve,
     resolve_batch,
-    resolve_shape,
 )
 from ds_megatron.config.schema import DsMegatronConfig, ModelSection, ParallelSection, RecomputeSection, TrainSection
+from ds_megatron.config.shape import ModelShape, resolve_shape
 
 __all__ = [
     "ConfigError",

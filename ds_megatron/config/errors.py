@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 
 class ConfigError(ValueError):
     """A bad setting.  ``str(err)`` is the single line shown to the user: the setting, the problem, the values and
@@ -10,3 +12,9 @@ class ConfigError(ValueError):
     def __init__(self, setting: str, problem: str, values: str, fix: str):
         self.setting = setting
         super().__init__(f"error: {setting}: {problem} ({values}); {fix}")
+
+
+def nearest(key: str, valid: list[str]) -> str:
+    """The valid name closest to a mistyped one (for "did you mean" fixes)."""
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.0)
+    return match[0] if match else valid[0]

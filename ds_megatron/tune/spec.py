@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_megatron.config import ConfigError
-from ds_megatron.config.loader import gpt2_fixed_fields
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
+from ds_megatron.config.shape import gpt2_fixed_fields
 from ds_megatron.config.sizes import (
     FAMILIES,
     GPT3_SEQ_LENGTH,
