@@ -3,7 +3,8 @@
     python benchmarks/activation_memory.py [--seq 1024 --hidden 512 --heads 8 --batch 2] [--markdown OUT.md]
 
 Spawns 4 CPU processes (gloo).  For each dtype (fp32, bf16), t in {1, 2, 4} and each mode (TP, TP+SP, TP+SAR,
-TP+SP+SAR, full recompute), it runs one ds_megatron transformer block (eager attention, dropout 0.1) forward under
+TP+SP+SAR, full recompute; then selective recompute of every module, and the sdpa kernel without recompute and with
+the modules it composes with), it runs one ds_megatron transformer block (dropout 0.1) forward under
 ``torch.autograd.graph.saved_tensors_hooks`` and adds up every storage saved for backward once (parameters
 excluded), then runs backward.  The formula column is Korthikanti et al. 2022 adjusted term by term to what this
 run stores: activations in the run's dtype (4 or 2 bytes) and dropout masks of the size torch actually saves
@@ -25,21 +26,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _results import write_markdown  # noqa: E402
 
-from ds_megatron.memory import activation_bytes_per_layer  # noqa: E402
+from ds_megatron.memory import KERNELS, activation_bytes_per_layer  # noqa: E402
 from ds_megatron.model import GPTBlock, GPTConfig, init_module  # noqa: E402
 from ds_megatron.parallelize import ParallelPlan, parallelize_block  # noqa: E402
 from ds_megatron.random import build_rng  # noqa: E402
 from ds_megatron.recompute import RecomputePlan, checkpoint  # noqa: E402
 
 WORLD = 4
-MODES = [  # (label, sequence_parallel, recompute)
-    ("TP", False, "none"),
-    ("TP+SP", True, "none"),
-    ("TP+SAR", False, "selective"),
-    ("TP+SP+SAR", True, "selective"),
-    ("full recompute", False, "full"),
-    ("full recompute+SP", True, "full"),
+MODES = [  # (label, sequence_parallel, recompute, recompute modules, attention kernel)
+    ("TP", False, "none", (), "eager"),
+    ("TP+SP", True, "none", (), "eager"),
+    ("TP+SAR", False, "selective", (), "eager"),
+    ("TP+SP+SAR", True, "selective", (), "eager"),
+    ("full recompute", False, "full", (), "eager"),
+    ("full recompute+SP", True, "full", (), "eager"),
+    ("TP+SP, all modules", True, "selective", ("core_attn", "mlp_act", "layernorm"), "eager"),
+    ("sdpa TP+SP", True, "none", (), "sdpa"),
+    ("sdpa TP+SP, mlp_act+layernorm", True, "selective", ("mlp_act", "layernorm"), "sdpa"),
 ]
+# With dropout on, torch's CPU sdpa takes its math path (its flash kernel has no dropout); memory.py names it.
+SDPA_PATH = "math"
 
 
 def probe_mask_bytes(dtype: torch.dtype) -> int:
@@ -86,14 +92,15 @@ def worker(rank: int, port: int, args, queue) -> None:
             if start <= rank < start + t:
                 groups[t] = g
     s, h, a, b = args.seq, args.hidden, args.heads, args.batch
-    config = GPTConfig(vocab_size=128, n_positions=s, n_embd=h, n_layer=1, n_head=a)
+    configs = {k: GPTConfig(vocab_size=128, n_positions=s, n_embd=h, n_layer=1, n_head=a, attention=k) for k in KERNELS}
     rows = []
     for (dtype_name, dtype), t in ((d, t) for d in DTYPES.items() for t in (1, 2, 4)):
         if rank >= t:  # only the ranks of the first group of size t take part
             continue
-        for label, sp, recompute in MODES:
+        for label, sp, recompute, modules, kernel in MODES:
             if t == 1 and sp:
                 continue
+            config = configs[kernel]
             rng = build_rng(1234, rank, 0, 0)
             plan = ParallelPlan(
                 config,
@@ -102,7 +109,7 @@ def worker(rank: int, port: int, args, queue) -> None:
                 t,
                 sp,
                 rng,
-                recompute=RecomputePlan("selective" if recompute == "selective" else "none"),
+                recompute=RecomputePlan("selective", modules=modules) if recompute == "selective" else RecomputePlan(),
             )
             block = GPTBlock(config)
             init_module(block, config, 1234, prefix="transformer.h.0.")
@@ -112,7 +119,7 @@ def worker(rank: int, port: int, args, queue) -> None:
             measured = measure(block, x.requires_grad_(), recompute == "full", rng)
             if rank == 0:
                 name = {"TP": "no parallelism", "TP+SAR": "SAR", "full recompute": "full recompute"}.get(label, label)
-                rows.append((dtype_name, name if t == 1 else label, t, sp, recompute, measured))
+                rows.append((dtype_name, name if t == 1 else label, t, sp, recompute, modules, kernel, measured))
     if rank == 0:
         queue.put(rows)
     dist.barrier()
@@ -143,7 +150,8 @@ def main() -> None:
         mask_bytes = probe_mask_bytes(DTYPES[dtype_name])
         lines += [
             f"**{dtype_name}**: activation memory per transformer layer per TP rank, s={s} h={h} a={a} b={b} "
-            f"(5as/h = {5 * a * s / h:g}), eager attention, dropout 0.1, {act}-byte activations, dropout masks saved "
+            f"(5as/h = {5 * a * s / h:g}), eager attention unless the row says sdpa (CPU: its math path, which "
+            f"stores fp32 copies, since dropout is on), dropout 0.1, {act}-byte activations, dropout masks saved "
             f"as {mask_bytes}-byte elements.",
             "",
             f"| mode | t | measured (s·b·h bytes) | formula, {dtype_name}-adjusted | measured / formula | "
@@ -151,9 +159,13 @@ def main() -> None:
             "|---|---|---|---|---|---|---|",
         ]
         measured_units = {}
-        for _, name, t, sp, recompute, measured in (r for r in rows if r[0] == dtype_name):
-            formula = activation_bytes_per_layer(s, b, h, a, t, sp, recompute, act_bytes=act, mask_bytes=mask_bytes)
-            paper = activation_bytes_per_layer(s, b, h, a, t, sp, recompute) / unit
+        for _, name, t, sp, recompute, modules, kernel, measured in (r for r in rows if r[0] == dtype_name):
+            kernel_args = dict(attention=kernel, sdpa_path=SDPA_PATH, modules=modules)
+            math_masks = dict(math_mask_bytes=probe_mask_bytes(torch.float32))
+            formula = activation_bytes_per_layer(
+                s, b, h, a, t, sp, recompute, act_bytes=act, mask_bytes=mask_bytes, **kernel_args, **math_masks
+            )
+            paper = activation_bytes_per_layer(s, b, h, a, t, sp, recompute, **kernel_args) / unit
             measured_units[(name, t)] = measured / unit
             lines.append(
                 f"| {name} | {t} | {measured / unit:.2f} | {formula / unit:.2f} | {measured / formula:.3f} | "
@@ -175,7 +187,9 @@ def main() -> None:
         "(divided by t under SP);",
         "- the softmax is computed in fp32 but stored in the activation dtype and the causal mask is not saved "
         "(`ScaledCausalSoftmax`), so the s^2 terms are exactly the paper's in bf16;",
-        "- the paper counts 1-byte masks; torch saves dropout masks as the probed size.",
+        "- the paper counts 1-byte masks; torch saves dropout masks as the probed size;",
+        "- recompute modules: `mlp_act` drops the GELU output (4 h, split by TP), `layernorm` the two LayerNorm "
+        "outputs (2 h, split by SP), `core_attn` the s^2 terms (ds_megatron.memory).",
     ]
     table = "\n".join(lines)
     print(table)
