@@ -343,53 +343,13 @@ def vocab_parallel_logits(
     return logits
 
 
-class VocabParallelOutput(nn.Module):
-    """An untied output layer [V, h] split in contiguous vocabulary blocks of V_pad/t rows (padded with zero rows):
+class VocabParallelOutput(VocabParallelEmbedding):
+    """An untied output layer [V, h] (``nn.Linear``'s weight), split and padded exactly like the embedding table:
     column-parallel in the vocabulary, input replicated or (SP) a sequence shard gathered on the fly.
     Output: this rank's block of logits [s, b, V_pad/t] for the vocab-parallel cross entropy."""
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        vocab_size: int,
-        padded_size: int,
-        tp_group: ProcessGroup | None,
-        tp_rank: int,
-        tp_size: int,
-        sequence_parallel: bool,
-    ):
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-        mark_tp_sharded(self.weight, 0)
-        self.vocab_size, self.padded_size = vocab_size, padded_size
-        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
-        self.sequence_parallel = sequence_parallel
-        self.vocab_start = tp_rank * weight.shape[0]
-
-    @classmethod
-    def from_dense(
-        cls,
-        linear: nn.Linear,
-        padded_size: int,
-        tp_group: ProcessGroup | None,
-        tp_rank: int,
-        tp_size: int,
-        sequence_parallel: bool = False,
-    ) -> VocabParallelOutput:
-        w = shard(linear.weight.data, ShardRule(dim=0, padded_size=padded_size), tp_rank, tp_size)
-        return cls(w, linear.weight.shape[0], padded_size, tp_group, tp_rank, tp_size, sequence_parallel)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_logits(
-            x, self.weight, self.vocab_start, self.vocab_size, self.tp_group, self.sequence_parallel
-        )
-
-    def extra_repr(self) -> str:
-        end = self.vocab_start + self.weight.shape[0]
-        return (
-            f"vocab={self.vocab_size} (padded {self.padded_size}), rows=[{self.vocab_start}, {end}), "
-            f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}"
-        )
+        return self.logits(x)
 
 
 class SequenceShardedPositionEmbedding(nn.Module):
