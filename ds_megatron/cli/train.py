@@ -36,7 +36,7 @@ VALUE_FLAGS: tuple[tuple[str, str, type | None, str], ...] = (
     ("--save", "ds_megatron.checkpoint.save", None, ": checkpoint directory"),
     ("--save-interval", "ds_megatron.checkpoint.save_interval", int, ""),
     ("--load", "ds_megatron.checkpoint.load", None, ": resume from this checkpoint directory"),
-    ("--init-from-hf", "ds_megatron.checkpoint.init_from_hf", None, ": start from a transformers GPT-2 directory"),
+    ("--init-from-hf", "ds_megatron.checkpoint.init_from_hf", None, ": start from a transformers model directory"),
     ("--wandb-project", "ds_megatron.logging.wandb_project", None, " (offline without credentials)"),
     ("--peak-tflops", "ds_megatron.logging.peak_tflops", float, ", for MFU"),
 )
@@ -49,7 +49,7 @@ def _dest(flag: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train_gpt.py",
-        description="Train a GPT with Megatron tensor/sequence parallelism in a DeepSpeed pipeline.",
+        description="Train a GPT-2 or Llama model with Megatron tensor/sequence parallelism in a DeepSpeed pipeline.",
         epilog="Everything else: --set dotted.key=value (e.g. --set ds_megatron.model.dropout=0.0).",
     )
     p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with a 'ds_megatron' section")

@@ -120,7 +120,7 @@ class CheckpointSection:
 
     save: str | None = None  # checkpoint directory (None: no checkpoints)
     load: str | None = None  # resume from this checkpoint directory (its latest complete tag)
-    init_from_hf: str | None = None  # start from a transformers GPT-2 directory's weights (ignored with load)
+    init_from_hf: str | None = None  # start from a transformers directory of the run's family (ignored with load)
     save_interval: int = 0  # steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)
     keep_last: int = 0  # keep this many checkpoints (0: all)
 
