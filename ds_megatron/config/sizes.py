@@ -116,11 +116,5 @@ def named(name: str) -> NamedShape | None:
     return SHAPES.get(name)
 
 
-def named_shape(name: str) -> tuple[int, int, int] | None:
-    """(num_layers, hidden_size, num_heads) for a named size, or None."""
-    shape = SHAPES.get(name)
-    return None if shape is None else (shape.num_layers, shape.hidden_size, shape.num_heads)
-
-
 def all_size_names() -> list[str]:
     return sorted(SHAPES)
