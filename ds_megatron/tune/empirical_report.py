@@ -4,20 +4,13 @@ the final ranking (measured where measured)."""
 from __future__ import annotations
 
 from ds_megatron.tune.empirical import PEAK_MEM_NOTE, EmpiricalResult, FinalEntry
-from ds_megatron.tune.report import column_widths, efficiency_text, seconds_text
-from ds_megatron.tune.search import Evaluation
+from ds_megatron.tune.report import efficiency_text, layout_cells, seconds_text, settings_text, table, widened
 
+LAYOUT_COLUMNS = (("tp", 3), ("pp", 3), ("dp", 3), ("sp", 3), ("b", 3), ("m", 4), ("attn", 5), ("recompute", 17))
 EMPIRICAL_COLUMNS = (
     ("#", 2),
     ("rank", 4),
-    ("tp", 3),
-    ("pp", 3),
-    ("dp", 3),
-    ("sp", 3),
-    ("b", 3),
-    ("m", 4),
-    ("attn", 5),
-    ("recompute", 17),
+    *LAYOUT_COLUMNS,
     ("status", 13),
     ("predicted s", 11),
     ("calibrated s", 12),
@@ -25,65 +18,30 @@ EMPIRICAL_COLUMNS = (
     ("error", 7),
     ("peak mem", 9),
 )
-FINAL_COLUMNS = (
-    ("rank", 4),
-    ("tp", 3),
-    ("pp", 3),
-    ("dp", 3),
-    ("sp", 3),
-    ("b", 3),
-    ("m", 4),
-    ("attn", 5),
-    ("recompute", 17),
-    ("step s", 8),
-    ("tokens/s", 10),
-    ("source", 9),
-)
-EMPIRICAL_LEFT = {8, 9, 10}  # attn, recompute, status: text columns, left-aligned
-FINAL_LEFT = {7, 8, 11}  # attn, recompute, source
-
-
-def _widened(columns: tuple[tuple[str, int], ...], shown: list[Evaluation]) -> tuple[tuple[str, int], ...]:
-    """``columns`` with the recompute column as wide as the longest label of the ``shown`` candidates."""
-    names = [name for name, _ in columns]
-    return tuple(zip(names, column_widths(shown, columns, names.index("recompute"))))
-
-
-def _table_line(cells: tuple[str, ...] | list[str], columns: tuple[tuple[str, int], ...], left: set[int]) -> str:
-    line = "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, (_, w)) in enumerate(zip(cells, columns)))
-    return line.rstrip()
-
-
-def _layout_cells(e: Evaluation) -> list[str]:
-    c = e.candidate
-    sp = "on" if c.sequence_parallel else "off"
-    cells = [str(c.tp), str(c.pp), str(c.dp), sp, str(c.micro_batch_size), str(c.num_micro_batches)]
-    return cells + [c.attention, c.recompute_label()]
+FINAL_COLUMNS = (("rank", 4), *LAYOUT_COLUMNS, ("step s", 8), ("tokens/s", 10), ("source", 9))
 
 
 def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: int, top: int = 10) -> str:
     """The empirical section: each run against its predictions, the calibration, the correlation, the final ranking."""
     kind = "CPU process(es), gloo, fp32" if emp.device == "cpu" else "GPU(s), bf16, ZeRO-1"
     o = emp.options
-    run_columns = _widened(EMPIRICAL_COLUMNS, [r.evaluation for r in emp.runs])
     lines = [
         "",
         f"empirical: {len(emp.runs)} candidate(s) on {emp.processes} {kind}; {o.warmup} warm-up + {o.steps} measured "
         f"steps each; {emp.elapsed_s / 60:.1f} of {o.max_minutes:g} min used",
-        _table_line([n for n, _ in run_columns], run_columns, EMPIRICAL_LEFT),
     ]
-    reasons = []
+    rows, reasons = [], []
     for r in emp.runs:
         m, cal = r.measured_s, r.calibrated_s
         error = f"{(cal - m) / m:+.0%}" if m is not None and cal is not None else "-"
         peak = r.outcome.peak_mem_gb if r.outcome else None
-        cells = [str(r.index), str(r.rank), *_layout_cells(r.evaluation), r.status, seconds_text(r.predicted_s)]
-        cells += [seconds_text(cal) if cal is not None else "-", seconds_text(m) if m is not None else "-", error]
-        cells.append(f"{peak:.2f} GB" if peak is not None else "-")
-        lines.append(_table_line(cells, run_columns, EMPIRICAL_LEFT))
+        cells = [str(r.index), str(r.rank), *layout_cells(r.evaluation.candidate), r.status]
+        cells += [seconds_text(r.predicted_s), seconds_text(cal) if cal is not None else "-"]
+        cells += [seconds_text(m) if m is not None else "-", error, f"{peak:.2f} GB" if peak is not None else "-"]
+        rows.append(cells)
         if r.outcome is not None and r.outcome.reason:
             reasons.append(f"  #{r.index} {r.status}: {r.outcome.reason}")
-    lines += reasons
+    lines += table(rows, widened(EMPIRICAL_COLUMNS, [r.evaluation for r in emp.runs])) + reasons
     not_run = [str(r.index) for r in emp.runs if r.outcome is None]
     if not_run:
         lines.append(f"  not run (the {o.max_minutes:g} min budget would be exceeded): #{', #'.join(not_run)}")
@@ -121,15 +79,15 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
     if not emp.final:
         lines.append("final ranking: nothing left (every measured candidate failed and nothing else fits)")
         return "\n".join(lines)
-    final_columns = _widened(FINAL_COLUMNS, [f.evaluation for f in emp.final[:top]])
-    lines += [
-        "final ranking (measured step time where measured, else the calibrated prediction; failed runs left out):",
-        _table_line([n for n, _ in final_columns], final_columns, FINAL_LEFT),
+    lines.append(
+        "final ranking (measured step time where measured, else the calibrated prediction; failed runs left out):"
+    )
+    rows = [
+        [str(i + 1), *layout_cells(f.evaluation.candidate), seconds_text(f.step_s)]
+        + [f"{global_batch_size * seq_length / f.step_s:,.0f}", f.source]
+        for i, f in enumerate(emp.final[:top])
     ]
-    for i, f in enumerate(emp.final[:top]):
-        cells = [str(i + 1), *_layout_cells(f.evaluation), seconds_text(f.step_s)]
-        cells += [f"{global_batch_size * seq_length / f.step_s:,.0f}", f.source]
-        lines.append(_table_line(cells, final_columns, FINAL_LEFT))
+    lines += table(rows, widened(FINAL_COLUMNS, [f.evaluation for f in emp.final[:top]]))
     w = emp.final[0]
     lines.append(f"final winner ({w.source}): {_describe_final(w, global_batch_size, seq_length)}")
     if w.source == "predicted":
@@ -141,10 +99,5 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
 
 
 def _describe_final(f: FinalEntry, global_batch_size: int, seq_length: int) -> str:
-    c = f.evaluation.candidate
-    return (
-        f"tp {c.tp}, pp {c.pp}, dp {c.dp}, SP {'on' if c.sequence_parallel else 'off'}, micro-batch "
-        f"{c.micro_batch_size} x {c.num_micro_batches}, recompute {c.recompute_label()}, attention {c.attention}, "
-        f"ZeRO-{c.zero}: "
-        f"{seconds_text(f.step_s)} s/step, {global_batch_size * seq_length / f.step_s:,.0f} tokens/s"
-    )
+    tokens = global_batch_size * seq_length / f.step_s
+    return f"{settings_text(f.evaluation.candidate)}: {seconds_text(f.step_s)} s/step, {tokens:,.0f} tokens/s"

@@ -8,7 +8,7 @@ import math
 from ds_megatron.tune import memory_model
 from ds_megatron.tune.memory_model import GIB, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
-from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Cluster, ModelSpec
+from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Candidate, Cluster, ModelSpec
 
 COLUMNS = (
     ("rank", 4),
@@ -28,56 +28,65 @@ COLUMNS = (
     ("MFU", 6),
     ("HFU", 6),
 )
-LEFT = {7, 8}  # the attention and recompute columns are text, left-aligned
-RECOMPUTE_COLUMN = 8  # widened to the longest label shown (selective[core_attn,mlp_act,layernorm])
+TEXT_COLUMNS = {"attn", "recompute", "status", "source"}  # left-aligned in every table
 MAX_REJECTIONS_SHOWN = 8
 NEAR_TIE = 0.01  # candidates this close to the winner's step time are within the time model's error of it
 
 
-def _row(rank: int, e: Evaluation, widths: list[int]) -> str:
-    c, t = e.candidate, e.time
-    cells = (
+def layout_cells(c: Candidate) -> list[str]:
+    """The tp, pp, dp, sp, b, m, attn and recompute cells of a table row."""
+    sp = "on" if c.sequence_parallel else "off"
+    cells = [str(c.tp), str(c.pp), str(c.dp), sp, str(c.micro_batch_size), str(c.num_micro_batches)]
+    return cells + [c.attention, c.recompute_label()]
+
+
+def _row(rank: int, e: Evaluation) -> list[str]:
+    t = e.time
+    return [
         str(rank),
-        str(c.tp),
-        str(c.pp),
-        str(c.dp),
-        "on" if c.sequence_parallel else "off",
-        str(c.micro_batch_size),
-        str(c.num_micro_batches),
-        c.attention,
-        c.recompute_label(),
-        str(c.zero),
+        *layout_cells(e.candidate),
+        str(e.candidate.zero),
         f"{e.first.required_bytes / GIB:.1f} GiB",
         f"{e.last.required_bytes / GIB:.1f} GiB",
         seconds_text(t.step_s),
         f"{t.tokens_per_s:,.0f}",
         f"{t.mfu:.1%}",
         f"{t.hfu:.1%}",
+    ]
+
+
+def widened(columns: tuple[tuple[str, int], ...], shown: list[Evaluation]) -> tuple[tuple[str, int], ...]:
+    """``columns`` with the recompute column as wide as the longest label of the ``shown`` candidates (e.g.
+    selective[core_attn,mlp_act,layernorm])."""
+    labels = [len(e.candidate.recompute_label()) for e in shown]
+    return tuple((name, max([w, *labels]) if name == "recompute" else w) for name, w in columns)
+
+
+def table_line(cells: list[str], columns: tuple[tuple[str, int], ...]) -> str:
+    """One row of a table: the text columns left-aligned, the numbers right-aligned."""
+    aligned = (c.ljust(w) if name in TEXT_COLUMNS else c.rjust(w) for c, (name, w) in zip(cells, columns))
+    return "  ".join(aligned).rstrip()
+
+
+def table(rows: list[list[str]], columns: tuple[tuple[str, int], ...]) -> list[str]:
+    """The header line and one line per row."""
+    return [table_line([name for name, _ in columns], columns)] + [table_line(r, columns) for r in rows]
+
+
+def settings_text(c: Candidate) -> str:
+    """``tp 8, pp 16, dp 8, SP on, micro-batch 1 x 192, recompute selective, attention sdpa, ZeRO-1``."""
+    return (
+        f"tp {c.tp}, pp {c.pp}, dp {c.dp}, SP {'on' if c.sequence_parallel else 'off'}, "
+        f"micro-batch {c.micro_batch_size} x {c.num_micro_batches}, recompute {c.recompute_label()}, "
+        f"attention {c.attention}, ZeRO-{c.zero}"
     )
-    return _aligned(cells, widths)
-
-
-def column_widths(
-    evaluations: list[Evaluation], columns: tuple[tuple[str, int], ...] = COLUMNS, recompute: int = RECOMPUTE_COLUMN
-) -> list[int]:
-    """The widths of ``columns``, the recompute column (index ``recompute``) widened to the longest label shown."""
-    widths = [w for _, w in columns]
-    widths[recompute] = max([widths[recompute]] + [len(e.candidate.recompute_label()) for e in evaluations])
-    return widths
-
-
-def _aligned(cells: tuple[str, ...] | list[str], widths: list[int]) -> str:
-    return "  ".join(c.ljust(w) if i in LEFT else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
 
 def describe(e: Evaluation) -> str:
     """One line: the settings and the prediction."""
-    c, t = e.candidate, e.time
+    t = e.time
     return (
-        f"tp {c.tp}, pp {c.pp}, dp {c.dp}, SP {'on' if c.sequence_parallel else 'off'}, "
-        f"micro-batch {c.micro_batch_size} x {c.num_micro_batches}, recompute {c.recompute_label()}, "
-        f"attention {c.attention}, ZeRO-{c.zero}: "
-        f"{seconds_text(t.step_s)} s/step, "
+        f"{settings_text(e.candidate)}: {seconds_text(t.step_s)} s/step, "
         f"{t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%}, HFU {t.hfu:.1%}"
     )
 
@@ -103,9 +112,8 @@ def format_report(result: SearchResult, top: int = 10) -> str:
     if winner is None:
         lines += _no_fit_lines(result)
     else:
-        widths = column_widths(result.ranked[:top])
-        lines.append(_aligned([name for name, _ in COLUMNS], widths))
-        lines += [_row(i + 1, e, widths) for i, e in enumerate(result.ranked[:top])]
+        shown = result.ranked[:top]
+        lines += table([_row(i + 1, e) for i, e in enumerate(shown)], widened(COLUMNS, shown))
         t = winner.time
         lines += [
             "",
