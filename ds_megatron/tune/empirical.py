@@ -87,11 +87,10 @@ class ProbeRun:
             "calibrated_step_s": self.calibrated_s,
             "measured_step_s": self.measured_s,
             "measured_steps_s": o.step_times_s if o else [],
-            "peak_mem_gb": o.peak_mem_gb if o else None,
-            "duration_s": o.duration_s if o else None,
-            "returncode": o.returncode if o else None,
-            "run_dir": o.run_dir if o else None,
-            "command": o.command if o else None,
+            **{
+                k: getattr(o, k) if o else None
+                for k in ("peak_mem_gb", "duration_s", "returncode", "run_dir", "command")
+            },
         }
 
 
@@ -102,6 +101,9 @@ class FinalEntry:
     evaluation: Evaluation  # from the recalibrated search
     step_s: float
     source: str  # "measured" | "predicted"
+
+    def as_dict(self) -> dict:
+        return {**self.evaluation.candidate.settings(), "step_time_s": self.step_s, "source": self.source}
 
 
 @dataclass
@@ -145,19 +147,8 @@ class EmpiricalResult:
             "calibration_note": self.calibration_note,
             "spearman_predicted_vs_measured": self.spearman_before,
             "spearman_calibrated_vs_measured": self.spearman_after,
-            "final_ranking": [
-                {**f.evaluation.candidate.settings(), "step_time_s": f.step_s, "source": f.source}
-                for f in self.final[:top]
-            ],
-            "winner": (
-                {
-                    **self.winner.evaluation.candidate.settings(),
-                    "step_time_s": self.winner.step_s,
-                    "source": self.winner.source,
-                }
-                if self.winner
-                else None
-            ),
+            "final_ranking": [f.as_dict() for f in self.final[:top]],
+            "winner": self.winner.as_dict() if self.winner else None,
         }
 
 

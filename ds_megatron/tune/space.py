@@ -19,6 +19,7 @@ Every family that is left out is reported with its reason.  Pure Python.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ds_megatron.tune.memory_model import layers_per_stage
@@ -60,12 +61,7 @@ class Rejection:
     required_bytes: float | None = None  # out-of-memory families: what the closest member needs
 
     def as_dict(self) -> dict:
-        return {
-            "family": self.family,
-            "reason": self.reason,
-            "count": self.count,
-            "required_bytes": self.required_bytes,
-        }
+        return dataclasses.asdict(self)
 
 
 def tp_sizes(model: ModelSpec, cluster: Cluster, pins: Pins) -> tuple[list[int], list[Rejection]]:

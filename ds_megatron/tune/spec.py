@@ -119,14 +119,14 @@ class Cluster:
     peak_tflops: float  # dense bf16 peak per GPU (A100: 312)
     intra_node_gbps: float = 300.0  # NVLink (A100: 600 GB/s both directions = 300 each way)
     inter_node_gbps: float = 25.0  # InfiniBand share per GPU (one 200 Gb/s HDR NIC per GPU = 25 GB/s)
+    memory_gbps: float = 2039.0  # HBM bandwidth (A100 80GB: 2,039 GB/s); the eager kernel's s x s passes run at it
+    gpu: str | None = None  # the preset the figures came from (ds_megatron.tune.gpus), with any flags that changed it
     efficiency: float = DEFAULT_EFFICIENCY  # ceiling of the matmul-efficiency curve (tune.matmuls; calibrate fits it)
     intra_node_latency_s: float = INTRA_NODE_LATENCY_S  # fixed cost of each collective or send inside a node
     inter_node_latency_s: float = INTER_NODE_LATENCY_S  # the same across nodes
     # Fixed time per optimizer step outside the model (optimizer update, Python and launch overheads); 0 unless
     # fitted by calibration.fit_time_model from short runs (tune --empirical) or passed as --step-overhead-s.
     step_overhead_s: float = 0.0
-    memory_gbps: float = 2039.0  # HBM bandwidth (A100 80GB: 2,039 GB/s); the eager kernel's s x s passes run at it
-    gpu: str | None = None  # the preset the figures came from (ds_megatron.tune.gpus), with any flags that changed it
 
     @property
     def peak_flops(self) -> float:

@@ -3,6 +3,7 @@ GPT's or a Llama's: the family's fields are written so that the config resolves 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,38 +12,26 @@ from ds_megatron.tune.memory_model import total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
 from ds_megatron.tune.spec import DEFAULT_SELECTIVE_MODULES, LLAMA_DROPOUT
 
+MODEL_KEYS = (  # the written model, in this order
+    "size",
+    "family",
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "tie_word_embeddings",
+    "vocab_size",
+    "seq_length",
+)
+
 
 def to_json(result: SearchResult) -> dict:
     """Every candidate with its settings, memory breakdown and prediction; every rejected family with its reason."""
     m, cl = result.model, result.cluster
     return {
-        "model": {
-            "size": m.size,
-            "family": m.family,
-            "num_layers": m.num_layers,
-            "hidden_size": m.hidden_size,
-            "num_heads": m.num_heads,
-            "num_kv_heads": m.num_kv_heads,
-            "intermediate_size": m.intermediate_size,
-            "tie_word_embeddings": m.tie_word_embeddings,
-            "vocab_size": m.vocab_size,
-            "seq_length": m.seq_length,
-            "parameters": total_param_count(m),
-        },
-        "cluster": {
-            "num_gpus": cl.num_gpus,
-            "gpus_per_node": cl.gpus_per_node,
-            "gpu_memory_gb": cl.gpu_memory_gb,
-            "peak_tflops": cl.peak_tflops,
-            "intra_node_gbps": cl.intra_node_gbps,
-            "inter_node_gbps": cl.inter_node_gbps,
-            "memory_gbps": cl.memory_gbps,
-            "gpu": cl.gpu,
-            "efficiency": cl.efficiency,
-            "intra_node_latency_s": cl.intra_node_latency_s,
-            "inter_node_latency_s": cl.inter_node_latency_s,
-            "step_overhead_s": cl.step_overhead_s,
-        },
+        "model": {**{key: getattr(m, key) for key in MODEL_KEYS}, "parameters": total_param_count(m)},
+        "cluster": dataclasses.asdict(result.cluster),  # in Cluster's field order
         "global_batch_size": result.global_batch_size,
         "search_seconds": result.elapsed_s,
         "winner": result.winner.as_dict() if result.winner else None,
