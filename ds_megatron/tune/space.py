@@ -26,6 +26,7 @@ from ds_megatron.tune.memory_model import layers_per_stage
 from ds_megatron.tune.spec import (
     ATTENTION_CHOICES,
     SDPA_CORE_ATTN_REASON,
+    TP_SPLITS,
     Candidate,
     Cluster,
     ModelSpec,
@@ -70,13 +71,11 @@ def tp_sizes(model: ModelSpec, cluster: Cluster, pins: Pins) -> tuple[list[int],
     divisors = [tp for tp in range(1, model.num_heads + 1) if model.num_heads % tp == 0]
     divisors = [tp for tp in divisors if pins.tp is None or tp == pins.tp]
     rejected = []
-    for name, value, why in (
-        ("num_kv_heads", model.num_kv_heads, "TP splits the KV heads like the query heads"),
-        ("intermediate_size", model.intermediate_size, "TP splits the MLP width"),
-    ):
-        left_out = [tp for tp in divisors if value % tp != 0]  # type: ignore[operator]
+    for name in ("num_kv_heads", "intermediate_size"):
+        value = getattr(model, name)
+        left_out = [tp for tp in divisors if value % tp != 0]
         if left_out:
-            rejected.append(Rejection({"tp": left_out}, f"tp does not divide {name} ({value}): {why}"))
+            rejected.append(Rejection({"tp": left_out}, f"tp does not divide {name} ({value}): {TP_SPLITS[name]}"))
             divisors = [tp for tp in divisors if tp not in left_out]
     too_big = [tp for tp in divisors if tp > node]
     if too_big:

@@ -9,11 +9,11 @@ library only.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass
 from typing import Any
 
 from ds_megatron.config import ConfigError
+from ds_megatron.config.errors import nearest
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.config.shape import gpt2_fixed_fields
 from ds_megatron.config.sizes import (
@@ -50,7 +50,12 @@ SDPA_CORE_ATTN_REASON = (
 DEFAULT_EFFICIENCY = 0.869
 INTRA_NODE_LATENCY_S = 20e-6  # per collective or transfer inside a node (NCCL launch + ring set-up)
 INTER_NODE_LATENCY_S = 50e-6  # per collective or transfer across nodes
-
+# What TP splits, and why a tp must divide it (the query heads need no reason: they define TP's head split).
+TP_SPLITS = {
+    "num_heads": "TP splits the query heads",
+    "num_kv_heads": "TP splits the KV heads like the query heads",
+    "intermediate_size": "TP splits the MLP width",
+}
 
 # Dropout of a generated Llama config: Llama's published recipes train without dropout (its only one is on the
 # attention probabilities), so the tuner models and writes 0.  A GPT config keeps the loader's default (0.1), every
@@ -235,9 +240,9 @@ def build_model_spec(
     (``family="llama"`` for a Llama one).  ``size`` is kept only when the named shape is unchanged."""
     shape = named(model) if model is not None else None
     if model is not None and shape is None:
-        near = difflib.get_close_matches(model, all_size_names(), n=1, cutoff=0.0)
+        near = nearest(model, all_size_names())
         raise ConfigError(
-            "--model", "unknown size", repr(model), f"use one of {', '.join(all_size_names())} ({near[0]!r}?)"
+            "--model", "unknown size", repr(model), f"use one of {', '.join(all_size_names())} ({near!r}?)"
         )
     if shape is not None and family is not None and family != shape.family:
         raise ConfigError(
@@ -305,17 +310,7 @@ def build_model_spec(
     )
     if shape is None:
         return spec
-    base = ModelSpec(
-        shape.num_layers,
-        shape.hidden_size,
-        shape.num_heads,
-        1,
-        1,
-        family=family,
-        num_kv_heads=shape.num_kv_heads,
-        intermediate_size=shape.intermediate_size,
-        tie_word_embeddings=shape.tie_word_embeddings,
-    )
+    base = dataclasses.replace(spec, **{f: getattr(shape, f) for f in SHAPE_FIELDS})  # gpt2's None fields refilled
     unchanged = all(getattr(spec, f) == getattr(base, f) for f in SHAPE_FIELDS)
     return dataclasses.replace(spec, size=model) if unchanged else spec
 
@@ -335,8 +330,8 @@ def build_cluster(gpu: str | None, num_gpus: int, gpus_per_node: int, **values: 
     are replaced by every explicit value that is not None (``gpu_memory_gb=40``); other keywords (``efficiency``,
     latencies, ``step_overhead_s``) pass through to :class:`Cluster`."""
     if gpu is not None and gpu not in GPUS:
-        near = difflib.get_close_matches(gpu, list(GPUS), n=1, cutoff=0.0)
-        raise ConfigError("--gpu", "unknown GPU", repr(gpu), f"use one of {', '.join(GPUS)} ({near[0]!r}?)")
+        near = nearest(gpu, list(GPUS))
+        raise ConfigError("--gpu", "unknown GPU", repr(gpu), f"use one of {', '.join(GPUS)} ({near!r}?)")
     preset = GPUS[gpu or DEFAULT_GPU]
     fields, changed = {}, []
     for name, (column, flag) in PRESET_FIELDS.items():

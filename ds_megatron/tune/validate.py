@@ -5,32 +5,45 @@ the cluster, and the recompute modules.  A request no search can satisfy raises
 from __future__ import annotations
 
 import difflib
+import math
 
 from ds_megatron.config import ConfigError
 from ds_megatron.config.schema import RECOMPUTE_MODULES
-from ds_megatron.tune.spec import ATTENTION_CHOICES, RECOMPUTE_CHOICES, Cluster, ModelSpec, Pins, check_positive
-
-
-def tp_divides_model(model: ModelSpec, tp: int) -> bool:
-    """TP splits the query heads, the KV heads and the MLP width: tp must divide all three."""
-    return all(n % tp == 0 for n in (model.num_heads, model.num_kv_heads, model.intermediate_size))  # type: ignore[operator]
+from ds_megatron.tune.spec import (
+    ATTENTION_CHOICES,
+    RECOMPUTE_CHOICES,
+    TP_SPLITS,
+    Cluster,
+    ModelSpec,
+    Pins,
+    check_positive,
+)
 
 
 def tp_choices(model: ModelSpec, node: int) -> list[int]:
-    """Tensor-parallel sizes the model and a node of ``node`` GPUs allow."""
-    return [t for t in range(1, node + 1) if tp_divides_model(model, t) and node % t == 0]
+    """Tensor-parallel sizes the model and a node of ``node`` GPUs allow: TP splits the query heads, the KV heads and
+    the MLP width, and stays in the node."""
+    return [t for t in range(1, node + 1) if node % t == 0 and all(tp_split(model, t).values())]
+
+
+def tp_split(model: ModelSpec, tp: int) -> dict[str, bool]:
+    """Whether ``tp`` divides each dimension TP splits (TP_SPLITS)."""
+    return {name: getattr(model, name) % tp == 0 for name in TP_SPLITS}
 
 
 def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int, pins: Pins) -> None:
     """Refuse inputs no search can satisfy, naming the values and the fix."""
-    check_positive("--gpus", cluster.num_gpus, "8")
-    check_positive("--gpus-per-node", cluster.gpus_per_node, "8")
-    check_positive("--gpu-memory-gb", cluster.gpu_memory_gb, "80")
-    check_positive("--gpu-peak-tflops", cluster.peak_tflops, "312")
-    check_positive("--intra-node-gbps", cluster.intra_node_gbps, "300")
-    check_positive("--inter-node-gbps", cluster.inter_node_gbps, "25")
-    check_positive("--memory-gbps", cluster.memory_gbps, "2039")
-    check_positive("--global-batch-size", global_batch_size, "1536")
+    for flag, value, example in (
+        ("--gpus", cluster.num_gpus, "8"),
+        ("--gpus-per-node", cluster.gpus_per_node, "8"),
+        ("--gpu-memory-gb", cluster.gpu_memory_gb, "80"),
+        ("--gpu-peak-tflops", cluster.peak_tflops, "312"),
+        ("--intra-node-gbps", cluster.intra_node_gbps, "300"),
+        ("--inter-node-gbps", cluster.inter_node_gbps, "25"),
+        ("--memory-gbps", cluster.memory_gbps, "2039"),
+        ("--global-batch-size", global_batch_size, "1536"),
+    ):
+        check_positive(flag, value, example)
     if not 0.0 < cluster.efficiency <= 1.0:
         raise ConfigError("--efficiency", "must be in (0, 1]", f"got {cluster.efficiency}", "pass e.g. 0.8")
     for flag, value in (
@@ -47,34 +60,21 @@ def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int,
             f"gpus={cluster.num_gpus}, gpus_per_node={cluster.gpus_per_node}",
             f"pass a multiple of {cluster.gpus_per_node}",
         )
-    for flag, value in (
-        ("--tp", pins.tp),
-        ("--pp", pins.pp),
-        ("--dp", pins.dp),
-        ("--micro-batch-size", pins.micro_batch_size),
-    ):
+    pinned = {"tp": pins.tp, "pp": pins.pp, "dp": pins.dp, "micro-batch-size": pins.micro_batch_size}
+    for name, value in pinned.items():
         if value is not None:
-            check_positive(flag, value, "1")
+            check_positive(f"--{name}", value, "1")
     if pins.tp is not None:
-        if model.num_heads % pins.tp != 0:
-            node = min(cluster.gpus_per_node, cluster.num_gpus)
-            raise ConfigError(
-                "--tp",
-                "num_heads not divisible by tp",
-                f"num_heads={model.num_heads}, tp={pins.tp}",
-                f"choose tp from {tp_choices(model, node)}",
-            )
-        for name, value in (("num_kv_heads", model.num_kv_heads), ("intermediate_size", model.intermediate_size)):
-            if value % pins.tp != 0:  # type: ignore[operator]
-                node = min(cluster.gpus_per_node, cluster.num_gpus)
-                what = "the KV heads like the query heads" if name == "num_kv_heads" else "the MLP width"
+        node = min(cluster.gpus_per_node, cluster.num_gpus)
+        for name, divides in tp_split(model, pins.tp).items():
+            if not divides:
+                why = f" ({TP_SPLITS[name]})" if name != "num_heads" else ""
                 raise ConfigError(
                     "--tp",
                     f"{name} not divisible by tp",
-                    f"{name}={value}, tp={pins.tp}",
-                    f"choose tp from {tp_choices(model, node)} (TP splits {what})",
+                    f"{name}={getattr(model, name)}, tp={pins.tp}",
+                    f"choose tp from {tp_choices(model, node)}{why}",
                 )
-        node = min(cluster.gpus_per_node, cluster.num_gpus)
         if node % pins.tp != 0:
             raise ConfigError(
                 "--tp",
@@ -94,9 +94,7 @@ def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int,
             f"pass --pp <= {model.num_layers}",
         )
     fixed = [(n, v) for n, v in (("tp", pins.tp), ("pp", pins.pp), ("dp", pins.dp)) if v is not None]
-    product = 1
-    for _, value in fixed:
-        product *= value
+    product = math.prod(v for _, v in fixed)
     if fixed and cluster.num_gpus % product != 0:
         desc = " x ".join(f"{n}({v})" for n, v in fixed)
         raise ConfigError(
