@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ds_megatron.flops import block_fields, executed_flops_per_step, model_flops_per_step
+from ds_megatron.flops import block_fields, executed_flops_per_step
 from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
 from ds_megatron.tune.memory_model import (
     ACT_BYTES,
@@ -46,14 +46,7 @@ from ds_megatron.tune.memory_model import (
     padded_vocab_size,
     stage_param_counts,
 )
-from ds_megatron.tune.spec import (
-    DEFAULT_EFFICIENCY,
-    INTER_NODE_LATENCY_S,
-    INTRA_NODE_LATENCY_S,
-    Candidate,
-    Cluster,
-    ModelSpec,
-)
+from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec
 
 GRAD_REDUCE_BYTES = 4  # DeepSpeed's BF16 optimizer reduces the fp32 gradient copies (grad_accum_dtype fp32)
 # DeepSpeed's PipelineEngine reduces gradients in a ReduceGrads step after the last backward of the step, so none of
@@ -132,18 +125,16 @@ RECOMPUTED_PASSES = {
     },
 }
 
-
-__all__ = [
-    "DEFAULT_EFFICIENCY",
-    "INTER_NODE_LATENCY_S",
-    "INTRA_NODE_LATENCY_S",
-    "StepTime",
-    "step_time",
-]
-
 # The calibration's extra terms (ds_megatron.tune.calibration.fit_time_model): the intra-node latency of a collective
 # or send, and a fixed overhead per step.
 FIT_TERMS = ("latency", "overhead")
+
+
+def link(cluster: Cluster, inter_node: bool) -> tuple[float, float]:
+    """(GB/s per GPU, latency in s) of the network (``inter_node``) or of NVLink."""
+    if inter_node:
+        return cluster.inter_node_gbps, cluster.inter_node_latency_s
+    return cluster.intra_node_gbps, cluster.intra_node_latency_s
 
 
 def allreduce_s(num_bytes: float, ranks: int, gbps: float, latency_s: float) -> float:
@@ -265,9 +256,8 @@ def stage_times(model: ModelSpec, cluster: Cluster, cand: Candidate) -> tuple[St
 
     p2p = 0.0
     if cand.pp > 1:
-        inter = cand.tp * cand.dp * cand.pp > cluster.gpus_per_node  # a pipeline spanning nodes crosses a NIC
-        gbps = cluster.inter_node_gbps if inter else cluster.intra_node_gbps
-        latency = cluster.inter_node_latency_s if inter else cluster.intra_node_latency_s
+        # a pipeline spanning nodes crosses a NIC
+        gbps, latency = link(cluster, cand.tp * cand.dp * cand.pp > cluster.gpus_per_node)
         sent = boundary / (t if cand.sequence_parallel else 1)
         p2p = 2 * (latency + sent / (gbps * 1e9))  # activation forward, its gradient backward
 
@@ -284,41 +274,28 @@ def dp_comm_s(model: ModelSpec, cluster: Cluster, cand: Candidate) -> float:
     """Gradient all-reduce (+ ZeRO-1 weight all-gather) over dp and, for tied embeddings split over first and last
     stage, their all-reduce; not overlapped."""
     params = max(stage_param_counts(model, cand.tp, cand.pp))
-    within_node = cand.tp * cand.dp <= cluster.gpus_per_node
-    gbps = cluster.intra_node_gbps if within_node else cluster.inter_node_gbps
-    latency = cluster.intra_node_latency_s if within_node else cluster.inter_node_latency_s
+    gbps, latency = link(cluster, cand.tp * cand.dp > cluster.gpus_per_node)
     total = allreduce_s(GRAD_REDUCE_BYTES * params, cand.dp, gbps, latency)
     if cand.zero == 1:
         total += allgather_s(WEIGHT_BYTES * params, cand.dp, gbps, latency)
     total *= 1.0 - DP_OVERLAP
     if cand.pp > 1 and model.tie_word_embeddings:
-        inter = cluster.num_gpus > cluster.gpus_per_node
         embedding = padded_vocab_size(model.vocab_size, cand.tp) * model.hidden_size / cand.tp
-        total += allreduce_s(
-            GRAD_REDUCE_BYTES * embedding,
-            2,
-            cluster.inter_node_gbps if inter else cluster.intra_node_gbps,
-            cluster.inter_node_latency_s if inter else cluster.intra_node_latency_s,
-        )
+        total += allreduce_s(GRAD_REDUCE_BYTES * embedding, 2, *link(cluster, cluster.num_gpus > cluster.gpus_per_node))
     return total
 
 
-def executed_flops(model: ModelSpec, cand: Candidate, global_batch_size: int) -> float:
-    """FLOPs the whole job runs per step, recomputation included (for HFU)."""
-    n = layers_per_stage(model.num_layers, cand.pp)
-    recomputed = min(model.num_layers, _recomputed_blocks(cand, n) * cand.pp) if cand.recompute == "full" else None
-    # selective re-runs matmuls only with core_attn; its other modules are elementwise (no matmul FLOPs)
-    policy = "none" if cand.recompute == "selective" and not recomputes_core(cand) else cand.recompute
-    return executed_flops_per_step(
-        global_batch_size,
-        model.seq_length,
-        model.num_layers,
-        model.hidden_size,
-        model.vocab_size,
-        policy,
-        recomputed,
-        **block_fields(model),
-    )
+def job_flops(model: ModelSpec, global_batch_size: int, cand: Candidate | None = None) -> float:
+    """FLOPs the whole job runs per step: the model's (for MFU), or with ``cand`` its recomputation included (HFU)."""
+    policy, recomputed = "none", None
+    if cand is not None and cand.recompute == "full":
+        n = layers_per_stage(model.num_layers, cand.pp)
+        policy, recomputed = "full", min(model.num_layers, _recomputed_blocks(cand, n) * cand.pp)
+    elif cand is not None and recomputes_core(cand):  # selective's other modules are elementwise: no matmul FLOPs
+        policy = "selective"
+    m = model
+    args = (global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size, policy, recomputed)
+    return executed_flops_per_step(*args, **block_fields(m))
 
 
 def step_time(model: ModelSpec, cluster: Cluster, cand: Candidate, global_batch_size: int) -> StepTime:
@@ -329,14 +306,6 @@ def step_time(model: ModelSpec, cluster: Cluster, cand: Candidate, global_batch_
     dp = dp_comm_s(model, cluster, cand)
     step = slots * slowest.total_s + dp + cluster.step_overhead_s
     capacity = step * cluster.peak_flops * cluster.num_gpus
-    model_flops = model_flops_per_step(
-        global_batch_size,
-        model.seq_length,
-        model.num_layers,
-        model.hidden_size,
-        model.vocab_size,
-        **block_fields(model),
-    )
     return StepTime(
         step_s=step,
         compute_s=slots * slowest.compute_s,
@@ -345,8 +314,8 @@ def step_time(model: ModelSpec, cluster: Cluster, cand: Candidate, global_batch_
         bubble_s=(cand.pp - 1) * slowest.total_s,
         dp_comm_s=dp,
         tokens_per_s=global_batch_size * model.seq_length / step,
-        mfu=model_flops / capacity,
-        hfu=executed_flops(model, cand, global_batch_size) / capacity,
+        mfu=job_flops(model, global_batch_size) / capacity,
+        hfu=job_flops(model, global_batch_size, cand) / capacity,
         overhead_s=cluster.step_overhead_s,
         attention_s=slots * slowest.attention_s,
         matmul_efficiency=slowest.flops / (slowest.compute_s * cluster.peak_flops),
