@@ -23,7 +23,7 @@ import time
 from typing import NoReturn
 
 from ds_megatron.config import ConfigError
-from ds_megatron.config.schema import RECOMPUTE_MODULES
+from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.config.sizes import FAMILIES, all_size_names
 from ds_megatron.tune.empirical import (
     DEVICES,
@@ -38,11 +38,9 @@ from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 from ds_megatron.tune.report import format_report
 from ds_megatron.tune.search import search
 from ds_megatron.tune.spec import (
-    ATTENTION_CHOICES,
     DEFAULT_EFFICIENCY,
     INTER_NODE_LATENCY_S,
     INTRA_NODE_LATENCY_S,
-    RECOMPUTE_CHOICES,
     Pins,
     build_cluster,
     build_model_spec,
@@ -132,14 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dp", type=int, help="data-parallel size")
     g.add_argument("--micro-batch-size", type=int, help="micro-batch size b")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None, help="SP on or off")
-    g.add_argument("--recompute", choices=RECOMPUTE_CHOICES, help="recompute policy")
+    g.add_argument("--recompute", choices=RECOMPUTE_POLICIES, help="recompute policy")
     g.add_argument(
         "--recompute-modules",
         metavar="A,B",
         help=f"what selective recompute recomputes, from {','.join(RECOMPUTE_MODULES)} (implies --recompute "
         "selective; default: searched per kernel)",
     )
-    g.add_argument("--attention", choices=ATTENTION_CHOICES, help="attention kernel (sdpa never with core_attn)")
+    g.add_argument("--attention", choices=ATTENTION_KERNELS, help="attention kernel (sdpa never with core_attn)")
     g.add_argument("--zero", type=int, choices=(0, 1), help="ZeRO stage")
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
@@ -195,15 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             inter_node_latency_s=args.inter_node_latency_us * 1e-6,
             step_overhead_s=args.step_overhead_s,
         )
-        pins = Pins(
-            tp=args.tp,
-            pp=args.pp,
-            dp=args.dp,
-            micro_batch_size=args.micro_batch_size,
-            sequence_parallel=args.sequence_parallel,
-            recompute=args.recompute,
-            zero=args.zero,
-            attention=args.attention,
+        pins = Pins(  # every pin is the flag of the same name
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(Pins) if f.name != "recompute_modules"},
             recompute_modules=None if args.recompute_modules is None else _modules(args.recompute_modules),
         )
         result = search(model, cluster, args.global_batch_size, pins)

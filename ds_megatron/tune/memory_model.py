@@ -46,10 +46,8 @@ LOGITS_BYTES = 2 + 4  # bf16 logits and the fp32 copy the cross entropy computes
 MARGIN_FRACTION = 0.10
 MARGIN_BYTES = 2 * GIB
 
-VOCAB_MULTIPLE = DEFAULT_VOCAB_MULTIPLE  # ds_megatron pads the vocabulary to a multiple of this x tp
 
-
-def padded_vocab_size(vocab_size: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = DEFAULT_VOCAB_MULTIPLE) -> int:
     """Smallest multiple of ``multiple * tp`` that holds the vocabulary (the VocabParallelEmbedding's rows)."""
     step = multiple * tp
     return -(-vocab_size // step) * step
@@ -109,7 +107,9 @@ def block_param_count(model: ModelSpec, tp: int = 1) -> int:
     return llama_layer_param_count(model.hidden_size, kv_size, model.intermediate_size, tp)  # type: ignore[arg-type]
 
 
-def stage_param_counts(model: ModelSpec, tp: int, pp: int, vocab_multiple: int = VOCAB_MULTIPLE) -> tuple[int, int]:
+def stage_param_counts(
+    model: ModelSpec, tp: int, pp: int, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE
+) -> tuple[int, int]:
     """(first stage, last stage) parameters per TP rank.
 
     First: the vocab-parallel token embedding V_pad h / t, a GPT's replicated position table s h, ceil(L/p) blocks.

@@ -22,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ds_megatron.config.schema import ATTENTION_KERNELS
 from ds_megatron.tune.memory_model import layers_per_stage
 from ds_megatron.tune.spec import (
-    ATTENTION_CHOICES,
     SDPA_CORE_ATTN_REASON,
     TP_SPLITS,
     Candidate,
@@ -91,7 +91,7 @@ def tp_sizes(model: ModelSpec, cluster: Cluster, pins: Pins) -> tuple[list[int],
 
 def attention_options(pins: Pins) -> list[str]:
     """The attention kernels to try: both unless pinned."""
-    return [k for k in ATTENTION_CHOICES if pins.attention is None or k == pins.attention]
+    return [k for k in ATTENTION_KERNELS if pins.attention is None or k == pins.attention]
 
 
 def selective_modules(kernel: str, pins: Pins) -> tuple[tuple[str, ...], ...]:

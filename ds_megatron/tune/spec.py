@@ -14,7 +14,7 @@ from typing import Any
 
 from ds_megatron.config import ConfigError
 from ds_megatron.config.errors import nearest
-from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
+from ds_megatron.config.schema import RECOMPUTE_MODULES
 from ds_megatron.config.shape import gpt2_fixed_fields
 from ds_megatron.config.sizes import (
     FAMILIES,
@@ -28,8 +28,6 @@ from ds_megatron.config.sizes import (
 )
 from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 
-RECOMPUTE_CHOICES = RECOMPUTE_POLICIES
-ATTENTION_CHOICES = ATTENTION_KERNELS  # "eager" (materialised s x s softmax) or "sdpa" (fused kernel)
 DEFAULT_SELECTIVE_MODULES = ("core_attn",)  # what "selective" recomputes when no modules are named (the loader's)
 SDPA_CORE_ATTN_REASON = (
     "recomputing core_attn with sdpa is not offered: it checkpoints the s x s attention core, which the sdpa kernel "

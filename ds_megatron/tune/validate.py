@@ -8,10 +8,8 @@ import difflib
 import math
 
 from ds_megatron.config import ConfigError
-from ds_megatron.config.schema import RECOMPUTE_MODULES
+from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.tune.spec import (
-    ATTENTION_CHOICES,
-    RECOMPUTE_CHOICES,
     TP_SPLITS,
     Cluster,
     ModelSpec,
@@ -117,10 +115,10 @@ def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int,
             f"{global_batch_size} % {pins.dp} != 0",
             f"pass a multiple of {pins.dp}",
         )
-    if pins.recompute is not None and pins.recompute not in RECOMPUTE_CHOICES:
-        raise ConfigError("--recompute", "unknown policy", repr(pins.recompute), f"use one of {RECOMPUTE_CHOICES}")
-    if pins.attention is not None and pins.attention not in ATTENTION_CHOICES:
-        raise ConfigError("--attention", "unknown kernel", repr(pins.attention), f"use one of {ATTENTION_CHOICES}")
+    if pins.recompute is not None and pins.recompute not in RECOMPUTE_POLICIES:
+        raise ConfigError("--recompute", "unknown policy", repr(pins.recompute), f"use one of {RECOMPUTE_POLICIES}")
+    if pins.attention is not None and pins.attention not in ATTENTION_KERNELS:
+        raise ConfigError("--attention", "unknown kernel", repr(pins.attention), f"use one of {ATTENTION_KERNELS}")
     if pins.recompute_modules is not None:
         _check_modules(pins)
     if pins.zero is not None and pins.zero not in (0, 1):

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.tune import memory_model, time_model
 from ds_megatron.tune.memory_model import total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
@@ -48,7 +49,7 @@ def to_json(result: SearchResult) -> dict:
             "dropout_mask_bytes": memory_model.MASK_BYTES,
             "memory_margin_fraction": memory_model.MARGIN_FRACTION,
             "memory_margin_bytes": memory_model.MARGIN_BYTES,
-            "vocab_multiple": memory_model.VOCAB_MULTIPLE,
+            "vocab_multiple": DEFAULT_VOCAB_MULTIPLE,
             "dp_overlap": time_model.DP_OVERLAP,
             "grad_reduce_bytes_per_param": time_model.GRAD_REDUCE_BYTES,
             "intra_node_latency_s": cl.intra_node_latency_s,
