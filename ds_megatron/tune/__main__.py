@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -227,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         print("empirical: skipped, no candidate fits")
     elif options is not None:
         try:
-            emp = run_empirical(result, options, deadline=start + 60 * args.max_minutes, say=_say)
+            emp = run_empirical(
+                result, options, deadline=start + 60 * args.max_minutes, say=functools.partial(print, flush=True)
+            )
         except ConfigError as err:
             print(str(err), file=sys.stderr)
             return EXIT_CONFIG_ERROR
@@ -256,10 +259,6 @@ def main(argv: list[str] | None = None) -> int:
 def _modules(text: str) -> tuple[str, ...]:
     """``mlp_act,layernorm`` -> ("mlp_act", "layernorm"); the names are checked with the other pins."""
     return tuple(name.strip() for name in text.split(",") if name.strip())
-
-
-def _say(line: str) -> None:
-    print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -187,13 +187,7 @@ def fit_time_model(measurements: Iterable[Measurement], extra_terms: tuple[str, 
 
 
 def calibrate(measurements: Iterable[Measurement]) -> float:
-    """The achieved-efficiency factor that best explains measured step times.
-
-    The predicted step is C / e + R, C the critical-path matmul time at a ceiling of 1 and R everything else
-    (communication, the eager kernel's score passes), so the ceiling e of the matmul-efficiency curve is fitted in
-    closed form by least squares on x = 1/e, weighting each run by 1/M^2 (relative errors):
-    x = sum(C_i (M_i - R_i) / M_i^2) / sum(C_i^2 / M_i^2).  Pass the result as ``--efficiency`` (or
-    ``Cluster.efficiency``) to rank with your cluster's numbers; :func:`fit_time_model` can also fit the
-    collective latency and a fixed per-step overhead.
+    """The ceiling of the matmul-efficiency curve that best explains measured step times (:func:`fit_time_model`
+    without extra terms).  Pass it as ``--efficiency`` (or ``Cluster.efficiency``) to rank with your cluster's numbers.
     """
     return fit_time_model(measurements).efficiency

@@ -58,25 +58,6 @@ def layers_per_stage(num_layers: int, pp: int) -> int:
     return -(-num_layers // pp)
 
 
-def layer_param_count(hidden: int, tp: int = 1) -> int:
-    """Parameters of one GPT block per TP rank.
-
-    Unsharded: 12 h^2 + 13 h (QKV 3h^2 + 3h, projection h^2 + h, fc1 4h^2 + 4h, fc2 4h^2 + h, two LayerNorms 4h),
-    the per-layer part of N = 12 L h^2 (1 + 13/(12h) + ...) (Narayanan et al. 2021, sec. 5.1).  TP splits the four
-    weight matrices and the column-parallel biases (QKV, fc1); the row-parallel biases and LayerNorms (6h) are
-    replicated.
-    """
-    h = hidden
-    return (12 * h * h + 7 * h) // tp + 6 * h
-
-
-def llama_layer_param_count(hidden: int, kv_size: int, intermediate_size: int, tp: int = 1) -> int:
-    """Parameters of one Llama block per TP rank: q and o_proj 2 h^2, k and v 2 h kv (kv = KV heads x head dim),
-    gate, up and down 3 h F, all split by TP (no biases); the two RMSNorm weights (2h) are replicated."""
-    h = hidden
-    return (2 * h * h + 2 * h * kv_size + 3 * h * intermediate_size) // tp + 2 * h
-
-
 @dataclass(frozen=True)
 class FamilyLayout:
     """What a model family adds around its blocks, for the parameter and activation counts."""
@@ -100,11 +81,19 @@ FAMILIES = {
 
 
 def block_param_count(model: ModelSpec, tp: int = 1) -> int:
-    """Parameters of one block of ``model`` per TP rank."""
+    """Parameters of one block of ``model`` per TP rank.
+
+    GPT, unsharded: 12 h^2 + 13 h (QKV 3h^2 + 3h, projection h^2 + h, fc1 4h^2 + 4h, fc2 4h^2 + h, two LayerNorms
+    4h), the per-layer part of N = 12 L h^2 (1 + 13/(12h) + ...) (Narayanan et al. 2021, sec. 5.1).  TP splits the
+    four weight matrices and the column-parallel biases (QKV, fc1); the row-parallel biases and LayerNorms (6h) are
+    replicated.  Llama: q and o_proj 2 h^2, k and v 2 h kv (kv = KV heads x head dim), gate, up and down 3 h F, all
+    split by TP (no biases); the two RMSNorm weights (2h) are replicated.
+    """
+    h = model.hidden_size
     if model.family == "gpt2":
-        return layer_param_count(model.hidden_size, tp)
-    kv_size = model.hidden_size // model.num_heads * model.num_kv_heads  # type: ignore[operator]
-    return llama_layer_param_count(model.hidden_size, kv_size, model.intermediate_size, tp)  # type: ignore[arg-type]
+        return (12 * h * h + 7 * h) // tp + 6 * h
+    kv_size = h // model.num_heads * model.num_kv_heads  # type: ignore[operator]
+    return (2 * h * h + 2 * h * kv_size + 3 * h * model.intermediate_size) // tp + 2 * h  # type: ignore[operator]
 
 
 def stage_param_counts(

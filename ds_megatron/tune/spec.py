@@ -194,16 +194,13 @@ class Candidate:
         return self.recompute
 
     def settings(self) -> dict:
+        """The JSON record: the full-recompute fields None under the other policies, the modules under selective."""
+        full = self.recompute == "full"
+        layout = ("tp", "pp", "dp", "sequence_parallel", "micro_batch_size", "num_micro_batches", "recompute")
         return {
-            "tp": self.tp,
-            "pp": self.pp,
-            "dp": self.dp,
-            "sequence_parallel": self.sequence_parallel,
-            "micro_batch_size": self.micro_batch_size,
-            "num_micro_batches": self.num_micro_batches,
-            "recompute": self.recompute,
-            "recompute_layers": self.recompute_layers if self.recompute == "full" else None,
-            "recompute_method": self.recompute_method if self.recompute == "full" else None,
+            **{key: getattr(self, key) for key in layout},
+            "recompute_layers": self.recompute_layers if full else None,
+            "recompute_method": self.recompute_method if full else None,
             "recompute_modules": list(self.recompute_modules) if self.recompute == "selective" else None,
             "zero_stage": self.zero,
             "attention": self.attention,
