@@ -1,9 +1,9 @@
 """L4: the training loop behind ``recipes/train_gpt.py`` (the configuration is already validated).
 
-Reads top to bottom: :meth:`Trainer.setup` builds the engine, the data and the logger and resumes; :meth:`Trainer.fit`
-loops ``step -> log -> maybe eval -> maybe save -> maybe stop``; :meth:`Trainer.finish` evaluates, saves, prints two
-samples (greedy, top-k) and draws the loss curve.  Exit status: 0 done (or stopped on request), 2 bad data, 3 stopped
-by the numerical guard.
+Reads top to bottom: :func:`train` builds the engine and the data, :meth:`Trainer.setup` resumes and starts the
+logger; :meth:`Trainer.fit` loops ``step -> log -> maybe eval -> maybe save -> maybe stop``; :meth:`Trainer.finish`
+evaluates, saves, prints two samples (greedy, top-k) and draws the loss curve.  Exit status: 0 done (or stopped on
+request), 2 bad data (a :class:`ConfigError` from the data phase), 3 stopped by the numerical guard.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ds_megatron.checkpoint.run_state import load_run, save_run
-from ds_megatron.config import RunConfig
-from ds_megatron.data import DataError, MicroBatchStream
+from ds_megatron.config import ConfigError, RunConfig
+from ds_megatron.data import MicroBatchStream
 from ds_megatron.data.prepare import RunData, prepare_data
 from ds_megatron.engine import Built, build_engine
 from ds_megatron.flops import block_fields
@@ -98,17 +98,10 @@ class Trainer:
 
     # ---- setup -------------------------------------------------------------------------------------------------
     @classmethod
-    def setup(cls, run: RunConfig, config_name: str) -> Trainer:
-        """Build everything and resume from ``checkpoint.load``; raises DataError for unusable data."""
+    def setup(cls, run: RunConfig, built: Built, run_dir: Path, data: RunData) -> Trainer:
+        """Resume from ``checkpoint.load``, start the logger and the micro-batch stream."""
         sec = run.section
-        built = build_engine(run)
         topo = built.topology
-        run_dir = run_dir_for(run, config_name)
-        if topo.rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            print("resolved configuration:\n" + json.dumps(run.ds_config, indent=2), flush=True)
-            (run_dir / "config.json").write_text(json.dumps(run.ds_config, indent=2))
-        data = prepare_data(run, topo.rank, run_dir if topo.rank == 0 else None)
         start_step, wandb_id, skipped = 0, None, 0
         if sec.checkpoint.load:
             client = load_run(built.engine, sec.checkpoint.load, built.rng, built.plan, topo, run.ds_config)
@@ -336,12 +329,30 @@ def _shown(tok, ids: list[int], is_blank) -> str:
     return f"{tok.decode(ids[: len(ids) - blank])!r} + {blank} whitespace tokens"
 
 
+def start_run_dir(run: RunConfig, config_name: str, rank: int) -> Path:
+    """The run directory, with the resolved configuration in it (written, and printed, by rank 0)."""
+    run_dir = run_dir_for(run, config_name)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        print("resolved configuration:\n" + json.dumps(run.ds_config, indent=2), flush=True)
+        (run_dir / "config.json").write_text(json.dumps(run.ds_config, indent=2))
+    return run_dir
+
+
 def train(run: RunConfig, config_name: str = "run") -> int:
-    """Train ``run``; the exit status of the recipe."""
+    """Train ``run``; the exit status of the recipe.
+
+    A ConfigError out of the data phase is a problem pre-flight could not see, found while reading the data inside the
+    launch (a text field missing in the third file, a corpus without tokens): every rank stops with EXIT_BAD_DATA and
+    rank 0 prints the line.  Only that phase is caught: a ConfigError from building the engine or resuming keeps its
+    traceback."""
+    built = build_engine(run)
+    rank = built.topology.rank
+    run_dir = start_run_dir(run, config_name, rank)
     try:
-        trainer = Trainer.setup(run, config_name)
-    except DataError as err:
-        if dist.is_initialized() and dist.get_rank() == 0:
+        data = prepare_data(run, rank, run_dir if rank == 0 else None)
+    except ConfigError as err:
+        if rank == 0:
             print(str(err), file=sys.stderr, flush=True)
         return EXIT_BAD_DATA
-    return trainer.fit()
+    return Trainer.setup(run, built, run_dir, data).fit()

@@ -126,3 +126,13 @@ def test_named_size_fills_the_shape():
     run = resolve(cfg, 1024)
     assert (run.model.num_layers, run.model.hidden_size, run.model.num_heads) == (96, 12288, 96)
     assert (run.model.vocab_size, run.model.seq_length, run.dp) == (50257, 2048, 16)
+
+
+def test_config_error_keeps_its_parts_across_processes():
+    """prepare's worker processes raise it: unpickled in the parent, it is the same line with the same parts."""
+    import pickle
+
+    err = ConfigError("--data", "invalid JSON in a.jsonl at byte 7", "Expecting value", "fix or remove that line")
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == "error: --data: invalid JSON in a.jsonl at byte 7 (Expecting value); fix or remove that line"
+    assert (back.setting, back.problem, back.values, back.fix) == (err.setting, err.problem, err.values, err.fix)

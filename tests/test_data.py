@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from ds_megatron.config import ConfigError
 from ds_megatron.data import (
-    DataError,
     MicroBatchStream,
     PackedSamples,
     build_tokenizer,
@@ -57,8 +57,12 @@ def test_corrupt_cache_is_detected_and_rebuilt(tmp_path):
     with open(path, "r+b") as f:
         f.seek(10)
         f.write(b"\xff\xff")
-    with pytest.raises(DataError, match="checksum"):
+    with pytest.raises(ConfigError) as err:
         open_packed(path)
+    assert str(err.value) == (
+        f"error: ds_megatron.data.cache_dir: the token cache fails its checksum ({path}: sha256 differs from the "
+        f"manifest); delete {path} and its manifest to build it again"
+    )
     pack(ds, tok, "k", tmp_path)
     open_packed(path)
 
@@ -73,10 +77,13 @@ def test_local_files_and_bpe_tokenizer(tmp_path):
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text('{"body": "hello there"}\n{"body": "general kenobi"}\n')
     assert load_documents(str(jsonl), text_field="body")["text"] == ["hello there", "general kenobi"]
-    with pytest.raises(DataError, match="no column"):
+    with pytest.raises(ConfigError) as err:
         load_documents(str(jsonl), text_field="text")
-    with pytest.raises(DataError, match="no file matches"):
+    assert str(err.value) == "error: ds_megatron.data.text_field: no column 'text' (['body']); set data.text_field"
+    with pytest.raises(ConfigError) as err:
         load_documents(str(tmp_path / "missing*.txt"))
+    missing = tmp_path / "missing*.txt"
+    assert str(err.value) == f"error: ds_megatron.data.path: no file matches ({missing}); check the path or glob"
 
 
 def test_resume_position_is_exact():

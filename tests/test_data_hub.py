@@ -101,7 +101,7 @@ def test_a_cached_dataset_passes_and_its_split_and_column_are_checked(tmp_path, 
 
 
 def test_the_in_launch_loader_fails_in_the_same_one_line(offline_cache):
-    with pytest.raises(corpus.DataError) as err:
+    with pytest.raises(ConfigError) as err:
         corpus.load_documents("someone/no-such-corpus")
     line = str(err.value)
     assert line.startswith("error: ds_megatron.data.path: no local file of that name, and no Hugging Face dataset")

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ds_megatron.config import ConfigError
 from ds_megatron.data import build, sources
 from ds_megatron.data.__main__ import main
 from ds_megatron.data.build import PrepareArgs, prepare
-from ds_megatron.data.corpus import EOS_TOKEN, DataError, load_documents, pack
+from ds_megatron.data.corpus import EOS_TOKEN, load_documents, pack
 from ds_megatron.data.prepared import check_prepared, open_prepared, read_manifest
 from ds_megatron.fileio import sha256_file
 
@@ -218,5 +219,5 @@ def test_a_changed_corpus_is_refused_not_mixed(tmp_path, tok_dir):
     with open(tmp_path / "corpus" / "part0.jsonl", "a") as fh:
         fh.write(json.dumps({"text": "one more"}) + "\n")
     os.utime(tmp_path / "corpus" / "part0.jsonl", ns=(1, 1))
-    with pytest.raises(DataError, match="holds another preparation"):
+    with pytest.raises(ConfigError, match="holds another preparation"):
         run_prepare(data, tok_dir, tmp_path / "out", progress=False)

@@ -108,7 +108,7 @@ def test_a_directory_that_does_not_match_its_manifest_is_refused(tmp_path, prepa
     line = str(err.value)
     assert line.startswith("error: ds_megatron.data.path: the prepared directory does not match its manifest (")
     assert "shard_00002.bin has" in line and "rerun `python -m ds_megatron.data prepare" in line and "\n" not in line
-    with pytest.raises(corpus.DataError, match="does not match its manifest"):
+    with pytest.raises(ConfigError, match="does not match its manifest"):
         run_data.prepare_data(run_config(tmp_path, path=str(bad)), 0)
 
 
@@ -239,3 +239,34 @@ def test_in_launch_path_builds_once_then_finds_the_cache(tmp_path, monkeypatch):
     second = run_data.prepare_data(run, 1)
     assert first.cache_file == second.cache_file and first.num_tokens == second.num_tokens > 1000
     assert torch.equal(first.train[5], second.train[5])
+
+
+def test_a_data_problem_inside_the_launch_exits_2_in_one_line(tmp_path, monkeypatch, capsys):
+    """``trainer.train`` turns a ConfigError of the data phase (found after pre-flight, e.g. a corpus without tokens)
+    into EXIT_BAD_DATA and rank 0's one line; a ConfigError from building the engine is not a data problem and
+    propagates."""
+    from types import SimpleNamespace
+
+    from ds_megatron import trainer
+
+    run = run_config(tmp_path, path=str(tmp_path / "corpus.jsonl"))
+    built = SimpleNamespace(topology=SimpleNamespace(rank=0))
+    problem = ConfigError("ds_megatron.data.path", "the corpus has no tokens", "3 empty documents", "point it at text")
+
+    def no_tokens(*args):
+        raise problem
+
+    monkeypatch.setattr(trainer, "build_engine", lambda run: built)
+    monkeypatch.setattr(trainer, "prepare_data", no_tokens)
+    monkeypatch.setattr(trainer, "run_dir_for", lambda run, name: tmp_path / "run")
+    assert trainer.train(run) == trainer.EXIT_BAD_DATA == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: ds_megatron.data.path: the corpus has no tokens (3 empty documents); point it at text"
+    ]
+
+    def engine_fails(run):
+        raise ConfigError("ds_megatron.checkpoint.load", "bad", "x", "y")
+
+    monkeypatch.setattr(trainer, "build_engine", engine_fails)
+    with pytest.raises(ConfigError, match="checkpoint.load"):
+        trainer.train(run)

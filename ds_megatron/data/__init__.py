@@ -10,7 +10,6 @@ import importlib
 
 _WHERE = {
     "EOS_TOKEN": "corpus",
-    "DataError": "corpus",
     "PackedTokens": "corpus",
     "build_tokenizer": "corpus",
     "fingerprint_documents": "corpus",

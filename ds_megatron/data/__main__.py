@@ -43,23 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args) -> None:
-    from ds_megatron.data.corpus import DataError
+    from ds_megatron.config import ConfigError
 
     if args.num_proc < 1:
-        raise DataError(f"error: --num-proc: must be at least 1 (got {args.num_proc}); pass e.g. --num-proc 4")
+        raise ConfigError("--num-proc", "must be at least 1", f"got {args.num_proc}", "pass e.g. --num-proc 4")
     if not 0.0 < args.valid_fraction < 0.5:
-        raise DataError(f"error: --valid-fraction: must be in (0, 0.5) (got {args.valid_fraction}); pass e.g. 0.02")
+        raise ConfigError("--valid-fraction", "must be in (0, 0.5)", f"got {args.valid_fraction}", "pass e.g. 0.02")
     if args.chunk_mb is not None and args.chunk_mb <= 0:
-        raise DataError(f"error: --chunk-mb: must be positive (got {args.chunk_mb}); pass e.g. 64")
+        raise ConfigError("--chunk-mb", "must be positive", f"got {args.chunk_mb}", "pass e.g. 64")
     spec = args.tokenizer
     if spec.startswith("bpe:"):
         size = spec.removeprefix("bpe:")
         if not size.isdigit() or int(size) < 260:
-            raise DataError(
-                f"error: --tokenizer: bpe size must be an integer >= 260 (got {spec!r}); write e.g. bpe:8192"
+            raise ConfigError(
+                "--tokenizer", "bpe size must be an integer >= 260", f"got {spec!r}", "write e.g. bpe:8192"
             )
     elif not os.path.isdir(spec):
-        raise DataError(f"error: --tokenizer: not a directory nor bpe:N (got {spec!r}); pass a tokenizer directory")
+        raise ConfigError("--tokenizer", "not a directory nor bpe:N", f"got {spec!r}", "pass a tokenizer directory")
 
 
 def _prepare(args) -> int:
@@ -83,12 +83,12 @@ def _prepare(args) -> int:
 
 
 def _verify(args) -> int:
-    from ds_megatron.data.corpus import DataError
+    from ds_megatron.config import ConfigError
     from ds_megatron.data.prepared import check_prepared, read_manifest
 
     problem = check_prepared(args.directory, checksums=True)
     if problem is not None:
-        raise DataError("error: {}: {} ({}); {}".format(args.directory, *problem))
+        raise ConfigError(args.directory, *problem)
     manifest = read_manifest(args.directory)
     print(
         f"{args.directory}: {manifest['num_tokens']:,} tokens, {manifest['num_docs']:,} documents, "
@@ -101,11 +101,11 @@ def _verify(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    from ds_megatron.data.corpus import DataError
+    from ds_megatron.config import ConfigError
 
     try:
         return _prepare(args) if args.command == "prepare" else _verify(args)
-    except DataError as err:
+    except ConfigError as err:
         print(str(err), file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

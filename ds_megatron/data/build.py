@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_megatron.data.corpus import DataError, eos_id, resolve_files, tokenizer_fingerprint, train_bpe_from_texts
+from ds_megatron.config import ConfigError
+from ds_megatron.data.corpus import eos_id, resolve_files, tokenizer_fingerprint, train_bpe_from_texts
 from ds_megatron.data.lock import file_lock
 from ds_megatron.data.prepared import (
     FORMAT,
@@ -169,20 +170,24 @@ def plan_key(files: list[str], args: PrepareArgs, size: int) -> tuple[str, list[
 
 
 def _existing(out: Path, key: str) -> dict | None:
-    """The manifest of a previous run of this plan in ``out`` (to resume), None for an empty directory; DataError for
-    a directory that holds anything else."""
+    """The manifest of a previous run of this plan in ``out`` (to resume), None for an empty directory; ConfigError
+    for a directory that holds anything else."""
     if not out.exists() or (out.is_dir() and not any(p.name != LOCK for p in out.iterdir())):
         return None
     manifest = read_manifest(out)
     if manifest is None:
-        raise DataError(
-            f"error: --out: {out} is not empty and is not a prepared directory (no {MANIFEST}); "
-            "pass a new --out directory"
+        raise ConfigError(
+            "--out",
+            f"{out} is not empty and is not a prepared directory",
+            f"no {MANIFEST}",
+            "pass a new --out directory",
         )
     if manifest.get("plan") != key:
-        raise DataError(
-            f"error: --out: {out} holds another preparation (other files, tokenizer or settings: plan "
-            f"{manifest.get('plan')} != {key}); pass a new --out directory or delete that one"
+        raise ConfigError(
+            "--out",
+            f"{out} holds another preparation",
+            f"other files, tokenizer or settings: plan {manifest.get('plan')} != {key}",
+            "pass a new --out directory or delete that one",
         )
     return manifest
 
@@ -207,9 +212,11 @@ def _load_tokenizer(args: PrepareArgs, out: Path, chunks: list[Chunk], resumed: 
     tok.save_pretrained(tmp)
     if not getattr(tok, "is_fast", False) or not (tmp / "tokenizer.json").is_file():
         shutil.rmtree(tmp, ignore_errors=True)
-        raise DataError(
-            f"error: --tokenizer: prepare needs a fast tokenizer, one with a tokenizer.json ({args.tokenizer}); "
-            "convert it with transformers (AutoTokenizer.from_pretrained(...).save_pretrained(...)), or use bpe:N"
+        raise ConfigError(
+            "--tokenizer",
+            "prepare needs a fast tokenizer, one with a tokenizer.json",
+            args.tokenizer,
+            "convert it with transformers (AutoTokenizer.from_pretrained(...).save_pretrained(...)), or use bpe:N",
         )
     shutil.rmtree(tok_dir, ignore_errors=True)
     os.replace(tmp, tok_dir)
@@ -254,10 +261,10 @@ class Progress:
 
 
 def prepare(args: PrepareArgs, log=print) -> dict:
-    """Prepare (or resume preparing) ``args.out``; returns the final manifest.  DataError for bad input."""
+    """Prepare (or resume preparing) ``args.out``; returns the final manifest.  ConfigError for bad input."""
     files = resolve_files(args.data)
     if not files:
-        raise DataError(f"error: --data: no file matches ({args.data}); check the path or glob")
+        raise ConfigError("--data", "no file matches", args.data, "check the path or glob")
     check_fields(files, args.text_field)
     size = chunk_bytes(files, args)
     chunks = plan_chunks(files, size)
@@ -269,8 +276,8 @@ def prepare(args: PrepareArgs, log=print) -> dict:
         with file_lock(out / LOCK, blocking=False):
             return _prepare_locked(args, out, key, sources, chunks, size, log)
     except BlockingIOError:
-        raise DataError(
-            f"error: --out: another prepare is writing {out} (it holds {out / LOCK}); wait for it or pick another --out"
+        raise ConfigError(
+            "--out", f"another prepare is writing {out}", f"it holds {out / LOCK}", "wait for it or pick another --out"
         ) from None
 
 
@@ -291,14 +298,16 @@ def _prepare_locked(args: PrepareArgs, out: Path, key: str, sources: list, chunk
     tok = _load_tokenizer(args, out, chunks, resumed, log)
     identity = _tokenizer_identity(args, tok, out)
     if manifest["tokenizer"] is not None and manifest["tokenizer"]["fingerprint"] != identity["fingerprint"]:
-        raise DataError(
-            f"error: --tokenizer: {out} was partly prepared with another tokenizer ({args.tokenizer} changed); "
-            "pass a new --out directory"
+        raise ConfigError(
+            "--tokenizer",
+            f"{out} was partly prepared with another tokenizer",
+            f"{args.tokenizer} changed",
+            "pass a new --out directory",
         )
     dtype = token_dtype(len(tok))
     manifest.update(
         dtype=dtype.name,
-        eos_id=eos_id(tok),
+        eos_id=eos_id(tok, "--tokenizer"),
         text_field=args.text_field,
         valid_fraction=args.valid_fraction,
         chunk_bytes=size,
@@ -336,7 +345,7 @@ def _prepare_locked(args: PrepareArgs, out: Path, key: str, sources: list, chunk
     manifest["num_tokens"] = sum(s["num_tokens"] for s in manifest["shards"])
     manifest["num_docs"] = sum(s["num_docs"] for s in manifest["shards"])
     if manifest["num_tokens"] <= manifest["num_docs"]:
-        raise DataError(f"error: --data: the corpus has no tokens ({args.data}); point it at some text")
+        raise ConfigError("--data", "the corpus has no tokens", args.data, "point it at some text")
     manifest["complete"] = True
     atomic_write_text(out / MANIFEST, json.dumps(manifest, indent=1))
     seconds = time.perf_counter() - start
@@ -366,7 +375,7 @@ def _run_jobs(jobs: list[ShardJob], num_proc: int, progress: Progress, finished)
                 pass
             for result in [r for r in pending if r.ready()]:
                 pending.remove(result)
-                finished(result.get())  # re-raises a worker's DataError here
+                finished(result.get())  # re-raises a worker's ConfigError here
         while True:  # the last reports of the last shards
             try:
                 progress.add(*reports.get_nowait())

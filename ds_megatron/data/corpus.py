@@ -24,14 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ds_megatron.config import ConfigError
 from ds_megatron.fileio import atomic_write_text, sha256_file
 
 EOS_TOKEN = "<|endoftext|>"
 SUFFIX_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-
-
-class DataError(ValueError):
-    """Bad data input; ``str`` is the one line shown to the user."""
 
 
 def _writer_id() -> str:
@@ -64,7 +61,7 @@ def is_local(path: str) -> bool:
 
 
 def load_documents(path: str | None, text_field: str = "text", split: str = "train"):
-    """One ``text`` column; raises DataError for missing files, unknown formats or an empty corpus."""
+    """One ``text`` column; raises ConfigError for missing files, unknown formats or an empty corpus."""
     import datasets
 
     if path is None:
@@ -74,12 +71,14 @@ def load_documents(path: str | None, text_field: str = "text", split: str = "tra
     if is_local(path):
         files = resolve_files(path)
         if not files:
-            raise DataError(f"error: ds_megatron.data.path: no file matches ({path}); check the path or glob")
+            raise ConfigError("ds_megatron.data.path", "no file matches", path, "check the path or glob")
         suffixes = {Path(f).suffix for f in files}
         if len(suffixes) != 1 or next(iter(suffixes)) not in SUFFIX_BUILDERS:
-            raise DataError(
-                f"error: ds_megatron.data.path: mixed or unknown file types ({sorted(suffixes)}); "
-                f"use one of {sorted(SUFFIX_BUILDERS)}"
+            raise ConfigError(
+                "ds_megatron.data.path",
+                "mixed or unknown file types",
+                str(sorted(suffixes)),
+                f"use one of {sorted(SUFFIX_BUILDERS)}",
             )
         builder = SUFFIX_BUILDERS[suffixes.pop()]
         kwargs = {"sample_by": "document"} if builder == "text" else {}
@@ -89,30 +88,29 @@ def load_documents(path: str | None, text_field: str = "text", split: str = "tra
         ds = _load_hub_dataset(path, split)
         field = text_field
     if field not in ds.column_names:
-        raise DataError(
-            f"error: ds_megatron.data.text_field: no column {field!r} ({ds.column_names}); set data.text_field"
+        raise ConfigError(
+            "ds_megatron.data.text_field", f"no column {field!r}", str(ds.column_names), "set data.text_field"
         )
     ds = ds.select_columns([field])
     if field != "text":
         ds = ds.rename_column(field, "text")
     if len(ds) == 0:
-        raise DataError(f"error: ds_megatron.data.path: the dataset is empty ({path}); point it at some text")
+        raise ConfigError("ds_megatron.data.path", "the dataset is empty", str(path), "point it at some text")
     return ds
 
 
 def _load_hub_dataset(name: str, split: str):
     """A Hugging Face dataset; pre-flight resolved the name already, so a failure here (the network went away since)
-    is one DataError line like pre-flight's, not a traceback from every process."""
+    is one ConfigError line like pre-flight's, not a traceback from every process."""
     import datasets
 
-    from ds_megatron.config import ConfigError
     from ds_megatron.data.hub import SETTING, describe_failure
 
     try:
         return datasets.load_dataset(name, split=split)
     except Exception as err:
         problem = describe_failure(name, split, err, bool(datasets.config.HF_HUB_OFFLINE))
-        raise DataError(str(ConfigError(SETTING, *problem))) from None
+        raise ConfigError(SETTING, *problem) from None
 
 
 def fingerprint_documents(ds, path: str | None) -> str:
@@ -183,9 +181,16 @@ def build_tokenizer(spec: str, ds, corpus_hash: str, cache_dir: Path):
     return AutoTokenizer.from_pretrained(spec), spec
 
 
-def eos_id(tok) -> int:
+def eos_id(tok, setting: str = "ds_megatron.data.tokenizer") -> int:
+    """The end-of-document token every document ends in; ConfigError naming ``setting`` (the config key, or the
+    prepare command's flag) for a tokenizer without one."""
     if tok.eos_token_id is None:
-        raise DataError("error: ds_megatron.data.tokenizer: the tokenizer has no EOS token; use one that defines it")
+        raise ConfigError(
+            setting,
+            "the tokenizer has no EOS token",
+            f"{tok.name_or_path or type(tok).__name__}: eos_token is None",
+            "use one that defines it",
+        )
     return int(tok.eos_token_id)
 
 
@@ -209,8 +214,8 @@ def pack(ds, tok, key: str, cache_dir: Path, num_proc: int = 1) -> Path:
         try:
             open_packed(out)
             return out
-        except DataError as err:
-            print(f"warning: {err}; rebuilding the token cache", flush=True)
+        except ConfigError as err:
+            print(f"warning: {err.problem} ({err.values}); rebuilding the token cache", flush=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
     eos = eos_id(tok)
     dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.uint32
@@ -229,7 +234,12 @@ def pack(ds, tok, key: str, cache_dir: Path, num_proc: int = 1) -> Path:
     )
     total = int(sum(encoded["n"]))  # one int per document; the ids stay on disk in the Arrow cache
     if total <= len(encoded):
-        raise DataError("error: ds_megatron.data.path: the corpus has no tokens; point it at some text")
+        raise ConfigError(
+            "ds_megatron.data.path",
+            "the corpus has no tokens",
+            f"{len(encoded)} empty documents",
+            "point it at some text",
+        )
     tmp = out.with_name(f"{out.name}.tmp-{_writer_id()}")  # concurrent builders never share a temporary file
     arr = np.memmap(tmp, dtype=dtype, mode="w+", shape=(total,))
     pos = 0
@@ -258,12 +268,16 @@ def pack(ds, tok, key: str, cache_dir: Path, num_proc: int = 1) -> Path:
 def open_packed(path: Path, verify_checksum: bool = True) -> PackedTokens:
     """Open a packed token file, checking its size (and checksum) against the manifest."""
     manifest_path = _manifest_path(path)
+    setting, fix = "ds_megatron.data.cache_dir", f"delete {path} and its manifest to build it again"
     if not path.exists() or not manifest_path.exists():
-        raise DataError(f"token cache {path} is incomplete (file or manifest missing)")
+        raise ConfigError(setting, "the token cache is incomplete", f"{path}: file or manifest missing", fix)
     manifest = json.loads(manifest_path.read_text())
     if path.stat().st_size != manifest["bytes"]:
-        raise DataError(f"token cache {path} has {path.stat().st_size} bytes, manifest says {manifest['bytes']}")
+        size = f"{path}: {path.stat().st_size} bytes, the manifest says {manifest['bytes']}"
+        raise ConfigError(setting, "the token cache has the wrong size", size, fix)
     if verify_checksum and sha256_file(path) != manifest["sha256"]:
-        raise DataError(f"token cache {path} fails its checksum")
+        raise ConfigError(
+            setting, "the token cache fails its checksum", f"{path}: sha256 differs from the manifest", fix
+        )
     tokens = np.memmap(path, dtype=np.dtype(manifest["dtype"]), mode="r", shape=(manifest["num_tokens"],))
     return PackedTokens(path, tokens, manifest)

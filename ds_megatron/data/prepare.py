@@ -23,11 +23,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_megatron.config import RunConfig, effective_tokenizer
+from ds_megatron.config import ConfigError, RunConfig, effective_tokenizer
 from ds_megatron.config.schema import DataSection
 from ds_megatron.data.blend import BlendedSamples
 from ds_megatron.data.corpus import (
-    DataError,
     build_tokenizer,
     fingerprint_documents,
     is_local,
@@ -80,9 +79,11 @@ def _load_tokenizer(path: str | Path, run: RunConfig):
 
     tok = AutoTokenizer.from_pretrained(path)
     if len(tok) > run.model.vocab_size:
-        raise DataError(
-            f"error: ds_megatron.data.tokenizer: tokenizer vocabulary larger than the model's "
-            f"({len(tok)} > vocab_size {run.model.vocab_size}); raise model.vocab_size to at least {len(tok)}"
+        raise ConfigError(
+            "ds_megatron.data.tokenizer",
+            "tokenizer vocabulary larger than the model's",
+            f"{len(tok)} > vocab_size {run.model.vocab_size}",
+            f"raise model.vocab_size to at least {len(tok)}",
         )
     return tok
 
@@ -126,7 +127,7 @@ def build_in_launch(run: RunConfig, rank: int = 0) -> tuple[str, str]:
                 open_packed(Path(found["cache_file"]), verify_checksum=False)
                 if Path(found["tokenizer"]).is_dir():
                     return found["cache_file"], found["tokenizer"]
-            except DataError:
+            except ConfigError:
                 pass  # gone or damaged since: build again (pack verifies and rebuilds)
         cache_file, tok_dir = _build(run)
         atomic_write_text(record, json.dumps({"cache_file": cache_file, "tokenizer": tok_dir}))
@@ -152,9 +153,7 @@ def _in_launch_data(run: RunConfig, rank: int) -> RunData:
 def _open_checked(directory: str) -> Prepared:
     prepared = open_prepared(directory)
     if len(prepared.tokens) < 2:
-        raise DataError(
-            f"error: ds_megatron.data.path: the prepared directory has no tokens ({directory}); prepare text"
-        )
+        raise ConfigError("ds_megatron.data.path", "the prepared directory has no tokens", directory, "prepare text")
     return prepared
 
 
@@ -162,9 +161,11 @@ def _prepared_tokenizer(prepared: Prepared, run: RunConfig):
     tok = _load_tokenizer(prepared.tokenizer_dir, run)
     expected = prepared.manifest["tokenizer"]["fingerprint"]
     if tokenizer_fingerprint(tok) != expected:
-        raise DataError(
-            f"error: ds_megatron.data.path: the tokenizer in {prepared.tokenizer_dir} is not the one its shards were "
-            f"made with ({tokenizer_fingerprint(tok)} != {expected}); prepare the directory again"
+        raise ConfigError(
+            "ds_megatron.data.path",
+            f"the tokenizer in {prepared.tokenizer_dir} is not the one its shards were made with",
+            f"{tokenizer_fingerprint(tok)} != {expected}",
+            "prepare the directory again",
         )
     return tok
 
@@ -202,9 +203,11 @@ def _blend_data(run: RunConfig, rank: int) -> RunData:
     members = [_open_checked(p) for p in paths]
     prints = {m.manifest["tokenizer"]["fingerprint"] for m in members}
     if len(prints) > 1:
-        raise DataError(
-            "error: ds_megatron.data.blend: the directories were tokenised with different tokenizers "
-            f"({sorted(prints)}); prepare them all with one --tokenizer"
+        raise ConfigError(
+            "ds_megatron.data.blend",
+            "the directories were tokenised with different tokenizers",
+            str(sorted(prints)),
+            "prepare them all with one --tokenizer",
         )
     tok = _prepared_tokenizer(members[0], run)
     _warn_ignored_valid_fraction(run, rank, {p: m.manifest["valid_fraction"] for p, m in zip(paths, members)})
@@ -223,7 +226,8 @@ def _blend_data(run: RunConfig, rank: int) -> RunData:
 
 
 def prepare_data(run: RunConfig, rank: int, run_dir: Path | None = None) -> RunData:
-    """Every rank calls it, each on its own (no collective).  Raises DataError for unusable data."""
+    """Every rank calls it, each on its own (no collective).  Raises ConfigError for unusable data (the trainer's
+    EXIT_BAD_DATA)."""
     data = run.section.data
     if data.blend:
         result = _blend_data(run, rank)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_megatron.data.corpus import DataError
+from ds_megatron.config import ConfigError
 from ds_megatron.fileio import sha256_file
 
 FORMAT = "ds_megatron.prepared"
@@ -178,11 +178,11 @@ class Prepared:
 
 
 def open_prepared(directory: str | Path, checksums: bool = False) -> Prepared:
-    """Open a complete prepared directory read-only (memory-mapped shards); DataError when it does not match."""
+    """Open a complete prepared directory read-only (memory-mapped shards); ConfigError when it does not match."""
     directory = Path(os.path.expanduser(str(directory)))
     problem = check_prepared(directory, checksums)
     if problem is not None:
-        raise DataError("error: ds_megatron.data.path: {} ({}); {}".format(*problem))
+        raise ConfigError("ds_megatron.data.path", *problem)
     manifest = read_manifest(directory)
     dtype = np.dtype(manifest["dtype"])
     arrays = [

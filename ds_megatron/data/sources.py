@@ -22,10 +22,12 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ds_megatron.data.corpus import SUFFIX_BUILDERS, DataError
+from ds_megatron.config import ConfigError
+from ds_megatron.data.corpus import SUFFIX_BUILDERS
 
 BATCH_DOCS = 512  # documents per tokenizer call
 BATCH_BYTES = 1 << 20  # ... or this many bytes of text, whichever comes first
+TEXT_FIELD_FIX = "pass --text-field naming the field that holds the text"
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Chunk:
 def file_kind(path: str) -> str:
     suffix = os.path.splitext(path)[1]
     if suffix not in SUFFIX_BUILDERS:
-        raise DataError(f"error: --data: unknown file type ({path}); use {', '.join(sorted(SUFFIX_BUILDERS))} files")
+        raise ConfigError("--data", "unknown file type", path, f"use {', '.join(sorted(SUFFIX_BUILDERS))} files")
     if suffix == ".txt":
         return "txt"
     if suffix == ".parquet":
@@ -108,11 +110,17 @@ def plan_chunks(files: list[str], chunk_bytes: int) -> list[Chunk]:
 def _field(record, field: str, where: str) -> str:
     if not isinstance(record, dict) or field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise DataError(f"error: --text-field: no field {field!r} in {where} ({keys}); pass --text-field")
+        raise ConfigError("--text-field", f"no field {field!r} in {where}", str(keys), "pass --text-field")
     text = record[field]
     if not isinstance(text, str):
-        raise DataError(f"error: --text-field: {field!r} is not text in {where} (got {type(text).__name__})")
+        raise _not_text(field, where, text)
     return text
+
+
+def _not_text(field: str, where: str, value) -> ConfigError:
+    return ConfigError(
+        "--text-field", f"{field!r} is not text in {where}", f"got {type(value).__name__}", TEXT_FIELD_FIX
+    )
 
 
 def check_fields(files: list[str], field: str) -> None:
@@ -131,14 +139,14 @@ def check_fields(files: list[str], field: str) -> None:
 
             names = pq.ParquetFile(path).schema_arrow.names
             if field not in names:
-                raise DataError(f"error: --text-field: no column {field!r} in {path} ({names}); pass --text-field")
+                raise ConfigError("--text-field", f"no column {field!r} in {path}", str(names), "pass --text-field")
 
 
 def _loads(line: bytes, where: str):
     try:
         return json.loads(line)
     except json.JSONDecodeError as err:
-        raise DataError(f"error: --data: invalid JSON in {where} ({err.msg}); fix or remove that line") from None
+        raise ConfigError("--data", f"invalid JSON in {where}", err.msg, "fix or remove that line") from None
 
 
 def _documents(chunk: Chunk, field: str) -> Iterator[tuple[str, int]]:
@@ -179,9 +187,7 @@ def _documents(chunk: Chunk, field: str) -> Iterator[tuple[str, int]]:
             share = chunk.nbytes // rows
             for text in batch.column(0).to_pylist():
                 if not isinstance(text, str):
-                    raise DataError(
-                        f"error: --text-field: {field!r} is not text in {chunk.files[0]} (got {type(text).__name__})"
-                    )
+                    raise _not_text(field, chunk.files[0], text)
                 yield text, share
 
 
