@@ -33,20 +33,23 @@ def check_run(run: RunConfig) -> None:
 def check_data(run: RunConfig) -> None:
     """Prepared directories (``data.path`` or ``data.blend``) are complete and match their manifests; local text
     exists, is not empty and is small enough to tokenise inside the launch (``data.max_inlaunch_bytes``); a Hugging
-    Face dataset name resolves (``data.hub``: metadata only, the Hub or the local cache)."""
+    Face dataset name resolves, with its configuration ``data.hf_config`` (``data.hub``: metadata only, the Hub or the
+    local cache), and only a dataset name has one."""
     data = run.section.data
     if data.blend:
         check_blend(run)
         return
     if data.path is None:
         return
+    from ds_megatron.config.loader import hf_config_unused
+    from ds_megatron.data.corpus import is_local, resolve_files
     from ds_megatron.data.prepared import is_prepared
 
+    if data.hf_config is not None and is_local(data.path):
+        raise hf_config_unused(data)
     if is_prepared(data.path):
         check_prepared_dir(run, data.path, "ds_megatron.data.path")
         return
-    from ds_megatron.data.corpus import is_local, resolve_files
-
     if is_local(data.path):
         files = resolve_files(data.path)
         if not files and os.path.isdir(os.path.expanduser(data.path)):
@@ -66,7 +69,7 @@ def check_data(run: RunConfig) -> None:
         return
     from ds_megatron.data.hub import check_hub_dataset
 
-    check_hub_dataset(data.path, data.split, data.text_field)
+    check_hub_dataset(data.path, data.hf_config, data.split, data.text_field)
 
 
 def prepare_command(run: RunConfig, files: list[str]) -> tuple[str, str]:

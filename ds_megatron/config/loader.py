@@ -349,9 +349,10 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
 
 
 def check_data_section(data: DataSection) -> None:
-    """``max_inlaunch_bytes`` positive; ``blend`` a list of [directory, weight] with weights >= 0, not all zero, and
-    not together with ``path``."""
+    """``max_inlaunch_bytes`` positive; ``hf_config`` only with a Hugging Face dataset name in ``path``; ``blend`` a
+    list of [directory, weight] with weights >= 0, not all zero, and not together with ``path``."""
     _positive("ds_megatron.data.max_inlaunch_bytes", data.max_inlaunch_bytes)
+    check_hf_config(data)
     if not data.blend:
         return
     setting = "ds_megatron.data.blend"
@@ -374,6 +375,23 @@ def check_data_section(data: DataSection) -> None:
         raise ConfigError(
             setting, "set together with data.path", f"path={data.path!r}", "use either data.blend or data.path (--data)"
         )
+
+
+def check_hf_config(data: DataSection) -> None:
+    """A configuration name belongs to a Hugging Face dataset: refused with a blend or the built-in corpus here, with
+    local files or a prepared directory in pre-flight (which can look at files); nothing would read it."""
+    if data.hf_config is not None and (data.blend or data.path is None):
+        raise hf_config_unused(data)
+
+
+def hf_config_unused(data: DataSection) -> ConfigError:
+    where = f"blend={list(data.blend)!r}" if data.blend else f"path={data.path!r}"
+    return ConfigError(
+        "ds_megatron.data.hf_config",
+        "a configuration name needs a Hugging Face dataset name in data.path",
+        f"hf_config={data.hf_config!r}, {where}",
+        "remove data.hf_config, or set data.path to the dataset's name (e.g. wikitext)",
+    )
 
 
 def effective_tokenizer(run: RunConfig) -> str:

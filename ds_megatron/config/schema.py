@@ -90,6 +90,7 @@ class DataSection:
     # None: the built-in corpus (CPython's reference documentation text, no network needed)
     text_field: str = "text"  # field holding the text in json/jsonl/parquet/HF datasets
     split: str = "train"  # HF dataset split
+    hf_config: str | None = None  # configuration name of the HF dataset data.path names (e.g. "wikitext-103-raw-v1")
     tokenizer: str | None = None  # a tokenizer directory (AutoTokenizer), or "bpe:N" to train a byte-level BPE of N
     # tokens on the training text; None: bpe with the model's vocab_size
     cache_dir: str = ".cache/ds_megatron"  # packed token files, keyed by content hash

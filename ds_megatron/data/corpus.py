@@ -60,8 +60,9 @@ def is_local(path: str) -> bool:
     )
 
 
-def load_documents(path: str | None, text_field: str = "text", split: str = "train"):
-    """One ``text`` column; raises ConfigError for missing files, unknown formats or an empty corpus."""
+def load_documents(path: str | None, text_field: str = "text", split: str = "train", hf_config: str | None = None):
+    """One ``text`` column; raises ConfigError for missing files, unknown formats or an empty corpus.  ``hf_config``:
+    the configuration of a Hugging Face dataset ``path`` (``datasets.load_dataset(path, name=hf_config)``)."""
     import datasets
 
     if path is None:
@@ -85,7 +86,7 @@ def load_documents(path: str | None, text_field: str = "text", split: str = "tra
         ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
         field = "text" if builder == "text" else text_field
     else:
-        ds = _load_hub_dataset(path, split)
+        ds = _load_hub_dataset(path, hf_config, split)
         field = text_field
     if field not in ds.column_names:
         raise ConfigError(
@@ -99,18 +100,17 @@ def load_documents(path: str | None, text_field: str = "text", split: str = "tra
     return ds
 
 
-def _load_hub_dataset(name: str, split: str):
+def _load_hub_dataset(name: str, config: str | None, split: str):
     """A Hugging Face dataset; pre-flight resolved the name already, so a failure here (the network went away since)
     is one ConfigError line like pre-flight's, not a traceback from every process."""
     import datasets
 
-    from ds_megatron.data.hub import SETTING, describe_failure
+    from ds_megatron.data.hub import describe_failure
 
     try:
-        return datasets.load_dataset(name, split=split)
+        return datasets.load_dataset(name, name=config, split=split)
     except Exception as err:
-        problem = describe_failure(name, split, err, bool(datasets.config.HF_HUB_OFFLINE))
-        raise ConfigError(SETTING, *problem) from None
+        raise describe_failure(name, config, split, err, bool(datasets.config.HF_HUB_OFFLINE)) from None
 
 
 def fingerprint_documents(ds, path: str | None) -> str:

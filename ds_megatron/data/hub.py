@@ -1,12 +1,13 @@
-"""Hugging Face dataset names (a ``data.path`` that is neither local files nor a prepared directory), resolved before
-any process group exists.
+"""Hugging Face dataset names (a ``data.path`` that is neither local files nor a prepared directory, with its
+configuration name in ``data.hf_config`` where it has several), resolved before any process group exists.
 
-Loaded in the launch, a dataset that cannot be had (no network, a wrong name, a dataset that needs a configuration
-name) fails on every rank with a ``ConnectionError`` or ``ValueError`` traceback, after ``datasets`` has retried an
+Loaded in the launch, a dataset that cannot be had (no network, a wrong name, a configuration name missing or wrong)
+fails on every rank with a ``ConnectionError`` or ``ValueError`` traceback, after ``datasets`` has retried an
 unreachable Hub for about 25 s.  ``check_hub_dataset`` asks for the dataset's metadata only (the Hub, or the local
 cache with ``HF_HUB_OFFLINE=1``), in pre-flight, and turns every failure into one :class:`ConfigError` line that says
-how to train from local files or a prepared directory instead.  ``describe_failure`` is the one place that maps
-``datasets``' exceptions to that line; the in-launch loader uses it too.
+which ``data.hf_config`` to set, or how to train from local files or a prepared directory instead.
+``describe_failure`` is the one place that maps ``datasets``' exceptions to that line; the in-launch loader uses it
+too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from ds_megatron.config import ConfigError
 
 SETTING = "ds_megatron.data.path"
+CONFIG_SETTING = "ds_megatron.data.hf_config"
 # A TCP connection to the Hub says within this many seconds what datasets' own retries (5, with back-off) take about
 # 25 s to conclude when the network is down.
 PROBE_TIMEOUT_S = 5.0
@@ -40,43 +42,57 @@ def local_fix(name: str, split: str, config: str | None = None) -> str:
 
 
 def _config_names(message: str) -> list[str]:
-    """The configurations ``datasets`` lists when a name alone is ambiguous (from the Hub or from the cache)."""
-    listed = re.search(r"available configs: (\[.*?\])", message)
+    """The configurations ``datasets`` lists when a name alone is ambiguous or the configuration name is wrong (from
+    the Hub: "available configs: [...]", "Available: [...]"; from the cache: "Available configs in the cache: [...]",
+    "configurations in the cache: a, b")."""
+    listed = re.search(r"[Aa]vailable(?: configs)?(?: in the cache)?: (\[.*?\])", message)
     if listed:
         return [str(c) for c in ast.literal_eval(listed.group(1))]
     cached = re.search(r"configurations in the cache: ([^\n]+)", message)
     return [c.strip() for c in cached.group(1).split(",")] if cached else []
 
 
-def describe_failure(name: str, split: str, err: Exception, offline: bool) -> tuple[str, str, str]:
-    """(problem, values, fix) for an exception ``datasets`` raised while resolving ``name``."""
+def named(name: str, config: str | None) -> str:
+    """A dataset as the error lines name it: 'wikitext', or 'wikitext' (wikitext-103-raw-v1)."""
+    return f"{name!r}" if config is None else f"{name!r} ({config})"
+
+
+def describe_failure(name: str, config: str | None, split: str, err: Exception, offline: bool) -> ConfigError:
+    """The one-line error for an exception ``datasets`` raised while resolving ``name`` (configuration ``config``)."""
     text = str(err).strip()
     first = text.splitlines()[0] if text else type(err).__name__
     configs = _config_names(text)
+    fix = local_fix(name, split, config)
     if configs:
-        return (
-            "the Hugging Face dataset needs a configuration name, which data.path cannot carry",
-            f"{name!r} has {', '.join(configs)}",
-            local_fix(name, split, configs[0]),
-        )
+        listed = f"{name!r} has {', '.join(configs)}"
+        choose = f"set data.hf_config to one of them (--set {CONFIG_SETTING}={configs[0]})"
+        if config is None:
+            return ConfigError(CONFIG_SETTING, "the Hugging Face dataset needs a configuration name", listed, choose)
+        wrong = f"{config!r}; {listed}"
+        return ConfigError(CONFIG_SETTING, "the Hugging Face dataset has no such configuration", wrong, choose)
     if isinstance(err, ConnectionError) and offline:  # datasets' OfflineModeIsEnabled, once the cache had nothing
         import datasets
 
-        return (
+        return ConfigError(
+            SETTING,
             "no local file of that name, and no Hugging Face dataset of that name in the local cache (the Hub is off: "
             "HF_HUB_OFFLINE=1)",
-            f"{name!r}; cache {datasets.config.HF_DATASETS_CACHE}",
-            local_fix(name, split),
+            f"{named(name, config)}; cache {datasets.config.HF_DATASETS_CACHE}",
+            fix,
         )
     if isinstance(err, ConnectionError):
-        return "cannot reach the Hugging Face Hub for this dataset", f"{name!r}: {first}", local_fix(name, split)
-    if isinstance(err, FileNotFoundError):  # also datasets' DatasetNotFoundError
-        return (
-            "no local file of that name, and no such Hugging Face dataset",
-            f"{name!r}: {first}",
-            f"check the path, or the name on https://huggingface.co/datasets; or {local_fix(name, split)}",
+        return ConfigError(
+            SETTING, "cannot reach the Hugging Face Hub for this dataset", f"{named(name, config)}: {first}", fix
         )
-    return "cannot load the Hugging Face dataset", f"{name!r}: {type(err).__name__}: {first}", local_fix(name, split)
+    if isinstance(err, FileNotFoundError):  # also datasets' DatasetNotFoundError
+        return ConfigError(
+            SETTING,
+            "no local file of that name, and no such Hugging Face dataset",
+            f"{named(name, config)}: {first}",
+            f"check the path, or the name on https://huggingface.co/datasets; or {fix}",
+        )
+    values = f"{named(name, config)}: {type(err).__name__}: {first}"
+    return ConfigError(SETTING, "cannot load the Hugging Face dataset", values, fix)
 
 
 def hub_unreachable(endpoint: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
@@ -111,9 +127,9 @@ def _quiet() -> Iterator[None]:
         hub_logging.set_verbosity(levels[1])
 
 
-def check_hub_dataset(name: str, split: str, text_field: str) -> None:
-    """The dataset resolves (Hub metadata, or the local cache when offline) and, where its metadata lists them, has
-    ``split`` and ``text_field``; ConfigError otherwise.  Downloads no data files."""
+def check_hub_dataset(name: str, config: str | None, split: str, text_field: str) -> None:
+    """The dataset resolves with configuration ``config`` (Hub metadata, or the local cache when offline) and, where
+    its metadata lists them, has ``split`` and ``text_field``; ConfigError otherwise.  Downloads no data files."""
     import datasets
     from huggingface_hub import constants
 
@@ -124,20 +140,20 @@ def check_hub_dataset(name: str, split: str, text_field: str) -> None:
             raise ConfigError(
                 SETTING,
                 "no local file of that name, and the Hugging Face Hub cannot be reached for a dataset of that name",
-                f"{name!r}; {constants.ENDPOINT}: {why}",
-                f"{local_fix(name, split)}; with a copy in the local Hugging Face cache, set HF_HUB_OFFLINE=1",
+                f"{named(name, config)}; {constants.ENDPOINT}: {why}",
+                f"{local_fix(name, split, config)}; with a copy in the local Hugging Face cache, set HF_HUB_OFFLINE=1",
             )
     with _quiet():
         try:
-            builder = datasets.load_dataset_builder(name)
+            builder = datasets.load_dataset_builder(name, name=config)
         except Exception as err:  # every failure of the lookup becomes the one line
-            raise ConfigError(SETTING, *describe_failure(name, split, err, offline)) from None
+            raise describe_failure(name, config, split, err, offline) from None
     splits = builder.info.splits
     if splits and split not in splits:
         raise ConfigError(
             "ds_megatron.data.split",
             "the Hugging Face dataset has no such split",
-            f"{split!r}; {name!r} has {', '.join(splits)}",
+            f"{split!r}; {named(name, config)} has {', '.join(splits)}",
             "set data.split to one of them",
         )
     features = builder.info.features
@@ -145,6 +161,6 @@ def check_hub_dataset(name: str, split: str, text_field: str) -> None:
         raise ConfigError(
             "ds_megatron.data.text_field",
             "the Hugging Face dataset has no such column",
-            f"{text_field!r}; {name!r} has {', '.join(features)}",
+            f"{text_field!r}; {named(name, config)} has {', '.join(features)}",
             "set data.text_field to the column that holds the text",
         )

@@ -95,6 +95,8 @@ def inputs_key(run: RunConfig) -> str:
     data = run.section.data
     spec = effective_tokenizer(run)
     parts: list = [data.path, data.text_field, data.split, spec, sys.version_info[:2]]
+    if data.hf_config is not None:  # appended only when set: the keys of runs without one stay as they were
+        parts.append(data.hf_config)
     if data.path is not None and is_local(data.path):
         parts += [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in resolve_files(data.path)]
     if not spec.startswith("bpe:") and Path(spec).is_dir():
@@ -105,7 +107,7 @@ def inputs_key(run: RunConfig) -> str:
 def _build(run: RunConfig) -> tuple[str, str]:
     data = run.section.data
     cache = Path(data.cache_dir)
-    ds = load_documents(data.path, data.text_field, data.split)
+    ds = load_documents(data.path, data.text_field, data.split, data.hf_config)
     corpus_hash = fingerprint_documents(ds, data.path)
     spec = effective_tokenizer(run)
     tok, tok_dir = build_tokenizer(spec, ds, corpus_hash, cache)
