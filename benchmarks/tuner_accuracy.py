@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _results import write_markdown  # noqa: E402
 
-from ds_megatron.tune import Cluster, Measurement, build_model_spec, fit_time_model, search, step_time  # noqa: E402
+from ds_megatron.tune import Cluster, Measurement, build_model_shape, fit_time_model, search, step_time  # noqa: E402
 from ds_megatron.tune.empirical import EmpiricalOptions, EmpiricalResult, run_empirical, spearman  # noqa: E402
 from ds_megatron.tune.paper_runs import FIT_ROWS, MODES, TABLE5  # noqa: E402
 from ds_megatron.tune.search import Evaluation, SearchResult  # noqa: E402
@@ -173,7 +173,7 @@ def main() -> None:
 
     start = time.monotonic()
     load_before = os.getloadavg()[0]
-    model = build_model_spec("gpt-tiny", None, None, None, 1024, 128)
+    model = build_model_shape("gpt-tiny", None, None, None, 1024, 128)
     cluster = Cluster(
         num_gpus=GPUS, gpus_per_node=GPUS, gpu_memory_gb=3, peak_tflops=PEAK_TFLOPS, efficiency=NOMINAL_EFFICIENCY
     )

@@ -105,7 +105,7 @@ def executed_flops_per_step(
 
 def block_fields(shape: object) -> dict:
     """The keyword arguments above from any shape with ``family``, ``num_heads``, ``num_kv_heads`` and
-    ``intermediate_size`` attributes (``ds_megatron.config.ModelShape``, the tuner's ``ModelSpec``)."""
+    ``intermediate_size`` attributes (``ds_megatron.config.ModelShape``)."""
     return {
         "family": getattr(shape, "family", "gpt2"),
         "num_heads": getattr(shape, "num_heads", None),

@@ -59,7 +59,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
+from ds_megatron.config.schema import (
+    ATTENTION_KERNELS,
+    DEFAULT_SELECTIVE_MODULES,
+    RECOMPUTE_MODULES,
+    RECOMPUTE_POLICIES,
+)
 
 MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
 KERNELS = ATTENTION_KERNELS  # "eager", "sdpa"
@@ -151,7 +156,7 @@ def activation_bytes_per_layer(
         raise ValueError(f"family must be one of {tuple(BLOCKS)}, got {family!r}")
     if modules and recompute != "selective":
         raise ValueError(f"modules apply to selective recompute only, got recompute={recompute!r}")
-    modules = (tuple(modules) or ("core_attn",)) if recompute == "selective" else ()
+    modules = (tuple(modules) or DEFAULT_SELECTIVE_MODULES) if recompute == "selective" else ()
     if set(modules) - set(RECOMPUTE_MODULES):
         raise ValueError(f"modules must be among {RECOMPUTE_MODULES}, got {modules}")
     if attention == "sdpa" and "core_attn" in modules:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES
 from ds_megatron.random import RNGTracker
 
 
@@ -140,7 +141,7 @@ class RecomputePlan:
         """The modules selective recompute applies to (none for the other policies)."""
         if self.policy != "selective":
             return ()
-        return tuple(self.modules) or ("core_attn",)
+        return tuple(self.modules) or DEFAULT_SELECTIVE_MODULES
 
     def chunks(self, num_blocks: int) -> list[tuple[int, int, bool]]:
         """Cover local blocks [0, num_blocks) with (start, end, recomputed) ranges, in order."""

@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_megatron.tune import ModelSpec, Pins, build_cluster, build_model_spec, search
+from ds_megatron.config import ModelShape
+from ds_megatron.tune import Pins, build_cluster, build_model_shape, search
 from ds_megatron.tune.search import Evaluation
 from ds_megatron.tune.written import ds_config
 
@@ -26,7 +27,7 @@ class Tuned:
 
     config: dict
     winner: Evaluation
-    model: ModelSpec
+    model: ModelShape
     command: str  # the tuner command that reproduces the choice
 
     @property
@@ -36,7 +37,7 @@ class Tuned:
 
 def tune(size: str, gpus: int, global_batch: int, gpu: str = "h100-sxm", pins: Pins | None = None) -> Tuned:
     """The tuner's winner for ``size`` on ``gpus`` GPUs of ``gpu`` (nodes of 8) at ``global_batch`` sequences."""
-    model = build_model_spec(size, None, None, None, None, None)
+    model = build_model_shape(size, None, None, None, None, None)
     result = search(model, build_cluster(gpu, gpus, GPUS_PER_NODE), global_batch, pins or Pins())
     if result.winner is None:
         raise SystemExit(f"{size} on {gpus} x {gpu}: no configuration fits")

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from ds_megatron.config import resolve
+from ds_megatron.config import ModelShape, resolve
 from ds_megatron.tune import (
     Candidate,
     Cluster,
     Measurement,
-    ModelSpec,
     Pins,
-    build_model_spec,
+    build_model_shape,
     calibrate,
     search,
     stage_param_counts,
@@ -40,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 S = 2048
 # (name, a, h, t) of the paper's models (Korthikanti et al. 2022), s = 2048
 PAPER_MODELS = [("22B", 64, 6144, 8), ("175B", 96, 12288, 8), ("530B", 128, 20480, 8), ("1T", 160, 25600, 8)]
-GPT3_175B = build_model_spec("gpt3-175b", None, None, None, None, S)
+GPT3_175B = build_model_shape("gpt3-175b", None, None, None, None, S)
 A100_1024 = Cluster(num_gpus=1024, gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312)
 ARGS_175B = [
     "--model",
@@ -83,7 +82,7 @@ def _cand(t: int, sp: bool = False, **kw) -> Candidate:
 
 @pytest.mark.parametrize("name,a,h,t", PAPER_MODELS)
 def test_per_layer_activations_reproduce_the_paper(name, a, h, t):
-    model = ModelSpec(num_layers=1, hidden_size=h, num_heads=a, vocab_size=51200, seq_length=S)
+    model = build_model_shape(None, 1, h, a, 51200, S)
     q = 5 * a * S / h
 
     def units(cand: Candidate, policy: str) -> float:
@@ -106,7 +105,7 @@ def test_published_175b_activation_ratio():
 
 
 def test_pipeline_and_recompute_activation_terms():
-    model = ModelSpec(num_layers=16, hidden_size=1024, num_heads=16, vocab_size=50257, seq_length=S)
+    model = build_model_shape(None, 16, 1024, 16, 50257, S)
     per_layer = layer_activation_bytes(model, _cand(2), "selective")
     block_input = layer_activation_bytes(model, _cand(2), "full")
     # 1F1B: the first stage keeps min(p, m) micro-batches of its ceil(L/p) = 4 blocks (+ the embedding dropout
@@ -218,7 +217,7 @@ def test_impossible_request_explains_itself(capsys):
 
 
 def test_time_model_parts():
-    model = build_model_spec("gpt3-13b", None, None, None, None, S)
+    model = build_model_shape("gpt3-13b", None, None, None, None, S)
     cluster = Cluster(num_gpus=64, gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312)
     base = Candidate(8, 4, 2, False, 1, 64, "selective")
     t = step_time(model, cluster, base, 128)
@@ -232,7 +231,7 @@ def test_time_model_parts():
 
 
 def test_calibrate_recovers_the_efficiency():
-    model = build_model_spec("gpt3-6.7b", None, None, None, None, S)
+    model = build_model_shape("gpt3-6.7b", None, None, None, None, S)
     truth = Cluster(num_gpus=32, gpus_per_node=8, gpu_memory_gb=80, peak_tflops=312, efficiency=0.37)
     runs = [Candidate(4, 2, 4, True, 1, 32, "selective"), Candidate(8, 1, 4, False, 2, 16, "full")]
     measured = [Measurement(model, truth, c, 128, step_time(model, truth, c, 128).step_s) for c in runs]
@@ -338,7 +337,7 @@ def test_tune_imports_only_config_memory_flops_and_the_stdlib():
 # (c) parameter counts against the real model
 
 
-def _gpt(model: ModelSpec):
+def _gpt(model: ModelShape):
     from ds_megatron.model import GPT, GPTConfig
 
     cfg = GPTConfig(
@@ -353,13 +352,13 @@ def _gpt(model: ModelSpec):
 
 @pytest.mark.parametrize("shape", [(4, 64, 4, 257, 32), (2, 96, 6, 1000, 48)])
 def test_param_count_equals_the_real_gpt(shape):
-    model = ModelSpec(*shape)
+    model = build_model_shape(None, *shape)
     gpt, _ = _gpt(model)
     real = sum(p.numel() for p in gpt.parameters())
     assert total_param_count(model) == real  # the single-device GPT has no vocabulary padding
     first, last = stage_param_counts(model, 1, 1)  # what the tuner uses: vocabulary padded to 128
     assert first == last and abs(first - real) / real < 0.05
-    gpt3 = build_model_spec("gpt3-125m", None, None, None, None, 2048)
+    gpt3 = build_model_shape("gpt3-125m", None, None, None, None, 2048)
     assert abs(stage_param_counts(gpt3, 1, 1)[0] / total_param_count(gpt3) - 1) < 0.01
 
 
@@ -370,7 +369,7 @@ def test_stage_param_counts_follow_the_shard_rules(tp):
     from ds_megatron.parallelize import ParallelPlan, shard_rule
     from ds_megatron.tensor_parallel.sharding import shard
 
-    model = ModelSpec(4, 64, 4, 257, 32)
+    model = build_model_shape(None, 4, 64, 4, 257, 32)
     gpt, cfg = _gpt(model)
     plan = ParallelPlan(cfg, None, 0, tp, False, None)
     local = {name: shard(p.data, shard_rule(name, plan), 0, tp).numel() for name, p in gpt.named_parameters()}
@@ -413,7 +412,7 @@ def test_measured_block_activations_match_the_fp32_prediction():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = block(x)
     y.sum().backward()
-    model = ModelSpec(1, h, a, 64, s)
+    model = build_model_shape(None, 1, h, a, 64, s)
     predicted = layer_activation_bytes(model, _cand(1, micro_batch_size=b), "none", 4, max(mask_sizes))
     measured = sum(seen.values())
     print(

@@ -11,7 +11,7 @@ import pytest
 
 from ds_megatron.config import resolve
 from ds_megatron.memory import activation_bytes_per_layer, lse_bytes_per_layer
-from ds_megatron.tune import GPUS, Candidate, Pins, build_cluster, build_model_spec, evaluate, search, step_time
+from ds_megatron.tune import GPUS, Candidate, Pins, build_cluster, build_model_shape, evaluate, search, step_time
 from ds_megatron.tune.__main__ import main
 from ds_megatron.tune.empirical import top_candidates
 from ds_megatron.tune.memory_model import layer_activation_bytes
@@ -24,7 +24,7 @@ GPT3_RUNS = [("gpt3-1.3b", 512, 8), ("gpt3-13b", 1024, 64), ("gpt3-175b", 1536, 
 
 
 def _spec(size: str):
-    return build_model_spec(size, None, None, None, None, S)
+    return build_model_shape(size, None, None, None, None, S)
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +225,7 @@ def test_written_config_carries_the_kernel(tmp_path, capsys, extra, kernel):
 
 
 def test_empirical_on_cpu_measures_one_kernel_per_configuration():
-    model = build_model_spec("gpt-tiny", None, None, None, 1024, 128)
+    model = build_model_shape("gpt-tiny", None, None, None, 1024, 128)
     result = search(model, build_cluster(None, 4, 4, gpu_memory_gb=3, peak_tflops=0.05), 16)
     cpu = top_candidates(result.ranked, 3, "cpu")
     keys = {dataclasses.replace(e.candidate, attention="eager") for e in cpu}

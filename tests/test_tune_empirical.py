@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ds_megatron.config import resolve
-from ds_megatron.tune import Cluster, Measurement, build_model_spec, calibrate, fit_time_model, search, step_time
+from ds_megatron.tune import Cluster, Measurement, build_model_shape, calibrate, fit_time_model, search, step_time
 from ds_megatron.tune.__main__ import main
 from ds_megatron.tune.empirical import (
     FIRST_RUN_S,
@@ -38,7 +38,7 @@ from ds_megatron.tune.probe import (
 from ds_megatron.tune.time_model import FIT_TERMS
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = build_model_spec("gpt-tiny", None, None, None, 1024, 128)
+TINY = build_model_shape("gpt-tiny", None, None, None, 1024, 128)
 CPU4 = Cluster(num_gpus=4, gpus_per_node=4, gpu_memory_gb=3, peak_tflops=0.05)
 TINY_ARGS = [
     "--model",

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from ds_megatron.config import resolve
+from ds_megatron.config import ModelShape, resolve
 from ds_megatron.flops import model_flops_per_step
 from ds_megatron.memory import activation_bytes_per_layer
-from ds_megatron.tune import Candidate, ModelSpec, Pins, build_cluster, build_model_spec, search, step_time
+from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search, step_time
 from ds_megatron.tune.__main__ import main
 from ds_megatron.tune.memory_model import layer_activation_bytes, padded_vocab_size, stage_param_counts
 from ds_megatron.tune.memory_model import total_param_count as params
@@ -20,8 +20,8 @@ from ds_megatron.tune.time_model import dp_comm_s, eager_score_bytes, stage_time
 ARGS_8B = ["--model", "llama3-8b", "--global-batch-size", "512", "--gpus", "8", "--gpu", "h100-sxm"]
 
 
-def _spec(size: str) -> ModelSpec:
-    return build_model_spec(size, None, None, None, None, None)
+def _spec(size: str) -> ModelShape:
+    return build_model_shape(size, None, None, None, None, None)
 
 
 def test_named_llama_sizes_resolve_with_their_fields():
@@ -42,7 +42,7 @@ def test_named_llama_sizes_resolve_with_their_fields():
         1.5e-4,
     )
     assert _spec("llama3.2-1b").tie_word_embeddings is True
-    changed = build_model_spec("llama3-8b", 4, None, None, None, None)
+    changed = build_model_shape("llama3-8b", 4, None, None, None, None)
     assert changed.size is None and changed.rope_theta == 500000.0  # a changed shape is no longer the named size
 
 
@@ -61,8 +61,8 @@ def test_parameter_counts_equal_the_real_model_and_its_shard_rules(tied):
     from ds_megatron.parallelize import ParallelPlan, shard_rule
     from ds_megatron.tensor_parallel.sharding import shard
 
-    model = ModelSpec(
-        4, 64, 4, 257, 32, family="llama", num_kv_heads=2, intermediate_size=176, tie_word_embeddings=tied
+    model = build_model_shape(
+        None, 4, 64, 4, 257, 32, family="llama", kv_heads=2, intermediate_size=176, tie_word_embeddings=tied
     )
     cfg = LlamaConfig(
         vocab_size=257,

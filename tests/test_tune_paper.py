@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from ds_megatron.flops import block_fields, layer_forward_flops, logits_forward_flops
-from ds_megatron.tune import Candidate, build_cluster, build_model_spec, fit_time_model, step_time, time_model
+from ds_megatron.tune import Candidate, build_cluster, build_model_shape, fit_time_model, step_time, time_model
 from ds_megatron.tune.matmuls import (
     block_matmuls,
     core_attention_matmuls,
@@ -93,7 +93,7 @@ def test_the_curve():
 @pytest.mark.parametrize("tp", [1, 2, 8])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_matmul_flops_add_up_to_the_flops_module(size, tp, attention):
-    model = build_model_spec(size, None, None, None, None, 2048)
+    model = build_model_shape(size, None, None, None, None, 2048)
     cand = Candidate(tp, 1, 1, False, 2, 4, "none", attention=attention)
     ops = block_matmuls(model, cand) + core_attention_matmuls(model, cand)
     s, b, h = model.seq_length, 2, model.hidden_size
@@ -103,7 +103,7 @@ def test_matmul_flops_add_up_to_the_flops_module(size, tp, attention):
 
 
 def test_eager_attention_matmuls_move_the_scores_and_sdpa_does_not():
-    model = build_model_spec("gpt3-13b", None, None, None, None, 2048)
+    model = build_model_shape("gpt3-13b", None, None, None, None, 2048)
     cand = Candidate(8, 1, 1, True, 1, 8, "none", attention="sdpa")
     (fused,) = core_attention_matmuls(model, cand)
     eager = core_attention_matmuls(model, dataclasses.replace(cand, attention="eager"))

@@ -11,16 +11,16 @@ import pytest
 
 from ds_megatron.config import resolve
 from ds_megatron.memory import activation_bytes_per_layer
-from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_spec, search, step_time
+from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search, step_time
 from ds_megatron.tune.__main__ import main
-from ds_megatron.tune.memory_model import FAMILIES, layer_activation_bytes
+from ds_megatron.tune.memory_model import attention_dropout, layer_activation_bytes
 from ds_megatron.tune.probe import run_slug
 from ds_megatron.tune.search import evaluate
 from ds_megatron.tune.space import SELECTIVE_MODULES
 from ds_megatron.tune.time_model import stage_times
 
-GPT_13B = build_model_spec("gpt3-13b", None, None, None, None, 2048)
-LLAMA_8B = build_model_spec("llama3-8b", None, None, None, None, None)
+GPT_13B = build_model_shape("gpt3-13b", None, None, None, None, 2048)
+LLAMA_8B = build_model_shape("llama3-8b", None, None, None, None, None)
 H100_64 = build_cluster("h100-sxm", 64, 8)
 
 
@@ -62,7 +62,7 @@ def test_each_module_set_stores_what_memory_py_counts(model, sp):
                 family=model.family,
                 num_kv_heads=model.num_kv_heads,
                 intermediate_size=ffn,
-                attention_dropout=FAMILIES[model.family].attention_dropout,
+                attention_dropout=attention_dropout(model),
                 modules=modules,
             )
             assert layer_activation_bytes(model, cand, "selective") == expected, (kernel, modules)

@@ -15,6 +15,7 @@ from typing import Any
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
+    DEFAULT_SELECTIVE_MODULES,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
     RECOMPUTE_POLICIES,
@@ -252,12 +253,16 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             f"policy={rc.policy!r}, modules={list(rc.modules)}",
             'set policy "selective" or remove modules',
         )
-    if rc.policy == "selective" and shape.attention == "sdpa" and "core_attn" in (rc.modules or ("core_attn",)):
+    if (
+        rc.policy == "selective"
+        and shape.attention == "sdpa"
+        and "core_attn" in (rc.modules or DEFAULT_SELECTIVE_MODULES)
+    ):
         raise ConfigError(
             "ds_megatron.recompute.modules",
             "core_attn recomputes the s x s attention core, which the sdpa kernel never stores, so it would save "
             "nothing and cost a recompute",
-            f"policy=selective, modules={list(rc.modules) or ['core_attn']} (the default), attention=sdpa",
+            f"policy=selective, modules={list(rc.modules or DEFAULT_SELECTIVE_MODULES)} (the default), attention=sdpa",
             'with sdpa list other modules (e.g. ["mlp_act", "layernorm"]), or use attention=eager with core_attn',
         )
     if rc.policy == "full":

@@ -16,6 +16,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 # What selective recompute can recompute instead of storing: the attention core's s x s tensors, the MLP
 # activation's output (the second linear's input), the two norms' outputs (the first linears' inputs).
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm")
+DEFAULT_SELECTIVE_MODULES = ("core_attn",)  # what selective recomputes when no modules are named (the paper's)
 SP_GRAD_SYNC = ("step", "micro_batch")
 DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fast matmul shapes on GPUs)
 

@@ -1,14 +1,20 @@
-"""The resolved model shape of a run: a named size expanded, explicit fields applied, each family's rules checked
-(gpt2's fixed fields; llama's KV heads, SwiGLU width, rotary base and scaling, tying).  Standard library only."""
+"""The resolved model shape of a run or of a tuner question: a named size expanded, explicit fields applied, each
+family's rules checked (gpt2's fixed fields; llama's KV heads, SwiGLU width, rotary base and scaling, tying).  One
+resolver serves the config loader and the tuner; each reports errors in its own vocabulary (:class:`Vocabulary`).
+Standard library only."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.schema import ATTENTION_KERNELS, MODEL_FAMILIES, ROPE_SCALING_TYPES, ModelSection
-from ds_megatron.config.sizes import NamedShape, all_size_names, named
+from ds_megatron.config.sizes import LEARNING_RATES, NamedShape, all_size_names, named
+
+DEFAULT_ROPE_THETA = 10000.0  # the rotary base of a Llama without a named size (transformers' default)
+DEFAULT_LEARNING_RATE = 1.0e-4  # peak learning rate of a shape no published recipe gives one for
 
 
 @dataclass(frozen=True)
@@ -29,22 +35,54 @@ class ModelShape:
     family: str = "gpt2"
     num_kv_heads: int = 0  # 0: num_heads (set by resolve_shape)
     intermediate_size: int = 0  # 0: 4 h (set by resolve_shape)
-    rope_theta: float = 10000.0
+    rope_theta: float = DEFAULT_ROPE_THETA
     rope_scaling: tuple[tuple[str, object], ...] | None = None  # sorted (key, value) pairs
     tie_word_embeddings: bool = True
+    size: str | None = None  # the named size, when one was given and no field changed its shape
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def learning_rate(self) -> float:
+        """The published peak learning rate of a named size (GPT-3's table, Llama 3's paper), else the default."""
+        return LEARNING_RATES.get(self.size or "", DEFAULT_LEARNING_RATE)
+
 
 LLAMA_ONLY = ("num_kv_heads", "intermediate_size", "rope_theta", "rope_scaling", "tie_word_embeddings")
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# The fields that make a shape that of a named size (vocabulary and sequence length may differ: a run or a written
+# config states them next to the size).
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "tie_word_embeddings")
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """How shape errors name things: ``ref`` is how a fix refers to a field (default ``model.<field>``), the setting
+    of an error is ``prefix + ref``, and ``nouns`` say a field in a sentence (default: its name).  The config loader
+    uses the defaults; the tuner names its command-line flags."""
+
+    prefix: str = "ds_megatron."
+    refs: dict[str, str] = field(default_factory=dict)
+    nouns: dict[str, str] = field(default_factory=dict)
+
+    def ref(self, name: str) -> str:
+        return self.refs.get(name, f"model.{name}")
+
+    def setting(self, name: str) -> str:
+        return self.prefix + self.ref(name)
+
+    def noun(self, name: str) -> str:
+        return self.nouns.get(name, name)
+
+
+CONFIG_FILE = Vocabulary()
 
 
 def gpt2_fixed_fields(hidden_size: int, num_heads: int) -> dict[str, Any]:
     """What the gpt2 family fixes that a llama chooses: every head its own K and V, an MLP of width 4 h, the output
-    layer tied to the embedding (read by the config loader and the tuner's model spec)."""
+    layer tied to the embedding."""
     return {"num_kv_heads": num_heads, "intermediate_size": 4 * hidden_size, "tie_word_embeddings": True}
 
 
@@ -83,8 +121,9 @@ def check_rope_scaling(scaling: Any, setting: str = "ds_megatron.model.rope_scal
     return tuple(sorted([("rope_type", "llama3"), *((k, scaling[k]) for k in ROPE_SCALING_KEYS)]))
 
 
-def resolve_shape(m: ModelSection) -> ModelShape:
+def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShape:
     """Fill the model shape from ``size`` and explicit fields; check what the shape alone can break."""
+    ref, setting, noun = words.ref, words.setting, words.noun
     layers, hidden, heads = m.num_layers, m.hidden_size, m.num_heads
     vocab, seq = m.vocab_size, m.seq_length
     shape = NamedShape(family=m.family or "gpt2", num_layers=0, hidden_size=0, num_heads=0)
@@ -93,15 +132,15 @@ def resolve_shape(m: ModelSection) -> ModelShape:
         if found is None:
             near = nearest(m.size, all_size_names())
             raise ConfigError(
-                "ds_megatron.model.size", "unknown size", f"{m.size!r}", f"use one of {all_size_names()} ('{near}'?)"
+                setting("size"), "unknown size", f"{m.size!r}", f"use one of {', '.join(all_size_names())} ({near!r}?)"
             )
         shape = found
         if m.family is not None and m.family != shape.family:
             raise ConfigError(
-                "ds_megatron.model.family",
+                setting("family"),
                 "differs from the named size's family",
                 f"family={m.family!r}, size={m.size!r} is {shape.family!r}",
-                f"remove model.family or set it to {shape.family!r}",
+                f"remove {ref('family')} or set it to {shape.family!r}",
             )
         layers = layers if layers is not None else shape.num_layers
         hidden = hidden if hidden is not None else shape.hidden_size
@@ -110,7 +149,7 @@ def resolve_shape(m: ModelSection) -> ModelShape:
         seq = seq if seq is not None else shape.seq_length
     family = shape.family
     if family not in MODEL_FAMILIES:
-        raise ConfigError("ds_megatron.model.family", "unknown family", f"{family!r}", f"use one of {MODEL_FAMILIES}")
+        raise ConfigError(setting("family"), "unknown family", f"{family!r}", f"use one of {MODEL_FAMILIES}")
     for name, value in (
         ("num_layers", layers),
         ("hidden_size", hidden),
@@ -120,37 +159,31 @@ def resolve_shape(m: ModelSection) -> ModelShape:
     ):
         if value is None:
             raise ConfigError(
-                f"ds_megatron.model.{name}",
-                "not set",
-                "no size and no explicit value",
-                f"set model.size or model.{name}",
+                setting(name), "not set", "no size and no explicit value", f"set {ref('size')} or {ref(name)}"
             )
         if value <= 0:
-            raise ConfigError(f"ds_megatron.model.{name}", "must be positive", f"got {value}", "set a positive value")
+            raise ConfigError(setting(name), "must be positive", f"got {value}", "set a positive value")
     if hidden % heads != 0:
         raise ConfigError(
-            "ds_megatron.model.hidden_size",
-            "not divisible by num_heads",
+            setting("hidden_size"),
+            f"not divisible by {noun('num_heads')}",
             f"hidden_size={hidden}, num_heads={heads}",
             "choose hidden_size as a multiple of num_heads",
         )
     max_pos = _pick(m.max_position_embeddings, shape.max_position_embeddings, seq)
     if seq > max_pos:
         raise ConfigError(
-            "ds_megatron.model.seq_length",
+            setting("seq_length"),
             "longer than the position table",
             f"seq_length={seq}, max_position_embeddings={max_pos}",
             "lower seq_length or raise max_position_embeddings",
         )
     if m.attention not in ATTENTION_KERNELS:
         raise ConfigError(
-            "ds_megatron.model.attention",
-            "unknown attention kernel",
-            f"got {m.attention!r}",
-            f"use one of {ATTENTION_KERNELS}",
+            setting("attention"), "unknown attention kernel", f"got {m.attention!r}", f"use one of {ATTENTION_KERNELS}"
         )
     if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError("ds_megatron.model.dropout", "must be in [0, 1)", f"got {m.dropout}", "set e.g. 0.1")
+        raise ConfigError(setting("dropout"), "must be in [0, 1)", f"got {m.dropout}", "set e.g. 0.1")
     common = dict(
         num_layers=layers,
         hidden_size=hidden,
@@ -168,35 +201,62 @@ def resolve_shape(m: ModelSection) -> ModelShape:
         given = [k for k in LLAMA_ONLY if getattr(m, k) is not None]
         if given:
             raise ConfigError(
-                f"ds_megatron.model.{given[0]}",
+                setting(given[0]),
                 "applies to the llama family only",
                 f"family=gpt2, {', '.join(given)} set",
-                'remove it or set model.family to "llama"',
+                f'remove it or set {ref("family")} to "llama"',
             )
-        return ModelShape(**common, **gpt2_fixed_fields(hidden, heads))
+        resolved = ModelShape(**common, **gpt2_fixed_fields(hidden, heads))
+    else:
+        resolved = _llama(m, shape, common, words)
+    return _with_size(resolved, m.size, shape)
+
+
+def _llama(m: ModelSection, shape: NamedShape, common: dict, words: Vocabulary) -> ModelShape:
+    """The llama family's fields: KV heads, SwiGLU width, rotary base and scaling, tying."""
+    heads = common["num_heads"]
     kv = _pick(m.num_kv_heads, shape.num_kv_heads, heads)
     if kv <= 0 or heads % kv != 0:
         raise ConfigError(
-            "ds_megatron.model.num_kv_heads",
-            "must divide num_heads",
+            words.setting("num_kv_heads"),
+            f"must divide {words.noun('num_heads')}",
             f"num_heads={heads}, num_kv_heads={kv}",
             f"use one of {[d for d in range(1, heads + 1) if heads % d == 0]}",
         )
     ffn = _pick(m.intermediate_size, shape.intermediate_size, None)
-    if ffn is None or ffn <= 0:
+    if ffn is None:
         raise ConfigError(
-            "ds_megatron.model.intermediate_size", "not set", f"got {ffn}", "set the SwiGLU width (e.g. 8/3 x h)"
+            words.setting("intermediate_size"),
+            "not set",
+            "no size gives it",
+            f"set {words.ref('intermediate_size')}, the SwiGLU width (e.g. 8/3 x h)",
         )
-    theta = float(_pick(m.rope_theta, shape.rope_theta, 10000.0))
+    if ffn <= 0:
+        raise ConfigError(words.setting("intermediate_size"), "must be positive", f"got {ffn}", "set e.g. 8/3 x h")
+    theta = float(_pick(m.rope_theta, shape.rope_theta, DEFAULT_ROPE_THETA))
     if theta <= 0:
-        raise ConfigError("ds_megatron.model.rope_theta", "must be positive", f"got {theta}", "set e.g. 500000")
-    scaling = check_rope_scaling(m.rope_scaling if m.rope_scaling is not None else shape.rope_scaling)
-    tied = _pick(m.tie_word_embeddings, shape.tie_word_embeddings, False)
+        raise ConfigError(words.setting("rope_theta"), "must be positive", f"got {theta}", "set e.g. 500000")
+    scaling = m.rope_scaling if m.rope_scaling is not None else shape.rope_scaling
     return ModelShape(
         **common,
         num_kv_heads=kv,
         intermediate_size=ffn,
         rope_theta=theta,
-        rope_scaling=scaling,
-        tie_word_embeddings=bool(tied),
+        rope_scaling=check_rope_scaling(scaling, words.setting("rope_scaling")),
+        tie_word_embeddings=bool(_pick(m.tie_word_embeddings, shape.tie_word_embeddings, False)),
     )
+
+
+def _with_size(resolved: ModelShape, size: str | None, shape: NamedShape) -> ModelShape:
+    """``resolved`` with ``size`` kept when its SHAPE_FIELDS are the named size's (fields the size leaves unset
+    compared with the family's defaults)."""
+    if size is None:
+        return resolved
+    if shape.family == "gpt2":
+        defaults = gpt2_fixed_fields(shape.hidden_size, shape.num_heads)
+    else:
+        defaults = {"num_kv_heads": shape.num_heads, "tie_word_embeddings": False}
+    named_value = {f: _pick(None, getattr(shape, f), defaults.get(f)) for f in SHAPE_FIELDS}
+    if all(getattr(resolved, f) == named_value[f] for f in SHAPE_FIELDS):
+        return dataclasses.replace(resolved, size=size)
+    return resolved

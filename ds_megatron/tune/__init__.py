@@ -11,7 +11,7 @@ from ds_megatron.tune.gpus import GPUS, GpuPreset
 from ds_megatron.tune.memory_model import StageMemory, stage_memory, stage_param_counts, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult, common_configuration, evaluate, search
 from ds_megatron.tune.space import Rejection, enumerate_candidates
-from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, Pins, build_cluster, build_model_spec
+from ds_megatron.tune.spec import Candidate, Cluster, Pins, build_cluster, build_model_shape
 from ds_megatron.tune.time_model import StepTime, step_time
 
 __all__ = [
@@ -22,14 +22,13 @@ __all__ = [
     "GPUS",
     "GpuPreset",
     "Measurement",
-    "ModelSpec",
     "Pins",
     "Rejection",
     "SearchResult",
     "StageMemory",
     "StepTime",
     "build_cluster",
-    "build_model_spec",
+    "build_model_shape",
     "calibrate",
     "common_configuration",
     "enumerate_candidates",

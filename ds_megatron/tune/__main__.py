@@ -44,7 +44,7 @@ from ds_megatron.tune.spec import (
     INTRA_NODE_LATENCY_S,
     Pins,
     build_cluster,
-    build_model_spec,
+    build_model_shape,
 )
 from ds_megatron.tune.written import to_json, write_config
 
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.empirical and args.max_minutes is None:
             raise ConfigError("--max-minutes", "required with --empirical", "not set", "pass e.g. --max-minutes 10")
-        model = build_model_spec(
+        model = build_model_shape(
             args.model,
             args.layers,
             args.hidden,

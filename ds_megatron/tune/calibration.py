@@ -12,7 +12,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec
+from ds_megatron.config import ModelShape
+from ds_megatron.tune.spec import Candidate, Cluster
 from ds_megatron.tune.time_model import FIT_TERMS, step_time
 
 # fit_time_model's extra terms (FIT_TERMS) are added one at a time, each only when it cuts the relative RMS error of
@@ -25,7 +26,7 @@ EXACT_FIT = 1e-9  # a relative RMS error this small leaves nothing for another t
 class Measurement:
     """A measured step of a known configuration, for :func:`calibrate`."""
 
-    model: ModelSpec
+    model: ModelShape
     cluster: Cluster
     candidate: Candidate
     global_batch_size: int

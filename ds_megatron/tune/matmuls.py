@@ -38,8 +38,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ds_megatron.config import ModelShape
 from ds_megatron.tune.memory_model import ACT_BYTES, padded_vocab_size
-from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec
+from ds_megatron.tune.spec import Candidate, Cluster
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def gemm(name: str, m: int, k: int, n: int, count: int = 1) -> Matmul:
     return Matmul(name, 2.0 * m * k * n * count, float(ACT_BYTES * (m * k + k * n + m * n) * count))
 
 
-def block_matmuls(model: ModelSpec, cand: Candidate) -> tuple[Matmul, ...]:
+def block_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, ...]:
     """The weight matmuls of one block's forward for one micro-batch, per GPU (the TP-split dimension divided by t)."""
     s, b, h, t = model.seq_length, cand.micro_batch_size, model.hidden_size, cand.tp
     n, f = b * s, model.intermediate_size
@@ -82,7 +83,7 @@ def block_matmuls(model: ModelSpec, cand: Candidate) -> tuple[Matmul, ...]:
     )
 
 
-def core_attention_matmuls(model: ModelSpec, cand: Candidate) -> tuple[Matmul, ...]:
+def core_attention_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, ...]:
     """The core attention's forward (Q K^T and x V) for one micro-batch, per GPU, as the candidate's kernel runs it."""
     s, b, t = model.seq_length, cand.micro_batch_size, cand.tp
     d = model.hidden_size // model.num_heads
@@ -99,7 +100,7 @@ def core_attention_matmuls(model: ModelSpec, cand: Candidate) -> tuple[Matmul, .
     )
 
 
-def logits_matmul(model: ModelSpec, cand: Candidate) -> Matmul:
+def logits_matmul(model: ModelShape, cand: Candidate) -> Matmul:
     """The output layer's forward for one micro-batch, per GPU (the vocabulary padded as ``parallelize`` pads it)."""
     n = cand.micro_batch_size * model.seq_length
     return gemm("logits", n, model.hidden_size, padded_vocab_size(model.vocab_size, cand.tp) // cand.tp)

@@ -11,11 +11,11 @@ layer (tied or not).
 
 Activations (Korthikanti et al. 2022, sec. 4): per layer from :func:`ds_megatron.memory.activation_bytes_per_layer`
 for the model's family, with the candidate's attention kernel (eager: the s^2 terms; sdpa: the fused GPU kernels'
-fp32 log-sum-exp instead) and, under selective recompute, its modules; a Llama is modelled, and written, without
-dropout (``spec.LLAMA_DROPOUT``); under the 1F1B schedule the first stage keeps min(p, m) micro-batches in flight
-(L layers' worth when m >= p) and the last stage one (sec. 4.2.3).  The first stage adds a GPT's embedding dropout
-mask, the last stage the final norm input, the output-layer input and the logits (bf16, plus the fp32 copy the loss
-works on) (sec. 4.3).
+fp32 log-sum-exp instead) and, under selective recompute, its modules; a Llama's attention dropout is its shape's
+(the tuner models and writes 0, ``spec.LLAMA_DROPOUT``); under the 1F1B schedule the first stage keeps min(p, m)
+micro-batches in flight (L layers' worth when m >= p) and the last stage one (sec. 4.2.3).  The first stage adds a
+GPT's embedding dropout mask, the last stage the final norm input, the output-layer input and the logits (bf16, plus
+the fp32 copy the loss works on) (sec. 4.3).
 
 Conservative choices, stated once: every stage is assumed to hold ceil(L/p) blocks (DeepSpeed balances blocks, so
 the real first or last stage may hold one fewer); while a micro-batch's backward runs, the activations being
@@ -27,9 +27,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from ds_megatron.config import ModelShape
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.memory import RSTD_BYTES, activation_bytes_per_layer
-from ds_megatron.tune.spec import LLAMA_DROPOUT, Candidate, ModelSpec
+from ds_megatron.tune.spec import Candidate
 
 GIB = 2**30
 
@@ -67,20 +68,23 @@ class FamilyLayout:
     embedding_dropout: bool  # a dropout mask after the embedding on the first stage
     norm_stat_bytes: int  # bytes per token a norm keeps besides its input (RMSNorm's fp32 1/rms; LayerNorm's are
     # left out, as the paper leaves them out)
-    attention_dropout: float | None  # what the activation formula is told (None: GPT's dropouts, always on)
-
-    @property
-    def has_attention_dropout(self) -> bool:
-        return self.attention_dropout is None or self.attention_dropout > 0
 
 
-FAMILIES = {
-    "gpt2": FamilyLayout(True, 2, True, 0, None),
-    "llama": FamilyLayout(False, 1, False, RSTD_BYTES, LLAMA_DROPOUT),
-}
+FAMILIES = {"gpt2": FamilyLayout(True, 2, True, 0), "llama": FamilyLayout(False, 1, False, RSTD_BYTES)}
 
 
-def block_param_count(model: ModelSpec, tp: int = 1) -> int:
+def attention_dropout(model: ModelShape) -> float | None:
+    """What the activation formula is told of the attention dropout: None for a GPT (its dropouts always counted,
+    as the paper's table counts them), the model's dropout for a Llama (its only dropout)."""
+    return None if model.family == "gpt2" else model.dropout
+
+
+def has_attention_dropout(model: ModelShape) -> bool:
+    p = attention_dropout(model)
+    return p is None or p > 0
+
+
+def block_param_count(model: ModelShape, tp: int = 1) -> int:
     """Parameters of one block of ``model`` per TP rank.
 
     GPT, unsharded: 12 h^2 + 13 h (QKV 3h^2 + 3h, projection h^2 + h, fc1 4h^2 + 4h, fc2 4h^2 + h, two LayerNorms
@@ -97,7 +101,7 @@ def block_param_count(model: ModelSpec, tp: int = 1) -> int:
 
 
 def stage_param_counts(
-    model: ModelSpec, tp: int, pp: int, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE
+    model: ModelShape, tp: int, pp: int, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE
 ) -> tuple[int, int]:
     """(first stage, last stage) parameters per TP rank.
 
@@ -120,7 +124,7 @@ def stage_param_counts(
     return embedding + positions + blocks, blocks + final_norm + embedding
 
 
-def total_param_count(model: ModelSpec, vocab_multiple: int = 1) -> int:
+def total_param_count(model: ModelShape, vocab_multiple: int = 1) -> int:
     """All parameters of the single-device model (``vocab_multiple=1``: the unpadded vocabulary)."""
     return stage_param_counts(model, 1, 1, vocab_multiple)[0]
 
@@ -152,7 +156,7 @@ class StageMemory:
 
 
 def layer_activation_bytes(
-    model: ModelSpec, cand: Candidate, recompute: str, act_bytes: int = ACT_BYTES, mask_bytes: int = MASK_BYTES
+    model: ModelShape, cand: Candidate, recompute: str, act_bytes: int = ACT_BYTES, mask_bytes: int = MASK_BYTES
 ) -> float:
     """One block's activations for one micro-batch, per TP rank (sec. 4.1-4.2; Table 2 of the paper, 2-byte
     activations and 1-byte masks by default): ``recompute`` "none" keeps every tensor, "selective" all but the
@@ -172,12 +176,12 @@ def layer_activation_bytes(
         family=model.family,
         num_kv_heads=model.num_kv_heads,
         intermediate_size=model.intermediate_size,
-        attention_dropout=FAMILIES[model.family].attention_dropout,
+        attention_dropout=attention_dropout(model),
         modules=cand.recompute_modules if recompute == "selective" else (),
     )
 
 
-def stored_activation_bytes(model: ModelSpec, cand: Candidate, num_blocks: int) -> float:
+def stored_activation_bytes(model: ModelShape, cand: Candidate, num_blocks: int) -> float:
     """What ``num_blocks`` blocks keep for one micro-batch until its backward.
 
     Full recompute (sec. 5): ``uniform`` keeps one input per chunk of k blocks (ceil(n/k) inputs); ``block``
@@ -192,7 +196,7 @@ def stored_activation_bytes(model: ModelSpec, cand: Candidate, num_blocks: int) 
     return k * block_input + (num_blocks - k) * layer_activation_bytes(model, cand, "none")
 
 
-def recompute_transient_bytes(model: ModelSpec, cand: Candidate, num_blocks: int) -> float:
+def recompute_transient_bytes(model: ModelShape, cand: Candidate, num_blocks: int) -> float:
     """Activations re-created for one micro-batch while its backward runs: what selective leaves out of one block
     (its recomputed modules), one block (full, block method) or one chunk of k blocks (full, uniform)."""
     whole = layer_activation_bytes(model, cand, "none")
@@ -203,7 +207,7 @@ def recompute_transient_bytes(model: ModelSpec, cand: Candidate, num_blocks: int
     return 0.0
 
 
-def embedding_activation_bytes(model: ModelSpec, cand: Candidate) -> float:
+def embedding_activation_bytes(model: ModelShape, cand: Candidate) -> float:
     """First stage, per micro-batch: a GPT's embedding dropout mask, s b h one-byte elements (/t under SP)
     (sec. 4.3); nothing for a Llama (no embedding dropout)."""
     if not FAMILIES[model.family].embedding_dropout:
@@ -212,7 +216,7 @@ def embedding_activation_bytes(model: ModelSpec, cand: Candidate) -> float:
     return model.seq_length * cand.micro_batch_size * model.hidden_size * MASK_BYTES / (cand.tp if sp else 1)
 
 
-def output_activation_bytes(model: ModelSpec, cand: Candidate) -> float:
+def output_activation_bytes(model: ModelShape, cand: Candidate) -> float:
     """Last stage, per micro-batch (sec. 4.3): final norm input and output-layer input, 2 s b h bytes each
     (+ RMSNorm's fp32 1/rms, 4 s b bytes; all /t under SP), and the logits s b V_pad / t in bf16 plus their fp32
     copy for the loss."""
@@ -224,7 +228,7 @@ def output_activation_bytes(model: ModelSpec, cand: Candidate) -> float:
     return hidden_terms + logits
 
 
-def stage_activation_bytes(model: ModelSpec, cand: Candidate) -> tuple[float, float]:
+def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, float]:
     """(first stage, last stage) activation bytes at their peak under 1F1B."""
     n = layers_per_stage(model.num_layers, cand.pp)
     stored = stored_activation_bytes(model, cand, n)
@@ -237,7 +241,7 @@ def stage_activation_bytes(model: ModelSpec, cand: Candidate) -> tuple[float, fl
     return first, last
 
 
-def stage_memory(model: ModelSpec, cand: Candidate) -> tuple[StageMemory, StageMemory]:
+def stage_memory(model: ModelShape, cand: Candidate) -> tuple[StageMemory, StageMemory]:
     """(first stage, last stage) memory per GPU."""
     first_params, last_params = stage_param_counts(model, cand.tp, cand.pp)
     first_act, last_act = stage_activation_bytes(model, cand)

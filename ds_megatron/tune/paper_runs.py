@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ds_megatron.config import ModelShape
 from ds_megatron.tune.calibration import Measurement
-from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, build_cluster, build_model_spec
+from ds_megatron.tune.spec import Candidate, Cluster, build_cluster, build_model_shape
 
 PAPER_GPU = "a100-80gb"
 PAPER_VOCAB = 51200
@@ -58,8 +59,8 @@ class PaperRun:
     def measured_mfu(self, mode: str) -> float:
         return self.full_recompute_mfu if mode == "full" else self.selective_sp_mfu
 
-    def model(self) -> ModelSpec:
-        return build_model_spec(None, self.num_layers, self.hidden_size, self.num_heads, PAPER_VOCAB, PAPER_SEQ_LENGTH)
+    def model(self) -> ModelShape:
+        return build_model_shape(None, self.num_layers, self.hidden_size, self.num_heads, PAPER_VOCAB, PAPER_SEQ_LENGTH)
 
     def cluster(self, **overrides: float) -> Cluster:
         return build_cluster(PAPER_GPU, self.num_gpus, 8, **overrides)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 
+from ds_megatron.config import ModelShape
 from ds_megatron.tune import memory_model
 from ds_megatron.tune.memory_model import GIB, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
-from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Candidate, Cluster, ModelSpec
+from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Candidate, Cluster
 
 COLUMNS = (
     ("rank", 4),
@@ -151,7 +152,7 @@ def format_report(result: SearchResult, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def _shape_text(m: ModelSpec) -> str:
+def _shape_text(m: ModelShape) -> str:
     """``L 96, h 12288, a 96`` for a GPT; a Llama adds its KV heads, SwiGLU width and output layer."""
     text = f"L {m.num_layers}, h {m.hidden_size}, a {m.num_heads}"
     if m.family == "gpt2":

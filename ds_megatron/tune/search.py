@@ -12,9 +12,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ds_megatron.config import ModelShape
 from ds_megatron.tune.memory_model import GIB, MARGIN_BYTES, MARGIN_FRACTION, StageMemory, stage_memory
 from ds_megatron.tune.space import Rejection, enumerate_candidates, layout_candidates, tp_sizes
-from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec, Pins
+from ds_megatron.tune.spec import Candidate, Cluster, Pins
 from ds_megatron.tune.time_model import StepTime, step_time
 from ds_megatron.tune.validate import validate_request
 
@@ -52,7 +53,7 @@ class Evaluation:
 class SearchResult:
     """Everything a report needs: ranked evaluations, rejected families, the common configuration, timing."""
 
-    model: ModelSpec
+    model: ModelShape
     cluster: Cluster
     global_batch_size: int
     pins: Pins
@@ -88,7 +89,7 @@ def _memory_reason(first: StageMemory, last: StageMemory, capacity: float) -> st
     )
 
 
-def evaluate(model: ModelSpec, cluster: Cluster, cand: Candidate, global_batch_size: int) -> Evaluation:
+def evaluate(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch_size: int) -> Evaluation:
     """Memory and time of one candidate."""
     first, last = stage_memory(model, cand)
     capacity = cluster.gpu_memory_gb * GIB
@@ -120,7 +121,7 @@ def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:
     return rejected
 
 
-def common_configuration(model: ModelSpec, cluster: Cluster, global_batch_size: int) -> tuple[Evaluation | None, str]:
+def common_configuration(model: ModelShape, cluster: Cluster, global_batch_size: int) -> tuple[Evaluation | None, str]:
     """Full recompute of every block, no SP, eager attention, the largest in-node tp, the smallest pp that fits, its
     best b."""
     tps, _ = tp_sizes(model, cluster, Pins())
@@ -143,7 +144,7 @@ def common_configuration(model: ModelSpec, cluster: Cluster, global_batch_size: 
     return None, f"does not fit at any pipeline depth (tp {tp}, full recompute of every block, no SP, eager attention)"
 
 
-def search(model: ModelSpec, cluster: Cluster, global_batch_size: int, pins: Pins | None = None) -> SearchResult:
+def search(model: ModelShape, cluster: Cluster, global_batch_size: int, pins: Pins | None = None) -> SearchResult:
     """Enumerate, evaluate and rank; raises ConfigError for inputs no search can satisfy."""
     pins = pins or Pins()
     validate_request(model, cluster, global_batch_size, pins)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ds_megatron.config import ModelShape
 from ds_megatron.config.schema import ATTENTION_KERNELS
 from ds_megatron.tune.memory_model import layers_per_stage
 from ds_megatron.tune.spec import (
@@ -29,7 +30,6 @@ from ds_megatron.tune.spec import (
     TP_SPLITS,
     Candidate,
     Cluster,
-    ModelSpec,
     Pins,
     ordered_modules,
 )
@@ -65,7 +65,7 @@ class Rejection:
         return dataclasses.asdict(self)
 
 
-def tp_sizes(model: ModelSpec, cluster: Cluster, pins: Pins) -> tuple[list[int], list[Rejection]]:
+def tp_sizes(model: ModelShape, cluster: Cluster, pins: Pins) -> tuple[list[int], list[Rejection]]:
     """Tensor-parallel sizes that divide the heads (query and KV) and the MLP width and fit in one node."""
     node = min(cluster.gpus_per_node, cluster.num_gpus)
     divisors = [tp for tp in range(1, model.num_heads + 1) if model.num_heads % tp == 0]
@@ -115,7 +115,7 @@ def recompute_options(num_blocks: int, kernel: str, pins: Pins) -> list[tuple[st
 
 
 def layout_candidates(
-    model: ModelSpec, global_batch_size: int, tp: int, pp: int, dp: int, pins: Pins
+    model: ModelShape, global_batch_size: int, tp: int, pp: int, dp: int, pins: Pins
 ) -> tuple[list[Candidate], list[Rejection]]:
     """Every candidate of one (tp, pp, dp) layout, and the micro-batch / SP families it cannot use."""
     layout = {"tp": tp, "pp": pp, "dp": dp}
@@ -156,7 +156,7 @@ def layout_candidates(
 
 
 def enumerate_candidates(
-    model: ModelSpec, cluster: Cluster, global_batch_size: int, pins: Pins
+    model: ModelShape, cluster: Cluster, global_batch_size: int, pins: Pins
 ) -> tuple[list[Candidate], list[Rejection]]:
     """All candidates allowed by the pins, and the families left out before any memory or time is modelled."""
     rejected: list[Rejection] = []

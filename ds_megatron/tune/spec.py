@@ -8,27 +8,22 @@ library only.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
-from ds_megatron.config import ConfigError
+from ds_megatron.config import ConfigError, ModelSection
 from ds_megatron.config.errors import nearest
-from ds_megatron.config.schema import RECOMPUTE_MODULES
-from ds_megatron.config.shape import gpt2_fixed_fields
+from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, RECOMPUTE_MODULES
+from ds_megatron.config.shape import ModelShape, Vocabulary, resolve_shape
 from ds_megatron.config.sizes import (
     FAMILIES,
     GPT3_SEQ_LENGTH,
     GPT3_VOCAB_SIZE,
-    LEARNING_RATES,
     LLAMA3_SEQ_LENGTH,
     LLAMA3_VOCAB_SIZE,
-    all_size_names,
     named,
 )
 from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 
-DEFAULT_SELECTIVE_MODULES = ("core_attn",)  # what "selective" recomputes when no modules are named (the loader's)
 SDPA_CORE_ATTN_REASON = (
     "recomputing core_attn with sdpa is not offered: it checkpoints the s x s attention core, which the sdpa kernel "
     "never stores, so it would save nothing and cost a recompute (the config loader refuses it); sdpa is searched "
@@ -62,54 +57,6 @@ LLAMA_DROPOUT = 0.0
 # Vocabulary and sequence length when neither a named size nor a flag gives them.
 DEFAULT_VOCAB = {"gpt2": GPT3_VOCAB_SIZE, "llama": LLAMA3_VOCAB_SIZE}
 DEFAULT_SEQ_LENGTH = {"gpt2": GPT3_SEQ_LENGTH, "llama": LLAMA3_SEQ_LENGTH}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The decoder to train.  ``family`` "gpt2": pre-LayerNorm, learned positions, MLP width 4h, tied embeddings
-    (the llama fields then hold those fixed values); "llama": RMSNorm, rotary positions, grouped-query attention
-    with ``num_kv_heads``, SwiGLU of width ``intermediate_size``, tied or untied output layer."""
-
-    num_layers: int  # L
-    hidden_size: int  # h
-    num_heads: int  # a
-    vocab_size: int  # V, before TP padding
-    seq_length: int  # s (also the size of a GPT's position table)
-    size: str | None = None  # named size from ds_megatron.config.sizes, when one was given and kept unchanged
-    family: str = "gpt2"  # "gpt2" or "llama"
-    num_kv_heads: int | None = None  # k (None: num_heads)
-    intermediate_size: int | None = None  # F, the MLP width (None: 4h, GPT's; a llama needs it)
-    tie_word_embeddings: bool | None = None  # output layer shares the embedding (None: gpt2 tied, llama untied)
-    rope_theta: float | None = None  # llama: carried into the written config (no effect on memory or time)
-    rope_scaling: tuple | None = None  # llama: the same, Llama 3.2's (key, value) pairs or None
-
-    def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ConfigError("--family", "unknown family", repr(self.family), f"use one of {', '.join(FAMILIES)}")
-        gpt = self.family == "gpt2"
-        fixed = gpt2_fixed_fields(self.hidden_size, self.num_heads)
-        llama = {"num_kv_heads": self.num_heads, "intermediate_size": None, "tie_word_embeddings": False}
-        fill = fixed if gpt else llama
-        for name, default in fill.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, default)
-        if gpt and (self.num_kv_heads, self.intermediate_size, self.tie_word_embeddings) != tuple(fill.values()):
-            raise ConfigError(
-                "--family",
-                "a GPT has num_kv_heads = num_heads, intermediate_size = 4 h and tied embeddings",
-                f"num_kv_heads={self.num_kv_heads}, intermediate_size={self.intermediate_size}, "
-                f"tie_word_embeddings={self.tie_word_embeddings}",
-                "pass --family llama for another shape",
-            )
-        if self.intermediate_size is None:
-            raise ConfigError(
-                "--intermediate-size", "not set", "a llama without a named size", "pass e.g. --intermediate-size 14336"
-            )
-
-    @property
-    def learning_rate(self) -> float:
-        """The published peak learning rate of a named size (GPT-3's table, Llama 3's paper); 1e-4 otherwise."""
-        return LEARNING_RATES.get(self.size or "", 1.0e-4)
 
 
 @dataclass(frozen=True)
@@ -213,12 +160,26 @@ def check_positive(setting: str, value: int | float | None, example: str) -> Non
         raise ConfigError(setting, "must be positive", f"got {value}", f"pass e.g. {setting} {example}")
 
 
-# The fields that make a shape that of a named size (vocabulary and sequence length may differ: the written config
-# states them next to the size).
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "tie_word_embeddings")
+# The tuner's flags for the model's fields, so that a shape error names the flag to change.
+FLAGS = Vocabulary(
+    prefix="",
+    refs={
+        "size": "--model",
+        "family": "--family",
+        "num_layers": "--layers",
+        "hidden_size": "--hidden",
+        "num_heads": "--heads",
+        "vocab_size": "--vocab",
+        "seq_length": "--seq-length",
+        "num_kv_heads": "--kv-heads",
+        "intermediate_size": "--intermediate-size",
+        "tie_word_embeddings": "--tie-word-embeddings",
+    },
+    nouns={"num_heads": "the number of heads"},
+)
 
 
-def build_model_spec(
+def build_model_shape(
     model: str | None,
     layers: int | None,
     hidden: int | None,
@@ -230,84 +191,32 @@ def build_model_spec(
     kv_heads: int | None = None,
     intermediate_size: int | None = None,
     tie_word_embeddings: bool | None = None,
-) -> ModelSpec:
-    """A named size (``--model gpt3-175b``, ``--model llama3-70b``), optionally overridden, or an explicit shape
-    (``family="llama"`` for a Llama one).  ``size`` is kept only when the named shape is unchanged."""
+) -> ModelShape:
+    """The model the tuner is asked about: a named size (``--model gpt3-175b``, ``--model llama3-70b``), optionally
+    overridden, or an explicit shape (``family="llama"`` for a Llama one), resolved as a run's config would be (its
+    ``size`` kept only when the named shape is unchanged).  Vocabulary and sequence length default to the named
+    size's, else the family's (DEFAULT_VOCAB, DEFAULT_SEQ_LENGTH); the position table is as long as the sequence."""
     shape = named(model) if model is not None else None
-    if model is not None and shape is None:
-        near = nearest(model, all_size_names())
-        raise ConfigError(
-            "--model", "unknown size", repr(model), f"use one of {', '.join(all_size_names())} ({near!r}?)"
-        )
-    if shape is not None and family is not None and family != shape.family:
-        raise ConfigError(
-            "--family",
-            "differs from the named size's family",
-            f"family={family!r}, {model!r} is {shape.family!r}",
-            "drop --family",
-        )
-    family = shape.family if shape is not None else family or "gpt2"
-    if family not in FAMILIES:
-        raise ConfigError("--family", "unknown family", repr(family), f"use one of {', '.join(FAMILIES)}")
-    llama_flags = {"--kv-heads": kv_heads, "--intermediate-size": intermediate_size}
-    given = [f for f, v in {**llama_flags, "--tie-word-embeddings": tie_word_embeddings}.items() if v is not None]
-    if family == "gpt2" and given:
-        raise ConfigError(given[0], "applies to the llama family only", f"{given[0]} with a GPT", "pass --family llama")
-
-    def pick(value: Any, named_value: Any, default: Any = None) -> Any:
-        """The flag's value, else the named size's, else the default."""
-        return value if value is not None else named_value if named_value is not None else default
-
-    layers = pick(layers, shape and shape.num_layers)
-    hidden = pick(hidden, shape and shape.hidden_size)
-    heads = pick(heads, shape and shape.num_heads)
-    for flag, value in (("--layers", layers), ("--hidden", hidden), ("--heads", heads)):
-        if value is None:
-            raise ConfigError(flag, "not set", "no --model and no explicit shape", f"pass --model or {flag}")
-    vocab = pick(vocab, shape and shape.vocab_size, DEFAULT_VOCAB[family])
-    seq_length = pick(seq_length, shape and shape.seq_length, DEFAULT_SEQ_LENGTH[family])
-    for flag, value in (
-        ("--layers", layers),
-        ("--hidden", hidden),
-        ("--heads", heads),
-        ("--vocab", vocab),
-        ("--seq-length", seq_length),
-    ):
-        check_positive(flag, value, "2048" if flag == "--seq-length" else "a positive integer")
-    for flag, value in llama_flags.items():
-        if value is not None:
-            check_positive(flag, value, "a positive integer")
-    if hidden % heads != 0:
-        raise ConfigError(
-            "--hidden", "not divisible by the number of heads", f"hidden={hidden}, heads={heads}", "choose h = a x d"
-        )
-    kv = pick(kv_heads, shape and shape.num_kv_heads, heads)
-    if heads % kv != 0:
-        raise ConfigError(
-            "--kv-heads",
-            "must divide the number of heads",
-            f"heads={heads}, kv_heads={kv}",
-            f"use one of {[d for d in range(1, heads + 1) if heads % d == 0]}",
-        )
-    llama = family == "llama"
-    spec = ModelSpec(
-        layers,
-        hidden,
-        heads,
-        vocab,
-        seq_length,
+    kind = shape.family if shape is not None else family or "gpt2"
+    if kind not in FAMILIES:
+        raise ConfigError("--family", "unknown family", repr(kind), f"use one of {', '.join(FAMILIES)}")
+    vocab = vocab if vocab is not None else (shape and shape.vocab_size) or DEFAULT_VOCAB[kind]
+    seq_length = seq_length if seq_length is not None else (shape and shape.seq_length) or DEFAULT_SEQ_LENGTH[kind]
+    section = ModelSection(
+        size=model,
         family=family,
-        num_kv_heads=kv,
-        intermediate_size=pick(intermediate_size, shape and shape.intermediate_size),
-        tie_word_embeddings=pick(tie_word_embeddings, shape and shape.tie_word_embeddings),
-        rope_theta=shape.rope_theta if llama and shape is not None else None,
-        rope_scaling=shape.rope_scaling if llama and shape is not None else None,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_heads=heads,
+        vocab_size=vocab,
+        seq_length=seq_length,
+        max_position_embeddings=max(seq_length, 1),
+        num_kv_heads=kv_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=tie_word_embeddings,
+        **({"dropout": LLAMA_DROPOUT} if kind == "llama" else {}),
     )
-    if shape is None:
-        return spec
-    base = dataclasses.replace(spec, **{f: getattr(shape, f) for f in SHAPE_FIELDS})  # gpt2's None fields refilled
-    unchanged = all(getattr(spec, f) == getattr(base, f) for f in SHAPE_FIELDS)
-    return dataclasses.replace(spec, size=model) if unchanged else spec
+    return resolve_shape(section, FLAGS)
 
 
 # Cluster field <- (GpuPreset field, command-line flag): what --gpu sets and which explicit flag overrides it.

@@ -36,17 +36,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ds_megatron.config import ModelShape
 from ds_megatron.flops import block_fields, executed_flops_per_step
 from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
 from ds_megatron.tune.memory_model import (
     ACT_BYTES,
-    FAMILIES,
     WEIGHT_BYTES,
+    has_attention_dropout,
     layers_per_stage,
     padded_vocab_size,
     stage_param_counts,
 )
-from ds_megatron.tune.spec import Candidate, Cluster, ModelSpec
+from ds_megatron.tune.spec import Candidate, Cluster
 
 GRAD_REDUCE_BYTES = 4  # DeepSpeed's BF16 optimizer reduces the fp32 gradient copies (grad_accum_dtype fp32)
 # DeepSpeed's PipelineEngine reduces gradients in a ReduceGrads step after the last backward of the step, so none of
@@ -201,7 +202,7 @@ def recomputes_core(cand: Candidate) -> bool:
     return cand.recompute == "selective" and "core_attn" in cand.recompute_modules
 
 
-def eager_score_s(model: ModelSpec, cluster: Cluster, cand: Candidate, num_blocks: int, recomputed: int) -> float:
+def eager_score_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int, recomputed: int) -> float:
     """Memory-bound time of the eager kernel's passes over the [b, a/t, s, s] scores of ``num_blocks`` blocks for one
     micro-batch, forward and backward, plus the forward again where it is recomputed (selective with core_attn: every
     block; full: the ``recomputed`` blocks); 0 with sdpa."""
@@ -209,11 +210,11 @@ def eager_score_s(model: ModelSpec, cluster: Cluster, cand: Candidate, num_block
         return 0.0
     scores = cand.micro_batch_size * model.num_heads / cand.tp * model.seq_length**2
     forwards = num_blocks + recomputed + (num_blocks if recomputes_core(cand) else 0)
-    forward_bytes, backward_bytes = eager_score_bytes(FAMILIES[model.family].has_attention_dropout)
+    forward_bytes, backward_bytes = eager_score_bytes(has_attention_dropout(model))
     return memory_bound_s(scores * (forwards * forward_bytes + num_blocks * backward_bytes), cluster)
 
 
-def recompute_passes_s(model: ModelSpec, cluster: Cluster, cand: Candidate, num_blocks: int) -> float:
+def recompute_passes_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int) -> float:
     """Memory-bound time of the elementwise passes selective recompute runs again in ``num_blocks`` blocks for one
     micro-batch (RECOMPUTED_PASSES); 0 for the other policies and for core_attn alone."""
     if cand.recompute != "selective":
@@ -229,7 +230,7 @@ def recompute_passes_s(model: ModelSpec, cluster: Cluster, cand: Candidate, num_
     return num_blocks * memory_bound_s(moved, cluster)
 
 
-def stage_times(model: ModelSpec, cluster: Cluster, cand: Candidate) -> tuple[StageTime, StageTime]:
+def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[StageTime, StageTime]:
     """(first stage, last stage) time of one micro-batch.  With p = 1 both are the whole model."""
     s, b, h, t = model.seq_length, cand.micro_batch_size, model.hidden_size, cand.tp
     n = layers_per_stage(model.num_layers, cand.pp)
@@ -270,7 +271,7 @@ def stage_times(model: ModelSpec, cluster: Cluster, cand: Candidate) -> tuple[St
     return first, last
 
 
-def dp_comm_s(model: ModelSpec, cluster: Cluster, cand: Candidate) -> float:
+def dp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate) -> float:
     """Gradient all-reduce (+ ZeRO-1 weight all-gather) over dp and, for tied embeddings split over first and last
     stage, their all-reduce; not overlapped."""
     params = max(stage_param_counts(model, cand.tp, cand.pp))
@@ -285,7 +286,7 @@ def dp_comm_s(model: ModelSpec, cluster: Cluster, cand: Candidate) -> float:
     return total
 
 
-def job_flops(model: ModelSpec, global_batch_size: int, cand: Candidate | None = None) -> float:
+def job_flops(model: ModelShape, global_batch_size: int, cand: Candidate | None = None) -> float:
     """FLOPs the whole job runs per step: the model's (for MFU), or with ``cand`` its recomputation included (HFU)."""
     policy, recomputed = "none", None
     if cand is not None and cand.recompute == "full":
@@ -298,7 +299,7 @@ def job_flops(model: ModelSpec, global_batch_size: int, cand: Candidate | None =
     return executed_flops_per_step(*args, **block_fields(m))
 
 
-def step_time(model: ModelSpec, cluster: Cluster, cand: Candidate, global_batch_size: int) -> StepTime:
+def step_time(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch_size: int) -> StepTime:
     """Predicted step time, tokens/s, MFU and HFU of ``cand``."""
     first, last = stage_times(model, cluster, cand)
     slowest = max(first, last, key=lambda st: st.total_s)

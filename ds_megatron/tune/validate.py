@@ -7,29 +7,28 @@ from __future__ import annotations
 import difflib
 import math
 
-from ds_megatron.config import ConfigError
+from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.tune.spec import (
     TP_SPLITS,
     Cluster,
-    ModelSpec,
     Pins,
     check_positive,
 )
 
 
-def tp_choices(model: ModelSpec, node: int) -> list[int]:
+def tp_choices(model: ModelShape, node: int) -> list[int]:
     """Tensor-parallel sizes the model and a node of ``node`` GPUs allow: TP splits the query heads, the KV heads and
     the MLP width, and stays in the node."""
     return [t for t in range(1, node + 1) if node % t == 0 and all(tp_split(model, t).values())]
 
 
-def tp_split(model: ModelSpec, tp: int) -> dict[str, bool]:
+def tp_split(model: ModelShape, tp: int) -> dict[str, bool]:
     """Whether ``tp`` divides each dimension TP splits (TP_SPLITS)."""
     return {name: getattr(model, name) % tp == 0 for name in TP_SPLITS}
 
 
-def validate_request(model: ModelSpec, cluster: Cluster, global_batch_size: int, pins: Pins) -> None:
+def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int, pins: Pins) -> None:
     """Refuse inputs no search can satisfy, naming the values and the fix."""
     for flag, value, example in (
         ("--gpus", cluster.num_gpus, "8"),

@@ -7,11 +7,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE
+from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, DEFAULT_VOCAB_MULTIPLE
+from ds_megatron.config.shape import DEFAULT_ROPE_THETA
 from ds_megatron.tune import memory_model, time_model
 from ds_megatron.tune.memory_model import total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
-from ds_megatron.tune.spec import DEFAULT_SELECTIVE_MODULES, LLAMA_DROPOUT
 
 MODEL_KEYS = (  # the written model, in this order
     "size",
@@ -88,14 +88,13 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
             num_kv_heads=m.num_kv_heads,
             intermediate_size=m.intermediate_size,
             tie_word_embeddings=m.tie_word_embeddings,
-            dropout=LLAMA_DROPOUT,  # what the memory model assumed (the loader's default, 0.1, is GPT's)
+            dropout=m.dropout,  # what the memory model assumed (the loader's default, 0.1, is GPT's)
         )
         if not m.size:  # a named size brings its own; a custom or changed shape keeps its origin's
-            model.update(
-                rope_theta=m.rope_theta,
-                rope_scaling=dict(m.rope_scaling) if m.rope_scaling else None,
-            )
-            model = {k: v for k, v in model.items() if v is not None}
+            if m.rope_theta != DEFAULT_ROPE_THETA:
+                model.update(rope_theta=m.rope_theta)
+            if m.rope_scaling:
+                model.update(rope_scaling=dict(m.rope_scaling))
     recompute = {"policy": c.recompute, "num_layers": c.recompute_layers, "method": c.recompute_method}
     if c.recompute == "selective" and c.recompute_modules != DEFAULT_SELECTIVE_MODULES:
         recompute["modules"] = list(c.recompute_modules)
