@@ -21,6 +21,13 @@ SP_GRAD_SYNC = ("step", "micro_batch")
 DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fast matmul shapes on GPUs)
 
 
+def padded_vocab_size(vocab_size: int, tp: int, multiple: int = DEFAULT_VOCAB_MULTIPLE) -> int:
+    """Smallest multiple of ``multiple * tp`` that holds ``vocab_size`` rows (the vocab-parallel embedding's and
+    output layer's rows: every TP rank gets an equal slice of a size that keeps the matmuls fast)."""
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
 @dataclass(frozen=True)
 class ModelSection:
     """Shape of the model.  ``size`` picks a named shape (and its family); explicit fields override it."""

@@ -3,6 +3,7 @@
 Process groups are always passed in; nothing here keeps global state.
 """
 
+from ds_megatron.config.schema import padded_vocab_size
 from ds_megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ds_megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -28,7 +29,7 @@ from ds_megatron.tensor_parallel.mappings import (
     sum_sp_replicated_grads,
     sync_grads,
 )
-from ds_megatron.tensor_parallel.sharding import REPLICATED, ShardRule, padded_vocab_size, shard, unshard
+from ds_megatron.tensor_parallel.sharding import REPLICATED, ShardRule, shard, unshard
 
 __all__ = [
     "REPLICATED",

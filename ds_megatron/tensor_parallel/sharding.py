@@ -59,9 +59,3 @@ def unshard(shards: list[torch.Tensor], rule: ShardRule, full_size: int | None =
     if full_size is not None and full.shape[dim] != full_size:
         full = full.narrow(dim, 0, full_size)
     return full.contiguous()
-
-
-def padded_vocab_size(vocab_size: int, tp: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple * tp`` that holds ``vocab_size`` rows."""
-    step = multiple * tp
-    return ((vocab_size + step - 1) // step) * step

@@ -28,7 +28,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ds_megatron.config import ModelShape
-from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE
+from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, padded_vocab_size
 from ds_megatron.memory import RSTD_BYTES, activation_bytes_per_layer
 from ds_megatron.tune.spec import Candidate
 
@@ -46,12 +46,6 @@ LOGITS_BYTES = 2 + 4  # bf16 logits and the fp32 copy the cross entropy computes
 # buckets, allocator fragmentation.  10% of the predicted bytes plus a fixed 2 GiB.
 MARGIN_FRACTION = 0.10
 MARGIN_BYTES = 2 * GIB
-
-
-def padded_vocab_size(vocab_size: int, tp: int, multiple: int = DEFAULT_VOCAB_MULTIPLE) -> int:
-    """Smallest multiple of ``multiple * tp`` that holds the vocabulary (the VocabParallelEmbedding's rows)."""
-    step = multiple * tp
-    return -(-vocab_size // step) * step
 
 
 def layers_per_stage(num_layers: int, pp: int) -> int:
