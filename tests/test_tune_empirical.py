@@ -3,10 +3,10 @@ candidate, the time budget, and the pure-Python parts (Spearman, recalibration, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,11 +26,10 @@ from ds_megatron.tune.empirical import (
     spearman,
 )
 from ds_megatron.tune.probe import (
-    BROKEN_SET,
-    FAIL_ENV,
+    EmpiricalOptions,
     ProbeResult,
-    ProbeSettings,
     failure_reason,
+    probe,
     probe_config,
     read_metrics,
     run_process,
@@ -177,7 +176,8 @@ def test_final_ranking_prefers_measurements_and_drops_failures(tiny):
 
 
 def test_probe_config_is_a_short_fp32_run_that_resolves(tiny, tmp_path):
-    settings = ProbeSettings(4, "cpu", 2, 5, tmp_path, tmp_path / "cache")
+    cache = f"ds_megatron.data.cache_dir={tmp_path / 'cache'}"
+    settings = EmpiricalOptions(1, steps=5, warmup=2, device="cpu", extra_sets=(cache,))
     e = next(e for e in tiny.ranked if e.candidate.tp == 2 and e.candidate.pp == 2 and e.candidate.sequence_parallel)
     cfg = probe_config(tiny, e, settings, tmp_path / "run")
     assert "bf16" not in cfg and "zero_optimization" not in cfg
@@ -188,7 +188,7 @@ def test_probe_config_is_a_short_fp32_run_that_resolves(tiny, tmp_path):
     assert sec["data"]["cache_dir"] == str(tmp_path / "cache")
     run = resolve(cfg, 4)
     assert (run.tp, run.pp, run.dp, run.micro_batch_size) == (2, 2, 1, e.candidate.micro_batch_size)
-    gpu = probe_config(tiny, e, ProbeSettings(4, "gpu", 2, 5, tmp_path, tmp_path), tmp_path)
+    gpu = probe_config(tiny, e, dataclasses.replace(settings, device="gpu"), tmp_path)
     assert gpu["bf16"] == {"enabled": True} and gpu["zero_optimization"] == {"stage": 1}
 
 
@@ -280,34 +280,49 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tune_cache")  # shared: the tokenizer and corpus are built once
 
 
-def _tune(
-    args: list[str], tmp_path: Path, cache_dir: Path, env_extra: dict | None = None
-) -> tuple[int, str, dict, float]:
+def _tune(args: list[str], tmp_path: Path, cache_dir: Path, capsys, monkeypatch) -> tuple[str, dict, float]:
+    """Run the tuner in this process (its probes are real deepspeed launches): (output, the JSON's empirical section,
+    wall time)."""
     out = tmp_path / "tune.json"
-    cmd = [sys.executable, "-m", "ds_megatron.tune", *TINY_ARGS, "--empirical", "--device", "cpu", *args]
-    cmd += ["--empirical-dir", str(tmp_path / "runs"), "--empirical-set", f"ds_megatron.data.cache_dir={cache_dir}"]
-    cmd += ["--json", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env_extra or {}))
+    argv = [*TINY_ARGS, "--empirical", "--device", "cpu", *args, "--empirical-dir", str(tmp_path / "runs")]
+    argv += ["--empirical-set", f"ds_megatron.data.cache_dir={cache_dir}", "--json", str(out)]
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the ranks the launcher starts import this checkout
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    code = main(argv)
     wall = time.monotonic() - start
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-6000:]
-    return proc.returncode, text, json.loads(out.read_text())["empirical"], wall
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert code == 0, text[-6000:]
+    return text, json.loads(out.read_text())["empirical"], wall
+
+
+BROKEN_SET = "ds_megatron.tune_probe_broken=1"  # a key the recipe refuses (exit 2), so the failure path runs for real
 
 
 @pytest.mark.slow
-def test_empirical_mode_measures_recalibrates_and_ranks_past_a_failing_candidate(tmp_path, cache_dir):
+def test_empirical_mode_measures_recalibrates_and_ranks_past_a_failing_candidate(
+    tmp_path, cache_dir, capsys, monkeypatch
+):
     """Top 3 (tp 1, 2, 4 at b 4); #2 is launched with a key the recipe refuses: recorded, and #3 still runs.
 
     About 25 s per run on 2 idle cores; the budget leaves room for a loaded machine (it is a bound, not a target)."""
+
+    def probe_breaking_the_second(result, e, index, options, timeout_s):
+        if index == 2:
+            options = dataclasses.replace(options, extra_sets=(*options.extra_sets, BROKEN_SET))
+        return probe(result, e, index, options, timeout_s)
+
+    monkeypatch.setattr("ds_megatron.tune.empirical.probe", probe_breaking_the_second)
     max_minutes = 4.0
-    _, text, emp, wall = _tune(
+    text, emp, wall = _tune(
         ["--micro-batch-size", "4", "--max-minutes", str(max_minutes), "--empirical-top", "3"]
         + ["--empirical-steps", "3", "--empirical-warmup", "1"],
         tmp_path,
         cache_dir,
-        {FAIL_ENV: "2"},
+        capsys,
+        monkeypatch,
     )
     assert wall < 60 * max_minutes + 10, text[-3000:]  # the tool keeps its own budget (+ interpreter start-up)
     assert "rank   tp" in text and "final ranking" in text and "final winner" in text, text[-3000:]
@@ -337,13 +352,15 @@ def test_empirical_mode_measures_recalibrates_and_ranks_past_a_failing_candidate
 
 
 @pytest.mark.slow
-def test_empirical_mode_kills_a_run_that_outlives_the_budget(tmp_path, cache_dir):
+def test_empirical_mode_kills_a_run_that_outlives_the_budget(tmp_path, cache_dir, capsys, monkeypatch):
     """A 24 s budget: the first run is killed at its timeout (launcher and ranks), the others are not started."""
     max_minutes = 0.4
-    _, text, emp, wall = _tune(
+    text, emp, wall = _tune(
         ["--max-minutes", str(max_minutes), "--empirical-top", "2", "--empirical-steps", "500"],
         tmp_path,
         cache_dir,
+        capsys,
+        monkeypatch,
     )
     assert wall < 60 * max_minutes + 10, text[-3000:]
     first, second = emp["runs"]

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import os
 import statistics
 import subprocess
 import sys
@@ -32,7 +30,7 @@ from pathlib import Path
 
 from ds_megatron.config import ConfigError
 from ds_megatron.tune.calibration import Calibration, Measurement, fit_time_model
-from ds_megatron.tune.probe import FAIL_ENV, ProbeResult, ProbeSettings, probe
+from ds_megatron.tune.probe import EmpiricalOptions, ProbeResult, probe
 from ds_megatron.tune.search import Evaluation, SearchResult, search
 from ds_megatron.tune.time_model import FIT_TERMS
 
@@ -43,24 +41,11 @@ HANG_FACTOR = 3.0  # later runs may take this many times the slowest finished ru
 DEVICES = ("auto", "cpu", "gpu")
 
 
-@dataclass(frozen=True)
-class EmpiricalOptions:
-    """The ``--empirical*`` flags."""
-
-    max_minutes: float
-    top: int = 3
-    steps: int = 10
-    warmup: int = 3
-    device: str = "auto"
-    work_dir: str | None = None  # default runs/tune/<date-time>
-    extra_sets: tuple[str, ...] = ()
-
-
 @dataclass
 class ProbeRun:
     """One candidate of the empirical phase: its analytic prediction, its run, its recalibrated prediction."""
 
-    index: int  # launch order, 1-based (the index DS_MEGATRON_TUNE_FAIL_CANDIDATE refers to)
+    index: int  # launch order, 1-based
     rank: int  # analytic rank
     evaluation: Evaluation
     predicted_s: float  # analytic prediction, before calibration
@@ -87,10 +72,7 @@ class ProbeRun:
             "calibrated_step_s": self.calibrated_s,
             "measured_step_s": self.measured_s,
             "measured_steps_s": o.step_times_s if o else [],
-            **{
-                k: getattr(o, k) if o else None
-                for k in ("peak_mem_gb", "duration_s", "returncode", "run_dir", "command")
-            },
+            **{k: getattr(o, k, None) for k in ("peak_mem_gb", "duration_s", "returncode", "run_dir", "command")},
         }
 
 
@@ -108,10 +90,8 @@ class FinalEntry:
 
 @dataclass
 class EmpiricalResult:
-    options: EmpiricalOptions
-    device: str  # "cpu" | "gpu"
+    options: EmpiricalOptions  # device resolved ("cpu" | "gpu"), work_dir set
     processes: int  # launched per run (the --gpus of the problem)
-    work_dir: str
     budget_s: float
     runs: list[ProbeRun]
     calibration: Calibration | None = None
@@ -131,19 +111,19 @@ class EmpiricalResult:
         return self.final[0] if self.final else None
 
     def as_dict(self, top: int = 10) -> dict:
-        cal = self.calibration
+        o, cal = self.options, self.calibration
         return {
-            "device": self.device,
+            "device": o.device,
             "processes": self.processes,
-            "warmup_steps": self.options.warmup,
-            "measured_steps": self.options.steps,
-            "max_minutes": self.options.max_minutes,
+            "warmup_steps": o.warmup,
+            "measured_steps": o.steps,
+            "max_minutes": o.max_minutes,
             "elapsed_s": self.elapsed_s,
-            "work_dir": self.work_dir,
-            "peak_mem_note": PEAK_MEM_NOTE[self.device],
+            "work_dir": o.work_dir,
+            "peak_mem_note": PEAK_MEM_NOTE[o.device],
             "runs": [r.as_dict() for r in self.runs],
             "not_run": [r.index for r in self.runs if r.outcome is None],
-            "calibration": cal.as_dict() if cal else None,
+            "calibration": dataclasses.asdict(cal) if cal else None,
             "calibration_note": self.calibration_note,
             "spearman_predicted_vs_measured": self.spearman_before,
             "spearman_calibrated_vs_measured": self.spearman_after,
@@ -159,33 +139,19 @@ PEAK_MEM_NOTE = {
 
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:
-    """Spearman's rank correlation (ties get their average rank); None for fewer than 2 points or a constant."""
+    """Spearman's rank correlation (Pearson's of the ranks); None for fewer than 2 points or a constant."""
     if len(xs) != len(ys):
         raise ValueError(f"spearman: {len(xs)} x values but {len(ys)} y values")
-    if len(xs) < 2:
+    try:
+        return statistics.correlation(_ranks(xs), _ranks(ys))
+    except statistics.StatisticsError:  # fewer than 2 points, or a constant
         return None
-    rx, ry = _ranks(xs), _ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sxx = sum((a - mx) ** 2 for a in rx)
-    syy = sum((b - my) ** 2 for b in ry)
-    if sxx == 0 or syy == 0:
-        return None
-    return sxy / math.sqrt(sxx * syy)
 
 
 def _ranks(values: list[float]) -> list[float]:
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    ranks = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
+    """1-based ranks, ties sharing their average: c equal values from sorted position i all rank i + (c + 1) / 2."""
+    order = sorted(values)
+    return [order.index(v) + (order.count(v) + 1) / 2 for v in values]
 
 
 def plan_timeout(remaining_s: float, left: int, durations: list[float]) -> float | None:
@@ -283,21 +249,14 @@ def run_empirical(
     (a time.monotonic() value), recalibrate, re-rank."""
     validate_options(result, options)
     start = time.monotonic()
-    device = resolve_device(options.device, result.cluster.num_gpus)
-    work_dir = Path(options.work_dir or f"runs/tune/{time.strftime('%Y%m%d-%H%M%S')}")
-    sets = dict(item.split("=", 1) for item in options.extra_sets)
-    cache = Path(sets.pop("ds_megatron.data.cache_dir", ".cache/ds_megatron")).resolve()  # the recipe's default
-    extra = tuple(f"{k}={v}" for k, v in sets.items())
-    settings = ProbeSettings(result.cluster.num_gpus, device, options.warmup, options.steps, work_dir, cache, extra)
+    procs = result.cluster.num_gpus
+    device = resolve_device(options.device, procs)
+    work_dir = str(Path(options.work_dir or f"runs/tune/{time.strftime('%Y%m%d-%H%M%S')}"))
+    options = dataclasses.replace(options, device=device, work_dir=work_dir)
     picked = chosen if chosen is not None else top_candidates(result.ranked, options.top, device)
     rank = {e.candidate: i + 1 for i, e in enumerate(result.ranked)}
     runs = [ProbeRun(i + 1, rank[e.candidate], e, e.time.step_s) for i, e in enumerate(picked)]
-    procs = result.cluster.num_gpus
-    emp = EmpiricalResult(options, device, procs, str(work_dir), max(0.0, deadline - start), runs)
-    hook = os.environ.get(FAIL_ENV, "").strip()
-    if hook and not hook.isdigit():
-        raise ConfigError(FAIL_ENV, "not a candidate index", repr(hook), "set it to e.g. 2 (launch order)")
-    fail_index = int(hook or 0)
+    emp = EmpiricalResult(options, procs, max(0.0, deadline - start), runs)
     kind = f"{procs} CPU process(es) (gloo, fp32)" if device == "cpu" else f"{procs} GPU(s) (bf16, ZeRO-1)"
     say(
         f"empirical: measuring {len(runs)} candidate(s) on {kind}, {options.warmup} warm-up + {options.steps}"
@@ -312,7 +271,7 @@ def run_empirical(
             say(f"  budget: {max(remaining, 0):.0f} s left is too little for another run; not run: {names}")
             break
         say(f"  [{run.index}/{len(runs)}] {_short(run.evaluation)}: launching (timeout {timeout:.0f} s)")
-        run.outcome = probe(result, run.evaluation, run.index, settings, timeout, broken=run.index == fail_index)
+        run.outcome = probe(result, run.evaluation, run.index, options, timeout)
         o = run.outcome
         if o.step_s is not None:
             durations.append(o.duration_s)
@@ -340,7 +299,7 @@ def recalibrate(result: SearchResult, emp: EmpiricalResult) -> None:
             for r in measured
         ]
         try:
-            emp.calibration = fit_time_model(points, extra_terms=FIT_TERMS if emp.device == "cpu" else ())
+            emp.calibration = fit_time_model(points, extra_terms=FIT_TERMS if emp.options.device == "cpu" else ())
         except ValueError as err:
             emp.calibration_note = f"calibration failed, the analytic model is kept: {err}"
     if emp.calibration is not None:
@@ -358,14 +317,13 @@ def final_ranking(ranked: list[Evaluation], runs: list[ProbeRun]) -> list[FinalE
     """Measured step time where a run measured one, recalibrated prediction otherwise; failed runs left out."""
     measured = {r.evaluation.candidate: r.measured_s for r in runs if r.measured_s is not None}
     failed = {r.evaluation.candidate for r in runs if r.outcome is not None and r.measured_s is None}
-    entries = []
-    for e in ranked:
-        if e.candidate in failed:
-            continue
-        if e.candidate in measured:
-            entries.append(FinalEntry(e, measured[e.candidate], "measured"))
-        else:
-            entries.append(FinalEntry(e, e.time.step_s, "predicted"))
+    entries = [
+        FinalEntry(e, measured[e.candidate], "measured")
+        if e.candidate in measured
+        else FinalEntry(e, e.time.step_s, "predicted")
+        for e in ranked
+        if e.candidate not in failed
+    ]
     # Measured first among equals: a measurement beats a prediction of the same time.
     entries.sort(key=lambda f: (f.step_s, f.source != "measured", f.evaluation.required_bytes))
     return entries

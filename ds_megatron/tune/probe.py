@@ -34,10 +34,6 @@ from ds_megatron.tune.search import Evaluation, SearchResult
 from ds_megatron.tune.written import ds_config
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "train_gpt.py"
-# Test hook: the 1-based index (launch order) of a candidate to launch with a key the recipe refuses (exit 2), so
-# the failure path runs for real.
-FAIL_ENV = "DS_MEGATRON_TUNE_FAIL_CANDIDATE"
-BROKEN_SET = "ds_megatron.tune_probe_broken=1"
 OOM_PATTERNS = re.compile(r"out of memory|OutOfMemoryError|MemoryError|Cannot allocate memory", re.IGNORECASE)
 ERROR_LINE = re.compile(r"^error: ")  # ds_megatron's one-line configuration errors
 EXCEPTION_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception|Interrupt)\b")
@@ -46,15 +42,15 @@ MAX_REASON_CHARS = 300
 
 
 @dataclass(frozen=True)
-class ProbeSettings:
-    """How every candidate of one empirical session runs."""
+class EmpiricalOptions:
+    """The ``--empirical*`` flags: the session's budget and how every candidate of it runs."""
 
-    num_gpus: int  # processes per run (CPU: gloo processes)
-    device: str  # "cpu" | "gpu"
-    warmup_steps: int  # dropped: the first steps include allocation, graph building, communicator set-up
-    measured_steps: int  # the median of these is the measurement
-    work_dir: Path  # one sub-directory per candidate
-    cache_dir: Path  # ds_megatron.data.cache_dir of every run
+    max_minutes: float  # wall-clock budget of the whole command
+    top: int = 3  # candidates to measure
+    steps: int = 10  # measured steps per run: their median is the measurement
+    warmup: int = 3  # dropped: the first steps include allocation, graph building, communicator set-up
+    device: str = "auto"  # "auto" | "cpu" | "gpu"; run_empirical resolves auto before the first probe
+    work_dir: str | None = None  # one sub-directory per candidate (default runs/tune/<date-time>)
     extra_sets: tuple[str, ...] = ()  # more --set KEY=VALUE for every run (data, tokenizer, ...)
 
 
@@ -83,21 +79,28 @@ def run_slug(index: int, e: Evaluation) -> str:
     return f"{index:02d}-tp{c.tp}-pp{c.pp}-dp{c.dp}{sp}-b{c.micro_batch_size}-{label}{kernel}"
 
 
-def probe_config(result: SearchResult, e: Evaluation, settings: ProbeSettings, run_dir: Path) -> dict:
-    """The tuner's config for ``e`` (report.ds_config), adapted to a short measuring run."""
+def split_sets(options: EmpiricalOptions) -> tuple[Path, list[str]]:
+    """(the data cache directory, which goes into every run's config; the other ``--set`` items)."""
+    sets = dict(item.split("=", 1) for item in options.extra_sets)
+    cache = Path(sets.pop("ds_megatron.data.cache_dir", ".cache/ds_megatron")).resolve()  # the recipe's default
+    return cache, [f"{k}={v}" for k, v in sets.items()]
+
+
+def probe_config(result: SearchResult, e: Evaluation, options: EmpiricalOptions, run_dir: Path) -> dict:
+    """The tuner's config for ``e`` (written.ds_config), adapted to a short measuring run."""
     cfg = ds_config(result, e)
-    if settings.device == "cpu":  # the recipe's CPU path: fp32, no ZeRO (gloo has no bf16 kernels worth timing)
+    if options.device == "cpu":  # the recipe's CPU path: fp32, no ZeRO (gloo has no bf16 kernels worth timing)
         for key in ("bf16", "data_types", "zero_optimization"):
             cfg.pop(key, None)
     section = cfg["ds_megatron"]
     section["train"] = {
-        "train_iters": settings.warmup_steps + settings.measured_steps,
+        "train_iters": options.warmup + options.steps,
         "log_interval": 1,
         "eval_interval": 0,
         "eval_iters": 1,
         "generate_tokens": 0,
     }
-    section["data"] = {"cache_dir": str(settings.cache_dir)}
+    section["data"] = {"cache_dir": str(split_sets(options)[0])}
     section["logging"] = {"wandb_project": None, "run_dir": str(run_dir)}
     return cfg
 
@@ -118,13 +121,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def probe_env(settings: ProbeSettings) -> dict[str, str]:
+def probe_env(device: str, num_gpus: int) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PYTHONWARNINGS", "ignore")
-    if settings.device == "cpu":
+    if device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         # N processes share the cores: more threads than cores per process only thrash.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // settings.num_gpus)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // num_gpus)))
     else:
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # TP communication and compute overlap in order
     return env
@@ -200,36 +203,34 @@ def read_metrics(path: Path, warmup_steps: int) -> tuple[list[float], float | No
     return [times[s] for s in sorted(times)], peak
 
 
-def probe(
-    result: SearchResult, e: Evaluation, index: int, settings: ProbeSettings, timeout_s: float, broken: bool = False
-) -> ProbeResult:
-    """Launch candidate ``e`` for warm-up + measured steps and measure it; never raises for a failed run."""
+def probe(result: SearchResult, e: Evaluation, index: int, options: EmpiricalOptions, timeout_s: float) -> ProbeResult:
+    """Launch candidate ``e`` for warm-up + measured steps and measure it; never raises for a failed run.
+    ``options.device`` is resolved ("cpu" | "gpu") and ``options.work_dir`` set."""
     if not RECIPE.exists():
         raise ConfigError(
             "--empirical", "the training recipe is missing", str(RECIPE), "run the tuner from a ds_megatron checkout"
         )
-    run_dir = (settings.work_dir / run_slug(index, e)).resolve()
+    run_dir = (Path(options.work_dir) / run_slug(index, e)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)  # the recipe appends; a stale file would mix runs
     config_path = run_dir / "ds_config.json"
-    config_path.write_text(json.dumps(probe_config(result, e, settings, run_dir), indent=2) + "\n")
-    cmd = [*launcher(), "--num_gpus", str(settings.num_gpus), "--master_port", str(free_port())]
+    config_path.write_text(json.dumps(probe_config(result, e, options, run_dir), indent=2) + "\n")
+    num_gpus = result.cluster.num_gpus
+    cmd = [*launcher(), "--num_gpus", str(num_gpus), "--master_port", str(free_port())]
     cmd += [str(RECIPE), "--deepspeed_config", str(config_path)]
-    for item in settings.extra_sets:
+    for item in split_sets(options)[1]:
         cmd += ["--set", item]
-    if broken:
-        cmd += ["--set", BROKEN_SET]
     log_path = run_dir / "output.log"
-    returncode, duration = run_process(cmd, log_path, timeout_s, probe_env(settings))
-    times, peak = read_metrics(metrics, settings.warmup_steps)
+    returncode, duration = run_process(cmd, log_path, timeout_s, probe_env(options.device, num_gpus))
+    times, peak = read_metrics(metrics, options.warmup)
     out = ProbeResult("ok", None, None, times, peak, duration, str(run_dir), cmd, returncode)
     if returncode != 0:
         output = log_path.read_text(errors="replace")[-20000:]
         out.status, out.reason = failure_reason(returncode, output, timeout_s)
-    elif len(times) < settings.measured_steps:
+    elif len(times) < options.steps:
         out.status = "failed"
-        out.reason = f"exit 0 but only {len(times)} of {settings.measured_steps} measured steps in {metrics}"
+        out.reason = f"exit 0 but only {len(times)} of {options.steps} measured steps in {metrics}"
     else:
         out.step_s = statistics.median(times)
     return out
