@@ -9,23 +9,13 @@ import math
 
 from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
+from ds_megatron.tune.space import tp_sizes
 from ds_megatron.tune.spec import (
     TP_SPLITS,
     Cluster,
     Pins,
     check_positive,
 )
-
-
-def tp_choices(model: ModelShape, node: int) -> list[int]:
-    """Tensor-parallel sizes the model and a node of ``node`` GPUs allow: TP splits the query heads, the KV heads and
-    the MLP width, and stays in the node."""
-    return [t for t in range(1, node + 1) if node % t == 0 and all(tp_split(model, t).values())]
-
-
-def tp_split(model: ModelShape, tp: int) -> dict[str, bool]:
-    """Whether ``tp`` divides each dimension TP splits (TP_SPLITS)."""
-    return {name: getattr(model, name) % tp == 0 for name in TP_SPLITS}
 
 
 def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int, pins: Pins) -> None:
@@ -63,14 +53,14 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
             check_positive(f"--{name}", value, "1")
     if pins.tp is not None:
         node = min(cluster.gpus_per_node, cluster.num_gpus)
-        for name, divides in tp_split(model, pins.tp).items():
-            if not divides:
-                why = f" ({TP_SPLITS[name]})" if name != "num_heads" else ""
+        for name, why in TP_SPLITS.items():
+            if getattr(model, name) % pins.tp != 0:
                 raise ConfigError(
                     "--tp",
                     f"{name} not divisible by tp",
                     f"{name}={getattr(model, name)}, tp={pins.tp}",
-                    f"choose tp from {tp_choices(model, node)}{why}",
+                    f"choose tp from {tp_sizes(model, cluster, Pins())[0]}"
+                    + (f" ({why})" if name != "num_heads" else ""),
                 )
         if node % pins.tp != 0:
             raise ConfigError(
