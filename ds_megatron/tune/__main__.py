@@ -42,6 +42,7 @@ from ds_megatron.tune.spec import (
     DEFAULT_EFFICIENCY,
     INTER_NODE_LATENCY_S,
     INTRA_NODE_LATENCY_S,
+    PRESET_FIELDS,
     Pins,
     build_cluster,
     build_model_shape,
@@ -180,15 +181,12 @@ def main(argv: list[str] | None = None) -> int:
             intermediate_size=args.intermediate_size,
             tie_word_embeddings=args.tie_word_embeddings,
         )
+        figures = {name: getattr(args, flag[2:].replace("-", "_")) for name, (_, flag) in PRESET_FIELDS.items()}
         cluster = build_cluster(
             args.gpu,
             args.gpus,
             args.gpus_per_node,
-            gpu_memory_gb=args.gpu_memory_gb,
-            peak_tflops=args.gpu_peak_tflops,
-            memory_gbps=args.memory_gbps,
-            intra_node_gbps=args.intra_node_gbps,
-            inter_node_gbps=args.inter_node_gbps,
+            **figures,  # the --gpu figures the command line overrides
             efficiency=args.efficiency,
             intra_node_latency_s=args.intra_node_latency_us * 1e-6,
             inter_node_latency_s=args.inter_node_latency_us * 1e-6,
@@ -213,14 +211,15 @@ def main(argv: list[str] | None = None) -> int:
             validate_options(result, options)
             options = dataclasses.replace(options, device=resolve_device(options.device, cluster.num_gpus))
             if options.device == "cpu" and pins.attention is None:
-                # With dropout on, torch's CPU sdpa runs its math path: the eager kernel's work and memory.  The CPU
-                # runs cannot tell the kernels apart, so rank (and measure) eager, which also allows selective.
+                # The CPU runs cannot tell the kernels apart (CPU_KERNEL_NOTE): rank and measure eager, which also
+                # allows selective recompute of the attention core.
                 result = search(model, cluster, args.global_batch_size, dataclasses.replace(pins, attention="eager"))
                 cpu_note = CPU_KERNEL_NOTE
     except ConfigError as err:
         print(str(err), file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    print(format_report(result, top=max(1, args.top)), flush=True)
+    top = max(1, args.top)
+    print(format_report(result, top=top), flush=True)
     if cpu_note:
         print(cpu_note)
     emp: EmpiricalResult | None = None
@@ -234,11 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(str(err), file=sys.stderr)
             return EXIT_CONFIG_ERROR
-        print(format_empirical(emp, result.global_batch_size, result.model.seq_length, top=max(1, args.top)))
+        print(format_empirical(emp, result.global_batch_size, result.model.seq_length, top=top))
     if args.json:
         data = to_json(result)
         if emp is not None:
-            data["empirical"] = emp.as_dict(top=max(1, args.top))
+            data["empirical"] = emp.as_dict(top=top)
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
         print(
@@ -249,9 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no config written to {args.write_config}: nothing fits", file=sys.stderr)
         return EXIT_NO_FIT
     if args.write_config:
-        chosen = emp.winner.evaluation if emp is not None and emp.winner is not None else result.winner
-        command = write_config(result, args.write_config, chosen)
-        which = "the final (empirical) winner" if emp is not None and emp.winner is not None else "the winner"
+        final = emp.winner if emp is not None else None
+        command = write_config(result, args.write_config, final.evaluation if final else result.winner)
+        which = "the final (empirical) winner" if final else "the winner"
         print(f"wrote {which} to {args.write_config}; launch it with:\n  {command}")
     return 0
 

@@ -1,8 +1,5 @@
 """Calibration of the time model: fit its constants (the ceiling of the matmul-efficiency curve, and optionally the
-collective latency and a fixed per-step overhead) to measured step times.  Pure Python.
-
-The predicted step of a measured run is linear in 1/efficiency, the latency and the overhead (see ``_parts``), so
-every fit is a small closed-form weighted least squares on the relative errors.
+collective latency and a fixed per-step overhead) to measured step times (:func:`fit_time_model`).  Pure Python.
 """
 
 from __future__ import annotations
@@ -16,9 +13,7 @@ from ds_megatron.config import ModelShape
 from ds_megatron.tune.spec import Candidate, Cluster
 from ds_megatron.tune.time_model import FIT_TERMS, step_time
 
-# fit_time_model's extra terms (FIT_TERMS) are added one at a time, each only when it cuts the relative RMS error of
-# the fit so far by FIT_MIN_GAIN or more, and only with at least two more measurements than fitted parameters.
-FIT_MIN_GAIN = 1.25
+FIT_MIN_GAIN = 1.25  # an extra term is kept only when it divides the relative RMS error by this much
 EXACT_FIT = 1e-9  # a relative RMS error this small leaves nothing for another term to explain
 
 
@@ -52,9 +47,6 @@ class Calibration:
         return dataclasses.replace(
             cluster, efficiency=self.efficiency, intra_node_latency_s=latency, step_overhead_s=self.step_overhead_s
         )
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def _parts(meas: Measurement) -> tuple[float, float, float]:
@@ -140,11 +132,13 @@ def fit_time_model(measurements: Iterable[Measurement], extra_terms: tuple[str, 
         points.append((*_parts(meas), meas.cluster.intra_node_latency_s, meas.step_time_s))
     if not points:
         raise ValueError("calibrate: no measurements given; pass at least one Measurement")
-    if sum(c * (m - b - n * lat) / m**2 for c, n, b, lat, m in points) <= 0.0:
+    # The efficiency-only fit solves x * sum(C^2 / M^2) = rhs; rhs <= 0 leaves no time for the matmuls.
+    rhs = sum(c * (m - b - n * lat) / m**2 for c, n, b, lat, m in points)
+    if rhs <= 0.0:
         raise ValueError("calibrate: the measured steps are faster than their communication alone; check the inputs")
     plain = _fit(points, ())
     if plain is None:
-        x = sum(c * (m - b - n * lat) / m**2 for c, n, b, lat, m in points) / sum(c * c / m**2 for c, *_, m in points)
+        x = rhs / sum(c * c / m**2 for c, *_, m in points)
         raise ValueError(
             f"calibrate: fitted efficiency {1 / x:.2f} > 1: the measured steps beat the peak; check peak_tflops"
         )

@@ -31,6 +31,7 @@ from pathlib import Path
 from ds_megatron.config import ConfigError
 from ds_megatron.tune.calibration import Calibration, Measurement, fit_time_model
 from ds_megatron.tune.probe import EmpiricalOptions, ProbeResult, probe
+from ds_megatron.tune.report import cells
 from ds_megatron.tune.search import Evaluation, SearchResult, search
 from ds_megatron.tune.time_model import FIT_TERMS
 
@@ -270,7 +271,10 @@ def run_empirical(
             names = ", ".join(str(r.index) for r in runs[pos:])
             say(f"  budget: {max(remaining, 0):.0f} s left is too little for another run; not run: {names}")
             break
-        say(f"  [{run.index}/{len(runs)}] {_short(run.evaluation)}: launching (timeout {timeout:.0f} s)")
+        short = "tp {tp}, pp {pp}, dp {dp}, SP {sp}, b {b} x {m}, {recompute}, {attn}".format(
+            **cells(run.evaluation.candidate)
+        )
+        say(f"  [{run.index}/{len(runs)}] {short}: launching (timeout {timeout:.0f} s)")
         run.outcome = probe(result, run.evaluation, run.index, options, timeout)
         o = run.outcome
         if o.step_s is not None:
@@ -327,11 +331,3 @@ def final_ranking(ranked: list[Evaluation], runs: list[ProbeRun]) -> list[FinalE
     # Measured first among equals: a measurement beats a prediction of the same time.
     entries.sort(key=lambda f: (f.step_s, f.source != "measured", f.evaluation.required_bytes))
     return entries
-
-
-def _short(e: Evaluation) -> str:
-    c = e.candidate
-    return (
-        f"tp {c.tp}, pp {c.pp}, dp {c.dp}, SP {'on' if c.sequence_parallel else 'off'}, "
-        f"b {c.micro_batch_size} x {c.num_micro_batches}, {c.recompute_label()}, {c.attention}"
-    )

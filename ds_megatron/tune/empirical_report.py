@@ -23,8 +23,8 @@ FINAL_COLUMNS = (("rank", 4), *LAYOUT_COLUMNS, ("step s", 8), ("tokens/s", 10), 
 
 def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: int, top: int = 10) -> str:
     """The empirical section: each run against its predictions, the calibration, the correlation, the final ranking."""
-    kind = "CPU process(es), gloo, fp32" if emp.options.device == "cpu" else "GPU(s), bf16, ZeRO-1"
     o = emp.options
+    kind = "CPU process(es), gloo, fp32" if o.device == "cpu" else "GPU(s), bf16, ZeRO-1"
     lines = [
         "",
         f"empirical: {len(emp.runs)} candidate(s) on {emp.processes} {kind}; {o.warmup} warm-up + {o.steps} measured "
@@ -49,7 +49,7 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
         "  predicted: analytic model; calibrated: refitted model; measured: median step of the run; error: calibrated"
         " vs measured"
     )
-    lines.append(f"  {PEAK_MEM_NOTE[emp.options.device]}")
+    lines.append(f"  {PEAK_MEM_NOTE[o.device]}")
     cal = emp.calibration
     if cal is None:
         lines.append(f"calibration: {emp.calibration_note}")

@@ -7,7 +7,7 @@ import math
 
 from ds_megatron.config import ModelShape
 from ds_megatron.tune import memory_model
-from ds_megatron.tune.memory_model import GIB, total_param_count
+from ds_megatron.tune.memory_model import GIB, StageMemory, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
 from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Candidate, Cluster
 
@@ -34,11 +34,17 @@ MAX_REJECTIONS_SHOWN = 8
 NEAR_TIE = 0.01  # candidates this close to the winner's step time are within the time model's error of it
 
 
+def cells(c: Candidate) -> dict[str, str]:
+    """A candidate's settings as the tables and lines show them, by column name."""
+    numbers = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "b": c.micro_batch_size, "m": c.num_micro_batches, "zero": c.zero}
+    text = {"sp": "on" if c.sequence_parallel else "off", "attn": c.attention, "recompute": c.recompute_label()}
+    return {**{name: str(n) for name, n in numbers.items()}, **text}
+
+
 def layout_cells(c: Candidate) -> list[str]:
     """The tp, pp, dp, sp, b, m, attn and recompute cells of a table row."""
-    sp = "on" if c.sequence_parallel else "off"
-    cells = [str(c.tp), str(c.pp), str(c.dp), sp, str(c.micro_batch_size), str(c.num_micro_batches)]
-    return cells + [c.attention, c.recompute_label()]
+    x = cells(c)
+    return [x[name] for name in ("tp", "pp", "dp", "sp", "b", "m", "attn", "recompute")]
 
 
 def _row(rank: int, e: Evaluation) -> list[str]:
@@ -63,24 +69,20 @@ def widened(columns: tuple[tuple[str, int], ...], shown: list[Evaluation]) -> tu
     return tuple((name, max([w, *labels]) if name == "recompute" else w) for name, w in columns)
 
 
-def table_line(cells: list[str], columns: tuple[tuple[str, int], ...]) -> str:
-    """One row of a table: the text columns left-aligned, the numbers right-aligned."""
-    aligned = (c.ljust(w) if name in TEXT_COLUMNS else c.rjust(w) for c, (name, w) in zip(cells, columns))
-    return "  ".join(aligned).rstrip()
-
-
 def table(rows: list[list[str]], columns: tuple[tuple[str, int], ...]) -> list[str]:
-    """The header line and one line per row."""
-    return [table_line([name for name, _ in columns], columns)] + [table_line(r, columns) for r in rows]
+    """The header line and one line per row: the text columns left-aligned, the numbers right-aligned."""
+    return [
+        "  ".join(c.ljust(w) if name in TEXT_COLUMNS else c.rjust(w) for c, (name, w) in zip(row, columns)).rstrip()
+        for row in [[name for name, _ in columns], *rows]
+    ]
 
 
 def settings_text(c: Candidate) -> str:
     """``tp 8, pp 16, dp 8, SP on, micro-batch 1 x 192, recompute selective, attention sdpa, ZeRO-1``."""
     return (
-        f"tp {c.tp}, pp {c.pp}, dp {c.dp}, SP {'on' if c.sequence_parallel else 'off'}, "
-        f"micro-batch {c.micro_batch_size} x {c.num_micro_batches}, recompute {c.recompute_label()}, "
-        f"attention {c.attention}, ZeRO-{c.zero}"
-    )
+        "tp {tp}, pp {pp}, dp {dp}, SP {sp}, micro-batch {b} x {m}, recompute {recompute}, attention {attn}, "
+        "ZeRO-{zero}"
+    ).format(**cells(c))
 
 
 def describe(e: Evaluation) -> str:
@@ -127,7 +129,7 @@ def format_report(result: SearchResult, top: int = 10) -> str:
             f"pipeline p2p {seconds_text(t.p2p_s)} (bubble {seconds_text(t.bubble_s)} of these) + DP comm "
             f"{seconds_text(t.dp_comm_s)}"
             + (f" + fixed overhead {seconds_text(t.overhead_s)}" if t.overhead_s else ""),
-            f"  memory per GPU: first stage {_memory(winner, 'first')}; last stage {_memory(winner, 'last')}",
+            f"  memory per GPU: first stage {_memory(winner.first)}; last stage {_memory(winner.last)}",
         ]
         if len(result.ranked) > 1:
             lines += why_ahead(winner, result.ranked[1], 1, 2)
@@ -161,15 +163,15 @@ def _shape_text(m: ModelShape) -> str:
     return f"{m.family}: {text}, KV heads {m.num_kv_heads}, F {m.intermediate_size}, {tied} output layer"
 
 
-SETTINGS = (  # (label, how to read it off a candidate) for the comparison of two candidates
-    ("tp", lambda c: c.tp),
-    ("pp", lambda c: c.pp),
-    ("dp", lambda c: c.dp),
-    ("SP", lambda c: "on" if c.sequence_parallel else "off"),
-    ("micro-batch", lambda c: c.micro_batch_size),
-    ("recompute", lambda c: c.recompute_label()),
-    ("attention", lambda c: c.attention),
-    ("ZeRO", lambda c: c.zero),
+SETTINGS = (  # (label, cell) compared between two candidates
+    ("tp", "tp"),
+    ("pp", "pp"),
+    ("dp", "dp"),
+    ("SP", "sp"),
+    ("micro-batch", "b"),
+    ("recompute", "recompute"),
+    ("attention", "attn"),
+    ("ZeRO", "zero"),
 )
 TIME_PARTS = (
     ("compute", "compute_s"),
@@ -186,8 +188,8 @@ PART_SHOWN = 0.001  # time parts that differ by less than this fraction of the s
 def why_ahead(a: Evaluation, b: Evaluation, rank_a: int, rank_b: int) -> list[str]:
     """Two lines on why ``a`` ranks ahead of ``b``: the settings that differ, then the time parts and memory they
     change."""
-    ca, cb = a.candidate, b.candidate
-    differs = [f"{label} {get(ca)} instead of {get(cb)}" for label, get in SETTINGS if get(ca) != get(cb)]
+    ca, cb = cells(a.candidate), cells(b.candidate)
+    differs = [f"{label} {ca[key]} instead of {cb[key]}" for label, key in SETTINGS if ca[key] != cb[key]]
     ta, tb = a.time, b.time
     gap = tb.step_s - ta.step_s
     parts = [
@@ -296,18 +298,16 @@ def seconds_text(x: float) -> str:
 def _no_fit_lines(result: SearchResult) -> list[str]:
     """Why nothing fits, in two lines: the closest candidate and the floor set by the model states."""
     lines = ["no configuration fits: every candidate was rejected (the reasons below; all of them in --json)."]
+    if not result.evaluations:
+        return lines + ["  no candidate is left once the families below are removed: relax the pins"]
     capacity = result.cluster.gpu_memory_gb
-    if result.evaluations:
-        closest = min(result.evaluations, key=lambda e: e.required_bytes)
-        need = closest.required_bytes / GIB
-        lines.append(
-            f"  closest: tp {closest.candidate.tp}, pp {closest.candidate.pp}, dp {closest.candidate.dp}, "
-            f"{closest.candidate.recompute_label()} needs {need:.1f} GiB per GPU, {need / capacity:.1f}x the "
-            f"{capacity:g} GiB available"
-        )
-    else:
-        lines.append("  no candidate is left once the families below are removed: relax the pins")
-        return lines
+    closest = min(result.evaluations, key=lambda e: e.required_bytes)
+    need = closest.required_bytes / GIB
+    lines.append(
+        f"  closest: tp {closest.candidate.tp}, pp {closest.candidate.pp}, dp {closest.candidate.dp}, "
+        f"{closest.candidate.recompute_label()} needs {need:.1f} GiB per GPU, {need / capacity:.1f}x the "
+        f"{capacity:g} GiB available"
+    )
     floor = (memory_model.WEIGHT_BYTES + memory_model.GRAD_BYTES) * total_param_count(result.model)
     lines.append(
         f"  weights and gradients alone need {floor / result.cluster.num_gpus / GIB:.1f} GiB per GPU on "
@@ -316,8 +316,7 @@ def _no_fit_lines(result: SearchResult) -> list[str]:
     return lines
 
 
-def _memory(e: Evaluation, stage: str) -> str:
-    mem = e.first if stage == "first" else e.last
+def _memory(mem: StageMemory) -> str:
     return (
         f"{mem.required_bytes / GIB:.1f} GiB (weights {mem.params_bytes / GIB:.1f}, grads {mem.grads_bytes / GIB:.1f}, "
         f"optimizer {mem.optimizer_bytes / GIB:.1f}, activations {mem.activation_bytes / GIB:.1f}, + margin)"
