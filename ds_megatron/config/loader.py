@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_megatron.config.errors import ConfigError, nearest
+from ds_megatron.config.facts import zero_stage
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
     DEFAULT_SELECTIVE_MODULES,
@@ -29,7 +30,7 @@ from ds_megatron.config.schema import (
     RecomputeSection,
     TrainSection,
 )
-from ds_megatron.config.shape import ModelShape, resolve_shape
+from ds_megatron.config.shape import ModelShape, layers_per_stage, resolve_shape
 
 SECTION = "ds_megatron"
 OPTIMIZER_TYPES = ("adam", "adamw")  # DeepSpeed optimizer types ds_megatron builds (as torch AdamW)
@@ -267,7 +268,7 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         )
     if rc.policy == "full":
         _positive("ds_megatron.recompute.num_layers", rc.num_layers)
-        per_stage = -(-shape.num_layers // pp)
+        per_stage = layers_per_stage(shape.num_layers, pp)
         if rc.num_layers > per_stage:
             raise ConfigError(
                 "ds_megatron.recompute.num_layers",
@@ -275,7 +276,7 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
                 f"num_layers={rc.num_layers}, {shape.num_layers} layers / pp {pp} = at most {per_stage} per stage",
                 f"set recompute.num_layers <= {per_stage}",
             )
-    zero = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    zero = zero_stage(ds_config)
     if pp > 1 and zero not in (0, 1):
         raise ConfigError(
             "zero_optimization.stage",

@@ -80,6 +80,12 @@ class Vocabulary:
 CONFIG_FILE = Vocabulary()
 
 
+def layers_per_stage(num_layers: int, pp: int) -> int:
+    """Blocks on the largest pipeline stage, ceil(L / p): DeepSpeed's pipeline balances the blocks over the stages, so
+    no stage holds more (read by the config loader's recompute check and the tuner's models)."""
+    return -(-num_layers // pp)
+
+
 def gpt2_fixed_fields(hidden_size: int, num_heads: int) -> dict[str, Any]:
     """What the gpt2 family fixes that a llama chooses: every head its own K and V, an MLP of width 4 h, the output
     layer tied to the embedding."""

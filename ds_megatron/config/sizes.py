@@ -33,7 +33,7 @@ class NamedShape:
     tie_word_embeddings: bool | None = None
 
 
-GPT3_VOCAB_SIZE = 50257
+GPT3_VOCAB_SIZE = 50257  # GPT-2's byte-level BPE vocabulary, which GPT-3 kept
 GPT3_SEQ_LENGTH = 2048
 LLAMA3_VOCAB_SIZE = 128256
 LLAMA3_SEQ_LENGTH = 8192

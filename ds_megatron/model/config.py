@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ds_megatron.config.sizes import GPT3_VOCAB_SIZE
+
 
 @dataclass(frozen=True)
 class GPTConfig:
     """GPT-2 / GPT-3 architecture: learned positions, pre-LayerNorm, GELU MLP of width 4h, tied embeddings."""
 
-    vocab_size: int = 50257  # real vocabulary (V); TP padding is applied by parallelize, never here
+    vocab_size: int = GPT3_VOCAB_SIZE  # real vocabulary (V); TP padding is applied by parallelize, never here
     n_positions: int = 1024  # rows of the learned position table
     n_embd: int = 768  # hidden size (h)
     n_layer: int = 12  # transformer blocks (L)

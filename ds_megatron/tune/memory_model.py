@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 from ds_megatron.config import ModelShape
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, padded_vocab_size
+from ds_megatron.config.shape import layers_per_stage
 from ds_megatron.memory import RSTD_BYTES, activation_bytes_per_layer
 from ds_megatron.tune.spec import Candidate
 
@@ -46,11 +47,6 @@ LOGITS_BYTES = 2 + 4  # bf16 logits and the fp32 copy the cross entropy computes
 # buckets, allocator fragmentation.  10% of the predicted bytes plus a fixed 2 GiB.
 MARGIN_FRACTION = 0.10
 MARGIN_BYTES = 2 * GIB
-
-
-def layers_per_stage(num_layers: int, pp: int) -> int:
-    """Blocks on the largest pipeline stage: ceil(L / p)."""
-    return -(-num_layers // pp)
 
 
 @dataclass(frozen=True)
