@@ -174,7 +174,7 @@ def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShap
             setting("hidden_size"),
             f"not divisible by {noun('num_heads')}",
             f"hidden_size={hidden}, num_heads={heads}",
-            "choose hidden_size as a multiple of num_heads",
+            f"choose {ref('hidden_size')} as a multiple of {ref('num_heads')}",
         )
     max_pos = _pick(m.max_position_embeddings, shape.max_position_embeddings, seq)
     if seq > max_pos:
