@@ -15,7 +15,20 @@ from ds_megatron.config import ConfigError, RunConfig, check_tokenizer, effectiv
 from ds_megatron.config.facts import needs_resharding, precision, saved_layout
 
 # Model shape fields a resumed checkpoint must share with the config.
-SHAPE_KEYS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length", "max_position_embeddings")
+# What a checkpoint's weights depend on (and the sequence length it trained at): a resumed run must match each, or
+# loading would fail deep inside DeepSpeed (another family, KV width or MLP width, a tied or untied output layer).
+SHAPE_KEYS = (
+    "family",
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "tie_word_embeddings",
+    "vocab_size",
+    "seq_length",
+    "max_position_embeddings",
+)
 
 
 def check_run(run: RunConfig) -> None:

@@ -83,6 +83,7 @@ BAD = [
     ),
     ("load without checkpoint", "NOCKPT", "ds_megatron.checkpoint.load", "no complete checkpoint"),
     ("checkpoint shape", "SHAPE", "ds_megatron.checkpoint.load", "hidden_size=256"),
+    ("checkpoint family", "FAMILY", "ds_megatron.checkpoint.load", "family=llama"),
     ("checkpoint layout", "LAYOUT", "ds_megatron.checkpoint.load", "tp 1 x pp 2"),
     ("recompute layers", ["--recompute", "full:3"], "ds_megatron.recompute.num_layers", "at most 2 per stage"),
     ("attention kernel", ["--set", "ds_megatron.model.attention=flash"], "ds_megatron.model.attention", "'flash'"),
@@ -121,6 +122,8 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, name, args, setting
                     )
                 ),
             ]
+        elif args == "FAMILY":  # a Llama of the GPT's width, depth and heads: only the family tells them apart
+            args = ["--load", str(_fake_checkpoint(tmp_path / "ck", {"size": "llama-tiny"}))]
         elif args == "LAYOUT":
             args = ["--load", str(_fake_checkpoint(tmp_path / "ck", tp=1, fp16=True)), "--tp", "2", "--pp", "2"]
         proc = cli([*args, "--save", str(save)])
