@@ -86,6 +86,13 @@ BAD = [
         ["seq_length=16", "max_position_embeddings=8"],
     ),
     ("non-positive batch", with_changes(train_micro_batch_size_per_gpu=0), "train_micro_batch_size_per_gpu", ["0"]),
+    (
+        "negative norm epsilon",
+        with_changes(ds_megatron__model__layer_norm_epsilon=-1e-5),
+        "ds_megatron.model.layer_norm_epsilon",
+        ["-1e-05"],
+    ),
+    ("zero init std", with_changes(ds_megatron__model__init_std=0.0), "ds_megatron.model.init_std", ["0.0"]),
     ("non-positive steps", with_changes(ds_megatron__train__train_iters=0), "ds_megatron.train.train_iters", ["0"]),
 ]
 

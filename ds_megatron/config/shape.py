@@ -190,6 +190,11 @@ def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShap
         )
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(setting("dropout"), "must be in [0, 1)", f"got {m.dropout}", "set e.g. 0.1")
+    # A norm divides by sqrt(variance + epsilon): a negative epsilon gives NaN on a constant row.  A zero init_std
+    # starts every weight at 0, and no gradient ever tells a block's heads or units apart.
+    for name, example in (("layer_norm_epsilon", "1e-5"), ("init_std", "0.02")):
+        if not getattr(m, name) > 0:
+            raise ConfigError(setting(name), "must be positive", f"got {getattr(m, name)}", f"set e.g. {example}")
     common = dict(
         num_layers=layers,
         hidden_size=hidden,
