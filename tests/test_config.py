@@ -93,6 +93,26 @@ BAD = [
         ["-1e-05"],
     ),
     ("zero init std", with_changes(ds_megatron__model__init_std=0.0), "ds_megatron.model.init_std", ["0.0"]),
+    ("negative seed", with_changes(ds_megatron__train__seed=-5), "ds_megatron.train.seed", ["-5"]),
+    (
+        "negative keep_last",
+        with_changes(ds_megatron__checkpoint__keep_last=-1),
+        "ds_megatron.checkpoint.keep_last",
+        ["-1"],
+    ),
+    ("zero num_proc", with_changes(ds_megatron__data__num_proc=0), "ds_megatron.data.num_proc", ["0"]),
+    (
+        "unknown wandb mode",
+        with_changes(ds_megatron__logging__wandb_mode="of"),
+        "ds_megatron.logging.wandb_mode",
+        ["'of'"],
+    ),
+    (
+        "peak below zero",
+        with_changes(ds_megatron__logging__peak_tflops=-1.0),
+        "ds_megatron.logging.peak_tflops",
+        ["-1.0"],
+    ),
     ("non-positive steps", with_changes(ds_megatron__train__train_iters=0), "ds_megatron.train.train_iters", ["0"]),
 ]
 

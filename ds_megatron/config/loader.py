@@ -298,6 +298,7 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             f"got {train.sample_temperature!r}",
             "set e.g. 0.8",
         )
+    check_counts(section)
     if section.data.tokenizer is not None:
         check_tokenizer(section.data.tokenizer, shape.vocab_size)
     if not 0.0 < section.data.valid_fraction < 0.5:
@@ -352,6 +353,42 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         global_batch_size=glob,
         ds_config=ds_config,
     )
+
+
+# Counts where 0 has a meaning and a negative number none, with that meaning for the fix.  A negative seed would
+# pass the model's initialisation and fail in the data order's generator, after every process group exists.
+NON_NEGATIVE = {
+    "train.seed": "e.g. 1234",
+    "train.eval_interval": "0 validates at the end only",
+    "train.max_bad_steps": "0 stops at the first non-finite step",
+    "train.generate_tokens": "0 prints no sample",
+    "checkpoint.save_interval": "0 saves at the end only",
+    "checkpoint.keep_last": "0 keeps every checkpoint",
+}
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def check_counts(section: DsMegatronConfig) -> None:
+    """The counts and switches of the train, data, checkpoint and logging sections that no type check catches."""
+    for path, meaning in NON_NEGATIVE.items():
+        part, name = path.split(".")
+        value = getattr(getattr(section, part), name)
+        if value < 0:
+            raise ConfigError(
+                f"ds_megatron.{path}", "must not be negative", f"got {value}", f"set 0 or more ({meaning})"
+            )
+    _positive("ds_megatron.data.num_proc", section.data.num_proc)
+    if not section.data.text_field:
+        raise ConfigError("ds_megatron.data.text_field", "empty", "got ''", 'name the field holding text, e.g. "text"')
+    log = section.logging
+    if log.wandb_mode is not None and log.wandb_mode not in WANDB_MODES:
+        raise ConfigError(
+            "ds_megatron.logging.wandb_mode", "unknown mode", f"got {log.wandb_mode!r}", f"use one of {WANDB_MODES}"
+        )
+    if log.peak_tflops is not None and not 0 < log.peak_tflops < float("inf"):
+        raise ConfigError(
+            "ds_megatron.logging.peak_tflops", "must be positive", f"got {log.peak_tflops}", "set e.g. 989 (H100 bf16)"
+        )
 
 
 def check_data_section(data: DataSection) -> None:

@@ -119,7 +119,7 @@ class LoggingSection:
     wandb_project: str | None = None  # None: wandb off
     wandb_run_name: str | None = None
     wandb_tags: tuple = ()
-    wandb_mode: str | None = None  # "online", "offline" or None (offline when there are no credentials)
+    wandb_mode: str | None = None  # "online", "offline", "disabled" or None (offline without credentials)
     peak_tflops: float | None = None  # per-GPU peak for MFU; None: looked up from the GPU name
 
 
