@@ -82,7 +82,10 @@ def check_data(run: RunConfig) -> None:
         return
     from ds_megatron.data.hub import check_hub_dataset
 
-    check_hub_dataset(data.path, data.hf_config, data.split, data.text_field)
+    # One question to the Hub per node, not per rank (a thousand ranks asking at once meet its rate limit): a failure
+    # exits the node's first process, and the launcher stops the others with it.
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        check_hub_dataset(data.path, data.hf_config, data.split, data.text_field)
 
 
 def prepare_command(run: RunConfig, files: list[str]) -> tuple[str, str]:

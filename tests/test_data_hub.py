@@ -105,6 +105,15 @@ def test_an_unreachable_hub_is_refused_in_seconds_not_after_retries(tmp_path, mo
     assert time.perf_counter() - start < QUICK_S
 
 
+def test_only_the_first_process_of_a_node_asks_the_hub(tmp_path, monkeypatch):
+    asked = []
+    monkeypatch.setattr(hub, "check_hub_dataset", lambda *args: asked.append(args))
+    for local_rank in ("0", "1", "7"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        check_data(hub_run(tmp_path, "wikitext", hf_config="wikitext-103-raw-v1"))
+    assert asked == [("wikitext", "wikitext-103-raw-v1", "train", "text")]
+
+
 def test_a_cached_dataset_passes_and_its_split_and_column_are_checked(tmp_path, offline_cache):
     cache_dataset(offline_cache, "owner/tiny", {"plain": ["body"]})
     check_data(hub_run(tmp_path, "owner/tiny", text_field="body"))
