@@ -306,6 +306,14 @@ class GPTPipelineModule(PipelineModule):
         self.layout = layout
         self.segments = self._segments()
 
+    def _synchronize_tied_weights(self) -> None:
+        # DeepSpeed copies the first stage's tied embedding to the last stage with an in-place broadcast, at
+        # construction and after loading.  With autograd on, the broadcast (a collective with no autograd kernel) is
+        # recorded on the weight, and every backward through it warns of "silently incorrect behavior"; a weight copy
+        # is not part of the model's computation, so it runs without autograd.
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
     def _segments(self) -> list[tuple[int, int, bool]]:
         """(start, end, recomputed) ranges over this stage's forward_funcs."""
         funcs = self.forward_funcs

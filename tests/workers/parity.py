@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -53,6 +54,10 @@ def reference(run, batches):
         losses.append(float(loss))
     return losses, grads, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
+
+# A collective recorded by autograd (e.g. a weight copy run with autograd on) makes every backward warn that it passes
+# through an op without an autograd kernel; here that fails the launch instead of scrolling by.
+warnings.filterwarnings("error", message=".*an autograd kernel was not registered.*")
 
 LLAMA_FIELDS = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 96, "rope_theta": 10000.0}
 
