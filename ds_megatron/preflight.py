@@ -13,22 +13,11 @@ from pathlib import Path
 
 from ds_megatron.config import ConfigError, RunConfig, check_tokenizer, effective_tokenizer, resolve
 from ds_megatron.config.facts import needs_resharding, precision, saved_layout
+from ds_megatron.config.shape import SHAPE_FIELDS
 
-# Model shape fields a resumed checkpoint must share with the config.
 # What a checkpoint's weights depend on (and the sequence length it trained at): a resumed run must match each, or
 # loading would fail deep inside DeepSpeed (another family, KV width or MLP width, a tied or untied output layer).
-SHAPE_KEYS = (
-    "family",
-    "num_layers",
-    "hidden_size",
-    "num_heads",
-    "num_kv_heads",
-    "intermediate_size",
-    "tie_word_embeddings",
-    "vocab_size",
-    "seq_length",
-    "max_position_embeddings",
-)
+SHAPE_KEYS = ("family", *SHAPE_FIELDS, "vocab_size", "seq_length", "max_position_embeddings")
 
 
 def check_run(run: RunConfig) -> None:

@@ -52,8 +52,9 @@ class ModelShape:
 
 LLAMA_ONLY = ("num_kv_heads", "intermediate_size", "rope_theta", "rope_scaling", "tie_word_embeddings")
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-# The fields that make a shape that of a named size (vocabulary and sequence length may differ: a run or a written
-# config states them next to the size).
+# The fields that make a family's architecture: a shape with these of a named size is that size (vocabulary and
+# sequence length may differ: a run or a written config states them next to it).  Read by the resume check (with
+# family, vocabulary and positions) and the tuner's written model.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "tie_word_embeddings")
 
 

@@ -8,23 +8,12 @@ import json
 from pathlib import Path
 
 from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, DEFAULT_VOCAB_MULTIPLE
-from ds_megatron.config.shape import DEFAULT_ROPE_THETA
+from ds_megatron.config.shape import DEFAULT_ROPE_THETA, SHAPE_FIELDS
 from ds_megatron.tune import memory_model, time_model
 from ds_megatron.tune.memory_model import total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
 
-MODEL_KEYS = (  # the written model, in this order
-    "size",
-    "family",
-    "num_layers",
-    "hidden_size",
-    "num_heads",
-    "num_kv_heads",
-    "intermediate_size",
-    "tie_word_embeddings",
-    "vocab_size",
-    "seq_length",
-)
+MODEL_KEYS = ("size", "family", *SHAPE_FIELDS, "vocab_size", "seq_length")  # the written model, in this order
 
 
 def to_json(result: SearchResult) -> dict:
