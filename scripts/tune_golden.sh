@@ -1,6 +1,7 @@
 #!/bin/bash
 # Every output of the analytic tuner for 53 command lines (reports, --json, --write-config, each kind of bad input,
-# --help), the Python API over the paper's Table 5 runs and the paper-accuracy table, into OUTDIR.  Run it before
+# --help), the Python API over the paper's Table 5 runs, the paper-accuracy table and the empirical mode (fake
+# launches: scripts/tune_golden_empirical.py), into OUTDIR.  Run it before
 # and after a change to ds_megatron/tune and diff the two folders: a refactoring must leave them byte-identical
 # (the search time is masked).   bash scripts/tune_golden.sh OUTDIR   (from the repository root)
 set -u
@@ -87,3 +88,5 @@ for name in ("gpt3-175b","llama3-70b","llama3.2-1b","gpt-tiny","llama-tiny"):
 PYEOF
 PYTHONPATH=$ROOT $PY benchmarks/tuner_accuracy.py --paper-only > "$OUT/paper.txt" 2>&1
 echo "golden: $n runs in $OUT"
+# The empirical mode with fake launches and a fake clock
+PYTHONPATH=$ROOT $PY scripts/tune_golden_empirical.py "$OUT" > "$OUT/empirical.log" 2>&1
