@@ -3,7 +3,7 @@ for a GPT or a Llama on a cluster from analytic memory and time models; no torch
 
     python -m ds_megatron.tune --model gpt3-175b --global-batch-size 1536 --gpus 1024 --gpu h100-sxm
 
-See docs/tuner.md for the models, their assumptions and a worked example.
+docs/tuner.md describes the models, their assumptions and a worked example.
 """
 
 from ds_megatron.tune.calibration import Calibration, Measurement, calibrate, fit_time_model

@@ -1,38 +1,7 @@
-"""The matmuls one GPU runs for one block and one micro-batch, and how fast each of them runs.  Pure Python.
-
-Speed (a smooth roofline): a matmul that does F FLOPs and moves B bytes through HBM (its two operands read once, its
-result written once, bf16) has the arithmetic intensity I = F / B and takes
-
-    time = (F / peak + B / bandwidth) / ceiling,  i.e. it runs at  efficiency(I) = ceiling x I / (I + peak / bandwidth)
-
-of the peak: its compute and its memory traffic each at the same fraction (the ceiling) of the GPU's figure, not
-overlapped.  The efficiency rises with I toward the ceiling and is half of it at the GPU's ridge point,
-peak / bandwidth (A100 80GB: 312 TFLOP/s / 2,039 GB/s = 153 FLOP per byte; H100 SXM: 295), so the curve of every GPU
-preset follows from its datasheet peak and bandwidth, and the ceiling (``Cluster.efficiency``, ``--efficiency``) is
-the only free parameter.  For an M x K by K x N GEMM, I = M N K / (M K + K N + M N) = 1 / (1/M + 1/N + 1/K): its
-smallest dimension sets it, so thin TP shards, small micro-batches and a narrow head dimension run further from the
-ceiling than the large GEMMs of a large model.  Backward runs two GEMMs of the same three dimensions per forward GEMM
-(input and weight gradients), so it runs at the forward's efficiency for twice the FLOPs.
-
-The ceiling is fitted to published step times (``ds_megatron.tune.paper_runs``; the fit and how well it predicts the
-rows it was not fitted on are in ``spec.DEFAULT_EFFICIENCY``).  A knee scaled away from the ridge point, fitted as a
-second parameter (1.15 x peak / bandwidth), moved no prediction of those rows by more than a point, so it stays at
-the ridge point.
-
-The matmuls (FLOPs per GPU, which add up to ``ds_megatron.flops``'s per-layer counts divided by t; tokens n = b s,
-the whole sequence even under SP, whose all-gather runs before the column-parallel GEMMs):
-- GPT: QKV n x h x 3h/t, attention projection n x h/t x h, fc1 n x h x F/t, fc2 n x F/t x h (F = 4h).
-- Llama: q n x h x h/t, k and v n x h x kv/t each (separate linears, each reading the input again), o_proj
-  n x h/t x h, gate and up n x h x F/t each, down n x F/t x h.
-- Core attention, eager kernel: per micro-batch and KV head on this rank, the scores Q K^T, (g s) x d x s, and the
-  probabilities times V, (g s) x s x d, with g = a / k query heads per KV head (the group folded into the rows, as
-  the model runs it; g = 1 for a GPT): bounded by the head dimension d, and the s x s result of the first and
-  operand of the second are HBM traffic of these GEMMs.
-- Core attention, sdpa (fused flash / memory-efficient kernel): the same FLOPs, but the scores stay on chip: it
-  moves q, o (a/t heads) and k, v (k/t heads), s x d each, so its intensity is about s / 2.  Flash's recomputation of
-  Q K^T in backward is not counted (as in ``ds_megatron.flops``).
-- Logits (last stage): n x h x V_pad/t.
-"""
+"""The matmuls one GPU runs for one block and one micro-batch, and how fast each runs: a smooth roofline, each matmul
+taking (FLOPs / peak + bytes / HBM bandwidth) / ceiling, i.e. ceiling x I / (I + peak / bandwidth) of the peak at
+arithmetic intensity I.  The shapes per family and kernel, and how the ceiling was fitted, are in docs/tuner.md,
+"Time model".  Pure Python."""
 
 from __future__ import annotations
 

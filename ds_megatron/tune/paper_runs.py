@@ -1,19 +1,10 @@
 """Published step times the time model is fitted and tested on: Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models" (arXiv 2205.05198), Tables 3 and 5.  Pure Python.
-
-Four GPT models on A100 80GB GPUs (DGX A100 nodes of 8), s = 2048, each on the fewest GPUs its layout needs (data
-parallel size 1), trained two ways: full recompute of every layer without SP (the usual setting before the paper),
-and the paper's sequence parallelism + selective recompute.  Table 3 gives the shapes, tp, pp and the global and
-micro-batch sizes; Table 5 the measured iteration time of both and the model FLOPs utilisation (MFU) of the second.
-The vocabulary, 51,200, is the one Megatron-LM's README states for its scaling runs of these models (the same README
-repeats the MFU figures).  The paper's kernels are Megatron's (a fused scale-mask-softmax, eager attention); the time
-model charges this project's eager kernel, whose score passes move more bytes, so it is a model of these runs, not
-of their code.
-
-Iteration times and MFU are copied as published.  The MFU of a full-recompute row is not a separate measurement: the
-model FLOPs and the GPUs are those of the same model's second row, so it is that row's MFU times the ratio of the
-two times (``PaperRun.full_recompute_mfu``).
-"""
+Recomputation in Large Transformer Models" (arXiv 2205.05198), Tables 3 (shapes, layouts, batches) and 5 (iteration
+times, MFU): four GPT models on A100 80GB nodes of 8, s 2048, dp 1, with full recompute without SP and with SP +
+selective recompute.  The vocabulary, 51,200, is the one Megatron-LM's README states for these runs.  The paper ran
+Megatron's fused softmax; the time model charges this project's eager kernel, so it models these runs, not their
+code.  A full-recompute row's MFU is derived from its time (same FLOPs and GPUs as its model's other row).  Pure
+Python."""
 
 from __future__ import annotations
 

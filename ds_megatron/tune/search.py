@@ -1,10 +1,6 @@
-"""Evaluate every candidate's memory and step time, rank those that fit, and compare with the common configuration.
-
-The "common configuration" is what large GPT runs used before sequence parallelism and selective recompute (and
-what the NeMo announcement measured its 20-30% against): full recompute of every block, no SP, the eager attention
-kernel, the largest TP that stays in a node, the smallest pipeline that fits, and the fastest micro-batch for that.
-Pure Python.
-"""
+"""Evaluate every candidate's memory and step time, rank those that fit, and compare with the common configuration:
+what large GPT runs used before SP and selective recompute (full recompute of every block, no SP, eager attention,
+the largest in-node tp, the smallest pipeline that fits, its fastest micro-batch).  Pure Python."""
 
 from __future__ import annotations
 

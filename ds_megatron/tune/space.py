@@ -1,21 +1,6 @@
-"""The search space: every (tp, pp, dp, sp, b, recompute, attention, zero) the tuner considers, and why the rest is
-left out.
-
-Rules (the package's layout constraints and the pipeline engine's limits):
-- tp divides the heads, the KV heads, the MLP width and the node (a TP group never leaves its node);
-  tp * pp * dp = gpus; pp <= L (layers need not divide evenly: the largest stage holds ceil(L/p) blocks);
-- the global batch B splits into dp replicas of m micro-batches of b sequences, b a power of two up to 16 dividing
-  B/dp, with m >= p so the 1F1B pipeline fills;
-- SP only with tp > 1 and s divisible by tp;
-- recompute: none, selective with the module sets of ``SELECTIVE_MODULES`` for the kernel, or full with k blocks by
-  the ``uniform`` (chunks of k) or ``block`` (the first k blocks of each stage) method, k in {1, 2, 4, ...} up to the
-  blocks per stage;
-- attention kernel: eager (materialised s x s softmax) or sdpa (fused kernel), each with every recompute policy;
-  sdpa never recomputes core_attn (it checkpoints the s x s core sdpa never stores; the config loader refuses it);
-- ZeRO stage 0 or 1 (the pipeline engine's limit).
-
-Every family that is left out is reported with its reason.  Pure Python.
-"""
+"""The search space: every (tp, pp, dp, sp, b, recompute, attention, zero) the tuner considers under the package's
+layout rules and the pipeline engine's limits (the table is in docs/tuner.md, "The search space"), and every family
+left out, with its reason.  Pure Python."""
 
 from __future__ import annotations
 

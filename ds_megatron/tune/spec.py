@@ -1,10 +1,6 @@
 """What the tuner is asked about: the model, the cluster, the pinned dimensions, and one candidate configuration.
-
-The model and the cluster are checked here as they are built, the request as a whole (pins against model and
-cluster) in :mod:`ds_megatron.tune.validate`, before any search; a bad input raises
-:class:`ds_megatron.config.ConfigError` (one line: ``error: <setting>: <problem> (<values>); <fix>``).  Standard
-library only.
-"""
+Model and cluster are checked as they are built (the request as a whole in ``tune.validate``); a bad input raises
+:class:`ds_megatron.config.ConfigError`.  Standard library only."""
 
 from __future__ import annotations
 
@@ -30,29 +26,20 @@ SDPA_CORE_ATTN_REASON = (
     "with selective recompute of mlp_act and layernorm instead"
 )
 
-# The ceiling of the matmul-efficiency curve (ds_megatron.tune.matmuls: a matmul of intensity I runs at
-# ceiling x I / (I + peak / bandwidth) of the peak), the time model's one free parameter.  Fitted by
-# calibration.fit_time_model to two published step times (ds_megatron.tune.paper_runs, Korthikanti et al. 2022,
-# Table 5, SP + selective recompute on A100 80GB): the 22B model at tp 8 on 8 GPUs, 1.10 s, and the 1T model at
-# tp 8 x pp 64 on 512 GPUs, 71.49 s; the fit gives 0.8687 (relative RMS error 0.3%).  With it the six other rows of
-# the table (175B, 530B and both modes of every model) are predicted within 6.2% (22B full recompute 1.33 s
-# against 1.42; 530B full 51.1 against 49.05; the others within 3.1%) and the paper's MFU within 2.3 points
-# (tests/test_tune_paper.py).  Its matmuls then run at 71-78% of the A100's peak.  The same ceiling serves every
-# preset: each GPU's curve differs through its ridge point (H100 SXM's is 1.9x the A100's, so the same GEMM runs
-# further below its peak); fit yours with ``--empirical`` or calibration.calibrate and pass it as --efficiency.
+# The ceiling of the matmul-efficiency curve (tune.matmuls), the time model's one free parameter, fitted by
+# calibration.fit_time_model to two published A100 step times (paper_runs.FIT_ROWS: 0.8687); the six other rows of
+# the paper's table are then predicted within 6.2% (docs/tuner.md, "Time model").  Fit yours with --empirical.
 DEFAULT_EFFICIENCY = 0.869
 INTRA_NODE_LATENCY_S = 20e-6  # per collective or transfer inside a node (NCCL launch + ring set-up)
 INTER_NODE_LATENCY_S = 50e-6  # per collective or transfer across nodes
-# What TP splits, and why a tp must divide it (the query heads need no reason: they define TP's head split).
+# What TP splits, and why a tp must divide it.
 TP_SPLITS = {
     "num_heads": "TP splits the query heads",
     "num_kv_heads": "TP splits the KV heads like the query heads",
     "intermediate_size": "TP splits the MLP width",
 }
 
-# Dropout of a generated Llama config: Llama's published recipes train without dropout (its only one is on the
-# attention probabilities), so the tuner models and writes 0.  A GPT config keeps the loader's default (0.1), every
-# dropout on, as the paper's memory table counts it.
+# A Llama's published recipes train without dropout, so the tuner models and writes 0; a GPT keeps the loader's 0.1.
 LLAMA_DROPOUT = 0.0
 # Vocabulary and sequence length when neither a named size nor a flag gives them.
 DEFAULT_VOCAB = {"gpt2": GPT3_VOCAB_SIZE, "llama": LLAMA3_VOCAB_SIZE}

@@ -1,35 +1,11 @@
-"""Predicted time of one optimizer step of a candidate.  Pure Python.
+"""Predicted time of one optimizer step of a candidate:
 
     step = (m + p - 1) * t_mb + t_dp * (1 - DP_OVERLAP) + t_tied + overhead
 
-- t_mb, one micro-batch's forward and backward on the slowest stage: its matmuls (recomputation included), each at
-  the efficiency its shape allows (``ds_megatron.tune.matmuls``: ceiling x I / (I + peak / bandwidth), I its FLOPs
-  per byte moved), plus the eager kernel's memory-bound passes over the s x s scores, plus the elementwise passes
-  selective recompute runs again, plus the TP collectives, plus the pipeline point-to-point.  The (p - 1) extra
-  slots are the 1F1B bubble, (p - 1)/m of the ideal step (Narayanan et al. 2021, sec. 2.2.1).
-- Attention: both kernels run the same matmul FLOPs (QK^T and x V).  The eager kernel's matmuls write and read the
-  [b, a/t, s, s] scores through HBM (charged with them), and it moves the scores through separate elementwise
-  kernels (mask, softmax, dropout when there is one, and their backward), bound by the GPU's memory bandwidth
-  (EAGER_SCORE_OPS); sdpa's fused kernel keeps the scores in on-chip memory and pays none of either.
-- Selective recompute, per module and block, once per micro-batch's backward: core_attn re-runs the attention core's
-  forward (its matmuls, and with eager its forward score passes); mlp_act re-runs GELU / SwiGLU on [s b, F/t];
-  layernorm re-runs the two norms on [s b (/t under SP), h].  The last two are memory-bound elementwise passes
-  (RECOMPUTED_PASSES), charged by bytes moved like the eager kernel's.  The first run of every elementwise op is not
-  charged (for any candidate, as the matmul-only model leaves it out), so these are what recompute adds.
-- TP (Korthikanti et al. 2022, sec. 4.2): per block and micro-batch, two all-reduces of s b h bf16 values forward and
-  two backward (with SP each becomes an all-gather plus a reduce-scatter of the same volume); full recompute repeats
-  the forward two.  The embedding (first stage) and output layer (last stage) add one more each.  The same for a
-  Llama block: grouped-query attention shrinks the k and v weights, not the [s, b, h] tensors TP exchanges.
-- Pipeline point-to-point: the s b h boundary tensor (s/t rows under SP) forward, its gradient backward.
-- DP: DeepSpeed's BF16 optimizer all-reduces the fp32 gradients over dp after the last micro-batch and, as ZeRO-1,
-  all-gathers the updated bf16 weights; a tied embedding's gradient is all-reduced between first and last stage
-  (GPT, Llama 3.2; an untied Llama's output layer is a weight of its own).
-- overhead: a fixed time per step (``Cluster.step_overhead_s``, 0 by default), fitted only from measured runs
-  (``ds_megatron.tune.calibration``).
-
-Collectives follow the alpha-beta ring model: a ring all-reduce of B bytes over n ranks moves 2 (n-1)/n B per GPU,
-an all-gather or reduce-scatter (n-1)/n B, each at the link's per-GPU bandwidth, plus a fixed latency.
-"""
+t_mb is one micro-batch's forward and backward on the slowest stage: its matmuls (``tune.matmuls``), the eager
+kernel's memory-bound score passes, the elementwise passes selective recompute runs again, the TP collectives (ring
+model: latency + volume / bandwidth) and the pipeline sends.  Each term is derived in docs/tuner.md, "Time model".
+Pure Python."""
 
 from __future__ import annotations
 
@@ -50,16 +26,11 @@ from ds_megatron.tune.memory_model import (
 from ds_megatron.tune.spec import Candidate, Cluster
 
 GRAD_REDUCE_BYTES = 4  # DeepSpeed's BF16 optimizer reduces the fp32 gradient copies (grad_accum_dtype fp32)
-# DeepSpeed's PipelineEngine reduces gradients in a ReduceGrads step after the last backward of the step, so none of
-# it hides behind compute.  Raise it for an engine that overlaps the reduction with the backward pass.
+# DeepSpeed's PipelineEngine reduces gradients after the last backward of the step, so none of it hides behind compute.
 DP_OVERLAP = 0.0
 
-# The eager kernel's memory traffic per element of the [b, a/t, s, s] score tensor, in bytes: (op, read, written).
-# Why: ds_megatron.model.gpt runs each of these as its own kernel over the whole tensor (ScaledCausalSoftmax computes
-# in fp32 and stores bf16; nn.Dropout keeps a 1-byte mask on CUDA), so at bf16 they are bound by HBM bandwidth, not
-# by FLOPs; a fused sdpa kernel keeps the scores on chip and moves none of these bytes.  The s x s result of QK^T and
-# operand of x V are those matmuls' own traffic, charged with them (ds_megatron.tune.matmuls).  The
-# bytes move at the full HBM bandwidth (Cluster.memory_gbps): optimistic for eager, so it understates sdpa's lead.
+# The eager kernel's passes over the [b, a/t, s, s] scores, (op, bytes read, bytes written) per score: the model runs
+# each as its own kernel over the whole tensor, so they are bound by HBM bandwidth; sdpa keeps the scores on chip.
 EAGER_SCORE_OPS = {
     "forward": (
         ("scores to fp32", ACT_BYTES, 4),
@@ -103,12 +74,9 @@ def eager_score_bytes(attention_dropout: bool) -> tuple[int, int]:
     )  # type: ignore[return-value]
 
 
-# The forward passes selective recompute runs again for its elementwise modules, per model family: (op, bytes read,
-# bytes written) per element of the module's output, [s b, F/t] for mlp_act (GELU's input; SwiGLU's gate and up,
-# one autograd function of two inputs) and [s b (/t under SP), h] for each of the two norms of layernorm (input in,
-# output out; the per-token statistics are negligible).  Why bandwidth: each is its own kernel over the whole tensor
-# in bf16, doing a few FLOPs per byte.  core_attn is not here: it re-runs the attention core's matmuls (and eager's
-# score passes), charged with them.
+# The forward passes selective recompute runs again for its elementwise modules, (op, bytes read, bytes written) per
+# element of the output: [s b, F/t] for mlp_act, [s b (/t under SP), h] per norm for layernorm.  Each is its own
+# bf16 kernel doing a few FLOPs per byte, so bandwidth-bound.  core_attn re-runs matmuls, charged with them.
 RECOMPUTED_PASSES = {
     "gpt2": {
         "mlp_act": (("GELU", ACT_BYTES, ACT_BYTES),),
@@ -126,8 +94,8 @@ RECOMPUTED_PASSES = {
     },
 }
 
-# The calibration's extra terms (ds_megatron.tune.calibration.fit_time_model): the intra-node latency of a collective
-# or send, and a fixed overhead per step.
+# The calibration's extra terms (calibration.fit_time_model): the intra-node latency of a collective or send, and a
+# fixed overhead per step.
 FIT_TERMS = ("latency", "overhead")
 
 
@@ -138,18 +106,12 @@ def link(cluster: Cluster, inter_node: bool) -> tuple[float, float]:
     return cluster.intra_node_gbps, cluster.intra_node_latency_s
 
 
-def allreduce_s(num_bytes: float, ranks: int, gbps: float, latency_s: float) -> float:
-    """Ring all-reduce: 2 (n-1)/n * bytes / bandwidth."""
+def ring_s(num_bytes: float, ranks: int, gbps: float, latency_s: float, passes: float = 2.0) -> float:
+    """A ring collective over ``ranks``: latency + passes x (n-1)/n x bytes / bandwidth, with 2 passes for an
+    all-reduce and 1 for an all-gather or reduce-scatter (of a ``num_bytes`` result)."""
     if ranks <= 1:
         return 0.0
-    return latency_s + 2.0 * (ranks - 1) / ranks * num_bytes / (gbps * 1e9)
-
-
-def allgather_s(num_bytes: float, ranks: int, gbps: float, latency_s: float) -> float:
-    """Ring all-gather (or reduce-scatter) of a ``num_bytes`` result: (n-1)/n * bytes / bandwidth."""
-    if ranks <= 1:
-        return 0.0
-    return latency_s + (ranks - 1) / ranks * num_bytes / (gbps * 1e9)
+    return latency_s + passes * (ranks - 1) / ranks * num_bytes / (gbps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -250,9 +212,9 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
     if t == 1:
         unit = 0.0
     elif cand.sequence_parallel:  # all-gather + reduce-scatter in place of each all-reduce
-        unit = 2 * allgather_s(boundary, t, cluster.intra_node_gbps, cluster.intra_node_latency_s)
+        unit = 2 * ring_s(boundary, t, cluster.intra_node_gbps, cluster.intra_node_latency_s, passes=1)
     else:
-        unit = allreduce_s(boundary, t, cluster.intra_node_gbps, cluster.intra_node_latency_s)
+        unit = ring_s(boundary, t, cluster.intra_node_gbps, cluster.intra_node_latency_s)
     block_units = 4 * n + 2 * recomputed
 
     p2p = 0.0
@@ -276,13 +238,13 @@ def dp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate) -> float:
     stage, their all-reduce; not overlapped."""
     params = max(stage_param_counts(model, cand.tp, cand.pp))
     gbps, latency = link(cluster, cand.tp * cand.dp > cluster.gpus_per_node)
-    total = allreduce_s(GRAD_REDUCE_BYTES * params, cand.dp, gbps, latency)
+    total = ring_s(GRAD_REDUCE_BYTES * params, cand.dp, gbps, latency)
     if cand.zero == 1:
-        total += allgather_s(WEIGHT_BYTES * params, cand.dp, gbps, latency)
+        total += ring_s(WEIGHT_BYTES * params, cand.dp, gbps, latency, passes=1)
     total *= 1.0 - DP_OVERLAP
     if cand.pp > 1 and model.tie_word_embeddings:
         embedding = padded_vocab_size(model.vocab_size, cand.tp) * model.hidden_size / cand.tp
-        total += allreduce_s(GRAD_REDUCE_BYTES * embedding, 2, *link(cluster, cluster.num_gpus > cluster.gpus_per_node))
+        total += ring_s(GRAD_REDUCE_BYTES * embedding, 2, *link(cluster, cluster.num_gpus > cluster.gpus_per_node))
     return total
 
 
