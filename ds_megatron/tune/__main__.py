@@ -50,11 +50,11 @@ FLAGS = {
         ),
         ("--vocab", INT, "vocabulary size V (default: the named size's, else 50257 or 128256)"),
         ("--seq-length", INT, "sequence length s (default: the named size's, else 2048 or 8192)"),
-        ("--global-batch-size", {"type": int, "required": True}, "sequences per optimizer step"),
+        ("--global-batch-size", INT | {"required": True}, "sequences per optimizer step"),
     ),
     "cluster": (
-        ("--gpus", {"type": int, "required": True}, "total GPUs"),
-        ("--gpus-per-node", {"type": int, "default": 8}, "GPUs per node (default 8)"),
+        ("--gpus", INT | {"required": True}, "total GPUs"),
+        ("--gpus-per-node", INT | {"default": 8}, "GPUs per node (default 8)"),
         (
             "--gpu",
             {"choices": list(GPUS)},
@@ -68,23 +68,19 @@ FLAGS = {
         ("--inter-node-gbps", FLOAT, "network GB/s per GPU, one way (200 Gb/s HDR: 25)"),
         (
             "--efficiency",
-            {"type": float, "default": DEFAULT_EFFICIENCY},
+            FLOAT | {"default": DEFAULT_EFFICIENCY},
             f"ceiling of the matmul-efficiency curve, the fraction of peak a very large GEMM reaches (default "
             f"{DEFAULT_EFFICIENCY}, fitted on published A100 step times; fit yours with --empirical or tune.calibrate)",
         ),
         (
             "--intra-node-latency-us",
-            {"type": float, "default": INTRA_US},
+            FLOAT | {"default": INTRA_US},
             f"fixed cost of a collective or send inside a node (default {INTRA_US:g})",
         ),
-        (
-            "--inter-node-latency-us",
-            {"type": float, "default": INTER_US},
-            f"the same across nodes (default {INTER_US:g})",
-        ),
+        ("--inter-node-latency-us", FLOAT | {"default": INTER_US}, f"the same across nodes (default {INTER_US:g})"),
         (
             "--step-overhead-s",
-            {"type": float, "default": 0.0},
+            FLOAT | {"default": 0.0},
             "fixed seconds per step outside the model (default 0; --empirical on CPU fits it)",
         ),
     ),
@@ -102,19 +98,19 @@ FLAGS = {
             "default: searched per kernel)",
         ),
         ("--attention", {"choices": ATTENTION_KERNELS}, "attention kernel (sdpa never with core_attn)"),
-        ("--zero", {"type": int, "choices": (0, 1)}, "ZeRO stage"),
+        ("--zero", INT | {"choices": (0, 1)}, "ZeRO stage"),
     ),
     "output": (
-        ("--top", {"type": int, "default": 10}, "rows of the ranked table (default 10)"),
+        ("--top", INT | {"default": 10}, "rows of the ranked table (default 10)"),
         ("--json", {"metavar": "OUT"}, "write every candidate and every rejected family to OUT"),
         ("--write-config", {"metavar": "PATH"}, "write the winner as a ds_configs-style JSON"),
     ),
     "empirical mode (short real runs of the top candidates on this machine, then recalibrate)": (
         ("--empirical", {"action": "store_true"}, "measure the top candidates with recipes/train_gpt.py"),
         ("--max-minutes", FLOAT, "wall-clock budget of the whole command (required)"),
-        ("--empirical-top", {"type": int, "default": 3}, "candidates to measure (default 3)"),
-        ("--empirical-steps", {"type": int, "default": 10}, "measured steps per run (default 10)"),
-        ("--empirical-warmup", {"type": int, "default": 3}, "warm-up steps dropped per run (default 3)"),
+        ("--empirical-top", INT | {"default": 3}, "candidates to measure (default 3)"),
+        ("--empirical-steps", INT | {"default": 10}, "measured steps per run (default 10)"),
+        ("--empirical-warmup", INT | {"default": 3}, "warm-up steps dropped per run (default 3)"),
         ("--device", {"choices": empirical.DEVICES, "default": "auto"}, "auto: gpu when torch sees CUDA, else cpu"),
         ("--empirical-dir", {"metavar": "DIR"}, "run directories (default runs/tune/<date-time>)"),
         (
