@@ -1,17 +1,7 @@
-"""``python -m ds_megatron.tune``: rank training configurations for a GPT or a Llama on a cluster (analytic; seconds,
-no GPU).
-
-    python -m ds_megatron.tune --model gpt3-175b --seq-length 2048 --global-batch-size 1536 \\
-        --gpus 1024 --gpus-per-node 8 --gpu a100-80gb [--gpu-memory-gb 80 ...] [--json OUT] [--write-config PATH]
-
-``--gpu`` sets the memory, peak, HBM, NVLink and network figures from ds_megatron/tune/gpus.py; each explicit flag
-overrides its figure.
-
-With ``--empirical --max-minutes M`` it then trains the top candidates for a few steps on this machine, refits the
-time model to the measurements and ranks again (ds_megatron/tune/empirical.py).
-
-Exit status: 0 with a winner, 1 when nothing fits (the reasons are printed), 2 on bad input (one ``error:`` line).
-"""
+"""``python -m ds_megatron.tune``: rank training configurations for a GPT or a Llama on a cluster, analytically
+(seconds, no GPU); ``--empirical --max-minutes M`` then trains the top candidates for a few steps on this machine,
+refits the time model and ranks again.  Exit status: 0 with a winner, 1 when nothing fits (the reasons are printed),
+2 on bad input (one ``error:`` line)."""
 
 from __future__ import annotations
 
@@ -26,27 +16,11 @@ from typing import NoReturn
 from ds_megatron.config import ConfigError
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.config.sizes import FAMILIES, all_size_names
-from ds_megatron.tune.empirical import (
-    DEVICES,
-    EmpiricalOptions,
-    EmpiricalResult,
-    resolve_device,
-    run_empirical,
-    validate_options,
-)
+from ds_megatron.tune import Pins, build_cluster, build_model_shape, empirical, search
 from ds_megatron.tune.empirical_report import format_empirical
 from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 from ds_megatron.tune.report import format_report
-from ds_megatron.tune.search import search
-from ds_megatron.tune.spec import (
-    DEFAULT_EFFICIENCY,
-    INTER_NODE_LATENCY_S,
-    INTRA_NODE_LATENCY_S,
-    PRESET_FIELDS,
-    Pins,
-    build_cluster,
-    build_model_shape,
-)
+from ds_megatron.tune.spec import DEFAULT_EFFICIENCY, INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, PRESET_FIELDS
 from ds_megatron.tune.written import to_json, write_config
 
 CPU_KERNEL_NOTE = (
@@ -55,6 +29,97 @@ CPU_KERNEL_NOTE = (
 )
 EXIT_NO_FIT = 1
 EXIT_CONFIG_ERROR = 2
+
+INT, FLOAT = {"type": int}, {"type": float}
+SWITCH = {"action": argparse.BooleanOptionalAction, "default": None}  # --x, --no-x, or unset (None)
+INTRA_US, INTER_US = INTRA_NODE_LATENCY_S * 1e6, INTER_NODE_LATENCY_S * 1e6
+# The command line: argument group -> (flag, add_argument's keywords, help) rows.
+FLAGS = {
+    "model": (
+        ("--model", {}, f"named size: {', '.join(all_size_names())}"),
+        ("--family", {"choices": FAMILIES}, "model family of an explicit shape (default gpt2)"),
+        ("--layers", INT, "transformer blocks L (overrides --model)"),
+        ("--hidden", INT, "hidden size h (overrides --model)"),
+        ("--heads", INT, "attention heads a (overrides --model)"),
+        ("--kv-heads", INT, "llama: grouped-query attention's KV heads (default: --heads)"),
+        ("--intermediate-size", INT, "llama: SwiGLU width F (overrides --model)"),
+        (
+            "--tie-word-embeddings",
+            SWITCH,
+            "llama: output layer tied to the embedding (default: the named size's, else untied)",
+        ),
+        ("--vocab", INT, "vocabulary size V (default: the named size's, else 50257 or 128256)"),
+        ("--seq-length", INT, "sequence length s (default: the named size's, else 2048 or 8192)"),
+        ("--global-batch-size", INT | {"required": True}, "sequences per optimizer step"),
+    ),
+    "cluster": (
+        ("--gpus", INT | {"required": True}, "total GPUs"),
+        ("--gpus-per-node", INT | {"default": 8}, "GPUs per node (default 8)"),
+        (
+            "--gpu",
+            {"choices": list(GPUS)},
+            f"GPU preset: memory, peak, HBM, NVLink and network figures (default: {DEFAULT_GPU}'s figures); the flags "
+            "below override it",
+        ),
+        ("--gpu-memory-gb", FLOAT, "memory per GPU in GiB (A100-80GB: 80)"),
+        ("--gpu-peak-tflops", FLOAT, "dense bf16 peak per GPU (A100: 312)"),
+        ("--memory-gbps", FLOAT, "HBM bandwidth per GPU in GB/s (A100-80GB: 2039)"),
+        ("--intra-node-gbps", FLOAT, "NVLink GB/s per GPU, one way (A100: 300)"),
+        ("--inter-node-gbps", FLOAT, "network GB/s per GPU, one way (200 Gb/s HDR: 25)"),
+        (
+            "--efficiency",
+            FLOAT | {"default": DEFAULT_EFFICIENCY},
+            f"ceiling of the matmul-efficiency curve, the fraction of peak a very large GEMM reaches (default "
+            f"{DEFAULT_EFFICIENCY}, fitted on published A100 step times; fit yours with --empirical or tune.calibrate)",
+        ),
+        (
+            "--intra-node-latency-us",
+            FLOAT | {"default": INTRA_US},
+            f"fixed cost of a collective or send inside a node (default {INTRA_US:g})",
+        ),
+        ("--inter-node-latency-us", FLOAT | {"default": INTER_US}, f"the same across nodes (default {INTER_US:g})"),
+        (
+            "--step-overhead-s",
+            FLOAT | {"default": 0.0},
+            "fixed seconds per step outside the model (default 0; --empirical on CPU fits it)",
+        ),
+    ),
+    "pins (fix a dimension; the rest is searched)": (
+        ("--tp", INT, "tensor-parallel size"),
+        ("--pp", INT, "pipeline-parallel size"),
+        ("--dp", INT, "data-parallel size"),
+        ("--micro-batch-size", INT, "micro-batch size b"),
+        ("--sequence-parallel", SWITCH, "SP on or off"),
+        ("--recompute", {"choices": RECOMPUTE_POLICIES}, "recompute policy"),
+        (
+            "--recompute-modules",
+            {"metavar": "A,B"},
+            f"what selective recompute recomputes, from {','.join(RECOMPUTE_MODULES)} (implies --recompute selective; "
+            "default: searched per kernel)",
+        ),
+        ("--attention", {"choices": ATTENTION_KERNELS}, "attention kernel (sdpa never with core_attn)"),
+        ("--zero", INT | {"choices": (0, 1)}, "ZeRO stage"),
+    ),
+    "output": (
+        ("--top", INT | {"default": 10}, "rows of the ranked table (default 10)"),
+        ("--json", {"metavar": "OUT"}, "write every candidate and every rejected family to OUT"),
+        ("--write-config", {"metavar": "PATH"}, "write the winner as a ds_configs-style JSON"),
+    ),
+    "empirical mode (short real runs of the top candidates on this machine, then recalibrate)": (
+        ("--empirical", {"action": "store_true"}, "measure the top candidates with recipes/train_gpt.py"),
+        ("--max-minutes", FLOAT, "wall-clock budget of the whole command (required)"),
+        ("--empirical-top", INT | {"default": 3}, "candidates to measure (default 3)"),
+        ("--empirical-steps", INT | {"default": 10}, "measured steps per run (default 10)"),
+        ("--empirical-warmup", INT | {"default": 3}, "warm-up steps dropped per run (default 3)"),
+        ("--device", {"choices": empirical.DEVICES, "default": "auto"}, "auto: gpu when torch sees CUDA, else cpu"),
+        ("--empirical-dir", {"metavar": "DIR"}, "run directories (default runs/tune/<date-time>)"),
+        (
+            "--empirical-set",
+            {"action": "append", "default": [], "metavar": "KEY=VALUE"},
+            "--set for every run, e.g. ds_megatron.data.path=corpus.txt or ds_megatron.data.cache_dir=DIR",
+        ),
+    ),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -70,169 +135,72 @@ def build_parser() -> argparse.ArgumentParser:
         description="Find the fastest TP/PP/DP/SP/micro-batch/recompute/attention/ZeRO configuration for a GPT or a "
         "Llama, analytically.",
     )
-    g = p.add_argument_group("model")
-    g.add_argument("--model", help=f"named size: {', '.join(all_size_names())}")
-    g.add_argument("--family", choices=FAMILIES, help="model family of an explicit shape (default gpt2)")
-    g.add_argument("--layers", type=int, help="transformer blocks L (overrides --model)")
-    g.add_argument("--hidden", type=int, help="hidden size h (overrides --model)")
-    g.add_argument("--heads", type=int, help="attention heads a (overrides --model)")
-    g.add_argument("--kv-heads", type=int, help="llama: grouped-query attention's KV heads (default: --heads)")
-    g.add_argument("--intermediate-size", type=int, help="llama: SwiGLU width F (overrides --model)")
-    g.add_argument(
-        "--tie-word-embeddings",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="llama: output layer tied to the embedding (default: the named size's, else untied)",
-    )
-    g.add_argument("--vocab", type=int, help="vocabulary size V (default: the named size's, else 50257 or 128256)")
-    g.add_argument("--seq-length", type=int, help="sequence length s (default: the named size's, else 2048 or 8192)")
-    g.add_argument("--global-batch-size", type=int, required=True, help="sequences per optimizer step")
-    g = p.add_argument_group("cluster")
-    g.add_argument("--gpus", type=int, required=True, help="total GPUs")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    g.add_argument(
-        "--gpu",
-        choices=list(GPUS),
-        help=f"GPU preset: memory, peak, HBM, NVLink and network figures (default: {DEFAULT_GPU}'s figures); the "
-        "flags below override it",
-    )
-    g.add_argument("--gpu-memory-gb", type=float, help="memory per GPU in GiB (A100-80GB: 80)")
-    g.add_argument("--gpu-peak-tflops", type=float, help="dense bf16 peak per GPU (A100: 312)")
-    g.add_argument("--memory-gbps", type=float, help="HBM bandwidth per GPU in GB/s (A100-80GB: 2039)")
-    g.add_argument("--intra-node-gbps", type=float, help="NVLink GB/s per GPU, one way (A100: 300)")
-    g.add_argument("--inter-node-gbps", type=float, help="network GB/s per GPU, one way (200 Gb/s HDR: 25)")
-    g.add_argument(
-        "--efficiency",
-        type=float,
-        default=DEFAULT_EFFICIENCY,
-        help=f"ceiling of the matmul-efficiency curve, the fraction of peak a very large GEMM reaches (default "
-        f"{DEFAULT_EFFICIENCY}, fitted on published A100 step times; fit yours with --empirical or tune.calibrate)",
-    )
-    g.add_argument(
-        "--intra-node-latency-us",
-        type=float,
-        default=INTRA_NODE_LATENCY_S * 1e6,
-        help=f"fixed cost of a collective or send inside a node (default {INTRA_NODE_LATENCY_S * 1e6:g})",
-    )
-    g.add_argument(
-        "--inter-node-latency-us",
-        type=float,
-        default=INTER_NODE_LATENCY_S * 1e6,
-        help=f"the same across nodes (default {INTER_NODE_LATENCY_S * 1e6:g})",
-    )
-    g.add_argument(
-        "--step-overhead-s",
-        type=float,
-        default=0.0,
-        help="fixed seconds per step outside the model (default 0; --empirical on CPU fits it)",
-    )
-    g = p.add_argument_group("pins (fix a dimension; the rest is searched)")
-    g.add_argument("--tp", type=int, help="tensor-parallel size")
-    g.add_argument("--pp", type=int, help="pipeline-parallel size")
-    g.add_argument("--dp", type=int, help="data-parallel size")
-    g.add_argument("--micro-batch-size", type=int, help="micro-batch size b")
-    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None, help="SP on or off")
-    g.add_argument("--recompute", choices=RECOMPUTE_POLICIES, help="recompute policy")
-    g.add_argument(
-        "--recompute-modules",
-        metavar="A,B",
-        help=f"what selective recompute recomputes, from {','.join(RECOMPUTE_MODULES)} (implies --recompute "
-        "selective; default: searched per kernel)",
-    )
-    g.add_argument("--attention", choices=ATTENTION_KERNELS, help="attention kernel (sdpa never with core_attn)")
-    g.add_argument("--zero", type=int, choices=(0, 1), help="ZeRO stage")
-    g = p.add_argument_group("output")
-    g.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
-    g.add_argument("--json", metavar="OUT", help="write every candidate and every rejected family to OUT")
-    g.add_argument("--write-config", metavar="PATH", help="write the winner as a ds_configs-style JSON")
-    g = p.add_argument_group("empirical mode (short real runs of the top candidates on this machine, then recalibrate)")
-    g.add_argument("--empirical", action="store_true", help="measure the top candidates with recipes/train_gpt.py")
-    g.add_argument("--max-minutes", type=float, help="wall-clock budget of the whole command (required)")
-    g.add_argument("--empirical-top", type=int, default=3, help="candidates to measure (default 3)")
-    g.add_argument("--empirical-steps", type=int, default=10, help="measured steps per run (default 10)")
-    g.add_argument("--empirical-warmup", type=int, default=3, help="warm-up steps dropped per run (default 3)")
-    g.add_argument("--device", choices=DEVICES, default="auto", help="auto: gpu when torch sees CUDA, else cpu")
-    g.add_argument("--empirical-dir", metavar="DIR", help="run directories (default runs/tune/<date-time>)")
-    g.add_argument(
-        "--empirical-set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="--set for every run, e.g. ds_megatron.data.path=corpus.txt or ds_megatron.data.cache_dir=DIR",
-    )
+    for title, rows in FLAGS.items():
+        group = p.add_argument_group(title)
+        for flag, options, text in rows:
+            group.add_argument(flag, **options, help=text)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     try:
-        args = build_parser().parse_args(argv)
-        if args.empirical and args.max_minutes is None:
-            raise ConfigError("--max-minutes", "required with --empirical", "not set", "pass e.g. --max-minutes 10")
-        model = build_model_shape(
-            args.model,
-            args.layers,
-            args.hidden,
-            args.heads,
-            args.vocab,
-            args.seq_length,
-            family=args.family,
-            kv_heads=args.kv_heads,
-            intermediate_size=args.intermediate_size,
-            tie_word_embeddings=args.tie_word_embeddings,
-        )
-        figures = {name: getattr(args, flag[2:].replace("-", "_")) for name, (_, flag) in PRESET_FIELDS.items()}
-        cluster = build_cluster(
-            args.gpu,
-            args.gpus,
-            args.gpus_per_node,
-            **figures,  # the --gpu figures the command line overrides
-            efficiency=args.efficiency,
-            intra_node_latency_s=args.intra_node_latency_us * 1e-6,
-            inter_node_latency_s=args.inter_node_latency_us * 1e-6,
-            step_overhead_s=args.step_overhead_s,
-        )
-        pins = Pins(  # every pin is the flag of the same name
-            **{f.name: getattr(args, f.name) for f in dataclasses.fields(Pins) if f.name != "recompute_modules"},
-            recompute_modules=None if args.recompute_modules is None else _modules(args.recompute_modules),
-        )
-        result = search(model, cluster, args.global_batch_size, pins)
-        options, cpu_note = None, ""
-        if args.empirical:
-            options = EmpiricalOptions(
-                max_minutes=args.max_minutes,
-                top=args.empirical_top,
-                steps=args.empirical_steps,
-                warmup=args.empirical_warmup,
-                device=args.device,
-                work_dir=args.empirical_dir,
-                extra_sets=tuple(args.empirical_set),
-            )
-            validate_options(result, options)
-            options = dataclasses.replace(options, device=resolve_device(options.device, cluster.num_gpus))
-            if options.device == "cpu" and pins.attention is None:
-                # The CPU runs cannot tell the kernels apart (CPU_KERNEL_NOTE): rank and measure eager, which also
-                # allows selective recompute of the attention core.
-                result = search(model, cluster, args.global_batch_size, dataclasses.replace(pins, attention="eager"))
-                cpu_note = CPU_KERNEL_NOTE
+        return _run(build_parser().parse_args(argv), start)
     except ConfigError as err:
         print(str(err), file=sys.stderr)
         return EXIT_CONFIG_ERROR
+
+
+def _run(args: argparse.Namespace, start: float) -> int:
+    """Search, print the report, measure (--empirical), write --json and --write-config; the exit status."""
+    if args.empirical and args.max_minutes is None:
+        raise ConfigError("--max-minutes", "required with --empirical", "not set", "pass e.g. --max-minutes 10")
+    llama = {name: getattr(args, name) for name in ("family", "kv_heads", "intermediate_size", "tie_word_embeddings")}
+    model = build_model_shape(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length, **llama)
+    figures = {name: getattr(args, flag[2:].replace("-", "_")) for name, (_, flag) in PRESET_FIELDS.items()}
+    cluster = build_cluster(
+        args.gpu,
+        args.gpus,
+        args.gpus_per_node,
+        **figures,  # the --gpu figures the command line overrides
+        efficiency=args.efficiency,
+        intra_node_latency_s=args.intra_node_latency_us * 1e-6,
+        inter_node_latency_s=args.inter_node_latency_us * 1e-6,
+        step_overhead_s=args.step_overhead_s,
+    )
+    pinned = {f.name: getattr(args, f.name) for f in dataclasses.fields(Pins)}  # every pin is the flag of its name
+    if args.recompute_modules is not None:  # "mlp_act,layernorm"; the names are checked with the other pins
+        pinned["recompute_modules"] = tuple(n.strip() for n in args.recompute_modules.split(",") if n.strip())
+    pins = Pins(**pinned)
+    result = search(model, cluster, args.global_batch_size, pins)
+    options = None
+    if args.empirical:
+        options = empirical.EmpiricalOptions(
+            max_minutes=args.max_minutes,
+            top=args.empirical_top,
+            steps=args.empirical_steps,
+            warmup=args.empirical_warmup,
+            device=args.device,
+            work_dir=args.empirical_dir,
+            extra_sets=tuple(args.empirical_set),
+        )
+        empirical.validate_options(result, options)
+        options = dataclasses.replace(options, device=empirical.resolve_device(options.device, cluster.num_gpus))
+    # The CPU runs cannot tell the kernels apart (CPU_KERNEL_NOTE): rank and measure eager, which also allows
+    # selective recompute of the attention core.
+    cpu_eager = options is not None and options.device == "cpu" and pins.attention is None
+    if cpu_eager:
+        result = search(model, cluster, args.global_batch_size, dataclasses.replace(pins, attention="eager"))
     top = max(1, args.top)
     print(format_report(result, top=top), flush=True)
-    if cpu_note:
-        print(cpu_note)
-    emp: EmpiricalResult | None = None
+    if cpu_eager:
+        print(CPU_KERNEL_NOTE)
+    emp = None
     if options is not None and result.winner is None:
         print("empirical: skipped, no candidate fits")
     elif options is not None:
-        try:
-            emp = run_empirical(
-                result, options, deadline=start + 60 * args.max_minutes, say=functools.partial(print, flush=True)
-            )
-        except ConfigError as err:
-            print(str(err), file=sys.stderr)
-            return EXIT_CONFIG_ERROR
+        say = functools.partial(print, flush=True)
+        emp = empirical.run_empirical(result, options, deadline=start + 60 * args.max_minutes, say=say)
         print(format_empirical(emp, result.global_batch_size, result.model.seq_length, top=top))
     if args.json:
         data = to_json(result)
@@ -253,11 +221,6 @@ def main(argv: list[str] | None = None) -> int:
         which = "the final (empirical) winner" if final else "the winner"
         print(f"wrote {which} to {args.write_config}; launch it with:\n  {command}")
     return 0
-
-
-def _modules(text: str) -> tuple[str, ...]:
-    """``mlp_act,layernorm`` -> ("mlp_act", "layernorm"); the names are checked with the other pins."""
-    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 if __name__ == "__main__":

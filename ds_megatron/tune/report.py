@@ -32,6 +32,26 @@ COLUMNS = (
 TEXT_COLUMNS = {"attn", "recompute", "status", "source"}  # left-aligned in every table
 MAX_REJECTIONS_SHOWN = 8
 NEAR_TIE = 0.01  # candidates this close to the winner's step time are within the time model's error of it
+SETTINGS = (  # (label, cell) compared between two candidates
+    ("tp", "tp"),
+    ("pp", "pp"),
+    ("dp", "dp"),
+    ("SP", "sp"),
+    ("micro-batch", "b"),
+    ("recompute", "recompute"),
+    ("attention", "attn"),
+    ("ZeRO", "zero"),
+)
+TIME_PARTS = (
+    ("compute", "compute_s"),
+    ("eager score passes", "attention_s"),
+    ("recomputed elementwise passes", "recompute_passes_s"),
+    ("TP comm", "tp_comm_s"),
+    ("pipeline p2p", "p2p_s"),
+    ("DP comm", "dp_comm_s"),
+    ("bubble (part of the above)", "bubble_s"),
+)
+PART_SHOWN = 0.001  # time parts that differ by less than this fraction of the step are left out of the comparison
 
 
 def cells(c: Candidate) -> dict[str, str]:
@@ -49,22 +69,13 @@ def layout_cells(c: Candidate) -> list[str]:
 
 def _row(rank: int, e: Evaluation) -> list[str]:
     t = e.time
-    return [
-        str(rank),
-        *layout_cells(e.candidate),
-        str(e.candidate.zero),
-        f"{e.first.required_bytes / GIB:.1f} GiB",
-        f"{e.last.required_bytes / GIB:.1f} GiB",
-        seconds_text(t.step_s),
-        f"{t.tokens_per_s:,.0f}",
-        f"{t.mfu:.1%}",
-        f"{t.hfu:.1%}",
-    ]
+    memory = [f"{stage.required_bytes / GIB:.1f} GiB" for stage in (e.first, e.last)]
+    speed = [seconds_text(t.step_s), f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}", f"{t.hfu:.1%}"]
+    return [str(rank), *layout_cells(e.candidate), str(e.candidate.zero), *memory, *speed]
 
 
 def widened(columns: tuple[tuple[str, int], ...], shown: list[Evaluation]) -> tuple[tuple[str, int], ...]:
-    """``columns`` with the recompute column as wide as the longest label of the ``shown`` candidates (e.g.
-    selective[core_attn,mlp_act,layernorm])."""
+    """``columns`` with the recompute column as wide as the ``shown`` candidates' longest label."""
     labels = [len(e.candidate.recompute_label()) for e in shown]
     return tuple((name, max([w, *labels]) if name == "recompute" else w) for name, w in columns)
 
@@ -98,9 +109,11 @@ def format_report(result: SearchResult, top: int = 10) -> str:
     """The console report: problem, ranked table, winner and its time breakdown, common configuration, rejections."""
     m, cl = result.model, result.cluster
     nodes = max(1, cl.num_gpus // cl.gpus_per_node)
+    params = total_param_count(m)
+    count = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     lines = [
         f"model: {m.size or 'custom'} ({_shape_text(m)}, V {m.vocab_size}, "
-        f"s {m.seq_length}; {_count(total_param_count(m))} parameters), global batch {result.global_batch_size}",
+        f"s {m.seq_length}; {count} parameters), global batch {result.global_batch_size}",
         f"cluster: {cl.num_gpus} {'x ' + cl.gpu if cl.gpu else 'GPUs'} "
         f"({nodes} node(s) x {min(cl.gpus_per_node, cl.num_gpus)}), "
         f"{cl.gpu_memory_gb:g} GiB, {cl.peak_tflops:g} TFLOP/s peak, HBM {cl.memory_gbps:g} GB/s, "
@@ -163,31 +176,8 @@ def _shape_text(m: ModelShape) -> str:
     return f"{m.family}: {text}, KV heads {m.num_kv_heads}, F {m.intermediate_size}, {tied} output layer"
 
 
-SETTINGS = (  # (label, cell) compared between two candidates
-    ("tp", "tp"),
-    ("pp", "pp"),
-    ("dp", "dp"),
-    ("SP", "sp"),
-    ("micro-batch", "b"),
-    ("recompute", "recompute"),
-    ("attention", "attn"),
-    ("ZeRO", "zero"),
-)
-TIME_PARTS = (
-    ("compute", "compute_s"),
-    ("eager score passes", "attention_s"),
-    ("recomputed elementwise passes", "recompute_passes_s"),
-    ("TP comm", "tp_comm_s"),
-    ("pipeline p2p", "p2p_s"),
-    ("DP comm", "dp_comm_s"),
-    ("bubble (part of the above)", "bubble_s"),
-)
-PART_SHOWN = 0.001  # time parts that differ by less than this fraction of the step are left out of the comparison
-
-
 def why_ahead(a: Evaluation, b: Evaluation, rank_a: int, rank_b: int) -> list[str]:
-    """Two lines on why ``a`` ranks ahead of ``b``: the settings that differ, then the time parts and memory they
-    change."""
+    """Why ``a`` ranks ahead of ``b``: the settings that differ, then the time parts and memory they change."""
     ca, cb = cells(a.candidate), cells(b.candidate)
     differs = [f"{label} {ca[key]} instead of {cb[key]}" for label, key in SETTINGS if ca[key] != cb[key]]
     ta, tb = a.time, b.time
@@ -211,8 +201,6 @@ def why_ahead(a: Evaluation, b: Evaluation, rank_a: int, rank_b: int) -> list[st
 def _kernel_note(result: SearchResult) -> list[str]:
     """What the kernel is worth: with an sdpa winner, the best eager candidate; else why the winner is not sdpa."""
     winner = result.winner
-    if winner is None:
-        return []
     if winner.candidate.attention == "sdpa":
         eager = next((e for e in result.ranked if e.candidate.attention == "eager"), None)
         if eager is None:
@@ -231,27 +219,24 @@ def _kernel_note(result: SearchResult) -> list[str]:
         return [
             "  the winner uses eager attention because --recompute-modules includes core_attn (sdpa stores no core)"
         ]
-    sdpa = [e for e in result.ranked if e.candidate.attention == "sdpa"]
-    if not sdpa:
+    sdpa = next((e for e in result.ranked if e.candidate.attention == "sdpa"), None)
+    if sdpa is None:
         return ["  the winner uses eager attention because no sdpa candidate fits"]
-    rank = result.ranked.index(sdpa[0]) + 1
-    return ["  the winner uses eager attention; against the best sdpa candidate:"] + [
-        "  " + line for line in why_ahead(winner, sdpa[0], 1, rank)
-    ]
+    versus = why_ahead(winner, sdpa, 1, result.ranked.index(sdpa) + 1)
+    return ["  the winner uses eager attention; against the best sdpa candidate:", *("  " + line for line in versus)]
 
 
 def _recompute_note(result: SearchResult) -> list[str]:
     """With a selective winner, what recomputing its modules buys: the best candidate without recompute (or what the
     closest one needs when none fits) and the best with full recompute, unless the runner-up line compared it."""
     winner = result.winner
-    if winner is None or winner.candidate.recompute != "selective":
+    if winner.candidate.recompute != "selective":
         return []
     lines = []
     for policy, what in (("none", "without recompute"), ("full", "with full recompute")):
         best = next((e for e in result.ranked if e.candidate.recompute == policy), None)
-        if best is not None and result.ranked.index(best) == 1:
-            continue
-        if best is not None:
+        tried = [e for e in result.evaluations if e.candidate.recompute == policy]
+        if best is not None and result.ranked.index(best) != 1:
             t = best.time
             lines.append(
                 f"best candidate {what}: rank {result.ranked.index(best) + 1}, {seconds_text(t.step_s)} s/step "
@@ -259,9 +244,7 @@ def _recompute_note(result: SearchResult) -> list[str]:
                 f"(activations {best.first.activation_bytes / GIB:.1f} GiB on the first stage against the winner's "
                 f"{winner.first.activation_bytes / GIB:.1f})"
             )
-            continue
-        tried = [e for e in result.evaluations if e.candidate.recompute == policy]
-        if tried:
+        elif best is None and tried:
             closest = min(tried, key=lambda e: e.required_bytes)
             c = closest.candidate
             lines.append(
@@ -274,21 +257,14 @@ def _recompute_note(result: SearchResult) -> list[str]:
 
 def _latencies(cl: Cluster) -> str:
     """The collective latencies, when they are not the defaults (e.g. fitted by --empirical)."""
-    if math.isclose(cl.intra_node_latency_s, INTRA_NODE_LATENCY_S) and math.isclose(
-        cl.inter_node_latency_s, INTER_NODE_LATENCY_S
-    ):  # the command line's microseconds do not round-trip exactly
-        return ""
-    return (
-        f", latency {cl.intra_node_latency_s * 1e6:,.0f} us intra-node / {cl.inter_node_latency_s * 1e6:,.0f} us inter"
-    )
+    intra, inter = cl.intra_node_latency_s, cl.inter_node_latency_s
+    if math.isclose(intra, INTRA_NODE_LATENCY_S) and math.isclose(inter, INTER_NODE_LATENCY_S):
+        return ""  # isclose: the command line's microseconds do not round-trip exactly
+    return f", latency {intra * 1e6:,.0f} us intra-node / {inter * 1e6:,.0f} us inter"
 
 
 def efficiency_text(x: float) -> str:
     return f"{x:.2f}" if x >= 0.01 else f"{x:.3g}"
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def seconds_text(x: float) -> str:
@@ -302,11 +278,10 @@ def _no_fit_lines(result: SearchResult) -> list[str]:
         return lines + ["  no candidate is left once the families below are removed: relax the pins"]
     capacity = result.cluster.gpu_memory_gb
     closest = min(result.evaluations, key=lambda e: e.required_bytes)
-    need = closest.required_bytes / GIB
+    c, need = closest.candidate, closest.required_bytes / GIB
     lines.append(
-        f"  closest: tp {closest.candidate.tp}, pp {closest.candidate.pp}, dp {closest.candidate.dp}, "
-        f"{closest.candidate.recompute_label()} needs {need:.1f} GiB per GPU, {need / capacity:.1f}x the "
-        f"{capacity:g} GiB available"
+        f"  closest: tp {c.tp}, pp {c.pp}, dp {c.dp}, {c.recompute_label()} needs {need:.1f} GiB per GPU, "
+        f"{need / capacity:.1f}x the {capacity:g} GiB available"
     )
     floor = (memory_model.WEIGHT_BYTES + memory_model.GRAD_BYTES) * total_param_count(result.model)
     lines.append(
@@ -330,11 +305,9 @@ def _rejection_lines(result: SearchResult, nothing_fits: bool) -> list[str]:
     cap = MAX_REJECTIONS_SHOWN * 4 if nothing_fits else MAX_REJECTIONS_SHOWN
     shown = (memory[: cap // 2] + other)[:cap] if not nothing_fits else (memory + other)[:cap]
     lines = [f"rejected families ({len(result.rejections)}; every one with its reason in --json):"]
-    lines += [f"  {_family(r.family)}: {r.reason}" for r in shown]
+    for r in shown:
+        family = " ".join(f"{k}={v}" for k, v in r.family.items())
+        lines.append(f"  {family}: {r.reason}")
     if len(result.rejections) > len(shown):
         lines.append(f"  ... and {len(result.rejections) - len(shown)} more")
     return lines
-
-
-def _family(family: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in family.items())

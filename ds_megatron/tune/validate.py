@@ -10,19 +10,15 @@ import math
 from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.tune.space import tp_sizes
-from ds_megatron.tune.spec import (
-    TP_SPLITS,
-    Cluster,
-    Pins,
-    check_positive,
-)
+from ds_megatron.tune.spec import TP_SPLITS, Cluster, Pins, check_positive
 
 
 def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int, pins: Pins) -> None:
-    """Refuse inputs no search can satisfy, naming the values and the fix."""
+    """Refuse inputs no search can satisfy, naming the values and the fix (the checks run in this order)."""
+    gpus, per_node = cluster.num_gpus, cluster.gpus_per_node
     for flag, value, example in (
-        ("--gpus", cluster.num_gpus, "8"),
-        ("--gpus-per-node", cluster.gpus_per_node, "8"),
+        ("--gpus", gpus, "8"),
+        ("--gpus-per-node", per_node, "8"),
         ("--gpu-memory-gb", cluster.gpu_memory_gb, "80"),
         ("--gpu-peak-tflops", cluster.peak_tflops, "312"),
         ("--intra-node-gbps", cluster.intra_node_gbps, "300"),
@@ -40,70 +36,30 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
     ):
         if value < 0.0:
             raise ConfigError(flag, "must not be negative", f"got {value:g}", "pass e.g. 0")
-    if cluster.num_gpus > cluster.gpus_per_node and cluster.num_gpus % cluster.gpus_per_node != 0:
-        raise ConfigError(
-            "--gpus",
-            "not a whole number of nodes",
-            f"gpus={cluster.num_gpus}, gpus_per_node={cluster.gpus_per_node}",
-            f"pass a multiple of {cluster.gpus_per_node}",
-        )
-    pinned = {"tp": pins.tp, "pp": pins.pp, "dp": pins.dp, "micro-batch-size": pins.micro_batch_size}
-    for name, value in pinned.items():
+    if gpus > per_node and gpus % per_node != 0:
+        values = f"gpus={gpus}, gpus_per_node={per_node}"
+        raise ConfigError("--gpus", "not a whole number of nodes", values, f"pass a multiple of {per_node}")
+    pinned = {"--tp": pins.tp, "--pp": pins.pp, "--dp": pins.dp, "--micro-batch-size": pins.micro_batch_size}
+    for flag, value in pinned.items():
         if value is not None:
-            check_positive(f"--{name}", value, "1")
+            check_positive(flag, value, "1")
     if pins.tp is not None:
-        node = min(cluster.gpus_per_node, cluster.num_gpus)
-        for name, why in TP_SPLITS.items():
-            if getattr(model, name) % pins.tp != 0:
-                raise ConfigError(
-                    "--tp",
-                    f"{name} not divisible by tp",
-                    f"{name}={getattr(model, name)}, tp={pins.tp}",
-                    f"choose tp from {tp_sizes(model, cluster, Pins())[0]}"
-                    + (f" ({why})" if name != "num_heads" else ""),
-                )
-        if node % pins.tp != 0:
-            raise ConfigError(
-                "--tp",
-                "a TP group must fit inside one node",
-                f"tp={pins.tp}, gpus_per_node={cluster.gpus_per_node}, gpus={cluster.num_gpus}",
-                f"choose tp dividing {node}",
-            )
-        if pins.sequence_parallel and pins.tp == 1:
-            raise ConfigError(
-                "--sequence-parallel", "needs tp > 1", "tp=1", "drop --sequence-parallel or pin --tp above 1"
-            )
+        _check_tp(model, cluster, pins)
     if pins.pp is not None and pins.pp > model.num_layers:
-        raise ConfigError(
-            "--pp",
-            "more pipeline stages than layers",
-            f"pp={pins.pp}, layers={model.num_layers}",
-            f"pass --pp <= {model.num_layers}",
-        )
+        values, fix = f"pp={pins.pp}, layers={model.num_layers}", f"pass --pp <= {model.num_layers}"
+        raise ConfigError("--pp", "more pipeline stages than layers", values, fix)
     fixed = [(n, v) for n, v in (("tp", pins.tp), ("pp", pins.pp), ("dp", pins.dp)) if v is not None]
     product = math.prod(v for _, v in fixed)
-    if fixed and cluster.num_gpus % product != 0:
-        desc = " x ".join(f"{n}({v})" for n, v in fixed)
-        raise ConfigError(
-            "--gpus",
-            "the pinned dimensions do not divide the GPU count",
-            f"{desc} = {product}, gpus={cluster.num_gpus}",
-            "change a pin or the GPU count",
-        )
-    if len(fixed) == 3 and product != cluster.num_gpus:
-        raise ConfigError(
-            "--gpus",
-            "tp x pp x dp must equal the GPU count",
-            f"tp({pins.tp}) x pp({pins.pp}) x dp({pins.dp}) = {product} != {cluster.num_gpus}",
-            "drop one pin or fix the product",
-        )
+    layout = " x ".join(f"{n}({v})" for n, v in fixed)
+    if fixed and gpus % product != 0:
+        problem = "the pinned dimensions do not divide the GPU count"
+        raise ConfigError("--gpus", problem, f"{layout} = {product}, gpus={gpus}", "change a pin or the GPU count")
+    if len(fixed) == 3 and product != gpus:
+        problem, fix = "tp x pp x dp must equal the GPU count", "drop one pin or fix the product"
+        raise ConfigError("--gpus", problem, f"{layout} = {product} != {gpus}", fix)
     if pins.dp is not None and global_batch_size % pins.dp != 0:
-        raise ConfigError(
-            "--global-batch-size",
-            "not divisible by dp",
-            f"{global_batch_size} % {pins.dp} != 0",
-            f"pass a multiple of {pins.dp}",
-        )
+        values = f"{global_batch_size} % {pins.dp} != 0"
+        raise ConfigError("--global-batch-size", "not divisible by dp", values, f"pass a multiple of {pins.dp}")
     if pins.recompute is not None and pins.recompute not in RECOMPUTE_POLICIES:
         raise ConfigError("--recompute", "unknown policy", repr(pins.recompute), f"use one of {RECOMPUTE_POLICIES}")
     if pins.attention is not None and pins.attention not in ATTENTION_KERNELS:
@@ -111,14 +67,31 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
     if pins.recompute_modules is not None:
         _check_modules(pins)
     if pins.zero is not None and pins.zero not in (0, 1):
-        raise ConfigError(
-            "--zero", "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only", f"got {pins.zero}", "pass 0 or 1"
-        )
+        problem = "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only"
+        raise ConfigError("--zero", problem, f"got {pins.zero}", "pass 0 or 1")
+
+
+def _check_tp(model: ModelShape, cluster: Cluster, pins: Pins) -> None:
+    """A --tp pin: it divides what TP splits, a TP group fits in one node, and sequence parallelism has tp > 1."""
+    for name, why in TP_SPLITS.items():
+        if getattr(model, name) % pins.tp != 0:
+            values = f"{name}={getattr(model, name)}, tp={pins.tp}"
+            reason = "" if name == "num_heads" else f" ({why})"
+            fix = f"choose tp from {tp_sizes(model, cluster, Pins())[0]}{reason}"
+            raise ConfigError("--tp", f"{name} not divisible by tp", values, fix)
+    node = min(cluster.gpus_per_node, cluster.num_gpus)
+    if node % pins.tp != 0:
+        values = f"tp={pins.tp}, gpus_per_node={cluster.gpus_per_node}, gpus={cluster.num_gpus}"
+        raise ConfigError("--tp", "a TP group must fit inside one node", values, f"choose tp dividing {node}")
+    if pins.sequence_parallel and pins.tp == 1:
+        fix = "drop --sequence-parallel or pin --tp above 1"
+        raise ConfigError("--sequence-parallel", "needs tp > 1", "tp=1", fix)
 
 
 def _check_modules(pins: Pins) -> None:
     """A --recompute-modules pin: known names, each once, under selective recompute, without core_attn for sdpa."""
     modules = pins.recompute_modules or ()
+    listed = ",".join(modules)
     unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
     if unknown:
         near = difflib.get_close_matches(unknown[0], RECOMPUTE_MODULES, n=1)
@@ -126,23 +99,12 @@ def _check_modules(pins: Pins) -> None:
     else:
         problem = "no module" if not modules else "a module named twice" if len(set(modules)) < len(modules) else ""
     if problem:
-        raise ConfigError(
-            "--recompute-modules",
-            problem,
-            f"got {','.join(modules) or 'nothing'}",
-            f"pass a comma-separated list of {', '.join(RECOMPUTE_MODULES)}",
-        )
+        fix = f"pass a comma-separated list of {', '.join(RECOMPUTE_MODULES)}"
+        raise ConfigError("--recompute-modules", problem, f"got {listed or 'nothing'}", fix)
     if pins.recompute not in (None, "selective"):
-        raise ConfigError(
-            "--recompute-modules",
-            "applies to selective recompute only",
-            f"recompute={pins.recompute}, modules={','.join(modules)}",
-            "drop --recompute or pass --recompute selective",
-        )
+        values, fix = f"recompute={pins.recompute}, modules={listed}", "drop --recompute or pass --recompute selective"
+        raise ConfigError("--recompute-modules", "applies to selective recompute only", values, fix)
     if pins.attention == "sdpa" and "core_attn" in modules:
-        raise ConfigError(
-            "--recompute-modules",
-            "core_attn recomputes the s x s attention core, which sdpa never stores",
-            f"modules={','.join(modules)}, attention=sdpa",
-            "drop core_attn (e.g. --recompute-modules mlp_act,layernorm) or pin --attention eager",
-        )
+        problem = "core_attn recomputes the s x s attention core, which sdpa never stores"
+        fix = "drop core_attn (e.g. --recompute-modules mlp_act,layernorm) or pin --attention eager"
+        raise ConfigError("--recompute-modules", problem, f"modules={listed}, attention=sdpa", fix)

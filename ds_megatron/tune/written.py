@@ -13,7 +13,10 @@ from ds_megatron.tune import memory_model, time_model
 from ds_megatron.tune.memory_model import total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
 
-MODEL_KEYS = ("size", "family", *SHAPE_FIELDS, "vocab_size", "seq_length")  # the written model, in this order
+MODEL_KEYS = ("size", "family", *SHAPE_FIELDS, "vocab_size", "seq_length")  # the JSON's model, in this order
+# A config's model section, in this order: every family's fields, then a Llama's.
+WRITTEN_SHAPE = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length")
+LLAMA_WRITTEN = ("family", "num_kv_heads", "intermediate_size", "tie_word_embeddings", "dropout")
 
 
 def to_json(result: SearchResult) -> dict:
@@ -21,7 +24,7 @@ def to_json(result: SearchResult) -> dict:
     m, cl = result.model, result.cluster
     return {
         "model": {**{key: getattr(m, key) for key in MODEL_KEYS}, "parameters": total_param_count(m)},
-        "cluster": dataclasses.asdict(result.cluster),  # in Cluster's field order
+        "cluster": dataclasses.asdict(cl),  # in Cluster's field order
         "global_batch_size": result.global_batch_size,
         "search_seconds": result.elapsed_s,
         "winner": result.winner.as_dict() if result.winner else None,
@@ -62,28 +65,17 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
     """A ds_configs-style JSON for ``e``: DeepSpeed's keys plus the "ds_megatron" section."""
     c, m = e.candidate, result.model
     model = {"size": m.size} if m.size else {}
-    model.update(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_heads=m.num_heads,
-        vocab_size=m.vocab_size,
-        seq_length=m.seq_length,
-        attention=c.attention,  # never sdpa with core_attn recomputed: the search does not generate it, the loader
-        # refuses it
-    )
+    model.update({key: getattr(m, key) for key in WRITTEN_SHAPE})
+    # never sdpa with core_attn recomputed: the search does not generate it, the loader refuses it
+    model["attention"] = c.attention
     if m.family != "gpt2":  # the loader refuses the llama-only fields for a GPT
-        model.update(
-            family=m.family,
-            num_kv_heads=m.num_kv_heads,
-            intermediate_size=m.intermediate_size,
-            tie_word_embeddings=m.tie_word_embeddings,
-            dropout=m.dropout,  # what the memory model assumed (the loader's default, 0.1, is GPT's)
-        )
+        # dropout: what the memory model assumed (the loader's default, 0.1, is GPT's)
+        model.update({key: getattr(m, key) for key in LLAMA_WRITTEN})
         if not m.size:  # a named size brings its own; a custom or changed shape keeps its origin's
             if m.rope_theta != DEFAULT_ROPE_THETA:
-                model.update(rope_theta=m.rope_theta)
+                model["rope_theta"] = m.rope_theta
             if m.rope_scaling:
-                model.update(rope_scaling=dict(m.rope_scaling))
+                model["rope_scaling"] = dict(m.rope_scaling)
     recompute = {"policy": c.recompute, "num_layers": c.recompute_layers, "method": c.recompute_method}
     if c.recompute == "selective" and c.recompute_modules != DEFAULT_SELECTIVE_MODULES:
         recompute["modules"] = list(c.recompute_modules)
