@@ -265,20 +265,18 @@ def recalibrate(result: SearchResult, emp: EmpiricalResult) -> None:
     """Fit the time model to the measured runs, re-rank every candidate, build the final ranking."""
     measured = emp.measured
     emp.spearman_before = spearman([r.predicted_s for r in measured], [r.measured_s for r in measured])
-    cluster = result.cluster
     if not measured:
         emp.calibration_note = "no candidate was measured: the analytic model is kept"
     else:
         points = [
-            Measurement(result.model, cluster, r.evaluation.candidate, result.global_batch_size, r.measured_s)
+            Measurement(result.model, result.cluster, r.evaluation.candidate, result.global_batch_size, r.measured_s)
             for r in measured
         ]
         try:
             emp.calibration = fit_time_model(points, extra_terms=FIT_TERMS if emp.options.device == "cpu" else ())
         except ValueError as err:
             emp.calibration_note = f"calibration failed, the analytic model is kept: {err}"
-    if emp.calibration is not None:
-        cluster = emp.calibration.apply(cluster)
+    cluster = emp.calibration.apply(result.cluster) if emp.calibration else result.cluster
     emp.recalibrated = search(result.model, cluster, result.global_batch_size, result.pins)
     again = {e.candidate: e.time.step_s for e in emp.recalibrated.ranked}
     for r in emp.runs:
