@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_megatron.config import ConfigError
-from ds_megatron.plot import read_records
 from ds_megatron.tune.search import Evaluation, SearchResult
 from ds_megatron.tune.written import ds_config
 
@@ -162,10 +161,20 @@ def read_metrics(path: Path, warmup_steps: int) -> tuple[list[float], float | No
     """(step times in s after the warm-up, in step order; the largest peak_mem_gb) from a metrics.jsonl."""
     if not path.exists():
         return [], None
-    steps = [r for r in read_records(path) if "step_ms" in r]  # not the validation or sample records
-    times = {r["step"]: r["step_ms"] / 1000.0 for r in steps if r["step"] > warmup_steps}
-    peaks = [r["peak_mem_gb"] for r in steps if r.get("peak_mem_gb") is not None]
-    return [times[s] for s in sorted(times)], max(peaks, default=None)
+    times: dict[int, float] = {}
+    peak = None
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+        if "step_ms" not in record:
+            continue  # validation or sample records
+        if record["step"] > warmup_steps:
+            times[record["step"]] = record["step_ms"] / 1000.0
+        if record.get("peak_mem_gb") is not None:
+            peak = max(peak or 0.0, record["peak_mem_gb"])
+    return [times[s] for s in sorted(times)], peak
 
 
 def probe(result: SearchResult, e: Evaluation, index: int, options: EmpiricalOptions, timeout_s: float) -> ProbeResult:
