@@ -1,6 +1,5 @@
-"""Calibration of the time model: fit its constants (the ceiling of the matmul-efficiency curve, and optionally the
-collective latency and a fixed per-step overhead) to measured step times (:func:`fit_time_model`).  Pure Python.
-"""
+"""Calibration of the time model: fit the ceiling of the matmul-efficiency curve, and optionally the collective
+latency and a fixed per-step overhead, to measured step times (:func:`fit_time_model`).  Pure Python."""
 
 from __future__ import annotations
 
@@ -50,14 +49,8 @@ class Calibration:
 
 
 def _parts(meas: Measurement) -> tuple[float, float, float]:
-    """(C, N, B) with predicted step = C / efficiency + N x intra-node latency + B (+ overhead).
-
-    C is the critical-path matmul time at a ceiling of 1 (each matmul's FLOPs at the peak plus its bytes at the HBM
-    bandwidth, ``ds_megatron.tune.matmuls``), N the number of intra-node collectives and sends on the critical path,
-    B the rest (bandwidth terms, the eager kernel's memory-bound passes, inter-node latencies).  The step is linear
-    in 1/efficiency (the curve's ceiling divides every matmul's time) and in the latency, so two evaluations of
-    :func:`step_time` separate them.
-    """
+    """(C, N, B) with predicted step = C / efficiency + N x intra-node latency + B (+ overhead): the step is linear in
+    1/efficiency and in the latency, so two evaluations of :func:`step_time` separate them."""
     base = dataclasses.replace(meas.cluster, efficiency=1.0, step_overhead_s=0.0, intra_node_latency_s=0.0)
     pred = step_time(meas.model, base, meas.candidate, meas.global_batch_size)
     unit = step_time(
@@ -86,10 +79,8 @@ def _solve(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
 
 
 def _fit(points: list[tuple[float, float, float, float, float]], terms: tuple[str, ...]) -> tuple[dict, float] | None:
-    """Fit 1/efficiency and ``terms`` minimising the relative squared error; (parameters, RMS) or None if invalid.
-
-    points: (C, N, B, latency in the model, measured step).  Without "latency" the model's own latency is kept.
-    """
+    """Fit 1/efficiency and ``terms`` to points (C, N, B, model latency, measured step) minimising the relative squared
+    error; (parameters, RMS) or None if singular or unphysical.  Without "latency" the model's own latency is kept."""
     rows, rhs = [], []
     for c, n, b, lat, m in points:
         row = [c / m]
@@ -112,18 +103,9 @@ def _fit(points: list[tuple[float, float, float, float, float]], terms: tuple[st
 
 
 def fit_time_model(measurements: Iterable[Measurement], extra_terms: tuple[str, ...] = ()) -> Calibration:
-    """Fit the efficiency, and any of ``extra_terms`` that clearly help, to measured step times.
-
-    The predicted step of run i is C_i x + N_i L + B_i + o with x = 1/efficiency, L the intra-node latency of a
-    collective or send ("latency"), o a fixed per-step overhead ("overhead") and C_i, N_i, B_i from the model
-    (:func:`_parts`).  It is linear in (x, L, o), so each fit is a closed-form weighted least squares that minimises
-    the relative error sum(((predicted_i - M_i) / M_i)^2).  Starting from the efficiency alone, the extra term that
-    lowers the error most is added while it divides the RMS error by FIT_MIN_GAIN or more, there are at least two
-    more measurements than parameters (n >= parameters + 2), and every constant stays physical (efficiency <= 1,
-    L >= 0, o >= 0).  Terms not fitted keep the cluster's values.
-    """
-    unknown = set(extra_terms) - set(FIT_TERMS)
-    if unknown:
+    """Fit the efficiency, and each of ``extra_terms`` (FIT_TERMS) that clearly helps, to measured step times; terms
+    not fitted keep the cluster's values.  The selection rule is in docs/tuner.md, "Calibrating"."""
+    if unknown := set(extra_terms) - set(FIT_TERMS):
         raise ValueError(f"fit_time_model: unknown terms {sorted(unknown)}; choose from {FIT_TERMS}")
     points = []
     for meas in measurements:
@@ -145,18 +127,14 @@ def fit_time_model(measurements: Iterable[Measurement], extra_terms: tuple[str, 
     chosen, (params, rms), notes = (), plain, []
     while rms > EXACT_FIT:
         options = []
-        for term in extra_terms:
-            if term in chosen:
-                continue
+        for term in (t for t in extra_terms if t not in chosen):
             trial = (*chosen, term)
-            if len(points) < len(trial) + 3:
+            if len(points) < len(trial) + 3:  # two more runs than fitted constants, the efficiency included
                 notes.append(f"{term}: needs {len(trial) + 3} runs")
-                continue
-            fitted = _fit(points, tuple(t for t in FIT_TERMS if t in trial))
-            if fitted is None:
+            elif (fitted := _fit(points, tuple(t for t in FIT_TERMS if t in trial))) is None:
                 notes.append(f"{term}: would be negative or beat the peak")
-                continue
-            options.append((fitted[1], term, fitted[0]))
+            else:
+                options.append((fitted[1], term, fitted[0]))
         if not options:
             break
         best_rms, term, best = min(options)
@@ -182,7 +160,5 @@ def fit_time_model(measurements: Iterable[Measurement], extra_terms: tuple[str, 
 
 
 def calibrate(measurements: Iterable[Measurement]) -> float:
-    """The ceiling of the matmul-efficiency curve that best explains measured step times (:func:`fit_time_model`
-    without extra terms).  Pass it as ``--efficiency`` (or ``Cluster.efficiency``) to rank with your cluster's numbers.
-    """
+    """The ceiling of the matmul-efficiency curve that best explains measured step times (``--efficiency``)."""
     return fit_time_model(measurements).efficiency

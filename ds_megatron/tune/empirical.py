@@ -1,20 +1,6 @@
-"""The tuner's empirical mode: short real runs of the best analytic candidates, then a recalibrated ranking.
-
-    python -m ds_megatron.tune ... --empirical --max-minutes 10 [--empirical-top 3] [--empirical-steps 10]
-
-1. The top K analytic candidates are launched one after the other (``probe.probe``) within the time budget.  Each run
-   gets a timeout derived from what is left of the budget (:func:`plan_timeout`); a run that crashes, runs out of
-   memory or times out is recorded with its reason and the next one starts; candidates that no longer fit in the
-   budget are listed as not run.
-2. The time model is refitted to the measured step times (``calibration.fit_time_model``: the efficiency, and on CPU
-   also the latency of a collective and a fixed per-step overhead when they clearly help) and every analytic
-   candidate is ranked again with it.
-3. The final ranking uses the measured step time for each measured candidate and the recalibrated prediction for
-   the others; failed candidates are left out.  The Spearman rank correlation between predicted and measured step
-   times says how far the analytic ranking can be trusted.
-
-Standard library only (``--device auto`` asks torch about GPUs in a subprocess).
-"""
+"""The tuner's empirical mode (``--empirical``): short real runs of the top analytic candidates within a time budget,
+a refit of the time model to their step times and a final ranking from both (docs/tuner.md, "Empirical mode").
+Standard library only: ``--device auto`` asks torch about GPUs in a subprocess."""
 
 from __future__ import annotations
 
@@ -156,14 +142,8 @@ def _ranks(values: list[float]) -> list[float]:
 
 
 def plan_timeout(remaining_s: float, left: int, durations: list[float]) -> float | None:
-    """Timeout of the next run, or None when it should not start.
-
-    ``remaining_s`` is what is left of the budget (report reserve already taken off), ``left`` the candidates still
-    to run (this one included), ``durations`` the wall times of the runs that finished with a measurement.
-    A run starts only if the typical finished run (median; MIN_LAUNCH_S before any) still fits.  Its timeout is its
-    fair share of the rest (remaining / left), raised to HANG_FACTOR x the slowest finished run (FIRST_RUN_S before
-    any: the first run also builds the data cache), and never past the budget.
-    """
+    """Timeout of the next run, or None when it should not start (docs/tuner.md, "Budget").  ``remaining_s``: budget
+    left after the report reserve; ``left``: runs to go (this one too); ``durations``: measured runs' wall times."""
     expected = statistics.median(durations) if durations else 0.0
     if remaining_s < max(MIN_LAUNCH_S, expected):
         return None
@@ -173,10 +153,8 @@ def plan_timeout(remaining_s: float, left: int, durations: list[float]) -> float
 
 @functools.cache  # asked once per process: the command line resolves it before the search, run_empirical again
 def resolve_device(device: str, num_gpus: int) -> str:
-    """``auto`` becomes ``gpu`` when torch sees a CUDA device, else ``cpu``; a GPU run needs enough devices.
-
-    torch is asked in a subprocess (the interpreter the recipe will run in), so the tuner itself never imports it.
-    """
+    """``auto`` becomes ``gpu`` when torch (asked in a subprocess of this interpreter) sees a CUDA device, else ``cpu``;
+    a GPU run needs enough devices."""
     if device not in DEVICES:
         raise ConfigError("--device", "unknown device", repr(device), f"use one of {', '.join(DEVICES)}")
     if device == "cpu":
@@ -223,20 +201,14 @@ def validate_options(result: SearchResult, options: EmpiricalOptions) -> None:
 
 
 def top_candidates(ranked: list[Evaluation], top: int, device: str) -> list[Evaluation]:
-    """The first ``top`` of the analytic ranking.  On CPU, one attention kernel per configuration: there the runs keep
-    dropout on, and torch's CPU sdpa then falls back to its math path, which computes and stores what the eager
-    kernel does, so the second kernel of a configuration would measure the same thing again."""
+    """The first ``top`` of the analytic ranking; on CPU only the better-ranked attention kernel of each configuration
+    (there sdpa with dropout falls back to the eager kernel's work, so the other would measure the same again)."""
     if device != "cpu":
         return ranked[:top]
-    picked, seen = [], set()
+    first: dict = {}  # configuration (the kernel set to eager) -> its best-ranked evaluation
     for e in ranked:
-        twin = dataclasses.replace(e.candidate, attention="eager")
-        if twin not in seen:
-            seen.add(twin)
-            picked.append(e)
-        if len(picked) == top:
-            break
-    return picked
+        first.setdefault(dataclasses.replace(e.candidate, attention="eager"), e)
+    return list(first.values())[:top]
 
 
 def run_empirical(
@@ -275,8 +247,7 @@ def run_empirical(
             **cells(run.evaluation.candidate)
         )
         say(f"  [{run.index}/{len(runs)}] {short}: launching (timeout {timeout:.0f} s)")
-        run.outcome = probe(result, run.evaluation, run.index, options, timeout)
-        o = run.outcome
+        o = run.outcome = probe(result, run.evaluation, run.index, options, timeout)
         if o.step_s is not None:
             durations.append(o.duration_s)
             say(
@@ -294,25 +265,22 @@ def recalibrate(result: SearchResult, emp: EmpiricalResult) -> None:
     """Fit the time model to the measured runs, re-rank every candidate, build the final ranking."""
     measured = emp.measured
     emp.spearman_before = spearman([r.predicted_s for r in measured], [r.measured_s for r in measured])
-    cluster = result.cluster
     if not measured:
         emp.calibration_note = "no candidate was measured: the analytic model is kept"
     else:
         points = [
-            Measurement(result.model, cluster, r.evaluation.candidate, result.global_batch_size, r.measured_s)
+            Measurement(result.model, result.cluster, r.evaluation.candidate, result.global_batch_size, r.measured_s)
             for r in measured
         ]
         try:
             emp.calibration = fit_time_model(points, extra_terms=FIT_TERMS if emp.options.device == "cpu" else ())
         except ValueError as err:
             emp.calibration_note = f"calibration failed, the analytic model is kept: {err}"
-    if emp.calibration is not None:
-        cluster = emp.calibration.apply(cluster)
+    cluster = emp.calibration.apply(result.cluster) if emp.calibration else result.cluster
     emp.recalibrated = search(result.model, cluster, result.global_batch_size, result.pins)
-    by_candidate = {e.candidate: e for e in emp.recalibrated.ranked}
+    again = {e.candidate: e.time.step_s for e in emp.recalibrated.ranked}
     for r in emp.runs:
-        again = by_candidate.get(r.evaluation.candidate)
-        r.calibrated_s = again.time.step_s if again else None
+        r.calibrated_s = again.get(r.evaluation.candidate)
     emp.spearman_after = spearman([r.calibrated_s for r in measured], [r.measured_s for r in measured])
     emp.final = final_ranking(emp.recalibrated.ranked, emp.runs)
 
@@ -322,9 +290,7 @@ def final_ranking(ranked: list[Evaluation], runs: list[ProbeRun]) -> list[FinalE
     measured = {r.evaluation.candidate: r.measured_s for r in runs if r.measured_s is not None}
     failed = {r.evaluation.candidate for r in runs if r.outcome is not None and r.measured_s is None}
     entries = [
-        FinalEntry(e, measured[e.candidate], "measured")
-        if e.candidate in measured
-        else FinalEntry(e, e.time.step_s, "predicted")
+        FinalEntry(e, measured.get(e.candidate, e.time.step_s), "measured" if e.candidate in measured else "predicted")
         for e in ranked
         if e.candidate not in failed
     ]

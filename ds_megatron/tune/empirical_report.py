@@ -7,17 +7,8 @@ from ds_megatron.tune.empirical import PEAK_MEM_NOTE, EmpiricalResult, FinalEntr
 from ds_megatron.tune.report import efficiency_text, layout_cells, seconds_text, settings_text, table, widened
 
 LAYOUT_COLUMNS = (("tp", 3), ("pp", 3), ("dp", 3), ("sp", 3), ("b", 3), ("m", 4), ("attn", 5), ("recompute", 17))
-EMPIRICAL_COLUMNS = (
-    ("#", 2),
-    ("rank", 4),
-    *LAYOUT_COLUMNS,
-    ("status", 13),
-    ("predicted s", 11),
-    ("calibrated s", 12),
-    ("measured s", 10),
-    ("error", 7),
-    ("peak mem", 9),
-)
+RESULT_COLUMNS = (("predicted s", 11), ("calibrated s", 12), ("measured s", 10), ("error", 7), ("peak mem", 9))
+EMPIRICAL_COLUMNS = (("#", 2), ("rank", 4), *LAYOUT_COLUMNS, ("status", 13), *RESULT_COLUMNS)
 FINAL_COLUMNS = (("rank", 4), *LAYOUT_COLUMNS, ("step s", 8), ("tokens/s", 10), ("source", 9))
 
 

@@ -1,21 +1,10 @@
-"""Run one candidate for a few real steps and measure it (the empirical mode's probe).
-
-The probe writes the candidate's config with the tuner's own config writer, adapted to a short run (train_iters =
-warm-up + measured steps, a log line per step, no sample, no wandb, one validation batch, its own run directory, a
-data cache shared by every probe so the tokenizer and the packed corpus are built once), and launches
-
-    deepspeed --num_gpus N --master_port PORT recipes/train_gpt.py --deepspeed_config <run dir>/ds_config.json
-
-in a new session (its own process group), so that a timeout kills the launcher and every rank at once.  It then reads
-``<run dir>/metrics.jsonl``: the median ``step_ms`` of the steps after the warm-up, and the largest ``peak_mem_gb``.
-On CPU the config is fp32 without ZeRO (the recipe's CPU path) and ``peak_mem_gb`` is the logging process's max RSS;
-on GPUs it keeps the tuner's bf16 + ZeRO-1 and ``peak_mem_gb`` is that process's ``torch.cuda.max_memory_allocated``.
-
-Standard library only: the recipe runs in subprocesses, nothing here imports torch or deepspeed.
-"""
+"""The empirical mode's probe: run one candidate for a few real steps with ``recipes/train_gpt.py`` (the tuner's
+config adapted to a short run, launched in its own process group) and read its step times from ``metrics.jsonl``
+(docs/tuner.md, "How a run is made and measured").  Standard library only: the recipe runs in subprocesses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -93,13 +82,9 @@ def probe_config(result: SearchResult, e: Evaluation, options: EmpiricalOptions,
         for key in ("bf16", "data_types", "zero_optimization"):
             cfg.pop(key, None)
     section = cfg["ds_megatron"]
-    section["train"] = {
-        "train_iters": options.warmup + options.steps,
-        "log_interval": 1,
-        "eval_interval": 0,
-        "eval_iters": 1,
-        "generate_tokens": 0,
-    }
+    section["train"] = dict(
+        train_iters=options.warmup + options.steps, log_interval=1, eval_interval=0, eval_iters=1, generate_tokens=0
+    )
     section["data"] = {"cache_dir": str(split_sets(options)[0])}
     section["logging"] = {"wandb_project": None, "run_dir": str(run_dir)}
     return cfg
@@ -108,9 +93,7 @@ def probe_config(result: SearchResult, e: Evaluation, options: EmpiricalOptions,
 def launcher() -> list[str]:
     """The deepspeed launcher next to this interpreter, else on PATH, else its module."""
     local = Path(sys.executable).parent / "deepspeed"
-    if local.exists():
-        return [str(local)]
-    found = shutil.which("deepspeed")
+    found = str(local) if local.exists() else shutil.which("deepspeed")
     return [found] if found else [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
@@ -135,9 +118,7 @@ def probe_env(device: str, num_gpus: int) -> dict[str, str]:
 
 def run_process(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str, str]) -> tuple[int | None, float]:
     """Run ``cmd`` in its own session with its output in ``log_path``; (exit status or None on timeout, seconds).
-
-    On timeout (or Ctrl-C) the whole process group is killed: the launcher and every rank it spawned.
-    """
+    The whole process group (the launcher and every rank) is killed afterwards, also on timeout or Ctrl-C."""
     start = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -145,19 +126,11 @@ def run_process(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str,
             returncode: int | None = proc.wait(timeout=max(timeout_s, 0.1))
         except subprocess.TimeoutExpired:
             returncode = None
-        except BaseException:
-            _kill_group(proc)
-            raise
-        _kill_group(proc)  # also reaps ranks a failed launcher left behind
+        finally:  # also reaps ranks a failed launcher left behind
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     return returncode, time.monotonic() - start
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is already gone
-    proc.wait()
 
 
 def failure_reason(returncode: int | None, output: str, timeout_s: float) -> tuple[str, str]:
@@ -165,17 +138,18 @@ def failure_reason(returncode: int | None, output: str, timeout_s: float) -> tup
     if returncode is None:
         return "timeout", f"timeout after {timeout_s:.0f} s (process group killed)"
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    oom = [ln for ln in lines if OOM_PATTERNS.search(ln) and not LAUNCHER_LINE.search(ln)]
-    if oom:
+    ours = [ln for ln in lines if not LAUNCHER_LINE.search(ln)]
+    if oom := [ln for ln in ours if OOM_PATTERNS.search(ln)]:
         return "out of memory", f"out of memory (exit {returncode}): {_clip(oom[-1])}"
     if returncode in (-signal.SIGKILL, 128 + signal.SIGKILL):
         return "failed", f"exit {returncode}: killed by SIGKILL (out of host memory?)"
-    for pattern in (ERROR_LINE, EXCEPTION_LINE):
-        found = [ln for ln in lines if pattern.search(ln)]
-        if found:
-            return "failed", f"exit {returncode}: {_clip(found[-1])}"
-    found = [ln for ln in lines if "error" in ln.lower() and not LAUNCHER_LINE.search(ln)]
-    last = found[-1] if found else (lines[-1] if lines else "no output")
+    telling = (  # the most telling line first: ds_megatron's error line, an exception, any error, the last line
+        [ln for ln in lines if ERROR_LINE.search(ln)],
+        [ln for ln in lines if EXCEPTION_LINE.search(ln)],
+        [ln for ln in ours if "error" in ln.lower()],
+        lines,
+    )
+    last = next((found[-1] for found in telling if found), "no output")
     return "failed", f"exit {returncode}: {_clip(last)}"
 
 
@@ -185,10 +159,10 @@ def _clip(line: str) -> str:
 
 def read_metrics(path: Path, warmup_steps: int) -> tuple[list[float], float | None]:
     """(step times in s after the warm-up, in step order; the largest peak_mem_gb) from a metrics.jsonl."""
-    times: dict[int, float] = {}
-    peak = None
     if not path.exists():
         return [], None
+    times: dict[int, float] = {}
+    peak = None
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
@@ -219,18 +193,15 @@ def probe(result: SearchResult, e: Evaluation, index: int, options: EmpiricalOpt
     num_gpus = result.cluster.num_gpus
     cmd = [*launcher(), "--num_gpus", str(num_gpus), "--master_port", str(free_port())]
     cmd += [str(RECIPE), "--deepspeed_config", str(config_path)]
-    for item in split_sets(options)[1]:
-        cmd += ["--set", item]
+    cmd += [arg for item in split_sets(options)[1] for arg in ("--set", item)]
     log_path = run_dir / "output.log"
     returncode, duration = run_process(cmd, log_path, timeout_s, probe_env(options.device, num_gpus))
     times, peak = read_metrics(metrics, options.warmup)
-    out = ProbeResult("ok", None, None, times, peak, duration, str(run_dir), cmd, returncode)
     if returncode != 0:
-        output = log_path.read_text(errors="replace")[-20000:]
-        out.status, out.reason = failure_reason(returncode, output, timeout_s)
+        status, reason = failure_reason(returncode, log_path.read_text(errors="replace")[-20000:], timeout_s)
     elif len(times) < options.steps:
-        out.status = "failed"
-        out.reason = f"exit 0 but only {len(times)} of {options.steps} measured steps in {metrics}"
+        status, reason = "failed", f"exit 0 but only {len(times)} of {options.steps} measured steps in {metrics}"
     else:
-        out.step_s = statistics.median(times)
-    return out
+        status, reason = "ok", None
+    step_s = statistics.median(times) if status == "ok" else None
+    return ProbeResult(status, reason, step_s, times, peak, duration, str(run_dir), cmd, returncode)
