@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import resource
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,27 +28,10 @@ from ds_megatron.flops import block_fields
 from ds_megatron.generate import Decoder
 from ds_megatron.metrics import MetricsLogger, WandbRun, format_record, lookup_peak_tflops, throughput
 from ds_megatron.plot import read_records, write_loss_plot
+from ds_megatron.stop import StopFlag
 
 EXIT_BAD_DATA = 2
 EXIT_NUMERICS = 3  # stopped by the numerical guard
-
-
-class StopFlag:
-    """SIGTERM / SIGINT ask for a graceful stop: finish the current step, save, exit 0."""
-
-    def __init__(self):
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def agreed(self, device) -> bool:
-        """Collective: stop when any rank was asked to."""
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def peak_memory_gb() -> float:
@@ -139,7 +121,8 @@ class Trainer:
             self.log(step, record)
             self.maybe_save(step)
             if self.stop.agreed(self.built.engine.device):
-                self.logger.say(f"stop requested: saving at step {step} and exiting")
+                why = self.stop.reason or "by another rank"
+                self.logger.say(f"stop requested: saving at step {step} and exiting ({why})")
                 if self.last_saved != step:
                     self.save(step)
                 self.logger.close()

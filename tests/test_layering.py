@@ -30,6 +30,7 @@ LEVELS = {
     "preflight": 3.9,
     "engine": 4,
     "generate": 4,
+    "stop": 4.2,
     "trainer": 4.5,
     "cli": 5,
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -197,29 +198,98 @@ def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
     assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
 
 
-@pytest.mark.slow
-def test_sigterm_finishes_the_step_saves_and_exits_0(tmp_path):
-    ck = tmp_path / "ck"
-    proc = _launch_recipe(["--train-iters", "500", "--save", str(ck), *_common(tmp_path, "run")])
-    run_dir = tmp_path / "run"
-    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_losses(run_dir)) >= 3, proc)
-    for child in _workers(proc.pid):
-        os.kill(child, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert "stop requested: saving at step" in out
-    assert "exits with return code" not in out  # every worker exited 0
+def _tree(pid: int) -> list:
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _assert_stopped_and_saved(out: str, ck: Path, run_dir: Path, tree: list) -> None:
+    """Every worker saved after its current step and exited 0, and no process of the launch is left."""
+    import psutil
+
+    assert out.count("stop requested: saving at step") == 1, out[-3000:]
+    assert "exits with return code" not in out, out[-3000:]  # the launcher saw every worker exit 0
+    gone, alive = psutil.wait_procs(tree, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
     tag = (ck / "latest").read_text()
     step = int(tag.removeprefix("step"))
     assert (ck / tag / "manifest.json").exists() and 3 <= step < 500
     assert max(read_losses(run_dir)) == step
 
 
-def _workers(launcher_pid: int) -> list[int]:
-    import psutil
+@pytest.mark.slow
+def test_sigterm_to_the_deepspeed_command_saves_and_leaves_nothing_running(tmp_path):
+    """SIGTERM to the `deepspeed` command alone (what a user's kill sends): DeepSpeed's single-node runner dies without
+    passing it on, and the workers notice their launcher lost its parent, finish the step, save and exit 0."""
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    proc = _launch_recipe(["--train-iters", "500", "--save", str(ck), *_common(tmp_path, "run")])
+    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_losses(run_dir)) >= 3, proc)
+    try:
+        tree = _tree(proc.pid)
+        assert sum(p.cmdline()[1:3] == ["-u", "recipes/train_gpt.py"] for p in tree) == 2  # the workers
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)  # the pipe closes when the launcher and both workers have exited
+        _assert_stopped_and_saved(out, ck, run_dir, tree)
+    finally:  # whatever a failure left of the launch
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "(the deepspeed command" in out
 
-    return [
-        p.pid for p in psutil.Process(launcher_pid).children(recursive=True) if "train_gpt.py" in " ".join(p.cmdline())
+
+@pytest.mark.slow
+def test_sigint_to_one_nodes_deepspeed_command_stops_every_node(tmp_path):
+    """Two nodes of one process each, launched the way the README's clusters without ssh are (`--no_ssh`, one
+    `deepspeed` command per node): SIGINT to node 1's command stops both nodes after the same step, with one
+    checkpoint and nothing left running."""
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    launcher = Path(sys.executable).parent / "deepspeed"
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    common = [str(launcher), "--hostfile", str(hostfile), "--no_ssh", "--master_addr", "127.0.0.1"]
+    common += ["--master_port", str(_free_port())]
+    args = ["--deepspeed_config", TINY, "--train-iters", "500", "--save", str(ck), *_common(tmp_path, "run")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    procs = [
+        subprocess.Popen(
+            [*common, "--node_rank", str(i), "recipes/train_gpt.py", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for i in range(2)
     ]
+    try:
+        _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_losses(run_dir)) >= 3, procs[0])
+        trees = [_tree(p.pid) for p in procs]
+        os.kill(procs[1].pid, signal.SIGINT)
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:  # whatever a failure left of the launches
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    assert procs[0].returncode == 0, outs[0][-3000:]  # node 0's command was not signalled: it ends normally
+    _assert_stopped_and_saved(outs[0], ck, run_dir, trees[0] + trees[1])
+    assert "exits with return code" not in outs[1]
+
+
+def test_a_signal_to_a_worker_asks_for_a_stop():
+    from ds_megatron.stop import StopFlag
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        flag = StopFlag(watch_launcher=False)
+        assert not flag.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert flag.requested and flag.reason == "received SIGTERM"
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 @pytest.mark.slow
