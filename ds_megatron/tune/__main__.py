@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["inference"]:  # the serving half: python -m ds_megatron.tune inference ...
+        from ds_megatron.tune.inference_cli import main as inference_main
+
+        return inference_main(argv[1:])
     start = time.monotonic()
     try:
         return _run(build_parser().parse_args(argv), start)
