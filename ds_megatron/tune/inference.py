@@ -256,13 +256,9 @@ class InferenceResult:
         def beats(a: InferenceEvaluation, b: InferenceEvaluation) -> bool:
             at, bt = a.time, b.time
             no_worse = (
-                a.tokens_per_s_per_gpu >= b.tokens_per_s_per_gpu
-                and at.tpot_s <= bt.tpot_s
-                and at.ttft_s <= bt.ttft_s
+                a.tokens_per_s_per_gpu >= b.tokens_per_s_per_gpu and at.tpot_s <= bt.tpot_s and at.ttft_s <= bt.ttft_s
             )
-            better = (
-                a.tokens_per_s_per_gpu > b.tokens_per_s_per_gpu or at.tpot_s < bt.tpot_s or at.ttft_s < bt.ttft_s
-            )
+            better = a.tokens_per_s_per_gpu > b.tokens_per_s_per_gpu or at.tpot_s < bt.tpot_s or at.ttft_s < bt.ttft_s
             return no_worse and better
 
         return tuple(e for e in self.evaluations if not any(beats(o, e) for o in self.evaluations))

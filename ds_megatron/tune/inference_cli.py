@@ -97,7 +97,9 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ConfigError("--batch-sizes", "not a list of integers", repr(text), "pass e.g. --batch-sizes 1,8,64") from None
+        raise ConfigError(
+            "--batch-sizes", "not a list of integers", repr(text), "pass e.g. --batch-sizes 1,8,64"
+        ) from None
 
 
 def hf_model_shape(hf_dir: str, seq_length: int | None) -> ModelShape:
@@ -108,7 +110,9 @@ def hf_model_shape(hf_dir: str, seq_length: int | None) -> ModelShape:
     try:
         hf = json.loads(path.read_text())
     except ValueError as err:
-        raise ConfigError("--hf-dir", "config.json is not JSON", f"{path}: {err}", "pass an exported directory") from None
+        raise ConfigError(
+            "--hf-dir", "config.json is not JSON", f"{path}: {err}", "pass an exported directory"
+        ) from None
     family = hf.get("model_type")
     if family not in HF_FIELDS:
         raise ConfigError(
