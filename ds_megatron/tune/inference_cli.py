@@ -193,7 +193,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def _row(rank: int, e: InferenceEvaluation) -> list[str]:
