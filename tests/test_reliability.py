@@ -88,6 +88,13 @@ BAD = [
     ("recompute layers", ["--recompute", "full:3"], "ds_megatron.recompute.num_layers", "at most 2 per stage"),
     ("attention kernel", ["--set", "ds_megatron.model.attention=flash"], "ds_megatron.model.attention", "'flash'"),
     ("learning rate", ["--set", "optimizer.params.lr=0"], "optimizer.params.lr", "got 0"),
+    (
+        "non-finite learning rate",
+        ["--set", "optimizer.params.lr=NaN"],
+        "optimizer.params.lr",
+        "finite number (got nan)",
+    ),
+    ("non-finite clipping", ["--set", "gradient_clipping=Infinity"], "gradient_clipping", "finite number (got inf)"),
     ("batch size", ["--set", "train_micro_batch_size_per_gpu=-1"], "train_micro_batch_size_per_gpu", "-1"),
     ("step count", ["--train-iters", "0"], "ds_megatron.train.train_iters", "got 0"),
 ]

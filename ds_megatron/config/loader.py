@@ -14,6 +14,7 @@ from typing import Any
 
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.facts import zero_stage
+from ds_megatron.config.numbers import check_finite_config
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
     DEFAULT_SELECTIVE_MODULES,
@@ -174,6 +175,7 @@ def resolve_batch(ds_config: dict, dp: int) -> tuple[int, int, int]:
 
 def resolve(ds_config: dict, world_size: int) -> RunConfig:
     """Validate a full DeepSpeed config (with our section) for ``world_size`` processes."""
+    check_finite_config(ds_config)
     section = parse_section(ds_config.get(SECTION))
     shape = resolve_shape(section.model)
     par = section.parallel
