@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ds_megatron.config import ConfigError, RunConfig, check_tokenizer, effective_tokenizer, resolve
+from ds_megatron.config import ConfigError, RunConfig, check_text_settings, effective_tokenizer, resolve
 from ds_megatron.config.facts import needs_resharding, precision, saved_layout
 from ds_megatron.config.shape import SHAPE_FIELDS
 
@@ -22,8 +22,11 @@ SHAPE_KEYS = ("family", *SHAPE_FIELDS, "vocab_size", "seq_length", "max_position
 
 def check_run(run: RunConfig) -> None:
     """All file-level checks of a resolved run."""
+    from ds_megatron.data.prepared import reads_prepared
+
     check_data(run)
-    check_tokenizer_files(run)
+    if not reads_prepared(run.section.data):  # prepared data brings its own tokenizer, checked by check_data
+        check_tokenizer_files(run)
     init = run.section.checkpoint.init_from_hf
     if init is not None:
         check_init_from_hf(run, Path(init))
@@ -164,9 +167,10 @@ def check_blend(run: RunConfig) -> None:
 
 
 def check_tokenizer_files(run: RunConfig) -> None:
-    """``bpe:N`` or a directory; a directory's tokenizer must fit the model's vocabulary."""
+    """The settings of text tokenised in the launch; ``bpe:N`` or a directory, whose tokenizer must fit the model's
+    vocabulary."""
+    check_text_settings(run)
     spec = effective_tokenizer(run)
-    check_tokenizer(spec, run.model.vocab_size)
     if spec.startswith("bpe:"):
         return
     from transformers import AutoTokenizer

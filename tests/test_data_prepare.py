@@ -221,3 +221,37 @@ def test_a_changed_corpus_is_refused_not_mixed(tmp_path, tok_dir):
     os.utime(tmp_path / "corpus" / "part0.jsonl", ns=(1, 1))
     with pytest.raises(ConfigError, match="holds another preparation"):
         run_prepare(data, tok_dir, tmp_path / "out", progress=False)
+
+
+# Settings a prepared directory ignores (it brings its own tokenizer and validation split): (flags, the line the same
+# settings give for raw text, where they apply).
+IGNORED_WITH_PREPARED = [
+    ([], "error: ds_megatron.data.tokenizer: tokenizer vocabulary larger than the model's (bpe:1024 > vocab_size 512)"),
+    (["--tokenizer", "bpe:12"], "error: ds_megatron.data.tokenizer: bpe size must be an integer >= 260"),
+    (["--tokenizer", "/no/such/tokenizer"], "error: ds_megatron.data.tokenizer: not a directory nor bpe:N"),
+    (
+        ["--tokenizer", "bpe:512", "--set", "ds_megatron.data.valid_fraction=0.7"],
+        "error: ds_megatron.data.valid_fraction: must be in (0, 0.5)",
+    ),
+]
+
+
+def test_settings_a_prepared_directory_ignores_are_not_refused(tmp_path, tok_dir, monkeypatch):
+    """gpt_tiny.json sets data.tokenizer bpe:1024; with model.vocab_size 512 and a prepared directory of a 300-token
+    tokenizer, the directory's tokenizer is what must fit: pre-flight passes, for a directory and for a blend, while
+    raw text with the same settings is still refused."""
+    from ds_megatron.cli.train import validate
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = write_corpus(tmp_path / "corpus", docs=12)
+    run_prepare(data, tok_dir, tmp_path / "out", progress=False)
+    base = ["--deepspeed_config", str(Path(__file__).parent.parent / "ds_configs" / "gpt_tiny.json"), "--tp", "1"]
+    base += ["--pp", "1", "--set", "ds_megatron.model.vocab_size=512"]
+    blend = f'ds_megatron.data.blend=[["{tmp_path / "out"}", 1.0]]'
+    for flags, raw_text_error in IGNORED_WITH_PREPARED:
+        _, run = validate([*base, *flags, "--data", str(tmp_path / "out")])
+        assert run.model.vocab_size == 512
+        validate([*base, *flags, "--set", blend])
+        with pytest.raises(ConfigError) as err:
+            validate([*base, *flags, "--data", data])
+        assert str(err.value).startswith(raw_text_error), err.value

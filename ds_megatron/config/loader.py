@@ -301,15 +301,8 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             "set e.g. 0.8",
         )
     check_counts(section)
-    if section.data.tokenizer is not None:
-        check_tokenizer(section.data.tokenizer, shape.vocab_size)
-    if not 0.0 < section.data.valid_fraction < 0.5:
-        raise ConfigError(
-            "ds_megatron.data.valid_fraction",
-            "must be in (0, 0.5)",
-            f"got {section.data.valid_fraction}",
-            "set e.g. 0.02",
-        )
+    # data.tokenizer and data.valid_fraction apply to text tokenised in the launch only: pre-flight checks them
+    # (check_text_settings) once it knows the data is not a prepared directory, which brings its own.
     check_data_section(section.data)
     if ds_config.get("activation_checkpointing") or (ds_config.get("pipeline") or {}).get(
         "activation_checkpoint_interval"
@@ -442,6 +435,16 @@ def hf_config_unused(data: DataSection) -> ConfigError:
 def effective_tokenizer(run: RunConfig) -> str:
     """The tokenizer spec a run uses: the configured one, else a byte-level BPE of the model's vocabulary size."""
     return run.section.data.tokenizer or f"bpe:{run.model.vocab_size}"
+
+
+def check_text_settings(run: RunConfig) -> None:
+    """The settings of text tokenised in the launch (the built-in corpus, local files, a Hugging Face dataset): the
+    tokenizer spec fits the model and ``valid_fraction`` is in (0, 0.5).  A prepared directory or a blend brings its
+    own tokenizer and validation split and ignores both, so pre-flight calls this for raw text only."""
+    check_tokenizer(effective_tokenizer(run), run.model.vocab_size)
+    fraction = run.section.data.valid_fraction
+    if not 0.0 < fraction < 0.5:
+        raise ConfigError("ds_megatron.data.valid_fraction", "must be in (0, 0.5)", f"got {fraction}", "set e.g. 0.02")
 
 
 def check_tokenizer(spec: str, vocab_size: int) -> None:
