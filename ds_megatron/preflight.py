@@ -71,6 +71,7 @@ def check_data(run: RunConfig) -> None:
                 "ds_megatron.data.path", "the dataset is empty", f"{len(files)} file(s) of 0 bytes", "add some text"
             )
         check_inlaunch_size(run, files)
+        check_text_encoding(run, files)
         return
     from ds_megatron.data.hub import check_hub_dataset
 
@@ -108,6 +109,23 @@ def check_inlaunch_size(run: RunConfig, files: list[str]) -> None:
             f"{total / 1e9:.2f} GB in {len(files)} file(s) > data.max_inlaunch_bytes {limit / 1e9:.2f} GB",
             f"prepare it first with `{command}`, then pass --data {out}",
         )
+
+
+def check_text_encoding(run: RunConfig, files: list[str]) -> None:
+    """Local text the launch will tokenise is UTF-8 (datasets' readers stop at a bad byte with a traceback, after the
+    run directory exists).  Read by one process per node (a failure exits it, and the launcher stops the others),
+    at most data.max_inlaunch_bytes (checked before), and only when the launch will read the text: a packed cache
+    already built from these very files (names, sizes and times in its launch record) means they decoded then."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    from ds_megatron.data.corpus import launch_record
+    from ds_megatron.data.sources import UTF8_SUFFIXES, check_utf8_file
+
+    if launch_record(run).is_file():
+        return
+    for f in files:
+        if os.path.splitext(f)[1] in UTF8_SUFFIXES:
+            check_utf8_file(f, "ds_megatron.data.path")
 
 
 def check_prepared_dir(run: RunConfig, directory: str, setting: str) -> dict:

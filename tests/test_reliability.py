@@ -74,6 +74,8 @@ BAD = [
     ("bf16 and fp16", ["--set", 'bf16={"enabled": true}', "--set", 'fp16={"enabled": true}'], "bf16.enabled", "both"),
     ("data missing", ["--data", "/nonexistent/*.txt"], "ds_megatron.data.path", "no file matches"),
     ("dataset empty", "EMPTY", "ds_megatron.data.path", "empty"),
+    ("text not UTF-8", "LATIN1", "ds_megatron.data.path", "latin1.txt at byte 3: invalid continuation byte)"),
+    ("binary file as text", "BINARY", "ds_megatron.data.path", "blob.jsonl at byte 0: invalid start byte)"),
     ("tokenizer too big", ["--tokenizer", "bpe:5000"], "ds_megatron.data.tokenizer", "bpe:5000 > vocab_size 1024"),
     (
         "sequence above positions",
@@ -117,6 +119,12 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, name, args, setting
         if args == "EMPTY":
             (tmp_path / "empty.txt").write_text("")
             args = ["--data", str(tmp_path / "empty.txt")]
+        elif args == "LATIN1":  # a Latin-1 corpus: tokenising it in the launch stopped with a traceback
+            (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+            args = ["--data", str(tmp_path / "latin1.txt")]
+        elif args == "BINARY":
+            (tmp_path / "blob.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+            args = ["--data", str(tmp_path / "blob.jsonl")]
         elif args == "NOCKPT":
             (tmp_path / "ck").mkdir()
             args = ["--load", str(tmp_path / "ck")]
