@@ -5,7 +5,8 @@
     python -m ds_megatron.data verify corpus.prepared        # sizes and sha256 of every file against the manifest
 
 Then train with ``--data corpus.prepared``.  Rerunning an interrupted ``prepare`` resumes it.  Exit status: 0 done,
-2 bad input (one ``error: ...`` line), 130 interrupted (complete shards are kept).
+2 bad input (one ``error: ...`` line; nothing is left unless shards were complete, and those are kept), 130
+interrupted (complete shards are kept).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@
 4. Pending chunks go to ``num_proc`` worker processes (``spawn``: no thread pool or tokenizer state inherited), each
    reading its chunk a batch of documents at a time and writing one shard.  The main process writes the manifest
    after every finished shard and draws the progress bar (input bytes, tokens/s).
+5. Bad input found only while reading (a bad line or byte deep in a file) leaves nothing when no shard is complete,
+   and otherwise keeps the complete shards, resumable (``_after_bad_input``); an interrupt keeps everything.
 """
 
 from __future__ import annotations
