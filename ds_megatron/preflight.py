@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ds_megatron.config import ConfigError, RunConfig, check_tokenizer, effective_tokenizer, resolve
+from ds_megatron.config import ConfigError, RunConfig, check_text_settings, effective_tokenizer, resolve
 from ds_megatron.config.facts import needs_resharding, precision, saved_layout
 from ds_megatron.config.shape import SHAPE_FIELDS
 
@@ -22,8 +22,11 @@ SHAPE_KEYS = ("family", *SHAPE_FIELDS, "vocab_size", "seq_length", "max_position
 
 def check_run(run: RunConfig) -> None:
     """All file-level checks of a resolved run."""
+    from ds_megatron.data.prepared import reads_prepared
+
     check_data(run)
-    check_tokenizer_files(run)
+    if not reads_prepared(run.section.data):  # prepared data brings its own tokenizer, checked by check_data
+        check_tokenizer_files(run)
     init = run.section.checkpoint.init_from_hf
     if init is not None:
         check_init_from_hf(run, Path(init))
@@ -68,6 +71,7 @@ def check_data(run: RunConfig) -> None:
                 "ds_megatron.data.path", "the dataset is empty", f"{len(files)} file(s) of 0 bytes", "add some text"
             )
         check_inlaunch_size(run, files)
+        check_text_encoding(run, files)
         return
     from ds_megatron.data.hub import check_hub_dataset
 
@@ -105,6 +109,23 @@ def check_inlaunch_size(run: RunConfig, files: list[str]) -> None:
             f"{total / 1e9:.2f} GB in {len(files)} file(s) > data.max_inlaunch_bytes {limit / 1e9:.2f} GB",
             f"prepare it first with `{command}`, then pass --data {out}",
         )
+
+
+def check_text_encoding(run: RunConfig, files: list[str]) -> None:
+    """Local text the launch will tokenise is UTF-8 (datasets' readers stop at a bad byte with a traceback, after the
+    run directory exists).  Read by one process per node (a failure exits it, and the launcher stops the others),
+    at most data.max_inlaunch_bytes (checked before), and only when the launch will read the text: a packed cache
+    already built from these very files (names, sizes and times in its launch record) means they decoded then."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    from ds_megatron.data.corpus import launch_record
+    from ds_megatron.data.sources import UTF8_SUFFIXES, check_utf8_file
+
+    if launch_record(run).is_file():
+        return
+    for f in files:
+        if os.path.splitext(f)[1] in UTF8_SUFFIXES:
+            check_utf8_file(f, "ds_megatron.data.path")
 
 
 def check_prepared_dir(run: RunConfig, directory: str, setting: str) -> dict:
@@ -164,9 +185,10 @@ def check_blend(run: RunConfig) -> None:
 
 
 def check_tokenizer_files(run: RunConfig) -> None:
-    """``bpe:N`` or a directory; a directory's tokenizer must fit the model's vocabulary."""
+    """The settings of text tokenised in the launch; ``bpe:N`` or a directory, whose tokenizer must fit the model's
+    vocabulary."""
+    check_text_settings(run)
     spec = effective_tokenizer(run)
-    check_tokenizer(spec, run.model.vocab_size)
     if spec.startswith("bpe:"):
         return
     from transformers import AutoTokenizer

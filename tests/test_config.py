@@ -4,6 +4,7 @@ raised by pure validation (no process group, nothing written)."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -114,6 +115,16 @@ BAD = [
         ["-1.0"],
     ),
     ("non-positive steps", with_changes(ds_megatron__train__train_iters=0), "ds_megatron.train.train_iters", ["0"]),
+    (
+        "odd llama head dimension",  # the rotary embedding turns a head's dimensions in pairs
+        with_changes(
+            ds_megatron__model__family="llama",
+            ds_megatron__model__hidden_size=60,
+            ds_megatron__model__intermediate_size=160,
+        ),
+        "ds_megatron.model.hidden_size",
+        ["head dimension must be even for the rotary embedding", "hidden_size=60 / num_heads=4 = 15", "hidden_size 64"],
+    ),
 ]
 
 
@@ -163,3 +174,45 @@ def test_config_error_keeps_its_parts_across_processes():
     back = pickle.loads(pickle.dumps(err))
     assert str(back) == "error: --data: invalid JSON in a.jsonl at byte 7 (Expecting value); fix or remove that line"
     assert (back.setting, back.problem, back.values, back.fix) == (err.setting, err.problem, err.values, err.fix)
+
+
+# Every kind of place a number sits in a config: DeepSpeed's own keys (optimizer params, a list inside them, clipping,
+# scheduler params, a section ds_megatron never reads), and ours (model, train, data, logging, a blend's weight).
+# (the path an error names, the key set, how the number sits under that key)
+NUMBERS = [
+    ("optimizer.params.lr", "optimizer", lambda x: {"type": "AdamW", "params": {"lr": x}}),
+    ("optimizer.params.betas[1]", "optimizer", lambda x: {"type": "AdamW", "params": {"betas": [0.9, x]}}),
+    ("gradient_clipping", "gradient_clipping", lambda x: x),
+    (
+        "scheduler.params.warmup_max_lr",
+        "scheduler",
+        lambda x: {"type": "WarmupCosineLR", "params": {"warmup_max_lr": x}},
+    ),
+    ("fp16.loss_scale", "fp16", lambda x: {"enabled": False, "loss_scale": x}),
+    ("ds_megatron.model.dropout", "ds_megatron.model.dropout", lambda x: x),
+    ("ds_megatron.model.layer_norm_epsilon", "ds_megatron.model.layer_norm_epsilon", lambda x: x),
+    ("ds_megatron.train.sample_temperature", "ds_megatron.train.sample_temperature", lambda x: x),
+    ("ds_megatron.data.valid_fraction", "ds_megatron.data.valid_fraction", lambda x: x),
+    ("ds_megatron.logging.peak_tflops", "ds_megatron.logging.peak_tflops", lambda x: x),
+    ("ds_megatron.data.blend[0][1]", "ds_megatron.data.blend", lambda x: [["a.prepared", x]]),
+]
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("path,key,wrap", NUMBERS, ids=[n[0] for n in NUMBERS])
+def test_every_number_must_be_finite(path, key, wrap, literal):
+    """Python's json reads NaN and Infinity; a NaN passes every check written as a comparison (``lr <= 0`` is false)
+    and fails inside torch once the engine is built.  Any non-finite number, wherever it sits, is one line."""
+    value = json.loads(literal)
+    cfg = copy.deepcopy(BASE)
+    *parents, leaf = key.split(".")
+    node = cfg
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = wrap(value)
+    with pytest.raises(ConfigError) as err:
+        resolve(cfg, 8)
+    assert str(err.value) == (
+        f"error: {path}: must be a finite number (got {value}); write a finite number (NaN and Infinity are not "
+        "values a run can use)"
+    )

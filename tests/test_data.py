@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -116,3 +118,47 @@ def test_a_directory_stands_for_the_text_files_under_it(tmp_path):
     (tmp_path / "a.txt").write_text("first")
     (tmp_path / "notes.md").write_text("not a corpus file")
     assert load_documents(str(tmp_path))["text"] == ["first", "second", "third"]
+
+
+def test_utf8_check_names_the_first_bad_byte_across_read_blocks(tmp_path, monkeypatch):
+    """Read a block at a time: a character cut by a block's end is carried over, and the offset is the file's."""
+    from ds_megatron.data import sources
+
+    text = "na\u00efve caf\u00e9 \u20ac \U0001f600 " * 40  # 2-, 3- and 4-byte characters at every block offset
+    good = tmp_path / "good.txt"
+    good.write_bytes(text.encode())
+    for block in (1, 2, 3, 5, 7, 1 << 24):
+        monkeypatch.setattr(sources, "UTF8_BLOCK", block)
+        sources.check_utf8_file(str(good), "ds_megatron.data.path")
+        for bad, offset in ((text.encode() + b"\xff tail", len(text.encode())), (b"abc\xe2\x82", 3)):
+            (tmp_path / "bad.txt").write_bytes(bad)
+            with pytest.raises(ConfigError) as err:
+                sources.check_utf8_file(str(tmp_path / "bad.txt"), "ds_megatron.data.path")
+            assert str(err.value).startswith(
+                f"error: ds_megatron.data.path: not UTF-8 text ({tmp_path / 'bad.txt'} at byte {offset}: "
+            ), (block, err.value)
+
+
+def test_launch_text_is_checked_once_per_node_and_not_when_its_cache_is_built(tmp_path, monkeypatch):
+    """Pre-flight reads text for its encoding on a node's first process only, and not at all when the launch will
+    not read it (a packed cache built from these very files); that is what bounds the second read."""
+    import json
+
+    from ds_megatron.config import resolve
+    from ds_megatron.data.corpus import launch_record
+    from ds_megatron.preflight import check_data
+
+    (tmp_path / "a.txt").write_bytes(b"fine text \xe9")
+    cfg = json.loads((Path(__file__).resolve().parent.parent / "ds_configs" / "gpt_tiny.json").read_text())
+    cfg["ds_megatron"]["parallel"] = {"tp": 1, "pp": 1}
+    cfg["ds_megatron"]["data"] = {"path": str(tmp_path / "a.txt"), "cache_dir": str(tmp_path / "cache")}
+    run = resolve(cfg, 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ConfigError, match="not UTF-8 text .*a.txt at byte 10: "):
+        check_data(run)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    check_data(run)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    launch_record(run).parent.mkdir(parents=True)
+    launch_record(run).write_text("{}")
+    check_data(run)

@@ -202,7 +202,7 @@ def test_a_dataset_with_configurations_passes_pre_flight_with_hf_config(tmp_path
 def test_the_in_launch_loader_reads_the_configuration_asked_for(tmp_path, offline_cache):
     """A real ``datasets.load_dataset(path, name=hf_config)``, from the offline cache: each configuration its own
     text, and the launch's cache key tells them apart."""
-    from ds_megatron.data.prepare import inputs_key
+    from ds_megatron.data.corpus import inputs_key
 
     rows = {c: [{"text": f"a document of {c}"}, {"text": "another"}] for c in WIKITEXT}
     cache_dataset(offline_cache, "wikitext", WIKITEXT, rows)

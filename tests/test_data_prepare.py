@@ -185,8 +185,8 @@ def test_cli_prepare_then_verify(tmp_path, tok_dir, capsys):
 def _bad_inputs(tmp: Path, tok_dir: Path) -> list[tuple[list[str], str]]:
     good = write_corpus(tmp / "corpus", docs=4)
     (tmp / "broken.jsonl").write_text('{"text": broken\n{"text": "fine"}\n')  # found before any work starts
-    (tmp / "late.jsonl").write_text('{"text": "fine"}\n{"text": broken\n')  # found while tokenising
     (tmp / "other.jsonl").write_text('{"body": "no text field"}\n')
+    (tmp / "binary.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")  # a file passed by mistake
     (tmp / "taken").mkdir()
     (tmp / "taken" / "notes.txt").write_text("someone's files")
     common = ["--tokenizer", str(tok_dir), "--out", str(tmp / "o")]
@@ -194,11 +194,12 @@ def _bad_inputs(tmp: Path, tok_dir: Path) -> list[tuple[list[str], str]]:
         (["--data", str(tmp / "nothing*.jsonl"), *common], "error: --data: no file matches"),
         (["--data", str(tmp / "other.jsonl"), *common], "error: --text-field: no field 'text' in"),
         (["--data", str(tmp / "broken.jsonl"), *common], "error: --data: invalid JSON in"),
-        (["--data", str(tmp / "late.jsonl"), *common[:-1], str(tmp / "o2")], "error: --data: invalid JSON in"),
+        (["--data", str(tmp / "binary.jsonl"), *common], "error: --data: not UTF-8 text (" + str(tmp / "binary.jsonl")),
         (["--data", good, "--tokenizer", "bpe:12", "--out", str(tmp / "o")], "error: --tokenizer: bpe size"),
         (["--data", good, "--tokenizer", str(tmp / "none"), "--out", str(tmp / "o")], "error: --tokenizer: not a dir"),
         (["--data", good, *common, "--num-proc", "0"], "error: --num-proc: must be at least 1"),
         (["--data", good, *common, "--valid-fraction", "0.7"], "error: --valid-fraction: must be in (0, 0.5)"),
+        (["--data", good, *common, "--chunk-mb", "nan"], "error: --chunk-mb: must be a finite number (got nan)"),
         (["--data", good, "--tokenizer", str(tok_dir), "--out", str(tmp / "taken")], "error: --out: "),
     ]
 
@@ -209,8 +210,66 @@ def test_bad_inputs_one_line_exit_2(tmp_path, tok_dir, capsys):
         assert main(["prepare", *args, "--no-progress"]) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(expected) and ";" in err[0], (args, err)
-    assert not (tmp_path / "o" / "manifest.json").exists()
+    assert not (tmp_path / "o").exists()
     assert (tmp_path / "taken" / "notes.txt").read_text() == "someone's files"  # never overwritten
+
+
+# Bad input that only reading the whole corpus finds (so after the output directory exists): (file name, its bytes,
+# the line's start).  Each is found by the main process (a .txt or .json file, or training a BPE) or by a worker.
+LATE_BAD_INPUTS = [
+    ("late.jsonl", b'{"text": "fine"}\n{"text": broken\n', "error: --data: invalid JSON in {f} at byte 17 ("),
+    ("null.jsonl", b'{"text": "fine"}\n{"text": null}\n', "error: --text-field: 'text' is not text in {f} at byte 17"),
+    ("number.jsonl", b'{"text": "fine"}\n{"text": 5}\n', "error: --text-field: 'text' is not text in {f} at byte 17"),
+    ("blank.jsonl", b'{"text": ""}\n{"text": ""}\n', "error: --data: the corpus has no tokens ({f}); point it"),
+    ("latin1.jsonl", b'{"text": "fine"}\n{"text": "caf\xe9"}\n', "error: --data: not UTF-8 text ({f} at byte 30: "),
+    ("latin1.txt", "caf\u00e9 cr\u00e8me".encode("latin-1"), "error: --data: not UTF-8 text ({f} at byte 3: invalid"),
+    ("array.json", b'[{"text": "ok"}, {"text": "\xff"}]', "error: --data: not UTF-8 text ({f} at byte 27: invalid"),
+    ("broken.json", b'[{"text": "ok"},\n {"text": }]', "error: --data: invalid JSON in {f} (Expecting value at line 2"),
+]
+
+
+@pytest.mark.parametrize("tokenizer", ["dir", "bpe:300"])
+def test_bad_input_found_while_tokenising_leaves_nothing(tmp_path, tok_dir, capsys, tokenizer):
+    """No complete shard: no directory is left (or an existing empty one is left empty), so that the rerun with the
+    fixed input is not refused as a directory "holding another preparation"."""
+    spec = str(tok_dir) if tokenizer == "dir" else tokenizer
+    for i, (name, content, expected) in enumerate(LATE_BAD_INPUTS):
+        path = tmp_path / name
+        path.write_bytes(content)
+        out = tmp_path / f"o{i}" / "nested"
+        if i % 2:  # a directory that exists, empty, before prepare runs
+            out.mkdir(parents=True)
+        capsys.readouterr()
+        assert main(["prepare", "--data", str(path), "--tokenizer", spec, "--out", str(out), "--no-progress"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()  # with bpe:N, "training a byte-level BPE ..." first
+        err = [line for line in lines if line.startswith("error")]
+        assert len(err) == 1 and lines[-1] == err[0] and err[0].startswith(expected.format(f=path)), (name, lines)
+        if i % 2:
+            assert err[0].endswith(f"then rerun (nothing is left in {out})") and list(out.iterdir()) == [], err
+        else:
+            assert err[0].endswith(f"then rerun ({out} is removed)") and not (tmp_path / f"o{i}").exists(), err
+    path = tmp_path / "late.jsonl"
+    path.write_text("".join(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(20)))  # fixed
+    assert main(["prepare", "--data", str(path), "--tokenizer", spec, "--out", str(tmp_path / "o0" / "nested")]) == 0
+
+
+def test_bad_input_after_complete_shards_keeps_them_resumable(tmp_path, tok_dir, capsys):
+    """Shards already complete stay (as after an interrupt), in two worker processes too; the line says so."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"text": f"good text {i} " * 40}) + "\n" for i in range(30)))
+    (corpus / "b.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    out = tmp_path / "out"
+    args = ["prepare", "--data", str(corpus), "--tokenizer", str(tok_dir), "--out", str(out), "--no-progress"]
+    assert main([*args, "--chunk-mb", "0.004", "--num-proc", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    kept = read_manifest(out)["shards"]
+    assert len(err) == 1 and err[0].startswith(f"error: --data: not UTF-8 text ({corpus / 'b.jsonl'} at byte 30"), err
+    assert err[0].endswith(
+        f"({out} keeps its {len(kept)} complete shard(s), and the same command resumes from them; after changing the "
+        f"input, delete {out} or pass a new --out)"
+    )
+    assert kept and check_prepared(out)[0] == "the prepared directory is incomplete"
 
 
 def test_a_changed_corpus_is_refused_not_mixed(tmp_path, tok_dir):
@@ -221,3 +280,37 @@ def test_a_changed_corpus_is_refused_not_mixed(tmp_path, tok_dir):
     os.utime(tmp_path / "corpus" / "part0.jsonl", ns=(1, 1))
     with pytest.raises(ConfigError, match="holds another preparation"):
         run_prepare(data, tok_dir, tmp_path / "out", progress=False)
+
+
+# Settings a prepared directory ignores (it brings its own tokenizer and validation split): (flags, the line the same
+# settings give for raw text, where they apply).
+IGNORED_WITH_PREPARED = [
+    ([], "error: ds_megatron.data.tokenizer: tokenizer vocabulary larger than the model's (bpe:1024 > vocab_size 512)"),
+    (["--tokenizer", "bpe:12"], "error: ds_megatron.data.tokenizer: bpe size must be an integer >= 260"),
+    (["--tokenizer", "/no/such/tokenizer"], "error: ds_megatron.data.tokenizer: not a directory nor bpe:N"),
+    (
+        ["--tokenizer", "bpe:512", "--set", "ds_megatron.data.valid_fraction=0.7"],
+        "error: ds_megatron.data.valid_fraction: must be in (0, 0.5)",
+    ),
+]
+
+
+def test_settings_a_prepared_directory_ignores_are_not_refused(tmp_path, tok_dir, monkeypatch):
+    """gpt_tiny.json sets data.tokenizer bpe:1024; with model.vocab_size 512 and a prepared directory of a 300-token
+    tokenizer, the directory's tokenizer is what must fit: pre-flight passes, for a directory and for a blend, while
+    raw text with the same settings is still refused."""
+    from ds_megatron.cli.train import validate
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = write_corpus(tmp_path / "corpus", docs=12)
+    run_prepare(data, tok_dir, tmp_path / "out", progress=False)
+    base = ["--deepspeed_config", str(Path(__file__).parent.parent / "ds_configs" / "gpt_tiny.json"), "--tp", "1"]
+    base += ["--pp", "1", "--set", "ds_megatron.model.vocab_size=512"]
+    blend = f'ds_megatron.data.blend=[["{tmp_path / "out"}", 1.0]]'
+    for flags, raw_text_error in IGNORED_WITH_PREPARED:
+        _, run = validate([*base, *flags, "--data", str(tmp_path / "out")])
+        assert run.model.vocab_size == 512
+        validate([*base, *flags, "--set", blend])
+        with pytest.raises(ConfigError) as err:
+            validate([*base, *flags, "--data", data])
+        assert str(err.value).startswith(raw_text_error), err.value

@@ -75,6 +75,8 @@ BAD = [
     ("bf16 and fp16", ["--set", 'bf16={"enabled": true}', "--set", 'fp16={"enabled": true}'], "bf16.enabled", "both"),
     ("data missing", ["--data", "/nonexistent/*.txt"], "ds_megatron.data.path", "no file matches"),
     ("dataset empty", "EMPTY", "ds_megatron.data.path", "empty"),
+    ("text not UTF-8", "LATIN1", "ds_megatron.data.path", "latin1.txt at byte 3: invalid continuation byte)"),
+    ("binary file as text", "BINARY", "ds_megatron.data.path", "blob.jsonl at byte 0: invalid start byte)"),
     ("tokenizer too big", ["--tokenizer", "bpe:5000"], "ds_megatron.data.tokenizer", "bpe:5000 > vocab_size 1024"),
     (
         "sequence above positions",
@@ -89,6 +91,13 @@ BAD = [
     ("recompute layers", ["--recompute", "full:3"], "ds_megatron.recompute.num_layers", "at most 2 per stage"),
     ("attention kernel", ["--set", "ds_megatron.model.attention=flash"], "ds_megatron.model.attention", "'flash'"),
     ("learning rate", ["--set", "optimizer.params.lr=0"], "optimizer.params.lr", "got 0"),
+    (
+        "non-finite learning rate",
+        ["--set", "optimizer.params.lr=NaN"],
+        "optimizer.params.lr",
+        "finite number (got nan)",
+    ),
+    ("non-finite clipping", ["--set", "gradient_clipping=Infinity"], "gradient_clipping", "finite number (got inf)"),
     ("batch size", ["--set", "train_micro_batch_size_per_gpu=-1"], "train_micro_batch_size_per_gpu", "-1"),
     ("step count", ["--train-iters", "0"], "ds_megatron.train.train_iters", "got 0"),
 ]
@@ -111,6 +120,12 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, name, args, setting
         if args == "EMPTY":
             (tmp_path / "empty.txt").write_text("")
             args = ["--data", str(tmp_path / "empty.txt")]
+        elif args == "LATIN1":  # a Latin-1 corpus: tokenising it in the launch stopped with a traceback
+            (tmp_path / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
+            args = ["--data", str(tmp_path / "latin1.txt")]
+        elif args == "BINARY":
+            (tmp_path / "blob.jsonl").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+            args = ["--data", str(tmp_path / "blob.jsonl")]
         elif args == "NOCKPT":
             (tmp_path / "ck").mkdir()
             args = ["--load", str(tmp_path / "ck")]

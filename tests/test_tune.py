@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from ds_megatron.config import ModelShape, resolve
+from ds_megatron.config import ConfigError, ModelShape, resolve
+from ds_megatron.config.numbers import finite_float
 from ds_megatron.tune import (
     Candidate,
     Cluster,
     Measurement,
     Pins,
+    build_cluster,
     build_model_shape,
     calibrate,
     search,
@@ -26,7 +28,7 @@ from ds_megatron.tune import (
     step_time,
     total_param_count,
 )
-from ds_megatron.tune.__main__ import main
+from ds_megatron.tune.__main__ import FLAGS, main
 from ds_megatron.tune.memory_model import (
     GIB,
     layer_activation_bytes,
@@ -304,6 +306,64 @@ def test_bad_input_exits_2_with_one_line(capsys, args, expected):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), captured.err
     assert captured.out == ""
+
+
+FLOAT_FLAGS = [flag for rows in FLAGS.values() for flag, options, _ in rows if options.get("type") is finite_float]
+
+
+def test_every_float_flag_refuses_nan_and_infinity(capsys):
+    """A NaN passes every range check written as a comparison (``nan <= 0`` is false) and an infinite memory makes
+    everything fit: each float flag refuses them as it is parsed, and the Python API's cluster check too."""
+    assert len(FLOAT_FLAGS) >= 10 and "--gpu-memory-gb" in FLOAT_FLAGS and "--step-overhead-s" in FLOAT_FLAGS
+    for flag in FLOAT_FLAGS:
+        for text in ("nan", "inf", "-inf", "NaN", "Infinity"):
+            assert main([*ARGS_175B, f"{flag}={text}"]) == 2, (flag, text)
+            captured = capsys.readouterr()
+            lines = captured.err.strip().splitlines()
+            expected = f"error: command line: argument {flag}: must be a finite number, got {text!r}"
+            assert len(lines) == 1 and lines[0].startswith(expected) and captured.out == "", captured.err
+    for field, flag in (("gpu_memory_gb", "--gpu-memory-gb"), ("step_overhead_s", "--step-overhead-s")):
+        for value in (math.nan, math.inf):
+            cluster = build_cluster("a100-80gb", 8, 8, **{field: value})
+            with pytest.raises(ConfigError, match=f"^error: {flag}: must be a finite number"):
+                search(GPT3_175B, cluster, 64)
+
+
+TINY_ARGS = [
+    "--model",
+    "gpt-tiny",
+    "--vocab",
+    "1024",
+    "--seq-length",
+    "128",
+    "--global-batch-size",
+    "16",
+    "--gpus",
+    "4",
+]
+
+
+@pytest.mark.parametrize("flag", ["--write-config", "--json"])
+def test_output_files_are_never_replaced_without_force(tmp_path, capsys, flag):
+    """An existing file is refused unless --force, a missing directory (or a directory as the file) is refused, all
+    before any work: one line, exit 2, nothing printed, nothing written."""
+    path = tmp_path / "out.json"
+    path.write_text("someone's file")
+    missing = tmp_path / "no" / "such"
+    for target, expected in (
+        (path, f"error: {flag}: the file exists ({path}); pass --force"),
+        (missing / "out.json", f"error: {flag}: the directory does not exist ({missing} for {missing / 'out.json'})"),
+        (tmp_path, f"error: {flag}: is a directory ({tmp_path})"),
+    ):
+        assert main([*TINY_ARGS, flag, str(target)]) == 2
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(expected) and captured.out == "", captured.err
+    assert path.read_text() == "someone's file" and not (tmp_path / "no").exists()
+    assert main([*TINY_ARGS, flag, str(path), "--force"]) == 0
+    assert json.loads(path.read_text()) and f"to {path}" in capsys.readouterr().out
+    assert main([*TINY_ARGS, "--json", str(path), "--write-config", str(tmp_path / "." / "out.json"), "--force"]) == 2
+    assert "error: --write-config: names the same file as --json" in capsys.readouterr().err
 
 
 def test_cli_runs_without_torch_or_deepspeed():

@@ -166,6 +166,14 @@ def test_tp_16_is_refused_for_8_kv_heads(capsys):
         (["--model", "llama3-8b", "--family", "gpt2"], "error: --family: differs from the named size's family"),
         (["--family", "llama", "--layers", "2", "--hidden", "256", "--heads", "8"], "error: --intermediate-size: not"),
         (["--model", "llama3-8b", "--kv-heads", "3"], "error: --kv-heads: must divide the number of heads"),
+        # the rotary embedding turns a head's dimensions in pairs: an odd head dimension (60 / 4 = 15, 4,100 / 100)
+        (
+            ["--family", "llama", "--layers", "2", "--hidden", "60", "--heads", "4", "--intermediate-size", "160"],
+            "error: --hidden: the head dimension must be even for the rotary embedding, which turns its dimensions in "
+            "pairs (hidden_size=60 / num_heads=4 = 15); choose --hidden and --heads with an even quotient (e.g. "
+            "--hidden 64)",
+        ),
+        (["--model", "llama3.2-1b", "--hidden", "4100", "--heads", "100"], "error: --hidden: the head dimension must"),
     ],
 )
 def test_bad_llama_input_exits_2_with_one_line(capsys, args, expected):

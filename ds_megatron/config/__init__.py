@@ -3,6 +3,7 @@
 from ds_megatron.config.errors import ConfigError
 from ds_megatron.config.loader import (
     RunConfig,
+    check_text_settings,
     check_tokenizer,
     effective_tokenizer,
     load_json,
@@ -21,6 +22,7 @@ __all__ = [
     "ParallelSection",
     "RecomputeSection",
     "RunConfig",
+    "check_text_settings",
     "check_tokenizer",
     "effective_tokenizer",
     "TrainSection",

@@ -14,6 +14,7 @@ from typing import Any
 
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.facts import zero_stage
+from ds_megatron.config.numbers import check_finite_config
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
     DEFAULT_SELECTIVE_MODULES,
@@ -174,6 +175,7 @@ def resolve_batch(ds_config: dict, dp: int) -> tuple[int, int, int]:
 
 def resolve(ds_config: dict, world_size: int) -> RunConfig:
     """Validate a full DeepSpeed config (with our section) for ``world_size`` processes."""
+    check_finite_config(ds_config)
     section = parse_section(ds_config.get(SECTION))
     shape = resolve_shape(section.model)
     par = section.parallel
@@ -299,15 +301,8 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             "set e.g. 0.8",
         )
     check_counts(section)
-    if section.data.tokenizer is not None:
-        check_tokenizer(section.data.tokenizer, shape.vocab_size)
-    if not 0.0 < section.data.valid_fraction < 0.5:
-        raise ConfigError(
-            "ds_megatron.data.valid_fraction",
-            "must be in (0, 0.5)",
-            f"got {section.data.valid_fraction}",
-            "set e.g. 0.02",
-        )
+    # data.tokenizer and data.valid_fraction apply to text tokenised in the launch only: pre-flight checks them
+    # (check_text_settings) once it knows the data is not a prepared directory, which brings its own.
     check_data_section(section.data)
     if ds_config.get("activation_checkpointing") or (ds_config.get("pipeline") or {}).get(
         "activation_checkpoint_interval"
@@ -440,6 +435,16 @@ def hf_config_unused(data: DataSection) -> ConfigError:
 def effective_tokenizer(run: RunConfig) -> str:
     """The tokenizer spec a run uses: the configured one, else a byte-level BPE of the model's vocabulary size."""
     return run.section.data.tokenizer or f"bpe:{run.model.vocab_size}"
+
+
+def check_text_settings(run: RunConfig) -> None:
+    """The settings of text tokenised in the launch (the built-in corpus, local files, a Hugging Face dataset): the
+    tokenizer spec fits the model and ``valid_fraction`` is in (0, 0.5).  A prepared directory or a blend brings its
+    own tokenizer and validation split and ignores both, so pre-flight calls this for raw text only."""
+    check_tokenizer(effective_tokenizer(run), run.model.vocab_size)
+    fraction = run.section.data.valid_fraction
+    if not 0.0 < fraction < 0.5:
+        raise ConfigError("ds_megatron.data.valid_fraction", "must be in (0, 0.5)", f"got {fraction}", "set e.g. 0.02")
 
 
 def check_tokenizer(spec: str, vocab_size: int) -> None:

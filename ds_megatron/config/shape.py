@@ -224,9 +224,26 @@ def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShap
     return _with_size(resolved, m.size, shape)
 
 
+def check_rotary_head_dim(hidden: int, heads: int, words: Vocabulary = CONFIG_FILE) -> None:
+    """The llama family's rule on its head dimension: the rotary embedding turns each head's dimensions in pairs
+    (i, i + d/2), so d = hidden / heads must be even (an odd d passes every shape check and fails in the first
+    forward, where the two halves cannot be paired)."""
+    head_dim = hidden // heads
+    if head_dim % 2:
+        ref = words.ref
+        raise ConfigError(
+            words.setting("hidden_size"),
+            "the head dimension must be even for the rotary embedding, which turns its dimensions in pairs",
+            f"hidden_size={hidden} / num_heads={heads} = {head_dim}",
+            f"choose {ref('hidden_size')} and {ref('num_heads')} with an even quotient (e.g. {ref('hidden_size')} "
+            f"{heads * (head_dim + 1)})",
+        )
+
+
 def _llama(m: ModelSection, shape: NamedShape, common: dict, words: Vocabulary) -> ModelShape:
     """The llama family's fields: KV heads, SwiGLU width, rotary base and scaling, tying."""
     heads = common["num_heads"]
+    check_rotary_head_dim(common["hidden_size"], heads, words)
     kv = _pick(m.num_kv_heads, shape.num_kv_heads, heads)
     if kv <= 0 or heads % kv != 0:
         raise ConfigError(

@@ -5,7 +5,8 @@
     python -m ds_megatron.data verify corpus.prepared        # sizes and sha256 of every file against the manifest
 
 Then train with ``--data corpus.prepared``.  Rerunning an interrupted ``prepare`` resumes it.  Exit status: 0 done,
-2 bad input (one ``error: ...`` line), 130 interrupted (complete shards are kept).
+2 bad input (one ``error: ...`` line; nothing is left unless shards were complete, and those are kept), 130
+interrupted (complete shards are kept).
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(args) -> None:
     from ds_megatron.config import ConfigError
+    from ds_megatron.config.numbers import check_finite
 
     if args.num_proc < 1:
         raise ConfigError("--num-proc", "must be at least 1", f"got {args.num_proc}", "pass e.g. --num-proc 4")
     if not 0.0 < args.valid_fraction < 0.5:
         raise ConfigError("--valid-fraction", "must be in (0, 0.5)", f"got {args.valid_fraction}", "pass e.g. 0.02")
+    check_finite("--chunk-mb", args.chunk_mb)  # nan passes the comparison below, and neither rounds to a size
     if args.chunk_mb is not None and args.chunk_mb <= 0:
         raise ConfigError("--chunk-mb", "must be positive", f"got {args.chunk_mb}", "pass e.g. 64")
     spec = args.tokenizer

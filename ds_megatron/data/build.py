@@ -10,6 +10,8 @@
 4. Pending chunks go to ``num_proc`` worker processes (``spawn``: no thread pool or tokenizer state inherited), each
    reading its chunk a batch of documents at a time and writing one shard.  The main process writes the manifest
    after every finished shard and draws the progress bar (input bytes, tokens/s).
+5. Bad input found only while reading (a bad line or byte deep in a file) leaves nothing when no shard is complete,
+   and otherwise keeps the complete shards, resumable (``_after_bad_input``); an interrupt keeps everything.
 """
 
 from __future__ import annotations
@@ -265,20 +267,56 @@ def prepare(args: PrepareArgs, log=print) -> dict:
     files = resolve_files(args.data)
     if not files:
         raise ConfigError("--data", "no file matches", args.data, "check the path or glob")
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise ConfigError("--data", "the corpus is empty", f"{len(files)} file(s) of 0 bytes", "point it at some text")
     check_fields(files, args.text_field)
     size = chunk_bytes(files, args)
     chunks = plan_chunks(files, size)
     key, sources = plan_key(files, args, size)
     out = Path(args.out)
     _existing(out, key)
+    before = {p.name for p in out.iterdir()} if out.is_dir() else None  # None: this run creates the directory
+    created = next((d for d in reversed([out, *out.parents]) if not d.exists()), None)  # the topmost one it creates
     out.mkdir(parents=True, exist_ok=True)
     try:
         with file_lock(out / LOCK, blocking=False):
-            return _prepare_locked(args, out, key, sources, chunks, size, log)
+            try:
+                return _prepare_locked(args, out, key, sources, chunks, size, log)
+            except ConfigError as err:  # bad input found while tokenising
+                raise _after_bad_input(out, err, before, created) from None
     except BlockingIOError:
         raise ConfigError(
             "--out", f"another prepare is writing {out}", f"it holds {out / LOCK}", "wait for it or pick another --out"
         ) from None
+
+
+def _after_bad_input(out: Path, err: ConfigError, before: set[str] | None, created: Path | None) -> ConfigError:
+    """What a preparation stopped by bad input leaves (called holding the lock), and ``err`` saying which.  With no
+    complete shard of tokens it leaves nothing: a stub manifest, a lock or a tokenizer would make the rerun with the
+    fixed input a directory "holding another preparation"; a directory that existed (empty) is left as it was.
+    Complete shards (of this run or an earlier one) are kept, resumable as after an interrupt."""
+    manifest = read_manifest(out) or {}
+    kept = [s for s in manifest.get("shards", []) if s["num_tokens"] > s["num_docs"]]
+    if kept or not (before is None or before <= {LOCK}):
+        note = (
+            f"{out} keeps its {len(kept)} complete shard(s), and the same command resumes from them; after changing "
+            f"the input, delete {out} or pass a new --out"
+        )
+        return ConfigError(err.setting, err.problem, err.values, f"{err.fix} ({note})")
+    for path in out.iterdir():
+        if before is None or path.name not in before:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    if created is not None:  # the directories this run made, from out up to the topmost, each once empty
+        for directory in [out, *out.parents]:
+            if not any(directory.iterdir()):
+                directory.rmdir()
+            if directory == created:
+                break
+    note = f"nothing is left in {out}" if before is not None else f"{out} is removed"
+    return ConfigError(err.setting, err.problem, err.values, f"{err.fix}, then rerun ({note})")
 
 
 def _prepare_locked(args: PrepareArgs, out: Path, key: str, sources: list, chunks: list[Chunk], size: int, log) -> dict:

@@ -19,12 +19,13 @@ import json
 import os
 import shutil
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ds_megatron.config import ConfigError
+from ds_megatron.config import ConfigError, RunConfig, effective_tokenizer
 from ds_megatron.fileio import atomic_write_text, sha256_file
 
 EOS_TOKEN = "<|endoftext|>"
@@ -111,6 +112,27 @@ def _load_hub_dataset(name: str, config: str | None, split: str):
         return datasets.load_dataset(name, name=config, split=split)
     except Exception as err:
         raise describe_failure(name, config, split, err, bool(datasets.config.HF_HUB_OFFLINE)) from None
+
+
+def inputs_key(run: RunConfig) -> str:
+    """A cheap key of what the packed cache is built from (file names, sizes and times, not contents): processes
+    that wait for the builder find its result by it without reading the corpus."""
+    data = run.section.data
+    spec = effective_tokenizer(run)
+    parts: list = [data.path, data.text_field, data.split, spec, sys.version_info[:2]]
+    if data.hf_config is not None:  # appended only when set: the keys of runs without one stay as they were
+        parts.append(data.hf_config)
+    if data.path is not None and is_local(data.path):
+        parts += [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in resolve_files(data.path)]
+    if not spec.startswith("bpe:") and Path(spec).is_dir():
+        parts += [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(Path(spec).iterdir()) if p.is_file()]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
+
+
+def launch_record(run: RunConfig) -> Path:
+    """The small record by which a launch's processes find the packed cache built from the run's inputs (written by
+    the builder once the cache is complete; pre-flight reads it to skip checking text the launch will not read)."""
+    return Path(run.section.data.cache_dir) / f"launch-{inputs_key(run)}.json"
 
 
 def fingerprint_documents(ds, path: str | None) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +28,10 @@ from ds_megatron.data.blend import BlendedSamples
 from ds_megatron.data.corpus import (
     build_tokenizer,
     fingerprint_documents,
-    is_local,
+    launch_record,
     load_documents,
     open_packed,
     pack,
-    resolve_files,
     tokenizer_fingerprint,
 )
 from ds_megatron.data.lock import file_lock
@@ -89,21 +87,6 @@ def _load_tokenizer(path: str | Path, run: RunConfig):
 
 
 # ---- raw text, tokenised in the launch -----------------------------------------------------------------------------
-def inputs_key(run: RunConfig) -> str:
-    """A cheap key of what the packed cache is built from (file names, sizes and times, not contents): processes
-    that wait for the builder find its result by it without reading the corpus."""
-    data = run.section.data
-    spec = effective_tokenizer(run)
-    parts: list = [data.path, data.text_field, data.split, spec, sys.version_info[:2]]
-    if data.hf_config is not None:  # appended only when set: the keys of runs without one stay as they were
-        parts.append(data.hf_config)
-    if data.path is not None and is_local(data.path):
-        parts += [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in resolve_files(data.path)]
-    if not spec.startswith("bpe:") and Path(spec).is_dir():
-        parts += [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(Path(spec).iterdir()) if p.is_file()]
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
-
-
 def _build(run: RunConfig) -> tuple[str, str]:
     data = run.section.data
     cache = Path(data.cache_dir)
@@ -120,7 +103,7 @@ def build_in_launch(run: RunConfig, rank: int = 0) -> tuple[str, str]:
     """(packed token file, tokenizer directory): built by the first process to take the cache directory's lock,
     found by the others once they take it in turn."""
     cache = Path(run.section.data.cache_dir)
-    record = cache / f"launch-{inputs_key(run)}.json"
+    record = launch_record(run)
     waiting = f"waiting for another process building the token cache in {cache} (lock {cache / '.lock'})"
     with file_lock(cache / ".lock", on_wait=lambda: _say(rank, waiting)):
         if record.is_file():

@@ -58,6 +58,13 @@ def is_prepared(path: str | Path | None) -> bool:
     return path is not None and os.path.isdir(os.path.expanduser(str(path))) and read_manifest(path) is not None
 
 
+def reads_prepared(data) -> bool:
+    """Whether a run's data section (``DataSection``) reads prepared directories (``blend``, or ``path`` naming one):
+    their tokenizer and validation split are the directories', so ``data.tokenizer`` and ``data.valid_fraction`` are
+    ignored there (the launch says so) and must not be refused."""
+    return bool(data.blend) or is_prepared(data.path)
+
+
 def file_entry(path: Path) -> dict:
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from ds_megatron.config import ConfigError
 from ds_megatron.data.corpus import SUFFIX_BUILDERS
 
+UTF8_SUFFIXES = tuple(s for s, builder in SUFFIX_BUILDERS.items() if builder != "parquet")  # bytes read as UTF-8
+UTF8_BLOCK = 1 << 24  # bytes per read when a file's encoding is checked without reading it whole
 BATCH_DOCS = 512  # documents per tokenizer call
 BATCH_BYTES = 1 << 20  # ... or this many bytes of text, whichever comes first
 TEXT_FIELD_FIX = "pass --text-field naming the field that holds the text"
@@ -107,6 +109,43 @@ def plan_chunks(files: list[str], chunk_bytes: int) -> list[Chunk]:
     return chunks
 
 
+def not_utf8(setting: str, path: str, offset: int, err: UnicodeDecodeError) -> ConfigError:
+    """A file that is not UTF-8 text (a binary file passed by mistake, a Latin-1 corpus): where, to the byte."""
+    return ConfigError(
+        setting,
+        "not UTF-8 text",
+        f"{path} at byte {offset}: {err.reason}",
+        "convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8) or leave it out",
+    )
+
+
+def decode_utf8(data: bytes, path: str, offset: int = 0, setting: str = "--data") -> str:
+    """``data`` (the bytes of ``path`` from byte ``offset``) as text; ConfigError naming the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise not_utf8(setting, path, offset + err.start, err) from None
+
+
+def check_utf8_file(path: str, setting: str) -> None:
+    """``path`` is UTF-8 throughout, read a block at a time (a character cut by a block's end is carried over)."""
+    with open(path, "rb") as fh:
+        base, pending = 0, b""  # base: the file offset of pending's first byte
+        while True:
+            block = fh.read(UTF8_BLOCK)
+            data = pending + block
+            if not data:
+                return
+            try:
+                data.decode("utf-8")
+                good = len(data)
+            except UnicodeDecodeError as err:
+                if not (block and err.reason == "unexpected end of data" and len(data) - err.start < 4):
+                    raise not_utf8(setting, path, base + err.start, err) from None
+                good = err.start  # the start of a character the next block completes
+            pending, base = data[good:], base + good
+
+
 def _field(record, field: str, where: str) -> str:
     if not isinstance(record, dict) or field not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
@@ -129,11 +168,13 @@ def check_fields(files: list[str], field: str) -> None:
         kind = file_kind(path)
         if kind == "jsonl":
             with open(path, "rb") as fh:
+                pos = 0
                 for number, line in enumerate(fh, 1):
                     if line.strip():
                         where = f"{path} line {number}"
-                        _field(_loads(line, where), field, where)
+                        _field(_loads(line, where, path, pos), field, where)
                         break
+                    pos += len(line)
         elif kind == "parquet":
             import pyarrow.parquet as pq
 
@@ -142,19 +183,25 @@ def check_fields(files: list[str], field: str) -> None:
                 raise ConfigError("--text-field", f"no column {field!r} in {path}", str(names), "pass --text-field")
 
 
-def _loads(line: bytes, where: str):
+def _loads(data: bytes, where: str, path: str, offset: int = 0):
+    """One JSON line, or a whole JSON array, from the bytes of ``path`` at ``offset`` (decoded as UTF-8 first, so
+    that a bad byte is named by its offset rather than by json's guess at another encoding)."""
+    text = decode_utf8(data, path, offset)
     try:
-        return json.loads(line)
+        return json.loads(text)
     except json.JSONDecodeError as err:
-        raise ConfigError("--data", f"invalid JSON in {where}", err.msg, "fix or remove that line") from None
+        place = err.msg if err.lineno == 1 else f"{err.msg} at line {err.lineno} column {err.colno}"
+        raise ConfigError("--data", f"invalid JSON in {where}", place, "fix or remove that line") from None
 
 
 def _documents(chunk: Chunk, field: str) -> Iterator[tuple[str, int]]:
     """(text, input bytes it accounts for) for every document of the chunk, in order."""
     if chunk.kind == "txt":
         for path in chunk.files:
-            with open(path, encoding="utf-8") as fh:
-                yield fh.read(), os.path.getsize(path)
+            with open(path, "rb") as fh:
+                text = decode_utf8(fh.read(), path)
+            # universal newlines, as a file opened in text mode reads (and datasets' text builder does)
+            yield text.replace("\r\n", "\n").replace("\r", "\n"), os.path.getsize(path)
     elif chunk.kind == "jsonl":
         path = chunk.files[0]
         with open(path, "rb") as fh:
@@ -168,12 +215,12 @@ def _documents(chunk: Chunk, field: str) -> Iterator[tuple[str, int]]:
                     break
                 if line.strip():
                     where = f"{path} at byte {pos}"
-                    yield _field(_loads(line, where), field, where), len(line)
+                    yield _field(_loads(line, where, path, pos), field, where), len(line)
                 pos += len(line)
     elif chunk.kind == "json":
         path = chunk.files[0]
-        with open(path, encoding="utf-8") as fh:
-            records = json.load(fh)
+        with open(path, "rb") as fh:
+            records = _loads(fh.read(), path, path)
         share = chunk.nbytes // max(1, len(records))
         for i, record in enumerate(records):
             yield _field(record, field, f"{path} record {i}"), share

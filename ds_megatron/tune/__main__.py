@@ -11,9 +11,11 @@ import functools
 import json
 import sys
 import time
+from pathlib import Path
 from typing import NoReturn
 
 from ds_megatron.config import ConfigError
+from ds_megatron.config.numbers import finite_float
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.config.sizes import FAMILIES, all_size_names
 from ds_megatron.tune import Pins, build_cluster, build_model_shape, empirical, search
@@ -21,7 +23,7 @@ from ds_megatron.tune.empirical_report import format_empirical
 from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 from ds_megatron.tune.report import format_report
 from ds_megatron.tune.spec import DEFAULT_EFFICIENCY, INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, PRESET_FIELDS
-from ds_megatron.tune.written import to_json, write_config
+from ds_megatron.tune.written import check_output, to_json, write_config, write_output
 
 CPU_KERNEL_NOTE = (
     "empirical on CPU: attention pinned to eager (with dropout on, torch's CPU sdpa falls back to its math path, the "
@@ -30,7 +32,7 @@ CPU_KERNEL_NOTE = (
 EXIT_NO_FIT = 1
 EXIT_CONFIG_ERROR = 2
 
-INT, FLOAT = {"type": int}, {"type": float}
+INT, FLOAT = {"type": int}, {"type": finite_float}  # nan and inf are refused as they are parsed
 SWITCH = {"action": argparse.BooleanOptionalAction, "default": None}  # --x, --no-x, or unset (None)
 INTRA_US, INTER_US = INTRA_NODE_LATENCY_S * 1e6, INTER_NODE_LATENCY_S * 1e6
 # The command line: argument group -> (flag, add_argument's keywords, help) rows.
@@ -104,6 +106,7 @@ FLAGS = {
         ("--top", INT | {"default": 10}, "rows of the ranked table (default 10)"),
         ("--json", {"metavar": "OUT"}, "write every candidate and every rejected family to OUT"),
         ("--write-config", {"metavar": "PATH"}, "write the winner as a ds_configs-style JSON"),
+        ("--force", {"action": "store_true"}, "replace the files of --json and --write-config if they exist"),
     ),
     "empirical mode (short real runs of the top candidates on this machine, then recalibrate)": (
         ("--empirical", {"action": "store_true"}, "measure the top candidates with recipes/train_gpt.py"),
@@ -160,6 +163,11 @@ def _run(args: argparse.Namespace, start: float) -> int:
     """Search, print the report, measure (--empirical), write --json and --write-config; the exit status."""
     if args.empirical and args.max_minutes is None:
         raise ConfigError("--max-minutes", "required with --empirical", "not set", "pass e.g. --max-minutes 10")
+    check_output("--json", args.json, args.force)
+    check_output("--write-config", args.write_config, args.force)
+    if args.json and args.write_config and Path(args.json).resolve() == Path(args.write_config).resolve():
+        values = f"--json {args.json}, --write-config {args.write_config}"
+        raise ConfigError("--write-config", "names the same file as --json", values, "pass two different paths")
     llama = {name: getattr(args, name) for name in ("family", "kv_heads", "intermediate_size", "tie_word_embeddings")}
     model = build_model_shape(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length, **llama)
     figures = {name: getattr(args, flag[2:].replace("-", "_")) for name, (_, flag) in PRESET_FIELDS.items()}
@@ -211,8 +219,7 @@ def _run(args: argparse.Namespace, start: float) -> int:
         data = to_json(result)
         if emp is not None:
             data["empirical"] = emp.as_dict(top=top)
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
+        write_output("--json", args.json, json.dumps(data, indent=1), args.force)
         print(
             f"wrote {len(result.evaluations)} candidates and {len(result.rejections)} rejected families to {args.json}"
         )
@@ -222,7 +229,7 @@ def _run(args: argparse.Namespace, start: float) -> int:
         return EXIT_NO_FIT
     if args.write_config:
         final = emp.winner if emp is not None else None
-        command = write_config(result, args.write_config, final.evaluation if final else result.winner)
+        command = write_config(result, args.write_config, final.evaluation if final else result.winner, args.force)
         which = "the final (empirical) winner" if final else "the winner"
         print(f"wrote {which} to {args.write_config}; launch it with:\n  {command}")
     return 0

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ds_megatron.config import ConfigError, ModelSection
 from ds_megatron.config.errors import nearest
+from ds_megatron.config.numbers import check_finite
 from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, RECOMPUTE_MODULES
 from ds_megatron.config.shape import ModelShape, Vocabulary, resolve_shape
 from ds_megatron.config.sizes import (
@@ -142,7 +143,9 @@ class Candidate:
 
 
 def check_positive(setting: str, value: int | float | None, example: str) -> None:
-    """Refuse a count or rate that is not positive, naming the flag."""
+    """Refuse a count or rate that is not positive, or not finite (the Python API's values; the flags refuse nan and
+    inf as they are parsed), naming the flag."""
+    check_finite(setting, value)
     if value is None or value <= 0:
         raise ConfigError(setting, "must be positive", f"got {value}", f"pass e.g. {setting} {example}")
 

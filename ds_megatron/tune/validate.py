@@ -8,6 +8,7 @@ import difflib
 import math
 
 from ds_megatron.config import ConfigError, ModelShape
+from ds_megatron.config.numbers import check_finite
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.tune.space import tp_sizes
 from ds_megatron.tune.spec import TP_SPLITS, Cluster, Pins, check_positive
@@ -27,6 +28,7 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
         ("--global-batch-size", global_batch_size, "1536"),
     ):
         check_positive(flag, value, example)
+    check_finite("--efficiency", cluster.efficiency)
     if not 0.0 < cluster.efficiency <= 1.0:
         raise ConfigError("--efficiency", "must be in (0, 1]", f"got {cluster.efficiency}", "pass e.g. 0.8")
     for flag, value in (
@@ -34,6 +36,7 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
         ("--intra-node-latency-us", cluster.intra_node_latency_s * 1e6),
         ("--inter-node-latency-us", cluster.inter_node_latency_s * 1e6),
     ):
+        check_finite(flag, value)
         if value < 0.0:
             raise ConfigError(flag, "must not be negative", f"got {value:g}", "pass e.g. 0")
     if gpus > per_node and gpus % per_node != 0:

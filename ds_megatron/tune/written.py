@@ -1,5 +1,7 @@
 """What the tuner writes: the JSON of every candidate (``--json``) and the winner's config (``--write-config``; a
-GPT's or a Llama's: the family's fields are written so that the config resolves to the same shape)."""
+GPT's or a Llama's: the family's fields are written so that the config resolves to the same shape).  Neither
+replaces an existing file unless ``--force`` is given, and neither creates a directory (a mistyped one would hide
+the file where nobody looks): both are checked before any work (``check_output``)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ds_megatron.config import ConfigError
 from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.config.shape import DEFAULT_ROPE_THETA, SHAPE_FIELDS
 from ds_megatron.tune import memory_model, time_model
@@ -99,10 +102,40 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
     }
 
 
-def write_config(result: SearchResult, path: str | Path, chosen: Evaluation | None = None) -> str:
-    """Write ``chosen`` (default: the winner) as a config to ``path``; returns the launch command."""
+def check_output(flag: str, path: str | Path | None, force: bool = False) -> None:
+    """An output file the tuner will write (``path`` given to ``flag``): its directory exists, and the file does not
+    unless ``force`` (ConfigError otherwise).  Called before the search, so a refusal costs no work."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(flag, "is a directory", str(p), "pass the path of a file to write")
+    if not p.parent.is_dir():
+        parent = str(p.parent)
+        raise ConfigError(
+            flag,
+            "the directory does not exist",
+            f"{parent} for {p}",
+            f"create it (mkdir -p {parent}) or pass another path",
+        )
+    if p.exists() and not force:
+        raise ConfigError(flag, "the file exists", str(p), "pass --force to replace it, or another path")
+
+
+def write_output(flag: str, path: str | Path, text: str, force: bool = False) -> None:
+    """Write ``text`` to ``path``; without ``force`` only as a new file (one created since ``check_output`` is kept)."""
+    try:
+        with open(path, "w" if force else "x") as fh:
+            fh.write(text)
+    except FileExistsError:
+        raise ConfigError(flag, "the file exists", str(path), "pass --force to replace it, or another path") from None
+
+
+def write_config(result: SearchResult, path: str | Path, chosen: Evaluation | None = None, force: bool = False) -> str:
+    """Write ``chosen`` (default: the winner) as a config to ``path`` (replacing a file there only with ``force``);
+    returns the launch command."""
     chosen = chosen or result.winner
     if chosen is None:
         raise ValueError("no configuration fits, so there is no config to write")
-    Path(path).write_text(json.dumps(ds_config(result, chosen), indent=2) + "\n")
+    write_output("--write-config", path, json.dumps(ds_config(result, chosen), indent=2) + "\n", force)
     return f"deepspeed --hostfile hostfile recipes/train_gpt.py --deepspeed_config {path}"
