@@ -131,6 +131,10 @@ def test_cli_a_model_that_fits_nowhere_says_why(capsys):
         (["--prompt-length", "8", "--output-length", "8", "--batch-sizes", "1,x"], "--batch-sizes"),
         (["--prompt-length", "8", "--output-length", "8", "--batch-sizes", "0"], "--batch-sizes"),
         (["--prompt-length", "8", "--output-length", "8", "--max-ttft-ms", "-1"], "--max-ttft-ms"),
+        (
+            ["--prompt-length", "8", "--output-length", "8", "--max-tpot-ms", "nan"],
+            "command line: argument --max-tpot-ms",
+        ),
     ],
 )
 def test_cli_bad_input_is_one_line(args, setting, capsys):

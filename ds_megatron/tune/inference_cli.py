@@ -16,6 +16,7 @@ from pathlib import Path
 from ds_megatron.checkpoint.manifest import newest_complete_tag, tag_config
 from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.loader import parse_section
+from ds_megatron.config.numbers import finite_float
 from ds_megatron.config.schema import ModelSection
 from ds_megatron.config.shape import resolve_shape
 from ds_megatron.tune.inference import (
@@ -31,6 +32,7 @@ from ds_megatron.tune.inference import (
 from ds_megatron.tune.memory_model import GIB, total_param_count
 from ds_megatron.tune.spec import FLAGS as SHAPE_FLAGS
 from ds_megatron.tune.spec import PRESET_FIELDS, build_cluster, build_model_shape
+from ds_megatron.tune.written import check_output, write_output
 
 EXIT_NO_FIT = 1
 EXIT_CONFIG_ERROR = 2
@@ -77,11 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     work.add_argument("--weight-dtype", default="bf16", help=f"weight storage: {', '.join(PRECISION_BYTES)}")
     work.add_argument("--kv-dtype", default="bf16", help=f"KV-cache storage: {', '.join(KV_PRECISIONS)}")
-    work.add_argument("--max-ttft-ms", type=float, help="limit on the time to first token")
-    work.add_argument("--max-tpot-ms", type=float, help="limit on the time per output token")
+    work.add_argument("--max-ttft-ms", type=finite_float, help="limit on the time to first token")
+    work.add_argument("--max-tpot-ms", type=finite_float, help="limit on the time per output token")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows of the Pareto table (default 10)")
     out.add_argument("--json", metavar="OUT", help="write every candidate that fits to OUT")
+    out.add_argument("--force", action="store_true", help="replace the file of --json if it exists")
     return p
 
 
@@ -156,6 +159,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
 
 
 def _run(args: argparse.Namespace) -> int:
+    check_output("--json", args.json, args.force)
     model = model_shape(args)
     figures = {name: getattr(args, flag[2:].replace("-", "_")) for name, (_, flag) in PRESET_FIELDS.items()}
     cluster = build_cluster(
@@ -187,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
             "pareto_front": [e.as_dict() for e in result.pareto_front()],
             "candidates": [e.as_dict() for e in result.evaluations],
         }
-        Path(args.json).write_text(json.dumps(data, indent=1))
+        write_output("--json", args.json, json.dumps(data, indent=1), args.force)
         print(f"wrote {len(result.evaluations)} candidates to {args.json}")
     return 0 if result.winner else EXIT_NO_FIT
 
