@@ -155,9 +155,9 @@ class OldCheckpoint:
         return out
 
     def _merge(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        rule = shard_rule(name, self.plan)
-        full = self.gpt.vocab_size if name.endswith("wte.weight") else None
-        return unshard([p.float() for p in parts], rule, full)
+        """The full fp32 tensor of ``name`` from its old TP shards; the old shard rule strips any vocabulary padding
+        (whose size depends on the old tp), so the new layout's rule pads it afresh."""
+        return unshard([p.float() for p in parts], shard_rule(name, self.plan))
 
 
 def _fill_fp32_optimizer(engine, plan: ParallelPlan, old: OldCheckpoint) -> None:
