@@ -190,7 +190,7 @@ def shard_rule(name: str, plan: ParallelPlan) -> ShardRule:
     if row.style == ROW and name.endswith(".weight"):
         return ShardRule(dim=1)
     if row.style in (VOCAB, OUTPUT):
-        return ShardRule(dim=0, padded_size=plan.padded_vocab_size)
+        return ShardRule(dim=0, padded_size=plan.padded_vocab_size, unpadded_size=plan.config.vocab_size)
     return REPLICATED
 
 

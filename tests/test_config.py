@@ -68,6 +68,18 @@ BAD = [
     ),
     ("bf16 and fp16", with_changes(bf16={"enabled": True}, fp16={"enabled": True}), "bf16.enabled", ["bf16=true"]),
     (
+        "fp32 gradient accumulation of bf16 at ZeRO 0",  # DeepSpeed: NotImplementedError inside initialize
+        with_changes(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}),
+        "data_types.grad_accum_dtype",
+        ["grad_accum_dtype=fp32, model bf16, zero_optimization.stage=0", "set zero_optimization.stage to 1"],
+    ),
+    (
+        "unknown gradient accumulation dtype",
+        with_changes(data_types={"grad_accum_dtype": "fp8"}, zero_optimization={"stage": 1}),
+        "data_types.grad_accum_dtype",
+        ["'fp8'"],
+    ),
+    (
         "sp with indivisible sequence",
         with_changes(ds_megatron__model__seq_length=15, ds_megatron__parallel__sequence_parallel=True),
         "ds_megatron.parallel.sequence_parallel",
@@ -216,3 +228,28 @@ def test_every_number_must_be_finite(path, key, wrap, literal):
         f"error: {path}: must be a finite number (got {value}); write a finite number (NaN and Infinity are not "
         "values a run can use)"
     )
+
+
+def test_which_optimizer_wrapper_deepspeed_builds():
+    """The one owner of DeepSpeed's choice (its engine's ``_do_optimizer_sanity_check``), read by the offline
+    resharder and by whether a dp change needs resharding."""
+    from ds_megatron.config.facts import deepspeed_wraps_optimizer, optimizer_wrapper
+
+    def cfg(prec: str | None, stage: int, accum: str | None = None, offload: str | None = None) -> dict:
+        out = {"zero_optimization": {"stage": stage}}
+        if prec:
+            out[prec] = {"enabled": True}
+        if accum:
+            out["data_types"] = {"grad_accum_dtype": accum}
+        if offload:
+            out["zero_optimization"]["offload_optimizer"] = {"device": offload}
+        return out
+
+    assert optimizer_wrapper(cfg(None, 0)) is None and not deepspeed_wraps_optimizer(cfg(None, 0))
+    assert optimizer_wrapper(cfg(None, 1)) == "ZeRO" and deepspeed_wraps_optimizer(cfg(None, 1))
+    assert optimizer_wrapper(cfg("bf16", 1, "fp32")) == "BF16"
+    assert optimizer_wrapper(cfg("bf16", 1, "float32")) == "BF16"
+    assert optimizer_wrapper(cfg("bf16", 1)) == "ZeRO" and optimizer_wrapper(cfg("bf16", 1, "bf16")) == "ZeRO"
+    assert optimizer_wrapper(cfg("bf16", 1, "fp32", offload="cpu")) == "ZeRO"
+    assert optimizer_wrapper(cfg("bf16", 0)) == "BF16"
+    assert optimizer_wrapper(cfg("fp16", 0)) == "FP16" and optimizer_wrapper(cfg("fp16", 1)) == "ZeRO"

@@ -1,7 +1,9 @@
 """A checkpoint saved at one layout resumes at another with its optimizer state, resharded on load or offline
 (``python -m ds_megatron.checkpoint reshard``): fp32 at tp 2 x pp 2 -> 1 x 4 (offline) -> 4 x 1 (on load), 2 steps
 each, the loss curve continuing within 1e-5; bf16 + ZeRO-1 at tp 2 x dp 2 -> pp 2 x dp 2, where the offline
-output holds the same files and values as a checkpoint the on-load path saved, and resumes without resharding."""
+output holds the same files and values as a checkpoint the on-load path saved, and resumes without resharding;
+DeepSpeed's ZeRO optimizer (fp32 + ZeRO-1, bf16 + ZeRO-1 without fp32 gradient accumulation) resumes exactly at its
+layout and reshards on load to one with less vocabulary padding (offline it is refused, pointing there)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from launch import RECIPE, TINY_CONFIG, deepspeed_launch, quiet_run_flags, read_losses, read_records
+from launch import RECIPE, ROOT, TINY_CONFIG, WORKERS, deepspeed_launch, quiet_run_flags, read_losses, read_records
 
 from ds_megatron.checkpoint import safe_load
 from ds_megatron.checkpoint.__main__ import main as checkpoint_main
@@ -149,3 +151,65 @@ def test_bf16_zero1_checkpoint_resumes_at_another_layout(tmp_path):
     c3 = next(r for r in resumed if r.get("step") == 3 and "loss" in r)
     assert c3["lr"] == a3["lr"]
     assert abs(c3["loss"] - a3["loss"]) <= 1e-4 * abs(a3["loss"]), (a3["loss"], c3["loss"])  # measured 3.4e-6
+
+
+# DeepSpeed's ZeRO-1 optimizer (not the BF16 one): fp32 with ZeRO stage 1, and bf16 with ZeRO stage 1 but without
+# fp32 gradient accumulation.  It stores its loss scaler (an object of plain numbers) in the optimizer files.
+ZERO1 = ["--set", "zero_optimization.stage=1", "--set", "gradient_accumulation_steps=2"]
+ZERO1 += ["--set", "zero_allow_untested_optimizer=true", "--set", "ds_megatron.parallel.vocab_multiple=100"]
+LLAMA_TINY = str(ROOT / "ds_configs" / "llama_tiny.json")  # untied lm_head, GQA
+ZERO1_RUNS = {  # name: (config, flags)
+    "fp32_zero1": (LLAMA_TINY, ZERO1),
+    "bf16_zero1_bf16_accum": (TINY_CONFIG, [*ZERO1, "--set", "bf16.enabled=true"]),
+}
+
+
+def test_zero1_optimizer_checkpoints_resume_exactly_and_reshard(tmp_path, capsys):
+    """fp32 + ZeRO-1 (Llama, untied) and bf16 + ZeRO-1 with bf16 gradient accumulation (GPT-2, tied): DeepSpeed's
+    ZeRO optimizer, whose files hold its loss scaler.  Saved at tp 2 x dp 2: 2 steps + resume + 1 equal 3 straight
+    bit for bit (loss, gradient norm, learning rate); resumed at tp 1 x pp 2 x dp 2 (resharded on load, the
+    vocabulary padding going from 1,200 rows to 1,100) the step continues the straight run's; offline resharding
+    refuses it with one line naming the way that works.  Two launches for all six runs (``workers/recipe_runs.py``)."""
+
+    def plan(runs: list[tuple[str, str, int, int, list[str]]]) -> str:
+        items = []
+        for name, config, tp, pp, extra in runs:
+            flags = quiet_run_flags(tmp_path, name, tp, pp, dropout=0.0)
+            argv = ["--deepspeed_config", config, "--train-iters", "3", *flags, *extra]
+            items.append({"name": name, "status_dir": str(tmp_path), "argv": argv})
+        path = tmp_path / f"plan{len(list(tmp_path.glob('plan*.json')))}.json"
+        path.write_text(json.dumps(items))
+        return str(path)
+
+    def ok(name: str) -> None:
+        result = json.loads((tmp_path / f"{name}.status.json").read_text())
+        assert result["status"] == 0, (name, result["error"])
+
+    ck = {k: str(tmp_path / f"ck_{k}") for k in ZERO1_RUNS}
+    straight = [(k, c, 2, 1, [*f, "--save", ck[k], "--save-interval", "2"]) for k, (c, f) in ZERO1_RUNS.items()]
+    deepspeed_launch(WORKERS / "recipe_runs.py", 4, ["--plan", plan(straight)])
+    for k in ZERO1_RUNS:
+        ok(k)
+        shutil.move(tmp_path / f"ck_{k}" / "step00000003", tmp_path / f"{k}_step3")
+    resumed = [(f"{k}_same", c, 2, 1, [*f, "--load", ck[k]]) for k, (c, f) in ZERO1_RUNS.items()]
+    resumed += [(f"{k}_1x2", c, 1, 2, [*f, "--load", ck[k]]) for k, (c, f) in ZERO1_RUNS.items()]
+    out = deepspeed_launch(WORKERS / "recipe_runs.py", 4, ["--plan", plan(resumed)])
+    assert out.count("from tp 2 x pp 1 x dp 2 to tp 1 x pp 2 x dp 2") == 2
+    for k in ZERO1_RUNS:
+        a = {r["step"]: r for r in read_records(tmp_path / k) if "loss" in r}
+        assert sorted(a) == [1, 2, 3]
+        for name in (f"{k}_same", f"{k}_1x2"):
+            ok(name)
+            b = [r for r in read_records(tmp_path / name) if "loss" in r]
+            assert [r["step"] for r in b] == [3], name
+            if name.endswith("_same"):
+                for key in ("loss", "grad_norm", "lr"):
+                    assert b[0][key] == a[3][key], (name, key, a[3][key], b[0][key])
+            else:
+                assert b[0]["lr"] == a[3]["lr"]
+                assert abs(b[0]["loss"] - a[3]["loss"]) <= 1e-4 * abs(a[3]["loss"]), (name, a[3]["loss"], b[0]["loss"])
+        argv = ["reshard", "--checkpoint", ck[k], "--tp", "1", "--pp", "2", "--dp", "2"]
+        assert checkpoint_main([*argv, "--out", str(tmp_path / f"off_{k}")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "DeepSpeed's ZeRO optimizer" in err[0] and "--load at the new layout" in err[0], err
+        assert not (tmp_path / f"off_{k}").exists()

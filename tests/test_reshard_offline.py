@@ -139,3 +139,43 @@ def test_trust_reads_what_weights_only_refuses(tmp_path):
     plain = tmp_path / "plain.pt"
     torch.save({"step": 3, "rng": torch.get_rng_state(), "name": "x", "shape": torch.Size([2])}, plain)
     assert safe_load.unsafe_reason(plain) is None and safe_load.load(plain, mmap=True)["step"] == 3
+
+
+def test_the_zero_optimizer_files_extras_read_weights_only(tmp_path):
+    """DeepSpeed's ZeRO optimizer (fp32 or bf16 with ZeRO-1 without fp32 gradient accumulation, fp16 with ZeRO)
+    stores its loss scaler and stage in its optimizer files: rebuilt from their plain numbers, nothing called."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    dynamic = DynamicLossScaler(
+        init_scale=2**16, scale_window=1000, min_scale=1, delayed_shift=2, consecutive_hysteresis=False
+    )
+    sd = {"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.optimizer_states, "fp16_scaler": dynamic}
+    f = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": sd}, f)
+    assert safe_load.unsafe_reason(f) is None
+    back = safe_load.load(f, mmap=True)["optimizer_state_dict"]
+    assert type(back["loss_scaler"]) is LossScaler and vars(back["loss_scaler"]) == vars(LossScaler(1.0))
+    assert back["zero_stage"] is ZeroStageEnum.optimizer_states and vars(back["fp16_scaler"]) == vars(dynamic)
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"zero_optimization": {"stage": 1}}, "this one is fp32 with ZeRO stage 1: DeepSpeed's ZeRO optimizer"),
+        # DeepSpeed names its files bf16_* after the precision, whichever optimizer wrote them
+        (
+            {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+            "this one is bf16 with ZeRO stage 1: DeepSpeed's ZeRO optimizer",
+        ),
+    ],
+)
+def test_refuses_a_zero_optimizer_checkpoint_naming_the_on_load_way(tmp_path, capsys, changes, expected):
+    src = _tag(tmp_path / "ck", {"bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt": {"optimizer_state_dict": {}}})
+    cfg = json.loads((src / TAG / TAG_CONFIG).read_text())
+    cfg.update(changes)
+    (src / TAG / TAG_CONFIG).write_text(json.dumps(cfg))
+    (src / TAG / MANIFEST).unlink()
+    _tag_manifest(src / TAG)
+    line = _refused(tmp_path, capsys, _reshard(src), expected)
+    assert "resume it with --load at the new layout instead (it reshards on load)" in line

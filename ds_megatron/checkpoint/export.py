@@ -100,8 +100,7 @@ def iter_full_parameters(
                         )
                 yield name, parts[0]
             else:
-                full_size = gpt.vocab_size if rule.padded_size is not None else None  # strip vocabulary padding
-                yield name, unshard(parts, rule, full_size)
+                yield name, unshard(parts, rule)  # the rule strips vocabulary padding
 
 
 def _stage_holding(masters: MasterWeights, idx: int, key: str, start: int, layer_file: Path) -> int:

@@ -1,7 +1,8 @@
 """The fp32 master weights of a mixed-precision checkpoint, read by pipeline layer and TP rank.
 
-Under bf16 (DeepSpeed's BF16 optimizer) or fp16 with ZeRO, the per-layer files hold the 16-bit copies the forward
-pass used; the weights the optimizer really trains are fp32 and live in the optimizer files
+Under bf16 (DeepSpeed's BF16 optimizer) or with ZeRO-1 (DeepSpeed's ZeRO optimizer, fp32, bf16 or fp16), the
+per-layer files hold the copies the forward pass used (16-bit, or fp32 equal to the masters); the weights the
+optimizer really trains are fp32 and live in the optimizer files
 ``[bf16_]zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt``, one per (data-parallel rank, model-parallel rank), with
 ``mp = pp_rank * tp + tp_rank``.  Each file holds, per parameter group, this data-parallel rank's contiguous slice of
 the group's flat fp32 buffer (``single_partition_of_fp32_groups``) and, per parameter name, the fragment of that

@@ -9,9 +9,10 @@ heads, the padded vocabulary rows, replicated parameters kept whole).
 Both optimizer paths, in both directions:
 - fp32 (ds_megatron's AdamW, ZeRO 0): weights from DeepSpeed's per-layer files, Adam state per parameter from the
   old ranks' ``mp_rank_XX_model_states.pt``;
-- bf16 (DeepSpeed's BF16 optimizer, ZeRO-1): the fp32 master weights and both Adam moments from the flat,
+- bf16 (DeepSpeed's BF16 optimizer, ZeRO-1) and DeepSpeed's ZeRO optimizer (fp32 with ZeRO-1, bf16 with ZeRO-1
+  without fp32 gradient accumulation): the fp32 master weights and both Adam moments from the flat,
   data-parallel-partitioned optimizer files (``masters.py``), written into the new engine's flat partitions at each
-  parameter's fragment address, with the bf16 model copy set to the master rounded (as the optimizer keeps it).
+  parameter's fragment address, with the 16-bit model copy set to the master rounded (as the optimizer keeps it).
 
 The learning-rate schedule, step counters and data position carry over; dropout RNG streams cannot (they depend on
 the layout), so with dropout on the losses continue within numerical noise, not bit for bit.  fp16 (its loss-scaler
@@ -155,9 +156,9 @@ class OldCheckpoint:
         return out
 
     def _merge(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        rule = shard_rule(name, self.plan)
-        full = self.gpt.vocab_size if name.endswith("wte.weight") else None
-        return unshard([p.float() for p in parts], rule, full)
+        """The full fp32 tensor of ``name`` from its old TP shards; the old shard rule strips any vocabulary padding
+        (whose size depends on the old tp), so the new layout's rule pads it afresh."""
+        return unshard([p.float() for p in parts], shard_rule(name, self.plan))
 
 
 def _fill_fp32_optimizer(engine, plan: ParallelPlan, old: OldCheckpoint) -> None:

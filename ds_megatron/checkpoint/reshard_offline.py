@@ -52,7 +52,14 @@ from ds_megatron.checkpoint.manifest import (
 from ds_megatron.checkpoint.masters import optimizer_files
 from ds_megatron.checkpoint.reshard import OldCheckpoint
 from ds_megatron.config import ConfigError, RunConfig, resolve
-from ds_megatron.config.facts import precision, saved_layout, zero_stage
+from ds_megatron.config.facts import (
+    BF16_OPTIMIZER,
+    grad_accum_dtype,
+    optimizer_wrapper,
+    precision,
+    saved_layout,
+    zero_stage,
+)
 from ds_megatron.fileio import atomic_write_text
 from ds_megatron.optim import param_groups
 from ds_megatron.parallelize import shard_rule
@@ -149,18 +156,25 @@ def _source_tag(src: Path, tag: str | None) -> str:
 
 
 def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:
-    """``"fp32"`` (ds_megatron's AdamW, state in the mp_rank files) or ``"bf16"`` (DeepSpeed's BF16 optimizer)."""
-    prec, stage = precision(cfg), zero_stage(cfg)
+    """``"fp32"`` (ds_megatron's AdamW, state in the mp_rank files) or ``"bf16"`` (DeepSpeed's BF16 optimizer).
+    DeepSpeed's ZeRO optimizer (fp32 or fp16 with ZeRO 1, bf16 with ZeRO 1 without fp32 gradient accumulation) lays
+    its partitions out otherwise and is refused; bf16 files alone do not tell (DeepSpeed names them after the
+    precision, whichever wrapper wrote them)."""
+    prec, stage, wrapper = precision(cfg), zero_stage(cfg), optimizer_wrapper(cfg)
     bf16_files = any(f.name.startswith("bf16_") for files in optimizer_files(tag_dir).values() for f in files)
-    if (prec, stage) == ("fp32", 0) or (prec == "bf16" and bf16_files):
-        return prec
+    if wrapper is None:
+        return "fp32"
+    if wrapper == BF16_OPTIMIZER and prec == "bf16" and bf16_files:
+        return "bf16"
     fix = "resume at the saved layout, or export and --init-from-hf"
     if prec != "fp16":
         fix = "resume it with --load at the new layout instead (it reshards on load)"
+    accum = "" if grad_accum_dtype(cfg) == prec else f", {grad_accum_dtype(cfg)} gradient accumulation"
     raise ConfigError(
         "--checkpoint",
-        "offline resharding writes fp32 (ZeRO 0) and bf16 (DeepSpeed's BF16 optimizer) checkpoints",
-        f"this one is {prec} with ZeRO stage {stage}",
+        "offline resharding writes fp32 (ZeRO 0) and bf16 (DeepSpeed's BF16 optimizer: ZeRO 1 with fp32 gradient "
+        "accumulation) checkpoints",
+        f"this one is {prec} with ZeRO stage {stage}{accum}: DeepSpeed's {wrapper or 'no'} optimizer",
         fix,
     )
 

@@ -3,9 +3,14 @@
 ``torch.load`` unpickles: with ``weights_only=False`` a crafted file can name any importable function and have the
 unpickler call it (write files, start processes).  Every read of a checkpoint by ds_megatron goes through
 :func:`load`, which unpickles with ``weights_only=True``: tensors, containers and plain types only, plus the one
-class DeepSpeed's files need beyond those (found by loading every file a bf16 / ZeRO-1, fp32 and pipeline
-checkpoint holds): ``fragment_address``, the (numel, start) pair naming each parameter's slice of the flat fp32
-partition in the mixed-precision optimizer files, a plain dataclass whose unpickling only sets two integers.
+classes DeepSpeed's files need beyond those (found by loading every file that bf16 and fp32 checkpoints hold, with
+ZeRO 0 and 1, with and without a pipeline): ``fragment_address``, the (numel, start) pair naming each parameter's
+slice of the flat fp32 partition in the mixed-precision optimizer files, a plain dataclass whose unpickling only
+sets two integers; and what DeepSpeed's ZeRO optimizer (fp32 or fp16 with ZeRO 1, bf16 with ZeRO 1 without fp32
+gradient accumulation) adds to its optimizer files: its loss scaler (``LossScaler``, static scale 1 under fp32 and
+bf16; ``DynamicLossScaler`` under fp16), plain classes whose state is a few numbers (and a dtype) set as
+attributes, and its stage as a ``ZeroStageEnum`` (an integer enum: unpickling looks a member up by its value).
+None of them runs anything but setting attributes or looking up a member.
 ds_megatron's own files (RNG states, run state, configs) hold tensors and plain types and need nothing more.
 
 A file that needs anything else is refused with one line naming it and what it asks for, unless the caller was
@@ -20,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
 
 from ds_megatron.config import ConfigError
 
-SAFE_GLOBALS = [fragment_address]
+SAFE_GLOBALS = [fragment_address, LossScaler, DynamicLossScaler, ZeroStageEnum]
 
 
 def unsafe_reason(path: Path) -> str | None:

@@ -1,5 +1,6 @@
-"""Facts read off a DeepSpeed config in one place each: its precision, its ZeRO stage, whether DeepSpeed wraps the
-optimizer, and the (tp, pp, dp) layout a saved config was resolved for."""
+"""Facts read off a DeepSpeed config in one place each: its precision, its ZeRO stage, its gradient accumulation
+dtype, which optimizer wrapper DeepSpeed puts around ours, and the (tp, pp, dp) layout a saved config was resolved
+for."""
 
 from __future__ import annotations
 
@@ -17,10 +18,45 @@ def zero_stage(ds_config: dict) -> int:
     return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
 
 
+# DeepSpeed's spellings of data_types.grad_accum_dtype (its DtypeEnum), by precision.
+_DTYPE_NAMES = {
+    "fp32": ("fp32", "float32", "float", "torch.float32"),
+    "bf16": ("bf16", "bfloat16", "torch.bfloat16"),
+    "fp16": ("fp16", "float16", "half", "torch.float16"),
+}
+BF16_OPTIMIZER, ZERO_OPTIMIZER, FP16_OPTIMIZER = "BF16", "ZeRO", "FP16"
+
+
+def grad_accum_dtype(ds_config: dict) -> str:
+    """``"fp32"``, ``"bf16"`` or ``"fp16"``: the dtype gradients accumulate in (``data_types.grad_accum_dtype``;
+    unset: the model's precision, as DeepSpeed takes it).  An unknown spelling is returned as written."""
+    value = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
+    if value is None:
+        return precision(ds_config)
+    return next((p for p, names in _DTYPE_NAMES.items() if str(value).lower() in names), str(value))
+
+
+def optimizer_wrapper(ds_config: dict) -> str | None:
+    """The wrapper DeepSpeed's engine puts around the optimizer of a pipeline run (its own choice, made in
+    ``DeepSpeedEngine._do_optimizer_sanity_check``), or None for plain fp32 with ZeRO 0 (the optimizer itself):
+    ``"BF16"``, the BF16 optimizer (bf16 with ZeRO 1, fp32 gradient accumulation and no CPU offload; bf16 with
+    ZeRO 0 and bf16 accumulation); ``"ZeRO"``, the ZeRO optimizer (every other ZeRO >= 1 run, fp32 and fp16
+    included; its files also hold its loss scaler); ``"FP16"`` (fp16 with ZeRO 0).  DeepSpeed builds no other mix
+    of precision and accumulation dtype at ZeRO 0 (the config check refuses them before launch)."""
+    prec, accum, stage = precision(ds_config), grad_accum_dtype(ds_config), zero_stage(ds_config)
+    if stage > 0:
+        offload = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+        bf16_optimizer = (prec, accum, stage) == ("bf16", "fp32", 1) and offload != "cpu"
+        return BF16_OPTIMIZER if bf16_optimizer else ZERO_OPTIMIZER
+    if prec == "fp32":
+        return None
+    return BF16_OPTIMIZER if prec == "bf16" else FP16_OPTIMIZER
+
+
 def deepspeed_wraps_optimizer(ds_config: dict) -> bool:
     """bf16, fp16 and ZeRO replace the optimizer's parameters by flat fp32 partitions held in DeepSpeed's wrapper
     (which also computes the gradient norm and clips); plain fp32 with ZeRO 0 keeps the model's parameters."""
-    return precision(ds_config) != "fp32" or zero_stage(ds_config) > 0
+    return optimizer_wrapper(ds_config) is not None
 
 
 def saved_layout(ds_config: dict) -> tuple[int, int, int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_megatron.config.errors import ConfigError, nearest
-from ds_megatron.config.facts import zero_stage
+from ds_megatron.config.facts import grad_accum_dtype, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
@@ -288,6 +288,7 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         )
     if (ds_config.get("bf16") or {}).get("enabled") and (ds_config.get("fp16") or {}).get("enabled"):
         raise ConfigError("bf16.enabled", "bf16 and fp16 both enabled", "bf16=true, fp16=true", "enable only one")
+    check_grad_accum_dtype(ds_config)
     train = section.train
     _positive("ds_megatron.train.train_iters", train.train_iters)
     _positive("ds_megatron.train.log_interval", train.log_interval)
@@ -445,6 +446,23 @@ def check_text_settings(run: RunConfig) -> None:
     fraction = run.section.data.valid_fraction
     if not 0.0 < fraction < 0.5:
         raise ConfigError("ds_megatron.data.valid_fraction", "must be in (0, 0.5)", f"got {fraction}", "set e.g. 0.02")
+
+
+def check_grad_accum_dtype(ds_config: dict) -> None:
+    """DeepSpeed accumulates gradients in a dtype other than the model's only through a ZeRO optimizer; at ZeRO 0
+    it stops inside ``deepspeed.initialize`` on every rank (``NotImplementedError: unsupported mix``)."""
+    prec, accum, stage = precision(ds_config), grad_accum_dtype(ds_config), zero_stage(ds_config)
+    if accum not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(
+            "data_types.grad_accum_dtype", "unknown dtype", f"got {accum!r}", 'use "fp32", "bf16" or "fp16"'
+        )
+    if stage == 0 and accum != prec:
+        raise ConfigError(
+            "data_types.grad_accum_dtype",
+            "gradients accumulate in another dtype than the model's only with ZeRO stage 1",
+            f"grad_accum_dtype={accum}, model {prec}, zero_optimization.stage=0",
+            "set zero_optimization.stage to 1, or remove data_types.grad_accum_dtype",
+        )
 
 
 def check_tokenizer(spec: str, vocab_size: int) -> None:

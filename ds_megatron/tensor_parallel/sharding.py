@@ -5,7 +5,10 @@ comparing against references, and checkpoint export/import.
 
 Fused QKV (``c_attn``): the output dim holds [q | k | v], each head-major.  Splitting by heads means rank r takes
 heads [r a/t, (r+1) a/t) from each of q, k and v: view the dim as [3, t, h/t] and keep [:, r].
-Vocabulary: the full [V, h] table is padded with zero rows to [V_pad, h] first, then split in contiguous blocks.
+Vocabulary: the full [V, h] table is padded with zero rows to [V_pad, h] first, then split in contiguous blocks;
+merging strips the padding back to V.  V_pad depends on tp (a multiple of ``vocab_multiple`` x tp), so a table
+merged at one tp and cut at another must go through V: the rule carries both sizes, and every merge (resharding,
+offline resharding, export) strips to the rule's V rather than guessing which parameters are padded by name.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import torch
 @dataclass(frozen=True)
 class ShardRule:
     """``dim`` None: replicated.  ``fused``: number of equal fused blocks along dim (3 for QKV).
-    ``padded_size``: the full size along ``dim`` after zero padding (vocabulary), else None."""
+    ``padded_size``: the full size along ``dim`` after zero padding (vocabulary), else None; ``unpadded_size``: the
+    real size along ``dim`` before that padding (the vocabulary V), which :func:`unshard` strips back to."""
 
     dim: int | None = None
     fused: int = 1
     padded_size: int | None = None
+    unpadded_size: int | None = None
 
     @property
     def replicated(self) -> bool:
@@ -37,6 +42,11 @@ def shard(full: torch.Tensor, rule: ShardRule, rank: int, size: int) -> torch.Te
     if rule.replicated or size == 1 and rule.padded_size is None:
         return full.clone()
     dim = rule.dim
+    if rule.padded_size is not None and full.shape[dim] > rule.padded_size:
+        raise ValueError(
+            f"size {full.shape[dim]} along dim {dim} exceeds the padded size {rule.padded_size} (merge the shards "
+            "with unshard, which strips the padding, before cutting them at another tp)"
+        )
     if rule.padded_size is not None and rule.padded_size != full.shape[dim]:
         pad_shape = list(full.shape)
         pad_shape[dim] = rule.padded_size - full.shape[dim]
@@ -49,13 +59,15 @@ def shard(full: torch.Tensor, rule: ShardRule, rank: int, size: int) -> torch.Te
 
 
 def unshard(shards: list[torch.Tensor], rule: ShardRule, full_size: int | None = None) -> torch.Tensor:
-    """Inverse of :func:`shard`: the full tensor from all ranks' shards (padding stripped to ``full_size``)."""
+    """Inverse of :func:`shard`: the full tensor from all ranks' shards, padding stripped to the rule's
+    ``unpadded_size`` (``full_size``, when given, overrides it)."""
     if rule.replicated:
         return shards[0].clone()
     dim = rule.dim
     per_rank = [s.chunk(rule.fused, dim=dim) for s in shards]
     blocks = [torch.cat([p[i] for p in per_rank], dim=dim) for i in range(rule.fused)]
     full = torch.cat(blocks, dim=dim)
+    full_size = full_size if full_size is not None else rule.unpadded_size
     if full_size is not None and full.shape[dim] != full_size:
         full = full.narrow(dim, 0, full_size)
     return full.contiguous()
