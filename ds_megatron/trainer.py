@@ -346,9 +346,9 @@ def train(run: RunConfig, config_name: str = "run") -> int:
 
     A ConfigError out of the data phase is a problem pre-flight could not see, found while reading the data inside the
     launch (a text field missing in the third file, a corpus without tokens): every rank stops with EXIT_BAD_DATA and
-    rank 0 prints the line.  So does one out of the checkpoint verification, which needs the process group to share
-    the reading of a ``--load`` tag out and runs before the engine is built (a file that fails its sha256).  Only
-    those phases are caught: a ConfigError from building the engine or resuming keeps its traceback."""
+    rank 0 prints the line.  So does one out of the verification of a ``--load`` tag (a file that fails its sha256),
+    which runs before the engine is built and needs the process group only to spread the reading over the ranks.
+    Only those phases are caught: a ConfigError from building the engine or resuming keeps its traceback."""
     init_distributed()
     try:
         load_tag = verified_load_tag(run.section.checkpoint.load)
