@@ -18,6 +18,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
 
+from ds_megatron.checkpoint.run_state import read_weights_only
 from ds_megatron.config import RunConfig
 from ds_megatron.config.facts import deepspeed_wraps_optimizer, precision
 from ds_megatron.config.schedule import warmup_cosine_from
@@ -183,6 +184,7 @@ def build_engine(run: RunConfig) -> Built:
     schedule = warmup_cosine_from(run.ds_config)
     scheduler = None if schedule is None else functools.partial(WarmupCosineScheduler, schedule=schedule)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler)
+    read_weights_only(engine)  # DeepSpeed's own checkpoint reads unpickle weights-only too
     if install_step_sp_grad_sync(engine, topology, run) and topology.rank == 0:
         print("ds_megatron: SP-replicated gradients summed over TP once per step (fp32)", flush=True)
     return Built(engine, topology, plan, rng, gpt_config, run)

@@ -21,3 +21,12 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def first_missing_ancestor(path: str | Path) -> Path | None:
+    """The outermost directory of ``path`` (itself included) that does not exist yet: what to remove, after a
+    failure, to leave the filesystem as it was before ``path`` was created with its parents.  None if it exists."""
+    path, missing = Path(path), None
+    while not path.exists():
+        missing, path = path, path.parent
+    return missing

@@ -219,8 +219,9 @@ def check_init_from_hf(run: RunConfig, init: Path) -> None:
 
 
 def check_resume(run: RunConfig, load: Path) -> None:
-    """``--load`` needs a complete checkpoint whose model and layout match this run."""
-    from ds_megatron.checkpoint.manifest import newest_complete_tag, tag_config
+    """``--load`` needs a complete checkpoint whose model and layout match this run, and whose files are safe to
+    read (``check_resume_files``)."""
+    from ds_megatron.checkpoint.manifest import newest_complete_tag
 
     tag = newest_complete_tag(load)
     if tag is None:
@@ -230,6 +231,52 @@ def check_resume(run: RunConfig, load: Path) -> None:
             f"{load} has no tag with a manifest",
             "pass a directory written by --save (incomplete tags from a crash are skipped)",
         )
+    check_resume_shape(run, load, tag)
+    check_resume_files(load, tag)
+
+
+def check_resume_files(load: Path, tag: str) -> None:
+    """Once per node (its first process; the same files give the same answer on every node, and rank 0 prints
+    it): the tag holds no file a loader would open that its manifest does not list, and every torch file of it
+    unpickles weights-only.  Only each file's pickle is read (tensor data is memory-mapped): 0.2-0.35 ms per tensor
+    measured, 35-50 ms for a 1 GB file of 256 tensors.  The few files that would have to be read whole for this
+    (``safe_load.cheap_to_check``) are checked in the launch, with the sha256 of every file
+    (``run_state.verified_load_tag``, each rank a share)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    from ds_megatron.checkpoint import safe_load
+    from ds_megatron.checkpoint.manifest import checksum_mismatch, corrupt_checkpoint, unlisted
+    from ds_megatron.checkpoint.run_state import LOAD_SETTING, UNSAFE_FIX, corrupt_fix
+
+    problem = unlisted(load / tag)
+    if problem is not None:
+        raise corrupt_checkpoint(LOAD_SETTING, problem, corrupt_fix(load, tag))
+    for f in sorted((load / tag).glob("*.pt")):
+        if not safe_load.cheap_to_check(f):
+            continue
+        try:
+            what = safe_load.unsafe_reason(f)
+        except Exception as err:  # torch's reader on a damaged file: any of several types
+            what, unreadable = None, (str(err).strip().splitlines() or [type(err).__name__])[0]
+        else:
+            unreadable = None
+        if what is None and unreadable is None:
+            continue
+        # A damaged pickle reads like one that asks for odd globals, or not at all: say which it is.
+        damaged = checksum_mismatch(load / tag, [f.name])
+        if damaged is not None:
+            raise corrupt_checkpoint(LOAD_SETTING, damaged, corrupt_fix(load, tag))
+        if what is not None:
+            raise safe_load.refusal(f, what, LOAD_SETTING, UNSAFE_FIX)
+        raise ConfigError(
+            LOAD_SETTING, "a checkpoint file cannot be read", f"{tag}/{f.name}: {unreadable}", corrupt_fix(load, tag)
+        )
+
+
+def check_resume_shape(run: RunConfig, load: Path, tag: str) -> None:
+    """The checkpoint's model shape (and, under fp16, its layout) is this run's."""
+    from ds_megatron.checkpoint.manifest import tag_config
+
     saved = tag_config(load, tag)
     if saved is None:
         return

@@ -3,7 +3,8 @@
 Reads top to bottom: :func:`train` builds the engine and the data, :meth:`Trainer.setup` resumes and starts the
 logger; :meth:`Trainer.fit` loops ``step -> log -> maybe eval -> maybe save -> maybe stop``; :meth:`Trainer.finish`
 evaluates, saves, prints two samples (greedy, top-k) and draws the loss curve.  Exit status: 0 done (or stopped on
-request), 2 bad data (a :class:`ConfigError` from the data phase), 3 stopped by the numerical guard.
+request), 2 bad data or a ``--load`` tag that fails verification (a :class:`ConfigError` from those phases), 3 stopped
+by the numerical guard.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_megatron.checkpoint.run_state import load_run, save_run
+from ds_megatron.checkpoint.run_state import load_run, save_run, verified_load_tag
 from ds_megatron.config import ConfigError, RunConfig
 from ds_megatron.data import MicroBatchStream
 from ds_megatron.data.prepare import RunData, prepare_data
-from ds_megatron.engine import Built, build_engine
+from ds_megatron.engine import Built, build_engine, init_distributed
 from ds_megatron.flops import block_fields
 from ds_megatron.generate import Decoder
 from ds_megatron.metrics import MetricsLogger, WandbRun, format_record, lookup_peak_tflops, throughput
@@ -80,13 +81,14 @@ class Trainer:
 
     # ---- setup -------------------------------------------------------------------------------------------------
     @classmethod
-    def setup(cls, run: RunConfig, built: Built, run_dir: Path, data: RunData) -> Trainer:
-        """Resume from ``checkpoint.load``, start the logger and the micro-batch stream."""
+    def setup(cls, run: RunConfig, built: Built, run_dir: Path, data: RunData, load_tag: str | None = None) -> Trainer:
+        """Resume from ``checkpoint.load`` (tag ``load_tag``, the one verified), start the logger and the micro-batch
+        stream."""
         sec = run.section
         topo = built.topology
         start_step, wandb_id, skipped = 0, None, 0
         if sec.checkpoint.load:
-            client = load_run(built.engine, sec.checkpoint.load, built.rng, built.plan, topo, run.ds_config)
+            client = load_run(built.engine, sec.checkpoint.load, built.rng, built.plan, topo, run.ds_config, load_tag)
             start_step, wandb_id, skipped = client.get("step", 0), client.get("wandb_run_id"), client.get("skipped", 0)
         log = sec.logging
         wandb_run = None
@@ -327,8 +329,16 @@ def train(run: RunConfig, config_name: str = "run") -> int:
 
     A ConfigError out of the data phase is a problem pre-flight could not see, found while reading the data inside the
     launch (a text field missing in the third file, a corpus without tokens): every rank stops with EXIT_BAD_DATA and
-    rank 0 prints the line.  Only that phase is caught: a ConfigError from building the engine or resuming keeps its
-    traceback."""
+    rank 0 prints the line.  So does one out of the verification of a ``--load`` tag (a file that fails its sha256),
+    which runs before the engine is built and needs the process group only to spread the reading over the ranks.
+    Only those phases are caught: a ConfigError from building the engine or resuming keeps its traceback."""
+    init_distributed()
+    try:
+        load_tag = verified_load_tag(run.section.checkpoint.load)
+    except ConfigError as err:
+        if dist.get_rank() == 0:
+            print(str(err), file=sys.stderr, flush=True)
+        return EXIT_BAD_DATA
     built = build_engine(run)
     rank = built.topology.rank
     run_dir = start_run_dir(run, config_name, rank)
@@ -338,4 +348,4 @@ def train(run: RunConfig, config_name: str = "run") -> int:
         if rank == 0:
             print(str(err), file=sys.stderr, flush=True)
         return EXIT_BAD_DATA
-    return Trainer.setup(run, built, run_dir, data).fit()
+    return Trainer.setup(run, built, run_dir, data, load_tag).fit()

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from launch import RECIPE, ROOT, WORKERS, _free_port, deepspeed_launch, quiet_run_flags, read_losses
 
+from ds_megatron.checkpoint.manifest import MANIFEST, file_record
 from ds_megatron.config.schedule import warmup_cosine_from
 
 TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
@@ -41,10 +43,16 @@ def _fake_checkpoint(root: Path, shape_change: dict | None = None, tp: int = 2, 
     tag = root / "step00000002"
     tag.mkdir(parents=True)
     (tag / "config.json").write_text(json.dumps(cfg))
-    (tag / "a.pt").write_bytes(b"x" * 10)
-    (tag / "manifest.json").write_text(json.dumps({"step": 2, "files": {"a.pt": {"bytes": 10, "sha256": ""}}}))
+    torch.save({"step": 2}, tag / "a.pt")
+    seal(tag)
     (root / "latest").write_text("step00000002")
     return root
+
+
+def seal(tag: Path) -> None:
+    """Write the manifest of the files now in ``tag``, as a save does."""
+    records = {p.name: file_record(p) for p in sorted(tag.iterdir()) if p.name != MANIFEST}
+    (tag / MANIFEST).write_text(json.dumps({"step": 2, "files": records}))
 
 
 BAD = [
@@ -149,6 +157,52 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, name, args, setting
     assert lines[0].startswith(f"error: {setting}: ") and detail in lines[0] and ";" in lines[0], lines[0]
     assert "Traceback" not in proc.stderr
     assert not save.exists()
+
+
+class _WritesMarker:
+    """Unpickling this calls ``Path.touch(marker)``: what a crafted checkpoint could do with any function."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def test_load_of_a_file_whose_unpickling_would_run_code_is_refused_before_launch(tmp_path):
+    """A payload in DeepSpeed's model states, a per-layer file or an RNG file, with a manifest that vouches for it
+    (the bytes are as saved: what they hold is the problem): pre-flight refuses each before any process group, the
+    payload never runs.  So does a loadable file the manifest does not list, and a damaged pickle is called damaged
+    (not code to refuse)."""
+    from ds_megatron.config import ConfigError
+    from ds_megatron.preflight import check_resume_files
+
+    marker = tmp_path / "marker"
+    for name in ("mp_rank_00_model_states.pt", "layer_02-model_00-model_states.pt", "rng_rank00001.pt"):
+        ck = _fake_checkpoint(tmp_path / name)
+        torch.save({"step": 2, "payload": _WritesMarker(marker)}, ck / "step00000002" / name)
+        seal(ck / "step00000002")
+        with pytest.raises(ConfigError, match=f"step00000002/{name} asks for GLOBAL "):
+            check_resume_files(ck, "step00000002")
+    proc = cli(["--load", str(ck), "--save", str(tmp_path / "save")])  # the last one, through the recipe
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("error: ds_megatron.checkpoint.load: a checkpoint file needs more than tensors"), lines
+    assert "--trust-checkpoint" in lines[0], lines
+    assert not marker.exists() and not (tmp_path / "save").exists()
+
+    added = _fake_checkpoint(tmp_path / "added")
+    torch.save({"step": 2}, added / "step00000002" / "extra.pt")
+    with pytest.raises(ConfigError, match="does not match its manifest .*step00000002/extra.pt is not in manifest"):
+        check_resume_files(added, "step00000002")
+    damaged = _fake_checkpoint(tmp_path / "damaged")
+    f = damaged / "step00000002" / "a.pt"
+    torch.save({"w": torch.ones(2)}, f)
+    seal(damaged / "step00000002")
+    f.write_bytes(f.read_bytes().replace(b"_rebuild_tensor_v2", b"_rebuild_tensor_v3"))  # in the pickle, same size
+    with pytest.raises(ConfigError, match="does not match its manifest .*step00000002/a.pt: sha256"):
+        check_resume_files(damaged, "step00000002")
 
 
 def _launch_recipe(args: list[str], faults: list[str] | None = None) -> subprocess.Popen:

@@ -7,8 +7,9 @@ column-parallel on the output dim, row-parallel on the input dim, vocabulary blo
 checks that replicated parameters agree across TP ranks, maps the names through ``keymap.to_hf_state_dict`` and
 writes safetensors shards (plus ``model.safetensors.index.json`` when there is more than one), ``config.json``,
 ``generation_config.json`` and the tokenizer.  It streams layer by layer: at most one output shard and one layer's
-TP shards are in memory at a time.  Everything is written to a temporary directory renamed at the end, so a failed
-export leaves nothing under ``--out``.
+TP shards are in memory at a time.  Every file of the tag is checked against its manifest's sha256 before any is
+read.  Everything is written to a temporary directory (``<out>.partial-*``) renamed at the end and removed on any
+failure, so a failed export leaves nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,10 +26,11 @@ import torch
 from ds_megatron.checkpoint import safe_load
 from ds_megatron.checkpoint.keymap import TIED_HEAD, is_conv1d
 from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_plan
-from ds_megatron.checkpoint.manifest import is_complete, newest_complete_tag
+from ds_megatron.checkpoint.manifest import complete_tags, is_complete, newest_complete_tag, verify_tag
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import saved_layout
+from ds_megatron.fileio import first_missing_ancestor
 from ds_megatron.model import ModelConfig, build_model
 from ds_megatron.parallelize import ParallelPlan, shard_rule
 from ds_megatron.tensor_parallel import unshard
@@ -53,6 +56,8 @@ def read_checkpoint_config(ckpt_dir: Path, tag: str | None, trust: bool = False)
     states = ckpt_dir / tag / "mp_rank_00_model_states.pt"
     if not states.exists() or not is_complete(ckpt_dir / tag):
         raise ConfigError("--checkpoint", "incomplete checkpoint", f"{states} is missing", "use a complete tag")
+    # Every file against its sha256 before any is read (one pass over the tag's bytes).
+    verify_tag(ckpt_dir / tag, "--checkpoint", f"export another tag (--tag; complete ones: {complete_tags(ckpt_dir)})")
     client = safe_load.load(states, trust=trust, mmap=True)
     if "config" not in client:
         raise ConfigError(
@@ -136,9 +141,6 @@ def export(
     progress: bool = True,
     trust_checkpoint: bool = False,
 ) -> Path:
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     if dtype not in DTYPES:
         raise ConfigError("--dtype", "unknown dtype", dtype, f"use one of {sorted(DTYPES)}")
@@ -150,14 +152,37 @@ def export(
     gpt = run_model_config(run)
     plan = shard_plan(gpt, run, tp)
     limit = parse_size(max_shard_size)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    created = first_missing_ancestor(out.parent)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.partial-", dir=out.parent))
+    bar = _bar(len(pipeline_layout(gpt).saved_layers()), progress)
+    try:
+        _write_hf_dir(tmp, ckpt_dir, tag, gpt, plan, tp, run, dtype, limit, tokenizer_dir, trust_checkpoint, bar)
+        if out.exists():
+            out.rmdir()  # empty (checked above); a file put there meanwhile fails the export instead of being lost
+        os.replace(tmp, out)
+    except BaseException:
+        # A failed export leaves nothing: not its temporary directory, not the parents it created.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()  # ends the bar's line, so that an error printed next starts on a line of its own
+    return out
+
+
+def _write_hf_dir(
+    tmp: Path, ckpt_dir: Path, tag: str, gpt, plan, tp: int, run, dtype, limit, tokenizer_dir, trust, bar
+):
+    """Everything ``export`` writes, into ``tmp``."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, files, weight_map = 0, [], {}
-    total = len(pipeline_layout(gpt).saved_layers())
     shapes = expected_shapes(gpt)
-    bar = _bar(total, progress)
 
     def flush():
         nonlocal shard, shard_bytes
@@ -169,7 +194,7 @@ def export(
             shard, shard_bytes = {}, 0
 
     last_prefix = None
-    for name, tensor in iter_full_parameters(ckpt_dir / tag, gpt, plan, tp, trust_checkpoint):
+    for name, tensor in iter_full_parameters(ckpt_dir / tag, gpt, plan, tp, trust):
         if tuple(tensor.shape) != shapes.get(name):
             raise ConfigError(
                 "--checkpoint",
@@ -189,8 +214,6 @@ def export(
         shard[name] = hf
         shard_bytes += size
     flush()
-    if bar is not None:
-        bar.close()
     if len(files) == 1:
         os.replace(tmp / files[0], tmp / "model.safetensors")
     else:
@@ -211,9 +234,6 @@ def export(
     hf_config.architectures = [HF_ARCHITECTURES[gpt.family]]
     hf_config.save_pretrained(tmp)
     GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
 
 
 def _find_tokenizer(ckpt_dir: Path, run) -> Path | None:

@@ -1,7 +1,11 @@
-"""Which checkpoint tags are complete (standard library only, so the command line can check before launching).
+"""Which checkpoint tags are complete, and whether their files are still what was saved (standard library only, so
+the command line can check before launching).
 
 A tag is complete when ``manifest.json`` exists and every file it lists is present with its recorded size.  The
-tag also carries ``config.json``, the resolved configuration it was trained with.
+tag also carries ``config.json``, the resolved configuration it was trained with.  The manifest also records each
+file's sha256: every reader of a tag (``--load``, ``export``, ``reshard``) hashes the files before it reads them
+and refuses a tag whose bytes changed since the save (a flipped bit on disk, a copy cut short, a file edited or
+replaced), and one that holds a loadable file the manifest does not list.
 """
 
 from __future__ import annotations
@@ -9,24 +13,35 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ds_megatron.config import ConfigError
 from ds_megatron.fileio import atomic_write_text, sha256_file
 
 MANIFEST = "manifest.json"
 TAG_CONFIG = "config.json"
+# What the readers of a tag open: DeepSpeed's and ds_megatron's torch files, ds_megatron's JSON records.
+READ_SUFFIXES = (".pt", ".json")
 
 
 def is_complete(tag_dir: Path, verify_checksums: bool = False) -> bool:
     return incompleteness(tag_dir, verify_checksums) is None
 
 
-def incompleteness(tag_dir: Path, verify_checksums: bool = False) -> str | None:
-    """Why ``tag_dir`` is not a complete tag (the first problem found), or None when it is."""
-    manifest = tag_dir / MANIFEST
-    if not manifest.is_file():
-        return f"{tag_dir.name} has no {MANIFEST}"
+def manifest_records(tag_dir: Path) -> dict[str, dict] | None:
+    """The manifest's ``{file name: {"bytes", "sha256"}}``, or None when there is no readable manifest."""
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError):
+        files = json.loads((tag_dir / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return files if isinstance(files, dict) else None
+
+
+def incompleteness(tag_dir: Path, verify_checksums: bool = False) -> str | None:
+    """Why ``tag_dir`` is not a complete tag (the first problem found), or None when it is.  With
+    ``verify_checksums``, a file whose sha256 differs from the manifest's counts as a problem too."""
+    if not (tag_dir / MANIFEST).is_file():
+        return f"{tag_dir.name} has no {MANIFEST}"
+    files = manifest_records(tag_dir)
+    if files is None:
         return f"{tag_dir.name}/{MANIFEST} is not a manifest"
     for name, meta in files.items():
         f = tag_dir / name
@@ -34,9 +49,66 @@ def incompleteness(tag_dir: Path, verify_checksums: bool = False) -> str | None:
             return f"{tag_dir.name}/{name} is missing"
         if f.stat().st_size != meta["bytes"]:
             return f"{tag_dir.name}/{name} has {f.stat().st_size} bytes, the manifest says {meta['bytes']}"
-        if verify_checksums and sha256_file(f) != meta["sha256"]:
-            return f"{tag_dir.name}/{name} does not match its sha256 in the manifest"
+    return checksum_mismatch(tag_dir, sorted(files)) if verify_checksums else None
+
+
+def shares(records: dict[str, dict], world: int) -> list[list[str]]:
+    """``records``' file names split over ``world`` processes by bytes, so that hashing them takes about the same
+    time everywhere: the largest file first, each to the process with the fewest bytes so far (the lowest rank on a
+    tie).  Deterministic: every rank computes the same split without talking to the others."""
+    loads, split = [0] * world, [[] for _ in range(world)]
+    for name in sorted(records, key=lambda n: (-records[n]["bytes"], n)):
+        rank = loads.index(min(loads))
+        split[rank].append(name)
+        loads[rank] += records[name]["bytes"]
+    return [sorted(names) for names in split]
+
+
+def checksum_mismatch(tag_dir: Path, names: list[str]) -> str | None:
+    """The first of ``names`` (files the manifest lists) whose sha256 is not the recorded one, as ``tag/file: sha256
+    ..., the manifest says ...``; None when all match.  Reads every byte of those files."""
+    files = manifest_records(tag_dir) or {}
+    for name in names:
+        expected = files[name]["sha256"]
+        actual = sha256_file(tag_dir / name)
+        if actual != expected:
+            return f"{tag_dir.name}/{name}: sha256 {actual[:16]}..., the manifest says {str(expected)[:16]}..."
     return None
+
+
+def unlisted(tag_dir: Path) -> str | None:
+    """A file a reader would open (``READ_SUFFIXES``) that the manifest does not list, or None.  Every file a save
+    writes is listed (the manifest is written after all of them), so such a file was added afterwards."""
+    listed = set(manifest_records(tag_dir) or {})
+    extra = sorted(
+        p.name for p in tag_dir.iterdir() if p.suffix in READ_SUFFIXES and p.name != MANIFEST and p.name not in listed
+    )
+    return f"{tag_dir.name}/{extra[0]} is not in {MANIFEST}" if extra else None
+
+
+def tag_problem(tag_dir: Path, rank: int = 0, world: int = 1) -> str | None:
+    """What is wrong with ``tag_dir`` as far as process ``rank`` of ``world`` checks it: missing files and sizes
+    and unlisted files (cheap: every rank checks them all), then the sha256 of this rank's share of the files
+    (``shares``).  One process (``world`` 1) hashes every file.  None when nothing is wrong."""
+    problem = incompleteness(tag_dir) or unlisted(tag_dir)
+    if problem is not None:
+        return problem
+    return checksum_mismatch(tag_dir, shares(manifest_records(tag_dir), world)[rank])
+
+
+def corrupt_checkpoint(setting: str, problem: str, fix: str) -> ConfigError:
+    """The one-line refusal of a tag that ``tag_problem`` found fault with."""
+    return ConfigError(
+        setting, "the checkpoint does not match its manifest (changed or damaged since the save)", problem, fix
+    )
+
+
+def verify_tag(tag_dir: Path, setting: str, fix: str) -> None:
+    """Single process: refuse ``tag_dir`` unless every file it lists is there with its size and sha256 and nothing
+    loadable was added (what the offline commands run before they read a tag)."""
+    problem = tag_problem(tag_dir)
+    if problem is not None:
+        raise corrupt_checkpoint(setting, problem, fix)
 
 
 def file_record(path: Path) -> dict:

@@ -47,6 +47,7 @@ from ds_megatron.checkpoint.manifest import (
     incompleteness,
     newest_complete_tag,
     tag_config,
+    verify_tag,
     write_manifest,
 )
 from ds_megatron.checkpoint.masters import optimizer_files
@@ -92,6 +93,7 @@ def reshard_checkpoint(
     old_cfg = tag_config(src, tag)
     kind = _optimizer_kind(src / tag, old_cfg)
     target = _target_run(old_cfg, tp, pp, dp)
+    verify_tag(src / tag, "--checkpoint", f"reshard another tag (--tag; complete ones: {complete_tags(src)})")
     for f in sorted((src / tag).glob("*.pt")):  # refuse before DeepSpeed-format files are unpickled for real
         what = None if trust else safe_load.unsafe_reason(f)
         if what is not None:

@@ -10,6 +10,12 @@ a half-written tag that ``latest`` names.  Here a tag counts only once every ran
 ``manifest.json`` lists every file with its size and sha256 (computed in parallel, each rank a share of the files);
 only then is ``latest`` replaced, atomically (write a temporary file, rename).  Loading takes the newest *complete*
 tag and warns about any newer incomplete one; ``keep_last`` counts complete tags only and never deletes the newest.
+
+What ``--load`` trusts: nothing in the tag.  Before launch, pre-flight refuses a tag with a file its manifest does
+not list or a torch file whose unpickling would need more than tensors and plain types (``preflight.check_resume``).
+In the launch, before the engine is built, :func:`verified_load_tag` reads every byte back against the manifest's
+sha256, each rank a share; and DeepSpeed then reads the files through :class:`safe_load.WeightsOnlyReads`, so a
+file swapped after those checks is refused too, never run.
 """
 
 from __future__ import annotations
@@ -27,9 +33,13 @@ from ds_megatron.checkpoint.manifest import (
     MANIFEST,
     TAG_CONFIG,
     complete_tags,
+    corrupt_checkpoint,
     file_record,
+    manifest_records,
     newest_complete_tag,
+    shares,
     tag_config,
+    tag_problem,
     write_manifest,
 )
 from ds_megatron.config import ConfigError
@@ -68,8 +78,8 @@ def seal_tag(root: Path, tag: str, step: int, keep_last: int) -> None:
     """Collective, after every rank has written its files: the manifest, then ``latest``, then old tags go.
     Until the manifest exists the tag does not count as a checkpoint (a crash before this leaves it ignored)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    names = sorted(p.name for p in (root / tag).iterdir() if p.is_file() and p.name != MANIFEST)
-    mine = {n: file_record(root / tag / n) for n in names[rank::world]}
+    sizes = {p.name: {"bytes": p.stat().st_size} for p in (root / tag).iterdir() if p.is_file() and p.name != MANIFEST}
+    mine = {n: file_record(root / tag / n) for n in shares(sizes, world)[rank]}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -82,12 +92,15 @@ def seal_tag(root: Path, tag: str, step: int, keep_last: int) -> None:
     dist.barrier()
 
 
-def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=None, run_config=None) -> dict:
-    """Collective.  Loads the newest complete tag into the engine and this rank's RNG states; returns the client
-    state.  A checkpoint written at another layout (``facts.needs_resharding`` against ``run_config``, the resolved
-    config of this run) is resharded (``reshard.py``)."""
+def load_run(
+    engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=None, run_config=None, tag: str | None = None
+) -> dict:
+    """Collective.  Loads tag ``tag`` (default: the newest complete one; pass the one :func:`verified_load_tag`
+    returned) into the engine and this rank's RNG states; returns the client state.  A checkpoint written at another
+    layout (``facts.needs_resharding`` against ``run_config``, the resolved config of this run) is resharded
+    (``reshard.py``)."""
     root = Path(load_dir)
-    tag = newest_complete_tag(root)
+    tag = tag or newest_complete_tag(root)
     if tag is None:
         raise ConfigError("--load", "no complete checkpoint", str(root), "pass a directory written by --save")
     newer = [p.name for p in root.glob("step*") if p.is_dir() and p.name > tag]
@@ -97,7 +110,6 @@ def load_run(engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=
             file=sys.stderr,
             flush=True,
         )
-    refuse_unsafe_files(root / tag)
     saved = tag_config(root, tag)
     if plan is not None and saved is not None and run_config is not None and needs_resharding(saved, run_config):
         from ds_megatron.checkpoint.reshard import load_resharded
@@ -136,21 +148,61 @@ UNSAFE_FIX = (
 )
 
 
-def refuse_unsafe_files(tag_dir: Path) -> None:
-    """Collective.  DeepSpeed's ``engine.load_checkpoint`` unpickles its files with ``weights_only=False`` (its
-    torch checkpoint engine), so a crafted file would run code in every process.  Before DeepSpeed reads anything,
-    every ``.pt`` file of the tag is read weights-only once (each rank a share; tensor data is memory-mapped, not
-    read), and a file that needs more refuses the resume on every rank with the same line."""
+LOAD_SETTING = "ds_megatron.checkpoint.load"
+
+
+def corrupt_fix(root: Path, tag: str) -> str:
+    """What to do about a tag whose files are not the ones its manifest lists."""
+    return (
+        f"put back the files of {tag} as they were saved (from a copy), or move {root}/{tag} out of the directory to "
+        "resume from the complete tag before it"
+    )
+
+
+def verified_load_tag(load_dir: str | Path | None) -> str | None:
+    """Collective, before the engine is built: the tag ``--load`` resumes from (the newest complete one; None
+    without ``--load``), once every file its manifest lists has been read back with the recorded sha256 and every
+    torch file pre-flight could not check cheaply (``safe_load.cheap_to_check``) has been found weights-only.  Each
+    rank reads its share (``manifest.shares``, by bytes: no rank reads every file), then all agree: a problem any
+    rank found raises the same ConfigError on every rank."""
+    if load_dir is None:
+        return None
+    root = Path(load_dir)
+    tag = newest_complete_tag(root)
+    if tag is None:  # pre-flight found one: it was removed since
+        raise ConfigError(LOAD_SETTING, "no complete checkpoint there", str(root), "pass a directory written by --save")
     rank, world = dist.get_rank(), dist.get_world_size()
-    names = sorted(p.name for p in tag_dir.glob("*.pt"))
-    mine = None
-    for name in names[rank::world]:
-        what = safe_load.unsafe_reason(tag_dir / name)
-        if what is not None:
-            mine = (name, what)
-            break
+    try:
+        mine = _share_problem(root, tag, rank, world)
+    except Exception as err:  # a rank that fails must still reach the agreement, or the others wait in it for good
+        first = (str(err).strip().splitlines() or [""])[0]
+        mine = ConfigError(
+            LOAD_SETTING, "a checkpoint file cannot be read", f"{type(err).__name__}: {first}", "check it"
+        )
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine)  # a ConfigError pickles whole (config/errors.py)
     found = next((g for g in gathered if g is not None), None)
     if found is not None:
-        raise safe_load.refusal(tag_dir / found[0], found[1], "--load", UNSAFE_FIX)
+        raise found
+    return tag
+
+
+def _share_problem(root: Path, tag: str, rank: int, world: int) -> ConfigError | None:
+    """This rank's part of :func:`verified_load_tag`: the refusal it found, or None."""
+    problem = tag_problem(root / tag, rank, world)
+    if problem is not None:
+        return corrupt_checkpoint(LOAD_SETTING, problem, corrupt_fix(root, tag))
+    for name in shares(manifest_records(root / tag), world)[rank]:
+        f = root / tag / name
+        # pre-flight skipped these: reading them weights-only reads them whole
+        if name.endswith(".pt") and not safe_load.cheap_to_check(f):
+            what = safe_load.unsafe_reason(f)
+            if what is not None:
+                return safe_load.refusal(f, what, LOAD_SETTING, UNSAFE_FIX)
+    return None
+
+
+def read_weights_only(engine) -> None:
+    """Make DeepSpeed read this engine's checkpoint files weights-only (``safe_load.WeightsOnlyReads``); a file that
+    needs more is refused with the same line as pre-flight's."""
+    engine.checkpoint_engine = safe_load.WeightsOnlyReads(engine.checkpoint_engine, LOAD_SETTING, UNSAFE_FIX)

@@ -14,13 +14,15 @@ None of them runs anything but setting attributes or looking up a member.
 ds_megatron's own files (RNG states, run state, configs) hold tensors and plain types and need nothing more.
 
 A file that needs anything else is refused with one line naming it and what it asks for, unless the caller was
-given an explicit trust flag (``--trust-checkpoint`` on the offline commands).
+given an explicit trust flag (``--trust-checkpoint`` on the offline commands).  DeepSpeed's own reads go through the
+same reader once its engine holds a :class:`WeightsOnlyReads` checkpoint engine (``run_state.read_weights_only``).
 """
 
 from __future__ import annotations
 
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,13 @@ def unsafe_reason(path: Path) -> str | None:
     return None
 
 
+def cheap_to_check(path: Path) -> bool:
+    """Whether :func:`unsafe_reason` reads only the pickle of ``path`` (torch's zip format, what ``torch.save`` and
+    DeepSpeed write by default: tensor data is memory-mapped) rather than the whole file (the legacy format, which
+    cannot be memory-mapped; DeepSpeed writes it with ``"checkpoint": {"checkpoint_serialization": false}``)."""
+    return zipfile.is_zipfile(path)
+
+
 def load(path: Path, *, trust: bool = False, mmap: bool = False, setting: str = "--checkpoint", fix: str = "") -> Any:
     """``torch.load`` of one checkpoint file on the CPU, weights only unless ``trust``.  ``mmap`` maps tensor data
     instead of reading it (host memory then holds only the pages touched).  A refused file raises a ConfigError
@@ -58,6 +67,25 @@ def load(path: Path, *, trust: bool = False, mmap: bool = False, setting: str = 
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = f"{path.parent.name}/{path.name}: {first}"
         raise ConfigError(setting, "a checkpoint file cannot be read", where, "use a complete checkpoint") from None
+
+
+class WeightsOnlyReads:
+    """A DeepSpeed checkpoint engine whose ``load`` is :func:`load` (weights only) and which is the wrapped engine in
+    everything else (saving, commits, writers).  DeepSpeed's engine and pipeline module read every file of a
+    checkpoint through ``engine.checkpoint_engine.load`` (model states, per-layer files, optimizer partitions), and
+    its torch engine unpickles with ``weights_only=False``.  Files always land on the CPU, as DeepSpeed's callers
+    ask (``"cpu"`` or a ``map_location`` that keeps each storage where it was read)."""
+
+    def __init__(self, inner, setting: str, fix: str):
+        self.inner, self.setting, self.fix = inner, setting, fix
+
+    def load(self, path: str, map_location=None) -> Any:
+        return load(Path(path), setting=self.setting, fix=self.fix)
+
+    def __getattr__(self, name: str) -> Any:  # only for names this class lacks
+        if name == "inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def refusal(path: Path, what: str, setting: str = "--checkpoint", fix: str = "") -> ConfigError:
