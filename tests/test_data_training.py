@@ -256,6 +256,7 @@ def test_a_data_problem_inside_the_launch_exits_2_in_one_line(tmp_path, monkeypa
     def no_tokens(*args):
         raise problem
 
+    monkeypatch.setattr(trainer, "init_distributed", lambda: None)  # no process group in this test
     monkeypatch.setattr(trainer, "build_engine", lambda run: built)
     monkeypatch.setattr(trainer, "prepare_data", no_tokens)
     monkeypatch.setattr(trainer, "run_dir_for", lambda run, name: tmp_path / "run")
