@@ -291,16 +291,19 @@ class Trainer:
 
     def plot(self) -> None:
         """The logging rank draws ``loss.png`` next to ``metrics.jsonl`` (the logger's file names the run directory),
-        from every record there: a resumed run's picture shows the whole run."""
+        from every record there: a resumed run's figure shows the whole run.  Titled with the wandb run name, else
+        the run directory's name."""
         if self.logger.file is None:
             return
         metrics = Path(self.logger.file.name)
+        tokens_per_step = self.run.global_batch_size * self.run.model.seq_length
+        title = self.run.section.logging.wandb_run_name or metrics.parent.name
         try:
-            path = write_loss_plot(read_records(metrics), metrics.with_name("loss.png"))
+            path = write_loss_plot(read_records(metrics), metrics.with_name("loss.png"), tokens_per_step, title)
         except Exception as err:  # a picture is not worth failing a finished, saved run, nor hanging the other ranks
             self.logger.say(f"warning: loss curve not drawn: {type(err).__name__}: {err}")
             return
-        self.logger.say(f"loss curve | {path} (training loss per logged step, validation loss points)")
+        self.logger.say(f"loss curve | {path} (loss, validation loss, learning rate, grad norm, tokens/s vs tokens)")
 
 
 def _shown(tok, ids: list[int], is_blank) -> str:
