@@ -15,18 +15,16 @@ import pytest
 
 from ds_megatron.tune import build_cluster, build_model_shape
 from ds_megatron.tune import inference_empirical as ie
+from ds_megatron.tune import inference_probe as probe
 from ds_megatron.tune.inference import Serving, Workload, evaluate_serving, inference_time, search_inference
 from ds_megatron.tune.inference_cli import main
 from ds_megatron.tune.inference_empirical import (
-    InferenceEmpiricalOptions,
-    InferenceRun,
     final_ranking,
     fit_inference_model,
-    measured_figures,
     recalibrate,
-    record_outcomes,
     run_inference_empirical,
 )
+from ds_megatron.tune.inference_probe import InferenceEmpiricalOptions, InferenceRun, measured_figures, record_outcomes
 from ds_megatron.tune.time_model import FIT_TERMS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,9 +69,13 @@ def test_the_six_candidates_are_tp_1_and_2_at_every_batch_in_one_launch(result):
     assert [(e.serving.tp, e.serving.pp) for e in picked] == [(1, 1)] * 3 + [(2, 1)] * 3
     assert sorted(e.serving.batch for e in picked) == [1, 1, 8, 8, 32, 32]
     assert {e.serving.replicas for e in picked if e.serving.tp == 1} == {2}  # the replicas are counted, not run
-    assert ie.launch_groups([1, 2, 1, 2]) == [(1, 2)]
-    assert ie.launch_groups([4, 1, 2, 8]) == [(1, 8), (2,), (4,)]  # a tp between 1 and the world: its own launch
-    assert ie.launch_groups([2, 4]) == [(2,), (4,)] and ie.launch_groups([1]) == [(1,)] and ie.launch_groups([]) == []
+    assert probe.launch_groups([1, 2, 1, 2]) == [(1, 2)]
+    assert probe.launch_groups([4, 1, 2, 8]) == [(1, 8), (2,), (4,)]  # a tp between 1 and the world: its own launch
+    assert (
+        probe.launch_groups([2, 4]) == [(2,), (4,)]
+        and probe.launch_groups([1]) == [(1,)]
+        and probe.launch_groups([]) == []
+    )
 
 
 def test_a_fixed_overhead_adds_to_every_forward(result):
@@ -194,7 +196,7 @@ def test_the_launch_loop_reports_a_crash_per_candidate_and_relaunches_the_rest(r
         log_path.write_text("")
         return 0, 1.0
 
-    monkeypatch.setattr(ie, "run_process", fake_run_process)
+    monkeypatch.setattr(probe, "run_process", fake_run_process)
     said = []
     options = dataclasses.replace(OPTIONS, work_dir=str(tmp_path))
     emp = run_inference_empirical(result, str(tmp_path), options, time.monotonic() + 120, say=said.append)
@@ -210,7 +212,7 @@ def test_the_launch_loop_reports_a_crash_per_candidate_and_relaunches_the_rest(r
 
 
 def test_a_budget_too_small_for_a_launch_runs_nothing_and_keeps_the_model(result, tmp_path, monkeypatch):
-    monkeypatch.setattr(ie, "run_process", lambda *a: pytest.fail("launched past the budget"))
+    monkeypatch.setattr(probe, "run_process", lambda *a: pytest.fail("launched past the budget"))
     options = dataclasses.replace(OPTIONS, work_dir=str(tmp_path))
     emp = run_inference_empirical(result, str(tmp_path), options, time.monotonic() + 8, say=lambda s: None)
     assert {r.status for r in emp.runs} == {"not run"} and not emp.launches
@@ -274,22 +276,22 @@ def test_empirical_mode_measures_eight_candidates_and_ranks_them_after_calibrati
     from inference_accuracy import save_random_llama, tune_args
 
     hf_dir = save_random_llama(tmp_path / "llama", **SHAPE)
-    plan = ie.launch_plan
+    plan = probe.launch_plan
 
     def plan_with_a_huge_batch(result, hf, options, runs):
         p = plan(result, hf, options, runs)
         p["candidates"].insert(4, {"index": 99, "tp": 1, "batch": 10**9})  # one more tp-1 candidate, last of its tp
         return p
 
-    monkeypatch.setattr(ie, "launch_plan", plan_with_a_huge_batch)
-    original = ie.record_outcomes
+    monkeypatch.setattr(probe, "launch_plan", plan_with_a_huge_batch)
+    original = probe.record_outcomes
     huge = {}
 
     def keep_the_huge_one(runs, out, *args):
-        huge.update(ie.read_results(out)[1].get(99, {}))
+        huge.update(probe.read_results(out)[1].get(99, {}))
         return original(runs, out, *args)
 
-    monkeypatch.setattr(ie, "record_outcomes", keep_the_huge_one)
+    monkeypatch.setattr(probe, "record_outcomes", keep_the_huge_one)
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -113,10 +113,12 @@ def fit_time_model(measurements: Iterable[Measurement], extra_terms: tuple[str, 
     return fit_parts(points, extra_terms)
 
 
-def fit_parts(points: list[tuple[float, float, float, float, float]], extra_terms: tuple[str, ...] = ()) -> Calibration:
+def fit_parts(
+    points: list[tuple[float, float, float, float, float]], extra_terms: tuple[str, ...] = (), unit: str = "runs"
+) -> Calibration:
     """The fit behind :func:`fit_time_model` for any time that is linear in the constants: each point is (C, N, B,
     the model's latency, measured seconds) with predicted = C / efficiency + N x latency + B (+ overhead); the
-    inference tuner's TTFT and TPOT use it too."""
+    inference tuner's TTFT and TPOT use it too.  ``unit`` names a point in the notes ("needs 5 runs")."""
     if unknown := set(extra_terms) - set(FIT_TERMS):
         raise ValueError(f"fit_time_model: unknown terms {sorted(unknown)}; choose from {FIT_TERMS}")
     if not points:
@@ -137,7 +139,7 @@ def fit_parts(points: list[tuple[float, float, float, float, float]], extra_term
         for term in (t for t in extra_terms if t not in chosen):
             trial = (*chosen, term)
             if len(points) < len(trial) + 3:  # two more runs than fitted constants, the efficiency included
-                notes.append(f"{term}: needs {len(trial) + 3} runs")
+                notes.append(f"{term}: needs {len(trial) + 3} {unit}")
             elif (fitted := _fit(points, tuple(t for t in FIT_TERMS if t in trial))) is None:
                 notes.append(f"{term}: would be negative or beat the peak")
             else:

@@ -34,8 +34,9 @@ from ds_megatron.tune.inference import (
     search_inference,
     smallest_fit_note,
 )
-from ds_megatron.tune.inference_empirical import InferenceEmpiricalOptions, run_inference_empirical, validate_options
+from ds_megatron.tune.inference_empirical import run_inference_empirical, validate_options
 from ds_megatron.tune.inference_empirical_report import format_inference_empirical
+from ds_megatron.tune.inference_probe import InferenceEmpiricalOptions
 from ds_megatron.tune.memory_model import GIB, total_param_count
 from ds_megatron.tune.spec import FLAGS as SHAPE_FLAGS
 from ds_megatron.tune.spec import PRESET_FIELDS, build_cluster, build_model_shape

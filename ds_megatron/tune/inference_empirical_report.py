@@ -3,7 +3,8 @@ and measured, the calibration, the rank correlations and the final ranking (meas
 
 from __future__ import annotations
 
-from ds_megatron.tune.inference_empirical import REPLICAS_NOTE, Figures, FinalEntry, InferenceEmpiricalResult
+from ds_megatron.tune.inference_empirical import REPLICAS_NOTE, FinalEntry, InferenceEmpiricalResult
+from ds_megatron.tune.inference_probe import Figures
 from ds_megatron.tune.report import efficiency_text
 
 PEAK_NOTE = {
@@ -36,8 +37,8 @@ def format_inference_empirical(emp: InferenceEmpiricalResult, top: int = 10) -> 
     lines = [
         "",
         f"empirical: {len(emp.runs)} candidate(s) on {o.device.upper()} in {len(emp.launches)} launch(es) "
-        f"(one per tp, tp processes each); {o.warmup} warm-up + {o.repeats} measured request(s) each; "
-        f"{emp.elapsed_s / 60:.1f} of {o.max_minutes:g} min used",
+        f"(tp 1 and the widest tp share one, every other tp has its own); {o.warmup} warm-up + {o.repeats} "
+        f"measured request(s) each; {emp.elapsed_s / 60:.1f} of {o.max_minutes:g} min used",
     ]
     header = ["#", "rank", "tp", "batch", "replicas", "status"]
     for fig, unit in (("ttft", "ms"), ("tpot", "ms"), ("tokens_per_s", "")):
