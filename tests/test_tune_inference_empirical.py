@@ -167,6 +167,11 @@ def test_outcomes_of_a_crash_and_of_a_launch_that_never_started(result, tmp_path
     assert [r.status for r in runs] == ["ok", "failed", "not run"]  # #3 may run in a new launch
     assert runs[1].reason == "exit 1: RuntimeError: shm all-reduce failed"
 
+    runs = _runs(result)[:3]  # in rounds: #1 and #3 had their requests cut short by #2's crash, not failed
+    starts = [{"event": "start", "index": i, "request": q} for q in (0, 1) for i in (1, 2, 3)][:-1]
+    record_outcomes(runs, _lines(tmp_path / "rounds.jsonl", *starts), 1, log, 30.0, WORK)
+    assert [r.status for r in runs] == ["not run", "failed", "not run"]
+
     runs = _runs(result)[:2]
     record_outcomes(runs, tmp_path / "missing.jsonl", 2, "error: --num_gpus: the world size must equal tp", 30, WORK)
     assert [r.status for r in runs] == ["failed", "failed"]

@@ -10,22 +10,24 @@ PLAN.json (written by ``ds_megatron.tune.inference_probe``): ``hf_dir``, ``promp
 other ranks wait.
 
 Rank 0 appends one JSON line per event to RESULTS.jsonl and flushes it at once, so that a run killed at its timeout
-or by a crash still leaves every finished candidate: ``{"event": "start", "index": i}`` before a candidate,
-``{"event": "result", "index": i, "status": "ok", "ttft_s": .., "tpot_s": .., ...}`` after it, or a result with
-``"status": "out of memory" | "failed"`` and the exception's line when it raised (the next candidate then runs).
+or by a crash still leaves every finished tp's results and names the candidate it was in:
+``{"event": "start", "index": i, "request": r}`` before each request, ``{"event": "result", "index": i, "status":
+"ok", "ttft_s": .., "tpot_s": .., ...}`` once a tp's rounds are done (``measure_tp``), or at once a result with
+``"status": "out of memory" | "failed"`` and the exception's line when a candidate raised (the others go on).
 
 A measured request: B prompts of P random tokens (the same on every rank: AutoTP's ranks must see the same input),
 one prefill forward with a KV cache (TTFT: the first output token of every request), then O - 1 decode forwards of
 one token per request with the greedy pick fed back (TPOT: their mean).  Each forward is timed between barriers of
-the model's ranks (CUDA synchronised on GPUs); the slowest rank's time counts.  The first ``warmup`` requests of a
-candidate are dropped (first-touch allocation, kernel selection); TTFT is the median prefill of the ``repeats``
-measured requests, TPOT the mean of all their decode steps.
+the model's ranks (CUDA synchronised on GPUs); the slowest rank's time counts.  The candidates of a tp take turns,
+one request each per round; the first ``warmup`` rounds are dropped (first-touch allocation, kernel selection); TTFT
+is the median prefill of a candidate's ``repeats`` measured requests, TPOT the mean of all their decode steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import resource
 import statistics
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --num_gpus: every tp must be 1 or the world size (tp {tps}, world {world})")
         return 2
     cuda = device_type() == "cuda"
+    if cuda:  # DeepSpeed sets it only when it builds a TP group; a tp-1 model and the barriers need it too
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     out = open(args.out, "a") if rank == 0 else None
 
     def emit(record: dict) -> None:
@@ -71,23 +75,57 @@ def main(argv: list[str] | None = None) -> int:
 
     for tp in tps:
         if rank < tp:  # a tp-1 model lives on rank 0 alone; the other ranks wait at the barrier below
-            model = build_engine(plan, tp, torch)
-            for cand in (c for c in plan["candidates"] if c["tp"] == tp):
-                emit({"event": "start", "index": cand["index"], "time": time.time()})
-                try:
-                    record = {"status": "ok", **measure(model, plan, cand["batch"], tp > 1, cuda, torch, dist)}
-                except Exception as err:  # one candidate's failure (its batch out of memory) is its result only
-                    text = str(err).strip()
-                    line = f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
-                    record = {"status": "out of memory" if OOM.search(line) else "failed", "reason": line[:300]}
-                emit({"event": "result", "index": cand["index"], **record})
-            del model
+            measure_tp(plan, tp, [c for c in plan["candidates"] if c["tp"] == tp], emit, cuda, torch, dist)
             if cuda:
                 torch.cuda.empty_cache()
         dist.barrier()
     if out is not None:
         out.close()
     return 0
+
+
+def measure_tp(plan: dict, tp: int, cands: list[dict], emit, cuda: bool, torch, dist) -> None:
+    """Every candidate of one tp on one model, in rounds of one request each (in plan order): a burst of load from
+    elsewhere on the machine then slows every batch size alike instead of the one that happened to be running.  A
+    "start" line precedes each request, so a crash names the candidate it was in; a candidate that raises (its batch
+    out of memory, say) gets its result line at once and leaves the rounds; the others get theirs at the end."""
+    model = build_engine(plan, tp, torch)
+    samples: dict[int, dict] = {c["index"]: {"ttfts_s": [], "steps_s": [], "peak_mem_gb": 0.0} for c in cands}
+    failed: set[int] = set()
+    with torch.inference_mode():
+        for request in range(plan["warmup"] + plan["repeats"]):
+            for cand in (c for c in cands if c["index"] not in failed):
+                emit({"event": "start", "index": cand["index"], "request": request, "time": time.time()})
+                try:
+                    ttft, steps, peak = one_request(model, plan, cand["batch"], request, tp > 1, cuda, torch, dist)
+                except Exception as err:  # one candidate's failure is its result only
+                    text = str(err).strip()
+                    line = f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+                    status = "out of memory" if OOM.search(line) else "failed"
+                    emit({"event": "result", "index": cand["index"], "status": status, "reason": line[:300]})
+                    failed.add(cand["index"])
+                    if cuda:
+                        torch.cuda.empty_cache()
+                    continue
+                got = samples[cand["index"]]
+                got["peak_mem_gb"] = max(got["peak_mem_gb"], peak)
+                if request >= plan["warmup"]:
+                    got["ttfts_s"].append(ttft)
+                    got["steps_s"] += steps
+    for cand in (c for c in cands if c["index"] not in failed):
+        got = samples[cand["index"]]
+        emit(
+            {
+                "event": "result",
+                "index": cand["index"],
+                "status": "ok",
+                "ttft_s": statistics.median(got["ttfts_s"]),
+                "tpot_s": statistics.fmean(got["steps_s"]),
+                "ttfts_s": got["ttfts_s"],
+                "decode_steps": len(got["steps_s"]),
+                "peak_mem_gb": got["peak_mem_gb"],
+            }
+        )
 
 
 def build_engine(plan: dict, tp: int, torch):
@@ -105,18 +143,17 @@ def build_engine(plan: dict, tp: int, torch):
     return engine.module
 
 
-def measure(model, plan: dict, batch: int, collective: bool, cuda: bool, torch, dist) -> dict:
-    """TTFT and TPOT of ``batch`` requests (module docstring); every rank of the model returns the same figures.
-    ``collective``: the model spans every rank (tp = world), so each forward is timed between their barriers."""
+def one_request(model, plan: dict, batch: int, request: int, collective: bool, cuda: bool, torch, dist):
+    """(TTFT, the decode steps' seconds, peak memory in GiB) of one request of ``batch`` prompts (module docstring);
+    every rank of the model returns the same times.  ``collective``: the model spans every rank (tp = world), so each
+    forward is timed between their barriers and the slowest rank's time counts."""
     prompt, output = plan["prompt_length"], plan["output_length"]
-    vocab = model.config.vocab_size
     device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(batch)
+    generator = torch.Generator().manual_seed(1000 * request + batch)  # the same prompts on every rank
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
     def timed(**inputs):
-        """One forward of ``inputs`` and its seconds on the slowest rank."""
         if collective:
             dist.barrier()
         if cuda:
@@ -127,31 +164,19 @@ def measure(model, plan: dict, batch: int, collective: bool, cuda: bool, torch, 
             torch.cuda.synchronize()
         seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         if collective:
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank's
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         return result, float(seconds)
 
-    ttfts, steps = [], []
-    with torch.inference_mode():
-        for request in range(plan["warmup"] + plan["repeats"]):
-            ids = torch.randint(0, vocab, (batch, prompt), generator=generator).to(device)
-            out, ttft = timed(input_ids=ids, logits_to_keep=1)
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            decode = []
-            for _ in range(output - 1):
-                out, seconds = timed(input_ids=token, past_key_values=cache)
-                cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-                decode.append(seconds)
-            if request >= plan["warmup"]:
-                ttfts.append(ttft)
-                steps += decode
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=generator).to(device)
+    out, ttft = timed(input_ids=ids, logits_to_keep=1)
+    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    steps = []
+    for _ in range(output - 1):
+        out, seconds = timed(input_ids=token, past_key_values=cache)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        steps.append(seconds)
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else max_rss_gib()
-    return {
-        "ttft_s": statistics.median(ttfts),
-        "tpot_s": statistics.fmean(steps) if steps else None,
-        "ttfts_s": ttfts,
-        "decode_steps": len(steps),
-        "peak_mem_gb": peak,
-    }
+    return ttft, steps, peak
 
 
 def max_rss_gib() -> float:

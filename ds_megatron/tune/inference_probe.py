@@ -186,9 +186,12 @@ def read_results(path: Path) -> tuple[list[int], dict[int, dict]]:
 def record_outcomes(
     runs: list[InferenceRun], out: Path, returncode: int | None, log_tail: str, timeout_s: float, work: Workload
 ) -> None:
-    """Each run's outcome: its result line where it has one; a run that started and has none ran when the launch
-    timed out or crashed (the reason from the exit status and the log); a run never started stays "not run"."""
+    """Each run's outcome: its result line where it has one.  When the launch timed out or crashed, the candidate of
+    the last request started is the one it was in (the reason from the exit status and the log); the others of its
+    tp had their requests cut short and stay "not run", as do the candidates never started (a new launch may measure
+    them); a launch that failed before any request fails every candidate."""
     started, results = read_results(out)
+    culprit = started[-1] if started and started[-1] not in results else None
     for r in runs:
         rec = results.get(r.index)
         if rec is not None and rec["status"] == "ok" and rec.get("tpot_s"):
@@ -198,6 +201,8 @@ def record_outcomes(
         elif rec is not None:
             r.status = rec["status"] if rec["status"] != "ok" else "failed"
             r.reason = rec.get("reason") or "no decode step measured"
-        elif r.index in started or (not started and returncode != 0):
+        elif returncode == 0 and r.index in started:
+            r.status, r.reason = "failed", "the measuring run exited 0 without its result"
+        elif r.index == culprit or (not started and returncode != 0):
             status, reason = failure_reason(returncode, log_tail, timeout_s)
             r.status, r.reason = status, reason if r.index in started else f"launch failed before it: {reason}"
