@@ -38,6 +38,11 @@ from ds_megatron.tune.time_model import FIT_TERMS
 
 FIGURES = ("tpot", "ttft", "tokens_per_s")  # compared between the model and the runs, as Figures attributes
 
+REPLICAS_NOTE = (
+    "one replica is measured per candidate; its replicas are independent copies on other GPUs, so the measured "
+    "tokens/s is the replica's times the replica count"
+)
+
 
 @dataclass(frozen=True)
 class FinalEntry:
@@ -72,7 +77,11 @@ class InferenceEmpiricalResult:
 
     @property
     def winner(self) -> FinalEntry | None:
-        return self.final[0] if self.final else None
+        """The first of the final ranking when it meets the limits (the ranking puts those first)."""
+        if not self.final or self.recalibrated is None:
+            return None
+        first, work = self.final[0], self.recalibrated.workload
+        return first if meets_limits(work, first.figures.ttft, first.figures.tpot) else None
 
     def as_dict(self, top: int = 10) -> dict:
         o, cal = self.options, self.calibration
@@ -93,12 +102,6 @@ class InferenceEmpiricalResult:
             "final_ranking": [f.as_dict() for f in self.final[:top]],
             "winner": self.winner.as_dict() if self.winner else None,
         }
-
-
-REPLICAS_NOTE = (
-    "one replica is measured per candidate; its replicas are independent copies on other GPUs, so the measured "
-    "tokens/s is the replica's times the replica count"
-)
 
 
 def validate_options(result: InferenceResult, options: InferenceEmpiricalOptions, hf_dir: str | None) -> None:
@@ -150,7 +153,8 @@ def run_inference_empirical(
     deadline: float,
     say: Callable[[str], None] = print,
 ) -> InferenceEmpiricalResult:
-    """Measure the top candidates before ``deadline`` (a time.monotonic() value), one launch per tp; recalibrate."""
+    """Measure the top candidates before ``deadline`` (a time.monotonic() value) in as few launches as
+    ``launch_groups`` allows; recalibrate and rank again."""
     validate_options(result, options, hf_dir)
     start = time.monotonic()
     device = resolve_device(options.device, result.cluster.num_gpus)

@@ -114,7 +114,10 @@ def _ranking_lines(emp: InferenceEmpiricalResult, top: int) -> list[str]:
         for i, f in enumerate(emp.final[:top])
     ]  # fmt: skip
     lines += _table(header, rows)
-    w = emp.final[0]
+    w = emp.winner
+    if w is None:
+        lines.append("no configuration meets the limits (measured where measured): the closest are ranked first")
+        return lines
     lines.append(f"final winner ({w.source}): {_describe(w)}")
     if w.source == "predicted":
         best = next((f for f in emp.final if f.source == "measured"), None)
