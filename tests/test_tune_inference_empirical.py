@@ -24,6 +24,7 @@ from ds_megatron.tune.inference_empirical import (
     recalibrate,
     run_inference_empirical,
 )
+from ds_megatron.tune.inference_empirical_report import format_inference_empirical
 from ds_megatron.tune.inference_probe import InferenceEmpiricalOptions, InferenceRun, measured_figures, record_outcomes
 from ds_megatron.tune.time_model import FIT_TERMS
 
@@ -127,6 +128,18 @@ def test_a_measurement_faster_than_the_peak_is_refused(result):
     emp = ie.InferenceEmpiricalResult(OPTIONS, 60, runs)
     recalibrate(result, emp)  # the model is kept and said so
     assert emp.calibration is None and "calibration failed, the analytic model is kept" in emp.calibration_note
+
+
+def test_no_final_winner_when_the_measured_figures_miss_the_limits():
+    limited = search_inference(MODEL, CPU2, dataclasses.replace(WORK, max_tpot_s=0.05))
+    assert limited.winner is not None  # predicted: every TPOT under 50 ms
+    runs = _runs(limited)
+    _measure_from(dataclasses.replace(CPU2, efficiency=0.005), limited, runs)  # measured: far slower
+    emp = ie.InferenceEmpiricalResult(OPTIONS, 60, runs)
+    recalibrate(limited, emp)
+    assert emp.final and emp.winner is None
+    text = format_inference_empirical(emp)
+    assert "no configuration meets the limits (measured where measured)" in text and "final winner" not in text
 
 
 def _lines(path: Path, *records: dict) -> Path:
