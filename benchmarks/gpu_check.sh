@@ -32,4 +32,4 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADD
 export PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
 # 8 minutes in all: 320 s for the training steps, 150 s for the inference measurement (build, save, two launches).
 timeout 320 "$PY" benchmarks/gpu_step.py --markdown "$OUT/gpu_check.md" "$@"
-PYTHON="$PY" timeout 150 "$PY" benchmarks/gpu_inference.py --markdown "$OUT/gpu_inference.md" --max-minutes 2
+timeout 150 "$PY" benchmarks/gpu_inference.py --markdown "$OUT/gpu_inference.md" --max-minutes 2

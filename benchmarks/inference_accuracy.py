@@ -147,7 +147,7 @@ def reading(cal: dict) -> str:
         "the two processes share two cores with whatever else runs on the machine, and an all-reduce waits until both "
         f"are scheduled: fitted, {fitted} per all-reduce, 9 of them per forward (2 per layer, 1 for AutoTP's lm_head), "
         "so tp 2 is the slower layout at every batch and the analytic TPOT ranking is close to random across tp.  The "
-        "ranking by tokens/s is right before calibration because the batch and the replica count dominate it.  The "
+        "ranking by tokens/s is largely right before calibration: the batch and the replica count dominate it.  The "
         "fitted ceiling scales the measured one-core roofline to what transformers' eager modules reach (small "
         "GEMMs, Python between them); a fixed per-forward overhead is tried and left out when it does not cut the "
         "error by 1.25x.  Machine load moves every figure, the all-reduce latency above all, from run to run."
