@@ -79,6 +79,14 @@ def test_the_six_candidates_are_tp_1_and_2_at_every_batch_in_one_launch(result):
     )
 
 
+def test_a_gpt2_is_measured_at_tp_1_only(capsys):
+    gpt2 = build_model_shape(None, 4, 256, 4, 2048, 256)
+    result = search_inference(gpt2, CPU2, WORK)
+    assert {e.serving.tp for e in result.evaluations} == {1, 2}
+    assert {e.serving.tp for e in ie.top_candidates(result, 6)} == {1}
+    assert "AutoTP refuses GPT-2" in ie.not_measured(result, next(e for e in result.evaluations if e.serving.tp == 2))
+
+
 def test_a_fixed_overhead_adds_to_every_forward(result):
     s = Serving(2, 1, 8, 1)
     plain = inference_time(MODEL, CPU2, s, WORK)
@@ -184,6 +192,13 @@ def test_outcomes_of_a_crash_and_of_a_launch_that_never_started(result, tmp_path
     starts = [{"event": "start", "index": i, "request": q} for q in (0, 1) for i in (1, 2, 3)][:-1]
     record_outcomes(runs, _lines(tmp_path / "rounds.jsonl", *starts), 1, log, 30.0, WORK)
     assert [r.status for r in runs] == ["not run", "failed", "not run"]
+
+    runs = _runs(result)  # loading the tp-2 model crashed: every tp-2 candidate failed, tp 1's results kept
+    events = [{"event": "build", "tp": 1}, *({"event": "start", "index": i, "request": 0} for i in (1, 2, 3))]
+    events += [{"event": "result", "index": i, **OK} for i in (1, 2, 3)] + [{"event": "build", "tp": 2}]
+    record_outcomes(runs, _lines(tmp_path / "build.jsonl", *events), 1, log, 30.0, WORK)
+    assert [r.status for r in runs] == ["ok"] * 3 + ["failed"] * 3
+    assert runs[3].reason == "loading the model at tp 2: exit 1: RuntimeError: shm all-reduce failed"
 
     runs = _runs(result)[:2]
     record_outcomes(runs, tmp_path / "missing.jsonl", 2, "error: --num_gpus: the world size must equal tp", 30, WORK)

@@ -11,7 +11,8 @@ other ranks wait.
 
 Rank 0 appends one JSON line per event to RESULTS.jsonl and flushes it at once, so that a run killed at its timeout
 or by a crash still leaves every finished tp's results and names the candidate it was in:
-``{"event": "start", "index": i, "request": r}`` before each request, ``{"event": "result", "index": i, "status":
+``{"event": "build", "tp": t}`` before a tp's model is loaded, ``{"event": "start", "index": i, "request": r}``
+before each request, ``{"event": "result", "index": i, "status":
 "ok", "ttft_s": .., "tpot_s": .., ...}`` once a tp's rounds are done (``measure_tp``), or at once a result with
 ``"status": "out of memory" | "failed"`` and the exception's line when a candidate raised (the others go on).
 
@@ -89,6 +90,7 @@ def measure_tp(plan: dict, tp: int, cands: list[dict], emit, cuda: bool, torch, 
     elsewhere on the machine then slows every batch size alike instead of the one that happened to be running.  A
     "start" line precedes each request, so a crash names the candidate it was in; a candidate that raises (its batch
     out of memory, say) gets its result line at once and leaves the rounds; the others get theirs at the end."""
+    emit({"event": "build", "tp": tp, "time": time.time()})
     model = build_engine(plan, tp, torch)
     samples: dict[int, dict] = {c["index"]: {"ttfts_s": [], "steps_s": [], "peak_mem_gb": 0.0} for c in cands}
     failed: set[int] = set()

@@ -139,9 +139,20 @@ def validate_options(result: InferenceResult, options: InferenceEmpiricalOptions
         )
 
 
+def not_measured(result: InferenceResult, e: InferenceEvaluation) -> str | None:
+    """Why the measuring run cannot run candidate ``e``, or None when it can."""
+    if e.serving.pp > 1:
+        return "pp > 1 (AutoTP has no pipeline)"
+    if e.serving.tp > 1 and result.model.family == "gpt2":
+        # deepspeed 0.19.8: "AutoTP not supported for model. Please use kernel injection since container policy
+        # for model exists"; kernel injection runs on CUDA only.
+        return "a GPT-2 at tp > 1 (DeepSpeed's AutoTP refuses GPT-2: it has a CUDA-only kernel-injection policy)"
+    return None
+
+
 def top_candidates(result: InferenceResult, top: int) -> list[InferenceEvaluation]:
-    """The first ``top`` of the analytic ranking with pp 1 (AutoTP has no pipeline), launched tp by tp."""
-    picked = [e for e in result.evaluations if e.serving.pp == 1][:top]
+    """The first ``top`` of the analytic ranking that the measuring run can run (``not_measured``), tp by tp."""
+    picked = [e for e in result.evaluations if not_measured(result, e) is None][:top]
     order = {e.serving: i for i, e in enumerate(result.evaluations)}
     return sorted(picked, key=lambda e: (e.serving.tp, order[e.serving]))
 
@@ -169,6 +180,9 @@ def run_inference_empirical(
         f"prompt {w.prompt_length}, output {w.output_length}, {options.warmup} warm-up + {options.repeats} measured "
         f"request(s) each, {emp.budget_s / 60:.1f} min budget; runs in {work_dir}"
     )
+    skipped = dict.fromkeys(why for e in result.evaluations if (why := not_measured(result, e)))
+    if skipped:
+        say(f"  not measured: {'; '.join(skipped)}")
     groups = launch_groups([r.evaluation.serving.tp for r in runs])
     durations: list[float] = []
     for pos, group in enumerate(groups):

@@ -167,31 +167,35 @@ def launch_plan(
     }
 
 
-def read_results(path: Path) -> tuple[list[int], dict[int, dict]]:
-    """(indices started, in order; index -> its result record) from a measuring run's JSON lines."""
-    started, results = [], {}
+def read_results(path: Path) -> tuple[list[int], dict[int, dict], int | None]:
+    """(indices started, in order; index -> its result record; the tp whose model was being built when the file
+    ends, else None) from a measuring run's JSON lines."""
+    started, results, building = [], {}, None
     if path.exists():
         for line in path.read_text().splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a kill
-            if record.get("event") == "start":
+            event = record.get("event")
+            building = record["tp"] if event == "build" else None
+            if event == "start":
                 started.append(record["index"])
-            elif record.get("event") == "result":
+            elif event == "result":
                 results[record["index"]] = record
-    return started, results
+    return started, results, building
 
 
 def record_outcomes(
     runs: list[InferenceRun], out: Path, returncode: int | None, log_tail: str, timeout_s: float, work: Workload
 ) -> None:
     """Each run's outcome: its result line where it has one.  When the launch timed out or crashed, the candidate of
-    the last request started is the one it was in (the reason from the exit status and the log); the others of its
-    tp had their requests cut short and stay "not run", as do the candidates never started (a new launch may measure
-    them); a launch that failed before any request fails every candidate."""
-    started, results = read_results(out)
-    culprit = started[-1] if started and started[-1] not in results else None
+    the last request started is the one it was in, or, when it was loading a tp's model, every candidate of that tp
+    (the reason from the exit status and the log); the others had their requests cut short or never started and stay
+    "not run" (a new launch may measure them); a launch that failed before any event fails every candidate."""
+    started, results, building = read_results(out)
+    culprit = started[-1] if building is None and started and started[-1] not in results else None
+    nothing = not started and not results and building is None  # the launch failed before its first event
     for r in runs:
         rec = results.get(r.index)
         if rec is not None and rec["status"] == "ok" and rec.get("tpot_s"):
@@ -203,6 +207,10 @@ def record_outcomes(
             r.reason = rec.get("reason") or "no decode step measured"
         elif returncode == 0 and r.index in started:
             r.status, r.reason = "failed", "the measuring run exited 0 without its result"
-        elif r.index == culprit or (not started and returncode != 0):
+        elif returncode != 0 and (r.index == culprit or r.evaluation.serving.tp == building or nothing):
             status, reason = failure_reason(returncode, log_tail, timeout_s)
-            r.status, r.reason = status, reason if r.index in started else f"launch failed before it: {reason}"
+            if r.evaluation.serving.tp == building:
+                reason = f"loading the model at tp {building}: {reason}"
+            elif r.index != culprit:
+                reason = f"launch failed before it: {reason}"
+            r.status, r.reason = status, reason
