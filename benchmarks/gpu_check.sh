@@ -7,7 +7,8 @@
 # 16 under DeepSpeed's inference engine, against the inference tuner's prediction (gpu_inference.md).
 #
 # Python: $PYTHON if set, else .venv/bin/python when its torch sees a GPU, else python3.  A machine without deepspeed
-# and without network (the lent GPU machines) installs the wheels that `bash benchmarks/gpu_wheels.sh` put in .whl/.
+# or transformers and without network (the lent GPU machines) installs the wheels that `bash benchmarks/gpu_wheels.sh`
+# put in .whl/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -21,8 +22,8 @@ if [ -z "$PY" ]; then
     PY=python3
   fi
 fi
-if ! "$PY" -c "import deepspeed" 2>/dev/null; then
-  [ -d .whl ] || { echo "gpu_check: deepspeed is missing and there is no .whl/ (run benchmarks/gpu_wheels.sh)"; exit 2; }
+if ! "$PY" -c "import deepspeed, transformers" 2>/dev/null; then
+  [ -d .whl ] || { echo "gpu_check: deepspeed or transformers is missing and there is no .whl/ (run benchmarks/gpu_wheels.sh)"; exit 2; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds_site .whl/*.whl
   export PYTHONPATH=/tmp/ds_site${PYTHONPATH:+:$PYTHONPATH}
 fi

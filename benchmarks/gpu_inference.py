@@ -52,7 +52,8 @@ def main() -> None:
         cmd += ["--prompt-length", "512" if gpu else "32", "--output-length", "64" if gpu else "8"]
         cmd += ["--batch-sizes", "1,16", "--empirical", "--device", "gpu" if gpu else "cpu", "--empirical-top", "2"]
         cmd += ["--max-minutes", str(args.max_minutes), "--empirical-dir", str(Path(tmp) / "runs"), "--json", str(out)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # keeps gpu_check's wheels
+        env = dict(os.environ, PYTHONPATH=path, PYTHONWARNINGS="ignore")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         print(proc.stdout[-6000:], proc.stderr[-3000:])
         if proc.returncode != 0:

@@ -171,7 +171,8 @@ def main() -> None:
         out = Path(tmp) / "tune.json"
         cmd = [sys.executable, "-m", "ds_megatron.tune", *tune_args(hf_dir, args, tflops, gbps)]
         cmd += ["--empirical-dir", str(Path(tmp) / "runs"), "--json", str(out)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
         start = time.monotonic()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         wall = time.monotonic() - start
