@@ -2,10 +2,13 @@
 # The prepared GPU check: one NVIDIA GPU (made for an H200), under 8 minutes.  Trains a GPT-3 1.3B-shaped model
 # (8 of its 24 layers, s 2048, bf16, ZeRO-1) through the ds_megatron pipeline engine for recompute none / selective /
 # full with eager and sdpa attention; prints one markdown table (step time, tokens/s, MFU, HFU, peak memory, the
-# analytic activation prediction) and writes it to ${OUT:-benchmarks/results}/gpu_check.md.
+# analytic activation prediction) and writes it to ${OUT:-benchmarks/results}/gpu_check.md.  Then one inference
+# measurement: TTFT and TPOT of a Llama 3.2 1B-shaped exported model (random weights, built locally) at batch 1 and
+# 16 under DeepSpeed's inference engine, against the inference tuner's prediction (gpu_inference.md).
 #
 # Python: $PYTHON if set, else .venv/bin/python when its torch sees a GPU, else python3.  A machine without deepspeed
-# and without network (the lent GPU machines) installs the wheels that `bash benchmarks/gpu_wheels.sh` put in .whl/.
+# or transformers and without network (the lent GPU machines) installs the wheels that `bash benchmarks/gpu_wheels.sh`
+# put in .whl/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -19,8 +22,8 @@ if [ -z "$PY" ]; then
     PY=python3
   fi
 fi
-if ! "$PY" -c "import deepspeed" 2>/dev/null; then
-  [ -d .whl ] || { echo "gpu_check: deepspeed is missing and there is no .whl/ (run benchmarks/gpu_wheels.sh)"; exit 2; }
+if ! "$PY" -c "import deepspeed, transformers" 2>/dev/null; then
+  [ -d .whl ] || { echo "gpu_check: deepspeed or transformers is missing and there is no .whl/ (run benchmarks/gpu_wheels.sh)"; exit 2; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds_site .whl/*.whl
   export PYTHONPATH=/tmp/ds_site${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -28,4 +31,6 @@ fi
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29511}
 export PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
-timeout 470 "$PY" benchmarks/gpu_step.py --markdown "$OUT/gpu_check.md" "$@"
+# 8 minutes in all: 320 s for the training steps, 150 s for the inference measurement (build, save, two launches).
+timeout 320 "$PY" benchmarks/gpu_step.py --markdown "$OUT/gpu_check.md" "$@"
+timeout 150 "$PY" benchmarks/gpu_inference.py --markdown "$OUT/gpu_inference.md" --max-minutes 2

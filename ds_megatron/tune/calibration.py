@@ -105,13 +105,22 @@ def _fit(points: list[tuple[float, float, float, float, float]], terms: tuple[st
 def fit_time_model(measurements: Iterable[Measurement], extra_terms: tuple[str, ...] = ()) -> Calibration:
     """Fit the efficiency, and each of ``extra_terms`` (FIT_TERMS) that clearly helps, to measured step times; terms
     not fitted keep the cluster's values.  The selection rule is in docs/tuner.md, "Calibrating"."""
-    if unknown := set(extra_terms) - set(FIT_TERMS):
-        raise ValueError(f"fit_time_model: unknown terms {sorted(unknown)}; choose from {FIT_TERMS}")
     points = []
     for meas in measurements:
         if not meas.step_time_s > 0:
             raise ValueError(f"calibrate: measured step time must be positive, got {meas.step_time_s}")
         points.append((*_parts(meas), meas.cluster.intra_node_latency_s, meas.step_time_s))
+    return fit_parts(points, extra_terms)
+
+
+def fit_parts(
+    points: list[tuple[float, float, float, float, float]], extra_terms: tuple[str, ...] = (), unit: str = "runs"
+) -> Calibration:
+    """The fit behind :func:`fit_time_model` for any time that is linear in the constants: each point is (C, N, B,
+    the model's latency, measured seconds) with predicted = C / efficiency + N x latency + B (+ overhead); the
+    inference tuner's TTFT and TPOT use it too.  ``unit`` names a point in the notes ("needs 5 runs")."""
+    if unknown := set(extra_terms) - set(FIT_TERMS):
+        raise ValueError(f"fit_time_model: unknown terms {sorted(unknown)}; choose from {FIT_TERMS}")
     if not points:
         raise ValueError("calibrate: no measurements given; pass at least one Measurement")
     # The efficiency-only fit solves x * sum(C^2 / M^2) = rhs; rhs <= 0 leaves no time for the matmuls.
@@ -130,7 +139,7 @@ def fit_time_model(measurements: Iterable[Measurement], extra_terms: tuple[str, 
         for term in (t for t in extra_terms if t not in chosen):
             trial = (*chosen, term)
             if len(points) < len(trial) + 3:  # two more runs than fitted constants, the efficiency included
-                notes.append(f"{term}: needs {len(trial) + 3} runs")
+                notes.append(f"{term}: needs {len(trial) + 3} {unit}")
             elif (fitted := _fit(points, tuple(t for t in FIT_TERMS if t in trial))) is None:
                 notes.append(f"{term}: would be negative or beat the peak")
             else:

@@ -102,7 +102,18 @@ class InferenceTime:
 
     def batch_s(self, output_length: int) -> float:
         """One batch from its prompts to its last token: the prefill, then one decode step per further token."""
-        return self.ttft_s + (output_length - 1) * self.tpot_s
+        return batch_s(self.ttft_s, self.tpot_s, output_length)
+
+
+def batch_s(ttft_s: float, tpot_s: float, output_length: int) -> float:
+    """A static batch's time (predicted or measured): the prefill, then one decode step per further token."""
+    return ttft_s + (output_length - 1) * tpot_s
+
+
+def rank_key(meets_limits: bool, tokens_per_s: float, tpot_s: float, gpus_per_replica: int) -> tuple:
+    """The order of every ranking, predicted or measured: meets the limits, then the most output tokens/s over all
+    the GPUs, then the lowest TPOT, then the fewest GPUs per replica."""
+    return (not meets_limits, -tokens_per_s, tpot_s, gpus_per_replica)
 
 
 @dataclass(frozen=True)
@@ -117,12 +128,12 @@ class InferenceEvaluation:
     @property
     def replica_tokens_per_s(self) -> float:
         """Output tokens per second of one replica: the batch's tokens over its time."""
-        return self.serving.batch * self.output_length / self.time.batch_s(self.output_length)
+        return self.tokens_per_s / self.serving.replicas
 
     @property
     def tokens_per_s(self) -> float:
         """Output tokens per second of every replica together."""
-        return self.replica_tokens_per_s * self.serving.replicas
+        return output_tokens_per_s(self.serving, self.output_length, self.time.ttft_s, self.time.tpot_s)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -196,7 +207,10 @@ def inference_time(model: ModelShape, cluster: Cluster, serving: Serving, work: 
     prefill_comm = layers * 2 * ring_s(b * work.prompt_length * h * ACT_BYTES, t, gbps, latency)
     sends = (serving.pp - 1) * (latency + b * work.prompt_length * h * ACT_BYTES / (gbps * 1e9))
     logits = matmul_s((gemm("logits", b, h, vocab),), cluster)
-    ttft = layers * per_layer + prefill_comm + sends + logits
+    # A fixed time per forward outside the model's terms (Python, kernel launches, the framework's bookkeeping): 0
+    # unless fitted by the empirical mode or passed as --step-overhead-s; prefill and each decode step are one forward.
+    overhead = cluster.step_overhead_s
+    ttft = layers * per_layer + prefill_comm + sends + logits + overhead
     prefill_flops = sum(op.flops for op in block_matmuls(prompt, cand) + core_attention_matmuls(prompt, cand))
     prefill_floor = (layers * prefill_flops + 2.0 * b * h * vocab) / cluster.peak_flops
 
@@ -214,7 +228,7 @@ def inference_time(model: ModelShape, cluster: Cluster, serving: Serving, work: 
     decode_comm += ring_s(b * LOGIT_BYTES, t, gbps, latency, passes=1)  # the vocabulary shards' best tokens
     decode_sends = (serving.pp - 1) * (latency + b * h * ACT_BYTES / (gbps * 1e9))
     decode_floor = (weight_read + kv_read) / hbm
-    tpot = (flops / cluster.peak_flops + bytes_moved / hbm) / cluster.efficiency + decode_comm + decode_sends
+    tpot = (flops / cluster.peak_flops + bytes_moved / hbm) / cluster.efficiency + decode_comm + decode_sends + overhead
     return InferenceTime(
         ttft_s=max(ttft, prefill_floor),
         tpot_s=max(tpot, decode_floor),
@@ -225,12 +239,23 @@ def inference_time(model: ModelShape, cluster: Cluster, serving: Serving, work: 
     )
 
 
+def meets_limits(work: Workload, ttft_s: float, tpot_s: float) -> bool:
+    """Whether a TTFT and a TPOT (predicted or measured) are within the workload's limits."""
+    return (work.max_ttft_s is None or ttft_s <= work.max_ttft_s) and (
+        work.max_tpot_s is None or tpot_s <= work.max_tpot_s
+    )
+
+
+def output_tokens_per_s(serving: Serving, output_length: int, ttft_s: float, tpot_s: float) -> float:
+    """Output tokens per second of every replica together (predicted or measured): each replica yields batch x
+    output tokens per batch time; replicas are independent copies, so they add up."""
+    return serving.replicas * serving.batch * output_length / batch_s(ttft_s, tpot_s, output_length)
+
+
 def evaluate_serving(model: ModelShape, cluster: Cluster, serving: Serving, work: Workload) -> InferenceEvaluation:
     memory = inference_memory(model, serving, work)
     time = inference_time(model, cluster, serving, work)
-    meets = (work.max_ttft_s is None or time.ttft_s <= work.max_ttft_s) and (
-        work.max_tpot_s is None or time.tpot_s <= work.max_tpot_s
-    )
+    meets = meets_limits(work, time.ttft_s, time.tpot_s)
     fits = memory.required_bytes <= cluster.gpu_memory_gb * GIB
     return InferenceEvaluation(serving, memory, time, fits, meets, work.output_length)
 
@@ -327,7 +352,7 @@ def search_inference(model: ModelShape, cluster: Cluster, work: Workload) -> Inf
                 e = evaluate_serving(model, cluster, Serving(tp, pp, b, replicas), work)
                 if e.fits:
                     evaluations.append(e)
-    evaluations.sort(key=lambda e: (not e.meets_limits, -e.tokens_per_s, e.time.tpot_s, e.serving.gpus_per_replica))
+    evaluations.sort(key=lambda e: rank_key(e.meets_limits, e.tokens_per_s, e.time.tpot_s, e.serving.gpus_per_replica))
     return InferenceResult(model, cluster, work, tuple(evaluations))
 
 

@@ -3,14 +3,18 @@
 The model is a named size or an explicit shape (the training tuner's flags), an exported transformers directory
 (``--hf-dir``) or a ds_megatron checkpoint (``--checkpoint``: its newest complete tag's config).  The report shows the
 winner under the latency limits, why it beats the runner-up, and the Pareto front of output tokens/s per GPU against
-TPOT and TTFT.  Exit status: 0 with a winner, 1 when nothing fits or nothing meets the limits (the closest are
-listed), 2 on bad input (one ``error:`` line)."""
+TPOT and TTFT.  ``--empirical --max-minutes M`` then measures TTFT and TPOT of the top candidates of an exported
+model on this machine, refits the model and ranks again.  Exit status: 0 with a winner, 1 when nothing fits or
+nothing meets the limits (the closest are listed), 2 on bad input (one ``error:`` line)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 from ds_megatron.checkpoint.manifest import newest_complete_tag, tag_config
@@ -19,6 +23,7 @@ from ds_megatron.config.loader import parse_section
 from ds_megatron.config.numbers import finite_float
 from ds_megatron.config.schema import ModelSection
 from ds_megatron.config.shape import resolve_shape
+from ds_megatron.tune.empirical import DEVICES, resolve_device
 from ds_megatron.tune.inference import (
     DEFAULT_BATCH_SIZES,
     KV_PRECISIONS,
@@ -29,6 +34,9 @@ from ds_megatron.tune.inference import (
     search_inference,
     smallest_fit_note,
 )
+from ds_megatron.tune.inference_empirical import run_inference_empirical, validate_options
+from ds_megatron.tune.inference_empirical_report import format_inference_empirical
+from ds_megatron.tune.inference_probe import InferenceEmpiricalOptions
 from ds_megatron.tune.memory_model import GIB, total_param_count
 from ds_megatron.tune.spec import FLAGS as SHAPE_FLAGS
 from ds_megatron.tune.spec import PRESET_FIELDS, build_cluster, build_model_shape
@@ -36,7 +44,7 @@ from ds_megatron.tune.written import check_output, write_output
 
 EXIT_NO_FIT = 1
 EXIT_CONFIG_ERROR = 2
-TRAINING_ONLY_FLAGS = ("--global-batch-size", "--step-overhead-s")
+TRAINING_ONLY_FLAGS = ("--global-batch-size",)
 # transformers' config.json keys -> the model section's fields, per model_type (only what the inference model reads).
 HF_FIELDS = {
     "gpt2": {"n_layer": "num_layers", "n_embd": "hidden_size", "n_head": "num_heads", "vocab_size": "vocab_size"},
@@ -85,12 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--top", type=int, default=10, help="rows of the Pareto table (default 10)")
     out.add_argument("--json", metavar="OUT", help="write every candidate that fits to OUT")
     out.add_argument("--force", action="store_true", help="replace the file of --json if it exists")
+    emp = p.add_argument_group("empirical mode (measured TTFT and TPOT of the top candidates on this machine)")
+    emp.add_argument("--empirical", action="store_true", help="measure the --hf-dir model, refit, rank again")
+    emp.add_argument("--max-minutes", type=finite_float, help="wall-clock budget of the whole command (required)")
+    emp.add_argument("--empirical-top", type=int, default=6, help="candidates to measure, pp 1 only (default 6)")
+    emp.add_argument("--empirical-steps", type=int, default=3, help="measured requests per candidate (default 3)")
+    emp.add_argument("--empirical-warmup", type=int, default=1, help="warm-up requests dropped first (default 1)")
+    emp.add_argument("--device", choices=DEVICES, default="auto", help="auto: gpu when torch sees CUDA, else cpu")
+    emp.add_argument(
+        "--empirical-dir", metavar="DIR", help="launch directories (default runs/tune/<date-time>-inference)"
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
     try:
-        return _run(build_parser().parse_args(argv))
+        return _run(build_parser().parse_args(argv), start)
     except ConfigError as err:
         print(str(err), file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -158,7 +177,9 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
     return build_model_shape(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length, **llama)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, start: float) -> int:
+    if args.empirical and args.max_minutes is None:
+        raise ConfigError("--max-minutes", "required with --empirical", "not set", "pass e.g. --max-minutes 10")
     check_output("--json", args.json, args.force)
     model = model_shape(args)
     figures = {name: getattr(args, flag[2:].replace("-", "_")) for name, (_, flag) in PRESET_FIELDS.items()}
@@ -170,6 +191,7 @@ def _run(args: argparse.Namespace) -> int:
         efficiency=args.efficiency,
         intra_node_latency_s=args.intra_node_latency_us * 1e-6,
         inter_node_latency_s=args.inter_node_latency_us * 1e-6,
+        step_overhead_s=args.step_overhead_s,
     )
     work = Workload(
         prompt_length=args.prompt_length,
@@ -181,7 +203,26 @@ def _run(args: argparse.Namespace) -> int:
         batch_sizes=_batch_sizes(args.batch_sizes),
     )
     result = search_inference(model, cluster, work)
-    print(format_inference(result, top=max(1, args.top)))
+    options = None
+    if args.empirical:  # refused before the report and before anything is launched
+        options = InferenceEmpiricalOptions(
+            max_minutes=args.max_minutes,
+            top=args.empirical_top,
+            repeats=args.empirical_steps,
+            warmup=args.empirical_warmup,
+            device=args.device,
+            work_dir=args.empirical_dir,
+        )
+        validate_options(result, options, args.hf_dir)
+        options = dataclasses.replace(options, device=resolve_device(options.device, cluster.num_gpus))
+    print(format_inference(result, top=max(1, args.top)), flush=True)
+    emp = None
+    if options is not None and not result.evaluations:
+        print("empirical: skipped, no candidate fits")
+    elif options is not None:
+        say = functools.partial(print, flush=True)
+        emp = run_inference_empirical(result, args.hf_dir, options, deadline=start + 60 * args.max_minutes, say=say)
+        print(format_inference_empirical(emp, top=max(1, args.top)))
     if args.json:
         data = {
             "model": vars(model) | {"parameters": total_param_count(model)},
@@ -191,8 +232,12 @@ def _run(args: argparse.Namespace) -> int:
             "pareto_front": [e.as_dict() for e in result.pareto_front()],
             "candidates": [e.as_dict() for e in result.evaluations],
         }
+        if emp is not None:
+            data["empirical"] = emp.as_dict(top=max(1, args.top))
         write_output("--json", args.json, json.dumps(data, indent=1), args.force)
         print(f"wrote {len(result.evaluations)} candidates to {args.json}")
+    if emp is not None:
+        return 0 if emp.winner is not None else EXIT_NO_FIT
     return 0 if result.winner else EXIT_NO_FIT
 
 

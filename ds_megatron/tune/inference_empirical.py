@@ -1,0 +1,294 @@
+"""The inference tuner's empirical mode (``inference --empirical``): short measured runs of the top analytic
+candidates on this machine (TTFT and TPOT of the exported model under DeepSpeed's inference engine with AutoTP,
+``recipes/measure_inference.py``), a refit of the inference model to them and a final ranking from both
+(docs/tuner.md, "Inference: empirical mode").  Standard library only: the measuring runs are subprocesses."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ds_megatron.config import ConfigError
+from ds_megatron.tune.calibration import Calibration, fit_parts
+from ds_megatron.tune.empirical import REPORT_RESERVE_S, plan_timeout, resolve_device, spearman
+from ds_megatron.tune.inference import (
+    InferenceEvaluation,
+    InferenceResult,
+    Serving,
+    inference_time,
+    meets_limits,
+    rank_key,
+    search_inference,
+)
+from ds_megatron.tune.inference_probe import (
+    PROBE_DTYPES,
+    Figures,
+    InferenceEmpiricalOptions,
+    InferenceRun,
+    Launch,
+    figures_of,
+    launch_groups,
+    measure_launch,
+)
+from ds_megatron.tune.spec import Cluster
+from ds_megatron.tune.time_model import FIT_TERMS
+
+FIGURES = ("tpot", "ttft", "tokens_per_s")  # compared between the model and the runs, as Figures attributes
+
+REPLICAS_NOTE = (
+    "one replica is measured per candidate; its replicas are independent copies on other GPUs, so the measured "
+    "tokens/s is the replica's times the replica count"
+)
+
+
+@dataclass(frozen=True)
+class FinalEntry:
+    evaluation: InferenceEvaluation  # from the recalibrated search
+    figures: Figures
+    source: str  # "measured" | "predicted"
+
+    def as_dict(self) -> dict:
+        return {
+            **dataclasses.asdict(self.evaluation.serving),
+            **dataclasses.asdict(self.figures),
+            "source": self.source,
+        }
+
+
+@dataclass
+class InferenceEmpiricalResult:
+    options: InferenceEmpiricalOptions  # device resolved, work_dir set
+    budget_s: float
+    runs: list[InferenceRun]
+    launches: list[Launch] = field(default_factory=list)
+    calibration: Calibration | None = None
+    calibration_note: str = ""
+    spearman: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # figure: (before, after)
+    recalibrated: InferenceResult | None = None
+    final: list[FinalEntry] = field(default_factory=list)
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> list[InferenceRun]:
+        return [r for r in self.runs if r.measured is not None]
+
+    @property
+    def winner(self) -> FinalEntry | None:
+        """The first of the final ranking when it meets the limits (the ranking puts those first)."""
+        if not self.final or self.recalibrated is None:
+            return None
+        first, work = self.final[0], self.recalibrated.workload
+        return first if meets_limits(work, first.figures.ttft, first.figures.tpot) else None
+
+    def as_dict(self, top: int = 10) -> dict:
+        o, cal = self.options, self.calibration
+        return {
+            "device": o.device,
+            "warmup_requests": o.warmup,
+            "measured_requests": o.repeats,
+            "max_minutes": o.max_minutes,
+            "elapsed_s": self.elapsed_s,
+            "work_dir": o.work_dir,
+            "replicas_note": REPLICAS_NOTE,
+            "runs": [r.as_dict() for r in self.runs],
+            "launches": [dataclasses.asdict(x) for x in self.launches],
+            "not_run": [r.index for r in self.runs if r.status == "not run"],
+            "calibration": dataclasses.asdict(cal) if cal else None,
+            "calibration_note": self.calibration_note,
+            "spearman": {k: {"analytic": b, "calibrated": a} for k, (b, a) in self.spearman.items()},
+            "final_ranking": [f.as_dict() for f in self.final[:top]],
+            "winner": self.winner.as_dict() if self.winner else None,
+        }
+
+
+def validate_options(result: InferenceResult, options: InferenceEmpiricalOptions, hf_dir: str | None) -> None:
+    """Refuse what the measuring runs cannot do, before anything is launched."""
+    cl, work = result.cluster, result.workload
+    if not options.max_minutes > 0:
+        raise ConfigError("--max-minutes", "must be positive", f"got {options.max_minutes}", "pass e.g. 10")
+    for flag, value, least in (
+        ("--empirical-top", options.top, 1),
+        ("--empirical-steps", options.repeats, 1),
+        ("--empirical-warmup", options.warmup, 0),
+    ):
+        if value < least:
+            raise ConfigError(flag, f"must be at least {least}", f"got {value}", f"pass e.g. {max(least, 3)}")
+    if not hf_dir:
+        raise ConfigError(
+            "--empirical", "measures an exported transformers model", "no --hf-dir given",
+            "export the checkpoint (python -m ds_megatron.checkpoint export) and pass --hf-dir DIR",
+        )  # fmt: skip
+    if work.weight_dtype not in PROBE_DTYPES or work.kv_dtype != work.weight_dtype:
+        raise ConfigError(
+            "--weight-dtype",
+            "the measuring run loads the model at one precision for weights and KV cache",
+            f"weights {work.weight_dtype}, KV cache {work.kv_dtype}",
+            f"pass --weight-dtype and --kv-dtype the same, one of {', '.join(PROBE_DTYPES)}",
+        )
+    if work.output_length < 2:
+        raise ConfigError("--output-length", "TPOT needs a decode step", f"{work.output_length}", "pass at least 2")
+    if cl.num_gpus > cl.gpus_per_node:
+        raise ConfigError(
+            "--empirical",
+            "runs on this machine only",
+            f"gpus={cl.num_gpus} > gpus_per_node={cl.gpus_per_node}",
+            "measure a one-node problem (--gpus <= --gpus-per-node) or drop --empirical",
+        )
+
+
+def not_measured(result: InferenceResult, e: InferenceEvaluation) -> str | None:
+    """Why the measuring run cannot run candidate ``e``, or None when it can."""
+    if e.serving.pp > 1:
+        return "pp > 1 (AutoTP has no pipeline)"
+    if e.serving.tp > 1 and result.model.family == "gpt2":
+        # deepspeed 0.19.8: "AutoTP not supported for model. Please use kernel injection since container policy
+        # for model exists"; kernel injection runs on CUDA only.
+        return "a GPT-2 at tp > 1 (DeepSpeed's AutoTP refuses GPT-2: it has a CUDA-only kernel-injection policy)"
+    return None
+
+
+def top_candidates(result: InferenceResult, top: int) -> list[InferenceEvaluation]:
+    """The first ``top`` of the analytic ranking that the measuring run can run (``not_measured``), tp by tp."""
+    picked = [e for e in result.evaluations if not_measured(result, e) is None][:top]
+    order = {e.serving: i for i, e in enumerate(result.evaluations)}
+    return sorted(picked, key=lambda e: (e.serving.tp, order[e.serving]))
+
+
+def run_inference_empirical(
+    result: InferenceResult,
+    hf_dir: str,
+    options: InferenceEmpiricalOptions,
+    deadline: float,
+    say: Callable[[str], None] = print,
+) -> InferenceEmpiricalResult:
+    """Measure the top candidates before ``deadline`` (a time.monotonic() value) in as few launches as
+    ``launch_groups`` allows; recalibrate and rank again."""
+    validate_options(result, options, hf_dir)
+    start = time.monotonic()
+    device = resolve_device(options.device, result.cluster.num_gpus)
+    work_dir = str(Path(options.work_dir or f"runs/tune/{time.strftime('%Y%m%d-%H%M%S')}-inference").resolve())
+    options = dataclasses.replace(options, device=device, work_dir=work_dir)
+    rank = {e.serving: i + 1 for i, e in enumerate(result.evaluations)}
+    runs = [InferenceRun(i + 1, rank[e.serving], e) for i, e in enumerate(top_candidates(result, options.top))]
+    emp = InferenceEmpiricalResult(options, max(0.0, deadline - start), runs)
+    w = result.workload
+    say(
+        f"empirical: measuring {len(runs)} candidate(s) on {device.upper()} under deepspeed.init_inference (AutoTP), "
+        f"prompt {w.prompt_length}, output {w.output_length}, {options.warmup} warm-up + {options.repeats} measured "
+        f"request(s) each, {emp.budget_s / 60:.1f} min budget; runs in {work_dir}"
+    )
+    skipped = dict.fromkeys(why for e in result.evaluations if (why := not_measured(result, e)))
+    if skipped:
+        say(f"  not measured: {'; '.join(skipped)}")
+    groups = launch_groups([r.evaluation.serving.tp for r in runs])
+    durations: list[float] = []
+    for pos, group in enumerate(groups):
+        while pending := [r for r in runs if r.evaluation.serving.tp in group and r.status == "not run"]:
+            remaining = deadline - time.monotonic() - REPORT_RESERVE_S
+            timeout = plan_timeout(remaining, len(groups) - pos, durations)
+            if timeout is None:
+                say(f"  budget: {max(remaining, 0):.0f} s left is too little for another launch")
+                break
+            world = max(group)
+            tps = " and ".join(str(t) for t in group)
+            say(f"  tp {tps}: launching {len(pending)} candidate(s) on {world} process(es) (timeout {timeout:.0f} s)")
+            launch = measure_launch(result, hf_dir, options, world, pending, len(emp.launches) + 1, timeout)
+            emp.launches.append(launch)
+            if launch.returncode is not None:
+                durations.append(launch.duration_s)
+            for r in pending:
+                if r.status != "not run":
+                    say(f"      #{r.index} tp {r.evaluation.serving.tp}, batch {r.evaluation.serving.batch}: "
+                        f"{_outcome_text(r)}")  # fmt: skip
+            if all(r.status == "not run" for r in pending) or launch.returncode is None:
+                break  # nothing started (the launch itself failed) or the budget is spent: do not retry
+    recalibrate(result, emp)
+    emp.elapsed_s = time.monotonic() - (deadline - 60 * options.max_minutes)
+    return emp
+
+
+def _outcome_text(r: InferenceRun) -> str:
+    if r.measured is None:
+        return f"{r.status}: {r.reason}"
+    p, m = r.predicted, r.measured
+    return f"TTFT {m.ttft * 1e3:.1f} ms (predicted {p.ttft * 1e3:.1f}), TPOT {m.tpot * 1e3:.2f} ms ({p.tpot * 1e3:.2f})"
+
+
+def inference_parts(result: InferenceResult, serving: Serving) -> dict[str, tuple[float, float, float]]:
+    """TTFT's and TPOT's (C, N, B), predicted = C / efficiency + N x intra-node latency + B + overhead: both are
+    linear in the three constants (inference_time), so three evaluations separate them.  The physical floors do not
+    bind at an efficiency of at most 1 (each is the matmul or memory term at a ceiling of 1)."""
+    base = dataclasses.replace(result.cluster, efficiency=1.0, intra_node_latency_s=0.0, step_overhead_s=0.0)
+    t1 = inference_time(result.model, base, serving, result.workload)
+    half = inference_time(result.model, dataclasses.replace(base, efficiency=0.5), serving, result.workload)
+    unit = inference_time(result.model, dataclasses.replace(base, intra_node_latency_s=1.0), serving, result.workload)
+    parts = {}
+    for name in ("ttft", "tpot"):
+        at1, at_half, at_unit = (getattr(t, f"{name}_s") for t in (t1, half, unit))
+        c = at_half - at1
+        parts[name] = (c, at_unit - at1, at1 - c)
+    return parts
+
+
+def fit_inference_model(result: InferenceResult, runs: list[InferenceRun], extra_terms=FIT_TERMS) -> Calibration:
+    """Fit the matmul ceiling, and each of ``extra_terms`` (collective latency, a fixed per-forward overhead) that
+    clearly helps, to the measured TTFTs and TPOTs together (calibration.fit_parts: every figure's relative error
+    counts the same)."""
+    points = []
+    for r in runs:
+        parts = inference_parts(result, r.evaluation.serving)
+        for name in ("ttft", "tpot"):
+            measured = getattr(r.measured, name)
+            if not measured > 0:
+                raise ValueError(f"calibrate: measured {name.upper()} must be positive, got {measured}")
+            points.append((*parts[name], result.cluster.intra_node_latency_s, measured))
+    return fit_parts(points, extra_terms, unit="measured TTFTs and TPOTs")
+
+
+def recalibrate(result: InferenceResult, emp: InferenceEmpiricalResult) -> None:
+    """Fit the model to the measured runs, search again with the fitted constants, build the final ranking."""
+    ok = emp.ok
+    if not ok:
+        emp.calibration_note = "no candidate was measured: the analytic model is kept"
+    else:
+        try:
+            emp.calibration = fit_inference_model(result, ok)
+        except ValueError as err:
+            emp.calibration_note = f"calibration failed, the analytic model is kept: {err}"
+    cluster: Cluster = emp.calibration.apply(result.cluster) if emp.calibration else result.cluster
+    emp.recalibrated = search_inference(result.model, cluster, result.workload)
+    again = {e.serving: e for e in emp.recalibrated.evaluations}
+    for r in emp.runs:
+        r.calibrated = figures_of(again[r.evaluation.serving]) if r.evaluation.serving in again else None
+    for name in FIGURES:
+        measured = [getattr(r.measured, name) for r in ok]
+        before = spearman([getattr(r.predicted, name) for r in ok], measured)
+        after = spearman([getattr(r.calibrated, name) for r in ok], measured) if all(r.calibrated for r in ok) else None
+        emp.spearman[name] = (before, after)
+    emp.final = final_ranking(emp.recalibrated, emp.runs)
+
+
+def final_ranking(recalibrated: InferenceResult, runs: list[InferenceRun]) -> list[FinalEntry]:
+    """Measured figures where a run measured them, the recalibrated prediction otherwise; failed runs left out;
+    ordered as the analytic search orders (inference.rank_key), the limits judged on the figures shown."""
+    by_serving = {r.evaluation.serving: r for r in runs}
+    entries = []
+    for e in recalibrated.evaluations:
+        r = by_serving.get(e.serving)
+        if r is not None and r.status not in ("ok", "not run"):
+            continue
+        measured = r is not None and r.measured is not None
+        entries.append(
+            FinalEntry(e, r.measured if measured else figures_of(e), "measured" if measured else "predicted")
+        )
+    work = recalibrated.workload
+
+    def key(f: FinalEntry) -> tuple:
+        meets = meets_limits(work, f.figures.ttft, f.figures.tpot)
+        return (*rank_key(meets, f.figures.tokens_per_s, f.figures.tpot, f.evaluation.serving.gpus_per_replica),
+                f.source != "measured")  # fmt: skip
+
+    return sorted(entries, key=key)

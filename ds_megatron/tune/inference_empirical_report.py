@@ -1,0 +1,135 @@
+"""The inference empirical mode's console section: each candidate's TTFT, TPOT and tokens/s predicted, recalibrated
+and measured, the calibration, the rank correlations and the final ranking (measured where measured)."""
+
+from __future__ import annotations
+
+from ds_megatron.tune.inference_empirical import REPLICAS_NOTE, FinalEntry, InferenceEmpiricalResult
+from ds_megatron.tune.inference_probe import Figures
+from ds_megatron.tune.report import efficiency_text
+
+PEAK_NOTE = {
+    "cpu": "peak mem: max RSS of rank 0 so far in its launch (the model, torch and every earlier batch included)",
+    "gpu": "peak mem: torch.cuda.max_memory_allocated of rank 0 for the candidate",
+}
+FIGURE_NAMES = {"tpot": "TPOT", "ttft": "TTFT", "tokens_per_s": "tokens/s"}
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:,.1f}" if seconds >= 0.01 else f"{seconds * 1e3:.3f}"
+
+
+def rate(tokens_per_s: float | None) -> str:
+    return "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    return ["  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+
+
+def _three(fig: str, p: Figures | None, c: Figures | None, m: Figures | None) -> list[str]:
+    text = rate if fig == "tokens_per_s" else ms
+    return [text(getattr(f, fig)) if f else "-" for f in (p, c, m)]
+
+
+def format_inference_empirical(emp: InferenceEmpiricalResult, top: int = 10) -> str:
+    o = emp.options
+    lines = [
+        "",
+        f"empirical: {len(emp.runs)} candidate(s) on {o.device.upper()} in {len(emp.launches)} launch(es) "
+        f"(tp 1 and the widest tp share one, every other tp has its own); {o.warmup} warm-up + {o.repeats} "
+        f"measured request(s) each; {emp.elapsed_s / 60:.1f} of {o.max_minutes:g} min used",
+    ]
+    header = ["#", "rank", "tp", "batch", "replicas", "status"]
+    for fig, unit in (("ttft", "ms"), ("tpot", "ms"), ("tokens_per_s", "")):
+        name = FIGURE_NAMES[fig] + (f" {unit}" if unit else "")
+        header += [f"{name} pred", "calib", "measured"]
+    header.append("peak mem")
+    rows, reasons = [], []
+    for r in emp.runs:
+        s = r.evaluation.serving
+        row = [str(r.index), str(r.rank), str(s.tp), str(s.batch), str(s.replicas), r.status]
+        for fig in ("ttft", "tpot", "tokens_per_s"):
+            row += _three(fig, r.predicted, r.calibrated, r.measured)
+        row.append(f"{r.peak_mem_gb:.2f} GB" if r.peak_mem_gb is not None else "-")
+        rows.append(row)
+        if r.status not in ("ok", "not run"):
+            reasons.append(f"  #{r.index} {r.status}: {r.reason}")
+    lines += _table(header, rows) + reasons
+    not_run = [str(r.index) for r in emp.runs if r.status == "not run"]
+    if not_run:
+        lines.append(f"  not run (the {o.max_minutes:g} min budget would be exceeded): #{', #'.join(not_run)}")
+    lines.append("  pred: analytic model; calib: refitted model; measured: TTFT the median prefill, TPOT the mean step")
+    lines.append(f"  {REPLICAS_NOTE}; {PEAK_NOTE[o.device]}")
+    lines += _calibration_lines(emp)
+    lines += _ranking_lines(emp, top)
+    return "\n".join(lines)
+
+
+def _calibration_lines(emp: InferenceEmpiricalResult) -> list[str]:
+    cal = emp.calibration
+    if cal is None:
+        lines = [f"calibration: {emp.calibration_note}"]
+    else:
+        parts = [f"efficiency {efficiency_text(cal.efficiency)}"]
+        flags = [f"--efficiency {cal.efficiency:.4g}"]
+        if cal.intra_node_latency_s is not None:
+            parts.append(f"collective latency {cal.intra_node_latency_s * 1e6:,.0f} us")
+            flags.append(f"--intra-node-latency-us {cal.intra_node_latency_s * 1e6:.4g}")
+        if cal.step_overhead_s:
+            parts.append(f"fixed overhead {ms(cal.step_overhead_s)} ms per forward")
+            flags.append(f"--step-overhead-s {cal.step_overhead_s:.4g}")
+        error = f"relative RMS error {cal.rms_error:.1%}"
+        if len(cal.terms) > 1:
+            error += f" ({cal.rms_error_efficiency_only:.1%} with the efficiency alone)"
+        lines = [
+            f"calibration from {cal.num_measurements} figures (TTFT and TPOT of {len(emp.ok)} run(s)): "
+            f"{', '.join(parts)}; {error}",
+            f"  {cal.note}; rank with these numbers: {' '.join(flags)}",
+        ]
+    n = len(emp.ok)
+    pairs = []
+    for fig, (before, after) in emp.spearman.items():
+        if before is not None:
+            pairs.append(
+                f"{FIGURE_NAMES[fig]} analytic {before:+.2f}, calibrated "
+                + (f"{after:+.2f}" if after is not None else "n/a")
+            )
+    if pairs:
+        lines.append(f"rank correlation (Spearman) with the measured figures over {n} candidates: {'; '.join(pairs)}")
+    else:
+        lines.append(f"rank correlation (Spearman): n/a ({n} measured candidate(s); needs 2 with different figures)")
+    return lines
+
+
+def _ranking_lines(emp: InferenceEmpiricalResult, top: int) -> list[str]:
+    if not emp.final:
+        return ["final ranking: nothing left (every measured candidate failed and nothing else fits)"]
+    lines = ["final ranking (measured where measured, else the calibrated prediction; failed runs left out):"]
+    header = ["rank", "tp", "pp", "batch", "replicas", "tok/s all", "TTFT ms", "TPOT ms", "source"]
+    rows = [
+        [str(i + 1), *(str(x) for x in (f.evaluation.serving.tp, f.evaluation.serving.pp, f.evaluation.serving.batch)),
+         str(f.evaluation.serving.replicas), rate(f.figures.tokens_per_s), ms(f.figures.ttft), ms(f.figures.tpot),
+         f.source]
+        for i, f in enumerate(emp.final[:top])
+    ]  # fmt: skip
+    lines += _table(header, rows)
+    w = emp.winner
+    if w is None:
+        lines.append("no configuration meets the limits (measured where measured): the closest are ranked first")
+        return lines
+    lines.append(f"final winner ({w.source}): {_describe(w)}")
+    if w.source == "predicted":
+        best = next((f for f in emp.final if f.source == "measured"), None)
+        lines.append("  not measured: the recalibrated model predicts it beats every measured candidate")
+        if best is not None:
+            lines.append(f"  best measured: {_describe(best)}")
+    return lines
+
+
+def _describe(f: FinalEntry) -> str:
+    s, x = f.evaluation.serving, f.figures
+    return (
+        f"tp {s.tp} x pp {s.pp}, batch {s.batch}, {s.replicas} replica{'s' if s.replicas > 1 else ''}: "
+        f"{x.tokens_per_s:,.0f} output tokens/s, TTFT {ms(x.ttft)} ms, TPOT {ms(x.tpot)} ms"
+    )
