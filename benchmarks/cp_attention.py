@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--markdown")
     args = ap.parse_args()
     rows = [
-        "| kernel | s | whole sequence, 1 process: s | ring cp 2, 2 processes: s | time ratio | whole: peak MiB | "
+        "| kernel | s | whole sequence, 1 process: seconds | ring cp 2, 2 processes: seconds | time ratio | whole: peak MiB | "
         "ring: peak MiB per process | memory ratio |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -221,7 +221,12 @@ class _HeadsToSeq(torch.autograd.Function):
 def a2a_attention(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: str, scale: float) -> Tensor:
     """Ulysses attention: q, k, v all-to-all'd to n/cp (n_kv/cp) heads of the whole sequence, causal attention
     there, the context all-to-all'd back.  Query head group r meets KV head group r: head i uses KV head
-    i // (n / n_kv), and both are split into cp contiguous groups.  Heads must divide by cp (``check_cp_heads``)."""
+    i // (n / n_kv), and both are split into cp contiguous groups.  Heads must divide by cp (``check_cp_heads``).
+
+    Not DeepSpeed's ``deepspeed.sequence.layer.DistributedAttention``: it takes [b, s, n, d] or [s, b, n, d] (a
+    transpose copy each way around this [b, n, s, d] core), gathers shards in rank order only (the balanced layout
+    would need one more reorder of q, k, v and the context) and runs on ``deepspeed.comm``; here the reorder is the
+    copy the all-to-all needs anyway."""
     if _size_rank(group)[0] == 1:
         return _LocalAttention.apply(q, k, v, kernel, scale)
     q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))

@@ -96,10 +96,10 @@ def _flash_cuda_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     sq, sk = q.shape[2], k.shape[2]
-    empty = torch.empty(0, device=q.device)  # no cumulative lengths (dense batch); no RNG state (dropout 0)
-    rng = torch.empty(2, dtype=torch.int64, device=q.device)
+    # No cumulative lengths (a dense batch) and no RNG state: the kernel reads the philox seed only with dropout.
+    empty = torch.empty(0, device=q.device)
     grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, empty, empty, sq, sk, 0.0, causal, rng, empty, scale=scale
+        dout, q, k, v, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale
     )
     return grads[0], grads[1], grads[2]
 
