@@ -51,28 +51,37 @@ def worker(rank: int, world: int, port: int, s: int, kernel: str, reps: int, que
     q, k, v = (torch.randn(B, N, local, D, requires_grad=True) for _ in range(3))
     gout = torch.randn(B, N, local, D)
     base = _current_rss_mib()
-    times = []
-    for _ in range(reps):
+    times, saved = [], {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # what autograd keeps from forward to backward, once per storage
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    for rep in range(reps):
         if group is not None:
             dist.barrier(group)
         t0 = time.perf_counter()
-        ring_attention(q, k, v, group, kernel, 1 / math.sqrt(D)).backward(gout)
+        # saved bytes counted in the first call only: later calls save new outputs at other addresses
+        hooks = (pack, lambda t: t) if rep == 0 else (lambda t: t, lambda t: t)
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            out = ring_attention(q, k, v, group, kernel, 1 / math.sqrt(D))
+        out.backward(gout)
         times.append(time.perf_counter() - t0)
         q.grad = k.grad = v.grad = None
-    queue.put((rank, statistics.median(times), _rss_mib() - base))
+    queue.put((rank, statistics.median(times), _rss_mib() - base, sum(saved.values()) / 2**20))
     if group is not None:
         dist.destroy_process_group()
 
 
-def measure(s: int, kernel: str, world: int, reps: int) -> tuple[float, float]:
-    """(median seconds of forward + backward, the largest peak MiB over the ranks)."""
+def measure(s: int, kernel: str, world: int, reps: int) -> tuple[float, float, float]:
+    """(median seconds of forward + backward, the largest peak MiB and saved-for-backward MiB over the ranks)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(worker, args=(world, port, s, kernel, reps, queue), nprocs=world, start_method="spawn")
     results = [queue.get() for _ in range(world)]
-    return max(r[1] for r in results), max(r[2] for r in results)
+    return max(r[1] for r in results), max(r[2] for r in results), max(r[3] for r in results)
 
 
 def main() -> None:
@@ -82,25 +91,29 @@ def main() -> None:
     ap.add_argument("--markdown")
     args = ap.parse_args()
     rows = [
-        "| kernel | s | whole sequence, 1 process: seconds | ring cp 2, 2 processes: seconds | time ratio | whole: peak MiB | "
-        "ring: peak MiB per process | memory ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| kernel | s | whole: seconds | ring: seconds | time ratio | whole: peak MiB | ring: peak MiB | peak ratio "
+        "| whole: saved MiB | ring: saved MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kernel in ("sdpa", "eager"):
         for s in args.lengths:
             if kernel == "eager" and s > EAGER_MAX:
                 continue
-            t1, m1 = measure(s, kernel, 1, args.reps)
-            t2, m2 = measure(s, kernel, 2, args.reps)
+            t1, m1, saved1 = measure(s, kernel, 1, args.reps)
+            t2, m2, saved2 = measure(s, kernel, 2, args.reps)
             rows.append(
-                f"| {kernel} | {s} | {t1:.2f} | {t2:.2f} | {t2 / t1:.2f} | {m1:.0f} | {m2:.0f} | {m2 / m1:.2f} |"
+                f"| {kernel} | {s} | {t1:.2f} | {t2:.2f} | {t2 / t1:.2f} | {m1:.0f} | {m2:.0f} | {m2 / m1:.2f} "
+                f"| {saved1:.1f} | {saved2:.1f} |"
             )
             print(rows[-1], flush=True)
     body = "\n".join(
         [
             f"Causal attention forward + backward, fp32, b {B}, {N} heads of {D} (h {N * D}), one thread per process, "
-            f"median of {args.reps} (the ring's time is its slowest rank's).  Peak MiB: the largest resident-set "
-            "growth of a process over its inputs (ru_maxrss), so it includes what the kernel's allocator keeps.",
+            f"median of {args.reps} (the ring's time is its slowest rank's).  Whole: one process, one call over the "
+            "whole sequence; ring: cp 2 on two processes, per process.  Peak MiB: the largest resident-set growth of "
+            "a process over its inputs (ru_maxrss), transient buffers and the allocator's caches included.  Saved "
+            "MiB: what autograd keeps from forward to backward (q, k, v, output, log-sum-exp), the part a model "
+            "stores per layer.",
             "",
             *rows,
             "",

@@ -62,14 +62,13 @@ def check_cp_heads(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> None:
     if cp == 1:
         return
     for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if n % tp != 0 or (n // tp) % cp != 0:
-            per_tp = n // tp if n % tp == 0 else n / tp
-            fits = [d for d in range(1, n // tp + 1) if n % tp == 0 and (n // tp) % d == 0]
+        per_tp = n // tp  # the loader has refused heads that tp does not divide
+        if per_tp % cp != 0:
             raise ConfigError(
                 "ds_megatron.parallel.cp_comm",
                 f"a2a needs the {name} per TP rank divisible by cp (it splits heads over CP)",
                 f"{name}={n}, tp={tp}, {name}/tp={per_tp}, cp={cp}",
-                f'use cp in {fits} or cp_comm "ring"',
+                f'use cp in {[d for d in range(1, per_tp + 1) if per_tp % d == 0]} or cp_comm "ring"',
             )
 
 
@@ -101,7 +100,7 @@ def token_indices(seq_length: int, cp_rank: int, cp: int, device: torch.device |
 
 def slice_for_rank(x: Tensor, dim: int, cp_rank: int, cp: int) -> Tensor:
     """This rank's chunks of a full-sequence tensor ``x`` (sequence along ``dim``): [.., s, ..] -> [.., s / cp, ..].
-    A new tensor (chunks are not adjacent), never a view that would keep the full sequence alive."""
+    At cp > 1 a new tensor (the chunks are not adjacent), never a view that would keep the full sequence alive."""
     if cp == 1:
         return x
     chunks = x.chunk(2 * cp, dim)
