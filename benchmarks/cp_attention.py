@@ -51,7 +51,7 @@ def worker(rank: int, world: int, port: int, s: int, kernel: str, reps: int, que
     q, k, v = (torch.randn(B, N, local, D, requires_grad=True) for _ in range(3))
     gout = torch.randn(B, N, local, D)
     base = _current_rss_mib()
-    times, saved = [], {}
+    times, cpu, saved = [], [], {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:  # what autograd keeps from forward to backward, once per storage
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
@@ -60,28 +60,29 @@ def worker(rank: int, world: int, port: int, s: int, kernel: str, reps: int, que
     for rep in range(reps):
         if group is not None:
             dist.barrier(group)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         # saved bytes counted in the first call only: later calls save new outputs at other addresses
         hooks = (pack, lambda t: t) if rep == 0 else (lambda t: t, lambda t: t)
         with torch.autograd.graph.saved_tensors_hooks(*hooks):
             out = ring_attention(q, k, v, group, kernel, 1 / math.sqrt(D))
         out.backward(gout)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         q.grad = k.grad = v.grad = None
-    queue.put((rank, statistics.median(times), _rss_mib() - base, sum(saved.values()) / 2**20))
+    queue.put((rank, statistics.median(times), statistics.median(cpu), _rss_mib() - base, sum(saved.values()) / 2**20))
     if group is not None:
         dist.destroy_process_group()
 
 
-def measure(s: int, kernel: str, world: int, reps: int) -> tuple[float, float, float]:
-    """(median seconds of forward + backward, the largest peak MiB and saved-for-backward MiB over the ranks)."""
+def measure(s: int, kernel: str, world: int, reps: int) -> tuple[float, ...]:
+    """The largest over the ranks of: median wall and CPU seconds of forward + backward, peak MiB, saved MiB."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(worker, args=(world, port, s, kernel, reps, queue), nprocs=world, start_method="spawn")
     results = [queue.get() for _ in range(world)]
-    return max(r[1] for r in results), max(r[2] for r in results), max(r[3] for r in results)
+    return tuple(max(r[i] for r in results) for i in range(1, 5))
 
 
 def main() -> None:
@@ -91,25 +92,27 @@ def main() -> None:
     ap.add_argument("--markdown")
     args = ap.parse_args()
     rows = [
-        "| kernel | s | whole: seconds | ring: seconds | time ratio | whole: peak MiB | ring: peak MiB | peak ratio "
-        "| whole: saved MiB | ring: saved MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| kernel | s | whole: wall s | ring: wall s | whole: CPU s | ring: CPU s per process | CPU ratio "
+        "| whole: peak MiB | ring: peak MiB | peak ratio | whole: saved MiB | ring: saved MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kernel in ("sdpa", "eager"):
         for s in args.lengths:
             if kernel == "eager" and s > EAGER_MAX:
                 continue
-            t1, m1, saved1 = measure(s, kernel, 1, args.reps)
-            t2, m2, saved2 = measure(s, kernel, 2, args.reps)
+            t1, c1, m1, saved1 = measure(s, kernel, 1, args.reps)
+            t2, c2, m2, saved2 = measure(s, kernel, 2, args.reps)
             rows.append(
-                f"| {kernel} | {s} | {t1:.2f} | {t2:.2f} | {t2 / t1:.2f} | {m1:.0f} | {m2:.0f} | {m2 / m1:.2f} "
-                f"| {saved1:.1f} | {saved2:.1f} |"
+                f"| {kernel} | {s} | {t1:.2f} | {t2:.2f} | {c1:.2f} | {c2:.2f} | {c2 / c1:.2f} | {m1:.0f} | {m2:.0f} "
+                f"| {m2 / m1:.2f} | {saved1:.1f} | {saved2:.1f} |"
             )
             print(rows[-1], flush=True)
     body = "\n".join(
         [
             f"Causal attention forward + backward, fp32, b {B}, {N} heads of {D} (h {N * D}), one thread per process, "
-            f"median of {args.reps} (the ring's time is its slowest rank's).  Whole: one process, one call over the "
+            f"median of {args.reps} (the ring's numbers are its largest rank's).  CPU s: the process's own CPU time "
+            "(time.process_time), which other jobs on the machine do not inflate, unlike the wall time.  Whole: one "
+            "process, one call over the "
             "whole sequence; ring: cp 2 on two processes, per process.  Peak MiB: the largest resident-set growth of "
             "a process over its inputs (ru_maxrss), transient buffers and the allocator's caches included.  Saved "
             "MiB: what autograd keeps from forward to backward (q, k, v, output, log-sum-exp), the part a model "
