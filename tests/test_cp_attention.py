@@ -90,16 +90,19 @@ def check_bf16_forward(c: Ctx, comm: str, kernel: str) -> Pairs:
 
 
 def check_ring_traffic_and_work(c: Ctx, kernel: str) -> Pairs:
-    """What the ring sends and computes: K/V messages at KV-head size (GQA: 2 of 8 heads), and per rank one causal
+    """What the ring sends and computes: K/V messages at KV-head size (GQA: 2 of 8 heads), send buffers left
+    untouched once posted, and per rank one causal
     2c x 2c block plus cp - 1 full blocks of 2c x c (the pairs above the diagonal are never computed), so every
     rank computes the same number of scores."""
     n, n_kv = 8, 2
     sent: list[tuple[int, ...]] = []
+    posted: list[tuple[Tensor, int]] = []
     blocks: list[tuple[int, int, bool]] = []
     real_shift, real_block = cp_comm._shift, cp_comm.block_forward
 
     def shift(send: Tensor, group: ProcessGroup) -> Any:
         sent.append(tuple(send.shape))
+        posted.append((send, send._version))  # the version counter counts in-place writes
         return real_shift(send, group)
 
     def block(kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Any:
@@ -129,6 +132,12 @@ def check_ring_traffic_and_work(c: Ctx, kernel: str) -> Pairs:
         ("backward messages", torch.tensor(sorted(sent[c.cp - 1 :])), torch.tensor(sorted([kv_msg] * (2 * c.cp - 1)))),
         ("blocks computed", torch.tensor([blocks[0]] + sorted(blocks[1:])), torch.tensor(expected_blocks)),
         ("same scores on every rank", torch.cat(all_scores), scores.expand(c.cp)),
+        # gloo reads a send buffer while it sends: one written in place after posting would send garbage
+        (
+            "send buffers never written once posted",
+            torch.tensor([t._version for t, _ in posted]),
+            torch.tensor([v for _, v in posted]),
+        ),  # fmt: skip
     ]
 
 
