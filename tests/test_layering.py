@@ -15,6 +15,7 @@ LEVELS = {
     "topology": 1,
     "random": 1,
     "tensor_parallel": 2,
+    "parallel": 2,
     "model": 2,
     "recompute": 2.5,
     "parallelize": 3,

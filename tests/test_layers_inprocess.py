@@ -9,19 +9,14 @@ runs in the test process) and runs every check; each rank reports per check, and
 
 from __future__ import annotations
 
-import json
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from inprocess import Pairs, failures, run_checks, spawn_reports
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -32,8 +27,6 @@ S, B, H, FFN = 8, 2, 16, 32  # s divisible by every tp below, so each SP shard h
 WORLD_SIZES = (1, 2, 4)
 # 1001 does not fill the padded table; with 513 at tp 4 the last rank's block is padding only.
 VOCABS = (1001, 513)
-
-Pairs = list[tuple[str, Tensor | None, Tensor]]  # (what, sharded result, reference), compared after all collectives
 
 
 class Ctx(NamedTuple):
@@ -279,37 +272,8 @@ for _m in ("copy_to_tp", "gather_seq"):
     CHECKS[f"{_m}-forked-input"] = partial(check_forked_input, mapping=_m)
 
 
-def run_checks(c: Ctx) -> dict[str, str]:
-    """Run every check on this rank; "ok" or the failures per check.  Comparisons happen only after a check's
-    collectives, so a mismatch on one rank never leaves the others waiting in a collective."""
-    report = {}
-    for name, check in CHECKS.items():
-        torch.manual_seed(0)  # identical draws on every rank: all ranks build the same reference and inputs
-        try:
-            errors = []
-            for what, actual, expected in check(c):
-                try:
-                    torch.testing.assert_close(actual, expected.detach(), atol=1e-5, rtol=1e-5)
-                except (AssertionError, TypeError) as e:  # TypeError: a gradient that never arrived (None)
-                    errors.append(f"{what}: {e}")
-            report[name] = "\n".join(errors) or "ok"
-        except Exception:
-            report[name] = traceback.format_exc()
-    return report
-
-
-def _worker(rank: int, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)  # several ranks share few cores; intra-op threads would only oversubscribe them
-    # A short timeout turns a rank stuck in a collective into a failure instead of a hung test session.
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    try:
-        group = dist.new_group(list(range(world)))  # an explicit group, the way the topology hands one over
-        report = run_checks(Ctx(group, rank, world))
-    finally:
-        dist.destroy_process_group()
-    Path(tmp, f"rank{rank}.json").write_text(json.dumps(report))
+def _run_rank(group: ProcessGroup | None, rank: int, world: int) -> dict[str, str]:
+    return run_checks(CHECKS, Ctx(group, rank, world))
 
 
 @pytest.fixture(scope="module")
@@ -318,12 +282,7 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[di
 
     def get(t: int) -> list[dict[str, str]]:
         if t not in cache:
-            if t == 1:  # a group of one is None and needs no processes: run here
-                cache[t] = [run_checks(Ctx(None, 0, 1))]
-            else:
-                tmp = tmp_path_factory.mktemp(f"tp{t}")
-                mp.spawn(_worker, args=(t, str(tmp)), nprocs=t)
-                cache[t] = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(t)]
+            cache[t] = spawn_reports(_run_rank, t, tmp_path_factory.mktemp(f"tp{t}"))
         return cache[t]
 
     return get
@@ -335,5 +294,5 @@ def _case(tp: int, name: str) -> Any:  # a pytest ParameterSet (its type is not 
 
 @pytest.mark.parametrize("tp, name", [_case(tp, name) for tp in WORLD_SIZES for name in CHECKS])
 def test_layer_matches_unsharded_reference(reports: Callable[[int], list[dict[str, str]]], tp: int, name: str) -> None:
-    failures = {r: rep.get(name, "did not run") for r, rep in enumerate(reports(tp)) if rep.get(name) != "ok"}
-    assert not failures, "\n".join(f"tp={tp} rank {r}: {msg}" for r, msg in failures.items())
+    message = failures(reports(tp), name, f"tp={tp}")
+    assert not message, message

@@ -1,0 +1,129 @@
+"""Attention of one (query rows, key block) pair that also returns its log-sum-exp, and the exact backward of such a
+block inside a larger softmax: the two primitives that context-parallel attention merges and differentiates.
+
+Shapes: q [b, n, sq, d], k and v [b, n_kv, sk, d] (grouped-query attention when n_kv < n: query head i attends
+with KV head i // (n / n_kv), and K/V are never expanded to n heads on the eager path or the CPU kernel);
+out [b, n, sq, d] in q's dtype; lse [b, n, sq] fp32 (float64 for float64 inputs), the natural log of each row's
+sum of exp(scores).  ``causal`` means a square diagonal block (sq == sk) masked above its diagonal; other blocks
+are full.
+
+Backward contract: :func:`block_backward` is given the *final* output and log-sum-exp of the query rows (the merge
+over every key block), not the block's own.  With P = exp(S - lse_final) the block's share of the row's softmax,
+dV = P^T dO, dS = P * (dO V^T - D) with D = rowsum(dO * O_final), dQ = scale * dS K, dK = scale * dS^T Q: exactly
+the rows and columns of the whole-sequence softmax backward that belong to this block.  Both kernels compute it by
+recomputing P from saved q, k, v and lse (nothing of size s x s is kept between forward and backward).
+
+Kernels: ``eager`` materialises the block's scores and computes the softmax with its log-sum-exp itself; ``sdpa`` is
+torch's fused flash kernel, which returns the log-sum-exp and takes it back in its backward: on CPU
+``aten._scaled_dot_product_flash_attention_for_cpu`` (any float dtype, native GQA), on CUDA
+``aten._scaled_dot_product_flash_attention`` (fp16/bf16 only, native GQA).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+KERNELS = ("eager", "sdpa")
+
+
+class Block(NamedTuple):
+    out: Tensor  # [b, n, sq, d], q's dtype
+    lse: Tensor  # [b, n, sq], fp32 (float64 for float64 inputs)
+
+
+def _lse_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _fold(q: Tensor, n_kv: int) -> Tensor:
+    """[b, n, sq, d] -> [b, n_kv, g * sq, d]: each KV head's group of query heads folded into rows, so the
+    matmuls use K and V at KV size."""
+    b, n, sq, d = q.shape
+    return q.reshape(b, n_kv, (n // n_kv) * sq, d)
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+    """Scaled scores [b, n, sq, sk] in the lse dtype, -inf above the diagonal of a causal block."""
+    b, n, sq, _ = q.shape
+    sk = k.shape[2]
+    scores = torch.matmul(_fold(q * scale, k.shape[1]), k.transpose(-1, -2)).to(_lse_dtype(q)).view(b, n, sq, sk)
+    if causal:
+        future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return scores
+
+
+def _eager_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Block:
+    b, n, sq, d = q.shape
+    scores = _scores(q, k, causal, scale)
+    row_max = scores.amax(-1, keepdim=True)  # every row has at least one unmasked key, so row_max is finite
+    lse = (row_max + torch.log(torch.exp(scores - row_max).sum(-1, keepdim=True))).squeeze(-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
+    out = torch.matmul(probs.view(b, k.shape[1], -1, k.shape[2]), v).view(b, n, sq, d)
+    return Block(out, lse)
+
+
+def _eager_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    b, n, sq, d = q.shape
+    n_kv, sk = k.shape[1], k.shape[2]
+    probs = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))  # the block's share of the final softmax
+    delta = (dout.to(probs.dtype) * out.to(probs.dtype)).sum(-1, keepdim=True)  # D = rowsum(dO * O_final)
+    dout_f = _fold(dout, n_kv)
+    dv = torch.matmul(probs.to(v.dtype).view(b, n_kv, -1, sk).transpose(-1, -2), dout_f)
+    dprobs = torch.matmul(dout_f, v.transpose(-1, -2)).view(b, n, sq, sk)
+    dscores = (probs * (dprobs.to(probs.dtype) - delta)).to(q.dtype).view(b, n_kv, -1, sk)
+    dq = (torch.matmul(dscores, k) * scale).view(b, n, sq, d)
+    dk = torch.matmul(dscores.transpose(-1, -2), _fold(q, n_kv)) * scale
+    return dq, dk, dv
+
+
+def _flash_cuda_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Block:
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"cp attention sdpa on CUDA runs flash attention, which needs fp16 or bf16 (got {q.dtype}); "
+            'train in bf16 or use attention "eager"'
+        )
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return Block(out, lse)
+
+
+def _flash_cuda_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    sq, sk = q.shape[2], k.shape[2]
+    # No cumulative lengths (a dense batch) and no RNG state: the kernel reads the philox seed only with dropout.
+    empty = torch.empty(0, device=q.device)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale
+    )
+    return grads[0], grads[1], grads[2]
+
+
+def block_forward(kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Block:
+    """Attention of query rows q over the key block (k, v), with its log-sum-exp."""
+    if kernel == "eager":
+        return _eager_forward(q, k, v, causal, scale)
+    if q.is_cuda:
+        return _flash_cuda_forward(q, k, v, causal, scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return Block(out, lse)
+
+
+def block_backward(
+    kernel: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of this block's part of a softmax whose final output and log-sum-exp over every key block are
+    ``out`` [b, n, sq, d] (q's dtype) and ``lse`` [b, n, sq]; dk and dv at KV-head size."""
+    dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
+    if kernel == "eager":
+        return _eager_backward(dout, q, k, v, out, lse, causal, scale)
+    if q.is_cuda:
+        return _flash_cuda_backward(dout, q, k, v, out, lse, causal, scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale
+    )
