@@ -18,11 +18,11 @@ from ds_megatron.config import ConfigError
 from ds_megatron.config.numbers import finite_float
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.config.sizes import FAMILIES, all_size_names
-from ds_megatron.tune import Pins, build_cluster, build_model_shape, empirical, search
+from ds_megatron.tune import Pins, build_model_shape, empirical, search
 from ds_megatron.tune.empirical_report import format_empirical
 from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 from ds_megatron.tune.report import format_report
-from ds_megatron.tune.spec import DEFAULT_EFFICIENCY, INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, PRESET_FIELDS
+from ds_megatron.tune.spec import DEFAULT_EFFICIENCY, INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, cluster_from_flags
 from ds_megatron.tune.written import check_output, to_json, write_config, write_output
 
 CPU_KERNEL_NOTE = (
@@ -170,17 +170,7 @@ def _run(args: argparse.Namespace, start: float) -> int:
         raise ConfigError("--write-config", "names the same file as --json", values, "pass two different paths")
     llama = {name: getattr(args, name) for name in ("family", "kv_heads", "intermediate_size", "tie_word_embeddings")}
     model = build_model_shape(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length, **llama)
-    figures = {name: getattr(args, flag[2:].replace("-", "_")) for name, (_, flag) in PRESET_FIELDS.items()}
-    cluster = build_cluster(
-        args.gpu,
-        args.gpus,
-        args.gpus_per_node,
-        **figures,  # the --gpu figures the command line overrides
-        efficiency=args.efficiency,
-        intra_node_latency_s=args.intra_node_latency_us * 1e-6,
-        inter_node_latency_s=args.inter_node_latency_us * 1e-6,
-        step_overhead_s=args.step_overhead_s,
-    )
+    cluster = cluster_from_flags(args)
     pinned = {f.name: getattr(args, f.name) for f in dataclasses.fields(Pins)}  # every pin is the flag of its name
     if args.recompute_modules is not None:  # "mlp_act,layernorm"; the names are checked with the other pins
         pinned["recompute_modules"] = tuple(n.strip() for n in args.recompute_modules.split(",") if n.strip())

@@ -39,7 +39,7 @@ from ds_megatron.tune.inference_empirical_report import format_inference_empiric
 from ds_megatron.tune.inference_probe import InferenceEmpiricalOptions
 from ds_megatron.tune.memory_model import GIB, total_param_count
 from ds_megatron.tune.spec import FLAGS as SHAPE_FLAGS
-from ds_megatron.tune.spec import PRESET_FIELDS, build_cluster, build_model_shape
+from ds_megatron.tune.spec import build_model_shape, cluster_from_flags
 from ds_megatron.tune.written import check_output, write_output
 
 EXIT_NO_FIT = 1
@@ -182,17 +182,7 @@ def _run(args: argparse.Namespace, start: float) -> int:
         raise ConfigError("--max-minutes", "required with --empirical", "not set", "pass e.g. --max-minutes 10")
     check_output("--json", args.json, args.force)
     model = model_shape(args)
-    figures = {name: getattr(args, flag[2:].replace("-", "_")) for name, (_, flag) in PRESET_FIELDS.items()}
-    cluster = build_cluster(
-        args.gpu,
-        args.gpus,
-        args.gpus_per_node,
-        **figures,
-        efficiency=args.efficiency,
-        intra_node_latency_s=args.intra_node_latency_us * 1e-6,
-        inter_node_latency_s=args.inter_node_latency_us * 1e-6,
-        step_overhead_s=args.step_overhead_s,
-    )
+    cluster = cluster_from_flags(args)
     work = Workload(
         prompt_length=args.prompt_length,
         output_length=args.output_length,

@@ -236,3 +236,19 @@ def build_cluster(gpu: str | None, num_gpus: int, gpus_per_node: int, **values: 
     rest = {k: v for k, v in values.items() if v is not None}
     label = None if gpu is None else gpu + (f" with {', '.join(changed)}" if changed else "")
     return Cluster(num_gpus=num_gpus, gpus_per_node=gpus_per_node, gpu=label, **fields, **rest)
+
+
+def cluster_from_flags(args) -> Cluster:
+    """The cluster of a tuner command line (``argparse.Namespace``): the ``--gpu`` preset with the figures its flags
+    override, the efficiency ceiling, the latencies and the step overhead."""
+    figures = {name: getattr(args, flag[2:].replace("-", "_")) for name, (_, flag) in PRESET_FIELDS.items()}
+    return build_cluster(
+        args.gpu,
+        args.gpus,
+        args.gpus_per_node,
+        **figures,  # the --gpu figures the command line overrides
+        efficiency=args.efficiency,
+        intra_node_latency_s=args.intra_node_latency_us * 1e-6,
+        inter_node_latency_s=args.inter_node_latency_us * 1e-6,
+        step_overhead_s=args.step_overhead_s,
+    )
