@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ds_megatron.model import GPTConfig
-from ds_megatron.parallelize import ParallelPlan, shard_rule
-from ds_megatron.tensor_parallel import ShardRule, padded_vocab_size, shard, unshard
+from ds_megatron.parallelize import ParallelContext, shard_rule
+from ds_megatron.tensor_parallel import ShardRule, TPGroup, padded_vocab_size, shard, unshard
 
 
 def test_padded_vocab_size():
@@ -31,7 +31,7 @@ def test_qkv_shard_takes_the_same_heads_of_q_k_and_v():
 
 
 def test_round_trip_every_rule():
-    plan = ParallelPlan(GPTConfig(vocab_size=1001, n_embd=16, n_head=4, n_layer=1), None, 0, 4, False, None)
+    plan = ParallelContext(GPTConfig(vocab_size=1001, n_embd=16, n_head=4, n_layer=1), TPGroup(size=4), False, None)
     shapes = {
         "transformer.h.0.attn.c_attn.weight": (48, 16),
         "transformer.h.0.attn.c_attn.bias": (48,),
@@ -55,8 +55,10 @@ def test_round_trip_every_rule():
 def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
     """Every parameter of the single-device GPT has a row in the plan table, and the module swap builds each row's
     style (so layers, checkpoints and export read one table)."""
-    from ds_megatron.model import GPT, GPTConfig
-    from ds_megatron.parallelize import COLUMN, GPT2_PLAN, NORM, ROW, VOCAB, ParallelPlan, parallelize_gpt, plan_row
+    from ds_megatron.model.family import COLUMN, NORM, ROW, VOCAB
+    from ds_megatron.model.gpt2 import PLAN as GPT2_PLAN
+    from ds_megatron.model.gpt2.model import GPT, GPTConfig
+    from ds_megatron.parallelize import ParallelContext, parallelize_model, plan_row
     from ds_megatron.tensor_parallel import (
         ColumnParallelLinear,
         RowParallelLinear,
@@ -67,7 +69,7 @@ def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
     config = GPTConfig(vocab_size=1001, n_positions=16, n_embd=32, n_layer=2, n_head=4)
     model = GPT(config)
     assert all(plan_row(name) is not None for name, _ in model.named_parameters())
-    parallelize_gpt(model, ParallelPlan(config, None, 0, 1, True, None))
+    parallelize_model(model, ParallelContext(config, TPGroup(), True, None))
     expected = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear, VOCAB: VocabParallelEmbedding}
     for row in GPT2_PLAN:
         paths = [row.path] if row.path.startswith("transformer.") else [f"transformer.h.{i}.{row.path}" for i in (0, 1)]

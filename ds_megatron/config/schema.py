@@ -60,7 +60,7 @@ class ParallelSection:
     pp: int = 1  # pipeline-parallel size (p)
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group (needs tp > 1)
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
-    partition_method: str = "type:GPTBlockPipe"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
+    partition_method: str = "type:BlockPipe"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
 
 
@@ -72,6 +72,24 @@ class RecomputeSection:
     modules: tuple = ()  # selective only: any of "core_attn", "mlp_act", "layernorm" (empty: ["core_attn"])
     num_layers: int = 1  # full only: layers per checkpointed chunk (uniform) or recomputed layers per stage (block)
     method: str = "uniform"  # full only: "uniform" or "block"
+
+    @property
+    def selective_modules(self) -> tuple[str, ...]:
+        """The modules selective recompute applies to (none for the other policies)."""
+        if self.policy != "selective":
+            return ()
+        return tuple(self.modules) or DEFAULT_SELECTIVE_MODULES
+
+    def chunks(self, num_blocks: int) -> list[tuple[int, int, bool]]:
+        """Cover a stage's local blocks [0, num_blocks) with (start, end, recomputed) ranges, in order."""
+        if self.policy != "full" or num_blocks == 0:
+            return [(0, num_blocks, False)] if num_blocks else []
+        k = self.num_layers
+        if self.method == "uniform":
+            return [(s, min(s + k, num_blocks), True) for s in range(0, num_blocks, k)]
+        recomputed = [(i, i + 1, True) for i in range(min(k, num_blocks))]
+        rest = [(k, num_blocks, False)] if k < num_blocks else []
+        return recomputed + rest
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 from ds_megatron.config import ModelShape
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, padded_vocab_size
 from ds_megatron.config.shape import layers_per_stage
-from ds_megatron.memory import RSTD_BYTES, activation_bytes_per_layer
+from ds_megatron.memory import activation_bytes_per_layer
+from ds_megatron.model.llama import RSTD_BYTES
 from ds_megatron.tune.spec import Candidate
 
 GIB = 2**30

@@ -1,4 +1,4 @@
-"""The one key map between ds_megatron's GPT and Hugging Face ``GPT2LMHeadModel``.
+"""The state-dict adapter between ds_megatron's GPT and Hugging Face ``GPT2LMHeadModel``.
 
 Names are identical; GPT-2's ``Conv1D`` stores [in, out] where our ``nn.Linear`` stores [out, in], so those four
 weights are transposed.  ``lm_head.weight`` is tied to ``transformer.wte.weight`` and is written for transformers'
@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import torch
 
-CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+from ds_megatron.model.gpt2 import FAMILY
+
 TIED_HEAD = "lm_head.weight"
 WTE = "transformer.wte.weight"
-
-
-def is_conv1d(name: str) -> bool:
-    return name.endswith(CONV1D_SUFFIXES)
+is_conv1d = FAMILY.is_hf_transposed
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""GPTConfig: the single-device GPT's shape, convertible to and from ``transformers.GPT2Config``."""
+"""GPTConfig: the single-device GPT's shape, convertible to and from ``transformers.GPT2Config``.  Stdlib only."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ds_megatron.config.sizes import GPT3_VOCAB_SIZE
+from ds_megatron.model.family import from_hf_fields, hf_fields
+
+NAME = "gpt2"  # the config's model.family
+# Our field names are GPT2Config's, so the map between the two is the identity.
+HF_RENAMED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,7 @@ class GPTConfig:
     initializer_range: float = 0.02  # std of the normal init
     attention: str = "eager"  # "eager" (materialised softmax) or "sdpa"
 
-    family = "gpt2"
+    family = NAME
 
     @property
     def head_dim(self) -> int:
@@ -35,18 +40,9 @@ class GPTConfig:
         from transformers import GPT2Config
 
         return GPT2Config(
-            vocab_size=self.vocab_size,
-            n_positions=self.n_positions,
-            n_embd=self.n_embd,
-            n_layer=self.n_layer,
-            n_head=self.n_head,
+            **hf_fields(self, HF_RENAMED),
             n_inner=None,
             activation_function="gelu_new",
-            embd_pdrop=self.embd_pdrop,
-            attn_pdrop=self.attn_pdrop,
-            resid_pdrop=self.resid_pdrop,
-            layer_norm_epsilon=self.layer_norm_epsilon,
-            initializer_range=self.initializer_range,
             tie_word_embeddings=True,
             attn_implementation=self.attention,
             # GPT-2's own ids (50256) only where they exist; export sets the tokenizer's EOS.
@@ -89,16 +85,4 @@ class GPTConfig:
             raise ValueError(
                 f"error: GPT2Config: unsupported settings ({', '.join(unsupported)}); use a standard GPT-2 config"
             )
-        return cls(
-            vocab_size=hf.vocab_size,
-            n_positions=hf.n_positions,
-            n_embd=hf.n_embd,
-            n_layer=hf.n_layer,
-            n_head=hf.n_head,
-            embd_pdrop=hf.embd_pdrop,
-            attn_pdrop=hf.attn_pdrop,
-            resid_pdrop=hf.resid_pdrop,
-            layer_norm_epsilon=hf.layer_norm_epsilon,
-            initializer_range=hf.initializer_range,
-            attention=attention,
-        )
+        return cls(**from_hf_fields(cls, hf, HF_RENAMED, attention=attention))

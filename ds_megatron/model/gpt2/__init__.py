@@ -1,0 +1,73 @@
+"""The GPT-2 / GPT-3 family (Radford et al. 2019; Brown et al. 2020): learned positions, pre-LayerNorm, GELU MLP of
+width 4h, tied embeddings, transformers' ``GPT2LMHeadModel`` names.  Stdlib only: the torch side is ``model.py``.
+
+This file is the family's record: its parallel plan, pipeline layout, transformers names and the terms of the
+analytic FLOPs (``flops.py``) and activation memory (``memory.py``, Korthikanti et al. 2022, sec. 4.1).
+"""
+
+from __future__ import annotations
+
+from ds_megatron.model.family import COLUMN, NORM, POSITION, ROW, VOCAB, BlockTerms, Family, LayoutTable, PlanRow
+from ds_megatron.model.gpt2.config import NAME, GPTConfig
+
+# Megatron (Shoeybi et al. 2019): fused q|k|v column-parallel by heads, projection row-parallel, fc1 column, fc2 row;
+# vocabulary-parallel tied embedding; the learned position table replicated.
+PLAN: tuple[PlanRow, ...] = (
+    PlanRow("attn.c_attn", COLUMN, fused=3),
+    PlanRow("attn.c_proj", ROW),
+    PlanRow("mlp.c_fc", COLUMN),
+    PlanRow("mlp.c_proj", ROW),
+    PlanRow("ln_1", NORM),
+    PlanRow("ln_2", NORM),
+    PlanRow("transformer.wte", VOCAB),
+    PlanRow("transformer.wpe", POSITION),
+    PlanRow("transformer.ln_f", NORM),
+)
+
+# GPT-2's Conv1D stores these weights [in, out] where our nn.Linear stores [out, in].
+CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def block_terms(
+    h: int, a: int, num_kv_heads: int | None, intermediate_size: int | None, attention_dropout: float | None, act: int
+) -> BlockTerms:
+    """The paper's GPT block, in units of s*b*h elements, eager attention (the paper's setting):
+    - replicated under TP, split by SP ("10" in the paper): two LayerNorm inputs (2), QKV and fc1 inputs (2) in
+      activation bytes, and the attention-output and MLP dropout masks (2) in mask bytes;
+    - split by TP ("24"): Q, K, V (3), projection input (1), GELU input (4), fc2 input (4) in activation bytes;
+    - the s^2 terms (5 a s / h), split by TP: softmax output and dropout output (2 a s / h) in activation bytes and
+      the softmax dropout mask (a s / h) in mask bytes.
+    Fewer KV heads or another MLP width scale their terms.  Its dropouts are always counted: the paper's table is
+    for a GPT trained with dropout."""
+    if attention_dropout is not None:
+        raise ValueError("attention_dropout applies to the llama family; the GPT formula counts its dropouts as on")
+    kv = 1.0 if num_kv_heads is None else num_kv_heads / a  # k d / h
+    ffn = 4.0 if intermediate_size is None else intermediate_size / h  # F / h
+    # paper: 10 = 4 activations + 2 masks (in its bytes: 2 x 4 + 2); 24 = Q, projection input, K, V, GELU and fc2
+    # inputs (2 x 12)
+    return BlockTerms(4 * act, 2, (2 + 2 * kv + 2 * ffn) * act, 1 + 2 * kv, True, ffn)
+
+
+FAMILY = Family(
+    name=NAME,
+    config=GPTConfig,
+    modeling="ds_megatron.model.gpt2.model",
+    blocks="transformer.h",
+    plan=PLAN,
+    attention="attn",
+    layout=LayoutTable(
+        embedding=("transformer.wte", "wte"),
+        positions=("transformer.wpe", "wpe"),
+        final_norm=("transformer.ln_f", "ln_f"),
+        output=("transformer.wte", "wte"),
+        tied_key="wte",
+    ),
+    hf_model_type="gpt2",
+    hf_architecture="GPT2LMHeadModel",
+    mlp_matrices=2,  # fc1 and fc2
+    block_terms=block_terms,
+    plain_attention_default=True,
+    hf_transposed=CONV1D_SUFFIXES,
+    sp_dropouts=("attn.resid_dropout", "mlp.dropout"),
+    model_sp_dropouts=("transformer.drop",),
+)
