@@ -25,7 +25,7 @@ def _dense_per_h2(
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
     fam = FAMILIES[family]
-    if not fam.plain_attention_default and (num_heads is None or num_kv_heads is None or intermediate_size is None):
+    if not fam.fixed_kv_and_width and (num_heads is None or num_kv_heads is None or intermediate_size is None):
         raise ValueError(f"the {family} family needs num_heads, num_kv_heads and intermediate_size")
     if num_kv_heads is not None and num_heads is None:
         raise ValueError("num_kv_heads needs num_heads (the KV width is num_kv_heads x h / num_heads)")

@@ -61,6 +61,30 @@ class BlockTerms(NamedTuple):
     mlp_act: float  # the MLP activation's output (the second linear's input), units of h; "mlp_act" drops it
 
 
+# A matmul of a block's forward for the tuner: (name, m, k, n, count), ``count`` m x k by k x n products.
+Gemm = tuple[str, int, int, int, int]
+
+
+@dataclass(frozen=True)
+class TunerFacts:
+    """What the analytic tuner (``ds_megatron.tune``) counts for a family besides its FLOPs and block terms."""
+
+    default_vocab: int  # vocabulary when neither a named size nor a flag gives one
+    default_seq_length: int  # sequence length likewise
+    dropout: float | None  # the dropout the tuner models and writes (None: the loader's default)
+    # The config's dropout is the attention's alone and the activation formula takes it; otherwise every dropout is
+    # counted as on (the paper's GPT table).
+    attention_dropout_only: bool
+    norm_params: int  # parameters of one norm per h: LayerNorm's weight and bias 2, RMSNorm's weight 1
+    embedding_dropout: bool  # a dropout mask after the embedding on the first stage
+    norm_stat_bytes: int  # per token a norm keeps besides its input: RMSNorm's fp32 1/rms (the paper omits LayerNorm's)
+    block_params: Callable[[int, int, int, int], int]  # (h, kv width, F, tp) -> one block's parameters per TP rank
+    block_gemms: Callable[[int, int, int, int, int], tuple[Gemm, ...]]  # (tokens, h, kv width, F, tp) -> forward
+    # The passes selective recompute runs again per module: (op, bytes read, bytes written) per element of the
+    # output, in units of the activation's bytes.
+    recomputed_passes: dict[str, tuple[tuple[str, int, int], ...]]
+
+
 @dataclass(frozen=True)
 class Family:
     """Everything that is one model family's, read by parallelize, pipeline, checkpoints, FLOPs, memory and tests."""
@@ -76,8 +100,10 @@ class Family:
     hf_architecture: str  # transformers' model class, written to an exported ``config.json``
     mlp_matrices: int  # weight matrices of the MLP, each h x F (FLOPs)
     block_terms: Callable[..., BlockTerms]  # (h, a, num_kv_heads, intermediate_size, attention_dropout, act)
-    # The KV heads and MLP width may be left out of the FLOPs and memory formulas (kv = h, F = 4h); else required.
-    plain_attention_default: bool = False
+    tuner: TunerFacts
+    # Every head its own K and V and an MLP of width 4h: the shape is L, h, a alone (the formulas then default to
+    # kv = h, F = 4h, the config refuses KV heads and MLP width); else both are the family's to choose.
+    fixed_kv_and_width: bool = False
     hf_transposed: tuple[str, ...] = ()  # name suffixes transformers stores [in, out] (GPT-2's Conv1D)
     sp_dropouts: tuple[str, ...] = ()  # dropouts inside a block acting on the sequence-sharded stream under SP
     model_sp_dropouts: tuple[str, ...] = ()  # the same outside the blocks (paths from the model root)

@@ -7,7 +7,20 @@ analytic FLOPs (``flops.py``) and activation memory (``memory.py``, Korthikanti 
 
 from __future__ import annotations
 
-from ds_megatron.model.family import COLUMN, NORM, POSITION, ROW, VOCAB, BlockTerms, Family, LayoutTable, PlanRow
+from ds_megatron.config.sizes import GPT3_SEQ_LENGTH, GPT3_VOCAB_SIZE
+from ds_megatron.model.family import (
+    COLUMN,
+    NORM,
+    POSITION,
+    ROW,
+    VOCAB,
+    BlockTerms,
+    Family,
+    Gemm,
+    LayoutTable,
+    PlanRow,
+    TunerFacts,
+)
 from ds_megatron.model.gpt2.config import NAME, GPTConfig
 
 # Megatron (Shoeybi et al. 2019): fused q|k|v column-parallel by heads, projection row-parallel, fc1 column, fc2 row;
@@ -48,6 +61,21 @@ def block_terms(
     return BlockTerms(4 * act, 2, (2 + 2 * kv + 2 * ffn) * act, 1 + 2 * kv, True, ffn)
 
 
+def block_params(h: int, kv: int, f: int, tp: int) -> int:
+    """(12 h^2 + 7 h) / t + 6 h: the replicated part is the row-parallel biases and the two LayerNorms."""
+    return (12 * h * h + 7 * h) // tp + 6 * h
+
+
+def block_gemms(n: int, h: int, kv: int, f: int, t: int) -> tuple[Gemm, ...]:
+    """The weight matmuls of one block's forward over n tokens, per TP rank (the TP-split dimension divided by t)."""
+    return (
+        ("qkv", n, h, 3 * h // t, 1),
+        ("attention projection", n, h // t, h, 1),
+        ("fc1", n, h, f // t, 1),
+        ("fc2", n, f // t, h, 1),
+    )
+
+
 FAMILY = Family(
     name=NAME,
     config=GPTConfig,
@@ -66,7 +94,22 @@ FAMILY = Family(
     hf_architecture="GPT2LMHeadModel",
     mlp_matrices=2,  # fc1 and fc2
     block_terms=block_terms,
-    plain_attention_default=True,
+    tuner=TunerFacts(
+        default_vocab=GPT3_VOCAB_SIZE,
+        default_seq_length=GPT3_SEQ_LENGTH,
+        dropout=None,
+        attention_dropout_only=False,
+        norm_params=2,
+        embedding_dropout=True,
+        norm_stat_bytes=0,
+        block_params=block_params,
+        block_gemms=block_gemms,
+        recomputed_passes={
+            "mlp_act": (("GELU", 1, 1),),
+            "layernorm": (("LayerNorm before attention", 1, 1), ("LayerNorm before the MLP", 1, 1)),
+        },
+    ),
+    fixed_kv_and_width=True,
     hf_transposed=CONV1D_SUFFIXES,
     sp_dropouts=("attn.resid_dropout", "mlp.dropout"),
     model_sp_dropouts=("transformer.drop",),

@@ -8,7 +8,20 @@ analytic FLOPs (``flops.py``) and activation memory (``memory.py``).
 
 from __future__ import annotations
 
-from ds_megatron.model.family import COLUMN, NORM, OUTPUT, ROW, VOCAB, BlockTerms, Family, LayoutTable, PlanRow
+from ds_megatron.config.sizes import LLAMA3_SEQ_LENGTH, LLAMA3_VOCAB_SIZE
+from ds_megatron.model.family import (
+    COLUMN,
+    NORM,
+    OUTPUT,
+    ROW,
+    VOCAB,
+    BlockTerms,
+    Family,
+    Gemm,
+    LayoutTable,
+    PlanRow,
+    TunerFacts,
+)
 from ds_megatron.model.llama.config import NAME, LlamaConfig
 
 # q, k and v column-parallel by heads (KV heads split over TP like query heads), o_proj row-parallel, gate and up
@@ -59,6 +72,22 @@ def block_terms(
     return BlockTerms(replicated, 0, split, 1 + 2 * kv, bool(attention_dropout), ffn)
 
 
+def block_params(h: int, kv: int, f: int, tp: int) -> int:
+    """(2 h^2 + 2 h kv + 3 h F) / t + 2 h: no biases; the replicated part is the two RMSNorms."""
+    return (2 * h * h + 2 * h * kv + 3 * h * f) // tp + 2 * h
+
+
+def block_gemms(n: int, h: int, kv: int, f: int, t: int) -> tuple[Gemm, ...]:
+    """The weight matmuls of one block's forward over n tokens, per TP rank (the TP-split dimension divided by t)."""
+    return (
+        ("q", n, h, h // t, 1),
+        ("k, v", n, h, kv // t, 2),
+        ("o_proj", n, h // t, h, 1),
+        ("gate, up", n, h, f // t, 2),
+        ("down", n, f // t, h, 1),
+    )
+
+
 FAMILY = Family(
     name=NAME,
     config=LlamaConfig,
@@ -77,4 +106,19 @@ FAMILY = Family(
     hf_architecture="LlamaForCausalLM",
     mlp_matrices=3,  # gate, up and down (SwiGLU)
     block_terms=block_terms,
+    tuner=TunerFacts(
+        default_vocab=LLAMA3_VOCAB_SIZE,
+        default_seq_length=LLAMA3_SEQ_LENGTH,
+        dropout=0.0,  # the published recipes train without dropout, so the tuner models and writes 0
+        attention_dropout_only=True,
+        norm_params=1,
+        embedding_dropout=False,
+        norm_stat_bytes=RSTD_BYTES,
+        block_params=block_params,
+        block_gemms=block_gemms,
+        recomputed_passes={
+            "mlp_act": (("silu(gate) * up", 2, 1),),
+            "layernorm": (("RMSNorm before attention", 1, 1), ("RMSNorm before the MLP", 1, 1)),
+        },
+    ),
 )
