@@ -9,8 +9,7 @@ kv = h without grouped-query attention) and F the MLP width:
   attention shares K and V between query heads but still scores every query head), gate, up and down 3 x 2bshF
   = 4bsh^2 + 4bsh kv + 6bshF + 4bs^2h.
 Both count the full s x s scores (the causal half is not discounted, as in the paper).  The logits cost 2bshV
-whether the output layer is tied to the embedding or not.  A family gives the number of its MLP's h x F matrices
-(``Family.mlp_matrices``) and whether the KV heads and MLP width may be left out (kv = h, F = 4h).
+whether the output layer is tied to the embedding or not.  A family gives its MLP's h x F matrices (``mlp_matrices``).
 """
 
 from __future__ import annotations

@@ -2,13 +2,10 @@
 
 Per transformer layer, in bytes, for s sequence, b micro-batch, h hidden, a heads, t tensor-parallel size.  The
 paper counts 2-byte activations and 1-byte dropout masks; ``act_bytes`` and ``mask_bytes`` generalise that so a
-measurement in another dtype (fp32 on CPU: 4 and 4) can be compared term by term.  ``family`` picks the block (a
-registered family's name, ``ds_megatron.model.FAMILIES``); the attention kernels and the recompute policies are
-shared by all.
-
-Each family's block terms, in units of s*b*h, are its ``Family.block_terms`` (``ds_megatron/model/<family>/``;
-GPT's are the paper's sec. 4.1 table, eager attention).  Selective recompute drops the s^2 terms; full recompute
-keeps only the block input (h in activation bytes, split by SP).
+measurement in another dtype (fp32 on CPU: 4 and 4) can be compared term by term.  ``family`` picks the block's
+terms (``Family.block_terms`` in ``ds_megatron/model/<family>/``; GPT's are the paper's sec. 4.1 table, eager
+attention); the attention kernels and the recompute policies are shared by all.  Selective recompute drops the s^2
+terms; full recompute keeps only the block input (h in activation bytes, split by SP).
 
 With ``attention="sdpa"`` (``torch.nn.functional.scaled_dot_product_attention``) what is stored depends on the path
 torch takes, so ``sdpa_path`` names it (the same for both families):

@@ -1,14 +1,10 @@
-"""L3: the module swap that turns a family's single-device modules into TP/SP ones, read off the family's plan.
+"""L3: the module swap that turns a family's single-device modules into TP/SP ones, read off the family's plan
+(Megatron; Shoeybi et al. 2019, Korthikanti et al. 2022): ``ds_megatron.model.<family>.PLAN``, one row per module,
+its parallel style and the shard rule of its weight, read by the swap, checkpoints (``shard_rule``) and tests.
 
-The plan (Megatron; Shoeybi et al. 2019, Korthikanti et al. 2022) is data in each family's folder
-(``ds_megatron.model.<family>.PLAN``): one row per module, its parallel style and the shard rule of its weight.
-The module swap (``parallelize_block`` / ``parallelize_model``), the shard rules of checkpoints (``shard_rule``:
-export, resharding, HF import) and the tests read it.  What a row does not hold is behaviour, not layout: the
-block's ``BlockHooks`` (``block_hooks``: grouped projections under TP, the core attention's RNG state and
-selective recompute), and dropout on sequence shards under SP drawing a different mask on each TP rank.
-
-Order inside a block: swap the modules of the plan, give the block its hooks, swap the dropouts.  Full recompute
-(chunks of blocks) is applied by the pipeline module's forward.
+Inside a block: swap the modules of the plan, give the block its ``BlockHooks`` (``block_hooks``: grouped
+projections, the core attention's RNG state, selective recompute), swap the dropouts on sequence shards (a
+different mask on each TP rank).  Full recompute (chunks of blocks) is the pipeline module's forward.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from torch import nn
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, RecomputeSection
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, Family, ModelConfig, family_of
 from ds_megatron.model.family import COLUMN, OUTPUT, POSITION, ROW, VOCAB, PlanRow
-from ds_megatron.model.layers import BlockHooks, RMSNorm, compose, run_core
+from ds_megatron.model.layers import BlockHooks, RMSNorm, compose, project_each, run_core
 from ds_megatron.random import TENSOR_PARALLEL, RNGTracker
 from ds_megatron.recompute import checkpoint, discard_output
 from ds_megatron.tensor_parallel import (
@@ -51,8 +47,7 @@ def plan_row(name: str, family: str = DEFAULT_FAMILY) -> PlanRow | None:
 
 @dataclass
 class ParallelContext:
-    """What the module swap needs besides the plan: the model, this rank's TP group and the choices that apply to
-    every module."""
+    """What the module swap needs besides the plan: the model, the TP group and the choices for every module."""
 
     config: ModelConfig
     tp: TPGroup
@@ -109,13 +104,13 @@ def _swap(root: nn.Module, path: str, build) -> None:
 def _builder(row: PlanRow, ctx: ParallelContext):
     """The module swap of one plan row: full single-device module in, this rank's parallel module out."""
     if row.style == COLUMN:
-        return lambda m: ColumnParallelLinear.from_dense(m, ShardRule(dim=0, fused=row.fused), ctx.tp, ctx.sp)
+        return lambda m: ColumnParallelLinear(m, ShardRule(dim=0, fused=row.fused), ctx.tp, ctx.sp)
     if row.style == ROW:
-        return lambda m: RowParallelLinear.from_dense(m, ctx.tp, ctx.sp)
+        return lambda m: RowParallelLinear(m, ctx.tp, ctx.sp)
     if row.style == VOCAB:
-        return lambda m: VocabParallelEmbedding.from_dense(m, ctx.padded_vocab_size, ctx.tp, ctx.sp)
+        return lambda m: VocabParallelEmbedding(m, ctx.padded_vocab_size, ctx.tp, ctx.sp)
     if row.style == OUTPUT:
-        return lambda m: VocabParallelOutput.from_dense(m, ctx.padded_vocab_size, ctx.tp, ctx.sp)
+        return lambda m: VocabParallelOutput(m, ctx.padded_vocab_size, ctx.tp, ctx.sp)
     if row.style == POSITION:
         return lambda m: SequenceShardedPositionEmbedding(m.weight.data, ctx.tp) if ctx.sp else m
     return lambda m: parallelize_norm(m, ctx)
@@ -129,14 +124,8 @@ def parallelize_module(path: str, module: nn.Module, ctx: ParallelContext) -> nn
 
 def block_hooks(ctx: ParallelContext) -> BlockHooks:
     """The ``BlockHooks`` of every block under ``ctx`` (see ``ds_megatron.model.layers.BlockHooks``)."""
-    modules = ctx.recompute.selective_modules
-    hooks = BlockHooks(
-        around_norm=discard_output if "layernorm" in modules else compose,
-        around_act=discard_output if "mlp_act" in modules else compose,
-    )
-    if ctx.tp.size == 1 and "core_attn" not in modules:
-        return hooks
-    fork = ctx.tp_fork() if ctx.tp.size > 1 else contextlib.nullcontext
+    modules, split = ctx.recompute.selective_modules, ctx.tp.size > 1
+    fork = ctx.tp_fork() if split else contextlib.nullcontext
 
     def core_in_state(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with fork():
@@ -149,10 +138,10 @@ def block_hooks(ctx: ParallelContext) -> BlockHooks:
         return grouped_column_linear(x, tuple(m.weight for m in linears), ctx.tp.group, ctx.sp)
 
     return BlockHooks(
-        around_norm=hooks.around_norm,
-        around_act=hooks.around_act,
-        project=grouped_projection if ctx.tp.size > 1 else hooks.project,
-        core_attention=recomputed_core if "core_attn" in modules else core_in_state,
+        around_norm=discard_output if "layernorm" in modules else compose,
+        around_act=discard_output if "mlp_act" in modules else compose,
+        project=grouped_projection if split else project_each,
+        core_attention=recomputed_core if "core_attn" in modules else core_in_state if split else run_core,
     )
 
 

@@ -11,9 +11,8 @@ then sharded by the family's plan), for GPT-2 / Llama:
     loss: vocab-parallel cross entropy against labels [b, s]
 
 Only fixed-shape hidden states cross stage boundaries; positions, rotary tables and the causal mask are made
-locally (the engine's boundary carries fixed-shape tensors only).  A tied embedding's gradient is summed over the
-first and last stage by DeepSpeed (``TiedLayerSpec``).  Which module path each layer holds is the family's
-``layout`` (``ds_megatron.model.<family>``).
+locally.  DeepSpeed sums a tied embedding's gradient over the first and last stage (``TiedLayerSpec``).  Which
+module path each layer holds is the family's ``layout``.
 """
 
 from __future__ import annotations
@@ -140,17 +139,21 @@ class PipelineLayout:
         return None
 
 
+def keep_slot(layer: nn.Module, slot: tuple[str, str], full: nn.Module, config: ModelConfig, seed, ctx) -> None:
+    """Initialise the full module at ``slot`` (its path in the model, the attribute the layer keeps it under) by
+    name, shard it by the plan and keep it as ``layer.<attr>``, so checkpoint keys read like the model's."""
+    path, layer.attr = slot
+    family_of(config).torch_side().init(full, config, seed, prefix=path + ".")
+    setattr(layer, layer.attr, parallelize_module(path, full, ctx))
+
+
 class EmbeddingPipe(nn.Module):
-    """Token embedding on the first stage; when tied, the same table is the output layer on the last stage.  The
-    attribute name is the family's (``wte`` / ``embed_tokens``), so checkpoint keys read like the model's."""
+    """Token embedding on the first stage; when tied, the same table is the output layer on the last stage."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
-        family = family_of(config)
-        path, self.attr = family.layout.embedding
         full = TiedEmbedding(config.vocab_size, config.n_embd)
-        family.torch_side().init(full, config, seed, prefix=path + ".")
-        setattr(self, self.attr, parallelize_module(path, full, ctx))
+        keep_slot(self, family_of(config).layout.embedding, full, config, seed, ctx)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] -> [s, b, h] (SP: [s/t, b, h])."""
@@ -167,11 +170,8 @@ class OutputPipe(nn.Module):
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
-        family = family_of(config)
-        path, self.attr = family.layout.output
         full = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        family.torch_side().init(full, config, seed, prefix=path + ".")
-        setattr(self, self.attr, parallelize_module(path, full, ctx))
+        keep_slot(self, family_of(config).layout.output, full, config, seed, ctx)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.attr)(hidden)
@@ -182,12 +182,8 @@ class PositionEmbeddingPipe(nn.Module):
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
-        family = family_of(config)
-        path, attr = family.layout.positions
         full = nn.Embedding(config.n_positions, config.n_embd)
-        family.torch_side().init(full, config, seed, prefix=path + ".")
-        self.attr = attr
-        setattr(self, attr, parallelize_module(path, full, ctx))
+        keep_slot(self, family_of(config).layout.positions, full, config, seed, ctx)
         self.drop = sp_dropout(nn.Dropout(config.embd_pdrop), ctx)
         self.seq_factor = ctx.tp.size if ctx.sp else 1
 
@@ -219,11 +215,7 @@ class FinalNormPipe(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
         family = family_of(config)
-        path, self.attr = family.layout.final_norm
-        modeling = family.torch_side()
-        norm = modeling.final_norm(config)
-        modeling.init(norm, config, seed, prefix=path + ".")
-        setattr(self, self.attr, parallelize_module(path, norm, ctx))
+        keep_slot(self, family.layout.final_norm, family.torch_side().final_norm(config), config, seed, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.attr)(x)

@@ -97,7 +97,7 @@ def check_column(c: Ctx, sp: bool, fused: int = 1, gather: bool = False) -> Pair
     ref = nn.Linear(H, FFN * fused)
     x, gy = torch.randn(S, B, H, requires_grad=True), torch.randn(S, B, FFN * fused)
     y_ref = run(ref, x, gy)
-    layer = tpl.ColumnParallelLinear.from_dense(ref, tpl.ShardRule(dim=0, fused=fused), tp_group(c), sp)
+    layer = tpl.ColumnParallelLinear(ref, tpl.ShardRule(dim=0, fused=fused), tp_group(c), sp)
     x_in = leaf(seq_part(x, c, sp))
     y = layer(x_in)
     if gather:  # the layer always leaves its output split; gather_last_dim is how a caller gets the full one
@@ -119,7 +119,7 @@ def check_row(c: Ctx, sp: bool) -> Pairs:
     ref = nn.Linear(FFN, H)
     x, gy = torch.randn(S, B, FFN, requires_grad=True), torch.randn(S, B, H)
     y_ref = run(ref, x, gy)
-    layer = tpl.RowParallelLinear.from_dense(ref, tp_group(c), sp)
+    layer = tpl.RowParallelLinear(ref, tp_group(c), sp)
     x_in = leaf(part(x, -1, c))
     y = run(layer, x_in, seq_part(gy, c, sp))
     return [
@@ -134,7 +134,7 @@ def check_row(c: Ctx, sp: bool) -> Pairs:
 def check_embedding(c: Ctx, sp: bool, vocab: int) -> Pairs:
     ref, ids, gy = nn.Embedding(vocab, H), token_ids(c, vocab), torch.randn(S, B, H)
     out_ref = run(ref, ids, gy)
-    layer = tpl.VocabParallelEmbedding.from_dense(ref, padded(vocab, c), tp_group(c), sp)
+    layer = tpl.VocabParallelEmbedding(ref, padded(vocab, c), tp_group(c), sp)
     out = run(layer, ids, seq_part(gy, c, sp))
     return [
         ("output", out, seq_part(out_ref, c, sp)),
@@ -150,7 +150,7 @@ def check_tied_logits_ce(c: Ctx, sp: bool, vocab: int) -> Pairs:
     logits_ref = x @ ref.weight.t()
     logits_ref.retain_grad()
     loss_ref = run(partial(ce, target=target), logits_ref, gl)
-    layer = tpl.VocabParallelEmbedding.from_dense(ref, padded(vocab, c), tp_group(c), sp)
+    layer = tpl.VocabParallelEmbedding(ref, padded(vocab, c), tp_group(c), sp)
     x_in = leaf(seq_part(x, c, sp))
     logits = layer.logits(x_in)
     logits.retain_grad()

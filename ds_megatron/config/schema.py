@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ATTENTION_KERNELS = ("eager", "sdpa")
-# The config names the families without importing the registry (it sits below it); tests/test_layering.py checks that
-# these are the registry's names, in its order.
+# The registry's family names (ds_megatron.model.FAMILIES, above config: tests/test_layering.py checks they agree).
 MODEL_FAMILIES = ("gpt2", "llama")  # GPT-2/GPT-3 (learned positions, LayerNorm, GELU) or Llama (RoPE, RMSNorm, SwiGLU)
 ROPE_SCALING_TYPES = ("llama3",)  # rope_scaling.rope_type values the llama family implements
 RECOMPUTE_POLICIES = ("none", "selective", "full")

@@ -1,11 +1,7 @@
-"""L2': the model families, one folder each (``gpt2/``, ``llama/``), and the one registry every other module reads.
-Stdlib only here and in each folder's ``__init__`` and ``config``: the tuner and the analytic formulas import the
-registry without torch; a family's torch side (``<family>/model.py``) is imported on first use.
-
-A family folder holds its config with the transformers mapping (``config.py``), its record (``__init__.py``: plan
-rows, pipeline layout, transformers names, FLOPs and activation-memory terms; ``ds_megatron.model.family.Family``)
-and its single-device model with transformers' parameter names and initialiser (``model.py``).  A new family is a
-new folder plus one line below.
+"""L1.5: the model families, one folder each, and the one registry every other module reads.  A folder's
+``__init__`` (stdlib only: the tuner reads it without torch) holds its config with the transformers mapping and its
+record (``model.family.Family``: plan rows, pipeline layout, FLOPs and memory terms); its ``model.py`` the
+single-device model with transformers' names, imported on first use.  A new family: a folder and one line below.
 """
 
 from __future__ import annotations
@@ -14,17 +10,13 @@ from typing import Any
 
 from ds_megatron.model import gpt2, llama
 from ds_megatron.model.family import Family
-from ds_megatron.model.gpt2.config import GPTConfig
-from ds_megatron.model.llama.config import LlamaConfig
+from ds_megatron.model.gpt2 import GPTConfig
+from ds_megatron.model.llama import LlamaConfig
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY)}
 DEFAULT_FAMILY = gpt2.FAMILY.name  # a shape without a family is a GPT
 
 ModelConfig = GPTConfig | LlamaConfig
-
-
-def family(name: str) -> Family:
-    return FAMILIES[name]
 
 
 def family_of(config: Any) -> Family:
@@ -42,5 +34,14 @@ def build_model(config: ModelConfig, seed: int = 1234) -> Any:
     return family_of(config).torch_side().model(config, seed=seed)
 
 
-__all__ = ["DEFAULT_FAMILY", "FAMILIES", "Family", "GPTConfig", "LlamaConfig", "ModelConfig", "build_model"]
-__all__ += ["family", "family_of", "model_config"]
+__all__ = [
+    "DEFAULT_FAMILY",
+    "FAMILIES",
+    "Family",
+    "GPTConfig",
+    "LlamaConfig",
+    "ModelConfig",
+    "build_model",
+    "family_of",
+]
+__all__ += ["model_config"]

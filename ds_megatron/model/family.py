@@ -1,11 +1,6 @@
-"""What a model family is: the record each family folder fills in (``ds_megatron/model/<family>/__init__.py``) and
-the registry (``ds_megatron.model.FAMILIES``) hands to every other module.  Standard library only: the config
-loader's callers, the tuner and the analytic formulas read it without importing torch.
-
-A family's torch side lives in its ``modeling`` module (``<family>/model.py``), imported on first use, whose
-``MODELING`` (``ds_megatron.model.layers.Modeling``) holds the single-device model with transformers' parameter
-names, its block, final norm and initialiser.
-"""
+"""What a model family is: the record each family folder fills in (``model/<family>/__init__.py``) and the registry
+(``ds_megatron.model.FAMILIES``) hands to every other module.  Standard library only.  The torch side is the
+``modeling`` module's ``MODELING`` (``model.layers.Modeling``: model, block, final norm, initialiser)."""
 
 from __future__ import annotations
 
@@ -61,8 +56,7 @@ class BlockTerms(NamedTuple):
     mlp_act: float  # the MLP activation's output (the second linear's input), units of h; "mlp_act" drops it
 
 
-# A matmul of a block's forward for the tuner: (name, m, k, n, count), ``count`` m x k by k x n products.
-Gemm = tuple[str, int, int, int, int]
+Gemm = tuple[str, int, int, int, int]  # a block's matmul for the tuner: (name, m, k, n, count) m x k by k x n
 
 
 @dataclass(frozen=True)
@@ -72,16 +66,12 @@ class TunerFacts:
     default_vocab: int  # vocabulary when neither a named size nor a flag gives one
     default_seq_length: int  # sequence length likewise
     dropout: float | None  # the dropout the tuner models and writes (None: the loader's default)
-    # The config's dropout is the attention's alone and the activation formula takes it; otherwise every dropout is
-    # counted as on (the paper's GPT table).
-    attention_dropout_only: bool
+    attention_dropout_only: bool  # the dropout is the attention's alone (else all are counted, as in the paper)
     norm_params: int  # parameters of one norm per h: LayerNorm's weight and bias 2, RMSNorm's weight 1
-    embedding_dropout: bool  # a dropout mask after the embedding on the first stage
     norm_stat_bytes: int  # per token a norm keeps besides its input: RMSNorm's fp32 1/rms (the paper omits LayerNorm's)
     block_params: Callable[[int, int, int, int], int]  # (h, kv width, F, tp) -> one block's parameters per TP rank
     block_gemms: Callable[[int, int, int, int, int], tuple[Gemm, ...]]  # (tokens, h, kv width, F, tp) -> forward
-    # The passes selective recompute runs again per module: (op, bytes read, bytes written) per element of the
-    # output, in units of the activation's bytes.
+    # Per selective-recompute module, the passes run again: (op, activations read, written) per output element.
     recomputed_passes: dict[str, tuple[tuple[str, int, int], ...]]
 
 
@@ -91,7 +81,7 @@ class Family:
 
     name: str  # the config's ``model.family``
     config: type  # the single-device config: ``from_shape``, ``from_hf``, ``to_hf``, ``n_layer``, ``n_embd``
-    modeling: str  # the module of the torch side, defining MODELING (see the module docstring)
+    modeling: str  # the module of the torch side, defining MODELING
     blocks: str  # full names of block i start with "<blocks>.<i>."
     plan: tuple[PlanRow, ...]
     attention: str  # the block's attention module (its ``core_attention`` is what selective recompute wraps)
@@ -150,8 +140,8 @@ def hf_fields(config: Any, renamed: dict[str, str], skip: tuple[str, ...] = ()) 
     }
 
 
-def from_hf_fields(cls: type, hf: Any, renamed: dict[str, str], **given: Any) -> dict[str, Any]:
-    """The inverse of :func:`hf_fields`: ``cls``'s fields read off a transformers config, ``given`` taking
-    precedence."""
+def read_fields(cls: type, source: Any, renamed: dict[str, str], **given: Any) -> dict[str, Any]:
+    """The inverse of :func:`hf_fields`: ``cls``'s fields read off ``source`` (a transformers config, a resolved
+    shape) under ``renamed`` names, ``given`` taking precedence."""
     names = [f.name for f in fields(cls) if f.name != "attention" and f.name not in given]
-    return {**{name: getattr(hf, renamed.get(name, name)) for name in names}, **given}
+    return {**{name: getattr(source, renamed.get(name, name)) for name in names}, **given}

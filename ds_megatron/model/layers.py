@@ -1,10 +1,6 @@
-"""Layers both families use, and ``BlockHooks``: what tensor parallelism, sequence parallelism and recompute change
-inside a block, as one object the block is built with.  Torch only, no torch.distributed.
-
-A block's forward calls its hooks by name; their defaults are the single-device computation, and
-``ds_megatron.parallelize.block_hooks`` builds the parallel ones from the plan.  Every other change TP and SP make
-is a module swap of the plan table (linears, embeddings, norms, dropouts), visible as the module's class.
-"""
+"""Layers the families share, and ``BlockHooks``: what TP, SP and recompute change inside a block, one object the
+block is built with (defaults: single-device; ``parallelize.block_hooks`` builds the parallel ones).  Every other
+change is a module swap of the plan (linears, embeddings, norms, dropouts).  Torch only, no torch.distributed."""
 
 from __future__ import annotations
 
@@ -92,7 +88,7 @@ class BlockHooks:
     core_attention: Callable[..., torch.Tensor] = run_core
 
 
-SINGLE_DEVICE = BlockHooks()
+SINGLE_DEVICE = BlockHooks()  # every block's default
 
 
 class CoreAttention(nn.Module):
@@ -201,3 +197,16 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+@torch.no_grad()
+def init_by_name(module: nn.Module, prefix: str, seed: int, std_of: Callable[[str], float | None]) -> None:
+    """Initialise every parameter of ``module`` whose full name is ``prefix + local name``: N(0, ``std_of(name)``)
+    by :func:`seeded_normal_`, or where that is None ones for a weight (norms) and zeros for a bias."""
+    for local_name, param in module.named_parameters():
+        name = prefix + local_name
+        std = std_of(name)
+        if std is None:
+            param.fill_(1.0 if name.endswith(".weight") else 0.0)
+        else:
+            seeded_normal_(param, name, std, seed)

@@ -1,5 +1,5 @@
-"""Megatron tensor-parallel layers.  Each is built from the full single-device module by slicing (``from_dense``),
-so a sharded model starts from exactly the single-device weights.
+"""Megatron tensor-parallel layers.  Each is built from the full single-device module by slicing (its constructor
+takes the module), so a sharded model starts from exactly the single-device weights.
 
 Parameter marks (read by DeepSpeed and by ds_megatron):
 - ``tensor_model_parallel`` / ``model_parallel`` = True on TP-sharded weights, so DeepSpeed's gradient norm counts
@@ -58,19 +58,13 @@ def mark_sp_replicated(param: nn.Parameter) -> None:
 
 
 class SPReplicatedGrads:
-    """Mixin of the layers whose parameters are replicated over TP but see only a sequence shard under SP: it marks
-    them (``sequence_parallel_replicated``) and sums their gradients over the TP group.
-
-    ``sync_grads_in_backward`` True (the default): the sum runs in autograd, per micro-batch, which is correct on
-    its own.  :func:`defer_sp_grad_sync` sets it False when the engine sums every SP-replicated gradient once per
-    optimizer step instead (``tensor_parallel.sum_sp_replicated_grads``)."""
+    """Mixin of the layers whose parameters (marked by :func:`mark_sp_replicated`) are replicated over TP but see only
+    a sequence shard under SP, so their gradients are summed over the TP group.  ``sync_grads_in_backward`` True
+    (the default): in autograd, per micro-batch, which is correct on its own; :func:`defer_sp_grad_sync` sets it
+    False when the engine sums every SP-replicated gradient once per optimizer step (``sum_sp_replicated_grads``)."""
 
     sync_grads_in_backward = True
     tp: TPGroup
-
-    def mark_sp_replicated(self, *params: nn.Parameter) -> None:
-        for p in params:
-            mark_sp_replicated(p)
 
     def sp_synced(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``params``, with their gradients summed over TP in backward unless the engine sums them per step."""
@@ -200,31 +194,17 @@ class ColumnParallelLinear(nn.Module):
     Output: [s, b, out/t].
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        full_shape: tuple[int, int],
-        tp: TPGroup,
-        sequence_parallel: bool,
-    ):
+    def __init__(self, linear: nn.Linear, rule: ShardRule, tp: TPGroup, sequence_parallel: bool = False):
+        """This rank's part of the full ``linear``, cut by ``rule`` (output dim; fused blocks by heads)."""
         super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.weight = nn.Parameter(shard(linear.weight.data, rule, tp.rank, tp.size))
+        bias = linear.bias
+        self.bias = nn.Parameter(shard(bias.data, rule, tp.rank, tp.size)) if bias is not None else None
         mark_tp_sharded(self.weight, 0)
         if self.bias is not None:
             mark_tp_sharded(self.bias, 0)
-        self.full_shape = full_shape
-        self.tp = tp
-        self.sequence_parallel = sequence_parallel
-
-    @classmethod
-    def from_dense(
-        cls, linear: nn.Linear, rule: ShardRule, tp: TPGroup, sequence_parallel: bool = False
-    ) -> ColumnParallelLinear:
-        w = shard(linear.weight.data, rule, tp.rank, tp.size)
-        b = shard(linear.bias.data, rule, tp.rank, tp.size) if linear.bias is not None else None
-        return cls(w, b, tuple(linear.weight.shape), tp, sequence_parallel)
+        self.full_shape = tuple(linear.weight.shape)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_linear(x, self.weight, self.bias, self.tp.group, self.sequence_parallel)
@@ -243,29 +223,16 @@ class RowParallelLinear(SPReplicatedGrads, nn.Module):
     (reduce-scatter / all-gather).  The bias is replicated and added after the reduction (SP-replicated under SP).
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        full_shape: tuple[int, int],
-        tp: TPGroup,
-        sequence_parallel: bool,
-    ):
+    def __init__(self, linear: nn.Linear, tp: TPGroup, sequence_parallel: bool = False):
+        """This rank's part of the full ``linear`` (input dim), with the whole bias."""
         super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.weight = nn.Parameter(shard(linear.weight.data, ShardRule(dim=1), tp.rank, tp.size))
+        self.bias = nn.Parameter(linear.bias.data.clone()) if linear.bias is not None else None
         mark_tp_sharded(self.weight, 1)
         if self.bias is not None and sequence_parallel:
-            self.mark_sp_replicated(self.bias)
-        self.full_shape = full_shape
-        self.tp = tp
-        self.sequence_parallel = sequence_parallel
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, tp: TPGroup, sequence_parallel: bool = False) -> RowParallelLinear:
-        w = shard(linear.weight.data, ShardRule(dim=1), tp.rank, tp.size)
-        b = linear.bias.data.clone() if linear.bias is not None else None
-        return cls(w, b, tuple(linear.weight.shape), tp, sequence_parallel)
+            mark_sp_replicated(self.bias)
+        self.full_shape = tuple(linear.weight.shape)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -290,29 +257,15 @@ class VocabParallelEmbedding(nn.Module):
     [s/t, b, h].  Padding rows (ids >= vocab_size) are zero and never looked up.
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        vocab_size: int,
-        padded_size: int,
-        tp: TPGroup,
-        sequence_parallel: bool,
-    ):
+    def __init__(self, emb: nn.Module, padded_size: int, tp: TPGroup, sequence_parallel: bool = False):
+        """This rank's vocabulary block of the full table ``emb.weight`` [V, h], padded to ``padded_size`` rows."""
         super().__init__()
-        self.weight = nn.Parameter(weight)
+        self.weight = nn.Parameter(shard(emb.weight.data, ShardRule(dim=0, padded_size=padded_size), tp.rank, tp.size))
         mark_tp_sharded(self.weight, 0)
-        self.vocab_size, self.padded_size = vocab_size, padded_size
-        self.tp = tp
-        self.sequence_parallel = sequence_parallel
-        self.vocab_start = tp.rank * weight.shape[0]
-        self.vocab_end = self.vocab_start + weight.shape[0]
-
-    @classmethod
-    def from_dense(
-        cls, emb: nn.Embedding, padded_size: int, tp: TPGroup, sequence_parallel: bool = False
-    ) -> VocabParallelEmbedding:
-        w = shard(emb.weight.data, ShardRule(dim=0, padded_size=padded_size), tp.rank, tp.size)
-        return cls(w, emb.weight.shape[0], padded_size, tp, sequence_parallel)
+        self.vocab_size, self.padded_size = emb.weight.shape[0], padded_size
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.vocab_start = tp.rank * self.weight.shape[0]
+        self.vocab_end = self.vocab_start + self.weight.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
@@ -371,7 +324,7 @@ class SequenceShardedPositionEmbedding(SPReplicatedGrads, nn.Module):
     def __init__(self, weight: torch.Tensor, tp: TPGroup):
         super().__init__()
         self.weight = nn.Parameter(weight)
-        self.mark_sp_replicated(self.weight)
+        mark_sp_replicated(self.weight)
         self.tp = tp
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -388,7 +341,8 @@ class SequenceParallelLayerNorm(SPReplicatedGrads, nn.LayerNorm):
         with torch.no_grad():
             self.weight.copy_(ln.weight)
             self.bias.copy_(ln.bias)
-        self.mark_sp_replicated(self.weight, self.bias)
+        mark_sp_replicated(self.weight)
+        mark_sp_replicated(self.bias)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -403,7 +357,7 @@ class SequenceParallelRMSNorm(SPReplicatedGrads, RMSNorm):
         super().__init__(norm.weight.shape[0], norm.eps)
         with torch.no_grad():
             self.weight.data = norm.weight.data.clone()
-        self.mark_sp_replicated(self.weight)
+        mark_sp_replicated(self.weight)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -148,7 +148,7 @@ def sp_split(cand: Candidate) -> int:
 
 def embedding_activation_bytes(model: ModelShape, cand: Candidate) -> float:
     """First stage, per micro-batch: a GPT's embedding dropout mask (1-byte s b h, /t under SP); nothing for a Llama."""
-    if not family_of(model).tuner.embedding_dropout:
+    if not family_of(model).layout.positions:  # the embedding dropout comes with the learned positions
         return 0.0
     return model.seq_length * cand.micro_batch_size * model.hidden_size * MASK_BYTES / sp_split(cand)
 

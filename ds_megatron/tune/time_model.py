@@ -75,16 +75,16 @@ def eager_score_bytes(attention_dropout: bool) -> tuple[int, int]:
     )  # type: ignore[return-value]
 
 
-# The forward passes selective recompute runs again for its elementwise modules, (op, bytes read, bytes written) per
-# element of the output: [s b, F/t] for mlp_act, [s b (/t under SP), h] per norm for layernorm.  Each is its own
-# bf16 kernel doing a few FLOPs per byte, so bandwidth-bound.  core_attn re-runs matmuls, charged with them.
+# The forward passes selective recompute runs again for its elementwise modules (each family's), (op, bytes read,
+# bytes written) per element of the output: [s b, F/t] for mlp_act, [s b (/t under SP), h] per norm for layernorm.
+# Each is its own bf16 kernel doing a few FLOPs per byte, so bandwidth-bound.  core_attn re-runs matmuls.
 RECOMPUTED_PASSES = {
     name: {
         module: tuple((op, read * ACT_BYTES, written * ACT_BYTES) for op, read, written in ops)
         for module, ops in family.tuner.recomputed_passes.items()
     }
     for name, family in FAMILIES.items()
-}  # each family's (ds_megatron/model/<family>), in bf16 bytes
+}
 
 # The calibration's extra terms (calibration.fit_time_model): the intra-node latency of a collective or send, and a
 # fixed overhead per step.

@@ -1,11 +1,11 @@
 """The GPT-2 / GPT-3 family (Radford et al. 2019; Brown et al. 2020): learned positions, pre-LayerNorm, GELU MLP of
-width 4h, tied embeddings, transformers' ``GPT2LMHeadModel`` names.  Stdlib only: the torch side is ``model.py``.
-
-This file is the family's record: its parallel plan, pipeline layout, transformers names and the terms of the
-analytic FLOPs (``flops.py``) and activation memory (``memory.py``, Korthikanti et al. 2022, sec. 4.1).
-"""
+width 4h, tied embeddings.  Its config, plan, pipeline layout, transformers names, FLOPs and memory terms (stdlib
+only; the torch side is ``model.py``)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from ds_megatron.config.sizes import GPT3_SEQ_LENGTH, GPT3_VOCAB_SIZE
 from ds_megatron.model.family import (
@@ -20,8 +20,89 @@ from ds_megatron.model.family import (
     LayoutTable,
     PlanRow,
     TunerFacts,
+    hf_fields,
+    read_fields,
 )
-from ds_megatron.model.gpt2.config import NAME, GPTConfig
+
+NAME = "gpt2"  # the config's model.family
+# Our field names are GPT2Config's, so the map between the two is the identity.
+HF_RENAMED: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """GPT-2 / GPT-3 architecture: learned positions, pre-LayerNorm, GELU MLP of width 4h, tied embeddings."""
+
+    vocab_size: int = GPT3_VOCAB_SIZE  # real vocabulary (V); TP padding is applied by parallelize, never here
+    n_positions: int = 1024  # rows of the learned position table
+    n_embd: int = 768  # hidden size (h)
+    n_layer: int = 12  # transformer blocks (L)
+    n_head: int = 12  # attention heads (a)
+    embd_pdrop: float = 0.1  # dropout after embedding
+    attn_pdrop: float = 0.1  # dropout on attention probabilities
+    resid_pdrop: float = 0.1  # dropout on each residual branch output
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02  # std of the normal init
+    attention: str = "eager"  # "eager" (materialised softmax) or "sdpa"
+
+    family = NAME
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_hf(self) -> Any:
+        """The equivalent ``transformers.GPT2Config`` (imported lazily)."""
+        from transformers import GPT2Config
+
+        return GPT2Config(
+            **hf_fields(self, HF_RENAMED),
+            n_inner=None,
+            activation_function="gelu_new",
+            tie_word_embeddings=True,
+            attn_implementation=self.attention,
+            # GPT-2's own ids (50256) only where they exist; export sets the tokenizer's EOS.
+            bos_token_id=50256 if self.vocab_size > 50256 else None,
+            eos_token_id=50256 if self.vocab_size > 50256 else None,
+        )
+
+    @classmethod
+    def from_shape(cls, m: Any) -> GPTConfig:
+        """From a resolved model shape (``ds_megatron.config.ModelShape``, read by attribute)."""
+        return cls(
+            vocab_size=m.vocab_size,
+            n_positions=m.max_position_embeddings,
+            n_embd=m.hidden_size,
+            n_layer=m.num_layers,
+            n_head=m.num_heads,
+            embd_pdrop=m.dropout,
+            attn_pdrop=m.dropout,
+            resid_pdrop=m.dropout,
+            layer_norm_epsilon=m.layer_norm_epsilon,
+            initializer_range=m.init_std,
+            attention=m.attention,
+        )
+
+    @classmethod
+    def from_hf(cls, hf: Any, attention: str = "eager") -> GPTConfig:
+        """Build from a ``transformers.GPT2Config``; refuses settings this GPT does not implement."""
+        unsupported = []
+        if getattr(hf, "n_inner", None) not in (None, 4 * hf.n_embd):
+            unsupported.append(f"n_inner={hf.n_inner}")
+        if getattr(hf, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            unsupported.append(f"activation_function={hf.activation_function}")
+        if getattr(hf, "scale_attn_by_inverse_layer_idx", False):
+            unsupported.append("scale_attn_by_inverse_layer_idx=True")
+        if not getattr(hf, "scale_attn_weights", True):
+            unsupported.append("scale_attn_weights=False")
+        if not getattr(hf, "tie_word_embeddings", True):
+            unsupported.append("tie_word_embeddings=False")
+        if unsupported:
+            raise ValueError(
+                f"error: GPT2Config: unsupported settings ({', '.join(unsupported)}); use a standard GPT-2 config"
+            )
+        return cls(**read_fields(cls, hf, HF_RENAMED, attention=attention))
+
 
 # Megatron (Shoeybi et al. 2019): fused q|k|v column-parallel by heads, projection row-parallel, fc1 column, fc2 row;
 # vocabulary-parallel tied embedding; the learned position table replicated.
@@ -61,11 +142,6 @@ def block_terms(
     return BlockTerms(4 * act, 2, (2 + 2 * kv + 2 * ffn) * act, 1 + 2 * kv, True, ffn)
 
 
-def block_params(h: int, kv: int, f: int, tp: int) -> int:
-    """(12 h^2 + 7 h) / t + 6 h: the replicated part is the row-parallel biases and the two LayerNorms."""
-    return (12 * h * h + 7 * h) // tp + 6 * h
-
-
 def block_gemms(n: int, h: int, kv: int, f: int, t: int) -> tuple[Gemm, ...]:
     """The weight matmuls of one block's forward over n tokens, per TP rank (the TP-split dimension divided by t)."""
     return (
@@ -100,9 +176,9 @@ FAMILY = Family(
         dropout=None,
         attention_dropout_only=False,
         norm_params=2,
-        embedding_dropout=True,
         norm_stat_bytes=0,
-        block_params=block_params,
+        # (12 h^2 + 7 h) / t + 6 h: the replicated part is the row-parallel biases and the two LayerNorms
+        block_params=lambda h, kv, f, tp: (12 * h * h + 7 * h) // tp + 6 * h,
         block_gemms=block_gemms,
         recomputed_passes={
             "mlp_act": (("GELU", 1, 1),),

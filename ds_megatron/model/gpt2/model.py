@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_megatron.model.gpt2.config import GPTConfig
-from ds_megatron.model.layers import SINGLE_DEVICE, BlockHooks, CoreAttention, Modeling, TiedEmbedding, seeded_normal_
+from ds_megatron.model.gpt2 import FAMILY, GPTConfig
+from ds_megatron.model.layers import SINGLE_DEVICE, BlockHooks, CoreAttention, Modeling, TiedEmbedding, init_by_name
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -102,38 +102,40 @@ class GPT(nn.Module):
         return t.wte.logits(t.ln_f(x)).transpose(0, 1)
 
 
-def init_std_for(name: str, config: GPTConfig) -> float | None:
-    """GPT-2 initialisation: N(0, std) for weights, std / sqrt(2 L) for residual projections; None for ones/zeros."""
-    if name.endswith("c_proj.weight"):
-        return config.initializer_range / math.sqrt(2 * config.n_layer)
-    if name.endswith((".weight",)) and not _is_norm(name):
-        return config.initializer_range
-    return None
-
-
-def _is_norm(name: str) -> bool:
-    leaf = name.split(".")[-2] if "." in name else name
-    return leaf.startswith("ln_")
-
-
-@torch.no_grad()
-def init_parameter(name: str, param: torch.Tensor, config: GPTConfig, seed: int) -> None:
-    """Initialise one full (unsharded) GPT parameter by its GPT-2 name (see :func:`seeded_normal_`)."""
-    std = init_std_for(name, config)
-    if std is None:
-        param.fill_(1.0 if _is_norm(name) and name.endswith(".weight") else 0.0)
-        return
-    seeded_normal_(param, name, std, seed)
-
-
 def init_module(module: nn.Module, config: GPTConfig, seed: int, prefix: str = "") -> None:
-    """Initialise every parameter of ``module`` whose full GPT name is ``prefix + local name``."""
-    for local_name, param in module.named_parameters():
-        init_parameter(prefix + local_name, param, config, seed)
+    """GPT-2 initialisation of every parameter of ``module`` by its full name ``prefix + local name``: N(0, std) for
+    weights, std / sqrt(2 L) for the residual projections, ones and zeros for the LayerNorms and biases."""
+
+    def std_of(name: str) -> float | None:
+        if name.endswith("c_proj.weight"):
+            return config.initializer_range / math.sqrt(2 * config.n_layer)
+        leaf = name.split(".")[-2] if "." in name else name
+        return config.initializer_range if name.endswith(".weight") and not leaf.startswith("ln_") else None
+
+    init_by_name(module, prefix, seed, std_of)
 
 
 def final_norm(config: GPTConfig) -> nn.Module:
     return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
-MODELING = Modeling(model=GPT, block=GPTBlock, final_norm=final_norm, init=init_module)
+# The state-dict adapter to and from transformers' GPT2LMHeadModel: the names are identical; the Conv1D weights are
+# transposed; lm_head.weight, tied to transformer.wte.weight, is written for transformers' sake and never read back.
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our full (unsharded, unpadded) state dict -> GPT2LMHeadModel's."""
+    out = {name: (t.t().contiguous() if FAMILY.is_hf_transposed(name) else t) for name, t in state.items()}
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GPT2LMHeadModel's state dict -> ours (drops the tied head and non-parameter buffers)."""
+    skip = ("lm_head.weight", ".attn.bias", ".attn.masked_bias")
+    return {
+        n: t.t().contiguous() if FAMILY.is_hf_transposed(n) else t for n, t in hf_state.items() if not n.endswith(skip)
+    }
+
+
+MODELING = Modeling(GPT, GPTBlock, final_norm, init_module)

@@ -26,10 +26,10 @@ from ds_megatron.model.layers import (
     Modeling,
     RMSNorm,
     TiedEmbedding,
-    seeded_normal_,
+    init_by_name,
     upcast,
 )
-from ds_megatron.model.llama.config import LlamaConfig
+from ds_megatron.model.llama import LlamaConfig
 
 # ---------------------------------------------------------------------------------------------------------------
 # Rotary position embedding (Su et al. 2021), with Llama 3's frequency scaling.
@@ -181,31 +181,19 @@ class Llama(nn.Module):
         return logits.transpose(0, 1)
 
 
-def llama_init_std(name: str, config: LlamaConfig) -> float | None:
-    """N(0, std) for every linear and embedding weight, std / sqrt(2 L) for the two residual projections (o_proj,
-    down_proj; GPT-2's depth scaling); None (ones) for the RMSNorm weights."""
-    if name.endswith("norm.weight"):
-        return None
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return config.initializer_range / math.sqrt(2 * config.num_layers)
-    return config.initializer_range
-
-
 def init_llama_module(module: nn.Module, config: LlamaConfig, seed: int, prefix: str = "") -> None:
-    """Initialise every parameter of ``module`` whose full Llama name is ``prefix + local name`` (values depend on
-    the name and the seed only, never on the stage or rank that builds it)."""
-    with torch.no_grad():
-        for local_name, param in module.named_parameters():
-            name = prefix + local_name
-            std = llama_init_std(name, config)
-            if std is None:
-                param.fill_(1.0)
-            else:
-                seeded_normal_(param, name, std, seed)
+    """Initialise every parameter of ``module`` by its full name ``prefix + local name``: N(0, std) for every linear
+    and embedding weight, std / sqrt(2 L) for the two residual projections (o_proj, down_proj; GPT-2's depth
+    scaling), ones for the RMSNorm weights."""
+
+    def std_of(name: str) -> float | None:
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return config.initializer_range / math.sqrt(2 * config.num_layers)
+        return config.initializer_range
+
+    init_by_name(module, prefix, seed, std_of)
 
 
-def final_norm(config: LlamaConfig) -> nn.Module:
-    return RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
-MODELING = Modeling(model=Llama, block=LlamaBlock, final_norm=final_norm, init=init_llama_module)
+MODELING = Modeling(Llama, LlamaBlock, lambda c: RMSNorm(c.hidden_size, c.rms_norm_eps), init_llama_module)
