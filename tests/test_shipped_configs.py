@@ -164,7 +164,7 @@ def test_export_from_the_masters_loads_in_transformers(mini_run, tmp_path):
     config = model_config(resolve(cfg, nprocs).model)
     layout = PipelineLayout.of(config)
     norm = next(r.path for r in FAMILIES[config.family].block_rows if r.style == NORM)
-    name = f"{layout.table.blocks}.0.{norm}.weight"
+    name = f"{layout.blocks}.0.{norm}.weight"
     layer = work / "final" / "step00000003" / f"layer_{layout.index_of(name):02d}-model_00-model_states.pt"
     master, copy16 = exported[name], torch.load(layer, weights_only=True)[layout.key_in_layer(name)]
     assert master.dtype == torch.float32
