@@ -26,11 +26,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _results import write_markdown  # noqa: E402
 
+from ds_megatron.config.schema import RecomputeSection  # noqa: E402
 from ds_megatron.memory import KERNELS, activation_bytes_per_layer  # noqa: E402
-from ds_megatron.model import GPTBlock, GPTConfig, init_module  # noqa: E402
-from ds_megatron.parallelize import ParallelPlan, parallelize_block  # noqa: E402
+from ds_megatron.model.gpt2.model import GPTBlock, GPTConfig, init_module  # noqa: E402
+from ds_megatron.parallelize import ParallelContext, parallelize_block  # noqa: E402
 from ds_megatron.random import build_rng  # noqa: E402
-from ds_megatron.recompute import RecomputePlan, checkpoint  # noqa: E402
+from ds_megatron.recompute import checkpoint  # noqa: E402
+from ds_megatron.tensor_parallel import TPGroup  # noqa: E402
 
 WORLD = 4
 MODES = [  # (label, sequence_parallel, recompute, recompute modules, attention kernel)
@@ -102,15 +104,9 @@ def worker(rank: int, port: int, args, queue) -> None:
                 continue
             config = configs[kernel]
             rng = build_rng(1234, rank, 0, 0)
-            plan = ParallelPlan(
-                config,
-                groups[t],
-                rank,
-                t,
-                sp,
-                rng,
-                recompute=RecomputePlan("selective", modules=modules) if recompute == "selective" else RecomputePlan(),
-            )
+            selective = RecomputeSection("selective", modules=modules)
+            recompute_section = selective if recompute == "selective" else RecomputeSection()
+            plan = ParallelContext(config, TPGroup(groups[t], rank, t), sp, rng, recompute=recompute_section)
             block = GPTBlock(config)
             init_module(block, config, 1234, prefix="transformer.h.0.")
             block = parallelize_block(block, plan).to(dtype).train()

@@ -23,17 +23,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _results import write_markdown  # noqa: E402
 
+from ds_megatron.config.schema import RecomputeSection  # noqa: E402
 from ds_megatron.flops import core_attention_forward_flops, layer_forward_flops  # noqa: E402
-from ds_megatron.model import GPTBlock, GPTConfig, init_module  # noqa: E402
-from ds_megatron.parallelize import ParallelPlan, parallelize_block  # noqa: E402
+from ds_megatron.model.gpt2.model import GPTBlock, GPTConfig, init_module  # noqa: E402
+from ds_megatron.parallelize import ParallelContext, parallelize_block  # noqa: E402
 from ds_megatron.random import build_rng  # noqa: E402
-from ds_megatron.recompute import RecomputePlan, checkpoint  # noqa: E402
+from ds_megatron.recompute import checkpoint  # noqa: E402
+from ds_megatron.tensor_parallel import TPGroup  # noqa: E402
 
 POLICIES = ("none", "selective", "full")
 
 
 def build(policy: str, config: GPTConfig, rng) -> torch.nn.ModuleList:
-    plan = ParallelPlan(config, None, 0, 1, False, rng, recompute=RecomputePlan(policy))
+    plan = ParallelContext(config, TPGroup(), False, rng, recompute=RecomputeSection(policy))
     blocks = torch.nn.ModuleList()
     for i in range(config.n_layer):
         block = GPTBlock(config)

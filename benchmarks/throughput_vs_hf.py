@@ -28,10 +28,13 @@ from transformers import GPT2LMHeadModel  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ds_megatron.checkpoint.keymap import to_hf_state_dict  # noqa: E402
 from ds_megatron.config import resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
-from ds_megatron.model import GPT, GPTConfig  # noqa: E402
+from ds_megatron.model.gpt2.model import (  # noqa: E402
+    GPT,
+    GPTConfig,
+    to_hf_state_dict,  # noqa: E402
+)
 
 
 def ds_config(args, kernel: str) -> dict:

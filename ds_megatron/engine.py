@@ -24,11 +24,10 @@ from ds_megatron.config.facts import deepspeed_wraps_optimizer, precision
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
-from ds_megatron.parallelize import ParallelPlan
+from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline import build_pipeline_module
 from ds_megatron.random import RNGTracker, build_rng
-from ds_megatron.recompute import RecomputePlan
-from ds_megatron.tensor_parallel import sum_sp_replicated_grads
+from ds_megatron.tensor_parallel import TPGroup, defer_sp_grad_sync, sum_sp_replicated_grads
 from ds_megatron.topology import ParallelTopology
 
 
@@ -38,9 +37,9 @@ class Built:
 
     engine: deepspeed.runtime.pipe.engine.PipelineEngine
     topology: ParallelTopology
-    plan: ParallelPlan
+    parallel: ParallelContext
     rng: RNGTracker
-    gpt_config: ModelConfig  # the model family's config (GPTConfig or LlamaConfig)
+    model_config: ModelConfig  # the model family's config (GPTConfig or LlamaConfig)
     run: RunConfig
 
 
@@ -126,9 +125,7 @@ def install_step_sp_grad_sync(engine, topology: ParallelTopology, run: RunConfig
     if precision(run.ds_config) == "fp16":
         return False
     params = [p for p in engine.module.parameters() if getattr(p, "sequence_parallel_replicated", False)]
-    for m in engine.module.modules():
-        if hasattr(m, "sync_grads_in_backward"):
-            m.sync_grads_in_backward = False
+    defer_sp_grad_sync(engine.module)
     bf16 = bool(getattr(engine, "using_bf16_optimizer", False))
 
     def reduce_tied_then_sp_grads(self) -> None:
@@ -148,24 +145,22 @@ def build_engine(run: RunConfig) -> Built:
     topology = ParallelTopology.build(run.tp, run.pp, run.dp)
     seed = run.section.train.seed
     rng = build_rng(seed, topology.tp_rank, topology.pp_rank, topology.dp_rank, device_type())
-    gpt_config = model_config(run.model)
-    plan = ParallelPlan(
-        config=gpt_config,
-        tp_group=topology.tp_group,
-        tp_rank=topology.tp_rank,
-        tp_size=topology.tp,
+    config = model_config(run.model)
+    parallel = ParallelContext(
+        config=config,
+        tp=TPGroup(topology.tp_group, topology.tp_rank, topology.tp),
         sequence_parallel=run.section.parallel.sequence_parallel,
         rng=rng,
         vocab_multiple=run.section.parallel.vocab_multiple,
-        recompute=RecomputePlan(**vars(run.section.recompute)),
+        recompute=run.section.recompute,
     )
-    module = build_pipeline_module(gpt_config, plan, topology, seed, run.section.parallel.partition_method)
+    module = build_pipeline_module(config, parallel, topology, seed, run.section.parallel.partition_method)
     ckpt = run.section.checkpoint
     if ckpt.init_from_hf and not ckpt.load:
         # Before deepspeed.initialize: the bf16 optimizer copies the weights into its fp32 masters there.
         from ds_megatron.checkpoint.hf_import import load_hf_into_pipeline
 
-        load_hf_into_pipeline(module, plan, ckpt.init_from_hf)
+        load_hf_into_pipeline(module, parallel, ckpt.init_from_hf)
     opt_kwargs = adamw_kwargs(run.ds_config.get("optimizer"))
     groups = param_groups(module, opt_kwargs.pop("weight_decay"))
     if deepspeed_wraps_optimizer(run.ds_config):
@@ -187,4 +182,4 @@ def build_engine(run: RunConfig) -> Built:
     read_weights_only(engine)  # DeepSpeed's own checkpoint reads unpickle weights-only too
     if install_step_sp_grad_sync(engine, topology, run) and topology.rank == 0:
         print("ds_megatron: SP-replicated gradients summed over TP once per step (fp32)", flush=True)
-    return Built(engine, topology, plan, rng, gpt_config, run)
+    return Built(engine, topology, parallel, rng, config, run)

@@ -1,4 +1,4 @@
-"""L3: analytic FLOPs (Narayanan et al. 2021; Korthikanti et al. 2022), for both model families.  Pure Python.
+"""L3: analytic FLOPs (Narayanan et al. 2021; Korthikanti et al. 2022), for every model family.  Pure Python.
 
 Matmul FLOPs only (2 per multiply-add; norms, rotary embedding, softmax and activation functions are left out);
 backward costs twice the forward.  Per layer forward, with kv = k d the width of K and V (k KV heads of d = h / a;
@@ -9,28 +9,28 @@ kv = h without grouped-query attention) and F the MLP width:
   attention shares K and V between query heads but still scores every query head), gate, up and down 3 x 2bshF
   = 4bsh^2 + 4bsh kv + 6bshF + 4bs^2h.
 Both count the full s x s scores (the causal half is not discounted, as in the paper).  The logits cost 2bshV
-whether the output layer is tied to the embedding or not.
+whether the output layer is tied to the embedding or not.  A family gives its MLP's h x F matrices (``mlp_matrices``).
 """
 
 from __future__ import annotations
 
-# Weight matrices of the MLP, each h x F: GPT's fc1 and fc2; Llama's gate, up and down (SwiGLU).
-MLP_MATRICES = {"gpt2": 2, "llama": 3}
+from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
 
 
 def _dense_per_h2(
     h: int, family: str, num_heads: int | None, num_kv_heads: int | None, intermediate_size: int | None
 ) -> float:
     """A layer's weight-matmul FLOPs per b s h^2 (24 for GPT: q, k, v, output projection and the MLP)."""
-    if family not in MLP_MATRICES:
-        raise ValueError(f"family must be one of {tuple(MLP_MATRICES)}, got {family!r}")
-    if family != "gpt2" and (num_heads is None or num_kv_heads is None or intermediate_size is None):
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
+    fam = FAMILIES[family]
+    if not fam.fixed_kv_and_width and (num_heads is None or num_kv_heads is None or intermediate_size is None):
         raise ValueError(f"the {family} family needs num_heads, num_kv_heads and intermediate_size")
     if num_kv_heads is not None and num_heads is None:
         raise ValueError("num_kv_heads needs num_heads (the KV width is num_kv_heads x h / num_heads)")
     kv = h if num_kv_heads is None else h // num_heads * num_kv_heads  # type: ignore[operator]
     ffn = 4 * h if intermediate_size is None else intermediate_size
-    return 2 * (2 * h + 2 * kv + MLP_MATRICES[family] * ffn) / h
+    return 2 * (2 * h + 2 * kv + fam.mlp_matrices * ffn) / h
 
 
 def layer_forward_flops(
@@ -38,7 +38,7 @@ def layer_forward_flops(
     s: int,
     h: int,
     *,
-    family: str = "gpt2",
+    family: str = DEFAULT_FAMILY,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
@@ -64,7 +64,7 @@ def model_flops_per_step(
     h: int,
     vocab: int,
     *,
-    family: str = "gpt2",
+    family: str = DEFAULT_FAMILY,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
@@ -84,7 +84,7 @@ def executed_flops_per_step(
     recompute: str = "none",
     recomputed_layers: int | None = None,
     *,
-    family: str = "gpt2",
+    family: str = DEFAULT_FAMILY,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
@@ -107,7 +107,7 @@ def block_fields(shape: object) -> dict:
     """The keyword arguments above from any shape with ``family``, ``num_heads``, ``num_kv_heads`` and
     ``intermediate_size`` attributes (``ds_megatron.config.ModelShape``)."""
     return {
-        "family": getattr(shape, "family", "gpt2"),
+        "family": getattr(shape, "family", DEFAULT_FAMILY),
         "num_heads": getattr(shape, "num_heads", None),
         "num_kv_heads": getattr(shape, "num_kv_heads", None),
         "intermediate_size": getattr(shape, "intermediate_size", None),

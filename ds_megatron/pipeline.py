@@ -4,15 +4,15 @@ Layers, in order (each built only on the stage that owns it, from full single-de
 then sharded by the family's plan), for GPT-2 / Llama:
 
     embedding        wte (tied) / embed_tokens (tied when the model ties)   ids [b, s] -> [s, b, h] ([s/t, b, h] SP)
-    gpt2 only        wpe + embedding dropout
-    blocks x L       GPTBlockPipe around the family's block                  [s(/t), b, h] -> same
+    positions        learned positions + embedding dropout (wpe; none with rotary positions)
+    blocks x L       BlockPipe around the family's block                     [s(/t), b, h] -> same
     final norm       ln_f / norm
     output layer     the tied embedding again (no file of its own), or Llama's untied lm_head  -> [s, b, V_pad/t]
     loss: vocab-parallel cross entropy against labels [b, s]
 
 Only fixed-shape hidden states cross stage boundaries; positions, rotary tables and the causal mask are made
-locally (the engine's boundary carries fixed-shape tensors only).  A tied embedding's gradient is summed over the
-first and last stage by DeepSpeed (``TiedLayerSpec``).
+locally.  DeepSpeed sums a tied embedding's gradient over the first and last stage (``TiedLayerSpec``).  Which
+module path each layer holds is the family's ``layout``.
 """
 
 from __future__ import annotations
@@ -23,51 +23,15 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
-from ds_megatron.model import ModelConfig, family_of
-from ds_megatron.model.gpt import TiedEmbedding
-from ds_megatron.model.llama import RMSNorm
-from ds_megatron.parallelize import (
-    ParallelPlan,
-    parallelize_block,
-    parallelize_module,
-)
+from ds_megatron.config.schema import RecomputeSection
+from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, ModelConfig, family_of
+from ds_megatron.model.family import LayoutTable
+from ds_megatron.model.layers import TiedEmbedding
+from ds_megatron.parallelize import ParallelContext, parallelize_block, parallelize_module, sp_dropout
 from ds_megatron.random import RNGTracker
-from ds_megatron.recompute import RecomputePlan, checkpoint
-from ds_megatron.tensor_parallel import ForkedDropout, vocab_parallel_cross_entropy
+from ds_megatron.recompute import checkpoint
+from ds_megatron.tensor_parallel import vocab_parallel_cross_entropy
 from ds_megatron.topology import ParallelTopology
-
-
-@dataclass(frozen=True)
-class LayoutTable:
-    """Where a family's parameters sit in the pipeline.  A slot is (module path in the full model, the attribute
-    the pipeline layer keeps it under): the full name of the layer's key ``<attr>.<leaf>`` is ``<path>.<leaf>``."""
-
-    embedding: tuple[str, str]
-    pre: tuple[tuple[str, str], ...]  # layers between the embedding and the blocks
-    blocks: str  # full names of block i start with "<blocks>.<i>."
-    post: tuple[tuple[str, str], ...]  # layers after the blocks (the final norm)
-    output: tuple[str, str]  # the untied output layer (unused when tied)
-    tied_key: str  # TiedLayerSpec key of the tied embedding
-
-
-LAYOUTS: dict[str, LayoutTable] = {
-    "gpt2": LayoutTable(
-        embedding=("transformer.wte", "wte"),
-        pre=(("transformer.wpe", "wpe"),),
-        blocks="transformer.h",
-        post=(("transformer.ln_f", "ln_f"),),
-        output=("transformer.wte", "wte"),
-        tied_key="wte",
-    ),
-    "llama": LayoutTable(
-        embedding=("model.embed_tokens", "embed_tokens"),
-        pre=(),
-        blocks="model.layers",
-        post=(("model.norm", "norm"),),
-        output=("lm_head", "lm_head"),
-        tied_key="embed_tokens",
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -85,7 +49,7 @@ class PipelineLayout:
     ``layer_<index>-model_<tp>-model_states.pt``, whose keys are the ``<key>`` part (``block.attn.c_attn.weight``)."""
 
     n_layer: int
-    family: str = "gpt2"
+    family: str = DEFAULT_FAMILY
     tied: bool = True
 
     @classmethod
@@ -94,15 +58,24 @@ class PipelineLayout:
 
     @property
     def table(self) -> LayoutTable:
-        return LAYOUTS[self.family]
+        return FAMILIES[self.family].layout
+
+    @property
+    def blocks(self) -> str:
+        return FAMILIES[self.family].blocks
+
+    @property
+    def pre(self) -> tuple[tuple[str, str], ...]:
+        """The layers between the embedding and the blocks (the learned position table, if any)."""
+        return (self.table.positions,) if self.table.positions else ()
 
     @property
     def first_block(self) -> int:
-        return 1 + len(self.table.pre)
+        return 1 + len(self.pre)
 
     @property
     def num_layers(self) -> int:
-        return self.first_block + self.n_layer + len(self.table.post) + 1
+        return self.first_block + self.n_layer + 2  # the final norm and the output layer
 
     @property
     def output_index(self) -> int:
@@ -111,9 +84,8 @@ class PipelineLayout:
     def _slots(self) -> list[tuple[int, tuple[str, str]]]:
         """(index, slot) of every non-block layer with a file of its own."""
         t = self.table
-        slots = [(0, t.embedding), *((1 + i, slot) for i, slot in enumerate(t.pre))]
-        after = self.first_block + self.n_layer
-        slots += [(after + i, slot) for i, slot in enumerate(t.post)]
+        slots = [(0, t.embedding), *((1 + i, slot) for i, slot in enumerate(self.pre))]
+        slots.append((self.first_block + self.n_layer, t.final_norm))
         if not self.tied:
             slots.append((self.output_index, t.output))
         return slots
@@ -122,12 +94,12 @@ class PipelineLayout:
         """(layer index, prefix) of every layer with a file of its own, in pipeline order: a key ``k`` of the
         layer's file is the parameter ``prefix + k.removeprefix("block.")`` (the tied output layer has no file)."""
         out = [(i, path[: len(path) - len(attr)]) for i, (path, attr) in self._slots()]
-        out += [(self.first_block + i, f"{self.table.blocks}.{i}.") for i in range(self.n_layer)]
+        out += [(self.first_block + i, f"{self.blocks}.{i}.") for i in range(self.n_layer)]
         return sorted(out)
 
     def index_of(self, full_name: str) -> int:
         """The (first) layer index holding parameter ``full_name``."""
-        blocks = self.table.blocks + "."
+        blocks = self.blocks + "."
         if full_name.startswith(blocks):
             return self.first_block + int(full_name[len(blocks) :].split(".")[0])
         for i, (path, _) in self._slots():
@@ -137,7 +109,7 @@ class PipelineLayout:
 
     def key_in_layer(self, full_name: str) -> str:
         """The key of ``full_name`` inside its layer's state file."""
-        blocks = self.table.blocks + "."
+        blocks = self.blocks + "."
         if full_name.startswith(blocks):
             return "block." + full_name[len(blocks) :].split(".", 1)[1]
         for _, (path, attr) in self._slots():
@@ -160,30 +132,32 @@ class PipelineLayout:
             return None
         i = int(idx)
         if self.first_block <= i < self.first_block + self.n_layer:
-            return f"{self.table.blocks}.{i - self.first_block}." + rest.removeprefix("block.")
+            return f"{self.blocks}.{i - self.first_block}." + rest.removeprefix("block.")
         for j, (path, attr) in self._slots():
             if i == j and rest.startswith(attr + "."):
                 return path + rest[len(attr) :]
         return None
 
 
-class EmbeddingPipe(nn.Module):
-    """Token embedding on the first stage; when tied, the same table is the output layer on the last stage.  The
-    attribute name is the family's (``wte`` / ``embed_tokens``), so checkpoint keys read like the model's."""
+def keep_slot(layer: nn.Module, slot: tuple[str, str], full: nn.Module, config: ModelConfig, seed, ctx) -> None:
+    """Initialise the full module at ``slot`` (its path in the model, the attribute the layer keeps it under) by
+    name, shard it by the plan and keep it as ``layer.<attr>``, so checkpoint keys read like the model's."""
+    path, layer.attr = slot
+    family_of(config).torch_side().init(full, config, seed, prefix=path + ".")
+    setattr(layer, layer.attr, parallelize_module(path, full, ctx))
 
-    def __init__(self, config: ModelConfig, plan: ParallelPlan, seed: int):
+
+class EmbeddingPipe(nn.Module):
+    """Token embedding on the first stage; when tied, the same table is the output layer on the last stage."""
+
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
-        path, self.attr = LAYOUTS[config.family].embedding
         full = TiedEmbedding(config.vocab_size, config.n_embd)
-        family_of(config).init(full, config, seed, prefix=path + ".")
-        setattr(self, self.attr, parallelize_module(path, full, plan))
+        keep_slot(self, family_of(config).layout.embedding, full, config, seed, ctx)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] -> [s, b, h] (SP: [s/t, b, h])."""
         return getattr(self, self.attr)(input_ids.t().contiguous())
-
-
-WordEmbeddingPipe = EmbeddingPipe  # the GPT-2 family's name for it
 
 
 def lm_head_forward(module: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
@@ -192,47 +166,43 @@ def lm_head_forward(module: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor
 
 
 class OutputPipe(nn.Module):
-    """Llama's untied output layer (``lm_head``), vocabulary-parallel: [s(/t), b, h] -> [s, b, V_pad/t]."""
+    """An untied output layer (Llama's ``lm_head``), vocabulary-parallel: [s(/t), b, h] -> [s, b, V_pad/t]."""
 
-    def __init__(self, config: ModelConfig, plan: ParallelPlan, seed: int):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
-        path, attr = LAYOUTS[config.family].output
         full = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        family_of(config).init(full, config, seed, prefix=path + ".")
-        self.lm_head = parallelize_module(path, full, plan)
-        assert attr == "lm_head"
+        keep_slot(self, family_of(config).layout.output, full, config, seed, ctx)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return getattr(self, self.attr)(hidden)
 
 
 class PositionEmbeddingPipe(nn.Module):
-    """GPT-2's learned positions and embedding dropout."""
+    """Learned positions (GPT-2's ``wpe``) and the embedding dropout after them."""
 
-    def __init__(self, config: ModelConfig, plan: ParallelPlan, seed: int):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
         full = nn.Embedding(config.n_positions, config.n_embd)
-        family_of(config).init(full, config, seed, prefix="transformer.wpe.")
-        self.wpe = parallelize_module("transformer.wpe", full, plan)
-        drop = nn.Dropout(config.embd_pdrop)
-        self.drop = ForkedDropout(drop.p, plan.tp_fork()) if plan.sp else drop
-        self.seq_factor = plan.tp_size if plan.sp else 1
+        keep_slot(self, family_of(config).layout.positions, full, config, seed, ctx)
+        self.drop = sp_dropout(nn.Dropout(config.embd_pdrop), ctx)
+        self.seq_factor = ctx.tp.size if ctx.sp else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = x.shape[0] * self.seq_factor
         pos = torch.arange(s, device=x.device)
-        return self.drop(x + self.wpe(pos).unsqueeze(1))
+        return self.drop(x + getattr(self, self.attr)(pos).unsqueeze(1))
 
 
-class GPTBlockPipe(nn.Module):
+class BlockPipe(nn.Module):
     """One transformer block of the config's family (the class name is what the pipeline partitioner balances)."""
 
-    def __init__(self, config: ModelConfig, plan: ParallelPlan, seed: int, layer_idx: int):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_idx: int):
         super().__init__()
         family = family_of(config)
-        block = family.block(config)
-        family.init(block, config, seed, prefix=f"{LAYOUTS[config.family].blocks}.{layer_idx}.")
-        self.block = parallelize_block(block, plan)
+        modeling = family.torch_side()
+        block = modeling.block(config)
+        modeling.init(block, config, seed, prefix=f"{family.block_prefix}{layer_idx}.")
+        self.block = parallelize_block(block, ctx)
         self.layer_idx = layer_idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,15 +212,10 @@ class GPTBlockPipe(nn.Module):
 class FinalNormPipe(nn.Module):
     """The final norm (GPT-2's ``ln_f`` LayerNorm, Llama's ``norm`` RMSNorm), under the family's attribute name."""
 
-    def __init__(self, config: ModelConfig, plan: ParallelPlan, seed: int):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
-        path, self.attr = LAYOUTS[config.family].post[0]
-        if config.family == "llama":
-            norm = RMSNorm(config.n_embd, config.rms_norm_eps)
-        else:
-            norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        family_of(config).init(norm, config, seed, prefix=path + ".")
-        setattr(self, self.attr, parallelize_module(path, norm, plan))
+        family = family_of(config)
+        keep_slot(self, family.layout.final_norm, family.torch_side().final_norm(config), config, seed, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.attr)(x)
@@ -259,9 +224,9 @@ class FinalNormPipe(nn.Module):
 class VocabParallelLoss:
     """Mean next-token loss over a micro-batch from vocabulary-parallel logits (full logits never gathered)."""
 
-    def __init__(self, plan: ParallelPlan):
-        self.tp_group = plan.tp_group
-        self.vocab_start = plan.tp_rank * (plan.padded_vocab_size // plan.tp_size)
+    def __init__(self, ctx: ParallelContext):
+        self.tp_group = ctx.tp.group
+        self.vocab_start = ctx.tp.rank * (ctx.padded_vocab_size // ctx.tp.size)
         self.__name__ = "vocab_parallel_cross_entropy"
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -269,40 +234,39 @@ class VocabParallelLoss:
         return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start).mean()
 
 
-def layer_specs(config: ModelConfig, plan: ParallelPlan, seed: int) -> list:
+def layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int) -> list:
     """The layers in the order of :class:`PipelineLayout`."""
     layout = PipelineLayout.of(config)
     key, attr = layout.table.tied_key, layout.table.embedding[1]
     if layout.tied:
-        specs: list = [TiedLayerSpec(key, EmbeddingPipe, config, plan, seed, tied_weight_attr=[f"{attr}.weight"])]
+        specs: list = [TiedLayerSpec(key, EmbeddingPipe, config, ctx, seed, tied_weight_attr=[f"{attr}.weight"])]
     else:
-        specs = [LayerSpec(EmbeddingPipe, config, plan, seed)]
-    if config.family == "gpt2":
-        specs.append(LayerSpec(PositionEmbeddingPipe, config, plan, seed))
-    specs += [LayerSpec(GPTBlockPipe, config, plan, seed, i) for i in range(config.n_layer)]
-    specs.append(LayerSpec(FinalNormPipe, config, plan, seed))
+        specs = [LayerSpec(EmbeddingPipe, config, ctx, seed)]
+    specs += [LayerSpec(PositionEmbeddingPipe, config, ctx, seed) for _ in layout.pre]
+    specs += [LayerSpec(BlockPipe, config, ctx, seed, i) for i in range(config.n_layer)]
+    specs.append(LayerSpec(FinalNormPipe, config, ctx, seed))
     if layout.tied:
         specs.append(
             TiedLayerSpec(
-                key, EmbeddingPipe, config, plan, seed, forward_fn=lm_head_forward, tied_weight_attr=[f"{attr}.weight"]
+                key, EmbeddingPipe, config, ctx, seed, forward_fn=lm_head_forward, tied_weight_attr=[f"{attr}.weight"]
             )
         )
     else:
-        specs.append(LayerSpec(OutputPipe, config, plan, seed))
+        specs.append(LayerSpec(OutputPipe, config, ctx, seed))
     assert len(specs) == layout.num_layers
     return specs
 
 
-class GPTPipelineModule(PipelineModule):
-    """PipelineModule whose forward applies full recompute to chunks of transformer blocks.
+class PipelineModel(PipelineModule):
+    """The model as a PipelineModule, whose forward applies full recompute to chunks of transformer blocks.
 
     DeepSpeed's own ``activation_checkpoint_interval`` counts every local layer (embeddings included) and so cannot
     express "chunks of k blocks" or "the first k blocks of the stage"; this forward does, with exact RNG replay.
     """
 
-    def __init__(self, *args, layout: PipelineLayout, recompute: RecomputePlan, rng: RNGTracker | None, **kwargs):
+    def __init__(self, *args, layout: PipelineLayout, recompute: RecomputeSection, rng: RNGTracker | None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.recompute_plan, self.rng = recompute, rng
+        self.recompute, self.rng = recompute, rng
         self.layout = layout
         self.segments = self._segments()
 
@@ -317,11 +281,11 @@ class GPTPipelineModule(PipelineModule):
     def _segments(self) -> list[tuple[int, int, bool]]:
         """(start, end, recomputed) ranges over this stage's forward_funcs."""
         funcs = self.forward_funcs
-        blocks = [i for i, f in enumerate(funcs) if isinstance(f, GPTBlockPipe)]
+        blocks = [i for i, f in enumerate(funcs) if isinstance(f, BlockPipe)]
         if not blocks:
             return [(0, len(funcs), False)] if funcs else []
         first, last = blocks[0], blocks[-1] + 1
-        segments = [(first + s, first + e, r) for s, e, r in self.recompute_plan.chunks(last - first)]
+        segments = [(first + s, first + e, r) for s, e, r in self.recompute.chunks(last - first)]
         if first > 0:
             segments.insert(0, (0, first, False))
         if last < len(funcs):
@@ -348,24 +312,24 @@ class GPTPipelineModule(PipelineModule):
 
 def build_pipeline_module(
     config: ModelConfig,
-    plan: ParallelPlan,
+    ctx: ParallelContext,
     topology: ParallelTopology,
     seed: int,
-    partition_method: str = "type:GPTBlockPipe",
-) -> GPTPipelineModule:
+    partition_method: str = "type:BlockPipe",
+) -> PipelineModel:
     """The model as a PipelineModule over ``topology`` (layers balanced by block count across stages)."""
-    return GPTPipelineModule(
-        layers=layer_specs(config, plan, seed),
+    return PipelineModel(
+        layers=layer_specs(config, ctx, seed),
         topology=topology.ds_topology,
-        loss_fn=VocabParallelLoss(plan),
+        loss_fn=VocabParallelLoss(ctx),
         partition_method=partition_method,
         activation_checkpoint_interval=0,
         layout=PipelineLayout.of(config),
-        recompute=plan.recompute,
-        rng=plan.rng,
+        recompute=ctx.recompute,
+        rng=ctx.rng,
     )
 
 
-def pipeline_param_name(module_name: str, module: GPTPipelineModule) -> str | None:
+def pipeline_param_name(module_name: str, module: PipelineModel) -> str | None:
     """Full (Hugging Face) name of a parameter of ``module`` (see :meth:`PipelineLayout.full_name`)."""
     return module.layout.full_name(module_name)

@@ -12,7 +12,8 @@ Policies (``recompute`` in the config):
                  the norm inputs, which the norms keep anyway (2h per token, split by SP).
   ``mlp_act`` and ``layernorm`` involve no randomness and work with every attention kernel.
 - ``full`` with ``num_layers`` k: ``uniform`` splits each stage's blocks into chunks of k and keeps only each chunk's
-  input; ``block`` recomputes the first k blocks of each stage (each keeps only its input) and stores the rest.
+  input; ``block`` recomputes the first k blocks of each stage (each keeps only its input) and stores the rest
+  (``config.RecomputeSection.chunks``).
 
 The checkpoint is a reentrant autograd Function: forward runs without a graph and saves only the inputs (so memory
 accounting with saved-tensor hooks sees exactly what is kept); backward restores every RNG state captured before
@@ -23,12 +24,9 @@ bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES
 from ds_megatron.random import RNGTracker
 
 
@@ -113,43 +111,3 @@ def discard_output(fn: Callable, inputs: tuple[torch.Tensor, ...], consumer: Cal
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return consumer(out)
-
-
-class RecomputedCoreAttention(nn.Module):
-    """Selective recompute: wraps a core-attention module (no parameters) so its s x s tensors are recomputed."""
-
-    def __init__(self, core: nn.Module, rng: RNGTracker | None):
-        super().__init__()
-        self.core = core
-        self.rng = rng
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.core, q, k, v, rng=self.rng)
-
-
-@dataclass(frozen=True)
-class RecomputePlan:
-    """Which blocks of a stage are recomputed and in which chunks."""
-
-    policy: str = "none"  # none | selective | full
-    num_layers: int = 1
-    method: str = "uniform"  # uniform | block
-    modules: tuple = ()  # selective: what it recomputes (empty: the core attention only)
-
-    @property
-    def selective_modules(self) -> tuple[str, ...]:
-        """The modules selective recompute applies to (none for the other policies)."""
-        if self.policy != "selective":
-            return ()
-        return tuple(self.modules) or DEFAULT_SELECTIVE_MODULES
-
-    def chunks(self, num_blocks: int) -> list[tuple[int, int, bool]]:
-        """Cover local blocks [0, num_blocks) with (start, end, recomputed) ranges, in order."""
-        if self.policy != "full" or num_blocks == 0:
-            return [(0, num_blocks, False)] if num_blocks else []
-        k = self.num_layers
-        if self.method == "uniform":
-            return [(s, min(s + k, num_blocks), True) for s in range(0, num_blocks, k)]
-        recomputed = [(i, i + 1, True) for i in range(min(k, num_blocks))]
-        rest = [(k, num_blocks, False)] if k < num_blocks else []
-        return recomputed + rest

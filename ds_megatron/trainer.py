@@ -88,7 +88,9 @@ class Trainer:
         topo = built.topology
         start_step, wandb_id, skipped = 0, None, 0
         if sec.checkpoint.load:
-            client = load_run(built.engine, sec.checkpoint.load, built.rng, built.plan, topo, run.ds_config, load_tag)
+            client = load_run(
+                built.engine, sec.checkpoint.load, built.rng, built.parallel, topo, run.ds_config, load_tag
+            )
             start_step, wandb_id, skipped = client.get("step", 0), client.get("wandb_run_id"), client.get("skipped", 0)
         log = sec.logging
         wandb_run = None

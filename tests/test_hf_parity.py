@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from ds_megatron.checkpoint.keymap import from_hf_state_dict, to_hf_state_dict
-from ds_megatron.model import GPT, GPTConfig
+from ds_megatron.model.gpt2.model import GPT, GPTConfig, from_hf_state_dict, to_hf_state_dict
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 import ds_megatron.tensor_parallel as tpl
-from ds_megatron.parallelize import ParallelPlan
+from ds_megatron.parallelize import ParallelContext
 
 S, B, H, FFN = 8, 2, 16, 32  # s divisible by every tp below, so each SP shard has s/t rows
 WORLD_SIZES = (1, 2, 4)
@@ -62,8 +62,12 @@ def ce(logits: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
 
 
+def tp_group(c: Ctx) -> tpl.TPGroup:
+    return tpl.TPGroup(c.group, c.rank, c.t)
+
+
 def padded(vocab: int, c: Ctx) -> int:
-    return tpl.padded_vocab_size(vocab, c.t, ParallelPlan.vocab_multiple)
+    return tpl.padded_vocab_size(vocab, c.t, ParallelContext.vocab_multiple)
 
 
 def pad_rows(x: Tensor, rows: int, value: float = 0.0) -> Tensor:
@@ -86,7 +90,7 @@ def check_column(c: Ctx, sp: bool, fused: int = 1, gather: bool = False) -> Pair
     ref = nn.Linear(H, FFN * fused)
     x, gy = torch.randn(S, B, H, requires_grad=True), torch.randn(S, B, FFN * fused)
     y_ref = run(ref, x, gy)
-    layer = tpl.ColumnParallelLinear.from_dense(ref, tpl.ShardRule(dim=0, fused=fused), c.group, c.rank, c.t, sp)
+    layer = tpl.ColumnParallelLinear(ref, tpl.ShardRule(dim=0, fused=fused), tp_group(c), sp)
     x_in = leaf(seq_part(x, c, sp))
     y = layer(x_in)
     if gather:  # the layer always leaves its output split; gather_last_dim is how a caller gets the full one
@@ -108,7 +112,7 @@ def check_row(c: Ctx, sp: bool) -> Pairs:
     ref = nn.Linear(FFN, H)
     x, gy = torch.randn(S, B, FFN, requires_grad=True), torch.randn(S, B, H)
     y_ref = run(ref, x, gy)
-    layer = tpl.RowParallelLinear.from_dense(ref, c.group, c.rank, c.t, sp)
+    layer = tpl.RowParallelLinear(ref, tp_group(c), sp)
     x_in = leaf(part(x, -1, c))
     y = run(layer, x_in, seq_part(gy, c, sp))
     return [
@@ -123,7 +127,7 @@ def check_row(c: Ctx, sp: bool) -> Pairs:
 def check_embedding(c: Ctx, sp: bool, vocab: int) -> Pairs:
     ref, ids, gy = nn.Embedding(vocab, H), token_ids(c, vocab), torch.randn(S, B, H)
     out_ref = run(ref, ids, gy)
-    layer = tpl.VocabParallelEmbedding.from_dense(ref, padded(vocab, c), c.group, c.rank, c.t, sp)
+    layer = tpl.VocabParallelEmbedding(ref, padded(vocab, c), tp_group(c), sp)
     out = run(layer, ids, seq_part(gy, c, sp))
     return [
         ("output", out, seq_part(out_ref, c, sp)),
@@ -139,7 +143,7 @@ def check_tied_logits_ce(c: Ctx, sp: bool, vocab: int) -> Pairs:
     logits_ref = x @ ref.weight.t()
     logits_ref.retain_grad()
     loss_ref = run(partial(ce, target=target), logits_ref, gl)
-    layer = tpl.VocabParallelEmbedding.from_dense(ref, padded(vocab, c), c.group, c.rank, c.t, sp)
+    layer = tpl.VocabParallelEmbedding(ref, padded(vocab, c), tp_group(c), sp)
     x_in = leaf(seq_part(x, c, sp))
     logits = layer.logits(x_in)
     logits.retain_grad()
@@ -181,7 +185,7 @@ def check_sp_layernorm(c: Ctx) -> Pairs:
     x, gy = torch.randn(S, B, H, requires_grad=True), torch.randn(S, B, H)
     y_ref = run(ref, x, gy)
     x_in = leaf(part(x, 0, c))
-    layer = tpl.SequenceParallelLayerNorm(ref, c.group)
+    layer = tpl.SequenceParallelLayerNorm(ref, tp_group(c))
     y = run(layer, x_in, part(gy, 0, c))
     return [
         ("output", y, part(y_ref, 0, c)),
@@ -194,7 +198,7 @@ def check_sp_layernorm(c: Ctx) -> Pairs:
 def check_sp_position_embedding(c: Ctx) -> Pairs:
     ref, gy = nn.Embedding(S, H), torch.randn(S, H)
     out_ref = run(ref, torch.arange(S), gy)
-    layer = tpl.SequenceShardedPositionEmbedding(ref.weight.data.clone(), c.group, c.rank, c.t)
+    layer = tpl.SequenceShardedPositionEmbedding(ref.weight.data.clone(), tp_group(c))
     out = run(layer, torch.arange(S), part(gy, 0, c))
     return [("output", out, part(out_ref, 0, c)), ("weight grad (summed over TP)", layer.weight.grad, ref.weight.grad)]
 

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from ds_megatron.config import ConfigError, resolve, resolve_shape
 from ds_megatron.config.schema import ModelSection
-from ds_megatron.model import Llama, LlamaConfig, build_model, model_config
-from ds_megatron.model.llama import RMSNormFunction, SwiGLUFunction
+from ds_megatron.model import LlamaConfig, build_model, model_config
+from ds_megatron.model.layers import RMSNormFunction
+from ds_megatron.model.llama.model import Llama, SwiGLUFunction
 
 SCALING = (
     ("factor", 8.0),

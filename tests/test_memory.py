@@ -52,15 +52,16 @@ def test_one_block_stores_what_the_formula_counts(dtype, recompute):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from activation_memory import DTYPES, measure, probe_mask_bytes
 
-    from ds_megatron.model import GPTBlock, GPTConfig, init_module
-    from ds_megatron.parallelize import ParallelPlan, parallelize_block
+    from ds_megatron.config.schema import RecomputeSection
+    from ds_megatron.model.gpt2.model import GPTBlock, GPTConfig, init_module
+    from ds_megatron.parallelize import ParallelContext, parallelize_block
     from ds_megatron.random import build_rng
-    from ds_megatron.recompute import RecomputePlan
+    from ds_megatron.tensor_parallel import TPGroup
 
     s, b, h, a = 128, 2, 64, 4
     config = GPTConfig(vocab_size=128, n_positions=s, n_embd=h, n_layer=1, n_head=a)
     rng = build_rng(1234, 0, 0, 0)
-    plan = ParallelPlan(config, None, 0, 1, False, rng, recompute=RecomputePlan(recompute))
+    plan = ParallelContext(config, TPGroup(), False, rng, recompute=RecomputeSection(recompute))
     block = GPTBlock(config)
     init_module(block, config, 1234, prefix="transformer.h.0.")
     block = parallelize_block(block, plan).to(DTYPES[dtype]).train()
@@ -145,17 +146,18 @@ def test_one_sdpa_block_stores_what_the_formula_counts(dtype, attn_dropout):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from activation_memory import DTYPES, measure, probe_mask_bytes
 
-    from ds_megatron.model import GPTBlock, GPTConfig, init_module
-    from ds_megatron.parallelize import ParallelPlan, parallelize_block
+    from ds_megatron.config.schema import RecomputeSection
+    from ds_megatron.model.gpt2.model import GPTBlock, GPTConfig, init_module
+    from ds_megatron.parallelize import ParallelContext, parallelize_block
     from ds_megatron.random import build_rng
-    from ds_megatron.recompute import RecomputePlan
+    from ds_megatron.tensor_parallel import TPGroup
 
     s, b, h, a = 128, 2, 64, 4
     config = GPTConfig(
         vocab_size=128, n_positions=s, n_embd=h, n_layer=1, n_head=a, attention="sdpa", attn_pdrop=attn_dropout
     )
     rng = build_rng(1234, 0, 0, 0)
-    plan = ParallelPlan(config, None, 0, 1, False, rng, recompute=RecomputePlan("none"))
+    plan = ParallelContext(config, TPGroup(), False, rng, recompute=RecomputeSection("none"))
     block = GPTBlock(config)
     init_module(block, config, 1234, prefix="transformer.h.0.")
     block = parallelize_block(block, plan).to(DTYPES[dtype]).train()
@@ -273,11 +275,11 @@ def test_one_llama_block_stores_what_the_formula_counts(dtype, attention, dropou
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from activation_memory import DTYPES, measure, probe_mask_bytes
 
-    from ds_megatron.model import LlamaBlock, LlamaConfig
-    from ds_megatron.model.llama import init_llama_module
-    from ds_megatron.parallelize import ParallelPlan, parallelize_block
+    from ds_megatron.config.schema import RecomputeSection
+    from ds_megatron.model.llama.model import LlamaBlock, LlamaConfig, init_llama_module
+    from ds_megatron.parallelize import ParallelContext, parallelize_block
     from ds_megatron.random import build_rng
-    from ds_megatron.recompute import RecomputePlan
+    from ds_megatron.tensor_parallel import TPGroup
 
     s, b, h, a, k, f = 128, 2, 64, 4, 2, 176
     config = LlamaConfig(
@@ -293,7 +295,7 @@ def test_one_llama_block_stores_what_the_formula_counts(dtype, attention, dropou
         attention=attention,
     )
     rng = build_rng(1234, 0, 0, 0)
-    plan = ParallelPlan(config, None, 0, 1, False, rng, recompute=RecomputePlan(recompute))
+    plan = ParallelContext(config, TPGroup(), False, rng, recompute=RecomputeSection(recompute))
     block = LlamaBlock(config)
     init_llama_module(block, config, 1234, prefix="model.layers.0.")
     block = parallelize_block(block, plan).to(DTYPES[dtype]).train()
@@ -339,11 +341,12 @@ MODULE_CASES = [  # (family, attention, modules)
 
 def _block(family: str, attention: str, modules: tuple, dtype, seed: int = 1234):
     """One block of ``family`` (dropout 0.1 where the family has it) with selective recompute of ``modules``."""
-    from ds_megatron.model import GPTBlock, GPTConfig, LlamaBlock, LlamaConfig, init_module
-    from ds_megatron.model.llama import init_llama_module
-    from ds_megatron.parallelize import ParallelPlan, parallelize_block
+    from ds_megatron.config.schema import RecomputeSection
+    from ds_megatron.model.gpt2.model import GPTBlock, GPTConfig, init_module
+    from ds_megatron.model.llama.model import LlamaBlock, LlamaConfig, init_llama_module
+    from ds_megatron.parallelize import ParallelContext, parallelize_block
     from ds_megatron.random import build_rng
-    from ds_megatron.recompute import RecomputePlan
+    from ds_megatron.tensor_parallel import TPGroup
 
     s, h, a = 128, 64, 4
     if family == "gpt2":
@@ -357,8 +360,8 @@ def _block(family: str, attention: str, modules: tuple, dtype, seed: int = 1234)
         block, init, prefix = LlamaBlock(config), init_llama_module, "model.layers.0."
     init(block, config, seed, prefix=prefix)
     rng = build_rng(seed, 0, 0, 0)
-    recompute = RecomputePlan("selective", modules=modules) if modules else RecomputePlan("none")
-    plan = ParallelPlan(config, None, 0, 1, False, rng, recompute=recompute)
+    recompute = RecomputeSection("selective", modules=modules) if modules else RecomputeSection("none")
+    plan = ParallelContext(config, TPGroup(), False, rng, recompute=recompute)
     return parallelize_block(block, plan).to(dtype).train(), config, rng
 
 

@@ -9,7 +9,7 @@ import pytest
 from launch import WORKERS, deepspeed_launch
 
 from ds_megatron.config import ConfigError, resolve
-from ds_megatron.recompute import RecomputePlan
+from ds_megatron.config.schema import RecomputeSection
 
 
 @pytest.mark.slow
@@ -30,11 +30,23 @@ def test_recompute_replays_dropout_exactly(tmp_path, sp):
 
 
 def test_chunks():
-    assert RecomputePlan("none").chunks(4) == [(0, 4, False)]
-    assert RecomputePlan("selective").chunks(3) == [(0, 3, False)]
-    assert RecomputePlan("full", 2, "uniform").chunks(5) == [(0, 2, True), (2, 4, True), (4, 5, True)]
-    assert RecomputePlan("full", 2, "block").chunks(5) == [(0, 1, True), (1, 2, True), (2, 5, False)]
-    assert RecomputePlan("full", 3, "block").chunks(3) == [(0, 1, True), (1, 2, True), (2, 3, True)]
+    assert RecomputeSection("none").chunks(4) == [(0, 4, False)]
+    assert RecomputeSection("selective").chunks(3) == [(0, 3, False)]
+    assert RecomputeSection("full", num_layers=2, method="uniform").chunks(5) == [
+        (0, 2, True),
+        (2, 4, True),
+        (4, 5, True),
+    ]
+    assert RecomputeSection("full", num_layers=2, method="block").chunks(5) == [
+        (0, 1, True),
+        (1, 2, True),
+        (2, 5, False),
+    ]
+    assert RecomputeSection("full", num_layers=3, method="block").chunks(3) == [
+        (0, 1, True),
+        (1, 2, True),
+        (2, 3, True),
+    ]
 
 
 def _cfg(**recompute):
@@ -72,7 +84,7 @@ def test_full_recompute_replays_dropout_for_both_attention_kernels(kernel):
     gradients with recompute equal those without, bit for bit, with dropout 0.1 everywhere."""
     import torch
 
-    from ds_megatron.model import GPTBlock, GPTConfig, init_module
+    from ds_megatron.model.gpt2.model import GPTBlock, GPTConfig, init_module
     from ds_megatron.random import build_rng
     from ds_megatron.recompute import checkpoint
 

@@ -58,6 +58,12 @@ def seal(tag: Path) -> None:
 BAD = [
     ("invalid json", None, "--deepspeed_config", "invalid JSON"),
     (
+        "partition by an old block class name",
+        ["--set", "ds_megatron.parallel.partition_method=type:GPTBlockPipe"],
+        "ds_megatron.parallel.partition_method",
+        "matches no transformer block",
+    ),
+    (
         "unknown key",
         ["--set", "ds_megatron.model.hiden_size=64"],
         "ds_megatron.model.hiden_size",

@@ -19,7 +19,7 @@ import torch
 
 from ds_megatron.checkpoint import reshard_offline
 from ds_megatron.checkpoint.export import iter_full_parameters
-from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_plan
+from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_context
 from ds_megatron.checkpoint.reshard import OldCheckpoint
 from ds_megatron.config import load_json, resolve
 from ds_megatron.model import build_model
@@ -54,12 +54,12 @@ class _FullState:
 
     def __init__(self, ds_config: dict, tag_dir: pathlib.Path, bf16: bool):
         self.run = resolve(ds_config, 4)
-        self.gpt = run_model_config(self.run)
-        self.layout = pipeline_layout(self.gpt)
+        self.model_config = run_model_config(self.run)
+        self.layout = pipeline_layout(self.model_config)
         self.root, self.tag, self.trust = tag_dir.parent, tag_dir.name, False
         g = torch.Generator().manual_seed(0)
         with torch.device("meta"):
-            shapes = {n: p.shape for n, p in build_model(self.gpt).named_parameters()}
+            shapes = {n: p.shape for n, p in build_model(self.model_config).named_parameters()}
         self.weights = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
         self.moments = {
             n: {k: torch.rand(s, generator=g) for k in ("exp_avg", "exp_avg_sq")} for n, s in shapes.items()
@@ -143,11 +143,11 @@ def test_reshard_to_less_and_more_vocabulary_padding_keeps_weights_and_moments(t
             shards = [ck.layer_file(idx, r)[key] for r in range(tp)]
             assert all(s.shape[0] == rows // tp for s in shards), (out, param, [s.shape for s in shards])
             assert torch.count_nonzero(torch.cat(shards)[VOCAB:]) == 0
-        exported = dict(iter_full_parameters(tmp_path / out / TAG, ck.gpt, ck.plan, tp))
+        exported = dict(iter_full_parameters(tmp_path / out / TAG, ck.model_config, ck.parallel, tp))
         assert all(torch.equal(exported[p], full.weights[p]) for p in vocab)
     # what the on-load path does with each parameter: merge at the old tp, cut with the new layout's rule
     for tp in (1, 4):
-        plan = shard_plan(source.gpt, source.run, tp)
+        plan = shard_context(source.model_config, source.run, tp)
         for param in vocab:
             rule = shard_rule(param, plan)
             merged = source.full_weight(param)

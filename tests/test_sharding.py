@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from ds_megatron.model import GPTConfig
-from ds_megatron.parallelize import ParallelPlan, shard_rule
-from ds_megatron.tensor_parallel import ShardRule, padded_vocab_size, shard, unshard
+from ds_megatron.parallelize import ParallelContext, shard_rule
+from ds_megatron.tensor_parallel import ShardRule, TPGroup, padded_vocab_size, shard, unshard
 
 
 def test_padded_vocab_size():
@@ -31,7 +31,7 @@ def test_qkv_shard_takes_the_same_heads_of_q_k_and_v():
 
 
 def test_round_trip_every_rule():
-    plan = ParallelPlan(GPTConfig(vocab_size=1001, n_embd=16, n_head=4, n_layer=1), None, 0, 4, False, None)
+    plan = ParallelContext(GPTConfig(vocab_size=1001, n_embd=16, n_head=4, n_layer=1), TPGroup(size=4), False, None)
     shapes = {
         "transformer.h.0.attn.c_attn.weight": (48, 16),
         "transformer.h.0.attn.c_attn.bias": (48,),
@@ -55,8 +55,10 @@ def test_round_trip_every_rule():
 def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
     """Every parameter of the single-device GPT has a row in the plan table, and the module swap builds each row's
     style (so layers, checkpoints and export read one table)."""
-    from ds_megatron.model import GPT, GPTConfig
-    from ds_megatron.parallelize import COLUMN, GPT2_PLAN, NORM, ROW, VOCAB, ParallelPlan, parallelize_gpt, plan_row
+    from ds_megatron.model.family import COLUMN, NORM, ROW, VOCAB
+    from ds_megatron.model.gpt2 import PLAN as GPT2_PLAN
+    from ds_megatron.model.gpt2.model import GPT, GPTConfig
+    from ds_megatron.parallelize import ParallelContext, parallelize_model, plan_row
     from ds_megatron.tensor_parallel import (
         ColumnParallelLinear,
         RowParallelLinear,
@@ -67,7 +69,7 @@ def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
     config = GPTConfig(vocab_size=1001, n_positions=16, n_embd=32, n_layer=2, n_head=4)
     model = GPT(config)
     assert all(plan_row(name) is not None for name, _ in model.named_parameters())
-    parallelize_gpt(model, ParallelPlan(config, None, 0, 1, True, None))
+    parallelize_model(model, ParallelContext(config, TPGroup(), True, None))
     expected = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear, VOCAB: VocabParallelEmbedding}
     for row in GPT2_PLAN:
         paths = [row.path] if row.path.startswith("transformer.") else [f"transformer.h.{i}.{row.path}" for i in (0, 1)]
@@ -77,3 +79,60 @@ def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
                 assert isinstance(module, expected[row.style]), (path, type(module))
             elif row.style == NORM:  # tp 1: SP is a no-op, the LayerNorm stays as it is
                 assert isinstance(module, torch.nn.LayerNorm) and not isinstance(module, SequenceParallelLayerNorm)
+
+
+def _attributes(module: torch.nn.Module) -> dict[str, dict]:
+    """Every submodule's plain (non-module, non-parameter) attributes, by path."""
+    return {path: {k: v for k, v in vars(m).items() if not k.startswith("_")} for path, m in module.named_modules()}
+
+
+def test_parallelism_reaches_a_block_only_through_its_hooks_and_the_plan_swaps():
+    """parallelize_block swaps the plan's modules and sets one attribute, the block's ``hooks``: no other module of
+    the block gains or changes an attribute (its forward reads every parallel choice off ``BlockHooks``)."""
+    from ds_megatron.config.schema import RecomputeSection
+    from ds_megatron.model.gpt2.model import GPTBlock
+    from ds_megatron.model.layers import SINGLE_DEVICE
+    from ds_megatron.model.llama.model import LlamaBlock, LlamaConfig
+    from ds_megatron.parallelize import parallelize_block
+    from ds_megatron.random import build_rng
+
+    everything = RecomputeSection("selective", modules=("core_attn", "mlp_act", "layernorm"))
+    configs = (
+        GPTConfig(vocab_size=128, n_positions=16, n_embd=32, n_layer=1, n_head=4),
+        LlamaConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64),
+    )
+    for block_class, config in zip((GPTBlock, LlamaBlock), configs):
+        block = block_class(config)
+        assert block.hooks is SINGLE_DEVICE
+        before = _attributes(block)
+        ctx = ParallelContext(config, TPGroup(), False, build_rng(1, 0, 0, 0), recompute=everything)
+        parallelize_block(block, ctx)
+        after = _attributes(block)
+        for row in ctx.family.block_rows:  # the plan's swapped modules are new modules
+            before.pop(row.path), after.pop(row.path)
+        assert after[""].pop("hooks") is not SINGLE_DEVICE and before[""].pop("hooks") is SINGLE_DEVICE
+        assert after == before, block_class
+
+
+def test_every_sp_replicated_parameter_is_held_by_a_layer_the_engine_can_switch():
+    """Under SP the layers holding SP-replicated parameters (norms, row-parallel biases, the position table) are
+    SPReplicatedGrads: ``defer_sp_grad_sync`` turns off each one's per-micro-batch sum, and no other module holds
+    such a parameter."""
+    from ds_megatron.model import LlamaConfig, build_model
+    from ds_megatron.parallelize import parallelize_model
+    from ds_megatron.tensor_parallel import SPReplicatedGrads, defer_sp_grad_sync
+
+    configs = (
+        GPTConfig(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4),
+        LlamaConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
+    )
+    for config in configs:
+        model = parallelize_model(build_model(config), ParallelContext(config, TPGroup(None, 0, 2), True, None))
+        holders = [
+            m
+            for m in model.modules()
+            if any(getattr(p, "sequence_parallel_replicated", False) for p in m.parameters(recurse=False))
+        ]
+        assert holders and all(isinstance(m, SPReplicatedGrads) and m.sync_grads_in_backward for m in holders)
+        defer_sp_grad_sync(model)
+        assert not any(getattr(m, "sync_grads_in_backward", False) for m in model.modules())

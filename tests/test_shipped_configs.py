@@ -18,8 +18,8 @@ from miniature import code_path_key, miniature
 
 from ds_megatron.config import resolve
 from ds_megatron.config.schedule import WarmupCosine, warmup_cosine_from
-from ds_megatron.model import model_config
-from ds_megatron.parallelize import NORM, PLANS
+from ds_megatron.model import FAMILIES, model_config
+from ds_megatron.model.family import NORM
 from ds_megatron.pipeline import PipelineLayout
 
 
@@ -163,8 +163,8 @@ def test_export_from_the_masters_loads_in_transformers(mini_run, tmp_path):
     # plan and layout tables
     config = model_config(resolve(cfg, nprocs).model)
     layout = PipelineLayout.of(config)
-    norm = next(r.path for r in PLANS[config.family].block_rows if r.style == NORM)
-    name = f"{layout.table.blocks}.0.{norm}.weight"
+    norm = next(r.path for r in FAMILIES[config.family].block_rows if r.style == NORM)
+    name = f"{layout.blocks}.0.{norm}.weight"
     layer = work / "final" / "step00000003" / f"layer_{layout.index_of(name):02d}-model_00-model_states.pt"
     master, copy16 = exported[name], torch.load(layer, weights_only=True)[layout.key_in_layer(name)]
     assert master.dtype == torch.float32

@@ -379,9 +379,10 @@ def test_cli_runs_without_torch_or_deepspeed():
 
 def test_tune_imports_only_config_memory_flops_and_the_stdlib():
     # and the checkpoint manifest (standard library only: which tag of a run is complete, and its config), which the
-    # inference half reads a trained model's shape from
+    # inference half reads a trained model's shape from, and the family registry and records (standard library only:
+    # tests/test_layering.py), which hold each family's terms
     allowed = {"ds_megatron.config", "ds_megatron.memory", "ds_megatron.flops", "ds_megatron.tune"}
-    allowed.add("ds_megatron.checkpoint.manifest")
+    allowed |= {"ds_megatron.checkpoint.manifest", "ds_megatron.model"}
     for path in (ROOT / "ds_megatron" / "tune").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
@@ -401,7 +402,7 @@ def test_tune_imports_only_config_memory_flops_and_the_stdlib():
 
 
 def _gpt(model: ModelShape):
-    from ds_megatron.model import GPT, GPTConfig
+    from ds_megatron.model.gpt2.model import GPT, GPTConfig
 
     cfg = GPTConfig(
         vocab_size=model.vocab_size,
@@ -429,12 +430,13 @@ def test_param_count_equals_the_real_gpt(shape):
 def test_stage_param_counts_follow_the_shard_rules(tp):
     """pp 2 over 4 blocks: stage 0 = wte, wpe, h.0, h.1; stage 1 = h.2, h.3, ln_f, tied wte.  Each parameter's
     size on TP rank 0 comes from the project's own shard rules."""
-    from ds_megatron.parallelize import ParallelPlan, shard_rule
+    from ds_megatron.parallelize import ParallelContext, shard_rule
+    from ds_megatron.tensor_parallel import TPGroup
     from ds_megatron.tensor_parallel.sharding import shard
 
     model = build_model_shape(None, 4, 64, 4, 257, 32)
     gpt, cfg = _gpt(model)
-    plan = ParallelPlan(cfg, None, 0, tp, False, None)
+    plan = ParallelContext(cfg, TPGroup(size=tp), False, None)
     local = {name: shard(p.data, shard_rule(name, plan), 0, tp).numel() for name, p in gpt.named_parameters()}
     first_names = ("transformer.wte.", "transformer.wpe.", "transformer.h.0.", "transformer.h.1.")
     last_names = ("transformer.h.2.", "transformer.h.3.", "transformer.ln_f.", "transformer.wte.")
@@ -453,7 +455,7 @@ def test_measured_block_activations_match_the_fp32_prediction():
     tuner's per-layer prediction with 4-byte activations and the mask size this torch saves."""
     import torch
 
-    from ds_megatron.model import GPTBlock, GPTConfig
+    from ds_megatron.model.gpt2.model import GPTBlock, GPTConfig
 
     s, b, h, a = 128, 2, 128, 4
     mask_sizes: list[int] = []

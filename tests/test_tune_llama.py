@@ -57,8 +57,9 @@ def test_parameter_counts_are_the_published_totals():
 def test_parameter_counts_equal_the_real_model_and_its_shard_rules(tied):
     """Total = the single-device Llama; at tp 2, pp 2 over 4 blocks each stage's count on TP rank 0 comes from the
     plan's shard rules (stage 0: embed_tokens, layers 0-1; stage 1: layers 2-3, norm, lm_head or the tied copy)."""
-    from ds_megatron.model import Llama, LlamaConfig
-    from ds_megatron.parallelize import ParallelPlan, shard_rule
+    from ds_megatron.model.llama.model import Llama, LlamaConfig
+    from ds_megatron.parallelize import ParallelContext, shard_rule
+    from ds_megatron.tensor_parallel import TPGroup
     from ds_megatron.tensor_parallel.sharding import shard
 
     model = build_model_shape(
@@ -76,7 +77,7 @@ def test_parameter_counts_equal_the_real_model_and_its_shard_rules(tied):
     )
     llama = Llama(cfg)
     assert params(model) == sum(p.numel() for p in llama.parameters())
-    plan = ParallelPlan(cfg, None, 0, 2, False, None)
+    plan = ParallelContext(cfg, TPGroup(size=2), False, None)
     local = {name: shard(p.data, shard_rule(name, plan), 0, 2).numel() for name, p in llama.named_parameters()}
     first = sum(
         n for name, n in local.items() if name.startswith(("model.embed_tokens.", "model.layers.0.", "model.layers.1."))

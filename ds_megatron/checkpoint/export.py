@@ -4,12 +4,12 @@
 Reads the pipeline's per-layer files (``layer_<i>-model_<tp>-model_states.pt``, written once per TP rank by DP rank
 0), merges each parameter's TP shards with its shard rule from ``parallelize.shard_rule`` (fused QKV by heads,
 column-parallel on the output dim, row-parallel on the input dim, vocabulary blocks with the padding stripped),
-checks that replicated parameters agree across TP ranks, maps the names through ``keymap.to_hf_state_dict`` and
-writes safetensors shards (plus ``model.safetensors.index.json`` when there is more than one), ``config.json``,
-``generation_config.json`` and the tokenizer.  It streams layer by layer: at most one output shard and one layer's
-TP shards are in memory at a time.  Every file of the tag is checked against its manifest's sha256 before any is
-read.  Everything is written to a temporary directory (``<out>.partial-*``) renamed at the end and removed on any
-failure, so a failed export leaves nothing.
+checks that replicated parameters agree across TP ranks, transposes the weights transformers stores [in, out] (the
+family's ``hf_transposed``) and writes safetensors shards (plus ``model.safetensors.index.json`` when there is more
+than one), ``config.json``, ``generation_config.json`` and the tokenizer.  It streams layer by layer: at most one
+output shard and one layer's TP shards are in memory at a time.  Every file of the tag is checked against its
+manifest's sha256 before any is read.  Everything is written to a temporary directory (``<out>.partial-*``) renamed
+at the end and removed on any failure, so a failed export leaves nothing.
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ from pathlib import Path
 import torch
 
 from ds_megatron.checkpoint import safe_load
-from ds_megatron.checkpoint.keymap import TIED_HEAD, is_conv1d
-from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_plan
+from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_context
 from ds_megatron.checkpoint.manifest import complete_tags, is_complete, newest_complete_tag, verify_tag
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import saved_layout
 from ds_megatron.fileio import first_missing_ancestor
-from ds_megatron.model import ModelConfig, build_model
-from ds_megatron.parallelize import ParallelPlan, shard_rule
+from ds_megatron.model import ModelConfig, build_model, family_of
+from ds_megatron.parallelize import ParallelContext, shard_rule
 from ds_megatron.tensor_parallel import unshard
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,16 +66,16 @@ def read_checkpoint_config(ckpt_dir: Path, tag: str | None, trust: bool = False)
 
 
 def iter_full_parameters(
-    ckpt: Path, gpt: ModelConfig, plan: ParallelPlan, tp: int, trust: bool = False
+    ckpt: Path, config: ModelConfig, parallel: ParallelContext, tp: int, trust: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(full GPT name, merged tensor) for every parameter, one pipeline layer at a time.
 
     A mixed-precision checkpoint yields its fp32 master weights (``masters.py``), not the 16-bit copies of the
     per-layer files: those are the weights training continues from, and a 16-bit export is a rounding of them.
     Files are read weights-only unless ``trust`` (``safe_load``)."""
-    masters = MasterWeights.open(ckpt, tp, pipeline_layout(gpt), trust=trust)
+    masters = MasterWeights.open(ckpt, tp, pipeline_layout(config), trust=trust)
     stage = 0
-    for idx, prefix in pipeline_layout(gpt).saved_layers():
+    for idx, prefix in pipeline_layout(config).saved_layers():
         shards = []
         for rank in range(tp):
             f = ckpt / f"layer_{idx:02d}-model_{rank:02d}-model_states.pt"
@@ -93,7 +92,7 @@ def iter_full_parameters(
         for local in shards[0]:
             name = prefix + local.removeprefix("block.")
             parts = [s[local] for s in shards]
-            rule = shard_rule(name, plan)
+            rule = shard_rule(name, parallel)
             if rule.replicated:
                 for r, p in enumerate(parts[1:], start=1):
                     if not torch.equal(p, parts[0]):
@@ -121,9 +120,6 @@ def _stage_holding(masters: MasterWeights, idx: int, key: str, start: int, layer
     return stage
 
 
-HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-
-
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's full shape, read off the single-device model built on the meta device (no memory)."""
     with torch.device("meta"):
@@ -149,15 +145,15 @@ def export(
     tag, ds_config = read_checkpoint_config(ckpt_dir, tag, trust_checkpoint)
     tp, pp, dp = saved_layout(ds_config)
     run = resolve(ds_config, tp * pp * dp)
-    gpt = run_model_config(run)
-    plan = shard_plan(gpt, run, tp)
+    config = run_model_config(run)
+    parallel = shard_context(config, run, tp)
     limit = parse_size(max_shard_size)
     created = first_missing_ancestor(out.parent)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.partial-", dir=out.parent))
-    bar = _bar(len(pipeline_layout(gpt).saved_layers()), progress)
+    bar = _bar(len(pipeline_layout(config).saved_layers()), progress)
     try:
-        _write_hf_dir(tmp, ckpt_dir, tag, gpt, plan, tp, run, dtype, limit, tokenizer_dir, trust_checkpoint, bar)
+        _write_hf_dir(tmp, ckpt_dir, tag, config, parallel, tp, run, dtype, limit, tokenizer_dir, trust_checkpoint, bar)
         if out.exists():
             out.rmdir()  # empty (checked above); a file put there meanwhile fails the export instead of being lost
         os.replace(tmp, out)
@@ -174,7 +170,7 @@ def export(
 
 
 def _write_hf_dir(
-    tmp: Path, ckpt_dir: Path, tag: str, gpt, plan, tp: int, run, dtype, limit, tokenizer_dir, trust, bar
+    tmp: Path, ckpt_dir: Path, tag: str, config, parallel, tp: int, run, dtype, limit, tokenizer_dir, trust, bar
 ):
     """Everything ``export`` writes, into ``tmp``."""
     from safetensors.torch import save_file
@@ -182,7 +178,8 @@ def _write_hf_dir(
 
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, files, weight_map = 0, [], {}
-    shapes = expected_shapes(gpt)
+    shapes = expected_shapes(config)
+    family = family_of(config)
 
     def flush():
         nonlocal shard, shard_bytes
@@ -194,7 +191,7 @@ def _write_hf_dir(
             shard, shard_bytes = {}, 0
 
     last_prefix = None
-    for name, tensor in iter_full_parameters(ckpt_dir / tag, gpt, plan, tp, trust):
+    for name, tensor in iter_full_parameters(ckpt_dir / tag, config, parallel, tp, trust):
         if tuple(tensor.shape) != shapes.get(name):
             raise ConfigError(
                 "--checkpoint",
@@ -203,11 +200,11 @@ def _write_hf_dir(
                 "export a checkpoint written by train_gpt.py",
             )
         # one bar step per pipeline layer with a file
-        prefix = pipeline_layout(gpt).index_of(name)
+        prefix = pipeline_layout(config).index_of(name)
         if prefix != last_prefix and bar is not None:
             bar.update(1)
         last_prefix = prefix
-        hf = (tensor.t() if is_conv1d(name) else tensor).to(DTYPES[dtype]).contiguous()
+        hf = (tensor.t() if family.is_hf_transposed(name) else tensor).to(DTYPES[dtype]).contiguous()
         size = hf.numel() * hf.element_size()
         if shard and shard_bytes + size > limit:
             flush()
@@ -220,7 +217,7 @@ def _write_hf_dir(
         index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
         index["metadata"]["total_size"] = sum((tmp / f).stat().st_size for f in files)
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    hf_config = gpt.to_hf()
+    hf_config = config.to_hf()
     hf_config.dtype = str(DTYPES[dtype]).removeprefix("torch.")
     tok_dir = Path(tokenizer_dir) if tokenizer_dir else _find_tokenizer(ckpt_dir, run)
     eos = None
@@ -231,7 +228,7 @@ def _write_hf_dir(
         tok.save_pretrained(tmp)
         eos = tok.eos_token_id
     hf_config.bos_token_id = hf_config.eos_token_id = eos
-    hf_config.architectures = [HF_ARCHITECTURES[gpt.family]]
+    hf_config.architectures = [family.hf_architecture]
     hf_config.save_pretrained(tmp)
     GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
 
@@ -255,4 +252,4 @@ def _bar(total: int, enabled: bool):
         return None
 
 
-__all__ = ["TIED_HEAD", "export", "iter_full_parameters"]
+__all__ = ["export", "iter_full_parameters"]

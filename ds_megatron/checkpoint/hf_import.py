@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 
-from ds_megatron.checkpoint.keymap import is_conv1d
 from ds_megatron.config import ConfigError
-from ds_megatron.model import FAMILIES, ModelConfig
-from ds_megatron.parallelize import ParallelPlan, shard_rule
+from ds_megatron.model import ModelConfig, family_of
+from ds_megatron.parallelize import ParallelContext, shard_rule
 from ds_megatron.pipeline import pipeline_param_name
 from ds_megatron.tensor_parallel import shard
 
@@ -35,9 +34,6 @@ def _tensor_files(hf_dir: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}  # transformers' model_type of each family
-
-
 def check_hf_config(hf_dir: Path, config: ModelConfig, setting: str = "--init-from-hf") -> None:
     """The HF model must be of the run's family and exactly its shape; one ConfigError naming ``setting`` and every
     differing key otherwise."""
@@ -45,7 +41,7 @@ def check_hf_config(hf_dir: Path, config: ModelConfig, setting: str = "--init-fr
 
     hf = AutoConfig.from_pretrained(hf_dir)
     family = config.family
-    if hf.model_type != HF_MODEL_TYPES[family]:
+    if hf.model_type != family_of(config).hf_model_type:
         raise ConfigError(
             setting,
             f"model type {hf.model_type!r} is not the run's family ({family})",
@@ -53,7 +49,7 @@ def check_hf_config(hf_dir: Path, config: ModelConfig, setting: str = "--init-fr
             f"export a {family} model or set ds_megatron.model.family to match",
         )
     try:
-        theirs = FAMILIES[family].config.from_hf(hf, attention=config.attention)
+        theirs = family_of(config).config.from_hf(hf, attention=config.attention)
     except ValueError as err:
         raise ConfigError(
             setting, "unsupported model settings", str(err).removeprefix("error: "), "use another model"
@@ -69,15 +65,16 @@ def check_hf_config(hf_dir: Path, config: ModelConfig, setting: str = "--init-fr
 
 
 @torch.no_grad()
-def load_hf_into_pipeline(module, plan: ParallelPlan, hf_dir: str | Path) -> int:
+def load_hf_into_pipeline(module, parallel: ParallelContext, hf_dir: str | Path) -> int:
     """Copy this rank's shards of the HF weights into ``module``; returns the number of tensors loaded."""
     from safetensors import safe_open
 
     hf_dir = Path(hf_dir)
-    check_hf_config(hf_dir, plan.config)
+    check_hf_config(hf_dir, parallel.config)
     files = _tensor_files(hf_dir)
     handles: dict[Path, object] = {}
     loaded = 0
+    family = family_of(parallel.config)
     for local_name, param in module.named_parameters():
         full = pipeline_param_name(local_name, module)
         if full is None or full not in files:
@@ -88,9 +85,9 @@ def load_hf_into_pipeline(module, plan: ParallelPlan, hf_dir: str | Path) -> int
         if path not in handles:
             handles[path] = safe_open(str(path), "pt")
         tensor = handles[path].get_tensor(full).float()
-        if is_conv1d(full):
+        if family.is_hf_transposed(full):
             tensor = tensor.t()
-        part = shard(tensor, shard_rule(full, plan), plan.tp_rank, plan.tp_size)
+        part = shard(tensor, shard_rule(full, parallel), parallel.tp.rank, parallel.tp.size)
         if part.shape != param.shape:
             raise ConfigError(
                 "--init-from-hf", "shape mismatch", f"{full}: {tuple(part.shape)} != {tuple(param.shape)}", "re-export"

@@ -1,5 +1,5 @@
 """The model facts the checkpoint tools read off a run's saved configuration, each obtained in one place: the
-model's config, its pipeline layout, the plan whose shard rules cut it at a given tp, the pipeline stages'
+model's config, its pipeline layout, the context whose shard rules cut it at a given tp, the pipeline stages'
 layers and the ranks of a (tp, pp, dp) layout.  Everything here works without a process group."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
 from ds_megatron.config import ConfigError, RunConfig
 from ds_megatron.model import ModelConfig, model_config
-from ds_megatron.parallelize import ParallelPlan
+from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline import PipelineLayout, layer_specs
+from ds_megatron.tensor_parallel import TPGroup
 
 
 def run_model_config(run: RunConfig) -> ModelConfig:
@@ -26,9 +27,9 @@ def pipeline_layout(config: ModelConfig) -> PipelineLayout:
     return PipelineLayout.of(config)
 
 
-def shard_plan(config: ModelConfig, run: RunConfig, tp: int) -> ParallelPlan:
-    """The plan whose shard rules cut (and merge) parameters at ``tp``: no group, only the rules."""
-    return ParallelPlan(config, None, 0, tp, False, None, run.section.parallel.vocab_multiple)
+def shard_context(config: ModelConfig, run: RunConfig, tp: int) -> ParallelContext:
+    """The parallel context whose shard rules cut (and merge) parameters at ``tp``: no group, only the rules."""
+    return ParallelContext(config, TPGroup(size=tp), False, None, run.section.parallel.vocab_multiple)
 
 
 def stage_param_layers(config: ModelConfig, run: RunConfig, pp: int) -> list[list[int]]:
@@ -37,7 +38,7 @@ def stage_param_layers(config: ModelConfig, run: RunConfig, pp: int) -> list[lis
     its first layer (whose file holds it), then the stage's own layers in order.  The split over stages is
     DeepSpeed's own (``partition_balanced`` over the layers matching ``type:<regex>``, or ``partition_uniform``),
     computed from the layer specs without building a layer."""
-    specs = layer_specs(config, shard_plan(config, run, 1), run.section.train.seed)
+    specs = layer_specs(config, shard_context(config, run, 1), run.section.train.seed)
     method = run.section.parallel.partition_method.lower()
     if method == "uniform":
         parts = partition_uniform(len(specs), pp)

@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 from ds_megatron.checkpoint import safe_load
-from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_plan
+from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_context
 from ds_megatron.checkpoint.manifest import tag_config
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import precision, saved_layout
-from ds_megatron.parallelize import ParallelPlan, shard_rule
+from ds_megatron.parallelize import ParallelContext, shard_rule
 from ds_megatron.pipeline import pipeline_param_name
 from ds_megatron.tensor_parallel import shard, unshard
 
@@ -74,9 +74,9 @@ class OldCheckpoint:
             raise ConfigError("--load", "no config.json, cannot reshard", f"{root}/{tag}", "resume at the saved layout")
         self.tp, self.pp, dp = saved_layout(cfg)
         self.run = resolve(cfg, self.tp * self.pp * dp)
-        self.gpt = run_model_config(self.run)
-        self.layout = pipeline_layout(self.gpt)
-        self.plan = shard_plan(self.gpt, self.run, self.tp)
+        self.model_config = run_model_config(self.run)
+        self.layout = pipeline_layout(self.model_config)
+        self.parallel = shard_context(self.model_config, self.run, self.tp)
         self.masters = MasterWeights.open(root / tag, self.tp, self.layout, trust=trust)  # None on the fp32 path
         self.where: dict[str, dict[int, tuple[int, int]]] = {}  # name -> {old tp rank: (mp file index, position)}
         for f in sorted((root / tag).glob("params_rank*.json")):
@@ -158,26 +158,26 @@ class OldCheckpoint:
     def _merge(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
         """The full fp32 tensor of ``name`` from its old TP shards; the old shard rule strips any vocabulary padding
         (whose size depends on the old tp), so the new layout's rule pads it afresh."""
-        return unshard([p.float() for p in parts], shard_rule(name, self.plan))
+        return unshard([p.float() for p in parts], shard_rule(name, self.parallel))
 
 
-def _fill_fp32_optimizer(engine, plan: ParallelPlan, old: OldCheckpoint) -> None:
+def _fill_fp32_optimizer(engine, parallel: ParallelContext, old: OldCheckpoint) -> None:
     """ds_megatron's AdamW: the model's parameters are the optimizer's, with per-parameter state."""
     optimizer = engine.optimizer
     for local, param in engine.module.named_parameters():
         name = pipeline_param_name(local, engine.module)
-        rule = shard_rule(name, plan)
-        param.copy_(shard(old.full_weight(name), rule, plan.tp_rank, plan.tp_size))
+        rule = shard_rule(name, parallel)
+        param.copy_(shard(old.full_weight(name), rule, parallel.tp.rank, parallel.tp.size))
         state = old.full_optimizer_state(name)
         if state is not None:
             optimizer.state[param] = {
                 "step": state["step"].clone(),
-                "exp_avg": shard(state["exp_avg"], rule, plan.tp_rank, plan.tp_size),
-                "exp_avg_sq": shard(state["exp_avg_sq"], rule, plan.tp_rank, plan.tp_size),
+                "exp_avg": shard(state["exp_avg"], rule, parallel.tp.rank, parallel.tp.size),
+                "exp_avg_sq": shard(state["exp_avg_sq"], rule, parallel.tp.rank, parallel.tp.size),
             }
 
 
-def _fill_partitioned_optimizer(engine, plan: ParallelPlan, old: OldCheckpoint) -> None:
+def _fill_partitioned_optimizer(engine, parallel: ParallelContext, old: OldCheckpoint) -> None:
     """DeepSpeed's BF16 (or ZeRO-1) optimizer: each model parameter owns a fragment (``_hp_mapping``: where it
     starts in the parameter and in this data-parallel rank's flat fp32 partition) of its group's partition; the Adam
     moments are flat tensors laid out like the partition.  Every rank also sets its full 16-bit model copy."""
@@ -189,8 +189,8 @@ def _fill_partitioned_optimizer(engine, plan: ParallelPlan, old: OldCheckpoint) 
         step = None
         for lp in group:
             name = names[id(lp)]
-            rule = shard_rule(name, plan)
-            weight = shard(old.full_weight(name), rule, plan.tp_rank, plan.tp_size)
+            rule = shard_rule(name, parallel)
+            weight = shard(old.full_weight(name), rule, parallel.tp.rank, parallel.tp.size)
             lp.data.copy_(weight.to(lp.dtype))
             state = old.full_optimizer_state(name)
             mapping = getattr(lp, "_hp_mapping", None)
@@ -202,7 +202,7 @@ def _fill_partitioned_optimizer(engine, plan: ParallelPlan, old: OldCheckpoint) 
             if state is not None:
                 step = state["step"]
                 for k, flat in moments.items():
-                    part = shard(state[k], rule, plan.tp_rank, plan.tp_size).reshape(-1)
+                    part = shard(state[k], rule, parallel.tp.rank, parallel.tp.size).reshape(-1)
                     flat.narrow(0, hp_at, n).copy_(part.narrow(0, lp_at, n))
         if step is not None:
             optimizer.optimizer.state[hp] = {"step": step.clone(), **moments}
@@ -211,16 +211,16 @@ def _fill_partitioned_optimizer(engine, plan: ParallelPlan, old: OldCheckpoint) 
 
 
 @torch.no_grad()
-def load_resharded(engine, plan: ParallelPlan, topology, root: Path, tag: str) -> dict:
+def load_resharded(engine, parallel: ParallelContext, topology, root: Path, tag: str) -> dict:
     """Collective.  Fill the engine (weights, fp32 masters, Adam state, LR schedule, counters) from a checkpoint
     written at another layout; returns its client state."""
     old = OldCheckpoint(root, tag)
     if precision(old.run.ds_config) == "fp16":
         raise ConfigError("--load", "fp16 checkpoints resume only at their own layout", f"{root}/{tag}", "resume there")
     if hasattr(engine.optimizer, "bf16_groups") or hasattr(engine.optimizer, "bit16_groups"):
-        _fill_partitioned_optimizer(engine, plan, old)
+        _fill_partitioned_optimizer(engine, parallel, old)
     else:
-        _fill_fp32_optimizer(engine, plan, old)
+        _fill_fp32_optimizer(engine, parallel, old)
     client = old.client(0)
     # The current learning rate lives in the optimizer's param groups (the schedule writes it there each step).
     saved_groups = (client.get("optimizer") or {}).get("param_groups") or []

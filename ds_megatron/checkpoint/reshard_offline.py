@@ -38,7 +38,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from torch import nn
 
 from ds_megatron.checkpoint import safe_load
-from ds_megatron.checkpoint.layout import layout_ranks, run_model_config, shard_plan, stage_param_layers
+from ds_megatron.checkpoint.layout import layout_ranks, run_model_config, shard_context, stage_param_layers
 from ds_megatron.checkpoint.manifest import (
     MANIFEST,
     TAG_CONFIG,
@@ -239,14 +239,14 @@ class _Writer:
         self.dir = tmp / tag
         self.dir.mkdir()
         self.scratch = _Scratch(tmp / ".scratch")
-        self.gpt = run_model_config(target)
-        self.plan = shard_plan(self.gpt, target, self.tp)
+        self.model_config = run_model_config(target)
+        self.parallel = shard_context(self.model_config, target, self.tp)
         layout = old.layout
         self.saved = layout.saved_layers()
         self.keys = {idx: list(old.layer_file(idx, 0)) for idx, _ in self.saved}
         self.name = {(i, k): self._full_name(i, k) for i, keys in self.keys.items() for k in keys}
         self.shape = {n: self._new_shape(n) for n in self.name.values()}
-        stages = stage_param_layers(self.gpt, target, self.pp)
+        stages = stage_param_layers(self.model_config, target, self.pp)
         self.stage_of = {i: [s for s, layers in enumerate(stages) if i in layers] for i in self.keys}
         self.local = [
             {self.name[(i, k)]: layout.local_name(i, k) for i in layers for k in self.keys[i]} for layers in stages
@@ -272,7 +272,7 @@ class _Writer:
 
     def _new_shape(self, name: str) -> torch.Size:
         meta = torch.empty(self.old.full_shape(name), device="meta")
-        return shard(meta, shard_rule(name, self.plan), 0, self.tp).shape
+        return shard(meta, shard_rule(name, self.parallel), 0, self.tp).shape
 
     def _optimizer_groups(self, names: list[str]) -> list[list[str]]:
         """The optimizer's groups of one stage, in its order: ``optim.param_groups`` (the one owner of that rule)
@@ -340,7 +340,7 @@ class _Writer:
                 f._metadata = copy.deepcopy(template._metadata)  # module versions, as load_state_dict expects
         for key in self.keys[idx]:
             name = self.name[(idx, key)]
-            rule = shard_rule(name, self.plan)
+            rule = shard_rule(name, self.parallel)
             weight, state = self.old.full_weight(name), self.old.full_optimizer_state(name)
             for t in range(self.tp):
                 w = shard(weight, rule, t, self.tp)

@@ -93,7 +93,7 @@ def seal_tag(root: Path, tag: str, step: int, keep_last: int) -> None:
 
 
 def load_run(
-    engine, load_dir: str | Path, rng: RNGTracker, plan=None, topology=None, run_config=None, tag: str | None = None
+    engine, load_dir: str | Path, rng: RNGTracker, parallel=None, topology=None, run_config=None, tag: str | None = None
 ) -> dict:
     """Collective.  Loads tag ``tag`` (default: the newest complete one; pass the one :func:`verified_load_tag`
     returned) into the engine and this rank's RNG states; returns the client state.  A checkpoint written at another
@@ -111,7 +111,7 @@ def load_run(
             flush=True,
         )
     saved = tag_config(root, tag)
-    if plan is not None and saved is not None and run_config is not None and needs_resharding(saved, run_config):
+    if parallel is not None and saved is not None and run_config is not None and needs_resharding(saved, run_config):
         from ds_megatron.checkpoint.reshard import load_resharded
 
         tp, pp, dp = saved_layout(saved)
@@ -122,7 +122,7 @@ def load_run(
                 "over; dropout RNG streams start afresh (they depend on the layout)",
                 flush=True,
             )
-        return load_resharded(engine, plan, topology, root, tag)
+        return load_resharded(engine, parallel, topology, root, tag)
     path, client_state = engine.load_checkpoint(str(root), tag=tag)
     if path is None:
         raise ConfigError("--load", "checkpoint could not be loaded", f"{root}/{tag}", "check the directory")

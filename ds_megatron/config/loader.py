@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from ds_megatron.config.facts import grad_accum_dtype, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
+    BLOCK_LAYER_CLASS,
     DEFAULT_SELECTIVE_MODULES,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
@@ -302,6 +304,7 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             "set e.g. 0.8",
         )
     check_counts(section)
+    check_partition_method(section.parallel.partition_method)
     # data.tokenizer and data.valid_fraction apply to text tokenised in the launch only: pre-flight checks them
     # (check_text_settings) once it knows the data is not a prepared directory, which brings its own.
     check_data_section(section.data)
@@ -362,6 +365,27 @@ NON_NEGATIVE = {
     "checkpoint.keep_last": "0 keeps every checkpoint",
 }
 WANDB_MODES = ("online", "offline", "disabled")
+
+
+def check_partition_method(method: str) -> None:
+    """DeepSpeed's ``type:<regex>`` partitioning balances the layers whose class name the regex matches; one that
+    matches no block balances nothing (the stages are then cut without regard to the blocks)."""
+    if not method.lower().startswith("type:"):
+        return
+    pattern = method.split(":", 1)[1]
+    try:
+        matches = re.search(pattern, BLOCK_LAYER_CLASS, re.IGNORECASE)
+    except re.error as err:
+        raise ConfigError(
+            "ds_megatron.parallel.partition_method", "not a regular expression", f"{method!r}: {err}", "fix the pattern"
+        ) from None
+    if not matches:
+        raise ConfigError(
+            "ds_megatron.parallel.partition_method",
+            "the pattern matches no transformer block of the pipeline",
+            f"partition_method={method!r}, the block layer's class is {BLOCK_LAYER_CLASS}",
+            f"write type:{BLOCK_LAYER_CLASS} (the default) or uniform",
+        )
 
 
 def check_counts(section: DsMegatronConfig) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ATTENTION_KERNELS = ("eager", "sdpa")
+# The registry's family names (ds_megatron.model.FAMILIES, above config: tests/test_layering.py checks they agree).
 MODEL_FAMILIES = ("gpt2", "llama")  # GPT-2/GPT-3 (learned positions, LayerNorm, GELU) or Llama (RoPE, RMSNorm, SwiGLU)
 ROPE_SCALING_TYPES = ("llama3",)  # rope_scaling.rope_type values the llama family implements
 RECOMPUTE_POLICIES = ("none", "selective", "full")
@@ -52,6 +53,11 @@ class ModelSection:
     tie_word_embeddings: bool | None = None  # output layer shares the embedding (None: the size's, else False)
 
 
+# The class name of the pipeline layer that holds one transformer block (ds_megatron.pipeline.BlockPipe): DeepSpeed's
+# "type:<regex>" partitioning balances the layers whose class name matches, so the default names it.
+BLOCK_LAYER_CLASS = "BlockPipe"
+
+
 @dataclass(frozen=True)
 class ParallelSection:
     """How the model is split.  dp is derived: world_size / (tp * pp)."""
@@ -60,7 +66,7 @@ class ParallelSection:
     pp: int = 1  # pipeline-parallel size (p)
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group (needs tp > 1)
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
-    partition_method: str = "type:GPTBlockPipe"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
+    partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
 
 
@@ -72,6 +78,24 @@ class RecomputeSection:
     modules: tuple = ()  # selective only: any of "core_attn", "mlp_act", "layernorm" (empty: ["core_attn"])
     num_layers: int = 1  # full only: layers per checkpointed chunk (uniform) or recomputed layers per stage (block)
     method: str = "uniform"  # full only: "uniform" or "block"
+
+    @property
+    def selective_modules(self) -> tuple[str, ...]:
+        """The modules selective recompute applies to (none for the other policies)."""
+        if self.policy != "selective":
+            return ()
+        return tuple(self.modules) or DEFAULT_SELECTIVE_MODULES
+
+    def chunks(self, num_blocks: int) -> list[tuple[int, int, bool]]:
+        """Cover a stage's local blocks [0, num_blocks) with (start, end, recomputed) ranges, in order."""
+        if self.policy != "full" or num_blocks == 0:
+            return [(0, num_blocks, False)] if num_blocks else []
+        k = self.num_layers
+        if self.method == "uniform":
+            return [(s, min(s + k, num_blocks), True) for s in range(0, num_blocks, k)]
+        recomputed = [(i, i + 1, True) for i in range(min(k, num_blocks))]
+        rest = [(k, num_blocks, False)] if k < num_blocks else []
+        return recomputed + rest
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FAMILIES = ("gpt2", "llama")
-
 
 @dataclass(frozen=True)
 class NamedShape:

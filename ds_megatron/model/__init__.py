@@ -1,60 +1,47 @@
-"""L2': the single-device models with Hugging Face parameter names, one file per family.  Imports torch only.
-
-``FAMILIES`` maps the config's ``model.family`` to the family's config, model and block classes and initialiser;
-code that builds a model from a resolved shape calls :func:`model_config` and :func:`build_model`."""
+"""L1.5: the model families, one folder each, and the one registry every other module reads.  A folder's
+``__init__`` (stdlib only: the tuner reads it without torch) holds its config with the transformers mapping and its
+record (``model.family.Family``: plan rows, pipeline layout, FLOPs and memory terms); its ``model.py`` the
+single-device model with transformers' names, imported on first use.  A new family: a folder and one line below.
+"""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
-from ds_megatron.model.config import GPTConfig
-from ds_megatron.model.gpt import GPT, MLP, CausalSelfAttention, CoreAttention, GPTBlock, init_module, init_parameter
-from ds_megatron.model.llama import Llama, LlamaBlock, LlamaConfig, init_llama_module
+from ds_megatron.model import gpt2, llama
+from ds_megatron.model.family import Family
+from ds_megatron.model.gpt2 import GPTConfig
+from ds_megatron.model.llama import LlamaConfig
 
-
-class Family(NamedTuple):
-    config: type
-    model: type
-    block: type
-    init: Any  # init(module, config, seed, prefix): parameters initialised by full name
-
-
-FAMILIES: dict[str, Family] = {
-    "gpt2": Family(GPTConfig, GPT, GPTBlock, init_module),
-    "llama": Family(LlamaConfig, Llama, LlamaBlock, init_llama_module),
-}
+FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY)}
+DEFAULT_FAMILY = gpt2.FAMILY.name  # a shape without a family is a GPT
 
 ModelConfig = GPTConfig | LlamaConfig
 
 
+def family_of(config: Any) -> Family:
+    """The family of a model config or a resolved shape (``ds_megatron.config.ModelShape``)."""
+    return FAMILIES[getattr(config, "family", None) or DEFAULT_FAMILY]
+
+
 def model_config(shape: Any) -> ModelConfig:
     """The family's model config from a resolved ``ModelShape``."""
-    return FAMILIES[getattr(shape, "family", "gpt2")].config.from_shape(shape)
+    return family_of(shape).config.from_shape(shape)
 
 
-def family_of(config: ModelConfig) -> Family:
-    return FAMILIES[config.family]
-
-
-def build_model(config: ModelConfig, seed: int = 1234):
-    """The single-device model of ``config``'s family."""
-    return family_of(config).model(config, seed=seed)
+def build_model(config: ModelConfig, seed: int = 1234) -> Any:
+    """The single-device model of ``config``'s family (imports torch)."""
+    return family_of(config).torch_side().model(config, seed=seed)
 
 
 __all__ = [
+    "DEFAULT_FAMILY",
     "FAMILIES",
-    "GPT",
-    "GPTBlock",
+    "Family",
     "GPTConfig",
-    "Llama",
-    "LlamaBlock",
     "LlamaConfig",
-    "MLP",
-    "CausalSelfAttention",
-    "CoreAttention",
+    "ModelConfig",
     "build_model",
     "family_of",
-    "init_module",
-    "init_parameter",
-    "model_config",
 ]
+__all__ += ["model_config"]

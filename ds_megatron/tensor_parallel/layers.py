@@ -1,24 +1,29 @@
-"""Megatron tensor-parallel layers.  Each is built from the full single-device module by slicing (``from_dense``),
-so a sharded model starts from exactly the single-device weights.
+"""Megatron tensor-parallel layers.  Each is built from the full single-device module by slicing (its constructor
+takes the module), so a sharded model starts from exactly the single-device weights.
 
 Parameter marks (read by DeepSpeed and by ds_megatron):
 - ``tensor_model_parallel`` / ``model_parallel`` = True on TP-sharded weights, so DeepSpeed's gradient norm counts
   them on every TP rank; replicated parameters are left unmarked and counted on TP rank 0 only.
 - ``sequence_parallel_replicated`` = True on replicated parameters that see only a sequence shard under SP
-  (LayerNorms, row-parallel biases, position embedding): their gradients are summed over the TP group (DeepSpeed knows
-  nothing of it; without the sum the TP ranks' copies drift apart).
+  (norms, row-parallel biases, position embedding): their gradients are summed over the TP group (DeepSpeed knows
+  nothing of it; without the sum the TP ranks' copies drift apart).  The layers holding them derive from
+  :class:`SPReplicatedGrads`, which owns the mark and when the sum runs.
+
+Every layer takes the TP group as one ``TPGroup`` (process group, this rank, size).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ds_megatron.model.layers import RMSNorm, rms_norm
 from ds_megatron.tensor_parallel.mappings import (
     _all_gather_dim0,
     all_gather_dim0_async,
@@ -38,8 +43,40 @@ def mark_tp_sharded(param: nn.Parameter, partition_dim: int) -> None:
     param.partition_dim = partition_dim
 
 
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's tensor-parallel group: the process group (None with one rank: every collective is then a
+    no-op), this rank's index in it and its size."""
+
+    group: ProcessGroup | None = None
+    rank: int = 0
+    size: int = 1
+
+
 def mark_sp_replicated(param: nn.Parameter) -> None:
     param.sequence_parallel_replicated = True
+
+
+class SPReplicatedGrads:
+    """Mixin of the layers whose parameters (marked by :func:`mark_sp_replicated`) are replicated over TP but see only
+    a sequence shard under SP, so their gradients are summed over the TP group.  ``sync_grads_in_backward`` True
+    (the default): in autograd, per micro-batch, which is correct on its own; :func:`defer_sp_grad_sync` sets it
+    False when the engine sums every SP-replicated gradient once per optimizer step (``sum_sp_replicated_grads``)."""
+
+    sync_grads_in_backward = True
+    tp: TPGroup
+
+    def sp_synced(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``params``, with their gradients summed over TP in backward unless the engine sums them per step."""
+        return sync_grads(self.tp.group, *params) if self.sync_grads_in_backward else params
+
+
+def defer_sp_grad_sync(module: nn.Module) -> None:
+    """Switch off the per-micro-batch sum of every SP-replicated gradient in ``module``: the caller sums them once
+    per optimizer step."""
+    for m in module.modules():
+        if isinstance(m, SPReplicatedGrads):
+            m.sync_grads_in_backward = False
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
@@ -157,108 +194,58 @@ class ColumnParallelLinear(nn.Module):
     Output: [s, b, out/t].
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        full_shape: tuple[int, int],
-        tp_group: ProcessGroup | None,
-        tp_rank: int,
-        tp_size: int,
-        sequence_parallel: bool,
-    ):
+    def __init__(self, linear: nn.Linear, rule: ShardRule, tp: TPGroup, sequence_parallel: bool = False):
+        """This rank's part of the full ``linear``, cut by ``rule`` (output dim; fused blocks by heads)."""
         super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.weight = nn.Parameter(shard(linear.weight.data, rule, tp.rank, tp.size))
+        bias = linear.bias
+        self.bias = nn.Parameter(shard(bias.data, rule, tp.rank, tp.size)) if bias is not None else None
         mark_tp_sharded(self.weight, 0)
         if self.bias is not None:
             mark_tp_sharded(self.bias, 0)
-        self.full_shape = full_shape
-        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
-        self.sequence_parallel = sequence_parallel
-
-    @classmethod
-    def from_dense(
-        cls,
-        linear: nn.Linear,
-        rule: ShardRule,
-        tp_group: ProcessGroup | None,
-        tp_rank: int,
-        tp_size: int,
-        sequence_parallel: bool = False,
-    ) -> ColumnParallelLinear:
-        w = shard(linear.weight.data, rule, tp_rank, tp_size)
-        b = shard(linear.bias.data, rule, tp_rank, tp_size) if linear.bias is not None else None
-        return cls(w, b, tuple(linear.weight.shape), tp_group, tp_rank, tp_size, sequence_parallel)
+        self.full_shape = tuple(linear.weight.shape)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
+        return column_linear(x, self.weight, self.bias, self.tp.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return (
             f"full={self.full_shape[1]}->{self.full_shape[0]}, local_out={self.weight.shape[0]}, "
-            f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}"
+            f"tp_rank={self.tp.rank}/{self.tp.size}, sp={self.sequence_parallel}"
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(SPReplicatedGrads, nn.Module):
     """Y = X A^T with A split along its input dim; partial sums are reduced across the TP group.
 
     Input: [s, b, in/t].  Output: [s, b, out] (g: all-reduce / identity), or [s/t, b, out] under SP
-    (reduce-scatter / all-gather).  The bias is replicated and added after the reduction.
+    (reduce-scatter / all-gather).  The bias is replicated and added after the reduction (SP-replicated under SP).
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        full_shape: tuple[int, int],
-        tp_group: ProcessGroup | None,
-        tp_rank: int,
-        tp_size: int,
-        sequence_parallel: bool,
-    ):
+    def __init__(self, linear: nn.Linear, tp: TPGroup, sequence_parallel: bool = False):
+        """This rank's part of the full ``linear`` (input dim), with the whole bias."""
         super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.weight = nn.Parameter(shard(linear.weight.data, ShardRule(dim=1), tp.rank, tp.size))
+        self.bias = nn.Parameter(linear.bias.data.clone()) if linear.bias is not None else None
         mark_tp_sharded(self.weight, 1)
         if self.bias is not None and sequence_parallel:
             mark_sp_replicated(self.bias)
-        self.full_shape = full_shape
-        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
-        self.sequence_parallel = sequence_parallel
-        # True: the gradient is summed over the TP group in autograd, per micro-batch (correct on its own).  The
-        # engine sets False when it sums every SP-replicated gradient once per optimizer step instead
-        # (``tensor_parallel.sum_sp_replicated_grads``).
-        self.sync_grads_in_backward = True
-
-    @classmethod
-    def from_dense(
-        cls,
-        linear: nn.Linear,
-        tp_group: ProcessGroup | None,
-        tp_rank: int,
-        tp_size: int,
-        sequence_parallel: bool = False,
-    ) -> RowParallelLinear:
-        w = shard(linear.weight.data, ShardRule(dim=1), tp_rank, tp_size)
-        b = linear.bias.data.clone() if linear.bias is not None else None
-        return cls(w, b, tuple(linear.weight.shape), tp_group, tp_rank, tp_size, sequence_parallel)
+        self.full_shape = tuple(linear.weight.shape)
+        self.tp, self.sequence_parallel = tp, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if not self.sequence_parallel:
-            y = reduce_from_tp_(y, self.tp_group)  # y is F.linear's fresh output
+            y = reduce_from_tp_(y, self.tp.group)  # y is F.linear's fresh output
             return y + self.bias if self.bias is not None else y
-        y = reduce_scatter_seq(y, self.tp_group)
-        if self.bias is None:
-            return y
-        return y + (sync_grads(self.tp_group, self.bias)[0] if self.sync_grads_in_backward else self.bias)
+        y = reduce_scatter_seq(y, self.tp.group)
+        return y if self.bias is None else y + self.sp_synced(self.bias)[0]
 
     def extra_repr(self) -> str:
         return (
             f"full={self.full_shape[1]}->{self.full_shape[0]}, local_in={self.weight.shape[1]}, "
-            f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}"
+            f"tp_rank={self.tp.rank}/{self.tp.size}, sp={self.sequence_parallel}"
         )
 
 
@@ -270,43 +257,21 @@ class VocabParallelEmbedding(nn.Module):
     [s/t, b, h].  Padding rows (ids >= vocab_size) are zero and never looked up.
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        vocab_size: int,
-        padded_size: int,
-        tp_group: ProcessGroup | None,
-        tp_rank: int,
-        tp_size: int,
-        sequence_parallel: bool,
-    ):
+    def __init__(self, emb: nn.Module, padded_size: int, tp: TPGroup, sequence_parallel: bool = False):
+        """This rank's vocabulary block of the full table ``emb.weight`` [V, h], padded to ``padded_size`` rows."""
         super().__init__()
-        self.weight = nn.Parameter(weight)
+        self.weight = nn.Parameter(shard(emb.weight.data, ShardRule(dim=0, padded_size=padded_size), tp.rank, tp.size))
         mark_tp_sharded(self.weight, 0)
-        self.vocab_size, self.padded_size = vocab_size, padded_size
-        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
-        self.sequence_parallel = sequence_parallel
-        self.vocab_start = tp_rank * weight.shape[0]
-        self.vocab_end = self.vocab_start + weight.shape[0]
-
-    @classmethod
-    def from_dense(
-        cls,
-        emb: nn.Embedding,
-        padded_size: int,
-        tp_group: ProcessGroup | None,
-        tp_rank: int,
-        tp_size: int,
-        sequence_parallel: bool = False,
-    ) -> VocabParallelEmbedding:
-        w = shard(emb.weight.data, ShardRule(dim=0, padded_size=padded_size), tp_rank, tp_size)
-        return cls(w, emb.weight.shape[0], padded_size, tp_group, tp_rank, tp_size, sequence_parallel)
+        self.vocab_size, self.padded_size = emb.weight.shape[0], padded_size
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.vocab_start = tp.rank * self.weight.shape[0]
+        self.vocab_end = self.vocab_start + self.weight.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
-        return reduce_scatter_seq(out, self.tp_group) if self.sequence_parallel else reduce_from_tp_(out, self.tp_group)
+        return reduce_scatter_seq(out, self.tp.group) if self.sequence_parallel else reduce_from_tp_(out, self.tp.group)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Tied output layer: [s(/t), b, h] -> this rank's vocabulary block of logits [s, b, V_pad/t].
@@ -315,13 +280,13 @@ class VocabParallelEmbedding(nn.Module):
         Padding columns are set to -inf, so they can never be predicted and get zero gradient.
         """
         return vocab_parallel_logits(
-            x, self.weight, self.vocab_start, self.vocab_size, self.tp_group, self.sequence_parallel
+            x, self.weight, self.vocab_start, self.vocab_size, self.tp.group, self.sequence_parallel
         )
 
     def extra_repr(self) -> str:
         return (
             f"vocab={self.vocab_size} (padded {self.padded_size}), rows=[{self.vocab_start}, {self.vocab_end}), "
-            f"tp_rank={self.tp_rank}/{self.tp_size}, sp={self.sequence_parallel}"
+            f"tp_rank={self.tp.rank}/{self.tp.size}, sp={self.sequence_parallel}"
         )
 
 
@@ -352,48 +317,51 @@ class VocabParallelOutput(VocabParallelEmbedding):
         return self.logits(x)
 
 
-class SequenceShardedPositionEmbedding(nn.Module):
+class SequenceShardedPositionEmbedding(SPReplicatedGrads, nn.Module):
     """Learned position table, replicated; under SP each rank returns the rows of its own sequence chunk only
     (positions [r s/t, (r+1) s/t)), so the full sequence is embedded exactly once (not split twice)."""
 
-    def __init__(self, weight: torch.Tensor, tp_group: ProcessGroup | None, tp_rank: int, tp_size: int):
+    def __init__(self, weight: torch.Tensor, tp: TPGroup):
         super().__init__()
         self.weight = nn.Parameter(weight)
         mark_sp_replicated(self.weight)
-        self.tp_group, self.tp_rank, self.tp_size = tp_group, tp_rank, tp_size
-        # True: the gradient is summed over the TP group in autograd, per micro-batch (correct on its own).  The
-        # engine sets False when it sums every SP-replicated gradient once per optimizer step instead
-        # (``tensor_parallel.sum_sp_replicated_grads``).
-        self.sync_grads_in_backward = True
+        self.tp = tp
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         """position_ids [s] -> [s/t, h]; the table's gradient is summed over the TP group."""
-        chunk = position_ids.chunk(self.tp_size, dim=0)[self.tp_rank]
-        weight = sync_grads(self.tp_group, self.weight)[0] if self.sync_grads_in_backward else self.weight
-        return F.embedding(chunk, weight)
+        chunk = position_ids.chunk(self.tp.size, dim=0)[self.tp.rank]
+        return F.embedding(chunk, self.sp_synced(self.weight)[0])
 
 
-class SequenceParallelLayerNorm(nn.LayerNorm):
+class SequenceParallelLayerNorm(SPReplicatedGrads, nn.LayerNorm):
     """LayerNorm on a sequence shard [s/t, b, h]; weight and bias gradients are summed over the TP group."""
 
-    def __init__(self, ln: nn.LayerNorm, tp_group: ProcessGroup | None):
+    def __init__(self, ln: nn.LayerNorm, tp: TPGroup):
         super().__init__(ln.normalized_shape, eps=ln.eps, device=ln.weight.device, dtype=ln.weight.dtype)
         with torch.no_grad():
             self.weight.copy_(ln.weight)
             self.bias.copy_(ln.bias)
         mark_sp_replicated(self.weight)
         mark_sp_replicated(self.bias)
-        self.tp_group = tp_group
-        # True: the gradient is summed over the TP group in autograd, per micro-batch (correct on its own).  The
-        # engine sets False when it sums every SP-replicated gradient once per optimizer step instead
-        # (``tensor_parallel.sum_sp_replicated_grads``).
-        self.sync_grads_in_backward = True
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
-        if self.sync_grads_in_backward:
-            weight, bias = sync_grads(self.tp_group, weight, bias)
+        weight, bias = self.sp_synced(self.weight, self.bias)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+class SequenceParallelRMSNorm(SPReplicatedGrads, RMSNorm):
+    """RMSNorm on a sequence shard [s/t, b, h]; its weight gradient is summed over the TP group."""
+
+    def __init__(self, norm: RMSNorm, tp: TPGroup):
+        super().__init__(norm.weight.shape[0], norm.eps)
+        with torch.no_grad():
+            self.weight.data = norm.weight.data.clone()
+        mark_sp_replicated(self.weight)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.sp_synced(self.weight)[0], self.eps)
 
 
 class ForkedDropout(nn.Dropout):

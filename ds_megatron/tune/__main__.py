@@ -17,7 +17,8 @@ from typing import NoReturn
 from ds_megatron.config import ConfigError
 from ds_megatron.config.numbers import finite_float
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
-from ds_megatron.config.sizes import FAMILIES, all_size_names
+from ds_megatron.config.sizes import all_size_names
+from ds_megatron.model import FAMILIES
 from ds_megatron.tune import Pins, build_model_shape, empirical, search
 from ds_megatron.tune.empirical_report import format_empirical
 from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
@@ -39,7 +40,7 @@ INTRA_US, INTER_US = INTRA_NODE_LATENCY_S * 1e6, INTER_NODE_LATENCY_S * 1e6
 FLAGS = {
     "model": (
         ("--model", {}, f"named size: {', '.join(all_size_names())}"),
-        ("--family", {"choices": FAMILIES}, "model family of an explicit shape (default gpt2)"),
+        ("--family", {"choices": tuple(FAMILIES)}, "model family of an explicit shape (default gpt2)"),
         ("--layers", INT, "transformer blocks L (overrides --model)"),
         ("--hidden", INT, "hidden size h (overrides --model)"),
         ("--heads", INT, "attention heads a (overrides --model)"),

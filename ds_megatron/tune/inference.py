@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ds_megatron.config import ConfigError, ModelShape
+from ds_megatron.model import family_of
 from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, gemm, matmul_s
 from ds_megatron.tune.memory_model import (
     ACT_BYTES,
@@ -171,7 +172,7 @@ def inference_memory(model: ModelShape, serving: Serving, work: Workload) -> Inf
     # up-projections (gate and up for a Llama, fc1 for a GPT) of this rank, at bf16, for every prompt token.
     h, f = model.hidden_size, model.intermediate_size
     kv_width = model.head_dim * model.num_kv_heads
-    mlp_up = 2 * f if model.family == "llama" else f
+    mlp_up = (family_of(model).mlp_matrices - 1) * f  # every MLP matrix but the down-projection reads h, writes F
     live = b * work.prompt_length * (2 * h + (h + 2 * kv_width + mlp_up) // t) * ACT_BYTES
     logits = b * padded_vocab_size(model.vocab_size, t) // t * LOGIT_BYTES
     return InferenceMemory(weights=weights, kv_cache=kv, activations=live + logits)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_megatron.config import ConfigError
+from ds_megatron.model import family_of
 from ds_megatron.tune.calibration import Calibration, fit_parts
 from ds_megatron.tune.empirical import REPORT_RESERVE_S, plan_timeout, resolve_device, spearman
 from ds_megatron.tune.inference import (
@@ -143,10 +144,9 @@ def not_measured(result: InferenceResult, e: InferenceEvaluation) -> str | None:
     """Why the measuring run cannot run candidate ``e``, or None when it can."""
     if e.serving.pp > 1:
         return "pp > 1 (AutoTP has no pipeline)"
-    if e.serving.tp > 1 and result.model.family == "gpt2":
-        # deepspeed 0.19.8: "AutoTP not supported for model. Please use kernel injection since container policy
-        # for model exists"; kernel injection runs on CUDA only.
-        return "a GPT-2 at tp > 1 (DeepSpeed's AutoTP refuses GPT-2: it has a CUDA-only kernel-injection policy)"
+    why = family_of(result.model).no_autotp_inference
+    if e.serving.tp > 1 and why:
+        return f"tp > 1 ({why})"
     return None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
+from ds_megatron.model import family_of
 from ds_megatron.tune.memory_model import ACT_BYTES, padded_vocab_size
 from ds_megatron.tune.spec import Candidate, Cluster
 
@@ -32,24 +33,12 @@ def gemm(name: str, m: int, k: int, n: int, count: int = 1) -> Matmul:
 
 
 def block_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, ...]:
-    """The weight matmuls of one block's forward for one micro-batch, per GPU (the TP-split dimension divided by t)."""
+    """The weight matmuls of one block's forward for one micro-batch, per GPU (the TP-split dimension divided by t;
+    the shapes are the family's ``tuner.block_gemms``)."""
     s, b, h, t = model.seq_length, cand.micro_batch_size, model.hidden_size, cand.tp
-    n, f = b * s, model.intermediate_size
-    if model.family == "gpt2":
-        return (
-            gemm("qkv", n, h, 3 * h // t),
-            gemm("attention projection", n, h // t, h),
-            gemm("fc1", n, h, f // t),
-            gemm("fc2", n, f // t, h),
-        )
     kv = h // model.num_heads * model.num_kv_heads
-    return (
-        gemm("q", n, h, h // t),
-        gemm("k, v", n, h, kv // t, count=2),
-        gemm("o_proj", n, h // t, h),
-        gemm("gate, up", n, h, f // t, count=2),
-        gemm("down", n, f // t, h),
-    )
+    shapes = family_of(model).tuner.block_gemms(b * s, h, kv, model.intermediate_size, t)
+    return tuple(gemm(name, m, k, n, count=count) for name, m, k, n, count in shapes)
 
 
 def core_attention_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, ...]:

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 from ds_megatron.config import ModelShape
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, padded_vocab_size
 from ds_megatron.config.shape import layers_per_stage
-from ds_megatron.memory import RSTD_BYTES, activation_bytes_per_layer
+from ds_megatron.memory import activation_bytes_per_layer
+from ds_megatron.model import family_of
 from ds_megatron.tune.spec import Candidate
 
 GIB = 2**30
@@ -26,23 +27,10 @@ MARGIN_FRACTION = 0.10
 MARGIN_BYTES = 2 * GIB
 
 
-@dataclass(frozen=True)
-class FamilyLayout:
-    """What a model family adds around its blocks, for the parameter and activation counts."""
-
-    learned_positions: bool  # a position table (s x h, replicated) on the first stage; rotary embedding has none
-    norm_params: int  # parameters of one norm per h: LayerNorm's weight and bias 2, RMSNorm's weight 1
-    embedding_dropout: bool  # a dropout mask after the embedding on the first stage
-    norm_stat_bytes: int  # per token a norm keeps besides its input: RMSNorm's fp32 1/rms (the paper omits LayerNorm's)
-
-
-FAMILIES = {"gpt2": FamilyLayout(True, 2, True, 0), "llama": FamilyLayout(False, 1, False, RSTD_BYTES)}
-
-
 def attention_dropout(model: ModelShape) -> float | None:
     """The activation formula's attention dropout: None for a GPT (every dropout counted, as in the paper's table),
     the model's dropout for a Llama (its only one)."""
-    return None if model.family == "gpt2" else model.dropout
+    return model.dropout if family_of(model).tuner.attention_dropout_only else None
 
 
 def has_attention_dropout(model: ModelShape) -> bool:
@@ -54,10 +42,8 @@ def block_param_count(model: ModelShape, tp: int = 1) -> int:
     """Parameters of one block per TP rank: a GPT's (12 h^2 + 7 h) / t + 6 h, a Llama's
     (2 h^2 + 2 h kv + 3 h F) / t + 2 h (the replicated part: row-parallel biases and norms)."""
     h = model.hidden_size
-    if model.family == "gpt2":
-        return (12 * h * h + 7 * h) // tp + 6 * h
     kv_size = h // model.num_heads * model.num_kv_heads  # type: ignore[operator]
-    return (2 * h * h + 2 * h * kv_size + 3 * h * model.intermediate_size) // tp + 2 * h  # type: ignore[operator]
+    return family_of(model).tuner.block_params(h, kv_size, model.intermediate_size, tp)  # type: ignore[arg-type]
 
 
 def stage_param_counts(
@@ -67,10 +53,10 @@ def stage_param_counts(
     blocks; the blocks, the final norm and the output layer (a tied copy or an untied ``lm_head``).  With p = 1 both
     are the whole model, a tied embedding counted once."""
     h = model.hidden_size
-    layout = FAMILIES[model.family]
+    family = family_of(model)
     embedding = padded_vocab_size(model.vocab_size, tp, vocab_multiple) * h // tp
-    positions = model.seq_length * h if layout.learned_positions else 0
-    final_norm = layout.norm_params * h
+    positions = model.seq_length * h if family.layout.positions else 0
+    final_norm = family.tuner.norm_params * h
     block = block_param_count(model, tp)
     if pp == 1:
         output = 0 if model.tie_word_embeddings else embedding
@@ -162,7 +148,7 @@ def sp_split(cand: Candidate) -> int:
 
 def embedding_activation_bytes(model: ModelShape, cand: Candidate) -> float:
     """First stage, per micro-batch: a GPT's embedding dropout mask (1-byte s b h, /t under SP); nothing for a Llama."""
-    if not FAMILIES[model.family].embedding_dropout:
+    if not family_of(model).layout.positions:  # the embedding dropout comes with the learned positions
         return 0.0
     return model.seq_length * cand.micro_batch_size * model.hidden_size * MASK_BYTES / sp_split(cand)
 
@@ -171,7 +157,7 @@ def output_activation_bytes(model: ModelShape, cand: Candidate) -> float:
     """Last stage, per micro-batch: final norm input and output-layer input (+ RMSNorm's 1/rms; /t under SP), and the
     logits in bf16 plus their fp32 copy."""
     s, b, h = model.seq_length, cand.micro_batch_size, model.hidden_size
-    per_token = 2 * ACT_BYTES * h + FAMILIES[model.family].norm_stat_bytes
+    per_token = 2 * ACT_BYTES * h + family_of(model).tuner.norm_stat_bytes
     logits = LOGITS_BYTES * s * b * padded_vocab_size(model.vocab_size, cand.tp) / cand.tp
     return per_token * s * b / sp_split(cand) + logits
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from ds_megatron.config import ModelShape
+from ds_megatron.model import family_of
 from ds_megatron.tune import memory_model
 from ds_megatron.tune.memory_model import GIB, StageMemory, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
@@ -170,7 +171,7 @@ def format_report(result: SearchResult, top: int = 10) -> str:
 def _shape_text(m: ModelShape) -> str:
     """``L 96, h 12288, a 96`` for a GPT; a Llama adds its KV heads, SwiGLU width and output layer."""
     text = f"L {m.num_layers}, h {m.hidden_size}, a {m.num_heads}"
-    if m.family == "gpt2":
+    if family_of(m).fixed_kv_and_width:
         return text
     tied = "tied" if m.tie_word_embeddings else "untied"
     return f"{m.family}: {text}, KV heads {m.num_kv_heads}, F {m.intermediate_size}, {tied} output layer"

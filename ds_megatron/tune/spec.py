@@ -11,14 +11,8 @@ from ds_megatron.config.errors import nearest
 from ds_megatron.config.numbers import check_finite
 from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, RECOMPUTE_MODULES
 from ds_megatron.config.shape import ModelShape, Vocabulary, resolve_shape
-from ds_megatron.config.sizes import (
-    FAMILIES,
-    GPT3_SEQ_LENGTH,
-    GPT3_VOCAB_SIZE,
-    LLAMA3_SEQ_LENGTH,
-    LLAMA3_VOCAB_SIZE,
-    named,
-)
+from ds_megatron.config.sizes import named
+from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
 from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 
 SDPA_CORE_ATTN_REASON = (
@@ -39,12 +33,6 @@ TP_SPLITS = {
     "num_kv_heads": "TP splits the KV heads like the query heads",
     "intermediate_size": "TP splits the MLP width",
 }
-
-# A Llama's published recipes train without dropout, so the tuner models and writes 0; a GPT keeps the loader's 0.1.
-LLAMA_DROPOUT = 0.0
-# Vocabulary and sequence length when neither a named size nor a flag gives them.
-DEFAULT_VOCAB = {"gpt2": GPT3_VOCAB_SIZE, "llama": LLAMA3_VOCAB_SIZE}
-DEFAULT_SEQ_LENGTH = {"gpt2": GPT3_SEQ_LENGTH, "llama": LLAMA3_SEQ_LENGTH}
 
 
 @dataclass(frozen=True)
@@ -184,14 +172,15 @@ def build_model_shape(
 ) -> ModelShape:
     """The model the tuner is asked about: a named size (``--model gpt3-175b``, ``--model llama3-70b``), optionally
     overridden, or an explicit shape (``family="llama"`` for a Llama one), resolved as a run's config would be (its
-    ``size`` kept only when the named shape is unchanged).  Vocabulary and sequence length default to the named
-    size's, else the family's (DEFAULT_VOCAB, DEFAULT_SEQ_LENGTH); the position table is as long as the sequence."""
+    ``size`` kept only when the named shape is unchanged).  Vocabulary, sequence length and dropout default to the
+    named size's, else the family's (``Family.tuner``); the position table is as long as the sequence."""
     shape = named(model) if model is not None else None
-    kind = shape.family if shape is not None else family or "gpt2"
+    kind = shape.family if shape is not None else family or DEFAULT_FAMILY
     if kind not in FAMILIES:
         raise ConfigError("--family", "unknown family", repr(kind), f"use one of {', '.join(FAMILIES)}")
-    vocab = vocab if vocab is not None else (shape and shape.vocab_size) or DEFAULT_VOCAB[kind]
-    seq_length = seq_length if seq_length is not None else (shape and shape.seq_length) or DEFAULT_SEQ_LENGTH[kind]
+    facts = FAMILIES[kind].tuner
+    vocab = vocab if vocab is not None else (shape and shape.vocab_size) or facts.default_vocab
+    seq_length = seq_length if seq_length is not None else (shape and shape.seq_length) or facts.default_seq_length
     section = ModelSection(
         size=model,
         family=family,
@@ -204,7 +193,7 @@ def build_model_shape(
         num_kv_heads=kv_heads,
         intermediate_size=intermediate_size,
         tie_word_embeddings=tie_word_embeddings,
-        **({"dropout": LLAMA_DROPOUT} if kind == "llama" else {}),
+        **({"dropout": facts.dropout} if facts.dropout is not None else {}),
     )
     return resolve_shape(section, FLAGS)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
 from ds_megatron.flops import block_fields, executed_flops_per_step
+from ds_megatron.model import FAMILIES
 from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
 from ds_megatron.tune.memory_model import (
     ACT_BYTES,
@@ -74,24 +75,15 @@ def eager_score_bytes(attention_dropout: bool) -> tuple[int, int]:
     )  # type: ignore[return-value]
 
 
-# The forward passes selective recompute runs again for its elementwise modules, (op, bytes read, bytes written) per
-# element of the output: [s b, F/t] for mlp_act, [s b (/t under SP), h] per norm for layernorm.  Each is its own
-# bf16 kernel doing a few FLOPs per byte, so bandwidth-bound.  core_attn re-runs matmuls, charged with them.
+# The forward passes selective recompute runs again for its elementwise modules (each family's), (op, bytes read,
+# bytes written) per element of the output: [s b, F/t] for mlp_act, [s b (/t under SP), h] per norm for layernorm.
+# Each is its own bf16 kernel doing a few FLOPs per byte, so bandwidth-bound.  core_attn re-runs matmuls.
 RECOMPUTED_PASSES = {
-    "gpt2": {
-        "mlp_act": (("GELU", ACT_BYTES, ACT_BYTES),),
-        "layernorm": (
-            ("LayerNorm before attention", ACT_BYTES, ACT_BYTES),
-            ("LayerNorm before the MLP", ACT_BYTES, ACT_BYTES),
-        ),
-    },
-    "llama": {
-        "mlp_act": (("silu(gate) * up", 2 * ACT_BYTES, ACT_BYTES),),
-        "layernorm": (
-            ("RMSNorm before attention", ACT_BYTES, ACT_BYTES),
-            ("RMSNorm before the MLP", ACT_BYTES, ACT_BYTES),
-        ),
-    },
+    name: {
+        module: tuple((op, read * ACT_BYTES, written * ACT_BYTES) for op, read, written in ops)
+        for module, ops in family.tuner.recomputed_passes.items()
+    }
+    for name, family in FAMILIES.items()
 }
 
 # The calibration's extra terms (calibration.fit_time_model): the intra-node latency of a collective or send, and a

@@ -12,6 +12,7 @@ from pathlib import Path
 from ds_megatron.config import ConfigError
 from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.config.shape import DEFAULT_ROPE_THETA, SHAPE_FIELDS
+from ds_megatron.model import family_of
 from ds_megatron.tune import memory_model, time_model
 from ds_megatron.tune.memory_model import total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
@@ -71,7 +72,7 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
     model.update({key: getattr(m, key) for key in WRITTEN_SHAPE})
     # never sdpa with core_attn recomputed: the search does not generate it, the loader refuses it
     model["attention"] = c.attention
-    if m.family != "gpt2":  # the loader refuses the llama-only fields for a GPT
+    if not family_of(m).fixed_kv_and_width:  # the loader refuses the llama-only fields for a GPT
         # dropout: what the memory model assumed (the loader's default, 0.1, is GPT's)
         model.update({key: getattr(m, key) for key in LLAMA_WRITTEN})
         if not m.size:  # a named size brings its own; a custom or changed shape keeps its origin's

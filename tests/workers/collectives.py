@@ -19,7 +19,7 @@ from common import micro_batches, tiny_ds_config, token_batches, write_result  #
 
 from ds_megatron.config import resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
-from ds_megatron.pipeline import GPTBlockPipe  # noqa: E402
+from ds_megatron.pipeline import BlockPipe  # noqa: E402
 
 COUNTS, BYTES = Counter(), Counter()
 STATE = {"group": None, "on": False}
@@ -56,7 +56,7 @@ def main() -> None:
         STATE["on"] = i == 1
         built.engine.train_batch(iter(micro_batches(tokens, run.micro_batch_size, 1, 0)))
     STATE["on"] = False
-    blocks = sum(isinstance(f, GPTBlockPipe) for f in built.engine.module.forward_funcs)
+    blocks = sum(isinstance(f, BlockPipe) for f in built.engine.module.forward_funcs)
     write_result(
         args.out,
         "collectives",

@@ -15,7 +15,7 @@ from common import tiny_ds_config, write_result  # noqa: E402
 from ds_megatron.config import resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
 from ds_megatron.generate import Decoder  # noqa: E402
-from ds_megatron.model import GPT, GPTConfig  # noqa: E402
+from ds_megatron.model.gpt2.model import GPT, GPTConfig  # noqa: E402
 
 
 def main() -> None:

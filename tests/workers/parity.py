@@ -69,7 +69,7 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
         cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings="tied" in options)
     run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     built = build_engine(run)
-    engine, topo, plan = built.engine, built.topology, built.plan
+    engine, topo, plan = built.engine, built.topology, built.parallel
     batches = token_batches(args.steps, run.global_batch_size, run.model.seq_length, run.model.vocab_size)
     boundary_rows = []
     if topo.pp_rank > 0:  # what arrives from the previous stage

@@ -1,0 +1,150 @@
+"""What a model family is: the record each family folder fills in (``model/<family>/__init__.py``) and the registry
+(``ds_megatron.model.FAMILIES``) hands to every other module.  Standard library only.  The torch side is the
+``modeling`` module's ``MODELING`` (``model.layers.Modeling``: model, block, final norm, initialiser)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+COLUMN, ROW, VOCAB, OUTPUT, POSITION, NORM = "column", "row", "vocab", "output", "position", "norm"
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One module of a family's parallel plan.  ``path``: the module inside a block (``attn.c_attn``) or the model
+    (``transformer.wte``).  ``style``:
+      column   ColumnParallelLinear: weight and bias split on the output dim (``fused`` blocks, e.g. q|k|v, by heads)
+      row      RowParallelLinear: weight split on the input dim, bias replicated (summed over TP under SP)
+      vocab    VocabParallelEmbedding: rows split in vocabulary blocks, padded to vocab_multiple x tp; tied output
+      output   VocabParallelOutput: an untied output layer, split and padded like the embedding
+      position learned position table, replicated; each rank looks up its own sequence chunk under SP
+      norm     LayerNorm or RMSNorm, replicated; sees a sequence shard under SP (gradients summed over TP)
+    ``group``: column rows of one module with the same group share their input's collective (one all-gather under
+    SP for q, k and v; one for gate and up)."""
+
+    path: str
+    style: str
+    fused: int = 1
+    group: str | None = None
+
+
+@dataclass(frozen=True)
+class LayoutTable:
+    """Where a family's non-block parameters sit in the pipeline.  A slot is (module path in the full model, the
+    attribute the pipeline layer keeps it under): the full name of the layer's key ``<attr>.<leaf>`` is
+    ``<path>.<leaf>``.  ``positions``: a learned position table (with the embedding dropout after it; the config
+    then has ``n_positions`` and ``embd_pdrop``), None for rotary positions."""
+
+    embedding: tuple[str, str]
+    positions: tuple[str, str] | None
+    final_norm: tuple[str, str]
+    output: tuple[str, str]  # the untied output layer (unused when tied)
+    tied_key: str  # TiedLayerSpec key of the tied embedding
+
+
+class BlockTerms(NamedTuple):
+    """One block's stored tensors outside the attention core's s^2 terms, in units of s*b*h (``memory.py``)."""
+
+    replicated: float  # bytes replicated under TP, split by SP, in activation dtype (plus fp32 norm statistics)
+    replicated_masks: int  # dropout masks, placed like the above (mask_bytes each)
+    split: float  # bytes split by TP, in activation dtype
+    qkv: float  # Q, K and V in units of h elements (what the sdpa math path saves again in its own dtype)
+    attention_dropout: bool  # the core has a dropout (its output and mask are s^2 terms)
+    mlp_act: float  # the MLP activation's output (the second linear's input), units of h; "mlp_act" drops it
+
+
+Gemm = tuple[str, int, int, int, int]  # a block's matmul for the tuner: (name, m, k, n, count) m x k by k x n
+
+
+@dataclass(frozen=True)
+class TunerFacts:
+    """What the analytic tuner (``ds_megatron.tune``) counts for a family besides its FLOPs and block terms."""
+
+    default_vocab: int  # vocabulary when neither a named size nor a flag gives one
+    default_seq_length: int  # sequence length likewise
+    dropout: float | None  # the dropout the tuner models and writes (None: the loader's default)
+    attention_dropout_only: bool  # the dropout is the attention's alone (else all are counted, as in the paper)
+    norm_params: int  # parameters of one norm per h: LayerNorm's weight and bias 2, RMSNorm's weight 1
+    norm_stat_bytes: int  # per token a norm keeps besides its input: RMSNorm's fp32 1/rms (the paper omits LayerNorm's)
+    block_params: Callable[[int, int, int, int], int]  # (h, kv width, F, tp) -> one block's parameters per TP rank
+    block_gemms: Callable[[int, int, int, int, int], tuple[Gemm, ...]]  # (tokens, h, kv width, F, tp) -> forward
+    # Per selective-recompute module, the passes run again: (op, activations read, written) per output element.
+    recomputed_passes: dict[str, tuple[tuple[str, int, int], ...]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything that is one model family's, read by parallelize, pipeline, checkpoints, FLOPs, memory and tests."""
+
+    name: str  # the config's ``model.family``
+    config: type  # the single-device config: ``from_shape``, ``from_hf``, ``to_hf``, ``n_layer``, ``n_embd``
+    modeling: str  # the module of the torch side, defining MODELING
+    blocks: str  # full names of block i start with "<blocks>.<i>."
+    plan: tuple[PlanRow, ...]
+    attention: str  # the block's attention module (its ``core_attention`` is what selective recompute wraps)
+    layout: LayoutTable
+    hf_model_type: str  # transformers' ``model_type``
+    hf_architecture: str  # transformers' model class, written to an exported ``config.json``
+    mlp_matrices: int  # weight matrices of the MLP, each h x F (FLOPs)
+    block_terms: Callable[..., BlockTerms]  # (h, a, num_kv_heads, intermediate_size, attention_dropout, act)
+    tuner: TunerFacts
+    # Every head its own K and V and an MLP of width 4h: the shape is L, h, a alone (the formulas then default to
+    # kv = h, F = 4h, the config refuses KV heads and MLP width); else both are the family's to choose.
+    fixed_kv_and_width: bool = False
+    hf_transposed: tuple[str, ...] = ()  # name suffixes transformers stores [in, out] (GPT-2's Conv1D)
+    # Why DeepSpeed's automatic tensor parallelism for inference (init_inference without kernel injection) cannot
+    # shard the exported model, or None when it can.
+    no_autotp_inference: str | None = None
+    sp_dropouts: tuple[str, ...] = ()  # dropouts inside a block acting on the sequence-sharded stream under SP
+    model_sp_dropouts: tuple[str, ...] = ()  # the same outside the blocks (paths from the model root)
+
+    def torch_side(self) -> Any:
+        """The family's ``Modeling`` (model, block, final norm, init); imports torch."""
+        return importlib.import_module(self.modeling).MODELING
+
+    @property
+    def block_prefix(self) -> str:
+        return self.blocks + "."
+
+    @property
+    def block_rows(self) -> tuple[PlanRow, ...]:
+        return tuple(r for r in self.plan if not self.is_model_row(r))
+
+    @property
+    def model_rows(self) -> tuple[PlanRow, ...]:
+        return tuple(r for r in self.plan if self.is_model_row(r))
+
+    def is_model_row(self, row: PlanRow) -> bool:
+        root = self.blocks.split(".")[0] + "."
+        return row.path.startswith(root) or row.style in (OUTPUT, VOCAB)
+
+    def row(self, name: str) -> PlanRow | None:
+        """The row of a full parameter name (``model.layers.3.self_attn.q_proj.weight`` -> ``self_attn.q_proj``)."""
+        module = name.rsplit(".", 1)[0]
+        if module.startswith(self.block_prefix):
+            module = module[len(self.block_prefix) :].split(".", 1)[-1]
+        return next((r for r in self.plan if r.path == module), None)
+
+    def is_hf_transposed(self, name: str) -> bool:
+        """Whether transformers stores this weight [in, out] where ours is ``nn.Linear``'s [out, in]."""
+        return bool(self.hf_transposed) and name.endswith(self.hf_transposed)
+
+
+def hf_fields(config: Any, renamed: dict[str, str], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A config's dataclass fields under transformers' names (``renamed``: ours -> theirs; others keep their name;
+    ``attention`` is the attention kernel, not a field of transformers' config; ``skip``: fields mapped by hand)."""
+    return {
+        renamed.get(f.name, f.name): getattr(config, f.name)
+        for f in fields(config)
+        if f.name != "attention" and f.name not in skip
+    }
+
+
+def read_fields(cls: type, source: Any, renamed: dict[str, str], **given: Any) -> dict[str, Any]:
+    """The inverse of :func:`hf_fields`: ``cls``'s fields read off ``source`` (a transformers config, a resolved
+    shape) under ``renamed`` names, ``given`` taking precedence."""
+    names = [f.name for f in fields(cls) if f.name != "attention" and f.name not in given]
+    return {**{name: getattr(source, renamed.get(name, name)) for name in names}, **given}

@@ -1,0 +1,212 @@
+"""Layers the families share, and ``BlockHooks``: what TP, SP and recompute change inside a block, one object the
+block is built with (defaults: single-device; ``parallelize.block_hooks`` builds the parallel ones).  Every other
+change is a module swap of the plan (linears, embeddings, norms, dropouts).  Torch only, no torch.distributed."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Runs a module's several linear layers on one input (q|k|v, gate|up).
+Projection = Callable[[torch.Tensor, tuple[nn.Module, ...]], tuple[torch.Tensor, ...]]
+
+
+class ScaledCausalSoftmax(torch.autograd.Function):
+    """softmax(scores with the future masked) along the last dim, stored in the scores' dtype.
+
+    ``F.softmax(x, dtype=float32).to(bf16)`` would keep the fp32 result for backward (4 bytes per score instead of 2:
+    +25% of a block's activations at s 512, h 256, a 8) and ``masked_fill`` would keep the [s, s] mask.  Here only
+    the output is saved, in the scores' dtype; backward recomputes nothing: dx = y * (dy - sum(dy * y)), which is
+    zero at masked positions because y is zero there.  torch's softmax kernels accumulate bf16/fp16 inputs in fp32
+    internally, so the scores are never converted as a whole: converting the s x s tensors to fp32 and back (five
+    passes per layer) took a third of a bf16 CPU step (measured: 1,282 -> 709 ms/step at s 2048, h 256, tp 2)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+        """scores [..., s, s] (already scaled); future [s, s] bool, True where a token must not attend."""
+        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        ctx.save_for_backward(probs)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (probs,) = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, probs, -1, probs.dtype), None
+
+
+def compose(fn: Callable, inputs: tuple[torch.Tensor, ...], consumer: Callable) -> torch.Tensor:
+    """``consumer(fn(*inputs))``: the single-device ``BlockHooks.around_norm`` and ``around_act``."""
+    return consumer(fn(*inputs))
+
+
+def project_each(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
+    """Each linear applied to ``x``: the single-device ``BlockHooks.project``."""
+    return tuple(linear(x) for linear in linears)
+
+
+def run_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``core(q, k, v)`` in the default RNG state: the single-device ``BlockHooks.core_attention``."""
+    return core(q, k, v)
+
+
+class Modeling(NamedTuple):
+    """A family's torch side (its ``model.py`` defines ``MODELING``; ``Family.modeling`` names that module)."""
+
+    model: type  # the single-device model: Model(config, seed)
+    block: type  # one transformer block: Block(config, hooks=BlockHooks())
+    final_norm: Callable[[Any], nn.Module]  # final_norm(config): the norm after the blocks
+    init: Callable[..., None]  # init(module, config, seed, prefix): parameters initialised by full name
+
+
+@dataclass(frozen=True)
+class BlockHooks:
+    """The four places a block's forward leaves to parallelism and recompute (defaults: the single-device model).
+
+    around_norm(norm, (x,), consumer)  ``consumer(norm(x))``.  Selective recompute of ``layernorm``: the norm's
+                                       output is not stored for the consumer's backward but recomputed from x
+                                       (``recompute.discard_output``), which the norm keeps anyway.
+    around_act(act, inputs, consumer)  ``consumer(act(*inputs))``, the MLP activation before its second linear;
+                                       ``mlp_act`` recomputes the activation's output the same way.
+    project(x, linears)                each linear applied to x (q|k|v, gate|up).  Under TP, one collective on the
+                                       input for all of them (one all-gather of a sequence shard under SP).
+    core_attention(core, q, k, v)      ``core(q, k, v)``.  Under TP in the tensor-parallel RNG state (heads are
+                                       split, so their dropout masks must differ across TP ranks); with selective
+                                       recompute of ``core_attn`` checkpointed, its s x s tensors recomputed with
+                                       the same RNG states in backward.
+    """
+
+    around_norm: Callable[..., torch.Tensor] = compose
+    around_act: Callable[..., torch.Tensor] = compose
+    project: Projection = project_each
+    core_attention: Callable[..., torch.Tensor] = run_core
+
+
+SINGLE_DEVICE = BlockHooks()  # every block's default
+
+
+class CoreAttention(nn.Module):
+    """softmax(Q K^T / sqrt(d) + causal mask) -> dropout -> x V: the part selective recompute checkpoints.  The
+    attention module calls it through ``BlockHooks.core_attention`` (which picks its RNG state)."""
+
+    def __init__(self, config: Any):
+        """``config``: a family's config (``attention``, ``head_dim``, ``attn_pdrop``)."""
+        super().__init__()
+        self.kernel = config.attention
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.attn_dropout = nn.Dropout(config.attn_pdrop)
+        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _future_mask(self, s: int, device: torch.device) -> torch.Tensor:
+        """[s, s] bool, True above the diagonal (positions a token must not attend to); built once per length."""
+        key = (s, device)
+        if key not in self._masks:
+            self._masks[key] = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+        return self._masks[key]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b, n_heads, s, d], k and v [b, n_kv, s, d] -> context [b, n_heads, s, d].
+
+        With fewer KV heads than query heads (grouped-query attention), query head i attends with KV head
+        i // (n_heads / n_kv).  K and V are never expanded to n_heads: the eager path folds each KV head's group of
+        query heads into the row dim ([b, n_kv, g s, d]), so the matmuls store K and V at KV size."""
+        n, n_kv = q.shape[1], k.shape[1]
+        if self.kernel == "sdpa":
+            p = self.attn_dropout.p if self.training else 0.0
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, scale=self.scale, enable_gqa=n != n_kv
+            )
+        b, _, s, d = q.shape
+        q = q * self.scale  # scaling q is s/d cheaper than scaling the scores
+        if n != n_kv:
+            q = q.reshape(b, n_kv, (n // n_kv) * s, d)
+        scores = torch.matmul(q, k.transpose(-1, -2)).view(b, n, s, s)
+        probs = ScaledCausalSoftmax.apply(scores, self._future_mask(s, q.device))
+        probs = self.attn_dropout(probs)
+        if n == n_kv:
+            return torch.matmul(probs, v)
+        return torch.matmul(probs.view(b, n_kv, -1, s), v).view(b, n, s, d)
+
+
+class TiedEmbedding(nn.Embedding):
+    """Token embedding that doubles as the output layer (GPT-2's tied ``lm_head``)."""
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[s, b, h] -> [s, b, V]."""
+        return F.linear(x, self.weight)
+
+
+@torch.no_grad()
+def seeded_normal_(param: torch.Tensor, name: str, std: float, seed: int) -> None:
+    """Fill ``param`` with N(0, std) from a generator seeded by (seed, its full name): the values depend only on the
+    name and the seed, never on which stage or rank builds the module, which is what makes a tp=2, pp=2 model start
+    from exactly the weights of the single-device one (for every model family).  Meta tensors (shapes only) are
+    left alone."""
+    if param.is_meta:
+        return
+    gen = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+    param.copy_(values)
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """x in at least fp32 (bf16/fp16 upcast; fp32 and fp64 kept)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = weight * (x / rms(x)) with the normalisation in fp32 and the result cast back before the weight (the
+    rounding order of transformers' LlamaRMSNorm).  Saves x and the fp32 1/rms per token only."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = upcast(x)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        normed = upcast(x) * rstd  # [..., h], fp32 (or wider)
+        g = upcast(grad)
+        grad_weight = (g * upcast(normed.to(x.dtype))).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gn = g * upcast(weight)
+        grad_x = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+@torch.no_grad()
+def init_by_name(module: nn.Module, prefix: str, seed: int, std_of: Callable[[str], float | None]) -> None:
+    """Initialise every parameter of ``module`` whose full name is ``prefix + local name``: N(0, ``std_of(name)``)
+    by :func:`seeded_normal_`, or where that is None ones for a weight (norms) and zeros for a bias."""
+    for local_name, param in module.named_parameters():
+        name = prefix + local_name
+        std = std_of(name)
+        if std is None:
+            param.fill_(1.0 if name.endswith(".weight") else 0.0)
+        else:
+            seeded_normal_(param, name, std, seed)

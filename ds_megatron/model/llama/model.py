@@ -1,0 +1,199 @@
+"""The single-device Llama-style decoder (Llama 3, and the models that share its layout).  Torch only.
+
+RMSNorm, rotary position embedding (optionally Llama 3's ``llama3`` frequency scaling), grouped-query attention, a
+SwiGLU MLP, no biases, tied or untied output layer.  Parameter names are exactly transformers' ``LlamaForCausalLM``
+names (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``), and linear weights are ``nn.Linear``'s
+[out, in] as there, so the HF key map is the identity.
+
+Activations inside the stack are ``[s, b, h]`` (sequence first, as in ``gpt2/model.py``).  Two autograd functions
+keep what backward needs at its smallest: ``model.layers.RMSNormFunction`` stores the input and one fp32 number per
+token, and :class:`SwiGLUFunction` stores the gate and up projections only (not the SiLU output as well).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_megatron.model.layers import (
+    SINGLE_DEVICE,
+    BlockHooks,
+    CoreAttention,
+    Modeling,
+    RMSNorm,
+    TiedEmbedding,
+    init_by_name,
+    upcast,
+)
+from ds_megatron.model.llama import LlamaConfig
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rotary position embedding (Su et al. 2021), with Llama 3's frequency scaling.
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: tuple | None) -> torch.Tensor:
+    """[d/2] fp32 rotation frequencies theta^(-2i/d).  Llama 3 scaling (factor f over an original context C):
+    wavelengths shorter than C / high_freq_factor keep their frequency, those longer than C / low_freq_factor are
+    slowed by f, and the band between is interpolated linearly in C / wavelength."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if scaling is None:
+        return inv
+    cfg = dict(scaling)
+    factor, low, high = float(cfg["factor"]), float(cfg["low_freq_factor"]), float(cfg["high_freq_factor"])
+    context = float(cfg["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv
+    smooth = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: slowed by f, 1: kept
+    return (1 - smooth) * inv / factor + smooth * inv
+
+
+@functools.lru_cache(maxsize=8)
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float, scaling: tuple | None, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [s, 1, 1, d] for positions 0..s-1 (computed in fp32, then cast like the activations).  Cached: every
+    block of a process shares one pair of tables instead of holding its own."""
+    inv = inverse_frequencies(head_dim, theta, scaling)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)  # [s, d/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i + d/2}) of x [s, b, n, d] by the angle of each position.  Positions are global: under
+    sequence parallelism x is the full sequence (after the column-parallel all-gather), never a shard."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SwiGLU with lean saved tensors.
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up.  Saves gate and up only; backward recomputes sigmoid(gate) (elementwise, cheap)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        g, u, dy = upcast(gate), upcast(up), upcast(grad)
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        grad_gate = dy * u * sig * (1 + g * (1 - sig))
+        return grad_gate.to(gate.dtype), (dy * silu).to(up.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model.
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.config = config
+        self.head_dim = d
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.core_attention = CoreAttention(config)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor, hooks: BlockHooks) -> torch.Tensor:
+        """x: [s(/t), b, h] -> [s(/t), b, h].  After TP the local head counts are read off the projections' widths."""
+        q, k, v = hooks.project(x, (self.q_proj, self.k_proj, self.v_proj))  # each [s, b, heads_local * d]
+        s, b, _ = q.shape
+        d, c = self.head_dim, self.config
+        cos, sin = rotary_tables(s, d, c.rope_theta, c.rope_scaling, q.device, q.dtype)
+        q = apply_rotary(q.view(s, b, -1, d), cos, sin).permute(1, 2, 0, 3)  # [b, n_local, s, d]
+        k = apply_rotary(k.view(s, b, -1, d), cos, sin).permute(1, 2, 0, 3)  # [b, kv_local, s, d]
+        v = v.view(s, b, -1, d).permute(1, 2, 0, 3)
+        ctx = hooks.core_attention(self.core_attention, q, k, v)  # [b, n_local, s, d]
+        return self.o_proj(ctx.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x: torch.Tensor, hooks: BlockHooks) -> torch.Tensor:
+        gate, up = hooks.project(x, (self.gate_proj, self.up_proj))
+        return hooks.around_act(SwiGLUFunction.apply, (gate, up), self.down_proj)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm decoder block.  ``hooks``: what TP, SP and recompute change in its forward (the default is the
+    single-device block; ``ds_megatron.parallelize.parallelize_block`` sets the parallel ones)."""
+
+    def __init__(self, config: LlamaConfig, hooks: BlockHooks = SINGLE_DEVICE):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+        self.hooks = hooks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s(/t), b, h] -> same: x + attn(norm(x)), then + mlp(norm(.))."""
+        hooks = self.hooks
+        x = x + hooks.around_norm(self.input_layernorm, (x,), lambda y: self.self_attn(y, hooks))
+        return x + hooks.around_norm(self.post_attention_layernorm, (x,), lambda y: self.mlp(y, hooks))
+
+
+class Llama(nn.Module):
+    """Llama-style causal LM with transformers' ``LlamaForCausalLM`` parameter names."""
+
+    def __init__(self, config: LlamaConfig, seed: int = 1234):
+        super().__init__()
+        self.config = config
+        self.model = nn.ModuleDict(
+            dict(
+                embed_tokens=TiedEmbedding(config.vocab_size, config.hidden_size),
+                layers=nn.ModuleList(LlamaBlock(config) for _ in range(config.num_layers)),
+                norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
+            )
+        )
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        init_llama_module(self, config, seed)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [b, s] -> logits [b, s, V]."""
+        m = self.model
+        x = m.embed_tokens(input_ids.t())  # [s, b, h]
+        for block in m.layers:
+            x = block(x)
+        x = m.norm(x)
+        logits = m.embed_tokens.logits(x) if self.config.tie_word_embeddings else self.lm_head(x)
+        return logits.transpose(0, 1)
+
+
+def init_llama_module(module: nn.Module, config: LlamaConfig, seed: int, prefix: str = "") -> None:
+    """Initialise every parameter of ``module`` by its full name ``prefix + local name``: N(0, std) for every linear
+    and embedding weight, std / sqrt(2 L) for the two residual projections (o_proj, down_proj; GPT-2's depth
+    scaling), ones for the RMSNorm weights."""
+
+    def std_of(name: str) -> float | None:
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return config.initializer_range / math.sqrt(2 * config.num_layers)
+        return config.initializer_range
+
+    init_by_name(module, prefix, seed, std_of)
+
+
+MODELING = Modeling(Llama, LlamaBlock, lambda c: RMSNorm(c.hidden_size, c.rms_norm_eps), init_llama_module)
