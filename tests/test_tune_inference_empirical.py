@@ -38,9 +38,11 @@ MODEL = build_model_shape(
 CPU2 = build_cluster(None, 2, 2, gpu_memory_gb=16, peak_tflops=0.05, memory_gbps=10)
 WORK = Workload(32, 16, weight_dtype="fp32", kv_dtype="fp32", batch_sizes=(1, 8, 32))
 OPTIONS = InferenceEmpiricalOptions(max_minutes=2, device="cpu")
-# One core of this machine (benchmarks/inference_accuracy.py, cpu_figures: 96 GFLOP/s fp32 GEMM, 7.7 GB/s copy),
-# rounded up: a fitted efficiency above 1 is refused, so the figures must not undercut the machine.
-CPU_CORE = (0.1, 8.0)
+# One core of this machine, with room: benchmarks/inference_accuracy.py's cpu_figures measured 96-154 GFLOP/s (fp32
+# GEMM) and 7.7-15.9 GB/s (copy) depending on the load; a fitted efficiency above 1 is refused, so the figures must
+# never undercut the machine (0.1 TFLOP/s did on a quiet one: its prefill beat that peak).  Their ratio is what
+# shapes the ranking (where decode turns compute-bound); the fitted efficiency absorbs their common scale.
+CPU_CORE = (0.4, 32.0)
 
 
 @pytest.fixture(scope="module")
@@ -344,6 +346,7 @@ def test_empirical_mode_measures_eight_candidates_and_ranks_them_after_calibrati
     assert [r["status"] for r in runs] == ["ok"] * 8, json.dumps(runs, indent=1)[-3000:]
     assert all(r["measured"]["tpot"] > 0 and r["decode_steps"] == 2 * 15 for r in runs)
     rho = emp["spearman"]
+    assert emp["calibration"] is not None, json.dumps(emp, indent=1)[-3000:]
     print({k: v for k, v in rho.items()}, emp["calibration"]["note"], f"{wall:.0f} s")
     assert rho["tpot"]["analytic"] is not None and rho["tokens_per_s"]["analytic"] is not None
     assert rho["tpot"]["calibrated"] >= 0.8 and rho["tokens_per_s"]["calibrated"] >= 0.8, (rho, text[-4000:])
