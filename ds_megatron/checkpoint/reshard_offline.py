@@ -61,7 +61,7 @@ from ds_megatron.config.facts import (
     saved_layout,
     zero_stage,
 )
-from ds_megatron.fileio import atomic_write_text
+from ds_megatron.fileio import atomic_write_text, first_missing_ancestor
 from ds_megatron.optim import param_groups
 from ds_megatron.parallelize import shard_rule
 from ds_megatron.tensor_parallel import shard
@@ -99,7 +99,7 @@ def reshard_checkpoint(
         if what is not None:
             raise safe_load.refusal(f, what)
     old = OldCheckpoint(src, tag, trust=trust)
-    created = _first_missing_ancestor(out.parent)
+    created = first_missing_ancestor(out.parent)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     try:
@@ -202,13 +202,6 @@ def _target_run(old_cfg: dict, tp: int, pp: int, dp: int) -> RunConfig:
 def _world(cfg: dict) -> int:
     tp, pp, dp = saved_layout(cfg)
     return tp * pp * dp
-
-
-def _first_missing_ancestor(path: Path) -> Path | None:
-    missing = None
-    while not path.exists():
-        missing, path = path, path.parent
-    return missing
 
 
 class _Scratch:
