@@ -31,7 +31,13 @@ VALUE_FLAGS: tuple[tuple[str, str, type | None, str], ...] = (
     ("--log-interval", "ds_megatron.train.log_interval", int, ""),
     ("--eval-interval", "ds_megatron.train.eval_interval", int, " (0: only at the end)"),
     ("--seed", "ds_megatron.train.seed", int, ""),
-    ("--data", "ds_megatron.data.path", None, ": HF dataset name, or .txt/.json/.jsonl/.parquet files/globs"),
+    (
+        "--data",
+        "ds_megatron.data.path",
+        None,
+        ": HF dataset name, .txt/.json/.jsonl/.parquet files/globs, a prepared directory, or the PREFIX of a "
+        "Megatron-LM / GPT-NeoX PREFIX.bin + PREFIX.idx pair (with --tokenizer)",
+    ),
     ("--tokenizer", "ds_megatron.data.tokenizer", None, ": a tokenizer directory or bpe:N"),
     ("--save", "ds_megatron.checkpoint.save", None, ": checkpoint directory"),
     ("--save-interval", "ds_megatron.checkpoint.save_interval", int, ""),

@@ -467,7 +467,11 @@ def check_text_settings(run: RunConfig) -> None:
     tokenizer spec fits the model and ``valid_fraction`` is in (0, 0.5).  A prepared directory or a blend brings its
     own tokenizer and validation split and ignores both, so pre-flight calls this for raw text only."""
     check_tokenizer(effective_tokenizer(run), run.model.vocab_size)
-    fraction = run.section.data.valid_fraction
+    check_valid_fraction(run.section.data.valid_fraction)
+
+
+def check_valid_fraction(fraction: float) -> None:
+    """The tail of the token stream held out for validation (text tokenised in the launch, Megatron indexed data)."""
     if not 0.0 < fraction < 0.5:
         raise ConfigError("ds_megatron.data.valid_fraction", "must be in (0, 0.5)", f"got {fraction}", "set e.g. 0.02")
 
