@@ -166,6 +166,9 @@ def test_preflight_checks_the_tokenizer_against_the_ids(tmp_path, tok, monkeypat
         check_data(run_config(tmp_path, path=prefix))
     with pytest.raises(ConfigError, match="carries no tokenizer.*data.tokenizer='bpe:512'.*pass --tokenizer DIR"):
         check_data(run_config(tmp_path, path=prefix, tokenizer="bpe:512"))
+    readonly = tmp_path / "readonly"
+    readonly.write_text("")  # a file where the cache directory should be: the record cannot be written
+    check_run(run_config(tmp_path, path=prefix, tokenizer=str(tok), cache_dir=str(readonly)))
     scans = []
     monkeypatch.setattr(mi, "scan_ids", lambda tokens: scans.append(1) or scan_ids(tokens))
     check_run(run_config(tmp_path, path=prefix, tokenizer=str(tok)))  # 300 tokens, ids below 300
@@ -253,6 +256,7 @@ def test_a_blend_mixes_megatron_data_with_a_prepared_directory(tmp_path, tok, pr
     blend = [[str(prepared), 1], [prefix, 3]]
     run = run_config(tmp_path, blend=blend)  # no --tokenizer: the prepared directory's reads the Megatron ids too
     check_run(run)
+    check_run(run_config(tmp_path, blend=blend, tokenizer="bpe:512"))  # ignored, as beside prepared data alone
     data = prepare_data(run, 0)
     assert "data: blend of 1 prepared directories and 1 Megatron indexed datasets" in capsys.readouterr().out
     sources = [data.train.locate(k) for k in range(4096)]

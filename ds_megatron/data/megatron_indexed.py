@@ -268,19 +268,23 @@ def recorded_ids(ds: IndexedDataset, cache_dir: str | Path) -> tuple[int, int | 
 
 
 def record_ids(ds: IndexedDataset, cache_dir: str | Path, max_id: int) -> None:
-    """Keep a scan's result (only of ids that passed: a pair with negative ids is never recorded)."""
+    """Keep a scan's result (only of ids that passed: a pair with negative ids is never recorded).  A cache that
+    cannot be written (a read-only file system) costs the next launch a scan, nothing more."""
     record = _id_record(ds, cache_dir)
-    record.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(record, json.dumps({"prefix": ds.prefix, "max_id": max_id}))
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(record, json.dumps({"prefix": ds.prefix, "max_id": max_id}))
+    except OSError:
+        pass
 
 
 def tokenizer_spec(spec: str | None, prepared_tokenizer: str | None, setting: str) -> str:
     """The tokenizer directory Megatron indexed data is read with: ``data.tokenizer``, else (in a blend) that of the
-    prepared directories beside it.  Refused without one, or as ``bpe:N`` (a tokenizer trained here could not
-    match ids that were tokenised elsewhere)."""
+    prepared directories beside it.  Refused without one, or with only ``bpe:N`` (a tokenizer trained here could
+    not match ids that were tokenised elsewhere)."""
     if spec is not None and not spec.startswith("bpe:"):
         return spec
-    if spec is None and prepared_tokenizer is not None:
+    if prepared_tokenizer is not None:  # a bpe:N spec, like data.tokenizer for prepared data alone, is ignored
         return prepared_tokenizer
     raise ConfigError(
         setting,
