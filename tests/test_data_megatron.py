@@ -144,8 +144,10 @@ def _damage(prefix: Path, case: str) -> str:
         ("missing bin", "missing half of a Megatron indexed dataset (corpus.idx exists, corpus.bin does not)"),
     ],
 )
-def test_a_malformed_pair_is_one_line_naming_the_file(tmp_path, case, problem):
+def test_a_malformed_pair_is_one_line_naming_the_file(tmp_path, monkeypatch, case, problem):
+    monkeypatch.setattr(mi, "CHECK_ENTRIES", 4)  # the index is checked in chunks: a fault past the first is found
     prefix = write_indexed(tmp_path / "corpus", random_docs(3), "uint16")
+    open_indexed(str(prefix))  # whole, it passes in chunks too
     where = _damage(prefix, case)
     with pytest.raises(ConfigError) as err:
         open_indexed(str(prefix))
@@ -189,6 +191,8 @@ def test_preflight_checks_the_tokenizer_against_the_ids(tmp_path, tok, monkeypat
     check_data(run_config(tmp_path, path=prefix, tokenizer=str(tok)))
     with pytest.raises(ConfigError, match="too few tokens for one sample of seq_length"):
         check_data(run_config(tmp_path, seq=1024, path=prefix, tokenizer=str(tok)))
+    with pytest.raises(ConfigError, match="^error: ds_megatron.data.hf_config: a configuration name needs a Hug"):
+        check_data(run_config(tmp_path, path=prefix, tokenizer=str(tok), hf_config="wikitext-2-raw-v1"))
     with pytest.raises(ConfigError, match="valid_fraction: must be in"):
         check_data(run_config(tmp_path, path=prefix, tokenizer=str(tok), valid_fraction=0.6))
 
