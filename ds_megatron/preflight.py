@@ -225,7 +225,7 @@ def check_blend(run: RunConfig) -> None:
     setting = "ds_megatron.data.blend"
     fingerprints, megatron = {}, []
     for directory, _ in run.section.data.blend:
-        prefix = megatron_prefix(directory, setting)
+        prefix = None if is_prepared(directory) else megatron_prefix(directory, setting)  # as for data.path
         if prefix is not None:
             megatron.append(check_megatron_files(run, prefix, setting))
             continue

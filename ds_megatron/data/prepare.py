@@ -218,7 +218,10 @@ def _blend_data(run: RunConfig, rank: int) -> RunData:
     data = run.section.data
     paths = [str(entry[0]) for entry in data.blend]
     weights = [float(entry[1]) for entry in data.blend]
-    members = [open_indexed(p) if megatron_prefix(p, "ds_megatron.data.blend") else _open_checked(p) for p in paths]
+    members = [
+        open_indexed(p) if not is_prepared(p) and megatron_prefix(p, "ds_megatron.data.blend") else _open_checked(p)
+        for p in paths
+    ]
     prepared = [m for m in members if isinstance(m, Prepared)]
     prints = {m.manifest["tokenizer"]["fingerprint"] for m in prepared}
     if len(prints) > 1:
