@@ -127,12 +127,31 @@ def test_config_keys():
     data = parse_section({"data": {"document_mask": True, "document_positions": "global"}}).data
     assert (data.document_mask, data.document_positions) == (True, "global")
     assert (DataSection().document_mask, DataSection().document_positions) == (False, "restart")
-    check_data_section(data)
+    check_data_section(DataSection(document_positions="global"))
+    # refused until the model and pipeline pass the ids through: a key that did nothing would claim a mask it lacks
+    with pytest.raises(ConfigError, match="ds_megatron.data.document_mask: not yet passed"):
+        check_data_section(data)
     with pytest.raises(ConfigError) as err:
         check_data_section(DataSection(document_positions="local"))
     assert str(err.value).startswith("error: ds_megatron.data.document_positions:") and "'local'" in str(err.value)
     with pytest.raises(ConfigError, match="document_mask"):
         parse_section({"data": {"document_mask": "yes"}})
+
+
+def test_ring_scores_computed_per_rank():
+    """The ring's work per rank with documents, as the load-balance table counts it: one document is plain causal
+    ((2cp + 1) c^2 on every rank); documents no longer than a chunk leave only pairs that touch a boundary
+    document; the count equals the chunk-pair count of the ids."""
+    for cp in (2, 4):
+        c = S // (2 * cp)
+        assert cp_comm.ring_scores_computed(torch.zeros(1, S, dtype=torch.long), cp) == [(2 * cp + 1) * c * c] * cp
+        for mix in ("crossing", "tiny"):
+            ids = mix_ids(mix)
+            want = [expected_pairs(ids, [r, 2 * cp - 1 - r], 2 * cp) * c * c for r in range(cp)]
+            assert cp_comm.ring_scores_computed(ids, cp) == want
+    # separate documents of exactly one chunk each: only the diagonal pairs are computed
+    ids = torch.arange(8).repeat_interleave(3).unsqueeze(0)  # cp 4, c 3
+    assert cp_comm.ring_scores_computed(ids, 4) == [2 * 9] * 4
 
 
 # ---- single device: CoreAttention ----

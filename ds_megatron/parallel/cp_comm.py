@@ -154,6 +154,24 @@ def _add_dkv(dkv: Tensor, grads: list[tuple[slice, Tensor, Tensor]]) -> None:
         dkv[1][:, :, cols] += dv_b
 
 
+def ring_scores_computed(doc_ids: Tensor, cp: int) -> list[int]:
+    """Score elements each CP rank's ring computes per (batch, head) with document ids [b, s] of the whole
+    sequence (a diagonal pair counts whole: its kernel computes the square, then masks the future): the load balance
+    of packed documents, without a process group."""
+    c = doc_ids.shape[1] // (2 * cp)
+    local = [slice_for_rank(doc_ids, 1, r, cp) for r in range(cp)]
+    work = []
+    for rank in range(cp):
+        pairs = 0
+        for src in range(cp):
+            docs = (local[rank], local[src])
+            pairs += sum(
+                _pair_docs(docs, rows, cols, causal) is not False for rows, cols, causal in _ring_pairs(rank, src, c)
+            )
+        work.append(pairs * c * c)
+    return work
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: cp steps; at step t this rank holds the K/V of CP rank (rank - t) mod cp, sends it on to the next
     rank and receives the following one while it computes the attention of the block in hand (two buffers: the one
