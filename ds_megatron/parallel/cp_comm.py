@@ -25,6 +25,7 @@ from ds_megatron.parallel.cp import gather_for_ranks, slice_for_rank, unslice
 from ds_megatron.parallel.cp_kernels import Docs, block_backward, block_forward
 
 Pair = tuple[slice, slice, bool]  # (query rows, key rows, causal) of one block
+Planned = tuple[slice, slice, bool, Docs | None]  # a block to compute and its (query, key) document ids, if masked
 
 
 def _size_rank(group: ProcessGroup | None) -> tuple[int, int]:
@@ -84,12 +85,18 @@ def shares_document(q_doc: Tensor, k_doc: Tensor) -> bool:
     return any(bool(torch.isin(kd, qd).any()) for qd, kd in zip(q_doc, k_doc, strict=True))
 
 
-def _pair_docs(docs: tuple[Tensor, Tensor] | None, rows: slice, cols: slice, causal: bool) -> Docs | None | bool:
-    """The pair's (query, key) document ids, None without document masking, or False when the pair is skipped."""
+def _plan(pairs: list[Pair], docs: Docs | None, host: Docs | None = None) -> list[Planned]:
+    """The blocks to compute: every pair without document ids; with them ((query ids, key ids) of the rows and
+    keys the pairs index), the pairs that share a document, each with its slices of the ids for its mask.  The
+    decisions read ``host``, a CPU copy of the ids (default ``docs``), so they never wait on the device per pair."""
     if docs is None:
-        return None
-    pair = (docs[0][:, rows], docs[1][:, cols])
-    return pair if causal or shares_document(*pair) else False
+        return [(rows, cols, causal, None) for rows, cols, causal in pairs]
+    host = docs if host is None else host
+    return [
+        (rows, cols, causal, (docs[0][:, rows], docs[1][:, cols]))
+        for rows, cols, causal in pairs
+        if causal or shares_document(host[0][:, rows], host[1][:, cols])
+    ]
 
 
 def _merge(out: Tensor, lse: Tensor, block: Any) -> None:
@@ -104,14 +111,10 @@ def _merge(out: Tensor, lse: Tensor, block: Any) -> None:
 
 
 def _forward_pairs(
-    kernel: str, q: Tensor, kv: Tensor, pairs: list[Pair], docs: tuple[Tensor, Tensor] | None,
-    out: Tensor, lse: Tensor, scale: float, first: bool,
-) -> None:  # fmt: skip
-    """Compute and merge every pair not skipped; ``first``: out/lse hold nothing yet (copy the first block)."""
-    for rows, cols, causal in pairs:
-        pair_docs = _pair_docs(docs, rows, cols, causal)
-        if pair_docs is False:
-            continue
+    kernel: str, q: Tensor, kv: Tensor, plan: list[Planned], out: Tensor, lse: Tensor, scale: float, first: bool
+) -> None:
+    """Compute and merge every planned block; ``first``: out/lse hold nothing yet (copy the first block)."""
+    for rows, cols, causal, pair_docs in plan:
         block = block_forward(kernel, q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale, pair_docs)
         if first:
             out[:, :, rows].copy_(block.out)
@@ -121,16 +124,13 @@ def _forward_pairs(
 
 
 def _backward_pairs(
-    kernel: str, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, pairs: list[Pair],
-    docs: tuple[Tensor, Tensor] | None, scale: float, dq: Tensor,
+    kernel: str, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, plan: list[Planned], scale: float,
+    dq: Tensor,
 ) -> list[tuple[slice, Tensor, Tensor]]:  # fmt: skip
-    """Add every computed pair's dq into ``dq``; return its (key rows, dk, dv) for the caller to add to the K/V's
-    accumulator (the ring adds them once the accumulator has arrived).  The same pairs as forward."""
+    """Add every planned block's dq into ``dq``; return its (key rows, dk, dv) for the caller to add to the K/V's
+    accumulator (the ring adds them once the accumulator has arrived).  The forward's plan."""
     dkv = []
-    for rows, cols, causal in pairs:
-        pair_docs = _pair_docs(docs, rows, cols, causal)
-        if pair_docs is False:
-            continue
+    for rows, cols, causal, pair_docs in plan:
         dq_b, dk_b, dv_b = block_backward(
             kernel,
             dout[:, :, rows],
@@ -162,13 +162,8 @@ def ring_scores_computed(doc_ids: Tensor, cp: int) -> list[int]:
     local = [slice_for_rank(doc_ids, 1, r, cp) for r in range(cp)]
     work = []
     for rank in range(cp):
-        pairs = 0
-        for src in range(cp):
-            docs = (local[rank], local[src])
-            pairs += sum(
-                _pair_docs(docs, rows, cols, causal) is not False for rows, cols, causal in _ring_pairs(rank, src, c)
-            )
-        work.append(pairs * c * c)
+        blocks = sum(len(_plan(_ring_pairs(rank, src, c), (local[rank], local[src]))) for src in range(cp))
+        work.append(blocks * c * c)
     return work
 
 
@@ -183,8 +178,8 @@ class _RingAttention(torch.autograd.Function):
     after cp steps each accumulator has visited every rank and takes one last hop home to its owner.
 
     With document ids every rank's ids are all-gathered once before the ring starts (b x s integers, one
-    collective, saved for backward): which pairs of a step are skipped is then known on every rank before its K/V
-    arrive, and backward sends nothing more.  K/V still travel every hop (the next rank may need them)."""
+    collective): the blocks of every step are planned then, before any K/V arrive, and the plan is kept for
+    backward, which sends no ids.  K/V still travel every hop (the next rank may need them)."""
 
     @staticmethod
     def forward(
@@ -194,6 +189,7 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = _size_rank(group)
         c = q.shape[2] // 2
         all_docs = None if doc_ids is None else _all_docs(doc_ids, group)  # [cp, b, 2c]
+        plans = _ring_plans(rank, cp, c, all_docs)  # per step; backward computes the same blocks
         kv = torch.stack([k, v])  # [2, b, n_kv, 2c, d]: one message per hop, at KV-head size
         acc = torch.float32 if q.dtype != torch.float64 else q.dtype
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -202,23 +198,20 @@ class _RingAttention(torch.autograd.Function):
             requests: list[Any] = []
             if step + 1 < cp:
                 recv, requests = _shift(kv, group)
-            src = (rank - step) % cp
-            pairs, docs = _ring_step(rank, src, c, all_docs)
-            _forward_pairs(kernel, q, kv, pairs, docs, out, lse, scale, first=step == 0 and docs is None)
+            _forward_pairs(kernel, q, kv, plans[step], out, lse, scale, first=step == 0 and doc_ids is None)
             if requests:
                 _wait(requests)
                 kv = recv
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, all_docs)
-        ctx.group, ctx.kernel, ctx.scale = group, kernel, scale
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.kernel, ctx.scale, ctx.plans = group, kernel, scale, plans
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, all_docs = ctx.saved_tensors
-        group, kernel, scale = ctx.group, ctx.kernel, ctx.scale
-        cp, rank = _size_rank(group)
-        c = q.shape[2] // 2
+        q, k, v, out, lse = ctx.saved_tensors
+        group, kernel, scale, plans = ctx.group, ctx.kernel, ctx.scale, ctx.plans
+        cp = _size_rank(group)[0]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -228,12 +221,11 @@ class _RingAttention(torch.autograd.Function):
             kv_requests: list[Any] = []
             if step + 1 < cp:
                 kv_next, kv_requests = _shift(kv, group)
-            src = (rank - step) % cp
-            pairs, docs = _ring_step(rank, src, c, all_docs)
-            grads = _backward_pairs(kernel, dout, q, kv, out, lse, pairs, docs, scale, dq)
-            # The accumulator of src's block as the previous rank sent it on (zeros at step 0: this rank's own
-            # block starts here).  Waiting also completes this rank's previous send, so no buffer in flight is
-            # ever written: the received one is complete and is the one updated and sent on.
+            grads = _backward_pairs(kernel, dout, q, kv, out, lse, plans[step], scale, dq)
+            # The accumulator of the block in hand (the K/V of rank (rank - step) mod cp) as the previous rank
+            # sent it on (zeros at step 0: this rank's own block starts here).  Waiting also completes this rank's
+            # previous send, so no buffer in flight is ever written: the received one is complete and is the one
+            # updated and sent on.
             _wait(dkv_requests)
             dkv = dkv_in
             _add_dkv(dkv, grads)
@@ -252,12 +244,14 @@ def _all_docs(doc_ids: Tensor, group: ProcessGroup) -> Tensor:
     return torch.stack(pieces)
 
 
-def _ring_step(rank: int, src: int, c: int, all_docs: Tensor | None) -> tuple[list[Pair], Docs | None]:
-    """The pairs of one ring step and the (query, key) document ids they index: one block without documents, the
-    chunk pairs with them."""
+def _ring_plans(rank: int, cp: int, c: int, all_docs: Tensor | None) -> list[list[Planned]]:
+    """The blocks of every ring step (step t: the K/V of rank (rank - t) mod cp): one block per step without
+    document ids, the chunk pairs that share a document with them (decided from one CPU copy of the ids)."""
+    srcs = [(rank - step) % cp for step in range(cp)]
     if all_docs is None:
-        return [_ring_block(rank, src, c)], None
-    return _ring_pairs(rank, src, c), (all_docs[rank], all_docs[src])
+        return [_plan([_ring_block(rank, src, c)], None) for src in srcs]
+    host = all_docs.cpu()
+    return [_plan(_ring_pairs(rank, src, c), (all_docs[rank], all_docs[src]), (host[rank], host[src])) for src in srcs]
 
 
 class _LocalAttention(torch.autograd.Function):
@@ -276,27 +270,25 @@ class _LocalAttention(torch.autograd.Function):
             acc = torch.float32 if q.dtype != torch.float64 else q.dtype
             out = torch.zeros(q.shape, dtype=acc, device=q.device)
             lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-            pairs = _local_pairs(q.shape[2], num_chunks)
-            _forward_pairs(kernel, q, torch.stack([k, v]), pairs, (doc_ids, doc_ids), out, lse, scale, first=False)
+            host = doc_ids.cpu()
+            plan = _plan(_local_pairs(q.shape[2], num_chunks), (doc_ids, doc_ids), (host, host))
+            _forward_pairs(kernel, q, torch.stack([k, v]), plan, out, lse, scale, first=False)
             out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, doc_ids)
-        ctx.kernel, ctx.scale, ctx.num_chunks = kernel, scale, num_chunks
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.scale, ctx.plan = kernel, scale, None if doc_ids is None else plan
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, doc_ids = ctx.saved_tensors
-        if doc_ids is None:
+        q, k, v, out, lse = ctx.saved_tensors
+        if ctx.plan is None:
             dq, dk, dv = block_backward(ctx.kernel, dout, q, k, v, out, lse, True, ctx.scale)
             return dq, dk, dv, None, None, None, None
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-        pairs = _local_pairs(q.shape[2], ctx.num_chunks)
-        grads = _backward_pairs(
-            ctx.kernel, dout.contiguous(), q, kv, out, lse, pairs, (doc_ids, doc_ids), ctx.scale, dq
-        )
+        grads = _backward_pairs(ctx.kernel, dout.contiguous(), q, kv, out, lse, ctx.plan, ctx.scale, dq)
         _add_dkv(dkv, grads)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
