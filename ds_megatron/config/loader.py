@@ -20,6 +20,7 @@ from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
     BLOCK_LAYER_CLASS,
     DEFAULT_SELECTIVE_MODULES,
+    DOCUMENT_POSITIONS,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
     RECOMPUTE_POLICIES,
@@ -415,6 +416,22 @@ def check_data_section(data: DataSection) -> None:
     """``max_inlaunch_bytes`` positive; ``hf_config`` only with a Hugging Face dataset name in ``path``; ``blend`` a
     list of [directory, weight] with weights >= 0, not all zero, and not together with ``path``."""
     _positive("ds_megatron.data.max_inlaunch_bytes", data.max_inlaunch_bytes)
+    if data.document_positions not in DOCUMENT_POSITIONS:
+        raise ConfigError(
+            "ds_megatron.data.document_positions",
+            "unknown positions",
+            f"got {data.document_positions!r}",
+            f"use one of {DOCUMENT_POSITIONS}",
+        )
+    if data.document_mask:
+        # The kernels take document ids (CoreAttention, cp_attention) but the model forward and the pipeline do not
+        # pass them yet: accepting the key would train with cross-document attention while claiming not to.
+        raise ConfigError(
+            "ds_megatron.data.document_mask",
+            "not yet passed through the model and pipeline (the attention kernels support it)",
+            "document_mask=true",
+            "set it false",
+        )
     check_hf_config(data)
     if not data.blend:
         return

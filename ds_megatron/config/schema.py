@@ -19,6 +19,8 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm")
 DEFAULT_SELECTIVE_MODULES = ("core_attn",)  # what selective recomputes when no modules are named (the paper's)
 SP_GRAD_SYNC = ("step", "micro_batch")
+# Positions of packed documents under data.document_mask: restart at each document (Llama 3's) or the window index.
+DOCUMENT_POSITIONS = ("restart", "global")
 DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fast matmul shapes on GPUs)
 
 
@@ -131,6 +133,8 @@ class DataSection:
     blend: tuple = ()  # instead of path: [[prepared directory, weight], ...]; samples drawn in those proportions
     max_inlaunch_bytes: int = 1_000_000_000  # local text above this is refused in a launch: prepare it beforehand
     verify_checksums: bool = False  # check every prepared file's sha256 at start (reads it all); sizes always
+    document_mask: bool = False  # attention stays inside each packed document (EOS ends one); False: whole window
+    document_positions: str = "restart"  # with document_mask: "restart" positions at each document, or "global"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ class ScaledCausalSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
-        """scores [..., s, s] (already scaled); future [s, s] bool, True where a token must not attend."""
+        """scores [..., s, s] (already scaled); future [s, s] (or [b, 1, s, s] with document masking) bool, True
+        where a token must not attend."""
         probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         ctx.save_for_backward(probs)
         return probs
@@ -91,6 +92,18 @@ class BlockHooks:
 SINGLE_DEVICE = BlockHooks()  # every block's default
 
 
+def blocked_by_document(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[b, 1, sq, sk] bool, True where query row i must not attend key j: j belongs to another document
+    (``q_doc`` [b, sq], ``k_doc`` [b, sk] per-token document ids) or, for a causal (square, diagonal) block, lies in
+    i's future.  The one rule of document masking; every kernel (single device and context parallel) builds its mask
+    here.  A token always sees itself, so on a diagonal block no row is fully masked."""
+    blocked = (q_doc[:, :, None] != k_doc[:, None, :]).unsqueeze(1)
+    if causal:
+        sq, sk = q_doc.shape[1], k_doc.shape[1]
+        blocked = blocked | torch.ones(sq, sk, dtype=torch.bool, device=q_doc.device).triu(1)
+    return blocked
+
+
 class CoreAttention(nn.Module):
     """softmax(Q K^T / sqrt(d) + causal mask) -> dropout -> x V: the part selective recompute checkpoints.  The
     attention module calls it through ``BlockHooks.core_attention`` (which picks its RNG state)."""
@@ -110,24 +123,38 @@ class CoreAttention(nn.Module):
             self._masks[key] = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
         return self._masks[key]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """q [b, n_heads, s, d], k and v [b, n_kv, s, d] -> context [b, n_heads, s, d].
+
+        ``doc_ids`` [b, s] (packed documents, ``data.document_mask``): a token attends only to earlier tokens of its
+        own document (``blocked_by_document``); the [b, 1, s, s] mask is built here from the ids, per call.  sdpa
+        then runs with that boolean mask instead of ``is_causal`` (torch picks a kernel that takes a mask).
 
         With fewer KV heads than query heads (grouped-query attention), query head i attends with KV head
         i // (n_heads / n_kv).  K and V are never expanded to n_heads: the eager path folds each KV head's group of
         query heads into the row dim ([b, n_kv, g s, d]), so the matmuls store K and V at KV size."""
         n, n_kv = q.shape[1], k.shape[1]
+        blocked = None if doc_ids is None else blocked_by_document(doc_ids, doc_ids, causal=True)
         if self.kernel == "sdpa":
             p = self.attn_dropout.p if self.training else 0.0
             return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=p, is_causal=True, scale=self.scale, enable_gqa=n != n_kv
+                q,
+                k,
+                v,
+                attn_mask=None if blocked is None else ~blocked,
+                dropout_p=p,
+                is_causal=blocked is None,
+                scale=self.scale,
+                enable_gqa=n != n_kv,
             )
         b, _, s, d = q.shape
         q = q * self.scale  # scaling q is s/d cheaper than scaling the scores
         if n != n_kv:
             q = q.reshape(b, n_kv, (n // n_kv) * s, d)
         scores = torch.matmul(q, k.transpose(-1, -2)).view(b, n, s, s)
-        probs = ScaledCausalSoftmax.apply(scores, self._future_mask(s, q.device))
+        probs = ScaledCausalSoftmax.apply(scores, self._future_mask(s, q.device) if blocked is None else blocked)
         probs = self.attn_dropout(probs)
         if n == n_kv:
             return torch.matmul(probs, v)
