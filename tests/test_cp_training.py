@@ -110,6 +110,25 @@ def test_cli_flags():
     assert cfg["ds_megatron"]["parallel"] == {"cp": 2, "cp_comm": "a2a"}
 
 
+def test_resharding_counts_deepspeeds_data_axis_and_refuses_cp(monkeypatch, tmp_path):
+    from ds_megatron.checkpoint import manifest
+    from ds_megatron.config.facts import needs_resharding
+    from ds_megatron.preflight import check_resume_shape
+
+    zero1 = {"zero_optimization": {"stage": 1}}
+    cp2_dp1 = {**resolve(config(cp=2), 2).ds_config, **zero1}
+    cp1_dp2 = {**resolve(config(dp=2), 2).ds_config, **zero1}
+    cp1_dp1 = {**resolve(config(), 1).ds_config, **zero1}
+    assert not needs_resharding(cp2_dp1, cp1_dp2)  # ZeRO-1 partitions over dp x cp = 2 in both
+    assert needs_resharding(cp2_dp1, cp1_dp1)
+    monkeypatch.setattr(manifest, "tag_config", lambda load, tag: cp2_dp1)
+    check_resume_shape(resolve(cp1_dp2, 2), tmp_path, "step00000002")  # no resharding needed: allowed
+    with pytest.raises(ConfigError) as err:
+        check_resume_shape(resolve(cp1_dp1, 1), tmp_path, "step00000002")
+    assert "resharding a checkpoint to or from cp > 1 is not built (tp 1 x cp 2 x pp 1 x dp 1 in" in str(err.value)
+    assert "resume at tp 1, pp 1 and dp x cp = 2" in str(err.value)
+
+
 def test_stream_splits_each_window_with_labels_over_the_whole_sequence():
     tokens = torch.arange(1000)
 
@@ -301,3 +320,44 @@ def reports(tmp_path_factory):
 def test_cp_training_matches_single_device(reports, world, name):
     message = failures(reports(world), name, name)
     assert not message, message
+
+
+# ---- a checkpoint saved at cp 2 resumes at cp 1 ------------------------------------------------------------------
+
+
+@pytest.mark.slow  # real processes with the deepspeed launcher: one launch, three recipe runs
+def test_checkpoint_saved_at_cp2_resumes_at_cp1_continuing_the_losses(tmp_path):
+    """Llama (GQA, untied), fp32 + ZeRO-1, on 2 processes: 4 steps straight at cp 2 (dp 1) equal 2 steps at cp 2,
+    a save, and 2 more resumed at cp 1 (dp 2).  CP adds no weights, the data position counts sequences, and ZeRO-1
+    partitions over DeepSpeed's data axis, dp x cp = 2 in both runs, so the optimizer state loads without
+    resharding."""
+    import json
+
+    from launch import ROOT, WORKERS, deepspeed_launch, quiet_run_flags, read_losses
+
+    config = str(ROOT / "ds_configs" / "llama_tiny.json")
+    zero1 = ["--set", "zero_optimization.stage=1", "--set", "zero_allow_untested_optimizer=true"]
+    zero1 += ["--set", "gradient_accumulation_steps=null", "--set", "ds_megatron.parallel.sequence_parallel=false"]
+    ck = str(tmp_path / "ck")
+    runs = [
+        ("straight", 2, 4, []),
+        ("first", 2, 2, ["--save", ck]),
+        ("resumed", 1, 4, ["--load", ck]),
+    ]
+    items = []
+    for name, cp, iters, extra in runs:
+        flags = quiet_run_flags(tmp_path, name, 1, 1, dropout=0.0)
+        argv = ["--deepspeed_config", config, "--train-iters", str(iters), "--cp", str(cp), *flags, *zero1, *extra]
+        items.append({"name": name, "status_dir": str(tmp_path), "argv": argv})
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(items))
+    out = deepspeed_launch(WORKERS / "recipe_runs.py", 2, ["--plan", str(plan)])
+    for name, *_ in runs:
+        result = json.loads((tmp_path / f"{name}.status.json").read_text())
+        assert result["status"] == 0, (name, result["error"])
+    assert "tp 1 cp 2 pp 1 dp 1" in out and "tp 1 cp 1 pp 1 dp 2" in out
+    straight = read_losses(tmp_path / "straight")
+    got = {**read_losses(tmp_path / "first"), **read_losses(tmp_path / "resumed")}
+    assert sorted(got) == sorted(straight) == [1, 2, 3, 4]
+    for step, loss in straight.items():
+        assert abs(got[step] - loss) <= 1e-5 * abs(loss), (step, got[step], loss)

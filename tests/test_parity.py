@@ -4,9 +4,9 @@ Real processes (deepspeed launcher, gloo), fp32, dropout 0, vocabulary 1001 (pad
 by 128).  Llama layouts (4 heads, 2 KV heads: grouped-query attention split over TP) run with SP on and off and with
 tied and untied output layers, in the same launches as the GPT-2 ones.  Context-parallel layouts (``cp2``: each
 sequence split over 2 ranks, ring; ``a2a``: all-to-all) ride in the same launches: DeepSpeed's own gradient
-average over its data axis (dp x cp), its loss average, the pipeline with CP chunks at the boundary, dp 2 x cp 2.  Each worker compares its own shards with
-the single-device reference: losses of 3 optimizer steps, step-1 gradients (every parameter, before clipping), the
-global gradient norm, and the weights after 3 steps.
+average over its data axis (dp x cp), its loss average, the pipeline with CP chunks at the boundary, dp 2 x cp 2.
+Each worker compares its own shards with the single-device reference: losses of 3 optimizer steps, step-1
+gradients (every parameter, before clipping), the global gradient norm, and the weights after 3 steps.
 """
 
 from __future__ import annotations
