@@ -192,6 +192,10 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     vocabulary block of logits ([b, s, V_pad/t]; use vocab-parallel cross entropy).  Under SP the plain forward stays
     correct because the embedding reduce-scatters along the sequence (and a learned position lookup keeps this
     rank's rows)."""
+    if ctx.cp_size > 1:
+        # The single-device forward embeds positions 0..s-1 of what it is given; a CP rank holds two chunks of
+        # the sequence at other positions, which only the pipeline's position layer (``ctx.positions``) knows.
+        raise ValueError("parallelize_model: cp > 1 runs through the pipeline layers (pipeline.layer_specs) only")
     family = ctx.family
     for row in family.model_rows:
         if row.style == OUTPUT and not hasattr(model, row.path):

@@ -129,6 +129,21 @@ def test_resharding_counts_deepspeeds_data_axis_and_refuses_cp(monkeypatch, tmp_
     assert "resume at tp 1, pp 1 and dp x cp = 2" in str(err.value)
 
 
+def test_positions_are_the_chunks_global_indices():
+    from ds_megatron.model.layers import positions_tensor
+    from ds_megatron.parallel.cp import token_indices
+    from ds_megatron.parallelize import ParallelContext, parallelize_model
+    from ds_megatron.tensor_parallel import TPGroup
+
+    cfg = model_config(resolve(config(cp=2), 2).model)
+    for cp in (1, 2, 4):
+        for rank in range(cp):
+            ctx = ParallelContext(cfg, TPGroup(), False, None, cp_rank=rank, cp_size=cp)
+            assert torch.equal(positions_tensor(ctx.positions(SEQ // cp)), token_indices(SEQ, rank, cp))
+    with pytest.raises(ValueError, match="cp > 1 runs through the pipeline layers"):
+        parallelize_model(build_model(cfg), ParallelContext(cfg, TPGroup(), False, None, cp_size=2))
+
+
 def test_stream_splits_each_window_with_labels_over_the_whole_sequence():
     tokens = torch.arange(1000)
 
