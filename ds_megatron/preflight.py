@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ds_megatron.config import ConfigError, RunConfig, check_text_settings, effective_tokenizer, resolve
-from ds_megatron.config.facts import needs_resharding, precision, saved_layout
+from ds_megatron.config.facts import needs_resharding, precision, saved_cp, saved_layout
 from ds_megatron.config.shape import SHAPE_FIELDS
 
 # What a checkpoint's weights depend on (and the sequence length it trained at): a resumed run must match each, or
@@ -371,7 +371,7 @@ def check_resume_shape(run: RunConfig, load: Path, tag: str) -> None:
         return
     tp, pp, dp = saved_layout(saved)
     try:
-        old = resolve(saved, tp * pp * dp)
+        old = resolve(saved, tp * saved_cp(saved) * pp * dp)
     except ConfigError:
         return
     for key in SHAPE_KEYS:
@@ -383,6 +383,16 @@ def check_resume_shape(run: RunConfig, load: Path, tag: str) -> None:
                 f"{key}={a} in {load}/{tag}, {b} in the config",
                 f"set ds_megatron.model.{key}={a} or start a new run",
             )
+    if needs_resharding(old.ds_config, run.ds_config) and max(old.cp, run.cp) > 1:
+        # CP adds no weights, but the resharding paths read and write partitions per dp rank, not per rank of
+        # DeepSpeed's data axis (dp x cp): refuse before anything is read rather than load wrong partitions.
+        raise ConfigError(
+            "ds_megatron.checkpoint.load",
+            "resharding a checkpoint to or from cp > 1 is not built",
+            f"tp {old.tp} x cp {old.cp} x pp {old.pp} x dp {old.dp} in {load}/{tag}, "
+            f"tp {run.tp} x cp {run.cp} x pp {run.pp} x dp {run.dp} now",
+            f"resume at tp {old.tp}, pp {old.pp} and dp x cp = {old.dp * old.cp} (cp is free to change there)",
+        )
     fp16 = "fp16" in (precision(old.ds_config), precision(run.ds_config))
     if needs_resharding(old.ds_config, run.ds_config) and fp16:
         raise ConfigError(

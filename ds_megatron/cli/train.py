@@ -26,6 +26,8 @@ EXIT_CONFIG_ERROR = 2
 # argparse flags and the overrides both.
 VALUE_FLAGS: tuple[tuple[str, str, type | None, str], ...] = (
     ("--tp", "ds_megatron.parallel.tp", int, ""),
+    ("--cp", "ds_megatron.parallel.cp", int, ": context parallel (each sequence split over cp ranks)"),
+    ("--cp_comm", "ds_megatron.parallel.cp_comm", None, ': "ring" or "a2a"'),
     ("--pp", "ds_megatron.parallel.pp", int, ""),
     ("--train-iters", "ds_megatron.train.train_iters", int, ""),
     ("--log-interval", "ds_megatron.train.log_interval", int, ""),

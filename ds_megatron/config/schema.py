@@ -62,9 +62,11 @@ BLOCK_LAYER_CLASS = "BlockPipe"
 
 @dataclass(frozen=True)
 class ParallelSection:
-    """How the model is split.  dp is derived: world_size / (tp * pp)."""
+    """How the model is split.  dp is derived: world_size / (tp * cp * pp)."""
 
     tp: int = 1  # tensor-parallel size (t); stays inside a node
+    cp: int = 1  # context-parallel size: each sequence split over cp ranks (load-balanced chunks); next to tp
+    cp_comm: str = "ring"  # how CP attention exchanges: "ring" (K/V point-to-point) or "a2a" (all-to-all over heads)
     pp: int = 1  # pipeline-parallel size (p)
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group (needs tp > 1)
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp

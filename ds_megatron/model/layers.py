@@ -52,6 +52,16 @@ def project_each(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch
     return tuple(linear(x) for linear in linears)
 
 
+def contiguous_positions(seq_len: int) -> tuple[tuple[int, int], ...]:
+    """Positions 0..s-1 as one [start, stop) range: the single-device ``BlockHooks.positions``."""
+    return ((0, seq_len),)
+
+
+def positions_tensor(ranges: tuple[tuple[int, int], ...], device: torch.device | None = None) -> torch.Tensor:
+    """[s] int64: the positions of ``ranges`` ([start, stop) pairs) in order."""
+    return torch.cat([torch.arange(a, b, device=device) for a, b in ranges])
+
+
 def run_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``core(q, k, v)`` in the default RNG state: the single-device ``BlockHooks.core_attention``."""
     return core(q, k, v)
@@ -80,13 +90,18 @@ class BlockHooks:
     core_attention(core, q, k, v)      ``core(q, k, v)``.  Under TP in the tensor-parallel RNG state (heads are
                                        split, so their dropout masks must differ across TP ranks); with selective
                                        recompute of ``core_attn`` checkpointed, its s x s tensors recomputed with
-                                       the same RNG states in backward.
+                                       the same RNG states in backward.  Under context parallelism, attention over
+                                       the whole sequence across the CP group.
+    positions(s)                       the global positions of the s tokens the attention sees, as [start, stop)
+                                       ranges (hashable, so rotary tables are cached per layout): ``((0, s),)``
+                                       on one device; a CP rank's two chunks under context parallelism.
     """
 
     around_norm: Callable[..., torch.Tensor] = compose
     around_act: Callable[..., torch.Tensor] = compose
     project: Projection = project_each
     core_attention: Callable[..., torch.Tensor] = run_core
+    positions: Callable[[int], tuple[tuple[int, int], ...]] = contiguous_positions
 
 
 SINGLE_DEVICE = BlockHooks()  # every block's default
