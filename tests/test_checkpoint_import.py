@@ -103,6 +103,23 @@ def test_import_then_export_gives_back_every_tensor_bit_for_bit(tmp_path, family
         assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
 
 
+def test_an_imported_checkpoint_reshards_offline_and_stays_an_import(tmp_path):
+    """Offline reshard of an import (tp 2 x pp 2 -> tp 1 x pp 3) keeps it weights-only (a --load of it starts the
+    optimizer afresh) and every tensor as imported."""
+    cfg = llama_run()
+    original = random_hf(tmp_path / "hf", cfg, torch.bfloat16)
+    assert checkpoint_main(import_argv(tmp_path / "hf", write_config(tmp_path / "run.json", cfg), tmp_path / "ck")) == 0
+    argv = ["reshard", "--checkpoint", str(tmp_path / "ck"), "--tp", "1", "--pp", "3", "--dp", "1"]
+    assert checkpoint_main(argv + ["--out", str(tmp_path / "re")]) == 0
+    assert (tmp_path / "re" / TAG / "imported.json").is_file() and tag_problem(tmp_path / "re" / TAG) is None
+    export = ["export", "--checkpoint", str(tmp_path / "re"), "--out", str(tmp_path / "back"), "--dtype", "bf16"]
+    assert checkpoint_main(export) == 0
+    exported = load_file(tmp_path / "back" / "model.safetensors")
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+
+
 def test_the_launch_checks_of_load_pass_on_an_imported_checkpoint(tmp_path):
     """Pre-flight's --load checks (model shape, unlisted or unsafe files) accept the tag at the run's layout."""
     from ds_megatron.preflight import check_resume

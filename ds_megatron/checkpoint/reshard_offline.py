@@ -50,6 +50,7 @@ from ds_megatron.checkpoint.manifest import (
 )
 from ds_megatron.checkpoint.masters import optimizer_files
 from ds_megatron.checkpoint.reshard import OldCheckpoint
+from ds_megatron.checkpoint.run_state import IMPORTED
 from ds_megatron.config import ConfigError, RunConfig, resolve
 from ds_megatron.config.facts import (
     BF16_OPTIMIZER,
@@ -92,7 +93,9 @@ def reshard_checkpoint(
             raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
     tag = _source_tag(src, tag)
     old_cfg = tag_config(src, tag)
-    kind = _optimizer_kind(src / tag, old_cfg)
+    # An imported tag (weights alone) stays one: resharded, it still loads with a fresh optimizer.
+    imported = src / tag / IMPORTED
+    kind = FRESH if imported.is_file() else _optimizer_kind(src / tag, old_cfg)
     target = _target_run(old_cfg, tp, pp, dp)
     verify_tag(src / tag, "--checkpoint", f"reshard another tag (--tag; complete ones: {complete_tags(src)})")
     for f in sorted((src / tag).glob("*.pt")):  # refuse before DeepSpeed-format files are unpickled for real
@@ -101,7 +104,10 @@ def reshard_checkpoint(
             raise safe_load.refusal(f, what)
     old = OldCheckpoint(src, tag, trust=trust)
     with staged_directory(out, ".tmp-") as tmp:  # a failure leaves no <out> and no temporary directory
-        _Writer(old, target, kind, tmp, tag, progress).write()
+        writer = _Writer(old, target, kind, tmp, tag, progress)
+        if kind == FRESH:
+            shutil.copy2(imported, writer.dir / IMPORTED)
+        writer.write()
         if (src / "tokenizer").is_dir():  # export finds the run's tokenizer beside the tags
             shutil.copytree(src / "tokenizer", tmp / "tokenizer")
         atomic_write_text(tmp / "latest", tag)
