@@ -19,6 +19,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm")
 DEFAULT_SELECTIVE_MODULES = ("core_attn",)  # what selective recomputes when no modules are named (the paper's)
 SP_GRAD_SYNC = ("step", "micro_batch")
+PIPELINE_SCHEDULES = ("1f1b", "zb-h1")  # DeepSpeed's 1F1B; ZB-H1: 1F1B with weight gradients run in the bubbles
 DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fast matmul shapes on GPUs)
 
 
@@ -68,6 +69,7 @@ class ParallelSection:
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
+    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,134 @@
+"""ZB-H1 on DeepSpeed's pipeline engine: the schedule (unit tier) and the trained result (one launcher run).
+
+Unit tier: with the W passes removed, the ZB-H1 stream of every stage is DeepSpeed's 1F1B stream, instruction for
+instruction (same communication order, so no new deadlock); every backward pass gets exactly one W pass, no W pass
+runs before its backward, stage s holds at most s when it runs a forward, and all have run before the step's
+reductions.  A timing model of the streams (T_F = T_B = T_W, blocked only by the neighbour stage's forward or
+backward) shows the bubble going from 1F1B's (p-1)(T_F+T_B+T_W) to ZB-H1's (p-1)(T_F+T_B-T_W).  The schedule key
+is validated before anything starts.
+
+Launcher tier (one run, 2 processes, pp 2): GPT-2 (tied embeddings across the two stages) and Llama (untied) each
+train three steps with 1F1B and with ZB-H1: losses, step-1 gradients and the weights after three steps agree within
+fp32 rounding, and ZB-H1 ran one W pass per micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from deepspeed.runtime.pipe import schedule as ds
+from launch import WORKERS, deepspeed_launch
+
+from ds_megatron.parallel.zero_bubble import WeightGradPass, ZeroBubbleH1Schedule
+
+
+def streams(cls, m: int, p: int) -> list[list]:
+    return [[cmd for step in cls(micro_batches=m, stages=p, stage_id=s) for cmd in step] for s in range(p)]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+def test_zb_h1_is_1f1b_plus_one_w_per_backward(m, p):
+    for stage, (zb, ref) in enumerate(zip(streams(ZeroBubbleH1Schedule, m, p), streams(ds.TrainSchedule, m, p))):
+        assert [repr(c) for c in zb if not isinstance(c, WeightGradPass)] == [repr(c) for c in ref]
+        pending, reduced = 0, False
+        for cmd in zb:
+            if isinstance(cmd, ds.BackwardPass):
+                pending += 1
+            elif isinstance(cmd, WeightGradPass):
+                assert not reduced, f"stage {stage}: a W pass after the reductions began"
+                pending -= 1
+                assert pending >= 0, f"stage {stage}: a W pass before its backward"
+            elif isinstance(cmd, ds.ReduceTiedGrads):
+                assert pending == 0, f"stage {stage}: {pending} W passes left at the reductions"
+                reduced = True
+            if isinstance(cmd, ds.ForwardPass):  # where memory grows: at most `stage` W passes held
+                assert pending <= stage, f"stage {stage} holds {pending} W passes at a forward"
+        assert reduced
+
+
+def makespan(per_stage: list[list], cost: dict) -> int:
+    """Finish time of the streams when stage s's forward k waits for stage s-1's forward k and its backward k for
+    stage s+1's backward k (the activations and gradients they send)."""
+    p = len(per_stage)
+    done = {}  # (kind, stage, micro-batch) -> finish time
+    clock, position, count = [0] * p, [0] * p, [{"F": 0, "B": 0} for _ in range(p)]
+    kinds = {ds.ForwardPass: "F", ds.BackwardPass: "B", WeightGradPass: "W"}
+    while any(position[s] < len(per_stage[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while position[s] < len(per_stage[s]):
+                kind = kinds.get(type(per_stage[s][position[s]]))
+                if kind is None:
+                    position[s] += 1
+                    continue
+                k = count[s].get(kind, 0)
+                needs = {"F": ("F", s - 1, k), "B": ("B", s + 1, k)}.get(kind)
+                if needs is not None and 0 <= needs[1] < p and needs not in done:
+                    break
+                start = max(clock[s], done.get(needs, 0))
+                clock[s] = start + cost[kind]
+                if kind in count[s]:
+                    done[(kind, s, k)] = clock[s]
+                    count[s][kind] += 1
+                position[s] += 1
+                progressed = True
+        assert progressed, "the streams deadlock"
+    return max(clock)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (4, 8), (4, 16)])
+def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
+    one_f_one_b = makespan(streams(ds.TrainSchedule, m, p), {"F": 1, "B": 2})
+    zb = makespan(streams(ZeroBubbleH1Schedule, m, p), {"F": 1, "B": 1, "W": 1})
+    assert one_f_one_b - 3 * m == (p - 1) * 3
+    assert zb - 3 * m == (p - 1) * 1
+
+
+@pytest.mark.slow  # one deepspeed launch: both families, both schedules
+def test_zb_h1_trains_like_1f1b(tmp_path):
+    deepspeed_launch(WORKERS / "zero_bubble.py", 2, ["--out", str(tmp_path), "--layouts", "1,2,1", "1,2,1,llama"])
+    for layout in ("1-2-1", "1-2-1-llama"):
+        ranks = [json.loads(f.read_text()) for f in sorted(tmp_path.glob(f"{layout}.rank*.json"))]
+        assert len(ranks) == 2, layout
+        for r in ranks:
+            for a, b in zip(r["losses_1f1b"], r["losses_zb"], strict=True):
+                assert abs(a - b) <= 1e-6 * abs(a), (layout, r["losses_1f1b"], r["losses_zb"])
+            assert r["grad_diff"] <= 1e-6 * r["grad_scale"], (layout, r["grad_diff"], r["grad_scale"])
+            assert r["param_diff"] <= 1e-5, (layout, r["param_diff"])
+            assert r["w_passes"] == r["expected_w_passes"], (layout, r["w_passes"], r["expected_w_passes"])
+            assert r["left_at_reduce"] == 0, layout
+
+
+@pytest.mark.parametrize(
+    "schedule,fp16,message",
+    [
+        (
+            "zb",
+            False,
+            "error: ds_megatron.parallel.pipeline_schedule: unknown schedule (got 'zb'); use one of ('1f1b', 'zb-h1')",
+        ),
+        (
+            "zb-h1",
+            True,
+            "error: ds_megatron.parallel.pipeline_schedule: zb-h1 is not supported with fp16 "
+            "(pipeline_schedule='zb-h1', fp16.enabled=true); use bf16 or fp32, or pipeline_schedule \"1f1b\"",
+        ),
+    ],
+    ids=["unknown", "fp16"],
+)
+def test_pipeline_schedule_is_validated(schedule, fp16, message):
+    from ds_megatron.config import ConfigError, resolve
+
+    model = {"size": "gpt-tiny", "vocab_size": 1000, "seq_length": 32}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "ds_megatron": {"model": model}}
+    cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": schedule}
+    if fp16:
+        cfg["fp16"] = {"enabled": True}
+    with pytest.raises(ConfigError) as err:
+        resolve(cfg, 1)
+    assert str(err.value) == message
+    cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": "zb-h1"}
+    cfg.pop("fp16", None)
+    assert resolve(cfg, 1).section.parallel.pipeline_schedule == "zb-h1"
