@@ -7,9 +7,10 @@ reductions.  A timing model of the streams (T_F = T_B = T_W, blocked only by the
 backward) shows the bubble going from 1F1B's (p-1)(T_F+T_B+T_W) to ZB-H1's (p-1)(T_F+T_B-T_W).  The schedule key
 is validated before anything starts.
 
-Launcher tier (one run, 2 processes, pp 2): GPT-2 (tied embeddings across the two stages) and Llama (untied) each
-train three steps with 1F1B and with ZB-H1: losses, step-1 gradients and the weights after three steps agree within
-fp32 rounding, and ZB-H1 ran one W pass per micro-batch.
+Launcher tier (one run, 2 processes, pp 2): GPT-2 (tied embeddings across the two stages) and Llama (untied) in
+fp32, and GPT-2 with DeepSpeed's BF16 optimizer (ZeRO-1, fp32 accumulators), each train three steps with 1F1B and
+with ZB-H1: losses, step-1 gradients (bf16: the fp32 accumulators) and the weights after three steps agree within
+fp32 rounding (measured: bit for bit), and ZB-H1 ran one W pass with deferred work per micro-batch.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
 
 @pytest.mark.slow  # one deepspeed launch: both families, both schedules
 def test_zb_h1_trains_like_1f1b(tmp_path):
-    deepspeed_launch(WORKERS / "zero_bubble.py", 2, ["--out", str(tmp_path), "--layouts", "1,2,1", "1,2,1,llama"])
-    for layout in ("1-2-1", "1-2-1-llama"):
+    layouts = ["1,2,1", "1,2,1,llama", "1,2,1,bf16"]
+    deepspeed_launch(WORKERS / "zero_bubble.py", 2, ["--out", str(tmp_path), "--layouts", *layouts])
+    for layout in (lay.replace(",", "-") for lay in layouts):
         ranks = [json.loads(f.read_text()) for f in sorted(tmp_path.glob(f"{layout}.rank*.json"))]
         assert len(ranks) == 2, layout
         for r in ranks:

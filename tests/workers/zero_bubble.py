@@ -9,7 +9,8 @@ Usage (under the deepspeed launcher):
         times every instruction of one step per schedule, interleaved (1f1b, zb-h1, 1f1b, ...), and writes
         DIR/measure.rank<r>.json: per repeat and micro-batch count, the seconds spent computing (forward, B, W,
         loading), waiting in pipeline sends/receives, in the step's reductions and optimizer, and the step.
-A layout is tp,pp,dp, optionally followed by ``llama`` (4 heads, 2 KV heads, untied) and ``sp``.
+A layout is tp,pp,dp, optionally followed by ``llama`` (4 heads, 2 KV heads, untied), ``sp`` and ``bf16`` (DeepSpeed's
+BF16 optimizer with ZeRO-1 and fp32 gradient accumulation).
 """
 
 from __future__ import annotations
@@ -31,10 +32,18 @@ from ds_megatron.parallel.zero_bubble import WeightGradPass  # noqa: E402
 
 LLAMA_FIELDS = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 96, "rope_theta": 10000.0}
 SCHEDULES = ("1f1b", "zb-h1")
+# DeepSpeed's BF16 optimizer (ZeRO-1, fp32 accumulation): gradients live in its fp32 accumulators (``_hp_grad``)
+BF16 = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 1},
+    "zero_allow_untested_optimizer": True,
+    "data_types": {"grad_accum_dtype": "fp32"},
+}
 
 
 def config(tp: int, pp: int, dp: int, options: tuple[str, ...], schedule_name: str, **shape) -> dict:
-    cfg = tiny_ds_config(tp, pp, dp, sequence_parallel="sp" in options, **shape)
+    extra = BF16 if "bf16" in options else None
+    cfg = tiny_ds_config(tp, pp, dp, sequence_parallel="sp" in options, extra=extra, **shape)
     if "llama" in options:
         cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings=False)
     cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = schedule_name
@@ -47,24 +56,22 @@ def train(cfg: dict, steps: int):
     run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     built = build_engine(run)
     engine, topo = built.engine, built.topology
-    names = {id(p): n for n, p in engine.module.named_parameters()}
+    bf16 = bool(getattr(engine, "using_bf16_optimizer", False))
     captured: dict[str, torch.Tensor] = {}
-
-    def capture(optimizer, *_):
-        if not captured:
-            for g in optimizer.param_groups:
-                for p in g["params"]:
-                    grad = getattr(p, "_hp_grad", None) if getattr(engine, "using_bf16_optimizer", False) else p.grad
-                    if grad is not None:
-                        captured[names[id(p)]] = grad.detach().float().clone()
-
-    engine.optimizer.register_step_pre_hook(capture)
     counts = {"w_passes": 0, "left_at_reduce": 0}
-    if WeightGradPass in type(engine)._INSTRUCTION_MAP:
-        table = (
-            dict(engine._INSTRUCTION_MAP) if "_INSTRUCTION_MAP" in vars(engine) else dict(type(engine)._INSTRUCTION_MAP)
-        )
-        run_w, reduce_tied = table[WeightGradPass], table[schedule.ReduceTiedGrads]
+    table = instruction_table(engine)
+    step, run_w, reduce_tied = table[schedule.OptimizerStep], table.get(WeightGradPass), table[schedule.ReduceTiedGrads]
+
+    def capturing_step(self, **kwargs):  # step 1's gradients as the optimizer gets them (bf16: fp32 accumulators)
+        if not captured:
+            for n, p in self.module.named_parameters():
+                grad = getattr(p, "_hp_grad", None) if bf16 else p.grad
+                if grad is not None:
+                    captured[n] = grad.detach().float().clone()
+        step(self, **kwargs)
+
+    table[schedule.OptimizerStep] = capturing_step
+    if run_w is not None:
 
         def counted_w(self):  # only W passes that found deferred work count
             counts["w_passes"] += bool(len(self.weight_grad_queue))
@@ -74,7 +81,8 @@ def train(cfg: dict, steps: int):
             counts["left_at_reduce"] = max(counts["left_at_reduce"], len(self.weight_grad_queue))
             reduce_tied(self)
 
-        engine._INSTRUCTION_MAP = {**table, WeightGradPass: counted_w, schedule.ReduceTiedGrads: checked_reduce}
+        table.update({WeightGradPass: counted_w, schedule.ReduceTiedGrads: checked_reduce})
+    engine._INSTRUCTION_MAP = table
     batches = token_batches(steps, run.global_batch_size, run.model.seq_length, run.model.vocab_size)
     losses = []
     for tokens in batches:
@@ -83,6 +91,11 @@ def train(cfg: dict, steps: int):
         )
     weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     return losses, captured, weights, counts, run.grad_accum_steps
+
+
+def instruction_table(engine) -> dict:
+    """A copy of the engine's instruction table (its own entries, e.g. the step's SP sum, or its class's)."""
+    return dict(engine._INSTRUCTION_MAP)
 
 
 def max_diff(a: dict, b: dict) -> float:
