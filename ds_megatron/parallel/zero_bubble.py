@@ -4,14 +4,14 @@ DeepSpeed's 1F1B (``TrainSchedule``) runs each backward pass whole.  With the la
 (``ds_megatron.tensor_parallel.weight_grad``), a backward pass is B only (input gradients: what the previous stage
 waits for), and each W pass (weight gradients: nobody waits for them before the step) becomes an instruction of its
 own, :class:`WeightGradPass`.  :class:`ZeroBubbleH1Schedule` yields DeepSpeed's 1F1B order unchanged and inserts the
-W passes: stage s holds back up to s of them (the last stage the most), runs one whenever it holds more, right after
-the gradient of its latest B has been sent upstream, and runs the rest at the end of the step, where its upstream
-stages are still busy with their last B passes (the cooldown bubble of 1F1B).  The number of micro-batches in
-flight is 1F1B's; stage s additionally keeps what at most s W passes need whenever it runs a forward (s + 1 between a
-backward and the send of its gradient, when that backward has just freed its activations): each linear's input and
-output gradient.  With at most p - s micro-batches in flight, that stays below the p micro-batches 1F1B's first
-stage holds, so the peak over stages is 1F1B's (the first stage holds none back).  With T_F = T_B =
-T_W the bubble falls from (p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W) per step.
+W passes: stage s holds back up to s of them (the last stage the most), runs one whenever it holds more, and runs
+the rest at the end of the step, where its upstream stages are still busy with their last B passes (the cooldown
+bubble of 1F1B).  The number of micro-batches in flight is 1F1B's; stage s additionally keeps what at most s W
+passes need whenever it runs a forward (s + 1 in the cooldown, between a backward and the send of its gradient, when
+that backward has just freed its activations): each linear's input and output gradient.  With at most p - s
+micro-batches in flight, that stays below the p micro-batches 1F1B's first stage holds, so the peak over stages is
+1F1B's (the first stage holds none back).  With T_F = T_B = T_W the bubble falls from (p-1)(T_F+T_B+T_W) to
+(p-1)(T_F+T_B-T_W) per step.
 
 :class:`ZeroBubblePipelineEngine` executes it: each backward pass seals its W pass in the stage's queue; a
 ``WeightGradPass`` runs the oldest one; ``ReduceTiedGrads`` (the first of the step's reduction instructions) runs
@@ -32,12 +32,19 @@ class WeightGradPass(schedule.PipeInstruction):
 
 
 class ZeroBubbleH1Schedule(schedule.TrainSchedule):
-    """DeepSpeed's 1F1B with W passes split off the backward passes and delayed by up to ``stage_id`` of them."""
+    """DeepSpeed's 1F1B with W passes split off the backward passes and delayed by up to ``stage_id`` of them.
+
+    Where a W pass goes matters because DeepSpeed's sends and receives block until the other stage is there: while
+    the stage still has forwards to run, a due W pass runs right after its B (before the gradient is sent: the
+    upstream stage is busy with its own forward and W until it asks for it); in the cooldown, once the last forward
+    has run, it runs after the gradient has been sent, while the upstream stage runs that B.  With T_F = T_B = T_W
+    this reaches ZB-H1's bubble of (p-1)(T_F+T_B-T_W) under blocking sends (tests/test_zero_bubble.py simulates it)."""
 
     def steps(self):
         held_back = self.stage_id  # W passes this stage may hold: the cooldown slots its upstream stages leave
         pending = 0
         sends_grads = self._valid_stage(self.prev_stage)
+        forwards_left = self.micro_batches
         for cmds in super().steps():
             out = []
             for cmd in cmds:
@@ -45,11 +52,14 @@ class ZeroBubbleH1Schedule(schedule.TrainSchedule):
                     out += [WeightGradPass() for _ in range(pending)]
                     pending = 0
                 out.append(cmd)
+                if isinstance(cmd, schedule.ForwardPass):
+                    forwards_left -= 1
                 if isinstance(cmd, schedule.BackwardPass):
                     pending += 1
-                # After the gradient went upstream (at once on the first stage, which sends none): the upstream
-                # stage's next B does not wait for this W.
-                if isinstance(cmd, schedule.SendGrad) or (isinstance(cmd, schedule.BackwardPass) and not sends_grads):
+                due_here = (isinstance(cmd, schedule.BackwardPass) and (forwards_left > 0 or not sends_grads)) or (
+                    isinstance(cmd, schedule.SendGrad) and forwards_left == 0
+                )
+                if due_here:
                     while pending > held_back:
                         out.append(WeightGradPass())
                         pending -= 1

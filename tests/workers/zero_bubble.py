@@ -8,7 +8,8 @@ Usage (under the deepspeed launcher):
     zero_bubble.py --out DIR --measure --micro-batches 4 8 16 --repeats 5
         times every instruction of one step per schedule, interleaved (1f1b, zb-h1, 1f1b, ...), and writes
         DIR/measure.rank<r>.json: per repeat and micro-batch count, the seconds spent computing (forward, B, W,
-        loading), waiting in pipeline sends/receives, in the step's reductions and optimizer, and the step.
+        loading), waiting in pipeline sends/receives, in the step's reductions and optimizer ("step"), and the
+        whole step ("step_total").
 A layout is tp,pp,dp, optionally followed by ``llama`` (4 heads, 2 KV heads, untied), ``sp`` and ``bf16`` (DeepSpeed's
 BF16 optimizer with ZeRO-1 and fp32 gradient accumulation).
 """
@@ -148,7 +149,7 @@ def measure(args) -> None:
             for kind, instrs in kinds.items():
                 for instr in instrs:
                     if instr in table:
-                        table[instr] = timed(table[instr], spent, kind)
+                        table[instr] = timed(table[instr], spent, kind, instr.__name__)
             engine._INSTRUCTION_MAP = table
             engines[(m, name)] = (engine, run, spent)
     rows = []
@@ -157,24 +158,28 @@ def measure(args) -> None:
             for name in SCHEDULES:
                 engine, run, spent = engines[(m, name)]
                 tokens = token_batches(1, run.global_batch_size, run.model.seq_length, run.model.vocab_size, repeat)[0]
-                for k in spent:
-                    spent[k] = 0.0
+                spent.clear()
+                spent.update({k: 0.0 for k in kinds})
                 torch.distributed.barrier()
                 start = time.perf_counter()
                 engine.train_batch(iter(micro_batches(tokens, run.micro_batch_size, 1, 0)))
                 total = time.perf_counter() - start
                 if repeat:
-                    rows.append({"m": m, "schedule": name, "repeat": repeat, "step": total, **spent})
+                    rows.append({"m": m, "schedule": name, "repeat": repeat, **spent, "step_total": total})
     write_result(args.out, "measure", {"rows": rows, "pp_rank": engines[(args.micro_batches[0], "1f1b")][0].stage_id})
 
 
-def timed(fn, spent: dict, kind: str):
+def timed(fn, spent: dict, kind: str, name: str):
+    """``fn`` adding its seconds to ``spent[kind]`` and to ``spent[name]`` (the instruction's own total)."""
+
     def run(self, **kwargs):
         start = time.perf_counter()
         try:
             return fn(self, **kwargs)
         finally:
-            spent[kind] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            spent[kind] += elapsed
+            spent[name] = spent.get(name, 0.0) + elapsed
 
     return run
 
