@@ -132,7 +132,7 @@ def measure(args) -> None:
         "wait": (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad),
         "step": (schedule.ReduceTiedGrads, schedule.ReduceGrads, schedule.OptimizerStep),
     }
-    shape = {"layers": 4, "hidden": 256, "heads": 8, "seq": 128, "vocab": 1001, "micro": 2}
+    shape = {"layers": 4, "hidden": args.hidden, "heads": 8, "seq": args.seq, "vocab": 1001, "micro": 2}
     engines = {}
     for m in args.micro_batches:
         for name in SCHEDULES:
@@ -192,6 +192,8 @@ def main() -> None:
     ap.add_argument("--measure", action="store_true")
     ap.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8, 16])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     if args.measure:
