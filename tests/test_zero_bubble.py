@@ -6,7 +6,8 @@ runs before its backward, stage s holds at most s when it runs a forward, and al
 reductions.  A timing model of the streams (T_F = T_B = T_W; a send and its receive block until both sides are
 there, as DeepSpeed's p2p does) shows the bubble going from 1F1B's (p-1)(T_F+T_B+T_W) to ZB-H1's (p-1)(T_F+T_B-T_W),
 and, with the costs measured on CPU (T_F 1.6, T_B 1.4, T_W 1), halving.  The schedule key
-is validated before anything starts.
+is validated before anything starts.  The engine's W instruction frames each W pass for DeepSpeed's BF16 optimizer
+like a backward pass, and its optimizer step refuses to run with W passes queued.
 
 Launcher tier (one run, 2 processes, pp 2): GPT-2 (tied embeddings across the two stages) and Llama (untied) in
 fp32, and GPT-2 with DeepSpeed's BF16 optimizer (ZeRO-1, fp32 accumulators), each train three steps with 1F1B and
@@ -152,3 +153,58 @@ def test_pipeline_schedule_is_validated(schedule, fp16, message):
     cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": "zb-h1"}
     cfg.pop("fp16", None)
     assert resolve(cfg, 1).section.parallel.pipeline_schedule == "zb-h1"
+
+
+class _FakeBF16Optimizer:
+    """Records the calls DeepSpeed's BF16 optimizer gets around a W pass."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def clear_lp_grads(self):
+        self.calls.append("clear")
+
+    def update_hp_grads(self, clear_lp_grads=False):
+        self.calls.append("update")
+
+
+def _fake_engine(calls: list, queue, bf16: bool):
+    from types import SimpleNamespace
+
+    from ds_megatron.parallel.zero_bubble import ZeroBubblePipelineEngine
+
+    engine = ZeroBubblePipelineEngine.__new__(ZeroBubblePipelineEngine)  # no DeepSpeed initialisation needed here
+    engine.weight_grad_queue = queue
+    engine.using_bf16_optimizer = bf16
+    engine.optimizer = _FakeBF16Optimizer(calls)
+    engine._config = SimpleNamespace(bfloat16_config=SimpleNamespace(immediate_grad_update=False))
+    return engine
+
+
+def test_w_pass_moves_bf16_gradients_once_and_the_step_refuses_leftovers():
+    """Under the BF16 optimizer each W pass is framed like a backward pass (16-bit gradients zeroed before, added to
+    the fp32 accumulators after), one W pass per instruction, all of them at the reductions; an optimizer step that
+    finds W passes queued raises instead of stepping on partial gradients."""
+    import torch
+
+    from ds_megatron.parallel.zero_bubble import ZeroBubblePipelineEngine
+    from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue
+
+    calls: list = []
+    queue = WeightGradQueue()
+    p = torch.zeros(1, requires_grad=True)
+    for i in range(3):
+        queue.defer((p,), lambda i=i: (calls.append(f"W{i}") or torch.ones(1),))
+        queue.seal()
+    engine = _fake_engine(calls, queue, bf16=True)
+    engine._exec_weight_grad_pass()
+    assert calls == ["clear", "W0", "update"] and len(queue) == 2
+    with pytest.raises(RuntimeError, match="2 W pass"):
+        ZeroBubblePipelineEngine._exec_optimizer_step(engine)
+    engine._run_weight_grads(all_of_them=True)  # what ReduceTiedGrads runs first
+    assert calls == ["clear", "W0", "update", "clear", "W1", "update", "clear", "W2", "update"]
+    assert len(queue) == 0 and p.grad.item() == 3.0
+    plain: list = []
+    queue.defer((p,), lambda: (plain.append("W") or torch.ones(1),))
+    _fake_engine(plain, queue, bf16=False)._exec_weight_grad_pass()  # fp32: .grad directly, no framing
+    assert plain == ["W"] and p.grad.item() == 4.0
