@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
 
 from ds_megatron.checkpoint.run_state import read_weights_only
@@ -24,10 +23,13 @@ from ds_megatron.config.facts import deepspeed_wraps_optimizer, precision
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
+from ds_megatron.parallel.zero_bubble import PIPELINE_SCHEDULE as ZERO_BUBBLE
+from ds_megatron.parallel.zero_bubble import ZeroBubblePipelineEngine
 from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline import build_pipeline_module
 from ds_megatron.random import RNGTracker, build_rng
 from ds_megatron.tensor_parallel import TPGroup, defer_sp_grad_sync, sum_sp_replicated_grads
+from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue, defer_weight_grads
 from ds_megatron.topology import ParallelTopology
 
 
@@ -132,14 +134,16 @@ def install_step_sp_grad_sync(engine, topology: ParallelTopology, run: RunConfig
     defer_sp_grad_sync(engine.module)
     bf16 = bool(getattr(engine, "using_bf16_optimizer", False))
 
+    engine_class = type(engine)  # DeepSpeed's PipelineEngine, or the zero-bubble one (which runs W passes first)
+
     def reduce_tied_then_sp_grads(self) -> None:
-        PipelineEngine._exec_reduce_tied_grads(self)
+        engine_class._exec_reduce_tied_grads(self)
         grads = [getattr(p, "_hp_grad", None) if bf16 else p.grad for p in params]
         sum_sp_replicated_grads(params, grads, topology.tp_group)
 
     # The pipeline engine dispatches its schedule's instructions through this class-level table; an instance
     # entry replaces one instruction for this engine only.
-    engine._INSTRUCTION_MAP = {**PipelineEngine._INSTRUCTION_MAP, ReduceTiedGrads: reduce_tied_then_sp_grads}
+    engine._INSTRUCTION_MAP = {**engine_class._INSTRUCTION_MAP, ReduceTiedGrads: reduce_tied_then_sp_grads}
     return True
 
 
@@ -190,6 +194,10 @@ def build_engine(run: RunConfig) -> Built:
     scheduler = None if schedule is None else functools.partial(WarmupCosineScheduler, schedule=schedule)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler)
     read_weights_only(engine)  # DeepSpeed's own checkpoint reads unpickle weights-only too
+    if run.section.parallel.pipeline_schedule == ZERO_BUBBLE:
+        queue = WeightGradQueue()
+        defer_weight_grads(engine.module, queue)
+        ZeroBubblePipelineEngine.install(engine, queue)
     if install_step_sp_grad_sync(engine, topology, run) and topology.rank == 0:
         print("ds_megatron: SP-replicated gradients summed over TP once per step (fp32)", flush=True)
     return Built(engine, topology, parallel, rng, config, run)

@@ -156,7 +156,8 @@ def block_hooks(ctx: ParallelContext) -> BlockHooks:
         return checkpoint(functools.partial(core_in_state, core), q, k, v, rng=ctx.rng)
 
     def grouped_projection(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
-        return grouped_column_linear(x, tuple(m.weight for m in linears), ctx.tp.group, ctx.sp)
+        queue = linears[0].weight_grad_queue  # deferred weight gradients (zero-bubble schedules), or None
+        return grouped_column_linear(x, tuple(m.weight for m in linears), ctx.tp.group, ctx.sp, queue)
 
     return BlockHooks(
         around_norm=discard_output if "layernorm" in modules else compose,

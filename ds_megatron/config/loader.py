@@ -27,6 +27,7 @@ from ds_megatron.config.schema import (
     BLOCK_LAYER_CLASS,
     DEFAULT_SELECTIVE_MODULES,
     DOCUMENT_POSITIONS,
+    PIPELINE_SCHEDULES,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
     RECOMPUTE_POLICIES,
@@ -257,6 +258,22 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             "unknown mode",
             f"got {section.parallel.sp_grad_sync!r}",
             f"use one of {SP_GRAD_SYNC}",
+        )
+    schedule = section.parallel.pipeline_schedule
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(
+            "ds_megatron.parallel.pipeline_schedule",
+            "unknown schedule",
+            f"got {schedule!r}",
+            f"use one of {PIPELINE_SCHEDULES}",
+        )
+    if schedule == "zb-h1" and precision(ds_config) == "fp16":
+        # fp16's wrappers scale and accumulate 16-bit gradients in backward; deferred weight gradients bypass that
+        raise ConfigError(
+            "ds_megatron.parallel.pipeline_schedule",
+            "zb-h1 is not supported with fp16",
+            "pipeline_schedule='zb-h1', fp16.enabled=true",
+            'use bf16 or fp32, or pipeline_schedule "1f1b"',
         )
     if rc.method not in RECOMPUTE_METHODS:
         raise ConfigError(

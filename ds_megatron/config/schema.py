@@ -21,6 +21,7 @@ DEFAULT_SELECTIVE_MODULES = ("core_attn",)  # what selective recomputes when no 
 SP_GRAD_SYNC = ("step", "micro_batch")
 # Positions of packed documents under data.document_mask: restart at each document (Llama 3's) or the window index.
 DOCUMENT_POSITIONS = ("restart", "global")
+PIPELINE_SCHEDULES = ("1f1b", "zb-h1")  # DeepSpeed's 1F1B; ZB-H1: 1F1B with weight gradients run in the bubbles
 DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fast matmul shapes on GPUs)
 
 
@@ -72,6 +73,7 @@ class ParallelSection:
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
+    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from ds_megatron.tensor_parallel.mappings import (
     sync_grads,
 )
 from ds_megatron.tensor_parallel.sharding import ShardRule, shard
+from ds_megatron.tensor_parallel.weight_grad import DeferrableWeightGrads, WeightGradQueue
 
 
 def mark_tp_sharded(param: nn.Parameter, partition_dim: int) -> None:
@@ -90,14 +91,23 @@ def _weight_and_bias_grads(grad_out: torch.Tensor, x: torch.Tensor, has_bias: bo
     return grad_weight, (g2.sum(0) if has_bias else None)
 
 
+def _defer_linear(
+    queue: WeightGradQueue, weight: torch.Tensor, bias: torch.Tensor | None, grad_out: torch.Tensor, x: torch.Tensor
+) -> None:
+    """Queue dW and db of one linear: keeps its (full, under SP) input ``x`` and output gradient until W runs."""
+    queue.defer((weight, bias), lambda: _weight_and_bias_grads(grad_out, x, bias is not None))
+
+
 class _ColumnLinear(torch.autograd.Function):
     """Y = X A^T + b with X replicated over the TP group (f: identity forward, all-reduce of dX backward).
 
-    Backward starts the all-reduce of dX as soon as dX exists and computes dA and db while it runs."""
+    Backward starts the all-reduce of dX as soon as dX exists and computes dA and db while it runs.  With a
+    ``queue`` (deferred weight gradients; also used with no group, as a plain linear), dA and db are queued instead."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x, weight, bias, group, queue=None):
+        ctx.group, ctx.has_bias, ctx.queue = group, bias is not None, queue
+        ctx.bias = bias if queue is not None else None
         ctx.save_for_backward(x, weight)
         return F.linear(x, weight, bias)
 
@@ -105,8 +115,11 @@ class _ColumnLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_in = all_reduce_async(grad_out.matmul(weight), ctx.group)
+        if ctx.queue is not None:
+            _defer_linear(ctx.queue, weight, ctx.bias, grad_out, x)
+            return grad_in.wait(), None, None, None, None
         grad_weight, grad_bias = _weight_and_bias_grads(grad_out, x, ctx.has_bias)
-        return grad_in.wait(), grad_weight, grad_bias, None
+        return grad_in.wait(), grad_weight, grad_bias, None, None
 
 
 class _SequenceParallelColumnLinear(torch.autograd.Function):
@@ -115,11 +128,14 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     under SP the inputs of QKV, fc1 and the output layer are stored once per TP group, not t times.
 
     Backward overlaps both collectives with compute: the all-gather of X runs while dX = dY A is computed, and the
-    reduce-scatter of dX runs while dA = dY^T X is computed."""
+    reduce-scatter of dX runs while dA = dY^T X is computed.  With a ``queue`` (deferred weight gradients), dA and db
+    are queued with the gathered input, which stays alive until W runs (gathering it again there would put a TP
+    collective into W)."""
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group):
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x_shard, weight, bias, group, queue=None):
+        ctx.group, ctx.has_bias, ctx.queue = group, bias is not None, queue
+        ctx.bias = bias if queue is not None else None
         ctx.save_for_backward(x_shard, weight)
         return F.linear(_all_gather_dim0(x_shard, group), weight, bias)
 
@@ -130,8 +146,11 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         grad_full = grad_out.matmul(weight)  # [s, b, in]
         x_full = gathering.wait()  # [s, b, in]
         grad_in = reduce_scatter_dim0_async(grad_full, ctx.group)
+        if ctx.queue is not None:
+            _defer_linear(ctx.queue, weight, ctx.bias, grad_out, x_full)
+            return grad_in.wait(), None, None, None, None
         grad_weight, grad_bias = _weight_and_bias_grads(grad_out, x_full, ctx.has_bias)
-        return grad_in.wait(), grad_weight, grad_bias, None
+        return grad_in.wait(), grad_weight, grad_bias, None, None
 
 
 def column_linear(
@@ -140,8 +159,14 @@ def column_linear(
     bias: torch.Tensor | None,
     group: ProcessGroup | None,
     sequence_parallel: bool,
+    queue: WeightGradQueue | None = None,
 ) -> torch.Tensor:
-    """Column-parallel matmul: input replicated (f) or, under SP, a sequence shard gathered on the fly."""
+    """Column-parallel matmul: input replicated (f) or, under SP, a sequence shard gathered on the fly; with a
+    ``queue``, its weight gradients are deferred (also with one rank)."""
+    if queue is not None:
+        if sequence_parallel and group_size(group) > 1:
+            return _SequenceParallelColumnLinear.apply(x, weight, bias, group, queue)
+        return _ColumnLinear.apply(x, weight, bias, group, queue)
     if group_size(group) == 1:
         return F.linear(x, weight, bias)
     if sequence_parallel:
@@ -153,11 +178,12 @@ class _GroupedColumnLinear(torch.autograd.Function):
     """Y_i = X A_i^T for several bias-free weights that share one input (q|k|v, gate|up): one f (identity /
     all-reduce) or, under SP, one all-gather / reduce-scatter for all of them instead of one per weight, and the
     input (its sequence shard under SP) saved once.  Backward overlaps the collectives with compute as the
-    single-weight functions do."""
+    single-weight functions do.  With a ``queue`` (deferred weight gradients), the weight gradients are queued with
+    the (gathered) input."""
 
     @staticmethod
-    def forward(ctx, x, group, sequence_parallel, *weights):
-        ctx.group, ctx.sp = group, sequence_parallel
+    def forward(ctx, x, group, sequence_parallel, queue, *weights):
+        ctx.group, ctx.sp, ctx.queue = group, sequence_parallel, queue
         ctx.save_for_backward(x, *weights)
         full = _all_gather_dim0(x, group) if sequence_parallel else x
         return tuple(F.linear(full, w) for w in weights)
@@ -174,20 +200,29 @@ class _GroupedColumnLinear(torch.autograd.Function):
             grad_in = reduce_scatter_dim0_async(grad_full, ctx.group)
         else:
             grad_in = all_reduce_async(grad_full, ctx.group)
+        if ctx.queue is not None:
+            for g, w in zip(grads, weights):
+                _defer_linear(ctx.queue, w, None, g, x_full)
+            return grad_in.wait(), None, None, None, *(None for _ in weights)
         grad_weights = [_weight_and_bias_grads(g, x_full, False)[0] for g in grads]
-        return grad_in.wait(), None, None, *grad_weights
+        return grad_in.wait(), None, None, None, *grad_weights
 
 
 def grouped_column_linear(
-    x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: ProcessGroup | None, sequence_parallel: bool
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    group: ProcessGroup | None,
+    sequence_parallel: bool,
+    queue: WeightGradQueue | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Several column-parallel, bias-free matmuls of one input (replicated, or a sequence shard under SP)."""
-    if group_size(group) == 1:
+    """Several column-parallel, bias-free matmuls of one input (replicated, or a sequence shard under SP); with a
+    ``queue``, their weight gradients are deferred."""
+    if group_size(group) == 1 and queue is None:
         return tuple(F.linear(x, w) for w in weights)
-    return _GroupedColumnLinear.apply(x, group, sequence_parallel, *weights)
+    return _GroupedColumnLinear.apply(x, group, sequence_parallel and group_size(group) > 1, queue, *weights)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(DeferrableWeightGrads, nn.Module):
     """Y = X A^T with A split along its output dim: each rank computes Y[..., out/t].
 
     Input: [s, b, in] replicated (f: identity / all-reduce), or [s/t, b, in] under SP (all-gather / reduce-scatter).
@@ -207,7 +242,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp, self.sequence_parallel = tp, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return column_linear(x, self.weight, self.bias, self.tp.group, self.sequence_parallel)
+        return column_linear(x, self.weight, self.bias, self.tp.group, self.sequence_parallel, self.weight_grad_queue)
 
     def extra_repr(self) -> str:
         return (
@@ -216,7 +251,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(SPReplicatedGrads, nn.Module):
+class RowParallelLinear(DeferrableWeightGrads, SPReplicatedGrads, nn.Module):
     """Y = X A^T with A split along its input dim; partial sums are reduced across the TP group.
 
     Input: [s, b, in/t].  Output: [s, b, out] (g: all-reduce / identity), or [s/t, b, out] under SP
@@ -235,7 +270,8 @@ class RowParallelLinear(SPReplicatedGrads, nn.Module):
         self.tp, self.sequence_parallel = tp, sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        queue = self.weight_grad_queue
+        y = F.linear(x, self.weight) if queue is None else _ColumnLinear.apply(x, self.weight, None, None, queue)
         if not self.sequence_parallel:
             y = reduce_from_tp_(y, self.tp.group)  # y is F.linear's fresh output
             return y + self.bias if self.bias is not None else y
@@ -249,7 +285,27 @@ class RowParallelLinear(SPReplicatedGrads, nn.Module):
         )
 
 
-class VocabParallelEmbedding(nn.Module):
+class _DeferredEmbedding(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose weight gradient (the whole of its backward: ids need none) is queued;
+    W computes it with the kernel autograd's embedding backward uses (dense, no padding index, no scaling)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, queue):
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.queue = weight, queue
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        rows = ctx.weight.shape[0]
+        ctx.queue.defer(
+            (ctx.weight,), lambda: (torch.ops.aten.embedding_dense_backward(grad_out, ids, rows, -1, False),)
+        )
+        return None, None, None
+
+
+class VocabParallelEmbedding(DeferrableWeightGrads, nn.Module):
     """Embedding table [V_pad, h] split into contiguous vocabulary blocks of V_pad/t rows.
 
     Input ids [s, b] (any shape; under SP dim 0 must be the sequence).  Each rank looks up the ids in its block
@@ -270,7 +326,9 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        queue = self.weight_grad_queue
+        out = F.embedding(local, self.weight) if queue is None else _DeferredEmbedding.apply(local, self.weight, queue)
+        out = out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return reduce_scatter_seq(out, self.tp.group) if self.sequence_parallel else reduce_from_tp_(out, self.tp.group)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -280,7 +338,13 @@ class VocabParallelEmbedding(nn.Module):
         Padding columns are set to -inf, so they can never be predicted and get zero gradient.
         """
         return vocab_parallel_logits(
-            x, self.weight, self.vocab_start, self.vocab_size, self.tp.group, self.sequence_parallel
+            x,
+            self.weight,
+            self.vocab_start,
+            self.vocab_size,
+            self.tp.group,
+            self.sequence_parallel,
+            self.weight_grad_queue,
         )
 
     def extra_repr(self) -> str:
@@ -297,10 +361,11 @@ def vocab_parallel_logits(
     vocab_size: int,
     group: ProcessGroup | None,
     sequence_parallel: bool,
+    queue: WeightGradQueue | None = None,
 ) -> torch.Tensor:
     """[s(/t), b, h] x this rank's rows [V_pad/t, h] of the output table -> its block of logits [s, b, V_pad/t];
     columns past the real vocabulary (padding) are -inf, so they are never predicted and get zero gradient."""
-    logits = column_linear(x, weight, None, group, sequence_parallel)
+    logits = column_linear(x, weight, None, group, sequence_parallel, queue)
     vocab_end = vocab_start + weight.shape[0]
     if vocab_end > vocab_size:
         cols = torch.arange(vocab_start, vocab_end, device=logits.device)

@@ -68,8 +68,11 @@ class Pending:
         return self._finish()
 
 
-def all_reduce_async(x: torch.Tensor, group: ProcessGroup) -> Pending:
-    """Sum over ``group`` in place of ``x`` (a fresh buffer the caller owns), started now."""
+def all_reduce_async(x: torch.Tensor, group: ProcessGroup | None) -> Pending:
+    """Sum over ``group`` in place of ``x`` (a fresh buffer the caller owns), started now; ``x`` itself with one
+    rank (a linear whose weight gradients are deferred runs through the same autograd function at tp 1)."""
+    if group_size(group) == 1:
+        return Pending(None, lambda: x)
     x = x.contiguous()
     return Pending(dist.all_reduce(x, group=group, async_op=True), lambda: x)
 

@@ -1,0 +1,135 @@
+"""ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1) on DeepSpeed's pipeline engine.
+
+DeepSpeed's 1F1B (``TrainSchedule``) runs each backward pass whole.  With the layers' weight gradients deferred
+(``ds_megatron.tensor_parallel.weight_grad``), a backward pass is B only (input gradients: what the previous stage
+waits for), and each W pass (weight gradients: nobody waits for them before the step) becomes an instruction of its
+own, :class:`WeightGradPass`.  :class:`ZeroBubbleH1Schedule` yields DeepSpeed's 1F1B order unchanged and inserts the
+W passes: stage s holds back up to s of them (the last stage the most), runs one whenever it holds more, and runs
+the rest at the end of the step, where its upstream stages are still busy with their last B passes (the cooldown
+bubble of 1F1B).  The number of micro-batches in flight is 1F1B's; stage s additionally keeps what at most s W
+passes need whenever it runs a forward (s + 1 in the cooldown, between a backward and the send of its gradient, when
+that backward has just freed its activations): each linear's input and output gradient.  With at most p - s
+micro-batches in flight, that stays below the p micro-batches 1F1B's first stage holds, so the peak over stages is
+1F1B's (the first stage holds none back).  With T_F = T_B = T_W the bubble falls from (p-1)(T_F+T_B+T_W) to
+(p-1)(T_F+T_B-T_W) per step.
+
+:class:`ZeroBubblePipelineEngine` executes it: each backward pass seals its W pass in the stage's queue; a
+``WeightGradPass`` runs the oldest one; ``ReduceTiedGrads`` (the first of the step's reduction instructions) runs
+any left first, so the tied, SP-replicated and data-parallel reductions, clipping, the skipped-step guard and the
+optimizer step all see complete gradients; the optimizer step refuses to run with W passes still queued.
+"""
+
+from __future__ import annotations
+
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+PIPELINE_SCHEDULE = "zb-h1"  # the config value of ds_megatron.parallel.pipeline_schedule this module implements
+
+
+class WeightGradPass(schedule.PipeInstruction):
+    """Run the oldest deferred W pass of this stage (its weight gradients, accumulated into the gradients)."""
+
+
+class ZeroBubbleH1Schedule(schedule.TrainSchedule):
+    """DeepSpeed's 1F1B with W passes split off the backward passes and delayed by up to ``stage_id`` of them.
+
+    Where a W pass goes matters because DeepSpeed's sends and receives block until the other stage is there: while
+    the stage still has forwards to run, a due W pass runs right after its B (before the gradient is sent: the
+    upstream stage is busy with its own forward and W until it asks for it); in the cooldown, once the last forward
+    has run, it runs after the gradient has been sent, while the upstream stage runs that B.  With T_F = T_B = T_W
+    this reaches ZB-H1's bubble of (p-1)(T_F+T_B-T_W) under blocking sends (tests/test_zero_bubble.py simulates it)."""
+
+    def steps(self):
+        held_back = self.stage_id  # W passes this stage may hold: the cooldown slots its upstream stages leave
+        pending = 0
+        sends_grads = self._valid_stage(self.prev_stage)
+        forwards_left = self.micro_batches
+        for cmds in super().steps():
+            out = []
+            for cmd in cmds:
+                if isinstance(cmd, schedule.ReduceTiedGrads):
+                    out += [WeightGradPass() for _ in range(pending)]
+                    pending = 0
+                out.append(cmd)
+                if isinstance(cmd, schedule.ForwardPass):
+                    forwards_left -= 1
+                if isinstance(cmd, schedule.BackwardPass):
+                    pending += 1
+                due_here = (isinstance(cmd, schedule.BackwardPass) and (forwards_left > 0 or not sends_grads)) or (
+                    isinstance(cmd, schedule.SendGrad) and forwards_left == 0
+                )
+                if due_here:
+                    while pending > held_back:
+                        out.append(WeightGradPass())
+                        pending -= 1
+            yield out
+
+
+class ZeroBubblePipelineEngine(PipelineEngine):
+    """DeepSpeed's pipeline engine running :class:`ZeroBubbleH1Schedule`.  Never constructed: ``install`` turns a
+    built ``PipelineEngine`` into one (deepspeed.initialize builds the engine itself) and attaches the queue that the
+    layers defer their weight gradients to."""
+
+    weight_grad_queue = None  # the stage's ``WeightGradQueue``, set by ``install``
+
+    @classmethod
+    def install(cls, engine: PipelineEngine, queue) -> None:
+        if type(engine) is not PipelineEngine:
+            raise TypeError(f"zb-h1 extends DeepSpeed's PipelineEngine, not {type(engine).__name__}")
+        engine.__class__ = cls
+        engine.weight_grad_queue = queue
+
+    def _train_schedule(self):
+        return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
+    def _exec_backward_pass(self, buffer_id):
+        super()._exec_backward_pass(buffer_id)
+        self.weight_grad_queue.seal()
+
+    def _exec_recv_grads(self, buffer_id):
+        # DeepSpeed receives every micro-batch's output gradient into one reused buffer; the stage's last linear
+        # may keep that very tensor for its W pass, so each micro-batch gets its own copy.
+        super()._exec_recv_grads(buffer_id)
+        if isinstance(self.grad_layer, tuple | list):
+            self.grad_layer = type(self.grad_layer)(g.clone() if g.is_floating_point() else g for g in self.grad_layer)
+        else:
+            self.grad_layer = self.grad_layer.clone()
+
+    def _exec_weight_grad_pass(self):
+        self._run_weight_grads(all_of_them=False)
+
+    def _run_weight_grads(self, all_of_them: bool) -> None:
+        """Run the oldest W pass (or all).  The BF16 optimizer moves each backward's 16-bit gradients into its fp32
+        accumulators right after it (and zeroes them before the next one); a W pass is treated the same way, so
+        every gradient is added to the accumulators exactly once, in 16-bit as a backward pass leaves it."""
+        queue = self.weight_grad_queue
+        bf16 = bool(getattr(self, "using_bf16_optimizer", False))
+        while len(queue):
+            if bf16:
+                self.optimizer.clear_lp_grads()
+            if not queue.run_next():
+                queue.seal()
+                continue
+            if bf16 and not self._config.bfloat16_config.immediate_grad_update:
+                self.optimizer.update_hp_grads(clear_lp_grads=False)
+            if not all_of_them:
+                return
+
+    def _exec_reduce_tied_grads(self):
+        self._run_weight_grads(all_of_them=True)
+        super()._exec_reduce_tied_grads()
+
+    def _exec_optimizer_step(self, lr_kwargs=None):
+        if len(self.weight_grad_queue):
+            raise RuntimeError(f"{len(self.weight_grad_queue)} W pass(es) still queued at the optimizer step")
+        super()._exec_optimizer_step(lr_kwargs)
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        schedule.BackwardPass: _exec_backward_pass,
+        schedule.RecvGrad: _exec_recv_grads,
+        schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
+        schedule.OptimizerStep: _exec_optimizer_step,
+        WeightGradPass: _exec_weight_grad_pass,
+    }

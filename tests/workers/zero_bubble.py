@@ -1,0 +1,206 @@
+"""Zero-bubble worker: train each layout with DeepSpeed's 1F1B and with ZB-H1 (deferred weight gradients run in the
+pipeline's bubbles) from the same weights on the same data, and compare, on every rank.
+
+Usage (under the deepspeed launcher):
+    zero_bubble.py --out DIR --layouts 1,2,1 1,2,1,llama [--steps 3]
+        writes DIR/<layout>.rank<r>.json: both schedules' losses, the largest step-1 gradient and final weight
+        differences, how many W passes ZB-H1 ran and how many were left at a step.
+    zero_bubble.py --out DIR --measure --micro-batches 4 8 16 --repeats 5
+        times every instruction of one step per schedule, interleaved (1f1b, zb-h1, 1f1b, ...), and writes
+        DIR/measure.rank<r>.json: per repeat and micro-batch count, the seconds spent computing (forward, B, W,
+        loading), waiting in pipeline sends/receives, in the step's reductions and optimizer ("step"), and the
+        whole step ("step_total").
+A layout is tp,pp,dp, optionally followed by ``llama`` (4 heads, 2 KV heads, untied), ``sp`` and ``bf16`` (DeepSpeed's
+BF16 optimizer with ZeRO-1 and fp32 gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+from common import log, micro_batches, tiny_ds_config, token_batches, write_result  # noqa: E402
+from deepspeed.runtime.pipe import schedule  # noqa: E402
+
+from ds_megatron.config import resolve  # noqa: E402
+from ds_megatron.engine import build_engine  # noqa: E402
+from ds_megatron.parallel.zero_bubble import WeightGradPass  # noqa: E402
+
+LLAMA_FIELDS = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 96, "rope_theta": 10000.0}
+SCHEDULES = ("1f1b", "zb-h1")
+# DeepSpeed's BF16 optimizer (ZeRO-1, fp32 accumulation): gradients live in its fp32 accumulators (``_hp_grad``)
+BF16 = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 1},
+    "zero_allow_untested_optimizer": True,
+    "data_types": {"grad_accum_dtype": "fp32"},
+}
+
+
+def config(tp: int, pp: int, dp: int, options: tuple[str, ...], schedule_name: str, **shape) -> dict:
+    extra = BF16 if "bf16" in options else None
+    cfg = tiny_ds_config(tp, pp, dp, sequence_parallel="sp" in options, extra=extra, **shape)
+    if "llama" in options:
+        cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings=False)
+    cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = schedule_name
+    return cfg
+
+
+def train(cfg: dict, steps: int):
+    """Losses, step-1 gradients (by parameter name) and final weights of ``steps`` optimizer steps; for ZB-H1 also
+    how many W passes ran and the most still queued when a step's reductions began."""
+    run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    built = build_engine(run)
+    engine, topo = built.engine, built.topology
+    bf16 = bool(getattr(engine, "using_bf16_optimizer", False))
+    captured: dict[str, torch.Tensor] = {}
+    counts = {"w_passes": 0, "left_at_reduce": 0}
+    table = instruction_table(engine)
+    step, run_w, reduce_tied = table[schedule.OptimizerStep], table.get(WeightGradPass), table[schedule.ReduceTiedGrads]
+
+    def capturing_step(self, **kwargs):  # step 1's gradients as the optimizer gets them (bf16: fp32 accumulators)
+        if not captured:
+            for n, p in self.module.named_parameters():
+                grad = getattr(p, "_hp_grad", None) if bf16 else p.grad
+                if grad is not None:
+                    captured[n] = grad.detach().float().clone()
+        step(self, **kwargs)
+
+    table[schedule.OptimizerStep] = capturing_step
+    if run_w is not None:
+
+        def counted_w(self):  # only W passes that found deferred work count
+            counts["w_passes"] += bool(len(self.weight_grad_queue))
+            run_w(self)
+
+        def checked_reduce(self):  # what the schedule itself left for the reductions' flush
+            counts["left_at_reduce"] = max(counts["left_at_reduce"], len(self.weight_grad_queue))
+            reduce_tied(self)
+
+        table.update({WeightGradPass: counted_w, schedule.ReduceTiedGrads: checked_reduce})
+    engine._INSTRUCTION_MAP = table
+    batches = token_batches(steps, run.global_batch_size, run.model.seq_length, run.model.vocab_size)
+    losses = []
+    for tokens in batches:
+        losses.append(
+            float(engine.train_batch(iter(micro_batches(tokens, run.micro_batch_size, run.dp, topo.dp_rank))))
+        )
+    weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    return losses, captured, weights, counts, run.grad_accum_steps
+
+
+def instruction_table(engine) -> dict:
+    """A copy of the engine's instruction table (its own entries, e.g. the step's SP sum, or its class's)."""
+    return dict(engine._INSTRUCTION_MAP)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def compare(layout: str, args) -> None:
+    fields = layout.split(",")
+    tp, pp, dp = (int(x) for x in fields[:3])
+    options = tuple(fields[3:])
+    results = {name: train(config(tp, pp, dp, options, name), args.steps) for name in SCHEDULES}
+    (l1, g1, w1, _, gas), (l2, g2, w2, counts, _) = results["1f1b"], results["zb-h1"]
+    payload = {
+        "losses_1f1b": l1,
+        "losses_zb": l2,
+        "grad_diff": max_diff(g1, g2),
+        "grad_scale": max(float(g.abs().max()) for g in g1.values()),
+        "param_diff": max_diff(w1, w2),
+        "grad_names": sorted(g1),
+        "w_passes": counts["w_passes"],
+        "left_at_reduce": counts["left_at_reduce"],
+        "expected_w_passes": args.steps * gas,
+    }
+    log(layout, payload["losses_1f1b"], payload["losses_zb"], payload["grad_diff"], counts)
+    write_result(args.out, layout.replace(",", "-"), payload)
+
+
+def measure(args) -> None:
+    """Per instruction kind, seconds of one step, for each schedule and micro-batch count, interleaved."""
+    kinds = {
+        "compute": (schedule.ForwardPass, schedule.BackwardPass, WeightGradPass, schedule.LoadMicroBatch),
+        "wait": (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad),
+        "step": (schedule.ReduceTiedGrads, schedule.ReduceGrads, schedule.OptimizerStep),
+    }
+    shape = {"layers": 4, "hidden": args.hidden, "heads": 8, "seq": args.seq, "vocab": 1001, "micro": 2}
+    engines = {}
+    for m in args.micro_batches:
+        for name in SCHEDULES:
+            cfg = config(1, 2, 1, (), name, global_batch=2 * m, **shape)
+            run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+            built = build_engine(run)
+            engine = built.engine
+            spent = {k: 0.0 for k in kinds}
+            table = (
+                dict(engine._INSTRUCTION_MAP)
+                if "_INSTRUCTION_MAP" in vars(engine)
+                else dict(type(engine)._INSTRUCTION_MAP)
+            )
+            for kind, instrs in kinds.items():
+                for instr in instrs:
+                    if instr in table:
+                        table[instr] = timed(table[instr], spent, kind, instr.__name__)
+            engine._INSTRUCTION_MAP = table
+            engines[(m, name)] = (engine, run, spent)
+    rows = []
+    for repeat in range(args.repeats + 1):  # the first round warms up every engine and is dropped
+        for m in args.micro_batches:
+            for name in SCHEDULES:
+                engine, run, spent = engines[(m, name)]
+                tokens = token_batches(1, run.global_batch_size, run.model.seq_length, run.model.vocab_size, repeat)[0]
+                spent.clear()
+                spent.update({k: 0.0 for k in kinds})
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                engine.train_batch(iter(micro_batches(tokens, run.micro_batch_size, 1, 0)))
+                total = time.perf_counter() - start
+                if repeat:
+                    rows.append({"m": m, "schedule": name, "repeat": repeat, **spent, "step_total": total})
+    write_result(args.out, "measure", {"rows": rows, "pp_rank": engines[(args.micro_batches[0], "1f1b")][0].stage_id})
+
+
+def timed(fn, spent: dict, kind: str, name: str):
+    """``fn`` adding its seconds to ``spent[kind]`` and to ``spent[name]`` (the instruction's own total)."""
+
+    def run(self, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(self, **kwargs)
+        finally:
+            elapsed = time.perf_counter() - start
+            spent[kind] += elapsed
+            spent[name] = spent.get(name, 0.0) + elapsed
+
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layouts", nargs="*", default=[])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--measure", action="store_true")
+    ap.add_argument("--micro-batches", type=int, nargs="*", default=[4, 8, 16])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    if args.measure:
+        measure(args)
+    for layout in args.layouts:
+        compare(layout, args)
+
+
+if __name__ == "__main__":
+    main()
