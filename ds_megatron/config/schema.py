@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ds_megatron.model import FAMILIES
+
 ATTENTION_KERNELS = ("eager", "sdpa")
-# The registry's family names (ds_megatron.model.FAMILIES, above config: tests/test_layering.py checks they agree).
-MODEL_FAMILIES = ("gpt2", "llama")  # GPT-2/GPT-3 (learned positions, LayerNorm, GELU) or Llama (RoPE, RMSNorm, SwiGLU)
+MODEL_FAMILIES = tuple(FAMILIES)  # the registry's families (model/<family>/: each one's config, shapes and rules)
 ROPE_SCALING_TYPES = ("llama3",)  # rope_scaling.rope_type values the llama family implements
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
