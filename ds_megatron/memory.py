@@ -33,6 +33,7 @@ recompute keeps the block input whatever the kernel.
 
 from __future__ import annotations
 
+from ds_megatron.config.rules import core_attn_saves_nothing
 from ds_megatron.config.schema import (
     ATTENTION_KERNELS,
     DEFAULT_SELECTIVE_MODULES,
@@ -91,7 +92,7 @@ def activation_bytes_per_layer(
     modules = (tuple(modules) or DEFAULT_SELECTIVE_MODULES) if recompute == "selective" else ()
     if set(modules) - set(RECOMPUTE_MODULES):
         raise ValueError(f"modules must be among {RECOMPUTE_MODULES}, got {modules}")
-    if attention == "sdpa" and "core_attn" in modules:
+    if core_attn_saves_nothing(attention, modules):
         raise ValueError("selective recompute of core_attn checkpoints the s x s core, which sdpa never stores")
     terms = FAMILIES[family].block_terms(h, a, num_kv_heads, intermediate_size, attention_dropout, act_bytes)
     sp = sequence_parallel and t > 1

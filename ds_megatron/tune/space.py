@@ -8,11 +8,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
+from ds_megatron.config.rules import TP_SPLITS, core_attn_saves_nothing
 from ds_megatron.config.schema import ATTENTION_KERNELS
 from ds_megatron.tune.memory_model import layers_per_stage
 from ds_megatron.tune.spec import (
     SDPA_CORE_ATTN_REASON,
-    TP_SPLITS,
     Candidate,
     Cluster,
     Pins,
@@ -85,7 +85,7 @@ def selective_modules(kernel: str, pins: Pins) -> tuple[tuple[str, ...], ...]:
     if pins.recompute_modules is None:
         return SELECTIVE_MODULES[kernel]
     pinned = ordered_modules(pins.recompute_modules)
-    return () if kernel == "sdpa" and "core_attn" in pinned else (pinned,)
+    return () if core_attn_saves_nothing(kernel, pinned) else (pinned,)
 
 
 def recompute_options(num_blocks: int, kernel: str, pins: Pins) -> list[tuple[str, int, str, tuple[str, ...]]]:
