@@ -4,6 +4,7 @@ package), and the single-device model never touches torch.distributed or deepspe
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "ds_megatron"
@@ -179,3 +180,14 @@ def test_the_partition_default_names_the_pipelines_block_class():
 
     assert BlockPipe.__name__ == BLOCK_LAYER_CLASS
     assert ParallelSection().partition_method == f"type:{BlockPipe.__name__}"
+
+
+def test_docstring_levels_are_the_tables():
+    """A module docstring that opens with its level (``L3.5: ...``) states the level of LEVELS above."""
+    bad = []
+    for path in PKG.rglob("*.py"):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        match = re.match(r"L(\d+(?:\.\d+)?):", doc)
+        if match and _unit(path) != "__init__" and float(match.group(1)) != LEVELS[_unit(path)]:
+            bad.append(f"{path.relative_to(PKG)}: L{match.group(1)}, the table says {LEVELS[_unit(path)]}")
+    assert not bad, "\n".join(bad)
