@@ -22,7 +22,6 @@ from ds_megatron.config.rules import (
     check_tokenizer_spec,
     check_zero_stage,
     core_attn_saves_nothing,
-    tp_divisors,
     tp_misfit,
 )
 from ds_megatron.config.schedule import warmup_cosine_from
@@ -212,7 +211,9 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
     if misfit is not None:
         value = getattr(shape, misfit)
         why = " (KV heads are split over TP like query heads)" if misfit == "num_kv_heads" else ""
-        fix = f"use tp in {tp_divisors(value)}" if why else f"choose tp dividing {misfit}"
+        fix = (
+            f"use tp in {[d for d in range(1, value + 1) if value % d == 0]}" if why else f"choose tp dividing {misfit}"
+        )
         raise ConfigError(
             "ds_megatron.parallel.tp", f"{misfit} not divisible by tp{why}", f"{misfit}={value}, tp={tp}", fix
         )

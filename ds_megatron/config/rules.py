@@ -14,7 +14,6 @@ from ds_megatron.config.shape import Vocabulary
 CONFIG_FILE_RULES = Vocabulary(
     prefix="",
     refs={
-        "tp": "ds_megatron.parallel.tp",
         "zero": "zero_optimization.stage",
         "tokenizer": "ds_megatron.data.tokenizer",
         "vocab_size": "ds_megatron.model.vocab_size",
@@ -32,10 +31,6 @@ TP_SPLITS = {
 def tp_misfit(shape: Any, tp: int) -> str | None:
     """The first field of TP_SPLITS that ``tp`` does not divide (None: tp fits the shape)."""
     return next((name for name in TP_SPLITS if getattr(shape, name) % tp != 0), None)
-
-
-def tp_divisors(value: int) -> list[int]:
-    return [d for d in range(1, value + 1) if value % d == 0]
 
 
 # Every ds_megatron run is a DeepSpeed PipelineModule, at pp 1 too, and DeepSpeed's PipelineEngine asserts a ZeRO

@@ -1,5 +1,5 @@
 """The named model shapes (``model.size``) of every family, each family's own (``model/<family>/__init__.py``
-``SIZES`` and ``LEARNING_RATES``), gathered from the registry.  Standard library only."""
+``SIZES``, each with its published learning rate), gathered from the registry.  Standard library only."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from ds_megatron.model.family import NamedShape
 
 SHAPES: dict[str, NamedShape] = {name: s for f in FAMILIES.values() for name, s in f.sizes.items()}
 # Peak learning rates of the named sizes that publish one, written into generated configs by the tuner.
-LEARNING_RATES: dict[str, float] = {name: lr for f in FAMILIES.values() for name, lr in f.learning_rates.items()}
+LEARNING_RATES: dict[str, float] = {name: s.learning_rate for name, s in SHAPES.items() if s.learning_rate}
 
 
 def named(name: str) -> NamedShape | None:

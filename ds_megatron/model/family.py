@@ -73,6 +73,7 @@ class NamedShape:
     rope_theta: float | None = None
     rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3 scaling, as sorted (key, value) pairs
     tie_word_embeddings: bool | None = None
+    learning_rate: float | None = None  # the published peak learning rate, where one is published
 
 
 Gemm = tuple[str, int, int, int, int]  # a block's matmul for the tuner: (name, m, k, n, count) m x k by k x n
@@ -111,7 +112,6 @@ class Family:
     block_terms: Callable[..., BlockTerms]  # (h, a, num_kv_heads, intermediate_size, attention_dropout, act)
     tuner: TunerFacts
     sizes: dict[str, NamedShape]  # the family's named sizes (``model.size``)
-    learning_rates: dict[str, float]  # the published peak learning rate of each named size that has one
     shape_renamed: dict[str, str]  # config fields that ``config.ModelShape`` spells otherwise (ours -> its)
     hf_renamed: dict[str, str]  # config fields that transformers' config spells otherwise (ours -> theirs)
     # Every head its own K and V and an MLP of width 4h: the shape is L, h, a alone (the formulas then default to

@@ -146,8 +146,7 @@ FLAGS = Vocabulary(
         "num_kv_heads": "--kv-heads",
         "intermediate_size": "--intermediate-size",
         "tie_word_embeddings": "--tie-word-embeddings",
-        "tp": "--tp",  # and the settings config.rules names
-        "zero": "--zero",
+        "zero": "--zero",  # named by config.rules
     },
     nouns={"num_heads": "the number of heads"},
 )

@@ -42,31 +42,23 @@ GPT3_VOCAB_SIZE = 50257  # GPT-2's byte-level BPE vocabulary, which GPT-3 kept
 GPT3_SEQ_LENGTH = 2048
 
 
-def _gpt3(layers: int, hidden: int, heads: int) -> NamedShape:
-    return NamedShape(NAME, layers, hidden, heads, vocab_size=GPT3_VOCAB_SIZE, seq_length=GPT3_SEQ_LENGTH)
+def _gpt3(layers: int, hidden: int, heads: int, lr: float) -> NamedShape:
+    return NamedShape(
+        NAME, layers, hidden, heads, vocab_size=GPT3_VOCAB_SIZE, seq_length=GPT3_SEQ_LENGTH, learning_rate=lr
+    )
 
 
 # GPT-3: Brown et al. 2020, Table 2.1 (s = 2048, V = 50257), with its peak learning rates.
 SIZES = {
-    "gpt3-125m": _gpt3(12, 768, 12),
-    "gpt3-350m": _gpt3(24, 1024, 16),
-    "gpt3-760m": _gpt3(24, 1536, 16),
-    "gpt3-1.3b": _gpt3(24, 2048, 16),  # the paper lists 24 heads of 128, which does not divide 2048; 16 x 128 does
-    "gpt3-2.7b": _gpt3(32, 2560, 32),
-    "gpt3-6.7b": _gpt3(32, 4096, 32),
-    "gpt3-13b": _gpt3(40, 5120, 40),  # the paper's 5140 is not divisible by 40 heads; 5120 is the usual choice
-    "gpt3-175b": _gpt3(96, 12288, 96),
+    "gpt3-125m": _gpt3(12, 768, 12, 6.0e-4),
+    "gpt3-350m": _gpt3(24, 1024, 16, 3.0e-4),
+    "gpt3-760m": _gpt3(24, 1536, 16, 2.5e-4),
+    "gpt3-1.3b": _gpt3(24, 2048, 16, 2.0e-4),  # the paper's 24 heads of 128 do not divide 2048; 16 x 128 do
+    "gpt3-2.7b": _gpt3(32, 2560, 32, 1.6e-4),
+    "gpt3-6.7b": _gpt3(32, 4096, 32, 1.2e-4),
+    "gpt3-13b": _gpt3(40, 5120, 40, 1.0e-4),  # the paper's 5140 is not divisible by 40 heads; 5120 is the usual one
+    "gpt3-175b": _gpt3(96, 12288, 96, 0.6e-4),
     "gpt-tiny": NamedShape(NAME, 4, 128, 4),  # for laptops and tests (vocabulary from the tokenizer)
-}
-LEARNING_RATES = {
-    "gpt3-125m": 6.0e-4,
-    "gpt3-350m": 3.0e-4,
-    "gpt3-760m": 2.5e-4,
-    "gpt3-1.3b": 2.0e-4,
-    "gpt3-2.7b": 1.6e-4,
-    "gpt3-6.7b": 1.2e-4,
-    "gpt3-13b": 1.0e-4,
-    "gpt3-175b": 0.6e-4,
 }
 
 
@@ -218,7 +210,6 @@ FAMILY = Family(
         },
     ),
     sizes=SIZES,
-    learning_rates=LEARNING_RATES,
     shape_renamed=SHAPE_RENAMED,
     hf_renamed=HF_RENAMED,
     fixed_kv_and_width=True,

@@ -41,9 +41,8 @@ LLAMA32_ROPE_SCALING = (
 )
 
 
-def _llama3(
-    layers: int, hidden: int, heads: int, ffn: int, tied: bool, max_pos: int, scaling: tuple | None
-) -> NamedShape:
+def _llama3(layers: int, hidden: int, heads: int, ffn: int, tied: bool, lr: float, scaled: bool) -> NamedShape:
+    """8 KV heads; Llama 3.2 (``scaled``) reaches 131,072 positions through its rope scaling, Llama 3 has 8,192."""
     return NamedShape(
         NAME,
         layers,
@@ -53,10 +52,11 @@ def _llama3(
         intermediate_size=ffn,
         vocab_size=LLAMA3_VOCAB_SIZE,
         seq_length=LLAMA3_SEQ_LENGTH,
-        max_position_embeddings=max_pos,
+        max_position_embeddings=131072 if scaled else 8192,
         rope_theta=500000.0,
-        rope_scaling=scaling,
+        rope_scaling=LLAMA32_ROPE_SCALING if scaled else None,
         tie_word_embeddings=tied,
+        learning_rate=lr,
     )
 
 
@@ -64,15 +64,14 @@ def _llama3(
 # rope theta 500,000, tied embeddings for the 3.2 models only, Llama 3.2's rope scaling), with the peak learning
 # rates of Llama 3's paper (8B and 70B; the 3.2 models, distilled rather than pretrained, take the 8B's).
 SIZES = {
-    "llama3.2-1b": _llama3(16, 2048, 32, 8192, True, 131072, LLAMA32_ROPE_SCALING),
-    "llama3.2-3b": _llama3(28, 3072, 24, 8192, True, 131072, LLAMA32_ROPE_SCALING),
-    "llama3-8b": _llama3(32, 4096, 32, 14336, False, 8192, None),
-    "llama3-70b": _llama3(80, 8192, 64, 28672, False, 8192, None),
+    "llama3.2-1b": _llama3(16, 2048, 32, 8192, True, 3.0e-4, scaled=True),
+    "llama3.2-3b": _llama3(28, 3072, 24, 8192, True, 3.0e-4, scaled=True),
+    "llama3-8b": _llama3(32, 4096, 32, 14336, False, 3.0e-4, scaled=False),
+    "llama3-70b": _llama3(80, 8192, 64, 28672, False, 1.5e-4, scaled=False),
     "llama-tiny": NamedShape(  # for laptops and tests (vocabulary from the tokenizer, sequence from the config)
         NAME, 4, 128, 4, num_kv_heads=2, intermediate_size=352, rope_theta=10000.0, tie_word_embeddings=False
     ),
 }
-LEARNING_RATES = {"llama3.2-1b": 3.0e-4, "llama3.2-3b": 3.0e-4, "llama3-8b": 3.0e-4, "llama3-70b": 1.5e-4}
 
 
 @dataclass(frozen=True)
@@ -244,7 +243,6 @@ FAMILY = Family(
     hf_model_type="llama",
     hf_architecture="LlamaForCausalLM",
     sizes=SIZES,
-    learning_rates=LEARNING_RATES,
     shape_renamed=SHAPE_RENAMED,
     hf_renamed=HF_RENAMED,
     mlp_matrices=3,  # gate, up and down (SwiGLU)
