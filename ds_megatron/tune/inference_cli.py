@@ -165,8 +165,8 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
         return hf_model_shape(args.hf_dir, args.seq_length)
     if args.checkpoint:
         return checkpoint_model_shape(args.checkpoint, args.seq_length)
-    llama = {name: getattr(args, name) for name in ("family", "kv_heads", "intermediate_size", "tie_word_embeddings")}
-    return build_model_shape(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length, **llama)
+    chosen = {name: getattr(args, name) for name in ("family", "kv_heads", "intermediate_size", "tie_word_embeddings")}
+    return build_model_shape(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length, **chosen)
 
 
 def _run(args: argparse.Namespace, start: float) -> int:
