@@ -56,7 +56,7 @@ def core_attn_saves_nothing(attention: str, modules: tuple[str, ...]) -> bool:
     return attention == "sdpa" and "core_attn" in modules
 
 
-MIN_BPE_SIZE = 260  # a byte-level BPE holds the 256 bytes and a few special tokens before its first merge
+MIN_BPE_SIZE = 260  # the byte-level BPE starts from 256 byte tokens and EOS; below a few merges it is no BPE
 
 
 def check_tokenizer_spec(spec: str, words: Vocabulary) -> None:

@@ -1,8 +1,7 @@
 """The resolved model shape of a run or of a tuner question: a named size expanded, explicit fields applied, each
 family's rules checked (the fixed fields of a family with ``fixed_kv_and_width``; the others' KV heads, MLP width,
-rotary base and scaling, tying).  One
-resolver serves the config loader and the tuner; each reports errors in its own vocabulary (:class:`Vocabulary`).
-Standard library only."""
+rotary base and scaling, tying).  One resolver serves the config loader and the tuner; each reports errors in its
+own vocabulary (:class:`Vocabulary`).  Standard library only."""
 
 from __future__ import annotations
 
