@@ -151,7 +151,7 @@ def enumerate_candidates(
         return [], rejected
     if "sdpa" in attention_options(pins) and pins.recompute in (None, "selective"):
         asked = ("core_attn",) if pins.recompute_modules is None else ordered_modules(pins.recompute_modules)
-        if "core_attn" in asked:  # what the unpinned search leaves out of sdpa, or all a pinned set would give it
+        if core_attn_saves_nothing("sdpa", asked):  # what the unpinned search leaves out, or all a pinned set gives
             family = {"attention": "sdpa", "recompute": "selective", "recompute_modules": ",".join(asked)}
             rejected.append(Rejection(family, SDPA_CORE_ATTN_REASON))
     tps, tp_rejected = tp_sizes(model, cluster, pins)
