@@ -1,4 +1,4 @@
-"""L0: file helpers shared by the data cache and the checkpoints (standard library only)."""
+"""L0.5: file helpers shared by the data cache and the checkpoints (standard library only)."""
 
 from __future__ import annotations
 

@@ -7,23 +7,12 @@ terms (``Family.block_terms`` in ``ds_megatron/model/<family>/``; GPT's are the 
 attention); the attention kernels and the recompute policies are shared by all.  Selective recompute drops the s^2
 terms; full recompute keeps only the block input (h in activation bytes, split by SP).
 
-With ``attention="sdpa"`` (``torch.nn.functional.scaled_dot_product_attention``) what is stored depends on the path
-torch takes, so ``sdpa_path`` names it (the same for both families):
-- ``"fused"`` (the default; CUDA's flash and memory-efficient kernels, and the CPU flash kernel, which torch uses
-  when the attention dropout is 0, grouped-query attention included): no s^2 term at all.  The kernel saves Q, K, V
-  (at KV size under grouped-query attention; already counted), its output (the projection input, already counted:
-  the output is laid out [b, s, a, d] in memory, so the [s, b, h] projection input is a view of it) and the
-  log-sum-exp of each score row, fp32 [b, a/t, s]: 4 a s b / t bytes = 4 a / (h t) in units of s*b*h bytes, split by
-  TP (heads) and unchanged by SP.  The memory-efficient kernel pads that row to a multiple of 32 (the same for s
-  divisible by 32); flash's dropout keeps only an RNG seed and offset (two scalars, not counted).
-- ``"math"`` (torch's reference path, which the CPU takes whenever the attention dropout is non-zero, and CUDA only
-  when no fused kernel accepts the inputs): the s^2 terms of the eager kernel come back, and everything the path
-  saves is in ``math_act_bytes`` (it upcasts bf16 and fp16 to fp32: 4) with ``math_mask_bytes`` dropout masks (the
-  mask torch keeps for an fp32 dropout: 4 on CPU, 1 on CUDA): scaled copies of Q, K and V (3 h elements per token,
-  replacing the Q, K, V counted in activation bytes; the path repeats K and V to all a query heads first, so they
-  are h each even under grouped-query attention, as measured on CPU), softmax and dropout outputs (a s each in
-  ``math_act_bytes``) and the mask (a s in ``math_mask_bytes``; the dropout terms only when there is a dropout).
-  The projection input is a copy in activation bytes (1, unchanged); no log-sum-exp is kept.
+With ``attention="sdpa"`` what is stored depends on the path torch takes, named by ``sdpa_path`` (the same for both
+families): ``"fused"`` (the default: CUDA's flash and memory-efficient kernels, the CPU flash kernel at attention
+dropout 0) stores no s^2 term but an fp32 log-sum-exp per score row, 4 a / (h t) in units of s*b*h bytes;
+``"math"`` (the CPU with attention dropout, CUDA when no fused kernel fits) brings the s^2 terms back in
+``math_act_bytes`` and ``math_mask_bytes``, with its own scaled Q, K, V (K and V repeated to all a heads).  The
+derivation and measurements: docs/tuner.md, "Attention kernels in the activation formula".
 Selective recompute takes ``modules``: ``core_attn`` (the default, the paper's selective recompute) drops the s^2
 terms and is refused with sdpa (the config loader refuses it too: the fused kernels never store the s x s core);
 ``mlp_act`` drops the MLP activation's output (the second linear's input: 4h per token for GPT, F for Llama, split by
@@ -33,6 +22,7 @@ recompute keeps the block input whatever the kernel.
 
 from __future__ import annotations
 
+from ds_megatron.config.rules import core_attn_saves_nothing
 from ds_megatron.config.schema import (
     ATTENTION_KERNELS,
     DEFAULT_SELECTIVE_MODULES,
@@ -91,7 +81,7 @@ def activation_bytes_per_layer(
     modules = (tuple(modules) or DEFAULT_SELECTIVE_MODULES) if recompute == "selective" else ()
     if set(modules) - set(RECOMPUTE_MODULES):
         raise ValueError(f"modules must be among {RECOMPUTE_MODULES}, got {modules}")
-    if attention == "sdpa" and "core_attn" in modules:
+    if core_attn_saves_nothing(attention, modules):
         raise ValueError("selective recompute of core_attn checkpoints the s x s core, which sdpa never stores")
     terms = FAMILIES[family].block_terms(h, a, num_kv_heads, intermediate_size, attention_dropout, act_bytes)
     sp = sequence_parallel and t > 1

@@ -1,4 +1,4 @@
-"""L3: what a run reports, from one rank: console progress bar, ``metrics.jsonl``, wandb (imported lazily).
+"""L3.2: what a run reports, from one rank: console progress bar, ``metrics.jsonl``, wandb (imported lazily).
 
 Throughput: tokens/s; TFLOP/s per GPU and MFU from the model FLOPs (Narayanan et al. 2021), HFU counting the
 recomputation that was executed.  wandb logs against the optimizer step and resumes the same run from the id stored

@@ -1,4 +1,4 @@
-"""L3: the model as a ``deepspeed.pipe.PipelineModule``, for every model family.
+"""L3.5: the model as a ``deepspeed.pipe.PipelineModule``, for every model family.
 
 Layers, in order (each built only on the stage that owns it, from full single-device weights initialised by name,
 then sharded by the family's plan), for GPT-2 / Llama:

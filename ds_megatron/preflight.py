@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ds_megatron.config import ConfigError, RunConfig, check_text_settings, effective_tokenizer, resolve
 from ds_megatron.config.facts import needs_resharding, precision, saved_cp, saved_layout
+from ds_megatron.config.rules import CONFIG_FILE_RULES, check_tokenizer_fits
 from ds_megatron.config.shape import SHAPE_FIELDS
 
 # What a checkpoint's weights depend on (and the sequence length it trained at): a resumed run must match each, or
@@ -152,13 +153,10 @@ def check_prepared_dir(run: RunConfig, directory: str, setting: str) -> dict:
         raise ConfigError(setting, *problem)
     manifest = read_manifest(directory)
     size = manifest["tokenizer"]["vocab_size"]
-    if size > run.model.vocab_size:
-        raise ConfigError(
-            setting,
-            "the prepared directory's tokenizer is larger than the model's vocabulary",
-            f"{size} tokens in {directory} > vocab_size {run.model.vocab_size}",
-            f"set ds_megatron.model.vocab_size to at least {size}",
-        )
+    problem = "the prepared directory's tokenizer is larger than the model's vocabulary"
+    check_tokenizer_fits(
+        size, f"{size} tokens in {directory}", run.model.vocab_size, CONFIG_FILE_RULES, setting, problem
+    )
     check_split_sizes(run, setting, manifest["num_tokens"], manifest["valid_fraction"], directory)
     return manifest
 
@@ -282,13 +280,7 @@ def load_fitting_tokenizer(run: RunConfig, spec: str):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(spec)
-    if len(tok) > run.model.vocab_size:
-        raise ConfigError(
-            "ds_megatron.data.tokenizer",
-            "tokenizer vocabulary larger than the model's",
-            f"{len(tok)} tokens in {spec} > vocab_size {run.model.vocab_size}",
-            f"set ds_megatron.model.vocab_size to at least {len(tok)}",
-        )
+    check_tokenizer_fits(len(tok), f"{len(tok)} tokens in {spec}", run.model.vocab_size, CONFIG_FILE_RULES)
     return tok
 
 

@@ -1,4 +1,4 @@
-"""L2: activation recomputation with exact RNG replay (Korthikanti et al. 2022, sec. 5).
+"""L2.5: activation recomputation with exact RNG replay (Korthikanti et al. 2022, sec. 5).
 
 Policies (``recompute`` in the config):
 - ``none``: everything is stored.

@@ -1,4 +1,4 @@
-"""L4: the training loop behind ``recipes/train_gpt.py`` (the configuration is already validated).
+"""L4.5: the training loop behind ``recipes/train_gpt.py`` (the configuration is already validated).
 
 Reads top to bottom: :func:`train` builds the engine and the data, :meth:`Trainer.setup` resumes and starts the
 logger; :meth:`Trainer.fit` loops ``step -> log -> maybe eval -> maybe save -> maybe stop``; :meth:`Trainer.finish`

@@ -66,6 +66,13 @@ BAD = [
         "zero_optimization.stage",
         ["stage=3", "pp=2"],
     ),
+    (
+        # every run is a DeepSpeed PipelineModule, whose engine asserts ZeRO < 2 at pp 1 too (in deepspeed.initialize)
+        "zero 2 without pipeline stages",
+        with_changes(zero_optimization={"stage": 2}, ds_megatron__parallel__pp=1, world=4),
+        "zero_optimization.stage",
+        ["stage=2", "pp=1"],
+    ),
     ("bf16 and fp16", with_changes(bf16={"enabled": True}, fp16={"enabled": True}), "bf16.enabled", ["bf16=true"]),
     (
         "fp32 gradient accumulation of bf16 at ZeRO 0",  # DeepSpeed: NotImplementedError inside initialize

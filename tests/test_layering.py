@@ -4,13 +4,17 @@ package), and the single-device model never touches torch.distributed or deepspe
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "ds_megatron"
 
-# Higher number = higher layer.  Sub-levels order the L3 modules that build on each other.
+# Higher number = higher layer.  Sub-levels order the modules of one layer that build on each other.  "families" is
+# the model package's standard-library part (FAMILY_RECORD_FILES), below the config that reads its names and rules;
+# "model" is the rest of the package (the torch side).
 LEVELS = {
-    "config": 0,
+    "families": 0,
+    "config": 0.2,
     "fileio": 0.5,
     "topology": 1,
     "random": 1,
@@ -35,13 +39,27 @@ LEVELS = {
     "trainer": 4.5,
     "cli": 5,
 }
-STDLIB_ONLY = {"config", "fileio"}
+STDLIB_ONLY = {"config", "fileio"}  # the family records: test_the_family_registry_and_records_import_no_torch
 NO_DISTRIBUTED = {"model"}
+# The model package's files that the config, the tuner and the analytic formulas import without torch: the registry,
+# the family record type, and each family's record (its config, sizes, plan, layout and terms).
+FAMILY_RECORD_FILES = ("model/__init__.py", "model/family.py", "model/*/__init__.py")
 
 
 def _unit(path: Path) -> str:
+    if any(path.match(str(PKG / pattern)) for pattern in FAMILY_RECORD_FILES):
+        return "families"
     rel = path.relative_to(PKG).parts
     return rel[0].removesuffix(".py")
+
+
+def _target(name: str) -> str:
+    """The unit an import ``ds_megatron.<...>`` reaches: the registry, the record type and a family's record are
+    "families"; ``model.layers`` and a family's ``model`` module the torch side, "model"."""
+    parts = name.split(".")[1:]
+    if parts[0] != "model":
+        return parts[0]
+    return "model" if parts[1:2] == ["layers"] or parts[2:] == ["model"] else "families"
 
 
 def _imports(path: Path) -> list[str]:
@@ -68,7 +86,7 @@ def test_imports_point_down():
             continue
         for name in _imports(path):
             if name.startswith("ds_megatron."):
-                target = name.split(".")[1]
+                target = _target(name)
                 if target != unit and LEVELS[target] >= LEVELS[unit]:
                     bad.append(f"{path.relative_to(PKG)} imports {name} (level {LEVELS[target]} >= {LEVELS[unit]})")
             top = name.split(".")[0]
@@ -88,11 +106,6 @@ def test_recipes_are_not_imported_by_the_package():
         assert not any(n.startswith("recipes") for n in _imports(path)), path
 
 
-# The model package's files that the tuner and the analytic formulas import without torch: the registry, the family
-# record type, and each family's record (its config, plan, layout and terms).
-TORCH_FREE_MODEL_FILES = ("model/__init__.py", "model/family.py", "model/*/__init__.py")
-
-
 def _module_level_imports(path: Path) -> list[str]:
     """What importing the module imports (a function's own imports, e.g. transformers in ``to_hf``, run later)."""
     names = []
@@ -106,7 +119,7 @@ def _module_level_imports(path: Path) -> list[str]:
 
 def test_the_family_registry_and_records_import_no_torch():
     bad = []
-    paths = [path for pattern in TORCH_FREE_MODEL_FILES for path in PKG.glob(pattern)]
+    paths = [path for pattern in FAMILY_RECORD_FILES for path in PKG.glob(pattern)]
     assert len(paths) >= 4, paths  # the registry, the record type and at least two family records
     for path in paths:
         for name in _module_level_imports(path):
@@ -132,17 +145,6 @@ def _family_names() -> set[str]:
     return names
 
 
-# Family name literals still outside the family folders, per file: the config loader is stdlib-only and below the
-# model package, so it keeps the family names and their field rules; the inference tuner keeps its own tables.
-# The counts may only fall.
-FAMILY_LITERALS_LEFT = {
-    "config/schema.py": 2,
-    "config/shape.py": 4,
-    "config/sizes.py": 4,
-    "tune/inference_cli.py": 4,
-}
-
-
 def test_the_config_names_the_registered_families():
     from ds_megatron.config.schema import MODEL_FAMILIES
     from ds_megatron.model import FAMILIES
@@ -151,20 +153,23 @@ def test_the_config_names_the_registered_families():
 
 
 def test_no_family_is_named_outside_its_folder_and_the_registry():
+    """Outside the family folders and the registry no string is a family's name (so no branch compares with one)
+    and no module imports one family's record (a third family adds a folder and a registry line, nothing else)."""
     names = _family_names()
     assert names == {"gpt2", "llama"}, names
-    found: dict[str, int] = {}
+    found = []
     for path in PKG.rglob("*.py"):
         rel = path.relative_to(PKG).as_posix()
         if rel == "model/__init__.py" or (rel.startswith("model/") and rel.count("/") == 2):
             continue  # the registry and the family folders
-        n = sum(
-            isinstance(node, ast.Constant) and node.value in names for node in ast.walk(ast.parse(path.read_text()))
-        )
-        if n:
-            found[rel] = n
-    assert found == {k: v for k, v in FAMILY_LITERALS_LEFT.items() if k in found}, found
-    assert all(found.get(k, 0) <= v for k, v in FAMILY_LITERALS_LEFT.items()), found
+        tree = ast.parse(path.read_text())
+        found += [
+            f"{rel}: {node.value!r}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in names
+        ]
+        found += [f"{rel} imports {n}" for n in _imports(path) if n.split(".")[1:3] in [["model", f] for f in names]]
+    assert not found, found
 
 
 def test_the_partition_default_names_the_pipelines_block_class():
@@ -175,3 +180,14 @@ def test_the_partition_default_names_the_pipelines_block_class():
 
     assert BlockPipe.__name__ == BLOCK_LAYER_CLASS
     assert ParallelSection().partition_method == f"type:{BlockPipe.__name__}"
+
+
+def test_docstring_levels_are_the_tables():
+    """A module docstring that opens with its level (``L3.5: ...``) states the level of LEVELS above."""
+    bad = []
+    for path in PKG.rglob("*.py"):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        match = re.match(r"L(\d+(?:\.\d+)?):", doc)
+        if match and _unit(path) != "__init__" and float(match.group(1)) != LEVELS[_unit(path)]:
+            bad.append(f"{path.relative_to(PKG)}: L{match.group(1)}, the table says {LEVELS[_unit(path)]}")
+    assert not bad, "\n".join(bad)

@@ -178,3 +178,14 @@ def test_the_model_from_an_exported_directory_and_from_a_checkpoint(tmp_path, ca
     capsys.readouterr()
     assert main(["--hf-dir", str(tmp_path), *BASE]) == 2
     assert "error: --hf-dir: no config.json" in capsys.readouterr().err
+
+
+def test_a_gpt2_directory_is_read_through_the_family_records_field_map(tmp_path):
+    """transformers' GPT-2 keys (n_layer, n_embd, n_head, n_positions) reach the shape through the gpt2 record."""
+    from ds_megatron.tune.inference_cli import hf_model_shape
+
+    hf = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 2048}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    shape = hf_model_shape(str(tmp_path), None)
+    assert (shape.family, shape.num_layers, shape.hidden_size, shape.num_heads) == ("gpt2", 12, 768, 12)
+    assert (shape.vocab_size, shape.seq_length, shape.max_position_embeddings) == (50257, 2048, 2048)

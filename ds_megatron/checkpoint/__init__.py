@@ -1,1 +1,1 @@
-"""L3: checkpoint key map (HF <-> ds_megatron) and shard rules."""
+"""L3.7: checkpoint key map (HF <-> ds_megatron) and shard rules."""

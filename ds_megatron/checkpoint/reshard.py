@@ -1,22 +1,10 @@
-"""Resume a checkpoint at another tensor/pipeline/data-parallel layout (weights *and* optimizer state).
-
-Every save records, per rank, the full GPT name of each parameter in the optimizer's order
-(``params_rank<r>.json``).  To resume at a new layout, each new rank takes, for every parameter it holds, the old TP
-shards of the weight and of the Adam moments, merges them with the old shard rule and cuts its own shard with the new
-one: the same one rule per parameter that builds the layers and exports to transformers (the fused QKV split by
-heads, the padded vocabulary rows, replicated parameters kept whole).
-
-Both optimizer paths, in both directions:
-- fp32 (ds_megatron's AdamW, ZeRO 0): weights from DeepSpeed's per-layer files, Adam state per parameter from the
-  old ranks' ``mp_rank_XX_model_states.pt``;
-- bf16 (DeepSpeed's BF16 optimizer, ZeRO-1) and DeepSpeed's ZeRO optimizer (fp32 with ZeRO-1, bf16 with ZeRO-1
-  without fp32 gradient accumulation): the fp32 master weights and both Adam moments from the flat,
-  data-parallel-partitioned optimizer files (``masters.py``), written into the new engine's flat partitions at each
-  parameter's fragment address, with the 16-bit model copy set to the master rounded (as the optimizer keeps it).
-
-The learning-rate schedule, step counters and data position carry over; dropout RNG streams cannot (they depend on
-the layout), so with dropout on the losses continue within numerical noise, not bit for bit.  fp16 (its loss-scaler
-state) is refused before launch.
+"""Resume a checkpoint at another tensor/pipeline/data-parallel layout (weights *and* optimizer state), on load.
+Each new rank takes, for every parameter it holds (by the full names each save records per rank in
+``params_rank<r>.json``), the old TP shards of the weight and of the Adam moments, merges them with the old shard rule
+and cuts its own with the new one.  fp32: Adam state per parameter from the old ``mp_rank_XX_model_states.pt``; bf16
+and DeepSpeed's ZeRO optimizer: masters and moments from the flat partitions (``masters.py``), written into the new
+engine's at each fragment's address, the 16-bit copy set to the master rounded.  What carries over and what cannot
+(dropout's RNG streams), and what is refused: README, "Resuming at another layout".
 """
 
 from __future__ import annotations

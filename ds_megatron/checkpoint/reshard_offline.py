@@ -1,26 +1,11 @@
-"""``python -m ds_megatron.checkpoint reshard``: rewrite a checkpoint at another tp x pp x dp, offline.
+"""``python -m ds_megatron.checkpoint reshard``: rewrite a checkpoint at another tp x pp x dp, offline, as the files
+a run at the new layout would have saved at the same step, which ``--load`` resumes without resharding.  What is
+written, what carries over exactly and what is refused: README, "Resuming at another layout".  The values are those
+the on-load path (``reshard.py``) puts into a new engine, by the same shard rules; no RNG files are written.
 
-The output is what a run at the new layout would have saved at the same step: DeepSpeed's per-layer files
-(``layer_<i>-model_<tp>-model_states.pt``), one ``mp_rank_<pp*tp+tp>_model_states.pt`` per model-parallel rank
-(counters, schedule, our client state; on the fp32 path the optimizer's per-parameter Adam state), under bf16 the
-BF16 optimizer's flat partition files (``bf16_zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt``), and ds_megatron's
-own records (``params_rank<r>.json``, ``config.json`` with the new tp/pp and batch split, ``manifest.json``,
-``latest``).  ``--load`` then resumes it like any checkpoint of its own layout, without resharding on load.  The
-values are those the on-load path (``reshard.py``) puts into a new engine: the same shard rules, the fp32 masters
-and both Adam moments exactly, the 16-bit copy the master rounded, the step, schedule and data position.  No RNG
-files are written: dropout streams depend on the layout and start afresh at the new one, as on the on-load path.
-
-DeepSpeed's BF16 optimizer keeps, per (pipeline stage, TP rank) and optimizer group, one flat buffer holding the
-group's parameters back to back in the optimizer's order, zero-padded to a multiple of 2 x dp elements (it aligns
-16-bit all-gather buffers to 4 bytes per rank), cut into dp equal partitions; each file holds one partition of the
-fp32 master and of both Adam moments, and the (start, numel) of every parameter fragment in it.
-
-Streaming: parameters are taken one at a time in pipeline order (the old files memory-mapped), merged to the full
-fp32 tensor with the old shard rule and cut with the new one.  Only one layer's 16-bit or fp32 weights wait in
-memory for its files; optimizer state goes straight into scratch files mapped into memory (``_Scratch``), which
-``torch.save`` copies into the final files at the end, so host memory holds about one full parameter with its Adam
-moments, whatever the model's size (the scratch files take disk space the size of the optimizer state meanwhile).
-Everything is written under ``<out>.tmp-<random>`` and renamed to ``<out>`` at the end: a failure leaves no ``<out>``.
+The BF16 optimizer's flat partition files this writes, the streaming that keeps memory near one parameter and what
+differs from a run's own save: docs/design.md, "Offline resharding writes DeepSpeed's own files".  Everything is
+written under ``<out>.tmp-<random>`` and renamed to ``<out>`` at the end.
 """
 
 from __future__ import annotations

@@ -16,12 +16,7 @@ before each request, ``{"event": "result", "index": i, "status":
 "ok", "ttft_s": .., "tpot_s": .., ...}`` once a tp's rounds are done (``measure_tp``), or at once a result with
 ``"status": "out of memory" | "failed"`` and the exception's line when a candidate raised (the others go on).
 
-A measured request: B prompts of P random tokens (the same on every rank: AutoTP's ranks must see the same input),
-one prefill forward with a KV cache (TTFT: the first output token of every request), then O - 1 decode forwards of
-one token per request with the greedy pick fed back (TPOT: their mean).  Each forward is timed between barriers of
-the model's ranks (CUDA synchronised on GPUs); the slowest rank's time counts.  The candidates of a tp take turns,
-one request each per round; the first ``warmup`` rounds are dropped (first-touch allocation, kernel selection); TTFT
-is the median prefill of a candidate's ``repeats`` measured requests, TPOT the mean of all their decode steps.
+A measured request, the rounds and warm-up, and what TTFT and TPOT are: docs/tuner.md, "A measured request".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""L0: the ``"ds_megatron"`` config section: typed dataclasses and validation.  Standard library only."""
+"""L0.2: the ``"ds_megatron"`` config section: typed dataclasses and validation.  Standard library only."""
 
 from ds_megatron.config.errors import ConfigError
 from ds_megatron.config.loader import (

@@ -22,10 +22,17 @@ from ds_megatron.config.context_parallel import (
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.facts import grad_accum_dtype, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
+from ds_megatron.config.rules import (
+    CONFIG_FILE_RULES,
+    check_tokenizer_fits,
+    check_tokenizer_spec,
+    check_zero_stage,
+    core_attn_saves_nothing,
+    tp_misfit,
+)
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
     BLOCK_LAYER_CLASS,
-    DEFAULT_SELECTIVE_MODULES,
     DOCUMENT_POSITIONS,
     PIPELINE_SCHEDULES,
     RECOMPUTE_METHODS,
@@ -185,34 +192,44 @@ def resolve_batch(ds_config: dict, dp: int) -> tuple[int, int, int]:
 
 
 def resolve(ds_config: dict, world_size: int) -> RunConfig:
-    """Validate a full DeepSpeed config (with our section) for ``world_size`` processes."""
+    """Validate a full DeepSpeed config (with our section) for ``world_size`` processes, section by section."""
     check_finite_config(ds_config)
     section = parse_section(ds_config.get(SECTION))
     shape = resolve_shape(section.model)
-    par = section.parallel
+    tp, pp, cp, dp = check_parallel(section.parallel, shape, world_size)
+    check_recompute(section.recompute, shape, pp)
+    check_deepspeed_keys(ds_config, pp)
+    check_pipeline_schedule(section.parallel, ds_config)
+    check_train(section.train)
+    check_counts(section)
+    # data.tokenizer and data.valid_fraction apply to text tokenised in the launch only: pre-flight checks them
+    # (check_text_settings) once it knows the data is not a prepared directory, which brings its own.
+    check_data_section(section.data)
+    micro, gas, glob = resolve_batch(ds_config, dp)
+    # The resolved batch arithmetic is written back, so the config saved with a checkpoint states its layout
+    # (``facts.saved_layout`` reads dp from it) even when the file gave only two of the three numbers.
+    batch = {"train_batch_size": glob, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
+    return RunConfig(section, shape, tp, pp, dp, world_size, micro, gas, glob, {**ds_config, **batch}, cp=cp)
+
+
+def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> tuple[int, int, int, int]:
+    """(tp, pp, cp, dp): sizes that split the shape and the world size."""
     tp = _positive("ds_megatron.parallel.tp", par.tp)
     pp = _positive("ds_megatron.parallel.pp", par.pp)
     _positive("ds_megatron.parallel.vocab_multiple", par.vocab_multiple)
-    if shape.num_heads % tp != 0:
-        raise ConfigError(
-            "ds_megatron.parallel.tp",
-            "num_heads not divisible by tp",
-            f"num_heads={shape.num_heads}, tp={tp}",
-            "choose tp dividing num_heads",
-        )
-    if shape.num_kv_heads % tp != 0:
+    misfit = tp_misfit(shape, tp)
+    if misfit == "num_kv_heads":
+        kv = shape.num_kv_heads
         raise ConfigError(
             "ds_megatron.parallel.tp",
             "num_kv_heads not divisible by tp (KV heads are split over TP like query heads)",
-            f"num_kv_heads={shape.num_kv_heads}, tp={tp}",
-            f"use tp in {[d for d in range(1, shape.num_kv_heads + 1) if shape.num_kv_heads % d == 0]}",
+            f"num_kv_heads={kv}, tp={tp}",
+            f"use tp in {[d for d in range(1, kv + 1) if kv % d == 0]}",
         )
-    if shape.intermediate_size % tp != 0:
+    if misfit is not None:
+        values = f"{misfit}={getattr(shape, misfit)}, tp={tp}"
         raise ConfigError(
-            "ds_megatron.parallel.tp",
-            "intermediate_size not divisible by tp",
-            f"intermediate_size={shape.intermediate_size}, tp={tp}",
-            "choose tp dividing intermediate_size",
+            "ds_megatron.parallel.tp", f"{misfit} not divisible by tp", values, f"choose tp dividing {misfit}"
         )
     if shape.num_layers < pp:
         raise ConfigError(
@@ -247,19 +264,20 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             f"seq_length={shape.seq_length}, tp={tp}",
             "choose seq_length as a multiple of tp or turn sequence_parallel off",
         )
-    rc = section.recompute
-    if rc.policy not in RECOMPUTE_POLICIES:
-        raise ConfigError(
-            "ds_megatron.recompute.policy", "unknown policy", f"got {rc.policy!r}", f"use one of {RECOMPUTE_POLICIES}"
-        )
-    if section.parallel.sp_grad_sync not in SP_GRAD_SYNC:
+    if par.sp_grad_sync not in SP_GRAD_SYNC:
         raise ConfigError(
             "ds_megatron.parallel.sp_grad_sync",
             "unknown mode",
-            f"got {section.parallel.sp_grad_sync!r}",
+            f"got {par.sp_grad_sync!r}",
             f"use one of {SP_GRAD_SYNC}",
         )
-    schedule = section.parallel.pipeline_schedule
+    check_partition_method(par.partition_method)
+    return tp, pp, cp, dp
+
+
+def check_pipeline_schedule(par: ParallelSection, ds_config: dict) -> None:
+    """A known pipeline schedule that the run's precision can use."""
+    schedule = par.pipeline_schedule
     if schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(
             "ds_megatron.parallel.pipeline_schedule",
@@ -274,6 +292,14 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             "zb-h1 is not supported with fp16",
             "pipeline_schedule='zb-h1', fp16.enabled=true",
             'use bf16 or fp32, or pipeline_schedule "1f1b"',
+        )
+
+
+def check_recompute(rc: RecomputeSection, shape: ModelShape, pp: int) -> None:
+    """A known policy and method; modules known, once each, for selective only, and worth recomputing."""
+    if rc.policy not in RECOMPUTE_POLICIES:
+        raise ConfigError(
+            "ds_megatron.recompute.policy", "unknown policy", f"got {rc.policy!r}", f"use one of {RECOMPUTE_POLICIES}"
         )
     if rc.method not in RECOMPUTE_METHODS:
         raise ConfigError(
@@ -294,16 +320,13 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             f"policy={rc.policy!r}, modules={list(rc.modules)}",
             'set policy "selective" or remove modules',
         )
-    if (
-        rc.policy == "selective"
-        and shape.attention == "sdpa"
-        and "core_attn" in (rc.modules or DEFAULT_SELECTIVE_MODULES)
-    ):
+    if core_attn_saves_nothing(shape.attention, rc.selective_modules):
+        default = "" if rc.modules else " (the default)"
         raise ConfigError(
             "ds_megatron.recompute.modules",
             "core_attn recomputes the s x s attention core, which the sdpa kernel never stores, so it would save "
             "nothing and cost a recompute",
-            f"policy=selective, modules={list(rc.modules or DEFAULT_SELECTIVE_MODULES)} (the default), attention=sdpa",
+            f"policy=selective, modules={list(rc.selective_modules)}{default}, attention=sdpa",
             'with sdpa list other modules (e.g. ["mlp_act", "layernorm"]), or use attention=eager with core_attn',
         )
     if rc.policy == "full":
@@ -316,37 +339,17 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
                 f"num_layers={rc.num_layers}, {shape.num_layers} layers / pp {pp} = at most {per_stage} per stage",
                 f"set recompute.num_layers <= {per_stage}",
             )
-    zero = zero_stage(ds_config)
-    if pp > 1 and zero not in (0, 1):
-        raise ConfigError(
-            "zero_optimization.stage",
-            "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only",
-            f"stage={zero}, pp={pp}",
-            "set zero_optimization.stage to 1",
-        )
+
+
+def check_deepspeed_keys(ds_config: dict, pp: int) -> None:
+    """DeepSpeed's own keys that ds_megatron runs under: ZeRO stage, precision, gradient accumulation dtype, no
+    DeepSpeed recomputation, the optimizer, its learning rate and schedule."""
+    check_zero_stage(zero_stage(ds_config), pp, CONFIG_FILE_RULES)
     if (ds_config.get("bf16") or {}).get("enabled") and (ds_config.get("fp16") or {}).get("enabled"):
         raise ConfigError("bf16.enabled", "bf16 and fp16 both enabled", "bf16=true, fp16=true", "enable only one")
     check_grad_accum_dtype(ds_config)
-    train = section.train
-    _positive("ds_megatron.train.train_iters", train.train_iters)
-    _positive("ds_megatron.train.log_interval", train.log_interval)
-    _positive("ds_megatron.train.eval_iters", train.eval_iters)
-    _positive("ds_megatron.train.sample_top_k", train.sample_top_k)
-    if not (0.0 < train.sample_temperature < float("inf")):
-        raise ConfigError(
-            "ds_megatron.train.sample_temperature",
-            "must be a positive number",
-            f"got {train.sample_temperature!r}",
-            "set e.g. 0.8",
-        )
-    check_counts(section)
-    check_partition_method(section.parallel.partition_method)
-    # data.tokenizer and data.valid_fraction apply to text tokenised in the launch only: pre-flight checks them
-    # (check_text_settings) once it knows the data is not a prepared directory, which brings its own.
-    check_data_section(section.data)
-    if ds_config.get("activation_checkpointing") or (ds_config.get("pipeline") or {}).get(
-        "activation_checkpoint_interval"
-    ):
+    interval = (ds_config.get("pipeline") or {}).get("activation_checkpoint_interval")
+    if ds_config.get("activation_checkpointing") or interval:
         key = (
             "activation_checkpointing"
             if ds_config.get("activation_checkpointing")
@@ -371,24 +374,18 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
     if not isinstance(lr, (int, float)) or lr <= 0:
         raise ConfigError("optimizer.params.lr", "must be a positive number", f"got {lr!r}", "set e.g. 6e-4")
     warmup_cosine_from(ds_config)  # validates the scheduler section ds_megatron implements
-    micro, gas, glob = resolve_batch(ds_config, dp)
-    # The resolved batch arithmetic is written back, so the config saved with a checkpoint states its layout
-    # (``facts.saved_layout`` reads dp from it) even when the file gave only two of the three numbers.
-    batch = {"train_batch_size": glob, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
-    ds_config = {**ds_config, **batch}
-    return RunConfig(
-        section=section,
-        model=shape,
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        world_size=world_size,
-        cp=cp,
-        micro_batch_size=micro,
-        grad_accum_steps=gas,
-        global_batch_size=glob,
-        ds_config=ds_config,
-    )
+
+
+def check_train(train: TrainSection) -> None:
+    for name in ("train_iters", "log_interval", "eval_iters", "sample_top_k"):
+        _positive(f"ds_megatron.train.{name}", getattr(train, name))
+    if not (0.0 < train.sample_temperature < float("inf")):
+        raise ConfigError(
+            "ds_megatron.train.sample_temperature",
+            "must be a positive number",
+            f"got {train.sample_temperature!r}",
+            "set e.g. 0.8",
+        )
 
 
 # Counts where 0 has a meaning and a negative number none, with that meaning for the fix.  A negative seed would
@@ -548,29 +545,9 @@ def check_grad_accum_dtype(ds_config: dict) -> None:
 
 def check_tokenizer(spec: str, vocab_size: int) -> None:
     """``bpe:N`` must fit the model's vocabulary; a directory must exist (its size is checked once loaded)."""
+    check_tokenizer_spec(spec, CONFIG_FILE_RULES)
     if spec.startswith("bpe:"):
-        size = spec.removeprefix("bpe:")
-        if not size.isdigit() or int(size) < 260:
-            raise ConfigError(
-                "ds_megatron.data.tokenizer",
-                "bpe size must be an integer >= 260",
-                f"got {spec!r}",
-                "write e.g. bpe:8192",
-            )
-        if int(size) > vocab_size:
-            raise ConfigError(
-                "ds_megatron.data.tokenizer",
-                "tokenizer vocabulary larger than the model's",
-                f"{spec} > vocab_size {vocab_size}",
-                f"use bpe:{vocab_size} or raise model.vocab_size",
-            )
-    elif not Path(spec).is_dir():
-        raise ConfigError(
-            "ds_megatron.data.tokenizer",
-            "not a directory nor bpe:N",
-            f"got {spec!r}",
-            "pass a tokenizer directory or bpe:N",
-        )
+        check_tokenizer_fits(int(spec.removeprefix("bpe:")), spec, vocab_size, CONFIG_FILE_RULES)
 
 
 def load_json(path: str | Path) -> dict:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ds_megatron.model import FAMILIES
+
 ATTENTION_KERNELS = ("eager", "sdpa")
-# The registry's family names (ds_megatron.model.FAMILIES, above config: tests/test_layering.py checks they agree).
-MODEL_FAMILIES = ("gpt2", "llama")  # GPT-2/GPT-3 (learned positions, LayerNorm, GELU) or Llama (RoPE, RMSNorm, SwiGLU)
+MODEL_FAMILIES = tuple(FAMILIES)  # the registry's families (model/<family>/: each one's config, shapes and rules)
 ROPE_SCALING_TYPES = ("llama3",)  # rope_scaling.rope_type values the llama family implements
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -37,18 +38,18 @@ class ModelSection:
     """Shape of the model.  ``size`` picks a named shape (and its family); explicit fields override it."""
 
     size: str | None = None  # named shape from ds_megatron.config.sizes (e.g. "gpt3-125m", "llama3-8b")
-    family: str | None = None  # "gpt2" or "llama"; None: the named size's family, else "gpt2"
+    family: str | None = None  # one of MODEL_FAMILIES; None: the named size's family, else the registry's default
     num_layers: int | None = None  # transformer blocks (L)
     hidden_size: int | None = None  # model width (h)
     num_heads: int | None = None  # attention heads (a)
     vocab_size: int | None = None  # real vocabulary size (V), before padding for TP
     seq_length: int | None = None  # training sequence length (s); also the position table size by default
     max_position_embeddings: int | None = None  # rows of the learned position table (>= seq_length)
-    dropout: float = 0.1  # gpt2: embedding, attention-probability and residual dropout; llama: attention only
+    dropout: float = 0.1  # every dropout of the family's block (a Llama has only the attention's)
     attention: str = "eager"  # "eager" (materialised softmax, the paper's setting) or "sdpa"
-    layer_norm_epsilon: float = 1e-5  # LayerNorm epsilon (llama: RMSNorm's rms_norm_eps)
+    layer_norm_epsilon: float = 1e-5  # the norms' epsilon (LayerNorm's or RMSNorm's rms_norm_eps)
     init_std: float = 0.02  # std of the normal init; residual projections use init_std / sqrt(2 L)
-    # llama only (refused for gpt2):
+    # chosen by a family without fixed_kv_and_width (config.shape.CHOSEN; refused for the others):
     num_kv_heads: int | None = None  # grouped-query attention's KV heads (None: num_heads); must divide num_heads
     intermediate_size: int | None = None  # SwiGLU width (gate_proj/up_proj outputs)
     rope_theta: float | None = None  # rotary embedding base (None: the named size's, else 10000)

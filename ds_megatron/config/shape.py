@@ -1,7 +1,7 @@
 """The resolved model shape of a run or of a tuner question: a named size expanded, explicit fields applied, each
-family's rules checked (gpt2's fixed fields; llama's KV heads, SwiGLU width, rotary base and scaling, tying).  One
-resolver serves the config loader and the tuner; each reports errors in its own vocabulary (:class:`Vocabulary`).
-Standard library only."""
+family's rules checked (the fixed fields of a family with ``fixed_kv_and_width``; the others' KV heads, MLP width,
+rotary base and scaling, tying).  One resolver serves the config loader and the tuner; each reports errors in its
+own vocabulary (:class:`Vocabulary`).  Standard library only."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.schema import ATTENTION_KERNELS, MODEL_FAMILIES, ROPE_SCALING_TYPES, ModelSection
 from ds_megatron.config.sizes import LEARNING_RATES, NamedShape, all_size_names, named
+from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
 
 DEFAULT_ROPE_THETA = 10000.0  # the rotary base of a Llama without a named size (transformers' default)
 DEFAULT_LEARNING_RATE = 1.0e-4  # peak learning rate of a shape no published recipe gives one for
@@ -19,8 +20,8 @@ DEFAULT_LEARNING_RATE = 1.0e-4  # peak learning rate of a shape no published rec
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Fully resolved model shape (every field set; the llama-only fields hold the gpt2 family's fixed values:
-    KV heads = heads, intermediate 4 h, tied embeddings, no rotary embedding)."""
+    """Fully resolved model shape (every field set; a family with ``fixed_kv_and_width`` holds its fixed values in
+    the CHOSEN fields: KV heads = heads, intermediate 4 h, tied embeddings, no rotary embedding)."""
 
     num_layers: int
     hidden_size: int
@@ -32,7 +33,7 @@ class ModelShape:
     attention: str
     layer_norm_epsilon: float
     init_std: float
-    family: str = "gpt2"
+    family: str = DEFAULT_FAMILY
     num_kv_heads: int = 0  # 0: num_heads (set by resolve_shape)
     intermediate_size: int = 0  # 0: 4 h (set by resolve_shape)
     rope_theta: float = DEFAULT_ROPE_THETA
@@ -50,7 +51,7 @@ class ModelShape:
         return LEARNING_RATES.get(self.size or "", DEFAULT_LEARNING_RATE)
 
 
-LLAMA_ONLY = ("num_kv_heads", "intermediate_size", "rope_theta", "rope_scaling", "tie_word_embeddings")
+CHOSEN = ("num_kv_heads", "intermediate_size", "rope_theta", "rope_scaling", "tie_word_embeddings")
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # The fields that make a family's architecture: a shape with these of a named size is that size (vocabulary and
 # sequence length may differ: a run or a written config states them next to it).  Read by the resume check (with
@@ -87,9 +88,9 @@ def layers_per_stage(num_layers: int, pp: int) -> int:
     return -(-num_layers // pp)
 
 
-def gpt2_fixed_fields(hidden_size: int, num_heads: int) -> dict[str, Any]:
-    """What the gpt2 family fixes that a llama chooses: every head its own K and V, an MLP of width 4 h, the output
-    layer tied to the embedding."""
+def fixed_fields(hidden_size: int, num_heads: int) -> dict[str, Any]:
+    """What a family with ``fixed_kv_and_width`` fixes that the others choose: every head its own K and V, an MLP of
+    width 4 h, the output layer tied to the embedding."""
     return {"num_kv_heads": num_heads, "intermediate_size": 4 * hidden_size, "tie_word_embeddings": True}
 
 
@@ -133,7 +134,7 @@ def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShap
     ref, setting, noun = words.ref, words.setting, words.noun
     layers, hidden, heads = m.num_layers, m.hidden_size, m.num_heads
     vocab, seq = m.vocab_size, m.seq_length
-    shape = NamedShape(family=m.family or "gpt2", num_layers=0, hidden_size=0, num_heads=0)
+    shape = NamedShape(family=m.family or DEFAULT_FAMILY, num_layers=0, hidden_size=0, num_heads=0)
     if m.size is not None:
         found = named(m.size)
         if found is None:
@@ -209,23 +210,24 @@ def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShap
         init_std=m.init_std,
         family=family,
     )
-    if family == "gpt2":
-        given = [k for k in LLAMA_ONLY if getattr(m, k) is not None]
+    if FAMILIES[family].fixed_kv_and_width:
+        given = [k for k in CHOSEN if getattr(m, k) is not None]
         if given:
+            choosing = " or ".join(f.name for f in FAMILIES.values() if not f.fixed_kv_and_width)
             raise ConfigError(
                 setting(given[0]),
-                "applies to the llama family only",
-                f"family=gpt2, {', '.join(given)} set",
-                f'remove it or set {ref("family")} to "llama"',
+                f"applies to the {choosing} family only",
+                f"family={family}, {', '.join(given)} set",
+                f'remove it or set {ref("family")} to "{choosing}"',
             )
-        resolved = ModelShape(**common, **gpt2_fixed_fields(hidden, heads))
+        resolved = ModelShape(**common, **fixed_fields(hidden, heads))
     else:
-        resolved = _llama(m, shape, common, words)
+        resolved = _chosen(m, shape, common, words)
     return _with_size(resolved, m.size, shape)
 
 
 def check_rotary_head_dim(hidden: int, heads: int, words: Vocabulary = CONFIG_FILE) -> None:
-    """The llama family's rule on its head dimension: the rotary embedding turns each head's dimensions in pairs
+    """A rotary family's rule on its head dimension: the rotary embedding turns each head's dimensions in pairs
     (i, i + d/2), so d = hidden / heads must be even (an odd d passes every shape check and fails in the first
     forward, where the two halves cannot be paired)."""
     head_dim = hidden // heads
@@ -240,8 +242,9 @@ def check_rotary_head_dim(hidden: int, heads: int, words: Vocabulary = CONFIG_FI
         )
 
 
-def _llama(m: ModelSection, shape: NamedShape, common: dict, words: Vocabulary) -> ModelShape:
-    """The llama family's fields: KV heads, SwiGLU width, rotary base and scaling, tying."""
+def _chosen(m: ModelSection, shape: NamedShape, common: dict, words: Vocabulary) -> ModelShape:
+    """The CHOSEN fields of a family without ``fixed_kv_and_width``: KV heads, MLP width, rotary base and scaling,
+    tying."""
     heads = common["num_heads"]
     check_rotary_head_dim(common["hidden_size"], heads, words)
     kv = _pick(m.num_kv_heads, shape.num_kv_heads, heads)
@@ -281,8 +284,8 @@ def _with_size(resolved: ModelShape, size: str | None, shape: NamedShape) -> Mod
     compared with the family's defaults)."""
     if size is None:
         return resolved
-    if shape.family == "gpt2":
-        defaults = gpt2_fixed_fields(shape.hidden_size, shape.num_heads)
+    if FAMILIES[shape.family].fixed_kv_and_width:
+        defaults = fixed_fields(shape.hidden_size, shape.num_heads)
     else:
         defaults = {"num_kv_heads": shape.num_heads, "tie_word_embeddings": False}
     named_value = {f: _pick(None, getattr(shape, f), defaults.get(f)) for f in SHAPE_FIELDS}

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(args) -> None:
     from ds_megatron.config import ConfigError
     from ds_megatron.config.numbers import check_finite
+    from ds_megatron.config.rules import check_tokenizer_spec
+    from ds_megatron.config.shape import Vocabulary
 
     if args.num_proc < 1:
         raise ConfigError("--num-proc", "must be at least 1", f"got {args.num_proc}", "pass e.g. --num-proc 4")
@@ -54,15 +56,7 @@ def _check_args(args) -> None:
     check_finite("--chunk-mb", args.chunk_mb)  # nan passes the comparison below, and neither rounds to a size
     if args.chunk_mb is not None and args.chunk_mb <= 0:
         raise ConfigError("--chunk-mb", "must be positive", f"got {args.chunk_mb}", "pass e.g. 64")
-    spec = args.tokenizer
-    if spec.startswith("bpe:"):
-        size = spec.removeprefix("bpe:")
-        if not size.isdigit() or int(size) < 260:
-            raise ConfigError(
-                "--tokenizer", "bpe size must be an integer >= 260", f"got {spec!r}", "write e.g. bpe:8192"
-            )
-    elif not os.path.isdir(spec):
-        raise ConfigError("--tokenizer", "not a directory nor bpe:N", f"got {spec!r}", "pass a tokenizer directory")
+    check_tokenizer_spec(args.tokenizer, Vocabulary(prefix="", refs={"tokenizer": "--tokenizer"}))
 
 
 def _prepare(args) -> int:

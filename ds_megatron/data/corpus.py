@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ds_megatron.config import ConfigError, RunConfig, effective_tokenizer
+from ds_megatron.data.prepared import token_dtype
 from ds_megatron.fileio import atomic_write_text, sha256_file
 
 EOS_TOKEN = "<|endoftext|>"
@@ -240,7 +241,7 @@ def pack(ds, tok, key: str, cache_dir: Path, num_proc: int = 1) -> Path:
             print(f"warning: {err.problem} ({err.values}); rebuilding the token cache", flush=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
     eos = eos_id(tok)
-    dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.uint32
+    dtype = token_dtype(len(tok))
 
     def encode(batch):
         ids = tok(batch["text"], add_special_tokens=False)["input_ids"]

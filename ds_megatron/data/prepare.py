@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ds_megatron.config import ConfigError, RunConfig, effective_tokenizer
+from ds_megatron.config.rules import CONFIG_FILE_RULES, check_tokenizer_fits
 from ds_megatron.config.schema import DataSection
 from ds_megatron.data.blend import BlendedSamples
 from ds_megatron.data.corpus import (
@@ -83,13 +84,7 @@ def _load_tokenizer(path: str | Path, run: RunConfig):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    if len(tok) > run.model.vocab_size:
-        raise ConfigError(
-            "ds_megatron.data.tokenizer",
-            "tokenizer vocabulary larger than the model's",
-            f"{len(tok)} > vocab_size {run.model.vocab_size}",
-            f"raise model.vocab_size to at least {len(tok)}",
-        )
+    check_tokenizer_fits(len(tok), f"{len(tok)} tokens in {path}", run.model.vocab_size, CONFIG_FILE_RULES)
     return tok
 
 

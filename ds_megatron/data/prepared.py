@@ -1,12 +1,5 @@
-"""A prepared data directory: what ``python -m ds_megatron.data prepare`` writes and training reads.
-
-    OUT/manifest.json     format and version, token dtype, EOS id, token and document counts, the tokenizer's identity
-                          (spec, fingerprint, vocabulary size, sha256 of its files), the sources, one entry per
-                          complete shard (tokens, documents, bytes and sha256 of both files), ``complete``
-    OUT/shard_NNNNN.bin   the token ids of one chunk's documents, EOS after each; uint16 when the vocabulary fits,
-                          else uint32 (the packed cache's rule)
-    OUT/shard_NNNNN.idx   uint64 little-endian, one per document: where it ends (exclusive) in the shard, in tokens
-    OUT/tokenizer/        the tokenizer, as a transformers directory
+"""A prepared data directory: what ``python -m ds_megatron.data prepare`` writes and training reads (its files,
+``manifest.json``, ``shard_NNNNN.bin`` / ``.idx`` and ``tokenizer/``: README, "Real corpora: prepare them once").
 
 The token stream is the shards concatenated in order, the same stream the in-launch path packs for the same corpus
 and tokenizer.  A shard counts only once the manifest names it: its files are written under temporary names, synced

@@ -1,6 +1,7 @@
-"""L1.5: the model families, one folder each, and the one registry every other module reads.  A folder's
-``__init__`` (stdlib only: the tuner reads it without torch) holds its config with the transformers mapping and its
-record (``model.family.Family``: plan rows, pipeline layout, FLOPs and memory terms); its ``model.py`` the
+"""L0: the model families, one folder each, and the one registry every other module reads.  A folder's
+``__init__`` (stdlib only: the config and the tuner read it without torch, below the config) holds its config with
+the transformers mapping and its record (``model.family.Family``: sizes, plan rows, pipeline layout, FLOPs and
+memory terms); its ``model.py`` the
 single-device model with transformers' names, imported on first use.  A new family: a folder and one line below.
 """
 

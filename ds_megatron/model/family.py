@@ -56,6 +56,26 @@ class BlockTerms(NamedTuple):
     mlp_act: float  # the MLP activation's output (the second linear's input), units of h; "mlp_act" drops it
 
 
+@dataclass(frozen=True)
+class NamedShape:
+    """Everything a named size fixes (``model.size``).  ``None`` fields are left to the config (vocabulary and
+    sequence length of the small CPU shapes, which follow the tokenizer and the run)."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int | None = None  # grouped-query attention's KV heads
+    intermediate_size: int | None = None  # the MLP's width
+    vocab_size: int | None = None
+    seq_length: int | None = None
+    max_position_embeddings: int | None = None
+    rope_theta: float | None = None
+    rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3 scaling, as sorted (key, value) pairs
+    tie_word_embeddings: bool | None = None
+    learning_rate: float | None = None  # the published peak learning rate, where one is published
+
+
 Gemm = tuple[str, int, int, int, int]  # a block's matmul for the tuner: (name, m, k, n, count) m x k by k x n
 
 
@@ -91,6 +111,9 @@ class Family:
     mlp_matrices: int  # weight matrices of the MLP, each h x F (FLOPs)
     block_terms: Callable[..., BlockTerms]  # (h, a, num_kv_heads, intermediate_size, attention_dropout, act)
     tuner: TunerFacts
+    sizes: dict[str, NamedShape]  # the family's named sizes (``model.size``)
+    shape_renamed: dict[str, str]  # config fields that ``config.ModelShape`` spells otherwise (ours -> its)
+    hf_renamed: dict[str, str]  # config fields that transformers' config spells otherwise (ours -> theirs)
     # Every head its own K and V and an MLP of width 4h: the shape is L, h, a alone (the formulas then default to
     # kv = h, F = 4h, the config refuses KV heads and MLP width); else both are the family's to choose.
     fixed_kv_and_width: bool = False
@@ -127,6 +150,14 @@ class Family:
         if module.startswith(self.block_prefix):
             module = module[len(self.block_prefix) :].split(".", 1)[-1]
         return next((r for r in self.plan if r.path == module), None)
+
+    def hf_shape_fields(self) -> dict[str, str]:
+        """transformers' config.json keys -> ``config.ModelShape`` fields, through the family's config fields."""
+        return {
+            self.hf_renamed.get(f, f): self.shape_renamed.get(f, f)
+            for f in (f.name for f in fields(self.config))
+            if f != "attention"
+        }
 
     def is_hf_transposed(self, name: str) -> bool:
         """Whether transformers stores this weight [in, out] where ours is ``nn.Linear``'s [out, in]."""

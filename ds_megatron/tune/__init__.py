@@ -1,4 +1,4 @@
-"""L3: the hyperparameter tool.  Finds the fastest (tp, pp, dp, sp, micro-batch, recompute, attention kernel, ZeRO)
+"""L3.8: the hyperparameter tool.  Finds the fastest (tp, pp, dp, sp, micro-batch, recompute, attention kernel, ZeRO)
 for a GPT or a Llama on a cluster from analytic memory and time models; no torch, no deepspeed, no GPU.
 
     python -m ds_megatron.tune --model gpt3-175b --global-batch-size 1536 --gpus 1024 --gpu h100-sxm

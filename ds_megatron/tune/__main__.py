@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from ds_megatron.config import ConfigError
 from ds_megatron.config.numbers import finite_float
+from ds_megatron.config.rules import PIPELINE_ZERO_STAGES
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.config.sizes import all_size_names
 from ds_megatron.model import FAMILIES
@@ -101,7 +102,7 @@ FLAGS = {
             "default: searched per kernel)",
         ),
         ("--attention", {"choices": ATTENTION_KERNELS}, "attention kernel (sdpa never with core_attn)"),
-        ("--zero", INT | {"choices": (0, 1)}, "ZeRO stage"),
+        ("--zero", INT | {"choices": PIPELINE_ZERO_STAGES}, "ZeRO stage"),
     ),
     "output": (
         ("--top", INT | {"default": 10}, "rows of the ranked table (default 10)"),

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ds_megatron.config import ConfigError, ModelShape
+from ds_megatron.config.rules import tp_misfit
 from ds_megatron.model import family_of
 from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, gemm, matmul_s
 from ds_megatron.tune.memory_model import (
@@ -22,7 +23,7 @@ from ds_megatron.tune.memory_model import (
     padded_vocab_size,
     stage_param_counts,
 )
-from ds_megatron.tune.spec import TP_SPLITS, Candidate, Cluster, check_positive
+from ds_megatron.tune.spec import Candidate, Cluster, check_positive
 from ds_megatron.tune.time_model import link, ring_s
 
 # Bytes per weight or KV-cache element of each storage precision.  Quantized weights (fp8, int8, int4) are modelled
@@ -304,9 +305,7 @@ class InferenceResult:
 def tp_sizes(model: ModelShape, cluster: Cluster) -> list[int]:
     """Tensor-parallel sizes that divide what TP splits and stay inside a node."""
     limit = min(cluster.gpus_per_node, cluster.num_gpus)
-    return [
-        t for t in range(1, limit + 1) if all(getattr(model, name) % t == 0 for name in TP_SPLITS) and limit % t == 0
-    ]
+    return [t for t in range(1, limit + 1) if tp_misfit(model, t) is None and limit % t == 0]
 
 
 def pp_sizes(model: ModelShape, cluster: Cluster, tp: int) -> list[int]:

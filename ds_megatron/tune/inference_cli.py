@@ -23,6 +23,7 @@ from ds_megatron.config.loader import parse_section
 from ds_megatron.config.numbers import finite_float
 from ds_megatron.config.schema import ModelSection
 from ds_megatron.config.shape import resolve_shape
+from ds_megatron.model import FAMILIES
 from ds_megatron.tune.empirical import DEVICES, resolve_device
 from ds_megatron.tune.inference import (
     DEFAULT_BATCH_SIZES,
@@ -45,20 +46,9 @@ from ds_megatron.tune.written import check_output, write_output
 EXIT_NO_FIT = 1
 EXIT_CONFIG_ERROR = 2
 TRAINING_ONLY_FLAGS = ("--global-batch-size",)
-# transformers' config.json keys -> the model section's fields, per model_type (only what the inference model reads).
-HF_FIELDS = {
-    "gpt2": {"n_layer": "num_layers", "n_embd": "hidden_size", "n_head": "num_heads", "vocab_size": "vocab_size"},
-    "llama": {
-        "num_hidden_layers": "num_layers",
-        "hidden_size": "hidden_size",
-        "num_attention_heads": "num_heads",
-        "num_key_value_heads": "num_kv_heads",
-        "intermediate_size": "intermediate_size",
-        "vocab_size": "vocab_size",
-        "tie_word_embeddings": "tie_word_embeddings",
-    },
-}
-HF_CONTEXT = {"gpt2": "n_positions", "llama": "max_position_embeddings"}
+# The model section's fields the inference model reads off an exported config.json (the family's own keys).
+HF_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")
+HF_SHAPE_FIELDS += ("tie_word_embeddings",)
 COLUMNS = ("rank", "tp", "pp", "batch", "replicas", "tok/s/GPU", "tok/s all", "TTFT", "TPOT", "memory", "limits")
 
 
@@ -135,14 +125,16 @@ def hf_model_shape(hf_dir: str, seq_length: int | None) -> ModelShape:
         raise ConfigError(
             "--hf-dir", "config.json is not JSON", f"{path}: {err}", "pass an exported directory"
         ) from None
-    family = hf.get("model_type")
-    if family not in HF_FIELDS:
+    family = next((f for f in FAMILIES.values() if f.hf_model_type == hf.get("model_type")), None)
+    if family is None:
+        types = " or ".join(f.hf_model_type for f in FAMILIES.values())
         raise ConfigError(
-            "--hf-dir", "unsupported model_type", repr(family), f"pass a {' or '.join(HF_FIELDS)} model directory"
+            "--hf-dir", "unsupported model_type", repr(hf.get("model_type")), f"pass a {types} model directory"
         )
-    fields = {ours: hf[theirs] for theirs, ours in HF_FIELDS[family].items() if theirs in hf}
-    context = seq_length or hf.get(HF_CONTEXT[family])
-    section = ModelSection(family=family, seq_length=context, max_position_embeddings=context, **fields)
+    keys = {ours: theirs for theirs, ours in family.hf_shape_fields().items()}
+    fields = {name: hf[keys[name]] for name in HF_SHAPE_FIELDS if keys.get(name) in hf}
+    context = seq_length or hf.get(keys["max_position_embeddings"])
+    section = ModelSection(family=family.name, seq_length=context, max_position_embeddings=context, **fields)
     return resolve_shape(section, SHAPE_FLAGS)
 
 
@@ -173,8 +165,8 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
         return hf_model_shape(args.hf_dir, args.seq_length)
     if args.checkpoint:
         return checkpoint_model_shape(args.checkpoint, args.seq_length)
-    llama = {name: getattr(args, name) for name in ("family", "kv_heads", "intermediate_size", "tie_word_embeddings")}
-    return build_model_shape(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length, **llama)
+    chosen = {name: getattr(args, name) for name in ("family", "kv_heads", "intermediate_size", "tie_word_embeddings")}
+    return build_model_shape(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length, **chosen)
 
 
 def _run(args: argparse.Namespace, start: float) -> int:

@@ -8,11 +8,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
+from ds_megatron.config.rules import TP_SPLITS, core_attn_saves_nothing
 from ds_megatron.config.schema import ATTENTION_KERNELS
 from ds_megatron.tune.memory_model import layers_per_stage
 from ds_megatron.tune.spec import (
     SDPA_CORE_ATTN_REASON,
-    TP_SPLITS,
     Candidate,
     Cluster,
     Pins,
@@ -85,7 +85,7 @@ def selective_modules(kernel: str, pins: Pins) -> tuple[tuple[str, ...], ...]:
     if pins.recompute_modules is None:
         return SELECTIVE_MODULES[kernel]
     pinned = ordered_modules(pins.recompute_modules)
-    return () if kernel == "sdpa" and "core_attn" in pinned else (pinned,)
+    return () if core_attn_saves_nothing(kernel, pinned) else (pinned,)
 
 
 def recompute_options(num_blocks: int, kernel: str, pins: Pins) -> list[tuple[str, int, str, tuple[str, ...]]]:
@@ -151,7 +151,7 @@ def enumerate_candidates(
         return [], rejected
     if "sdpa" in attention_options(pins) and pins.recompute in (None, "selective"):
         asked = ("core_attn",) if pins.recompute_modules is None else ordered_modules(pins.recompute_modules)
-        if "core_attn" in asked:  # what the unpinned search leaves out of sdpa, or all a pinned set would give it
+        if core_attn_saves_nothing("sdpa", asked):  # what the unpinned search leaves out, or all a pinned set gives
             family = {"attention": "sdpa", "recompute": "selective", "recompute_modules": ",".join(asked)}
             rejected.append(Rejection(family, SDPA_CORE_ATTN_REASON))
     tps, tp_rejected = tp_sizes(model, cluster, pins)

@@ -27,12 +27,6 @@ SDPA_CORE_ATTN_REASON = (
 DEFAULT_EFFICIENCY = 0.869
 INTRA_NODE_LATENCY_S = 20e-6  # per collective or transfer inside a node (NCCL launch + ring set-up)
 INTER_NODE_LATENCY_S = 50e-6  # per collective or transfer across nodes
-# What TP splits, and why a tp must divide it.
-TP_SPLITS = {
-    "num_heads": "TP splits the query heads",
-    "num_kv_heads": "TP splits the KV heads like the query heads",
-    "intermediate_size": "TP splits the MLP width",
-}
 
 
 @dataclass(frozen=True)
@@ -152,6 +146,7 @@ FLAGS = Vocabulary(
         "num_kv_heads": "--kv-heads",
         "intermediate_size": "--intermediate-size",
         "tie_word_embeddings": "--tie-word-embeddings",
+        "zero": "--zero",  # named by config.rules
     },
     nouns={"num_heads": "the number of heads"},
 )

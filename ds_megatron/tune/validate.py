@@ -9,9 +9,10 @@ import math
 
 from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.numbers import check_finite
+from ds_megatron.config.rules import TP_SPLITS, check_zero_stage, core_attn_saves_nothing, tp_misfit
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.tune.space import tp_sizes
-from ds_megatron.tune.spec import TP_SPLITS, Cluster, Pins, check_positive
+from ds_megatron.tune.spec import FLAGS, Cluster, Pins, check_positive
 
 
 def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int, pins: Pins) -> None:
@@ -69,19 +70,18 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
         raise ConfigError("--attention", "unknown kernel", repr(pins.attention), f"use one of {ATTENTION_KERNELS}")
     if pins.recompute_modules is not None:
         _check_modules(pins)
-    if pins.zero is not None and pins.zero not in (0, 1):
-        problem = "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only"
-        raise ConfigError("--zero", problem, f"got {pins.zero}", "pass 0 or 1")
+    if pins.zero is not None:
+        check_zero_stage(pins.zero, pins.pp, FLAGS)
 
 
 def _check_tp(model: ModelShape, cluster: Cluster, pins: Pins) -> None:
     """A --tp pin: it divides what TP splits, a TP group fits in one node, and sequence parallelism has tp > 1."""
-    for name, why in TP_SPLITS.items():
-        if getattr(model, name) % pins.tp != 0:
-            values = f"{name}={getattr(model, name)}, tp={pins.tp}"
-            reason = "" if name == "num_heads" else f" ({why})"
-            fix = f"choose tp from {tp_sizes(model, cluster, Pins())[0]}{reason}"
-            raise ConfigError("--tp", f"{name} not divisible by tp", values, fix)
+    name = tp_misfit(model, pins.tp)
+    if name is not None:
+        values = f"{name}={getattr(model, name)}, tp={pins.tp}"
+        reason = "" if name == "num_heads" else f" ({TP_SPLITS[name]})"
+        fix = f"choose tp from {tp_sizes(model, cluster, Pins())[0]}{reason}"
+        raise ConfigError("--tp", f"{name} not divisible by tp", values, fix)
     node = min(cluster.gpus_per_node, cluster.num_gpus)
     if node % pins.tp != 0:
         values = f"tp={pins.tp}, gpus_per_node={cluster.gpus_per_node}, gpus={cluster.num_gpus}"
@@ -107,7 +107,7 @@ def _check_modules(pins: Pins) -> None:
     if pins.recompute not in (None, "selective"):
         values, fix = f"recompute={pins.recompute}, modules={listed}", "drop --recompute or pass --recompute selective"
         raise ConfigError("--recompute-modules", "applies to selective recompute only", values, fix)
-    if pins.attention == "sdpa" and "core_attn" in modules:
+    if core_attn_saves_nothing(pins.attention, modules):
         problem = "core_attn recomputes the s x s attention core, which sdpa never stores"
         fix = "drop core_attn (e.g. --recompute-modules mlp_act,layernorm) or pin --attention eager"
         raise ConfigError("--recompute-modules", problem, f"modules={listed}, attention=sdpa", fix)

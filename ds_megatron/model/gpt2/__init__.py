@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ds_megatron.config.sizes import GPT3_SEQ_LENGTH, GPT3_VOCAB_SIZE
 from ds_megatron.model.family import (
     COLUMN,
     NORM,
@@ -18,6 +17,7 @@ from ds_megatron.model.family import (
     Family,
     Gemm,
     LayoutTable,
+    NamedShape,
     PlanRow,
     TunerFacts,
     hf_fields,
@@ -27,6 +27,39 @@ from ds_megatron.model.family import (
 NAME = "gpt2"  # the config's model.family
 # Our field names are GPT2Config's, so the map between the two is the identity.
 HF_RENAMED: dict[str, str] = {}
+# Our field names that ds_megatron.config.ModelShape spells otherwise (one dropout serves all three).
+SHAPE_RENAMED = dict(
+    n_positions="max_position_embeddings",
+    n_embd="hidden_size",
+    n_layer="num_layers",
+    n_head="num_heads",
+    embd_pdrop="dropout",
+    attn_pdrop="dropout",
+    resid_pdrop="dropout",
+    initializer_range="init_std",
+)
+GPT3_VOCAB_SIZE = 50257  # GPT-2's byte-level BPE vocabulary, which GPT-3 kept
+GPT3_SEQ_LENGTH = 2048
+
+
+def _gpt3(layers: int, hidden: int, heads: int, lr: float) -> NamedShape:
+    return NamedShape(
+        NAME, layers, hidden, heads, vocab_size=GPT3_VOCAB_SIZE, seq_length=GPT3_SEQ_LENGTH, learning_rate=lr
+    )
+
+
+# GPT-3: Brown et al. 2020, Table 2.1 (s = 2048, V = 50257), with its peak learning rates.
+SIZES = {
+    "gpt3-125m": _gpt3(12, 768, 12, 6.0e-4),
+    "gpt3-350m": _gpt3(24, 1024, 16, 3.0e-4),
+    "gpt3-760m": _gpt3(24, 1536, 16, 2.5e-4),
+    "gpt3-1.3b": _gpt3(24, 2048, 16, 2.0e-4),  # the paper's 24 heads of 128 do not divide 2048; 16 x 128 do
+    "gpt3-2.7b": _gpt3(32, 2560, 32, 1.6e-4),
+    "gpt3-6.7b": _gpt3(32, 4096, 32, 1.2e-4),
+    "gpt3-13b": _gpt3(40, 5120, 40, 1.0e-4),  # the paper's 5140 is not divisible by 40 heads; 5120 is the usual one
+    "gpt3-175b": _gpt3(96, 12288, 96, 0.6e-4),
+    "gpt-tiny": NamedShape(NAME, 4, 128, 4),  # for laptops and tests (vocabulary from the tokenizer)
+}
 
 
 @dataclass(frozen=True)
@@ -69,19 +102,7 @@ class GPTConfig:
     @classmethod
     def from_shape(cls, m: Any) -> GPTConfig:
         """From a resolved model shape (``ds_megatron.config.ModelShape``, read by attribute)."""
-        return cls(
-            vocab_size=m.vocab_size,
-            n_positions=m.max_position_embeddings,
-            n_embd=m.hidden_size,
-            n_layer=m.num_layers,
-            n_head=m.num_heads,
-            embd_pdrop=m.dropout,
-            attn_pdrop=m.dropout,
-            resid_pdrop=m.dropout,
-            layer_norm_epsilon=m.layer_norm_epsilon,
-            initializer_range=m.init_std,
-            attention=m.attention,
-        )
+        return cls(**read_fields(cls, m, SHAPE_RENAMED, attention=m.attention))
 
     @classmethod
     def from_hf(cls, hf: Any, attention: str = "eager") -> GPTConfig:
@@ -188,6 +209,9 @@ FAMILY = Family(
             "layernorm": (("LayerNorm before attention", 1, 1), ("LayerNorm before the MLP", 1, 1)),
         },
     ),
+    sizes=SIZES,
+    shape_renamed=SHAPE_RENAMED,
+    hf_renamed=HF_RENAMED,
     fixed_kv_and_width=True,
     hf_transposed=CONV1D_SUFFIXES,
     sp_dropouts=("attn.resid_dropout", "mlp.dropout"),

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ds_megatron.config.sizes import LLAMA3_SEQ_LENGTH, LLAMA3_VOCAB_SIZE
 from ds_megatron.model.family import (
     COLUMN,
     NORM,
@@ -18,6 +17,7 @@ from ds_megatron.model.family import (
     Family,
     Gemm,
     LayoutTable,
+    NamedShape,
     PlanRow,
     TunerFacts,
     hf_fields,
@@ -29,6 +29,49 @@ NAME = "llama"  # the config's model.family
 SHAPE_RENAMED = {"rms_norm_eps": "layer_norm_epsilon", "attention_dropout": "dropout", "initializer_range": "init_std"}
 # Our field names that transformers' LlamaConfig spells otherwise (the others are the same).
 HF_RENAMED = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads", num_kv_heads="num_key_value_heads")
+LLAMA3_VOCAB_SIZE = 128256
+LLAMA3_SEQ_LENGTH = 8192  # Llama 3's pretraining context: the training sequence length of a named size
+# Llama 3.2's rope_scaling block: positions beyond the original 8,192 reached by stretching the low frequencies.
+LLAMA32_ROPE_SCALING = (
+    ("factor", 32.0),
+    ("high_freq_factor", 4.0),
+    ("low_freq_factor", 1.0),
+    ("original_max_position_embeddings", 8192),
+    ("rope_type", "llama3"),
+)
+
+
+def _llama3(layers: int, hidden: int, heads: int, ffn: int, tied: bool, lr: float, scaled: bool) -> NamedShape:
+    """8 KV heads; Llama 3.2 (``scaled``) reaches 131,072 positions through its rope scaling, Llama 3 has 8,192."""
+    return NamedShape(
+        NAME,
+        layers,
+        hidden,
+        heads,
+        num_kv_heads=8,
+        intermediate_size=ffn,
+        vocab_size=LLAMA3_VOCAB_SIZE,
+        seq_length=LLAMA3_SEQ_LENGTH,
+        max_position_embeddings=131072 if scaled else 8192,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA32_ROPE_SCALING if scaled else None,
+        tie_word_embeddings=tied,
+        learning_rate=lr,
+    )
+
+
+# Llama 3 / 3.2: the published config.json of each model as transformers reads it (8 KV heads, vocabulary 128,256,
+# rope theta 500,000, tied embeddings for the 3.2 models only, Llama 3.2's rope scaling), with the peak learning
+# rates of Llama 3's paper (8B and 70B; the 3.2 models, distilled rather than pretrained, take the 8B's).
+SIZES = {
+    "llama3.2-1b": _llama3(16, 2048, 32, 8192, True, 3.0e-4, scaled=True),
+    "llama3.2-3b": _llama3(28, 3072, 24, 8192, True, 3.0e-4, scaled=True),
+    "llama3-8b": _llama3(32, 4096, 32, 14336, False, 3.0e-4, scaled=False),
+    "llama3-70b": _llama3(80, 8192, 64, 28672, False, 1.5e-4, scaled=False),
+    "llama-tiny": NamedShape(  # for laptops and tests (vocabulary from the tokenizer, sequence from the config)
+        NAME, 4, 128, 4, num_kv_heads=2, intermediate_size=352, rope_theta=10000.0, tie_word_embeddings=False
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -199,6 +242,9 @@ FAMILY = Family(
     ),
     hf_model_type="llama",
     hf_architecture="LlamaForCausalLM",
+    sizes=SIZES,
+    shape_renamed=SHAPE_RENAMED,
+    hf_renamed=HF_RENAMED,
     mlp_matrices=3,  # gate, up and down (SwiGLU)
     block_terms=block_terms,
     tuner=TunerFacts(

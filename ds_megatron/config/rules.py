@@ -1,0 +1,99 @@
+"""L0.2: the rules that more than one command checks, each in one function here.  A rule names settings through the
+caller's :class:`~ds_megatron.config.shape.Vocabulary` (``CONFIG_FILE_RULES`` for the config file's keys, or a
+command's flags), so the user reads it in the words they typed.  Standard library only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ds_megatron.config.errors import ConfigError
+from ds_megatron.config.shape import Vocabulary
+
+# The config file's keys for the settings the rules speak of (prefix-free: DeepSpeed's own keys have none).
+CONFIG_FILE_RULES = Vocabulary(
+    prefix="",
+    refs={
+        "zero": "zero_optimization.stage",
+        "tokenizer": "ds_megatron.data.tokenizer",
+        "vocab_size": "ds_megatron.model.vocab_size",
+    },
+)
+
+# What TP splits, and why a tp must divide it.
+TP_SPLITS = {
+    "num_heads": "TP splits the query heads",
+    "num_kv_heads": "TP splits the KV heads like the query heads",
+    "intermediate_size": "TP splits the MLP width",
+}
+
+
+def tp_misfit(shape: Any, tp: int) -> str | None:
+    """The first field of TP_SPLITS that ``tp`` does not divide (None: tp fits the shape)."""
+    return next((name for name in TP_SPLITS if getattr(shape, name) % tp != 0), None)
+
+
+# Every ds_megatron run is a DeepSpeed PipelineModule, at pp 1 too, and DeepSpeed's PipelineEngine asserts a ZeRO
+# stage below 2 in its constructor ("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism", deepspeed
+# 0.19.8), on every rank inside deepspeed.initialize.
+PIPELINE_ZERO_STAGES = (0, 1)
+
+
+def check_zero_stage(stage: int, pp: int | None, words: Vocabulary) -> None:
+    if stage not in PIPELINE_ZERO_STAGES:
+        raise ConfigError(
+            words.setting("zero"),
+            "DeepSpeed's pipeline engine (every ds_megatron run, pp 1 included) supports ZeRO stage 0 or 1 only",
+            f"stage={stage}" + ("" if pp is None else f", pp={pp}"),
+            f"set {words.ref('zero')} to 1",
+        )
+
+
+def core_attn_saves_nothing(attention: str, modules: tuple[str, ...]) -> bool:
+    """Selective recompute of ``core_attn`` checkpoints the s x s attention core, which the sdpa kernel never
+    stores: it would save nothing and cost a recompute.  Refused by the config and the tuner's pins, never searched,
+    an error of the memory formula."""
+    return attention == "sdpa" and "core_attn" in modules
+
+
+MIN_BPE_SIZE = 260  # the byte-level BPE starts from 256 byte tokens and EOS; below a few merges it is no BPE
+
+
+def check_tokenizer_spec(spec: str, words: Vocabulary) -> None:
+    """``bpe:N`` with N >= MIN_BPE_SIZE, or an existing tokenizer directory."""
+    if spec.startswith("bpe:"):
+        size = spec.removeprefix("bpe:")
+        if not size.isdigit() or int(size) < MIN_BPE_SIZE:
+            raise ConfigError(
+                words.setting("tokenizer"),
+                f"bpe size must be an integer >= {MIN_BPE_SIZE}",
+                f"got {spec!r}",
+                "write e.g. bpe:8192",
+            )
+    elif not Path(spec).is_dir():
+        raise ConfigError(
+            words.setting("tokenizer"),
+            "not a directory nor bpe:N",
+            f"got {spec!r}",
+            "pass a tokenizer directory or bpe:N",
+        )
+
+
+def check_tokenizer_fits(
+    size: int,
+    source: str,
+    vocab_size: int,
+    words: Vocabulary,
+    setting: str | None = None,
+    problem: str = "tokenizer vocabulary larger than the model's",
+) -> None:
+    """A tokenizer of ``size`` tokens (``source``: its spec, directory or count as the values show it) must fit the
+    model's vocabulary: a larger id would index past the embedding.  ``setting``: where the tokenizer came from
+    (default: the tokenizer setting)."""
+    if size > vocab_size:
+        raise ConfigError(
+            setting or words.setting("tokenizer"),
+            problem,
+            f"{source} > vocab_size {vocab_size}",
+            f"set {words.ref('vocab_size')} to at least {size}",
+        )
