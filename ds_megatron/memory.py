@@ -44,6 +44,7 @@ accumulators, the eager kernel's score blocks) is :func:`cp_transient_bytes`.
 
 from __future__ import annotations
 
+from ds_megatron.config.context_parallel import CP_COMMS
 from ds_megatron.config.schema import (
     ATTENTION_KERNELS,
     DEFAULT_SELECTIVE_MODULES,
@@ -138,10 +139,6 @@ def activation_bytes_per_layer(
 
 
 def _check_cp(cp: int, cp_comm: str, attention_dropout: float | None, modules: tuple[str, ...]) -> None:
-    # The names are ds_megatron.parallel.cp's; imported here only when cp > 1, which keeps torch out of the
-    # cp 1 callers (the analytic tuner runs without it).
-    from ds_megatron.parallel.cp import CP_COMMS
-
     if cp_comm not in CP_COMMS:
         raise ValueError(f"cp_comm must be one of {CP_COMMS}, got {cp_comm!r}")
     if attention_dropout:

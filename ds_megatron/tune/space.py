@@ -1,4 +1,4 @@
-"""The search space: every (tp, pp, dp, sp, b, recompute, attention, zero) the tuner considers under the package's
+"""The search space: every (tp, cp, pp, dp, sp, b, recompute, attention, zero) the tuner considers under the package's
 layout rules and the pipeline engine's limits (the table is in docs/tuner.md, "The search space"), and every family
 left out, with its reason.  Pure Python."""
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
 from ds_megatron.config.schema import ATTENTION_KERNELS
+from ds_megatron.tune import cp_rules
 from ds_megatron.tune.memory_model import layers_per_stage
 from ds_megatron.tune.spec import (
     SDPA_CORE_ATTN_REASON,
@@ -29,6 +30,19 @@ SELECTIVE_MODULES = {
     "eager": (("core_attn",), ("core_attn", "mlp_act", "layernorm")),
     "sdpa": (("mlp_act", "layernorm"), ("mlp_act",), ("layernorm",)),
 }
+
+# Context parallelism is searched (unpinned) from this sequence length on.  Below it every shipped size fits with
+# tp, SP, pp and recompute alone, and CP only adds K/V traffic and shorter matmuls; above it a block's activations
+# (about 34 s b h / t bytes under SP) outgrow a GPU's share for the larger models, which is what CP is for.  Keeping
+# the search at cp 1 below it also keeps those searches (and their reports) exactly what they were.  --cp N searches
+# that cp at any length.
+CP_MIN_SEQ_LENGTH = 16384
+# At cp > 1 the core is the cp_comm function, which stores no s x s term: recomputing core_attn would save nothing and
+# run the exchange again.
+CP_CORE_ATTN_REASON = (
+    "recomputing core_attn with cp > 1 is not offered: the ring and a2a cores store no s x s term (their backward "
+    "recomputes the probabilities from q, k and the log-sum-exp), so it would save nothing and redo the exchange"
+)
 
 ZERO0_REASON = (
     "ZeRO stage 0 is not offered: with bf16 and fp32 gradient accumulation DeepSpeed's pipeline engine accepts only "
@@ -79,31 +93,52 @@ def attention_options(pins: Pins) -> list[str]:
     return [k for k in ATTENTION_KERNELS if pins.attention is None or k == pins.attention]
 
 
-def selective_modules(kernel: str, pins: Pins) -> tuple[tuple[str, ...], ...]:
+def selective_modules(kernel: str, pins: Pins, cp: int = 1) -> tuple[tuple[str, ...], ...]:
     """The module sets selective recompute is tried with under ``kernel``: the pinned set where the kernel allows it,
-    else the kernel's row of SELECTIVE_MODULES."""
+    else the kernel's row of SELECTIVE_MODULES.  With cp > 1 no core stores an s x s term: sdpa's row for both."""
+    no_core = kernel == "sdpa" or cp > 1
     if pins.recompute_modules is None:
-        return SELECTIVE_MODULES[kernel]
+        return SELECTIVE_MODULES["sdpa" if no_core else kernel]
     pinned = ordered_modules(pins.recompute_modules)
-    return () if kernel == "sdpa" and "core_attn" in pinned else (pinned,)
+    return () if no_core and "core_attn" in pinned else (pinned,)
 
 
-def recompute_options(num_blocks: int, kernel: str, pins: Pins) -> list[tuple[str, int, str, tuple[str, ...]]]:
+def recompute_options(
+    num_blocks: int, kernel: str, pins: Pins, cp: int = 1
+) -> list[tuple[str, int, str, tuple[str, ...]]]:
     """(policy, k, method, modules) choices for a stage of ``num_blocks`` blocks under attention ``kernel``."""
     ks = sorted({k for k in (2**i for i in range(num_blocks.bit_length())) if k < num_blocks} | {num_blocks})
     options = [("none", 1, "uniform", ())]
-    options += [("selective", 1, "uniform", modules) for modules in selective_modules(kernel, pins)]
+    options += [("selective", 1, "uniform", modules) for modules in selective_modules(kernel, pins, cp)]
     options += [("full", k, "uniform", ()) for k in ks]
     options += [("full", k, "block", ()) for k in ks if k < num_blocks]  # block with k = n equals uniform with k = 1
     policy = "selective" if pins.recompute_modules is not None else pins.recompute
     return [o for o in options if policy is None or o[0] == policy]
 
 
+def cp_sizes(model: ModelShape, replicas: int, pins: Pins) -> list[int]:
+    """The cp degrees to try where ``replicas`` = GPUs / (tp x pp) ranks share the data and context axes: the pinned
+    one, else every divisor from CP_MIN_SEQ_LENGTH tokens on, else 1."""
+    if pins.cp is not None:
+        return [pins.cp] if replicas % pins.cp == 0 else []
+    if model.seq_length < CP_MIN_SEQ_LENGTH:
+        return [1]
+    return [cp for cp in range(1, replicas + 1) if replicas % cp == 0]
+
+
+def cp_comm_options(cp: int, pins: Pins) -> list[str]:
+    """The exchanges to try at ``cp``: both (or the pinned one) when cp > 1; at cp 1 there is none ("ring" stands
+    for it, as in a cp 1 config)."""
+    if cp == 1:
+        return ["ring"]
+    return [c for c in cp_rules.cp_comms() if pins.cp_comm is None or c == pins.cp_comm]
+
+
 def layout_candidates(
-    model: ModelShape, global_batch_size: int, tp: int, pp: int, dp: int, pins: Pins
+    model: ModelShape, global_batch_size: int, tp: int, pp: int, dp: int, pins: Pins, cp: int = 1
 ) -> tuple[list[Candidate], list[Rejection]]:
-    """Every candidate of one (tp, pp, dp) layout, and the micro-batch / SP families it cannot use."""
-    layout = {"tp": tp, "pp": pp, "dp": dp}
+    """Every candidate of one (tp, cp, pp, dp) layout, and the micro-batch / SP / cp_comm families it cannot use."""
+    layout = {"tp": tp, "pp": pp, "dp": dp, **({"cp": cp} if cp > 1 else {})}
     if global_batch_size % dp != 0:
         reason = f"global batch ({global_batch_size}) not divisible by dp ({dp})"
         return [], [Rejection(layout, reason)]
@@ -128,11 +163,22 @@ def layout_candidates(
         reason = f"SP needs seq_length ({model.seq_length}) divisible by tp ({tp})"
         rejected.append(Rejection({**layout, "sequence_parallel": True}, reason))
 
+    # The run's own CP rules (sequence length per SP choice, a2a heads, attention dropout), each family refused once.
+    allowed = []
+    for comm in cp_comm_options(cp, pins):
+        for sp in sp_options:
+            why = cp_rules.refusal(model, tp, cp, comm, sp)
+            if why is None:
+                allowed.append((comm, sp))
+            else:
+                family = {**layout, "cp_comm": comm, **({"sequence_parallel": sp} if tp > 1 else {})}
+                rejected.append(Rejection(family, why))
+
     num_blocks = layers_per_stage(model.num_layers, pp)
-    recompute = {kernel: recompute_options(num_blocks, kernel, pins) for kernel in attention_options(pins)}
+    recompute = {kernel: recompute_options(num_blocks, kernel, pins, cp) for kernel in attention_options(pins)}
     candidates = [
-        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules)
-        for sp in sp_options
+        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm)
+        for comm, sp in allowed
         for b in micro
         for kernel, options in recompute.items()
         for policy, k, method, modules in options
@@ -157,6 +203,7 @@ def enumerate_candidates(
     tps, tp_rejected = tp_sizes(model, cluster, pins)
     rejected += tp_rejected
     candidates: list[Candidate] = []
+    searched_cp = False
     for tp in tps:
         skipped = []
         for pp in range(1, model.num_layers + 1):
@@ -165,18 +212,25 @@ def enumerate_candidates(
             if cluster.num_gpus % (tp * pp) != 0:
                 skipped.append(pp)
                 continue
-            dp = cluster.num_gpus // (tp * pp)
-            if pins.dp is not None and dp != pins.dp:
-                continue
-            found, why = layout_candidates(model, global_batch_size, tp, pp, dp, pins)
-            candidates += found
-            rejected += why
+            for cp in cp_sizes(model, cluster.num_gpus // (tp * pp), pins):
+                dp = cluster.num_gpus // (tp * cp * pp)
+                if pins.dp is not None and dp != pins.dp:
+                    continue
+                searched_cp |= cp > 1
+                found, why = layout_candidates(model, global_batch_size, tp, pp, dp, pins, cp)
+                candidates += found
+                rejected += why
         if skipped and pins.pp is not None:
             reason = f"tp({tp}) x pp({pins.pp}) does not divide the GPU count ({cluster.num_gpus})"
             rejected.append(Rejection({"tp": tp, "pp": pins.pp}, reason))
         elif skipped:
             reason = f"tp({tp}) x pp does not divide the GPU count ({cluster.num_gpus})"
             rejected.append(Rejection({"tp": tp, "pp": _ranges(skipped)}, reason))
+    if searched_cp and pins.recompute in (None, "selective"):
+        asked = ("core_attn",) if pins.recompute_modules is None else ordered_modules(pins.recompute_modules)
+        if "core_attn" in asked:
+            family = {"cp": ">1", "recompute": "selective", "recompute_modules": ",".join(asked)}
+            rejected.append(Rejection(family, CP_CORE_ATTN_REASON))
     return candidates, rejected
 
 
