@@ -37,9 +37,10 @@ family's Q, K, V terms, counted already: the ring keeps its inputs, the a2a its 
 sequence at ``a / (t cp)`` heads, the same element count), the core's output [b, a/t, s/cp, d] (a tensor of its own:
 the projection's [s, b, h] input is a transposed copy of it, so +1 h per token split by TP) and the fp32
 log-sum-exp [b, a/t, s/cp] (4 a / h per token in units of h, split by TP).  Both backward passes recompute the
-probabilities from q, k and lse, so no s x s term is stored with either kernel, and selective recompute of core_attn
-saves nothing (refused).  What one layer's exchange holds only while it runs (double-buffered K/V, the fp32 dK/dV
-accumulators, the eager kernel's score blocks) is :func:`cp_transient_bytes`.
+probabilities from q, k and lse, so no s x s term is stored with either kernel.  Selective recompute of core_attn
+(eager) checkpoints the whole cp_comm call, exchange included: it keeps only q, k and v, dropping the output and
+the log-sum-exp, and runs the exchange again in backward.  What one layer's exchange holds only while it runs
+(double-buffered K/V, the fp32 dK/dV accumulators, the eager kernel's score blocks) is :func:`cp_transient_bytes`.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def activation_bytes_per_layer(
     if attention == "sdpa" and "core_attn" in modules:
         raise ValueError("selective recompute of core_attn checkpoints the s x s core, which sdpa never stores")
     if cp > 1:
-        _check_cp(cp, cp_comm, attention_dropout, modules)
+        _check_cp(cp, cp_comm, attention_dropout)
         s = s // cp  # this rank's two chunks (the layout rule makes s divisible by 2 cp)
     terms = FAMILIES[family].block_terms(h, a, num_kv_heads, intermediate_size, attention_dropout, act_bytes)
     sp = sequence_parallel and t > 1
@@ -122,10 +123,10 @@ def activation_bytes_per_layer(
         replicated -= 2 * act_bytes  # the q/k/v (c_attn) input and the fc1 (gate/up) input
     if "mlp_act" in modules:
         split -= terms.mlp_act * act_bytes
-    if cp > 1:  # the cp_comm core's output and fp32 log-sum-exp; its backward recomputes the probabilities
-        quadratic = act_bytes + LSE_BYTES * a / h
-    elif "core_attn" in modules:
+    if "core_attn" in modules:
         quadratic = 0.0
+    elif cp > 1:  # the cp_comm core's output and fp32 log-sum-exp; its backward recomputes the probabilities
+        quadratic = act_bytes + LSE_BYTES * a / h
     elif attention == "sdpa" and sdpa_path == "fused":
         quadratic = LSE_BYTES * a / h  # the log-sum-exp in place of the s^2 terms; split by TP like them
     elif attention == "sdpa":
@@ -138,13 +139,11 @@ def activation_bytes_per_layer(
     return sbh * (replicated + (split + quadratic) / t)
 
 
-def _check_cp(cp: int, cp_comm: str, attention_dropout: float | None, modules: tuple[str, ...]) -> None:
+def _check_cp(cp: int, cp_comm: str, attention_dropout: float | None) -> None:
     if cp_comm not in CP_COMMS:
         raise ValueError(f"cp_comm must be one of {CP_COMMS}, got {cp_comm!r}")
     if attention_dropout:
         raise ValueError("attention dropout cannot run with cp > 1 (check_cp_attention_dropout refuses it)")
-    if "core_attn" in modules:
-        raise ValueError("selective recompute of core_attn saves nothing with cp > 1: no s x s core is stored")
 
 
 def cp_core_saved_bytes(

@@ -57,10 +57,10 @@ def test_short_sequences_search_cp1_only_unless_pinned():
     pinned, _ = enumerate_candidates(model, cluster, 512, Pins(attention="sdpa", pp=1, cp=2))
     assert {c.cp for c in pinned} == {2} and {c.cp_comm for c in pinned} == {"ring", "a2a"}
     assert all(c.tp * c.cp * c.dp == 8 for c in pinned)
-    # at cp > 1 selective recompute never offers core_attn (no s x s term is stored), even for eager
-    eager, rejected = enumerate_candidates(model, cluster, 512, Pins(attention="eager", pp=1, cp=2))
-    assert all("core_attn" not in c.recompute_modules for c in eager)
-    assert any("core_attn with cp > 1" in r.reason for r in rejected)
+    # eager's core_attn is offered at cp > 1 too (the run checkpoints the whole cp_comm call); sdpa's never
+    both, _ = enumerate_candidates(model, cluster, 512, Pins(pp=1, cp=2))
+    assert any("core_attn" in c.recompute_modules for c in both if c.attention == "eager")
+    assert not any("core_attn" in c.recompute_modules for c in both if c.attention == "sdpa")
 
 
 def test_the_runs_cp_rules_are_mirrored():
@@ -124,8 +124,13 @@ def test_ring_hides_behind_compute_or_not():
     forward = 3 * (hop - step)
     backward = 3 * (hop_b - 2 * step) + latency + 2 * kv_bytes / (gbps * 1e9)
     assert cp_comm_s(model, slow, cand, 32, 0) == pytest.approx(32 * (forward + backward))
-    # a recomputed forward (full recompute) runs the ring again
+    # a recomputed forward (full recompute, or core_attn's checkpoint of the whole cp_comm call) runs the ring again
     assert cp_comm_s(model, slow, cand, 32, 32) == pytest.approx(32 * (2 * forward + backward))
+    core = dataclasses.replace(cand, recompute="selective", attention="eager", recompute_modules=("core_attn",))
+    eager_parts = _ring_parts(model, slow, core)
+    eager_forward = 3 * (eager_parts[0] / (gbps * 1e9) + latency - eager_parts[1])
+    eager_backward = 3 * (hop_b - 2 * eager_parts[1]) + latency + 2 * kv_bytes / (gbps * 1e9)
+    assert cp_comm_s(model, slow, core, 32, 0) == pytest.approx(32 * (2 * eager_forward + eager_backward))
 
 
 def test_ring_crosses_the_network_when_tp_x_cp_exceeds_a_node():

@@ -37,12 +37,6 @@ SELECTIVE_MODULES = {
 # the search at cp 1 below it also keeps those searches (and their reports) exactly what they were.  --cp N searches
 # that cp at any length.
 CP_MIN_SEQ_LENGTH = 16384
-# At cp > 1 the core is the cp_comm function, which stores no s x s term: recomputing core_attn would save nothing and
-# run the exchange again.
-CP_CORE_ATTN_REASON = (
-    "recomputing core_attn with cp > 1 is not offered: the ring and a2a cores store no s x s term (their backward "
-    "recomputes the probabilities from q, k and the log-sum-exp), so it would save nothing and redo the exchange"
-)
 
 ZERO0_REASON = (
     "ZeRO stage 0 is not offered: with bf16 and fp32 gradient accumulation DeepSpeed's pipeline engine accepts only "
@@ -93,23 +87,22 @@ def attention_options(pins: Pins) -> list[str]:
     return [k for k in ATTENTION_KERNELS if pins.attention is None or k == pins.attention]
 
 
-def selective_modules(kernel: str, pins: Pins, cp: int = 1) -> tuple[tuple[str, ...], ...]:
+def selective_modules(kernel: str, pins: Pins) -> tuple[tuple[str, ...], ...]:
     """The module sets selective recompute is tried with under ``kernel``: the pinned set where the kernel allows it,
-    else the kernel's row of SELECTIVE_MODULES.  With cp > 1 no core stores an s x s term: sdpa's row for both."""
-    no_core = kernel == "sdpa" or cp > 1
+    else the kernel's row of SELECTIVE_MODULES."""
     if pins.recompute_modules is None:
-        return SELECTIVE_MODULES["sdpa" if no_core else kernel]
+        return SELECTIVE_MODULES[kernel]
     pinned = ordered_modules(pins.recompute_modules)
-    return () if no_core and "core_attn" in pinned else (pinned,)
+    return () if kernel == "sdpa" and "core_attn" in pinned else (pinned,)
 
 
-def recompute_options(
-    num_blocks: int, kernel: str, pins: Pins, cp: int = 1
-) -> list[tuple[str, int, str, tuple[str, ...]]]:
-    """(policy, k, method, modules) choices for a stage of ``num_blocks`` blocks under attention ``kernel``."""
+def recompute_options(num_blocks: int, kernel: str, pins: Pins) -> list[tuple[str, int, str, tuple[str, ...]]]:
+    """(policy, k, method, modules) choices for a stage of ``num_blocks`` blocks under attention ``kernel``.  At
+    cp > 1 eager's core_attn checkpoints the whole cp_comm call (the run does: its exchange runs again in backward),
+    which keeps q, k, v and drops the core's output and log-sum-exp."""
     ks = sorted({k for k in (2**i for i in range(num_blocks.bit_length())) if k < num_blocks} | {num_blocks})
     options = [("none", 1, "uniform", ())]
-    options += [("selective", 1, "uniform", modules) for modules in selective_modules(kernel, pins, cp)]
+    options += [("selective", 1, "uniform", modules) for modules in selective_modules(kernel, pins)]
     options += [("full", k, "uniform", ()) for k in ks]
     options += [("full", k, "block", ()) for k in ks if k < num_blocks]  # block with k = n equals uniform with k = 1
     policy = "selective" if pins.recompute_modules is not None else pins.recompute
@@ -175,7 +168,7 @@ def layout_candidates(
                 rejected.append(Rejection(family, why))
 
     num_blocks = layers_per_stage(model.num_layers, pp)
-    recompute = {kernel: recompute_options(num_blocks, kernel, pins, cp) for kernel in attention_options(pins)}
+    recompute = {kernel: recompute_options(num_blocks, kernel, pins) for kernel in attention_options(pins)}
     candidates = [
         Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm)
         for comm, sp in allowed
@@ -203,7 +196,6 @@ def enumerate_candidates(
     tps, tp_rejected = tp_sizes(model, cluster, pins)
     rejected += tp_rejected
     candidates: list[Candidate] = []
-    searched_cp = False
     for tp in tps:
         skipped = []
         for pp in range(1, model.num_layers + 1):
@@ -216,7 +208,6 @@ def enumerate_candidates(
                 dp = cluster.num_gpus // (tp * cp * pp)
                 if pins.dp is not None and dp != pins.dp:
                     continue
-                searched_cp |= cp > 1
                 found, why = layout_candidates(model, global_batch_size, tp, pp, dp, pins, cp)
                 candidates += found
                 rejected += why
@@ -226,11 +217,6 @@ def enumerate_candidates(
         elif skipped:
             reason = f"tp({tp}) x pp does not divide the GPU count ({cluster.num_gpus})"
             rejected.append(Rejection({"tp": tp, "pp": _ranges(skipped)}, reason))
-    if searched_cp and pins.recompute in (None, "selective"):
-        asked = ("core_attn",) if pins.recompute_modules is None else ordered_modules(pins.recompute_modules)
-        if "core_attn" in asked:
-            family = {"cp": ">1", "recompute": "selective", "recompute_modules": ",".join(asked)}
-            rejected.append(Rejection(family, CP_CORE_ATTN_REASON))
     return candidates, rejected
 
 

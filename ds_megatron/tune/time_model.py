@@ -211,7 +211,8 @@ def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: 
     the accumulator's last hop home waits after the last step.  What exceeds the compute is exposed:
     ``ring_pass_s - cp x step``.  a2a: four all-to-alls (q, k, v, the context) per block forward and four in
     backward, (cp - 1) / cp of each tensor leaving the rank, not overlapped.  The link is NVLink while tp x cp
-    ranks fit in a node, else the network; a re-run forward (full recompute) exchanges again."""
+    ranks fit in a node, else the network; a re-run forward (full recompute, or selective core_attn, which
+    checkpoints the whole cp_comm call) exchanges again."""
     cp = cand.cp
     if cp == 1:
         return 0.0
@@ -220,7 +221,7 @@ def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: 
     gbps, latency = link(cluster, cand.tp * cp > cluster.gpus_per_node)
     bandwidth = gbps * 1e9
     kv_bytes = 2 * b * model.num_kv_heads / t * rows * d * ACT_BYTES
-    forwards = num_blocks + recomputed
+    forwards = num_blocks + recomputed + (num_blocks if recomputes_core(cand) else 0)
     if cand.cp_comm == "a2a":
         q_bytes = b * model.num_heads / t * rows * d * ACT_BYTES
         one_way = 4 * latency + (cp - 1) / cp * (2 * q_bytes + kv_bytes) / bandwidth  # q, k, v, context
