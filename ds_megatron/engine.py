@@ -93,7 +93,11 @@ def deepspeed_config_for(run: RunConfig, notes: list[str] | None = None) -> dict
         ds.pop("scheduler")  # built here with the published semantics (config/schedule.py)
     ds["train_micro_batch_size_per_gpu"] = run.micro_batch_size
     ds["gradient_accumulation_steps"] = run.grad_accum_steps
-    ds["train_batch_size"] = run.global_batch_size
+    # DeepSpeed's data axis holds dp x cp ranks (the CP ranks are folded into it, topology.py) and it checks
+    # train_batch_size == micro x accumulation x (dp x cp).  A user's train_batch_size counts sequences, and the cp
+    # ranks of one replica share each sequence, so DeepSpeed is handed the sequences times cp: what it counts as
+    # "samples" are sequence pieces.  Everything of ours (data position, tokens/s, MFU) uses run.global_batch_size.
+    ds["train_batch_size"] = run.global_batch_size * run.cp
     ds.setdefault("steps_per_print", 10**9)
     if not deepspeed_wraps_optimizer(run.ds_config):
         # DeepSpeed's wrappers compute a TP/PP-correct norm; on the plain fp32 path ClippedAdamW clips (optim.py)
@@ -142,9 +146,11 @@ def install_step_sp_grad_sync(engine, topology: ParallelTopology, run: RunConfig
 def build_engine(run: RunConfig) -> Built:
     threads = default_cpu_threads()
     init_distributed()
-    topology = ParallelTopology.build(run.tp, run.pp, run.dp)
+    topology = ParallelTopology.build(run.tp, run.pp, run.dp, run.cp)
     seed = run.section.train.seed
-    rng = build_rng(seed, topology.tp_rank, topology.pp_rank, topology.dp_rank, device_type())
+    # The default (data) RNG stream is keyed by the data-axis coordinate: CP ranks hold different tokens, so their
+    # hidden-state dropout masks must differ (at cp 1 the coordinate is dp_rank, as before).
+    rng = build_rng(seed, topology.tp_rank, topology.pp_rank, topology.data_coord, device_type())
     config = model_config(run.model)
     parallel = ParallelContext(
         config=config,
@@ -153,6 +159,10 @@ def build_engine(run: RunConfig) -> Built:
         rng=rng,
         vocab_multiple=run.section.parallel.vocab_multiple,
         recompute=run.section.recompute,
+        cp_group=topology.cp_group,
+        cp_rank=topology.cp_rank,
+        cp_size=topology.cp,
+        cp_comm=run.section.parallel.cp_comm,
     )
     module = build_pipeline_module(config, parallel, topology, seed, run.section.parallel.partition_method)
     ckpt = run.section.checkpoint

@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, RecomputeSection
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, Family, ModelConfig, family_of
 from ds_megatron.model.family import COLUMN, OUTPUT, POSITION, ROW, VOCAB, PlanRow
-from ds_megatron.model.layers import BlockHooks, RMSNorm, compose, project_each, run_core
+from ds_megatron.model.layers import BlockHooks, RMSNorm, compose, contiguous_positions, project_each, run_core
+from ds_megatron.parallel.cp import position_ranges
+from ds_megatron.parallel.cp_comm import cp_attention
 from ds_megatron.random import TENSOR_PARALLEL, RNGTracker
 from ds_megatron.recompute import checkpoint, discard_output
 from ds_megatron.tensor_parallel import (
@@ -55,6 +58,15 @@ class ParallelContext:
     rng: RNGTracker | None
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE
     recompute: RecomputeSection = field(default_factory=RecomputeSection)
+    cp_group: ProcessGroup | None = None  # the CP ranks of this replica (None: cp 1)
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_comm: str = "ring"  # "ring" or "a2a" (ds_megatron.parallel.cp_comm)
+
+    def positions(self, seq_len: int) -> tuple[tuple[int, int], ...]:
+        """The global positions of this rank's ``seq_len`` local tokens ([start, stop) ranges): the load-balanced
+        chunks of a sequence of ``seq_len * cp`` tokens (rank i holds chunks i and 2 cp - 1 - i)."""
+        return position_ranges(seq_len * self.cp_size, self.cp_rank, self.cp_size)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -124,14 +136,23 @@ def parallelize_module(path: str, module: nn.Module, ctx: ParallelContext) -> nn
 
 def block_hooks(ctx: ParallelContext) -> BlockHooks:
     """The ``BlockHooks`` of every block under ``ctx`` (see ``ds_megatron.model.layers.BlockHooks``)."""
-    modules, split = ctx.recompute.selective_modules, ctx.tp.size > 1
+    modules, split, cp = ctx.recompute.selective_modules, ctx.tp.size > 1, ctx.cp_size > 1
     fork = ctx.tp_fork() if split else contextlib.nullcontext
+
+    def cp_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Causal attention of this rank's chunks over the whole sequence, across the CP group; the core's kernel and
+        # scale, no dropout (attention dropout with cp > 1 is refused by the loader).
+        return cp_attention(ctx.cp_comm, q, k, v, ctx.cp_group, core.kernel, core.scale)
+
+    local_core = cp_core if cp else run_core
 
     def core_in_state(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with fork():
-            return run_core(core, q, k, v)
+            return local_core(core, q, k, v)
 
     def recomputed_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Under CP the whole cp_attention is recomputed in backward, its exchange included (every CP rank recomputes
+        # the same layer at the same point of backward, so the messages still match); what is saved is q, k, v.
         return checkpoint(functools.partial(core_in_state, core), q, k, v, rng=ctx.rng)
 
     def grouped_projection(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
@@ -141,7 +162,8 @@ def block_hooks(ctx: ParallelContext) -> BlockHooks:
         around_norm=discard_output if "layernorm" in modules else compose,
         around_act=discard_output if "mlp_act" in modules else compose,
         project=grouped_projection if split else project_each,
-        core_attention=recomputed_core if "core_attn" in modules else core_in_state if split else run_core,
+        core_attention=recomputed_core if "core_attn" in modules else core_in_state if split or cp else run_core,
+        positions=ctx.positions if cp else contiguous_positions,
     )
 
 
@@ -170,6 +192,10 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     vocabulary block of logits ([b, s, V_pad/t]; use vocab-parallel cross entropy).  Under SP the plain forward stays
     correct because the embedding reduce-scatters along the sequence (and a learned position lookup keeps this
     rank's rows)."""
+    if ctx.cp_size > 1:
+        # The single-device forward embeds positions 0..s-1 of what it is given; a CP rank holds two chunks of
+        # the sequence at other positions, which only the pipeline's position layer (``ctx.positions``) knows.
+        raise ValueError("parallelize_model: cp > 1 runs through the pipeline layers (pipeline.layer_specs) only")
     family = ctx.family
     for row in family.model_rows:
         if row.style == OUTPUT and not hasattr(model, row.path):

@@ -26,7 +26,7 @@ from torch import nn
 from ds_megatron.config.schema import RecomputeSection
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, ModelConfig, family_of
 from ds_megatron.model.family import LayoutTable
-from ds_megatron.model.layers import TiedEmbedding
+from ds_megatron.model.layers import TiedEmbedding, positions_tensor
 from ds_megatron.parallelize import ParallelContext, parallelize_block, parallelize_module, sp_dropout
 from ds_megatron.random import RNGTracker
 from ds_megatron.recompute import checkpoint
@@ -186,10 +186,13 @@ class PositionEmbeddingPipe(nn.Module):
         keep_slot(self, family_of(config).layout.positions, full, config, seed, ctx)
         self.drop = sp_dropout(nn.Dropout(config.embd_pdrop), ctx)
         self.seq_factor = ctx.tp.size if ctx.sp else 1
+        self.positions = ctx.positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Global positions of this rank's tokens (under CP its two chunks); under SP the local sequence is first
+        # split over TP by the position table itself, as the embedding's reduce-scatter splits the tokens.
         s = x.shape[0] * self.seq_factor
-        pos = torch.arange(s, device=x.device)
+        pos = positions_tensor(self.positions(s), x.device)
         return self.drop(x + getattr(self, self.attr)(pos).unsqueeze(1))
 
 

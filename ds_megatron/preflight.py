@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ds_megatron.config import ConfigError, RunConfig, check_text_settings, effective_tokenizer, resolve
-from ds_megatron.config.facts import needs_resharding, precision, saved_layout
+from ds_megatron.config.facts import needs_resharding, precision, saved_cp, saved_layout
 from ds_megatron.config.shape import SHAPE_FIELDS
 
 # What a checkpoint's weights depend on (and the sequence length it trained at): a resumed run must match each, or
@@ -22,10 +22,13 @@ SHAPE_KEYS = ("family", *SHAPE_FIELDS, "vocab_size", "seq_length", "max_position
 
 def check_run(run: RunConfig) -> None:
     """All file-level checks of a resolved run."""
+    from ds_megatron.data.megatron_indexed import megatron_prefix
     from ds_megatron.data.prepared import reads_prepared
 
     check_data(run)
-    if not reads_prepared(run.section.data):  # prepared data brings its own tokenizer, checked by check_data
+    data = run.section.data
+    # prepared data brings its own tokenizer, and Megatron data's is checked against its ids: both by check_data
+    if not reads_prepared(data) and megatron_prefix(data.path) is None:
         check_tokenizer_files(run)
     init = run.section.checkpoint.init_from_hf
     if init is not None:
@@ -36,7 +39,8 @@ def check_run(run: RunConfig) -> None:
 
 
 def check_data(run: RunConfig) -> None:
-    """Prepared directories (``data.path`` or ``data.blend``) are complete and match their manifests; local text
+    """Prepared directories (``data.path`` or ``data.blend``) are complete and match their manifests; a Megatron
+    indexed pair (``data.path`` or in ``data.blend``) is well formed and its ids fit the tokenizer; local text
     exists, is not empty and is small enough to tokenise inside the launch (``data.max_inlaunch_bytes``); a Hugging
     Face dataset name resolves, with its configuration ``data.hf_config`` (``data.hub``: metadata only, the Hub or the
     local cache), and only a dataset name has one."""
@@ -48,12 +52,21 @@ def check_data(run: RunConfig) -> None:
         return
     from ds_megatron.config.loader import hf_config_unused
     from ds_megatron.data.corpus import is_local, resolve_files
+    from ds_megatron.data.megatron_indexed import megatron_prefix
     from ds_megatron.data.prepared import is_prepared
 
-    if data.hf_config is not None and is_local(data.path):
+    megatron = megatron_prefix(data.path)
+    if data.hf_config is not None and (is_local(data.path) or megatron is not None):
         raise hf_config_unused(data)
     if is_prepared(data.path):
         check_prepared_dir(run, data.path, "ds_megatron.data.path")
+        return
+    if megatron is not None:
+        from ds_megatron.data.megatron_indexed import tokenizer_spec
+
+        spec = tokenizer_spec(data.tokenizer, None, "ds_megatron.data.tokenizer")
+        vocab = check_tokenizer_files(run)  # and data.valid_fraction, which cuts this data as it cuts text
+        check_megatron_ids(run, check_megatron_files(run, megatron, "ds_megatron.data.path"), vocab, spec)
         return
     if is_local(data.path):
         files = resolve_files(data.path)
@@ -146,31 +159,82 @@ def check_prepared_dir(run: RunConfig, directory: str, setting: str) -> dict:
             f"{size} tokens in {directory} > vocab_size {run.model.vocab_size}",
             f"set ds_megatron.model.vocab_size to at least {size}",
         )
-    total, fraction = manifest["num_tokens"], manifest["valid_fraction"]
+    check_split_sizes(run, setting, manifest["num_tokens"], manifest["valid_fraction"], directory)
+    return manifest
+
+
+def check_split_sizes(run: RunConfig, setting: str, total: int, fraction: float, where: str) -> None:
+    """Both splits (``split_train_valid``'s cut) hold at least one sample of seq_length + 1 tokens."""
     valid = total - int(total * (1.0 - fraction))
     if min(valid, total - valid) <= run.model.seq_length:
         raise ConfigError(
             setting,
             "too few tokens for one sample of seq_length + 1 in each split",
-            f"{total} tokens in {directory}, {valid} of them for validation, seq_length {run.model.seq_length}",
-            "prepare more text (or a larger --valid-fraction), or lower seq_length",
+            f"{total} tokens in {where}, {valid} of them for validation, seq_length {run.model.seq_length}",
+            "use more text (or a larger valid fraction), or lower seq_length",
         )
-    return manifest
+
+
+def check_megatron_files(run: RunConfig, prefix: str, setting: str):
+    """A Megatron indexed pair that passes ``open_indexed`` and holds enough tokens for a sample in each split of
+    ``data.valid_fraction``; returns it opened."""
+    from ds_megatron.config.loader import check_valid_fraction
+    from ds_megatron.data.megatron_indexed import open_indexed
+
+    check_valid_fraction(run.section.data.valid_fraction)
+    ds = open_indexed(prefix)
+    check_split_sizes(run, setting, len(ds.tokens), run.section.data.valid_fraction, prefix)
+    return ds
+
+
+def check_megatron_ids(run: RunConfig, ds, vocab: int, spec: str) -> None:
+    """No id of the pair ``ds`` is negative or missing from the tokenizer ``spec`` (``vocab`` tokens).  Scanned by
+    one process per node (a failure exits it, and the launcher stops the others), at several GB/s from the page cache
+    (7-9 GB/s measured on one core for uint16), and recorded in ``data.cache_dir`` for these files' sizes and
+    times, so a later launch on the unchanged pair skips the scan."""
+    from ds_megatron.data.megatron_indexed import record_ids, recorded_ids, scan_ids
+
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    cache_dir = run.section.data.cache_dir
+    found = recorded_ids(ds, cache_dir)
+    max_id, min_id = found if found is not None else scan_ids(ds.tokens)
+    bin_file = f"{ds.prefix}.bin"
+    if min_id is not None:
+        raise ConfigError(
+            bin_file, "negative token ids", f"smallest {min_id}", "rebuild the pair with non-negative token ids"
+        )
+    if max_id >= vocab:
+        raise ConfigError(
+            "ds_megatron.data.tokenizer",
+            "the tokenizer is smaller than the largest token id in the data",
+            f"{vocab} tokens in {spec}, id {max_id} in {bin_file}",
+            "pass the tokenizer the data was tokenised with",
+        )
+    if found is None:
+        record_ids(ds, cache_dir, max_id)
 
 
 def check_blend(run: RunConfig) -> None:
-    """Every blended directory passes ``check_prepared_dir``; all were made with one tokenizer."""
-    from ds_megatron.data.prepared import is_prepared
+    """Every blended prepared directory passes ``check_prepared_dir`` and every Megatron prefix
+    ``check_megatron_files``; all were made with one tokenizer (the prepared directories' fingerprints agree, and a
+    ``data.tokenizer`` given for the Megatron data is theirs too), whose size covers every Megatron id."""
+    from ds_megatron.data.megatron_indexed import megatron_prefix, tokenizer_spec
+    from ds_megatron.data.prepared import TOKENIZER_DIR, is_prepared
 
     setting = "ds_megatron.data.blend"
-    fingerprints = {}
+    fingerprints, megatron = {}, []
     for directory, _ in run.section.data.blend:
+        prefix = None if is_prepared(directory) else megatron_prefix(directory, setting)  # as for data.path
+        if prefix is not None:
+            megatron.append(check_megatron_files(run, prefix, setting))
+            continue
         if not is_prepared(directory):
             raise ConfigError(
                 setting,
                 "not a prepared directory",
-                f"{directory} has no manifest.json written by prepare",
-                "run `python -m ds_megatron.data prepare --out DIR ...` for it",
+                f"{directory} has no manifest.json written by prepare, and no {directory}.bin/.idx",
+                "run `python -m ds_megatron.data prepare --out DIR ...` for it, or pass a Megatron prefix",
             )
         manifest = check_prepared_dir(run, directory, setting)
         fingerprints[directory] = manifest["tokenizer"]["fingerprint"]
@@ -182,25 +246,50 @@ def check_blend(run: RunConfig) -> None:
             seen,
             "prepare them all with the same --tokenizer directory",
         )
+    if not megatron:
+        return
+    given = run.section.data.tokenizer
+    prepared_tok = str(Path(next(iter(fingerprints))) / TOKENIZER_DIR) if fingerprints else None
+    spec = tokenizer_spec(given, prepared_tok, "ds_megatron.data.tokenizer")
+    tok = load_fitting_tokenizer(run, spec)
+    if fingerprints and spec == given:
+        from ds_megatron.data.corpus import tokenizer_fingerprint
+
+        theirs = next(iter(fingerprints.values()))
+        if tokenizer_fingerprint(tok) != theirs:
+            raise ConfigError(
+                "ds_megatron.data.tokenizer",
+                "not the tokenizer the blended prepared directories were made with",
+                f"{spec}: {tokenizer_fingerprint(tok)}, {next(iter(fingerprints))}: {theirs}",
+                "pass the tokenizer of the whole blend, or leave --tokenizer out to use the prepared directories'",
+            )
+    for ds in megatron:
+        check_megatron_ids(run, ds, len(tok), spec)
 
 
-def check_tokenizer_files(run: RunConfig) -> None:
+def check_tokenizer_files(run: RunConfig) -> int:
     """The settings of text tokenised in the launch; ``bpe:N`` or a directory, whose tokenizer must fit the model's
-    vocabulary."""
+    vocabulary.  Returns the tokenizer's size."""
     check_text_settings(run)
     spec = effective_tokenizer(run)
     if spec.startswith("bpe:"):
-        return
+        return int(spec.removeprefix("bpe:"))
+    return len(load_fitting_tokenizer(run, spec))
+
+
+def load_fitting_tokenizer(run: RunConfig, spec: str):
+    """The tokenizer directory ``spec``, refused when it is larger than the model's vocabulary."""
     from transformers import AutoTokenizer
 
-    size = len(AutoTokenizer.from_pretrained(spec))
-    if size > run.model.vocab_size:
+    tok = AutoTokenizer.from_pretrained(spec)
+    if len(tok) > run.model.vocab_size:
         raise ConfigError(
             "ds_megatron.data.tokenizer",
             "tokenizer vocabulary larger than the model's",
-            f"{size} tokens in {spec} > vocab_size {run.model.vocab_size}",
-            f"set ds_megatron.model.vocab_size to at least {size}",
+            f"{len(tok)} tokens in {spec} > vocab_size {run.model.vocab_size}",
+            f"set ds_megatron.model.vocab_size to at least {len(tok)}",
         )
+    return tok
 
 
 def check_init_from_hf(run: RunConfig, init: Path) -> None:
@@ -282,7 +371,7 @@ def check_resume_shape(run: RunConfig, load: Path, tag: str) -> None:
         return
     tp, pp, dp = saved_layout(saved)
     try:
-        old = resolve(saved, tp * pp * dp)
+        old = resolve(saved, tp * saved_cp(saved) * pp * dp)
     except ConfigError:
         return
     for key in SHAPE_KEYS:
@@ -294,6 +383,16 @@ def check_resume_shape(run: RunConfig, load: Path, tag: str) -> None:
                 f"{key}={a} in {load}/{tag}, {b} in the config",
                 f"set ds_megatron.model.{key}={a} or start a new run",
             )
+    if needs_resharding(old.ds_config, run.ds_config) and max(old.cp, run.cp) > 1:
+        # CP adds no weights, but the resharding paths read and write partitions per dp rank, not per rank of
+        # DeepSpeed's data axis (dp x cp): refuse before anything is read rather than load wrong partitions.
+        raise ConfigError(
+            "ds_megatron.checkpoint.load",
+            "resharding a checkpoint to or from cp > 1 is not built",
+            f"tp {old.tp} x cp {old.cp} x pp {old.pp} x dp {old.dp} in {load}/{tag}, "
+            f"tp {run.tp} x cp {run.cp} x pp {run.pp} x dp {run.dp} now",
+            f"resume at tp {old.tp}, pp {old.pp} and dp x cp = {old.dp * old.cp} (cp is free to change there)",
+        )
     fp16 = "fp16" in (precision(old.ds_config), precision(run.ds_config))
     if needs_resharding(old.ds_config, run.ds_config) and fp16:
         raise ConfigError(

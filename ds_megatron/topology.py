@@ -1,6 +1,13 @@
 """L1: the process layout, on DeepSpeed's PipeModelDataParallelTopology (axes pipe, data, model; model innermost,
 so a TP group is consecutive ranks and stays inside a node).
 
+Context parallelism (CP) is folded into DeepSpeed's data axis: DeepSpeed is given ``num_dp = dp * cp`` and data
+coordinate ``d = dp_rank * cp + cp_rank``, so the rank order is tp innermost, then cp, then dp, then pp (a TP x CP
+block is consecutive ranks and stays inside a node when it fits).  CP ranks hold the same weights and see different
+tokens of the same sequences, which is what data-parallel replicas are to DeepSpeed: its gradient average over the
+data axis (dp x cp ranks) averages the CP ranks too, and ZeRO-1 partitions over dp x cp.  ``dp`` / ``dp_rank`` here
+keep their meaning, the true data-parallel replicas (which samples a rank reads).
+
 One object owns the groups and ranks and is passed explicitly; there are no globals.
 """
 
@@ -15,7 +22,7 @@ from torch.distributed import ProcessGroup
 
 @dataclass
 class ParallelTopology:
-    """Ranks and groups of this process for a (tp, pp, dp) layout.  Build with :meth:`build` after
+    """Ranks and groups of this process for a (tp, cp, pp, dp) layout.  Build with :meth:`build` after
     ``torch.distributed`` is initialised; every rank must build the same layouts in the same order."""
 
     tp: int
@@ -29,20 +36,36 @@ class ParallelTopology:
     tp_group: ProcessGroup | None = field(default=None, repr=False)
     dp_group: ProcessGroup | None = field(default=None, repr=False)
     model_group: ProcessGroup | None = field(default=None, repr=False)  # all pp x tp ranks holding one model replica
+    cp: int = 1
+    cp_rank: int = 0
+    # The CP ranks of one replica: same pipe stage, same dp_rank, same TP coordinate (None when cp is 1).
+    cp_group: ProcessGroup | None = field(default=None, repr=False)
+    # DeepSpeed's data axis (dp x cp ranks, what it averages gradients over) is ``ds_topology``'s "data" axis;
+    # ``dp_group`` is the true data-parallel replicas only (same cp_rank).
 
     @classmethod
-    def build(cls, tp: int, pp: int, dp: int) -> ParallelTopology:
+    def build(cls, tp: int, pp: int, dp: int, cp: int = 1) -> ParallelTopology:
         world = dist.get_world_size()
-        if tp * pp * dp != world:
-            raise ValueError(f"tp({tp})*pp({pp})*dp({dp})={tp * pp * dp} != world size {world}")
+        if tp * cp * pp * dp != world:
+            raise ValueError(f"tp({tp})*cp({cp})*pp({pp})*dp({dp})={tp * cp * pp * dp} != world size {world}")
         rank = dist.get_rank()
-        topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+        topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp * cp)
         coord = topo.get_coord(rank)
-        self = cls(tp, pp, dp, rank, topo, tp_rank=coord.model, pp_rank=coord.pipe, dp_rank=coord.data)
+        dp_rank, cp_rank = divmod(coord.data, cp)
+        self = cls(tp, pp, dp, rank, topo, tp_rank=coord.model, pp_rank=coord.pipe, dp_rank=dp_rank)
+        self.cp, self.cp_rank = cp, cp_rank
         self.tp_group = _my_group(topo.get_axis_comm_lists("model"), rank)
-        self.dp_group = _my_group(topo.get_axis_comm_lists("data"), rank)
-        self.model_group = _my_group([topo.filter_match(data=d) for d in range(dp)], rank)
+        # Each data-axis line (fixed pipe, model) holds dp x cp ranks in data order d = dp_rank * cp + cp_rank.
+        lines = topo.get_axis_comm_lists("data")
+        self.cp_group = _my_group([line[i * cp : (i + 1) * cp] for line in lines for i in range(dp)], rank)
+        self.dp_group = _my_group([line[c::cp] for line in lines for c in range(cp)], rank)
+        self.model_group = _my_group([topo.filter_match(data=d) for d in range(dp * cp)], rank)
         return self
+
+    @property
+    def data_coord(self) -> int:
+        """This rank's coordinate on DeepSpeed's data axis (dp_rank * cp + cp_rank)."""
+        return self.dp_rank * self.cp + self.cp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -54,11 +77,14 @@ class ParallelTopology:
 
     @property
     def is_logging_rank(self) -> bool:
-        """The one rank with side effects (console, wandb, exported files): last stage, dp 0, tp 0."""
-        return self.is_last_stage and self.dp_rank == 0 and self.tp_rank == 0
+        """The one rank with side effects (console, wandb, exported files): last stage, dp 0, cp 0, tp 0."""
+        return self.is_last_stage and self.dp_rank == 0 and self.cp_rank == 0 and self.tp_rank == 0
 
     def describe(self) -> str:
-        return f"rank {self.rank}: tp {self.tp_rank}/{self.tp} pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp}"
+        return (
+            f"rank {self.rank}: tp {self.tp_rank}/{self.tp} cp {self.cp_rank}/{self.cp} pp {self.pp_rank}/{self.pp} "
+            f"dp {self.dp_rank}/{self.dp}"
+        )
 
 
 def _my_group(rank_lists: list[list[int]], rank: int) -> ProcessGroup | None:

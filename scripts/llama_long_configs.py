@@ -4,8 +4,8 @@ tokens, the layout chosen by the tuner (``python -m ds_megatron.tune``, which se
 
     .venv/bin/python scripts/llama_long_configs.py   # rewrites the config and its recipe
 
-They live in ds_configs/cp/ (not globbed with ds_configs/*.json by the shipped-config tests) until the loader
-accepts "parallel": {"cp", "cp_comm"}; then STEM becomes "llama3_8b_128k" and the miniature run picks it up.
+They live in ds_configs/cp/ (not globbed with ds_configs/*.json by the shipped-config tests) until the miniature
+(tests/miniature.py) keeps cp > 1; then STEM becomes "llama3_8b_128k" and the miniature run picks it up.
 
 Shape: the 8B with Llama 3.1's long-context rotary scaling (Grattafiori et al. 2024; the transformers config of
 Llama 3.1 8B: rope_type llama3, factor 8, low/high frequency factors 1 and 4, original context 8,192) and a position

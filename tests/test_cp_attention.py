@@ -1,7 +1,8 @@
 """Context-parallel attention and its layout, in-process on CPU (gloo): ring and a2a attention against whole-sequence
 causal attention on one process (torch's math SDPA on the full q, k, v), forward and dq, dk, dv, at cp 1, 2 and 4,
 with the eager and the sdpa kernel, grouped-query attention, batch 2 and a sequence length that is not a power of
-two; bf16 forward; the layout (chunks, positions, labels, slicing) and the refusals as unit tests.
+two; bf16 forward; the layout (chunks, positions, labels, slicing) and the refusals as unit tests.  The packed
+document checks of tests/test_document_mask.py run in the same spawn.
 
 One spawn of 4 gloo processes runs every case at cp 4 and at cp 2 (cp 1 runs here); each (cp, case) is its own
 test.
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from inprocess import Pairs, failures, run_checks, spawn_reports
+from test_document_mask import CHECKS as DOCUMENT_CHECKS
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
@@ -105,9 +107,9 @@ def check_ring_traffic_and_work(c: Ctx, kernel: str) -> Pairs:
         posted.append((send, send._version))  # the version counter counts in-place writes
         return real_shift(send, group)
 
-    def block(kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Any:
+    def block(kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, docs: Any = None) -> Any:
         blocks.append((q.shape[2], k.shape[2], causal))
-        return real_block(kernel, q, k, v, causal, scale)
+        return real_block(kernel, q, k, v, causal, scale, docs)
 
     q = torch.randn(B, n, S // c.cp, D, requires_grad=True)
     k, v = (torch.randn(B, n_kv, S // c.cp, D, requires_grad=True) for _ in range(2))
@@ -157,6 +159,8 @@ for _comm in ("ring", "a2a"):
     CHECKS[f"ring-{_kernel}-h8-kv2"] = partial(check_parity, comm="ring", kernel=_kernel, n=8, n_kv=2)
 for _kernel in ("eager", "sdpa"):
     CHECKS[f"ring-{_kernel}-traffic-and-work"] = partial(check_ring_traffic_and_work, kernel=_kernel)
+# packed documents (document ids: parity with each document alone, skipped pairs, bf16), in the same spawn
+CHECKS |= {f"documents-{name}": check for name, check in DOCUMENT_CHECKS.items()}
 
 
 def _run_rank(group: ProcessGroup | None, rank: int, world: int) -> dict[str, str]:

@@ -84,6 +84,21 @@ def test_llama_import_at_tp2_pp2_sp_then_export_is_bitwise_identical(imported, t
 
 
 @pytest.mark.slow
+def test_load_of_an_offline_import_starts_training_from_its_weights(imported):
+    """``python -m ds_megatron.checkpoint import`` of the same GPT-2, then --load in the launch: fp32 and bf16 at
+    tp 2 x pp 2 and an import at tp 1 x pp 1 resharded on load all hold the --init-from-hf weights at step 0 (bf16:
+    fp32 masters taken from them); the fp32 one trains a step."""
+    _, work = imported
+    for rank in range(4):
+        loads = json.loads((work / f"import.rank{rank}.json").read_text())["loads"]
+        assert set(loads) == {"fp32", "bf16", "resharded"}
+        for name, rec in loads.items():
+            assert rec["same_weights"] and rec["step"] == 0 and rec["global_steps"] == 0, (rank, name, rec)
+        assert loads["bf16"]["masters_from_weights"], rank
+        assert loads["fp32"]["loss_finite"] and loads["fp32"]["steps_after"] == 1, rank
+
+
+@pytest.mark.slow
 def test_import_at_tp2_pp2_then_export_is_bitwise_identical(imported, tmp_path):
     original, work = imported
     assert checkpoint_main(["export", "--checkpoint", str(work / "ck"), "--out", str(tmp_path / "back")]) == 0

@@ -2,9 +2,11 @@
 
 Real processes (deepspeed launcher, gloo), fp32, dropout 0, vocabulary 1001 (padded to 1024, not divisible by 2 or
 by 128).  Llama layouts (4 heads, 2 KV heads: grouped-query attention split over TP) run with SP on and off and with
-tied and untied output layers, in the same launches as the GPT-2 ones.  Each worker compares its own shards with
-the single-device reference: losses of 3 optimizer steps, step-1 gradients (every parameter, before clipping), the
-global gradient norm, and the weights after 3 steps.
+tied and untied output layers, in the same launches as the GPT-2 ones.  Context-parallel layouts (``cp2``: each
+sequence split over 2 ranks, ring; ``a2a``: all-to-all) ride in the same launches: DeepSpeed's own gradient
+average over its data axis (dp x cp), its loss average, the pipeline with CP chunks at the boundary, dp 2 x cp 2.
+Each worker compares its own shards with the single-device reference: losses of 3 optimizer steps, step-1
+gradients (every parameter, before clipping), the global gradient norm, and the weights after 3 steps.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ pytestmark = pytest.mark.slow  # every test here starts real processes with the 
 
 GROUPS = {
     1: ["1,1,1", "1,1,1,llama,tied"],
-    2: ["2,1,1", "1,2,1", "1,1,2", "2,1,1,llama,sp", "2,1,1,llama,tied", "1,2,1,llama,tied"],
-    4: ["2,2,1", "2,1,2", "2,2,1,llama,sp,tied", "2,2,1,llama", "2,1,2,llama,sp"],
+    2: ["2,1,1", "1,2,1", "1,1,2", "2,1,1,llama,sp", "2,1,1,llama,tied", "1,2,1,llama,tied", "1,1,1,llama,cp2"],
+    4: ["2,2,1", "2,1,2", "2,2,1,llama,sp,tied", "2,2,1,llama", "2,1,2,llama,sp", "1,2,1,cp2", "1,1,2,llama,cp2,a2a"],
 }
 
 
@@ -28,7 +30,9 @@ def result_name(layout: str) -> str:
     """The worker's result-file stem of a layout argument (``2,1,1,llama,sp`` -> ``2-1-1-sp-llama-untied``)."""
     tp, pp, dp, *options = layout.split(",")
     family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
-    return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family])
+    cp = [o for o in options if o.startswith("cp")]
+    cp_part = [*cp, *(["a2a"] if cp and "a2a" in options else [])]
+    return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family, *cp_part])
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +53,11 @@ def _load(out: Path, layout: str) -> list[dict]:
 def test_layout_matches_single_device(results, layout):
     ranks = _load(results, layout)
     tp, pp, dp = (int(x) for x in layout.split(",")[:3])
-    assert len(ranks) == tp * pp * dp
+    cp = next((int(o[2:]) for o in layout.split(",")[3:] if o.startswith("cp")), 1)
+    assert len(ranks) == tp * cp * pp * dp
+    if cp > 1 and pp > 1:  # stage-boundary activations hold this CP rank's s / cp tokens (seq 16 in the workers)
+        later = [r for r in ranks if r["pp_rank"] > 0]
+        assert later and all(shape[0] == 16 // cp for r in later for shape in r["boundary_shapes"]), later
     for r in ranks:
         for got, ref in zip(r["losses"], r["ref_losses"]):
             assert abs(got - ref) <= 1e-5 * abs(ref), (layout, r["losses"], r["ref_losses"])

@@ -7,7 +7,11 @@ a DeepSpeed checkpoint of any tp/pp/dp -> a transformers directory (import into 
 ``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D --out DIR2``: the same checkpoint at another layout,
 ready for ``--load DIR2`` on N x M x D processes (resharding on load does the same inside the launch).
 
-Both read files weights-only and refuse one that needs more, unless ``--trust-checkpoint``."""
+Both read files weights-only and refuse one that needs more, unless ``--trust-checkpoint``.
+
+``import --hf HF_DIR --config CONFIG.json --tp N --pp M --out DIR``: a transformers directory of a ds_megatron
+family -> a step-0 DeepSpeed checkpoint of that run at tp N x pp M (weights in the run's precision, no optimizer
+state: ``--load DIR`` starts training from it with a fresh optimizer)."""
 
 from __future__ import annotations
 
@@ -36,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     rs.add_argument("--pp", type=int, required=True, help="pipeline stages of the new layout")
     rs.add_argument("--dp", type=int, required=True, help="data-parallel size of the new layout")
     rs.add_argument("--out", required=True, help="new output directory (must not exist)")
+    im = sub.add_parser("import", help="Hugging Face directory -> step-0 checkpoint at tp x pp")
+    im.add_argument("--hf", required=True, help="transformers model directory (config.json, safetensors)")
+    im.add_argument("--config", required=True, help="the run's DeepSpeed config (model shape, precision, batch)")
+    im.add_argument("--tp", type=int, required=True, help="tensor-parallel size of the run")
+    im.add_argument("--pp", type=int, required=True, help="pipeline stages of the run")
+    im.add_argument("--out", required=True, help="new output directory (must not exist)")
+    im.add_argument("--debug", action="store_true", help="show the traceback of an error")
     for p in (ex, rs):
         p.add_argument("--trust-checkpoint", action="store_true", help=TRUST_HELP)
         p.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -54,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
                 trust_checkpoint=args.trust_checkpoint,
             )
             done = f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
+        elif args.command == "import":
+            from ds_megatron.checkpoint.import_cmd import import_checkpoint
+
+            out = import_checkpoint(args.hf, args.out, args.config, args.tp, args.pp)
+            done = f"train from it with --load {out} --tp {args.tp} --pp {args.pp} (the optimizer starts afresh)"
         else:
             from ds_megatron.checkpoint.reshard_offline import reshard_checkpoint
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +27,7 @@ from ds_megatron.checkpoint.manifest import complete_tags, is_complete, newest_c
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import saved_layout
-from ds_megatron.fileio import first_missing_ancestor
+from ds_megatron.fileio import staged_directory
 from ds_megatron.model import ModelConfig, build_model, family_of
 from ds_megatron.parallelize import ParallelContext, shard_rule
 from ds_megatron.tensor_parallel import unshard
@@ -148,21 +146,13 @@ def export(
     config = run_model_config(run)
     parallel = shard_context(config, run, tp)
     limit = parse_size(max_shard_size)
-    created = first_missing_ancestor(out.parent)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.partial-", dir=out.parent))
     bar = _bar(len(pipeline_layout(config).saved_layers()), progress)
     try:
-        _write_hf_dir(tmp, ckpt_dir, tag, config, parallel, tp, run, dtype, limit, tokenizer_dir, trust_checkpoint, bar)
-        if out.exists():
-            out.rmdir()  # empty (checked above); a file put there meanwhile fails the export instead of being lost
-        os.replace(tmp, out)
-    except BaseException:
         # A failed export leaves nothing: not its temporary directory, not the parents it created.
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
+        with staged_directory(out, ".partial-") as tmp:
+            _write_hf_dir(
+                tmp, ckpt_dir, tag, config, parallel, tp, run, dtype, limit, tokenizer_dir, trust_checkpoint, bar
+            )
     finally:
         if bar is not None:
             bar.close()  # ends the bar's line, so that an error printed next starts on a line of its own

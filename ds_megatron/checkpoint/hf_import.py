@@ -20,14 +20,22 @@ from ds_megatron.pipeline import pipeline_param_name
 from ds_megatron.tensor_parallel import shard
 
 
-def _tensor_files(hf_dir: Path) -> dict[str, Path]:
+def tensor_files(hf_dir: Path, setting: str = "--init-from-hf") -> dict[str, Path]:
+    """{tensor name: the safetensors file holding it} of a transformers directory (one file, or the shards its
+    ``model.safetensors.index.json`` names); a missing file is one ConfigError naming ``setting``."""
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: hf_dir / f for name, f in weight_map.items()}
+        files = {name: hf_dir / f for name, f in weight_map.items()}
+        missing = sorted({f.name for f in files.values() if not f.is_file()})
+        if missing:
+            raise ConfigError(
+                setting, "a shard named by model.safetensors.index.json is missing", f"{hf_dir}/{missing[0]}", "copy it"
+            )
+        return files
     single = hf_dir / "model.safetensors"
     if not single.exists():
-        raise ConfigError("--init-from-hf", "no model.safetensors", str(hf_dir), "pass an exported directory")
+        raise ConfigError(setting, "no model.safetensors", str(hf_dir), "pass an exported directory")
     from safetensors import safe_open
 
     with safe_open(str(single), "pt") as f:
@@ -71,7 +79,7 @@ def load_hf_into_pipeline(module, parallel: ParallelContext, hf_dir: str | Path)
 
     hf_dir = Path(hf_dir)
     check_hf_config(hf_dir, parallel.config)
-    files = _tensor_files(hf_dir)
+    files = tensor_files(hf_dir)
     handles: dict[Path, object] = {}
     loaded = 0
     family = family_of(parallel.config)

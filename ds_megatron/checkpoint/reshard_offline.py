@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -52,6 +50,7 @@ from ds_megatron.checkpoint.manifest import (
 )
 from ds_megatron.checkpoint.masters import optimizer_files
 from ds_megatron.checkpoint.reshard import OldCheckpoint
+from ds_megatron.checkpoint.run_state import IMPORTED
 from ds_megatron.config import ConfigError, RunConfig, resolve
 from ds_megatron.config.facts import (
     BF16_OPTIMIZER,
@@ -61,7 +60,7 @@ from ds_megatron.config.facts import (
     saved_layout,
     zero_stage,
 )
-from ds_megatron.fileio import atomic_write_text, first_missing_ancestor
+from ds_megatron.fileio import atomic_write_text, staged_directory
 from ds_megatron.optim import param_groups
 from ds_megatron.parallelize import shard_rule
 from ds_megatron.tensor_parallel import shard
@@ -69,6 +68,9 @@ from ds_megatron.tensor_parallel import shard
 MOMENTS = ("exp_avg", "exp_avg_sq")
 BF16_ALIGNMENT = 2  # DeepSpeed's BF16 optimizer pads each flat group to a multiple of this x dp elements
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# The writer's kind for a checkpoint of weights alone (``import``): no optimizer state and no optimizer order, so a
+# run loading it builds its optimizer afresh from the weights (``run_state.load_run``).
+FRESH = "fresh"
 
 
 def reshard_checkpoint(
@@ -91,7 +93,9 @@ def reshard_checkpoint(
             raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
     tag = _source_tag(src, tag)
     old_cfg = tag_config(src, tag)
-    kind = _optimizer_kind(src / tag, old_cfg)
+    # An imported tag (weights alone) stays one: resharded, it still loads with a fresh optimizer.
+    imported = src / tag / IMPORTED
+    kind = FRESH if imported.is_file() else _optimizer_kind(src / tag, old_cfg)
     target = _target_run(old_cfg, tp, pp, dp)
     verify_tag(src / tag, "--checkpoint", f"reshard another tag (--tag; complete ones: {complete_tags(src)})")
     for f in sorted((src / tag).glob("*.pt")):  # refuse before DeepSpeed-format files are unpickled for real
@@ -99,22 +103,16 @@ def reshard_checkpoint(
         if what is not None:
             raise safe_load.refusal(f, what)
     old = OldCheckpoint(src, tag, trust=trust)
-    created = first_missing_ancestor(out.parent)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
-    try:
-        _Writer(old, target, kind, tmp, tag, progress).write()
+    with staged_directory(out, ".tmp-") as tmp:  # a failure leaves no <out> and no temporary directory
+        writer = _Writer(old, target, kind, tmp, tag, progress)
+        if kind == FRESH:
+            shutil.copy2(imported, writer.dir / IMPORTED)
+        writer.write()
         if (src / "tokenizer").is_dir():  # export finds the run's tokenizer beside the tags
             shutil.copytree(src / "tokenizer", tmp / "tokenizer")
         atomic_write_text(tmp / "latest", tag)
         if out.exists():
             raise ConfigError("--out", "appeared while resharding", str(out), "choose a new directory")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if created is not None:
-            shutil.rmtree(created, ignore_errors=True)
-        raise
     return out
 
 
@@ -224,7 +222,10 @@ class _Scratch:
 
 
 class _Writer:
-    """Writes one tag at the target layout from ``old`` (see the module docstring for the files)."""
+    """Writes one tag at the target layout from ``old`` (see the module docstring for the files).  ``old`` is an
+    ``OldCheckpoint`` or any source with its reading methods (``layout``, ``layer_file``, ``full_shape``,
+    ``full_weight``, ``full_optimizer_state``, ``client``); with ``kind`` FRESH only the weights and the counters
+    are written, in the target run's precision."""
 
     def __init__(self, old: OldCheckpoint, target: RunConfig, kind: str, tmp: Path, tag: str, progress: bool):
         self.old, self.run, self.kind, self.progress = old, target, kind, progress
@@ -239,7 +240,9 @@ class _Writer:
         self.keys = {idx: list(old.layer_file(idx, 0)) for idx, _ in self.saved}
         self.name = {(i, k): self._full_name(i, k) for i, keys in self.keys.items() for k in keys}
         self.shape = {n: self._new_shape(n) for n in self.name.values()}
-        stages = stage_param_layers(self.model_config, target, self.pp)
+        # Which stage holds which layer matters only to the optimizer's files and order (per-layer files are named
+        # by layer index and TP rank alone), so a FRESH tag takes any partition method.
+        stages = stage_param_layers(self.model_config, target, self.pp) if kind != FRESH else [[]] * self.pp
         self.stage_of = {i: [s for s, layers in enumerate(stages) if i in layers] for i in self.keys}
         self.local = [
             {self.name[(i, k)]: layout.local_name(i, k) for i in layers for k in self.keys[i]} for layers in stages
@@ -314,7 +317,8 @@ class _Writer:
     def write(self) -> None:
         from tqdm.auto import tqdm
 
-        for idx, _ in tqdm(self.saved, desc="resharding", unit="layer", disable=not self.progress):
+        desc = "importing" if self.kind == FRESH else "resharding"
+        for idx, _ in tqdm(self.saved, desc=desc, unit="layer", disable=not self.progress):
             self._write_layer(idx)
         self._write_model_states()
         if self.kind == "bf16":
@@ -325,7 +329,7 @@ class _Writer:
     @torch.no_grad()
     def _write_layer(self, idx: int) -> None:
         """Every parameter of layer ``idx``: its new per-layer files, and its optimizer state into the scratch."""
-        dtype = torch.bfloat16 if self.kind == "bf16" else torch.float32
+        dtype = torch.bfloat16 if precision(self.run.ds_config) == "bf16" else torch.float32
         template = self.old.layer_file(idx, 0)
         files = [OrderedDict() for _ in range(self.tp)]
         for f in files:
@@ -372,8 +376,9 @@ class _Writer:
                 if "checkpoint_parallel_dimensions" in self.client:
                     out["checkpoint_parallel_dimensions"] = {"pp_degree": self.pp, "tp_degree": self.tp}
                 out["config"] = self.run.ds_config
-                old_layout = saved_layout(self.old.run.ds_config)
-                out["resharded_from"] = dict(zip(("tp", "pp", "dp"), old_layout))
+                if self.kind != FRESH:
+                    old_layout = saved_layout(self.old.run.ds_config)
+                    out["resharded_from"] = dict(zip(("tp", "pp", "dp"), old_layout))
                 torch.save(out, self.dir / f"mp_rank_{s * self.tp + t:02d}_model_states.pt")
 
     def _fp32_optimizer(self, s: int, t: int) -> dict:
@@ -421,7 +426,7 @@ class _Writer:
 
     def _write_records(self) -> None:
         """ds_megatron's own files: every rank's parameter order by name, the config, then the manifest."""
-        for rank, t, s, d in layout_ranks(self.tp, self.pp, self.dp):
+        for rank, t, s, d in layout_ranks(self.tp, self.pp, self.dp) if self.kind != FRESH else []:
             record = {"tp_rank": t, "pp_rank": s, "dp_rank": d, "groups": self.groups[s]}
             atomic_write_text(self.dir / f"params_rank{rank:05d}.json", json.dumps(record))
         atomic_write_text(self.dir / TAG_CONFIG, json.dumps(self.run.ds_config, indent=1))

@@ -47,6 +47,10 @@ from ds_megatron.config.facts import needs_resharding, precision, saved_layout
 from ds_megatron.fileio import atomic_write_text
 from ds_megatron.random import RNGTracker
 
+# The record of a tag written by ``python -m ds_megatron.checkpoint import`` (weights from a transformers directory,
+# no optimizer state): listed in the manifest like every file of the tag, so verified with it.
+IMPORTED = "imported.json"
+
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
@@ -123,12 +127,18 @@ def load_run(
                 flush=True,
             )
         return load_resharded(engine, parallel, topology, root, tag)
-    path, client_state = engine.load_checkpoint(str(root), tag=tag)
+    # An imported tag holds weights alone: DeepSpeed's module-only load, after which its mixed-precision optimizer
+    # takes its fp32 masters from the loaded weights and the schedule and counters stay at step 0.
+    imported = (root / tag / IMPORTED).is_file()
+    path, client_state = engine.load_checkpoint(str(root), tag=tag, load_module_only=imported)
     if path is None:
         raise ConfigError("--load", "checkpoint could not be loaded", f"{root}/{tag}", "check the directory")
     rng_file = root / tag / f"rng_rank{dist.get_rank():05d}.pt"
     if rng_file.exists():
         rng.load_state_dict(safe_load.load(rng_file, setting="--load", fix=UNSAFE_FIX))
+    elif imported:
+        if dist.get_rank() == 0:
+            print(f"{root}/{tag} was imported from transformers: the optimizer starts afresh at step 0", flush=True)
     elif (client_state or {}).get("resharded_from"):
         if dist.get_rank() == 0:
             was = client_state["resharded_from"]

@@ -26,12 +26,20 @@ EXIT_CONFIG_ERROR = 2
 # argparse flags and the overrides both.
 VALUE_FLAGS: tuple[tuple[str, str, type | None, str], ...] = (
     ("--tp", "ds_megatron.parallel.tp", int, ""),
+    ("--cp", "ds_megatron.parallel.cp", int, ": context parallel (each sequence split over cp ranks)"),
+    ("--cp_comm", "ds_megatron.parallel.cp_comm", None, ': "ring" or "a2a"'),
     ("--pp", "ds_megatron.parallel.pp", int, ""),
     ("--train-iters", "ds_megatron.train.train_iters", int, ""),
     ("--log-interval", "ds_megatron.train.log_interval", int, ""),
     ("--eval-interval", "ds_megatron.train.eval_interval", int, " (0: only at the end)"),
     ("--seed", "ds_megatron.train.seed", int, ""),
-    ("--data", "ds_megatron.data.path", None, ": HF dataset name, or .txt/.json/.jsonl/.parquet files/globs"),
+    (
+        "--data",
+        "ds_megatron.data.path",
+        None,
+        ": HF dataset name, .txt/.json/.jsonl/.parquet files/globs, a prepared directory, or the PREFIX of a "
+        "Megatron-LM / GPT-NeoX PREFIX.bin + PREFIX.idx pair (with --tokenizer)",
+    ),
     ("--tokenizer", "ds_megatron.data.tokenizer", None, ": a tokenizer directory or bpe:N"),
     ("--save", "ds_megatron.checkpoint.save", None, ": checkpoint directory"),
     ("--save-interval", "ds_megatron.checkpoint.save_interval", int, ""),

@@ -62,5 +62,5 @@ def check_cp_attention_dropout(cp: int, attn_pdrop: float) -> None:
             "ds_megatron.parallel.cp",
             "attention dropout cannot run with cp > 1 (the cp 1 mask over [s, s] cannot be drawn chunk by chunk)",
             f"cp={cp}, attn_pdrop={attn_pdrop}",
-            "set attn_pdrop to 0 or cp to 1",
+            "set ds_megatron.model.dropout (which sets the attention dropout) to 0, or cp to 1",
         )

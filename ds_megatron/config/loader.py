@@ -13,6 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_megatron.config.context_parallel import (
+    CP_COMMS,
+    check_cp_attention_dropout,
+    check_cp_heads,
+    check_cp_seq_length,
+)
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.facts import grad_accum_dtype, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
@@ -20,6 +26,7 @@ from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
     BLOCK_LAYER_CLASS,
     DEFAULT_SELECTIVE_MODULES,
+    DOCUMENT_POSITIONS,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
     RECOMPUTE_POLICIES,
@@ -110,12 +117,13 @@ class RunConfig:
     model: ModelShape
     tp: int
     pp: int
-    dp: int
+    dp: int  # data-parallel replicas (CP ranks of one replica are not counted: world = tp x cp x pp x dp)
     world_size: int
     micro_batch_size: int
     grad_accum_steps: int
     global_batch_size: int
     ds_config: dict
+    cp: int = 1  # context-parallel ranks per replica (DeepSpeed's data axis holds dp x cp of them)
 
 
 def _positive(setting: str, value: Any) -> int:
@@ -212,14 +220,25 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             f"num_layers={shape.num_layers}, pp={pp}",
             f"set pp <= {shape.num_layers}",
         )
-    if world_size % (tp * pp) != 0:
+    cp = _positive("ds_megatron.parallel.cp", par.cp)
+    if par.cp_comm not in CP_COMMS:
+        raise ConfigError(
+            "ds_megatron.parallel.cp_comm", "unknown exchange", f"got {par.cp_comm!r}", f"use one of {CP_COMMS}"
+        )
+    if world_size % (tp * cp * pp) != 0:
+        axes = ("tp", "cp", "pp") if cp > 1 else ("tp", "pp")  # cp named only where it is set
+        sizes = {"tp": tp, "cp": cp, "pp": pp}
         raise ConfigError(
             "ds_megatron.parallel",
-            "tp x pp does not divide the world size",
-            f"tp({tp}) x pp({pp}) = {tp * pp}, world size {world_size}",
-            f"launch a multiple of {tp * pp} processes or change tp/pp",
+            f"{' x '.join(axes)} does not divide the world size",
+            f"{' x '.join(f'{a}({sizes[a]})' for a in axes)} = {tp * cp * pp}, world size {world_size}",
+            f"launch a multiple of {tp * cp * pp} processes or change {'/'.join(axes)}",
         )
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * cp * pp)
+    check_cp_seq_length(shape.seq_length, cp, tp, par.sequence_parallel)
+    if par.cp_comm == "a2a":
+        check_cp_heads(shape.num_heads, shape.num_kv_heads, tp, cp)
+    check_cp_attention_dropout(cp, shape.dropout)
     if par.sequence_parallel and tp > 1 and shape.seq_length % tp != 0:
         raise ConfigError(
             "ds_megatron.parallel.sequence_parallel",
@@ -347,6 +366,7 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         pp=pp,
         dp=dp,
         world_size=world_size,
+        cp=cp,
         micro_batch_size=micro,
         grad_accum_steps=gas,
         global_batch_size=glob,
@@ -415,6 +435,22 @@ def check_data_section(data: DataSection) -> None:
     """``max_inlaunch_bytes`` positive; ``hf_config`` only with a Hugging Face dataset name in ``path``; ``blend`` a
     list of [directory, weight] with weights >= 0, not all zero, and not together with ``path``."""
     _positive("ds_megatron.data.max_inlaunch_bytes", data.max_inlaunch_bytes)
+    if data.document_positions not in DOCUMENT_POSITIONS:
+        raise ConfigError(
+            "ds_megatron.data.document_positions",
+            "unknown positions",
+            f"got {data.document_positions!r}",
+            f"use one of {DOCUMENT_POSITIONS}",
+        )
+    if data.document_mask:
+        # The kernels take document ids (CoreAttention, cp_attention) but the model forward and the pipeline do not
+        # pass them yet: accepting the key would train with cross-document attention while claiming not to.
+        raise ConfigError(
+            "ds_megatron.data.document_mask",
+            "not yet passed through the model and pipeline (the attention kernels support it)",
+            "document_mask=true",
+            "set it false",
+        )
     check_hf_config(data)
     if not data.blend:
         return
@@ -467,7 +503,11 @@ def check_text_settings(run: RunConfig) -> None:
     tokenizer spec fits the model and ``valid_fraction`` is in (0, 0.5).  A prepared directory or a blend brings its
     own tokenizer and validation split and ignores both, so pre-flight calls this for raw text only."""
     check_tokenizer(effective_tokenizer(run), run.model.vocab_size)
-    fraction = run.section.data.valid_fraction
+    check_valid_fraction(run.section.data.valid_fraction)
+
+
+def check_valid_fraction(fraction: float) -> None:
+    """The tail of the token stream held out for validation (text tokenised in the launch, Megatron indexed data)."""
     if not 0.0 < fraction < 0.5:
         raise ConfigError("ds_megatron.data.valid_fraction", "must be in (0, 0.5)", f"got {fraction}", "set e.g. 0.02")
 

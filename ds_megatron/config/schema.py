@@ -19,6 +19,8 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm")
 DEFAULT_SELECTIVE_MODULES = ("core_attn",)  # what selective recomputes when no modules are named (the paper's)
 SP_GRAD_SYNC = ("step", "micro_batch")
+# Positions of packed documents under data.document_mask: restart at each document (Llama 3's) or the window index.
+DOCUMENT_POSITIONS = ("restart", "global")
 DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fast matmul shapes on GPUs)
 
 
@@ -60,9 +62,11 @@ BLOCK_LAYER_CLASS = "BlockPipe"
 
 @dataclass(frozen=True)
 class ParallelSection:
-    """How the model is split.  dp is derived: world_size / (tp * pp)."""
+    """How the model is split.  dp is derived: world_size / (tp * cp * pp)."""
 
     tp: int = 1  # tensor-parallel size (t); stays inside a node
+    cp: int = 1  # context-parallel size: each sequence split over cp ranks (load-balanced chunks); next to tp
+    cp_comm: str = "ring"  # how CP attention exchanges: "ring" (K/V point-to-point) or "a2a" (all-to-all over heads)
     pp: int = 1  # pipeline-parallel size (p)
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group (needs tp > 1)
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
@@ -131,6 +135,8 @@ class DataSection:
     blend: tuple = ()  # instead of path: [[prepared directory, weight], ...]; samples drawn in those proportions
     max_inlaunch_bytes: int = 1_000_000_000  # local text above this is refused in a launch: prepare it beforehand
     verify_checksums: bool = False  # check every prepared file's sha256 at start (reads it all); sizes always
+    document_mask: bool = False  # attention stays inside each packed document (EOS ends one); False: whole window
+    document_positions: str = "restart"  # with document_mask: "restart" positions at each document, or "global"
 
 
 @dataclass(frozen=True)

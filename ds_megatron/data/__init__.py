@@ -18,6 +18,8 @@ _WHERE = {
     "pack": "corpus",
     "tokenizer_fingerprint": "corpus",
     "builtin_documents": "demo",
+    "IndexedDataset": "megatron_indexed",
+    "open_indexed": "megatron_indexed",
     "MicroBatchStream": "stream",
     "PackedSamples": "stream",
     "split_train_valid": "stream",

@@ -11,6 +11,11 @@ tokenisation runs):
   directory builds the cache (or checks the one there); the others wait on the lock, then find it through a small
   record keyed by the inputs and open it.  The last ``data.valid_fraction`` of the tokens is the validation split.
 
+- ``data.path`` the prefix of a Megatron-LM / GPT-NeoX indexed dataset (PREFIX.bin + PREFIX.idx, also allowed in a
+  blend): nothing is tokenised.  The pair is checked (``megatron_indexed.open_indexed``) and the .bin memory-mapped as
+  one token stream, cut exactly like a packed file; the tokenizer is ``data.tokenizer`` (required: the files carry
+  none) or, in a blend, the prepared directories'; validation is the tail ``data.valid_fraction`` of its tokens.
+
 Samples follow from the seed and the step (``stream.py``), so a resumed run continues at the exact sample.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +41,7 @@ from ds_megatron.data.corpus import (
     tokenizer_fingerprint,
 )
 from ds_megatron.data.lock import file_lock
+from ds_megatron.data.megatron_indexed import IndexedDataset, megatron_prefix, open_indexed, tokenizer_spec
 from ds_megatron.data.prepared import Prepared, is_prepared, open_prepared
 from ds_megatron.data.stream import PackedSamples, split_train_valid
 from ds_megatron.fileio import atomic_write_text
@@ -155,11 +162,20 @@ def _prepared_tokenizer(prepared: Prepared, run: RunConfig):
     return tok
 
 
-def _splits(prepared: Prepared, run: RunConfig) -> tuple[PackedSamples, PackedSamples]:
-    fraction = prepared.manifest["valid_fraction"]
-    train_tokens, valid_tokens = split_train_valid(prepared.tokens, fraction)
+def _splits(tokens, fraction: float, run: RunConfig) -> tuple[PackedSamples, PackedSamples]:
+    """Train and validation samples of a token stream whose last ``fraction`` is held out."""
+    train_tokens, valid_tokens = split_train_valid(tokens, fraction)
     seed, s = run.section.train.seed, run.model.seq_length
     return PackedSamples(train_tokens, s, seed), PackedSamples(valid_tokens, s, seed + 1)
+
+
+def _prepared_splits(prepared: Prepared, run: RunConfig) -> tuple[PackedSamples, PackedSamples]:
+    return _splits(prepared.tokens, prepared.manifest["valid_fraction"], run)
+
+
+def _megatron_splits(ds: IndexedDataset, run: RunConfig) -> tuple[PackedSamples, PackedSamples]:
+    """These files fix no split: the run's ``data.valid_fraction`` cuts the stream, as it cuts text."""
+    return _splits(ds.tokens, run.section.data.valid_fraction, run)
 
 
 def _prepared_data(run: RunConfig, rank: int) -> RunData:
@@ -177,16 +193,37 @@ def _prepared_data(run: RunConfig, rank: int) -> RunData:
         f"{m['valid_fraction']:g} of the tokens",
     )
     _warn_ignored_valid_fraction(run, rank, {data.path: m["valid_fraction"]})
-    train, valid = _splits(prepared, run)
+    train, valid = _prepared_splits(prepared, run)
     return RunData(tok, train, valid, len(prepared.tokens), prepared.directory)
 
 
+def _megatron_data(run: RunConfig, rank: int, prefix: str) -> RunData:
+    data = run.section.data
+    spec = tokenizer_spec(data.tokenizer, None, "ds_megatron.data.tokenizer")
+    ds = open_indexed(prefix)
+    tok = _load_tokenizer(spec, run)
+    _say(
+        rank,
+        f"data: Megatron indexed dataset {prefix}: {len(ds.tokens):,} {ds.dtype.name} tokens, {ds.num_docs:,} "
+        f"documents, {ds.num_sequences:,} sequences, tokenizer {spec}; validation: the last "
+        f"{data.valid_fraction:g} of the tokens",
+    )
+    train, valid = _megatron_splits(ds, run)
+    return RunData(tok, train, valid, len(ds.tokens), Path(os.path.expanduser(prefix) + ".bin"))
+
+
 def _blend_data(run: RunConfig, rank: int) -> RunData:
+    """Prepared directories and Megatron prefixes, mixed: the prepared directories bring their tokenizer (the one
+    ``data.tokenizer`` must name for the Megatron data, pre-flight checks), else ``data.tokenizer`` is it."""
     data = run.section.data
     paths = [str(entry[0]) for entry in data.blend]
     weights = [float(entry[1]) for entry in data.blend]
-    members = [_open_checked(p) for p in paths]
-    prints = {m.manifest["tokenizer"]["fingerprint"] for m in members}
+    members = [
+        open_indexed(p) if not is_prepared(p) and megatron_prefix(p, "ds_megatron.data.blend") else _open_checked(p)
+        for p in paths
+    ]
+    prepared = [m for m in members if isinstance(m, Prepared)]
+    prints = {m.manifest["tokenizer"]["fingerprint"] for m in prepared}
     if len(prints) > 1:
         raise ConfigError(
             "ds_megatron.data.blend",
@@ -194,20 +231,26 @@ def _blend_data(run: RunConfig, rank: int) -> RunData:
             str(sorted(prints)),
             "prepare them all with one --tokenizer",
         )
-    tok = _prepared_tokenizer(members[0], run)
-    _warn_ignored_valid_fraction(run, rank, {p: m.manifest["valid_fraction"] for p, m in zip(paths, members)})
-    splits = [_splits(m, run) for m in members]
+    if prepared:
+        tok = _prepared_tokenizer(prepared[0], run)
+    else:
+        tok = _load_tokenizer(tokenizer_spec(data.tokenizer, None, "ds_megatron.data.tokenizer"), run)
+    fractions = {p: m.manifest["valid_fraction"] for p, m in zip(paths, members) if isinstance(m, Prepared)}
+    _warn_ignored_valid_fraction(run, rank, fractions)
+    splits = [_prepared_splits(m, run) if isinstance(m, Prepared) else _megatron_splits(m, run) for m in members]
     seed = run.section.train.seed
     train = BlendedSamples([t for t, _ in splits], weights, seed)
     valid = BlendedSamples([v for _, v in splits], weights, seed + 1)
     planned = run.section.train.train_iters * run.global_batch_size
     realised = train.realised(planned) / max(1, planned)
     shares = ", ".join(f"{p} {r:.4f} (weight {w / sum(weights):.4f})" for p, r, w in zip(paths, realised, weights))
-    _say(
-        rank,
-        f"data: blend of {len(paths)} prepared directories; realised shares of the run's {planned:,} samples: {shares}",
-    )
-    return RunData(tok, train, valid, sum(len(m.tokens) for m in members), members[0].directory)
+    kinds = f"{len(prepared)} prepared directories"
+    if len(prepared) < len(paths):
+        kinds += f" and {len(paths) - len(prepared)} Megatron indexed datasets"
+    _say(rank, f"data: blend of {kinds}; realised shares of the run's {planned:,} samples: {shares}")
+    first = members[0]
+    where = first.directory if isinstance(first, Prepared) else Path(os.path.expanduser(paths[0]) + ".bin")
+    return RunData(tok, train, valid, sum(len(m.tokens) for m in members), where)
 
 
 def prepare_data(run: RunConfig, rank: int, run_dir: Path | None = None) -> RunData:
@@ -218,6 +261,8 @@ def prepare_data(run: RunConfig, rank: int, run_dir: Path | None = None) -> RunD
         result = _blend_data(run, rank)
     elif is_prepared(data.path):
         result = _prepared_data(run, rank)
+    elif (prefix := megatron_prefix(data.path)) is not None:
+        result = _megatron_data(run, rank, prefix)
     else:
         result = _in_launch_data(run, rank)
     if rank == 0 and run_dir is not None:

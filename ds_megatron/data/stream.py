@@ -5,6 +5,10 @@ token is a target exactly once).  Each epoch visits the samples in a permutation
 sample ``k`` of the run is therefore fixed by the seed alone; micro-batch ``j`` of optimizer step ``t`` on DP rank
 ``r`` takes samples [(t dp + r) gas + j] * b ... + b, so DP ranks read disjoint data and a resumed run
 (``start_step``) continues at the exact sample.
+
+Under context parallelism the cp ranks of one replica read the same samples (the same DP rank) and each keeps its
+chunks of every window (``parallel.cp.split_window``: labels shifted over the whole sequence before the split), so
+the data position counts sequences whatever cp is, and a run saved at cp 2 resumes at cp 1 at the same sample.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+from ds_megatron.parallel.cp import split_window
 
 
 def split_train_valid(tokens, valid_fraction: float = 0.05):
@@ -58,15 +64,20 @@ class MicroBatchStream:
         dp_rank: int,
         dp_size: int,
         start_step: int = 0,
+        cp_rank: int = 0,
+        cp: int = 1,
     ):
         self.samples = samples
         self.micro, self.gas = micro_batch_size, grad_accum_steps
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.cp_rank, self.cp = cp_rank, cp
         self.step, self.accum = start_step, 0
 
     def micro_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels), each [b, s / cp]: this CP rank's chunks of the micro-batch's windows."""
         windows = torch.stack([self.samples[index * self.micro + i] for i in range(self.micro)])
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        ids, labels = split_window(windows, self.cp_rank, self.cp)
+        return ids.contiguous(), labels.contiguous()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return self

@@ -30,7 +30,8 @@ class ScaledCausalSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
-        """scores [..., s, s] (already scaled); future [s, s] bool, True where a token must not attend."""
+        """scores [..., s, s] (already scaled); future [s, s] (or [b, 1, s, s] with document masking) bool, True
+        where a token must not attend."""
         probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         ctx.save_for_backward(probs)
         return probs
@@ -49,6 +50,16 @@ def compose(fn: Callable, inputs: tuple[torch.Tensor, ...], consumer: Callable) 
 def project_each(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
     """Each linear applied to ``x``: the single-device ``BlockHooks.project``."""
     return tuple(linear(x) for linear in linears)
+
+
+def contiguous_positions(seq_len: int) -> tuple[tuple[int, int], ...]:
+    """Positions 0..s-1 as one [start, stop) range: the single-device ``BlockHooks.positions``."""
+    return ((0, seq_len),)
+
+
+def positions_tensor(ranges: tuple[tuple[int, int], ...], device: torch.device | None = None) -> torch.Tensor:
+    """[s] int64: the positions of ``ranges`` ([start, stop) pairs) in order."""
+    return torch.cat([torch.arange(a, b, device=device) for a, b in ranges])
 
 
 def run_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -79,16 +90,33 @@ class BlockHooks:
     core_attention(core, q, k, v)      ``core(q, k, v)``.  Under TP in the tensor-parallel RNG state (heads are
                                        split, so their dropout masks must differ across TP ranks); with selective
                                        recompute of ``core_attn`` checkpointed, its s x s tensors recomputed with
-                                       the same RNG states in backward.
+                                       the same RNG states in backward.  Under context parallelism, attention over
+                                       the whole sequence across the CP group.
+    positions(s)                       the global positions of the s tokens the attention sees, as [start, stop)
+                                       ranges (hashable, so rotary tables are cached per layout): ``((0, s),)``
+                                       on one device; a CP rank's two chunks under context parallelism.
     """
 
     around_norm: Callable[..., torch.Tensor] = compose
     around_act: Callable[..., torch.Tensor] = compose
     project: Projection = project_each
     core_attention: Callable[..., torch.Tensor] = run_core
+    positions: Callable[[int], tuple[tuple[int, int], ...]] = contiguous_positions
 
 
 SINGLE_DEVICE = BlockHooks()  # every block's default
+
+
+def blocked_by_document(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[b, 1, sq, sk] bool, True where query row i must not attend key j: j belongs to another document
+    (``q_doc`` [b, sq], ``k_doc`` [b, sk] per-token document ids) or, for a causal (square, diagonal) block, lies in
+    i's future.  The one rule of document masking; every kernel (single device and context parallel) builds its mask
+    here.  A token always sees itself, so on a diagonal block no row is fully masked."""
+    blocked = (q_doc[:, :, None] != k_doc[:, None, :]).unsqueeze(1)
+    if causal:
+        sq, sk = q_doc.shape[1], k_doc.shape[1]
+        blocked = blocked | torch.ones(sq, sk, dtype=torch.bool, device=q_doc.device).triu(1)
+    return blocked
 
 
 class CoreAttention(nn.Module):
@@ -110,24 +138,38 @@ class CoreAttention(nn.Module):
             self._masks[key] = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
         return self._masks[key]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """q [b, n_heads, s, d], k and v [b, n_kv, s, d] -> context [b, n_heads, s, d].
+
+        ``doc_ids`` [b, s] (packed documents, ``data.document_mask``): a token attends only to earlier tokens of its
+        own document (``blocked_by_document``); the [b, 1, s, s] mask is built here from the ids, per call.  sdpa
+        then runs with that boolean mask instead of ``is_causal`` (torch picks a kernel that takes a mask).
 
         With fewer KV heads than query heads (grouped-query attention), query head i attends with KV head
         i // (n_heads / n_kv).  K and V are never expanded to n_heads: the eager path folds each KV head's group of
         query heads into the row dim ([b, n_kv, g s, d]), so the matmuls store K and V at KV size."""
         n, n_kv = q.shape[1], k.shape[1]
+        blocked = None if doc_ids is None else blocked_by_document(doc_ids, doc_ids, causal=True)
         if self.kernel == "sdpa":
             p = self.attn_dropout.p if self.training else 0.0
             return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=p, is_causal=True, scale=self.scale, enable_gqa=n != n_kv
+                q,
+                k,
+                v,
+                attn_mask=None if blocked is None else ~blocked,
+                dropout_p=p,
+                is_causal=blocked is None,
+                scale=self.scale,
+                enable_gqa=n != n_kv,
             )
         b, _, s, d = q.shape
         q = q * self.scale  # scaling q is s/d cheaper than scaling the scores
         if n != n_kv:
             q = q.reshape(b, n_kv, (n // n_kv) * s, d)
         scores = torch.matmul(q, k.transpose(-1, -2)).view(b, n, s, s)
-        probs = ScaledCausalSoftmax.apply(scores, self._future_mask(s, q.device))
+        probs = ScaledCausalSoftmax.apply(scores, self._future_mask(s, q.device) if blocked is None else blocked)
         probs = self.attn_dropout(probs)
         if n == n_kv:
             return torch.matmul(probs, v)

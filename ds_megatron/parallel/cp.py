@@ -46,6 +46,15 @@ def token_indices(seq_length: int, cp_rank: int, cp: int, device: torch.device |
     return torch.cat([torch.arange(k * c, (k + 1) * c, device=device) for k in chunk_ids(cp_rank, cp)])
 
 
+def position_ranges(seq_length: int, cp_rank: int, cp: int) -> tuple[tuple[int, int], ...]:
+    """This rank's global positions as [start, stop) ranges, in local order (hashable: rotary tables are cached on
+    it).  ``token_indices`` is their concatenation; cp 1 gives ``((0, s),)``."""
+    if cp == 1:
+        return ((0, seq_length),)
+    c = seq_length // (2 * cp)
+    return tuple((k * c, (k + 1) * c) for k in chunk_ids(cp_rank, cp))
+
+
 def slice_for_rank(x: Tensor, dim: int, cp_rank: int, cp: int) -> Tensor:
     """This rank's chunks of a full-sequence tensor ``x`` (sequence along ``dim``): [.., s, ..] -> [.., s / cp, ..].
     At cp > 1 a new tensor (the chunks are not adjacent), never a view that would keep the full sequence alive."""

@@ -5,6 +5,11 @@ Both take this rank's q [b, n, s/cp, d] and k, v [b, n_kv, s/cp, d] in the load-
 ``ds_megatron.parallel.cp`` (rank i holds chunks i and 2cp-1-i of 2cp) and return this rank's context
 [b, n, s/cp, d], equal to the rows of whole-sequence causal attention at this rank's token indices.  ``group`` is
 the CP group (None or one rank: plain causal attention).  Kernels are those of ``cp_kernels``.
+
+Packed documents: ``doc_ids`` [b, s/cp] (this rank's tokens' document ids, ``data.document_mask``) keeps attention
+inside each document as well.  The work is then cut into chunk pairs (query chunk, key chunk) of c = s/(2cp)
+tokens; a pair whose keys share no document with its queries (:func:`shares_document`) is skipped, neither computed
+nor masked; the others run the masked block kernel.  Without ``doc_ids`` nothing changes.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from ds_megatron.parallel.cp import slice_for_rank, unslice
-from ds_megatron.parallel.cp_kernels import block_backward, block_forward
+from ds_megatron.parallel.cp import gather_for_ranks, slice_for_rank, unslice
+from ds_megatron.parallel.cp_kernels import Docs, block_backward, block_forward
+
+Pair = tuple[slice, slice, bool]  # (query rows, key rows, causal) of one block
+Planned = tuple[slice, slice, bool, Docs | None]  # a block to compute and its (query, key) document ids, if masked
 
 
 def _size_rank(group: ProcessGroup | None) -> tuple[int, int]:
@@ -60,6 +68,105 @@ def _ring_block(rank: int, src: int, c: int) -> tuple[slice, slice, bool]:
     return slice(c, None), slice(None), False
 
 
+def _ring_pairs(rank: int, src: int, c: int) -> list[Pair]:
+    """``_ring_block`` cut into chunk pairs (c x c), the unit a document mask can skip: chunk ``rank`` is rows
+    [0, c), chunk ``2cp-1-rank`` rows [c, 2c), the same for src's keys."""
+    first, second = slice(0, c), slice(c, 2 * c)
+    if src == rank:
+        return [(first, first, True), (second, first, False), (second, second, True)]
+    if src < rank:
+        return [(first, first, False), (second, first, False)]
+    return [(second, first, False), (second, second, False)]
+
+
+def shares_document(q_doc: Tensor, k_doc: Tensor) -> bool:
+    """Whether any query row of a pair (document ids [b, sq]) has a key (ids [b, sk]) of its own document in the
+    same batch row: a pair that shares none has every score masked and is skipped.  A diagonal pair always shares."""
+    return any(bool(torch.isin(kd, qd).any()) for qd, kd in zip(q_doc, k_doc, strict=True))
+
+
+def _plan(pairs: list[Pair], docs: Docs | None, host: Docs | None = None) -> list[Planned]:
+    """The blocks to compute: every pair without document ids; with them ((query ids, key ids) of the rows and
+    keys the pairs index), the pairs that share a document, each with its slices of the ids for its mask.  The
+    decisions read ``host``, a CPU copy of the ids (default ``docs``), so they never wait on the device per pair."""
+    if docs is None:
+        return [(rows, cols, causal, None) for rows, cols, causal in pairs]
+    host = docs if host is None else host
+    return [
+        (rows, cols, causal, (docs[0][:, rows], docs[1][:, cols]))
+        for rows, cols, causal in pairs
+        if causal or shares_document(host[0][:, rows], host[1][:, cols])
+    ]
+
+
+def _merge(out: Tensor, lse: Tensor, block: Any) -> None:
+    """Merge a block's (out, lse) into the running ``out`` / ``lse`` rows in place (the running lse may be -inf:
+    nothing merged yet)."""
+    merged = torch.logaddexp(lse, block.lse)
+    # A row that has seen no key yet and none in this block either (masked pairs) stays at -inf; the clamp keeps its
+    # weights exp(-inf - min) = 0 instead of exp(-inf + inf) = nan.
+    safe = merged.clamp_min(torch.finfo(merged.dtype).min)
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(torch.exp(block.lse - safe).unsqueeze(-1) * block.out)
+    lse.copy_(merged)
+
+
+def _forward_pairs(
+    kernel: str, q: Tensor, kv: Tensor, plan: list[Planned], out: Tensor, lse: Tensor, scale: float, first: bool
+) -> None:
+    """Compute and merge every planned block; ``first``: out/lse hold nothing yet (copy the first block)."""
+    for rows, cols, causal, pair_docs in plan:
+        block = block_forward(kernel, q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale, pair_docs)
+        if first:
+            out[:, :, rows].copy_(block.out)
+            lse[:, :, rows].copy_(block.lse)
+        else:
+            _merge(out[:, :, rows], lse[:, :, rows], block)
+
+
+def _backward_pairs(
+    kernel: str, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, plan: list[Planned], scale: float,
+    dq: Tensor,
+) -> list[tuple[slice, Tensor, Tensor]]:  # fmt: skip
+    """Add every planned block's dq into ``dq``; return its (key rows, dk, dv) for the caller to add to the K/V's
+    accumulator (the ring adds them once the accumulator has arrived).  The forward's plan."""
+    dkv = []
+    for rows, cols, causal, pair_docs in plan:
+        dq_b, dk_b, dv_b = block_backward(
+            kernel,
+            dout[:, :, rows],
+            q[:, :, rows],
+            kv[0][:, :, cols],
+            kv[1][:, :, cols],
+            out[:, :, rows],
+            lse[:, :, rows],
+            causal,
+            scale,
+            pair_docs,
+        )
+        dq[:, :, rows] += dq_b
+        dkv.append((cols, dk_b, dv_b))
+    return dkv
+
+
+def _add_dkv(dkv: Tensor, grads: list[tuple[slice, Tensor, Tensor]]) -> None:
+    for cols, dk_b, dv_b in grads:
+        dkv[0][:, :, cols] += dk_b
+        dkv[1][:, :, cols] += dv_b
+
+
+def ring_scores_computed(doc_ids: Tensor, cp: int) -> list[int]:
+    """Score elements each CP rank's ring computes per (batch, head) with document ids [b, s] of the whole
+    sequence (a diagonal pair counts whole: its kernel computes the square, then masks the future): the load balance
+    of packed documents, without a process group."""
+    c = doc_ids.shape[1] // (2 * cp)
+    local = [slice_for_rank(doc_ids, 1, r, cp) for r in range(cp)]
+    work = []
+    for rank in range(cp):
+        blocks = sum(len(_plan(_ring_pairs(rank, src, c), (local[rank], local[src]))) for src in range(cp))
+        work.append(blocks * c * c)
+    return work
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: cp steps; at step t this rank holds the K/V of CP rank (rank - t) mod cp, sends it on to the next
     rank and receives the following one while it computes the attention of the block in hand (two buffers: the one
@@ -68,46 +175,43 @@ class _RingAttention(torch.autograd.Function):
     Saved for backward: q, k, v (local), the merged output and its lse; no received K/V is kept.
     Backward: the K/V travel the ring again together with their gradient: dK/dV of the block in hand are added to
     the accumulator that arrives from the previous rank and sent on (fp32, so the sum over cp ranks rounds once);
-    after cp steps each accumulator has visited every rank and takes one last hop home to its owner."""
+    after cp steps each accumulator has visited every rank and takes one last hop home to its owner.
+
+    With document ids every rank's ids are all-gathered once before the ring starts (b x s integers, one
+    collective): the blocks of every step are planned then, before any K/V arrive, and the plan is kept for
+    backward, which sends no ids.  K/V still travel every hop (the next rank may need them)."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, kernel: str, scale: float) -> Tensor:
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, kernel: str, scale: float,
+        doc_ids: Tensor | None,
+    ) -> Tensor:  # fmt: skip
         cp, rank = _size_rank(group)
         c = q.shape[2] // 2
+        all_docs = None if doc_ids is None else _all_docs(doc_ids, group)  # [cp, b, 2c]
+        plans = _ring_plans(rank, cp, c, all_docs)  # per step; backward computes the same blocks
         kv = torch.stack([k, v])  # [2, b, n_kv, 2c, d]: one message per hop, at KV-head size
-        out = torch.empty(q.shape, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype, device=q.device)
-        lse = torch.empty(q.shape[:3], dtype=out.dtype, device=q.device)
+        acc = torch.float32 if q.dtype != torch.float64 else q.dtype
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         for step in range(cp):
             requests: list[Any] = []
             if step + 1 < cp:
                 recv, requests = _shift(kv, group)
-            src = (rank - step) % cp
-            rows, cols, causal = _ring_block(rank, src, c)
-            block = block_forward(kernel, q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal, scale)
-            if step == 0:
-                out.copy_(block.out)
-                lse.copy_(block.lse)
-            else:
-                o, l_run = out[:, :, rows], lse[:, :, rows]
-                merged = torch.logaddexp(l_run, block.lse)
-                o.mul_(torch.exp(l_run - merged).unsqueeze(-1)).add_(
-                    torch.exp(block.lse - merged).unsqueeze(-1) * block.out
-                )
-                l_run.copy_(merged)
+            _forward_pairs(kernel, q, kv, plans[step], out, lse, scale, first=step == 0 and doc_ids is None)
             if requests:
                 _wait(requests)
                 kv = recv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.kernel, ctx.scale = group, kernel, scale
+        ctx.group, ctx.kernel, ctx.scale, ctx.plans = group, kernel, scale, plans
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        group, kernel, scale = ctx.group, ctx.kernel, ctx.scale
-        cp, rank = _size_rank(group)
-        c = q.shape[2] // 2
+        group, kernel, scale, plans = ctx.group, ctx.kernel, ctx.scale, ctx.plans
+        cp = _size_rank(group)[0]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -117,57 +221,95 @@ class _RingAttention(torch.autograd.Function):
             kv_requests: list[Any] = []
             if step + 1 < cp:
                 kv_next, kv_requests = _shift(kv, group)
-            src = (rank - step) % cp
-            rows, cols, causal = _ring_block(rank, src, c)
-            dq_b, dk_b, dv_b = block_backward(
-                kernel,
-                dout[:, :, rows],
-                q[:, :, rows],
-                kv[0][:, :, cols],
-                kv[1][:, :, cols],
-                out[:, :, rows],
-                lse[:, :, rows],
-                causal,
-                scale,
-            )
-            dq[:, :, rows] += dq_b
-            # The accumulator of src's block as the previous rank sent it on (zeros at step 0: this rank's own
-            # block starts here).  Waiting also completes this rank's previous send, so no buffer in flight is
-            # ever written: the received one is complete and is the one updated and sent on.
+            grads = _backward_pairs(kernel, dout, q, kv, out, lse, plans[step], scale, dq)
+            # The accumulator of the block in hand (the K/V of rank (rank - step) mod cp) as the previous rank
+            # sent it on (zeros at step 0: this rank's own block starts here).  Waiting also completes this rank's
+            # previous send, so no buffer in flight is ever written: the received one is complete and is the one
+            # updated and sent on.
             _wait(dkv_requests)
             dkv = dkv_in
-            dkv[0][:, :, cols] += dk_b
-            dkv[1][:, :, cols] += dv_b
+            _add_dkv(dkv, grads)
             dkv_in, dkv_requests = _shift(dkv, group)
             if kv_requests:
                 _wait(kv_requests)
                 kv = kv_next
         _wait(dkv_requests)  # after cp steps the accumulator of this rank's own block has come home
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None
+
+
+def _all_docs(doc_ids: Tensor, group: ProcessGroup) -> Tensor:
+    """Every CP rank's document ids [cp, b, s/cp], in rank order (one all-gather of integers)."""
+    pieces = [torch.empty_like(doc_ids) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, doc_ids.contiguous(), group=group)
+    return torch.stack(pieces)
+
+
+def _ring_plans(rank: int, cp: int, c: int, all_docs: Tensor | None) -> list[list[Planned]]:
+    """The blocks of every ring step (step t: the K/V of rank (rank - t) mod cp): one block per step without
+    document ids, the chunk pairs that share a document with them (decided from one CPU copy of the ids)."""
+    srcs = [(rank - step) % cp for step in range(cp)]
+    if all_docs is None:
+        return [_plan([_ring_block(rank, src, c)], None) for src in srcs]
+    host = all_docs.cpu()
+    return [_plan(_ring_pairs(rank, src, c), (all_docs[rank], all_docs[src]), (host[rank], host[src])) for src in srcs]
 
 
 class _LocalAttention(torch.autograd.Function):
-    """Causal attention of a whole local sequence with the same kernels (cp 1, and a2a's head-sharded core)."""
+    """Causal attention of a whole local sequence with the same kernels (cp 1, and a2a's head-sharded core).  With
+    document ids [b, s] the sequence is cut into ``num_chunks`` chunks and only the pairs (query chunk, earlier or
+    same key chunk) that share a document are computed."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, kernel: str, scale: float) -> Tensor:
-        out, lse = block_forward(kernel, q, k, v, True, scale)
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, kernel: str, scale: float, doc_ids: Tensor | None,
+        num_chunks: int,
+    ) -> Tensor:  # fmt: skip
+        if doc_ids is None:
+            out, lse = block_forward(kernel, q, k, v, True, scale)
+        else:
+            acc = torch.float32 if q.dtype != torch.float64 else q.dtype
+            out = torch.zeros(q.shape, dtype=acc, device=q.device)
+            lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+            host = doc_ids.cpu()
+            plan = _plan(_local_pairs(q.shape[2], num_chunks), (doc_ids, doc_ids), (host, host))
+            _forward_pairs(kernel, q, torch.stack([k, v]), plan, out, lse, scale, first=False)
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.scale = kernel, scale
+        ctx.kernel, ctx.scale, ctx.plan = kernel, scale, None if doc_ids is None else plan
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_backward(ctx.kernel, dout, q, k, v, out, lse, True, ctx.scale)
-        return dq, dk, dv, None, None
+        if ctx.plan is None:
+            dq, dk, dv = block_backward(ctx.kernel, dout, q, k, v, out, lse, True, ctx.scale)
+            return dq, dk, dv, None, None, None, None
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        grads = _backward_pairs(ctx.kernel, dout.contiguous(), q, kv, out, lse, ctx.plan, ctx.scale, dq)
+        _add_dkv(dkv, grads)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: str, scale: float) -> Tensor:
-    """Causal ring attention over the CP group (see ``_RingAttention``)."""
+def _local_pairs(s: int, num_chunks: int) -> list[Pair]:
+    """Every (query chunk i, key chunk j <= i) of a sequence of ``s`` tokens cut into ``num_chunks`` chunks (as
+    equal as ``s`` allows; the diagonal pairs are square)."""
+    bounds = [i * s // num_chunks for i in range(num_chunks + 1)]
+    chunks = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [(chunks[i], chunks[j], i == j) for i in range(num_chunks) for j in range(i + 1)]
+
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: str, scale: float,
+    doc_ids: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """Causal ring attention over the CP group (see ``_RingAttention``); ``doc_ids`` [b, s/cp] this rank's tokens'
+    document ids (None: no document masking)."""
     if _size_rank(group)[0] == 1:
-        return _LocalAttention.apply(q, k, v, kernel, scale)
-    return _RingAttention.apply(q, k, v, group, kernel, scale)
+        return _LocalAttention.apply(q, k, v, kernel, scale, doc_ids, 2)
+    return _RingAttention.apply(q, k, v, group, kernel, scale, doc_ids)
 
 
 def _seq_to_heads(x: Tensor, group: ProcessGroup) -> Tensor:
@@ -218,7 +360,10 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad.contiguous(), ctx.group), None
 
 
-def a2a_attention(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: str, scale: float) -> Tensor:
+def a2a_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: str, scale: float,
+    doc_ids: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """Ulysses attention: q, k, v all-to-all'd to n/cp (n_kv/cp) heads of the whole sequence, causal attention
     there, the context all-to-all'd back.  Query head group r meets KV head group r: head i uses KV head
     i // (n / n_kv), and both are split into cp contiguous groups.  Heads must divide by cp (``check_cp_heads``).
@@ -226,18 +371,25 @@ def a2a_attention(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, k
     Not DeepSpeed's ``deepspeed.sequence.layer.DistributedAttention``: it takes [b, s, n, d] or [s, b, n, d] (a
     transpose copy each way around this [b, n, s, d] core), gathers shards in rank order only (the balanced layout
     would need one more reorder of q, k, v and the context) and runs on ``deepspeed.comm``; here the reorder is the
-    copy the all-to-all needs anyway."""
-    if _size_rank(group)[0] == 1:
-        return _LocalAttention.apply(q, k, v, kernel, scale)
+    copy the all-to-all needs anyway.
+
+    ``doc_ids`` [b, s/cp]: every rank's ids are all-gathered into the whole sequence's [b, s] (integers, no
+    autograd) and the head-sharded core skips the pairs of its 2cp chunks that share no document."""
+    cp = _size_rank(group)[0]
+    if cp == 1:
+        return _LocalAttention.apply(q, k, v, kernel, scale, doc_ids, 2)
+    full_docs = None if doc_ids is None else gather_for_ranks(doc_ids, 1, group)
     q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
-    return _HeadsToSeq.apply(_LocalAttention.apply(q, k, v, kernel, scale), group)
+    return _HeadsToSeq.apply(_LocalAttention.apply(q, k, v, kernel, scale, full_docs, 2 * cp), group)
 
 
 CP_ATTENTION = {"ring": ring_attention, "a2a": a2a_attention}
 
 
 def cp_attention(
-    cp_comm: str, q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: str, scale: float
-) -> Tensor:
-    """Causal attention of this rank's chunks over the CP group with ``cp_comm`` in ("ring", "a2a")."""
-    return CP_ATTENTION[cp_comm](q, k, v, group, kernel, scale)
+    cp_comm: str, q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: str, scale: float,
+    doc_ids: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """Causal attention of this rank's chunks over the CP group with ``cp_comm`` in ("ring", "a2a"); with
+    ``doc_ids`` [b, s/cp] (this rank's tokens' document ids) also only within each document."""
+    return CP_ATTENTION[cp_comm](q, k, v, group, kernel, scale, doc_ids)

@@ -17,6 +17,13 @@ Kernels: ``eager`` materialises the block's scores and computes the softmax with
 torch's fused flash kernel, which returns the log-sum-exp and takes it back in its backward: on CPU
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (any float dtype, native GQA), on CUDA
 ``aten._scaled_dot_product_flash_attention`` (fp16/bf16 only, native GQA).
+
+Document masking (``docs``: the query rows' and the keys' document ids, [b, sq] and [b, sk]): a query attends only
+keys of its own document (and not its future on a causal block), by ``model.layers.blocked_by_document``.  The flash
+kernels take no mask, so a masked block runs the eager computation with either kernel name: its [b, n, sq, sk]
+scores are materialised (in the lse dtype) for the block in hand, forward and again in backward.  A masked block may
+hold rows with no visible key (a row of a later document than every key): their lse is -inf and their output 0,
+which the log-sum-exp merge adds as nothing; the final lse of every row is finite, since a token sees itself.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from ds_megatron.model.layers import blocked_by_document
 
 KERNELS = ("eager", "sdpa")
 
@@ -45,33 +54,49 @@ def _fold(q: Tensor, n_kv: int) -> Tensor:
     return q.reshape(b, n_kv, (n // n_kv) * sq, d)
 
 
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    """Scaled scores [b, n, sq, sk] in the lse dtype, -inf above the diagonal of a causal block."""
+Docs = tuple[Tensor, Tensor]  # (query rows' document ids [b, sq], keys' document ids [b, sk])
+
+
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, docs: Docs | None = None) -> Tensor:
+    """Scaled scores [b, n, sq, sk] in the lse dtype, -inf above the diagonal of a causal block and, with ``docs``,
+    across documents."""
     b, n, sq, _ = q.shape
     sk = k.shape[2]
     scores = torch.matmul(_fold(q * scale, k.shape[1]), k.transpose(-1, -2)).to(_lse_dtype(q)).view(b, n, sq, sk)
+    if docs is not None:
+        return scores.masked_fill(blocked_by_document(*docs, causal), float("-inf"))
     if causal:
         future = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
     return scores
 
 
-def _eager_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Block:
+def _eager_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, docs: Docs | None = None) -> Block:
     b, n, sq, d = q.shape
-    scores = _scores(q, k, causal, scale)
-    row_max = scores.amax(-1, keepdim=True)  # every row has at least one unmasked key, so row_max is finite
-    lse = (row_max + torch.log(torch.exp(scores - row_max).sum(-1, keepdim=True))).squeeze(-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype)
+    scores = _scores(q, k, causal, scale, docs)
+    row_max = scores.amax(-1, keepdim=True)  # finite unless docs leave a row no key (then -inf)
+    if docs is not None:
+        row_max = row_max.clamp_min(torch.finfo(row_max.dtype).min)  # exp(-inf - finite) = 0, never nan
+    lse = (row_max + torch.log(torch.exp(scores - row_max).sum(-1, keepdim=True))).squeeze(-1)  # -inf: no key
+    probs = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(lse.dtype).min)).to(v.dtype)
     out = torch.matmul(probs.view(b, k.shape[1], -1, k.shape[2]), v).view(b, n, sq, d)
     return Block(out, lse)
 
 
 def _eager_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    docs: Docs | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     b, n, sq, d = q.shape
     n_kv, sk = k.shape[1], k.shape[2]
-    probs = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))  # the block's share of the final softmax
+    probs = torch.exp(_scores(q, k, causal, scale, docs) - lse.unsqueeze(-1))  # the block's share of the final softmax
     delta = (dout.to(probs.dtype) * out.to(probs.dtype)).sum(-1, keepdim=True)  # D = rowsum(dO * O_final)
     dout_f = _fold(dout, n_kv)
     dv = torch.matmul(probs.to(v.dtype).view(b, n_kv, -1, sk).transpose(-1, -2), dout_f)
@@ -104,10 +129,13 @@ def _flash_cuda_backward(
     return grads[0], grads[1], grads[2]
 
 
-def block_forward(kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Block:
-    """Attention of query rows q over the key block (k, v), with its log-sum-exp."""
-    if kernel == "eager":
-        return _eager_forward(q, k, v, causal, scale)
+def block_forward(
+    kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, docs: Docs | None = None
+) -> Block:
+    """Attention of query rows q over the key block (k, v), with its log-sum-exp; with ``docs`` (document ids of
+    the rows and of the keys) only within each document, by the eager computation whatever the kernel."""
+    if kernel == "eager" or docs is not None:
+        return _eager_forward(q, k, v, causal, scale, docs)
     if q.is_cuda:
         return _flash_cuda_forward(q, k, v, causal, scale)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -115,13 +143,23 @@ def block_forward(kernel: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, sc
 
 
 def block_backward(
-    kernel: str, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    kernel: str,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    docs: Docs | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of this block's part of a softmax whose final output and log-sum-exp over every key block are
-    ``out`` [b, n, sq, d] (q's dtype) and ``lse`` [b, n, sq]; dk and dv at KV-head size."""
+    ``out`` [b, n, sq, d] (q's dtype) and ``lse`` [b, n, sq]; dk and dv at KV-head size.  ``docs`` as in
+    :func:`block_forward` (the same ids as its forward)."""
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
-    if kernel == "eager":
-        return _eager_backward(dout, q, k, v, out, lse, causal, scale)
+    if kernel == "eager" or docs is not None:
+        return _eager_backward(dout, q, k, v, out, lse, causal, scale, docs)
     if q.is_cuda:
         return _flash_cuda_backward(dout, q, k, v, out, lse, causal, scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

@@ -26,6 +26,8 @@ def tiny_ds_config(
     seed: int = 1234,
     attention: str = "eager",
     sequence_parallel: bool = False,
+    cp: int = 1,
+    cp_comm: str = "ring",
     lr: float = 1e-3,
     clip: float = 1.0,
     extra: dict | None = None,
@@ -46,7 +48,7 @@ def tiny_ds_config(
                 "dropout": dropout,
                 "attention": attention,
             },
-            "parallel": {"tp": tp, "pp": pp, "sequence_parallel": sequence_parallel},
+            "parallel": {"tp": tp, "pp": pp, "sequence_parallel": sequence_parallel, "cp": cp, "cp_comm": cp_comm},
             "train": {"seed": seed, "train_iters": 3},
         },
     }
@@ -61,11 +63,14 @@ def token_batches(num_steps: int, global_batch: int, seq: int, vocab: int, seed:
     return [torch.randint(0, vocab, (global_batch, seq + 1), generator=g) for _ in range(num_steps)]
 
 
-def micro_batches(step_tokens: torch.Tensor, micro: int, dp: int, dp_rank: int):
-    """This DP rank's micro-batches of one step, as the pipeline engine wants them: (ids, labels)."""
+def micro_batches(step_tokens: torch.Tensor, micro: int, dp: int, dp_rank: int, cp_rank: int = 0, cp: int = 1):
+    """This DP rank's micro-batches of one step, as the pipeline engine wants them: (ids, labels); under context
+    parallelism this CP rank's chunks of each (labels shifted over the whole sequence)."""
+    from ds_megatron.parallel.cp import split_window
+
     gas = step_tokens.shape[0] // (micro * dp)
     mine = step_tokens.view(dp, gas, micro, -1)[dp_rank]
-    return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in mine]
+    return [tuple(t.contiguous() for t in split_window(mb, cp_rank, cp)) for mb in mine]
 
 
 def write_result(out_dir: str, name: str, payload: dict) -> None:

@@ -4,7 +4,8 @@ the single-device GPT trained by plain torch (same weights, same data, same Adam
 Usage (under the deepspeed launcher):
     parity.py --out DIR --layouts 2,1,1 1,2,1 2,1,1,llama,sp,tied [--sequence-parallel]
 A layout is tp,pp,dp, optionally followed by the Llama family (``llama``: 4 heads, 2 KV heads, SwiGLU width 96,
-untied unless ``tied``) and per-layout ``sp``.
+untied unless ``tied``), per-layout ``sp``, and context parallelism ``cp<N>`` (ring; ``a2a`` for the all-to-all):
+the world is then tp x cp x pp x dp and each CP rank trains on its chunks of every sequence.
 Writes DIR/<layout>.rank<r>.json with losses, gradient differences and gradient norms.
 """
 
@@ -64,7 +65,9 @@ LLAMA_FIELDS = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 96, "
 
 def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -> None:
     sp = args.sequence_parallel or "sp" in options
-    cfg = tiny_ds_config(tp, pp, dp, sequence_parallel=sp, attention=args.attention)
+    cp = next((int(o[2:]) for o in options if o.startswith("cp")), 1)
+    comm = "a2a" if "a2a" in options else "ring"
+    cfg = tiny_ds_config(tp, pp, dp, sequence_parallel=sp, attention=args.attention, cp=cp, cp_comm=comm)
     if "llama" in options:
         cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings="tied" in options)
     run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
@@ -92,7 +95,7 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
     engine.optimizer.register_step_pre_hook(capture)
     losses, norms = [], []
     for tokens in batches:
-        it = iter(micro_batches(tokens, run.micro_batch_size, run.dp, topo.dp_rank))
+        it = iter(micro_batches(tokens, run.micro_batch_size, run.dp, topo.dp_rank, topo.cp_rank, topo.cp))
         losses.append(float(engine.train_batch(it)))
         norms.append(float(engine.get_global_grad_norm()))
 
@@ -112,7 +115,8 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
         if ".ln_" in full or "norm" in full:
             norm_weights[full] = {"got": p.detach().flatten().tolist(), "ref": ref_params[full].flatten().tolist()}
     family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
-    layout = "-".join([f"{tp}-{pp}-{dp}", *(["sp"] if sp else []), *family, args.attention])
+    cp_part = [f"cp{cp}", *(["a2a"] if comm == "a2a" else [])] if cp > 1 else []
+    layout = "-".join([f"{tp}-{pp}-{dp}", *(["sp"] if sp else []), *family, *cp_part, args.attention])
     log(layout, "losses", losses, "ref", ref_losses, "grad_diff", grad_diff, "norms", norms, ref_norms)
     write_result(
         args.out,
@@ -129,6 +133,7 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
             "tp_rank": topo.tp_rank,
             "pp_rank": topo.pp_rank,
             "dp_rank": topo.dp_rank,
+            "cp_rank": topo.cp_rank,
             "boundary_shapes": boundary_rows,
             "norm_weights": norm_weights,
         },

@@ -27,6 +27,7 @@ from ds_megatron.model.layers import (
     RMSNorm,
     TiedEmbedding,
     init_by_name,
+    positions_tensor,
     upcast,
 )
 from ds_megatron.model.llama import LlamaConfig
@@ -52,19 +53,26 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: tuple | None) -> t
 
 @functools.lru_cache(maxsize=8)
 def rotary_tables(
-    seq_len: int, head_dim: int, theta: float, scaling: tuple | None, device: torch.device, dtype: torch.dtype
+    positions: tuple[tuple[int, int], ...],
+    head_dim: int,
+    theta: float,
+    scaling: tuple | None,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [s, 1, 1, d] for positions 0..s-1 (computed in fp32, then cast like the activations).  Cached: every
-    block of a process shares one pair of tables instead of holding its own."""
+    """cos, sin [s, 1, 1, d] for the positions of ``positions`` ([start, stop) ranges, in order; ``((0, s),)`` on
+    one device), computed in fp32, then cast like the activations.  Cached: every block of a process shares one pair
+    of tables instead of holding its own."""
     inv = inverse_frequencies(head_dim, theta, scaling)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv)  # [s, d/2]
+    angles = torch.outer(positions_tensor(positions).to(torch.float32), inv)  # [s, d/2]
     angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]
     return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x_i, x_{i + d/2}) of x [s, b, n, d] by the angle of each position.  Positions are global: under
-    sequence parallelism x is the full sequence (after the column-parallel all-gather), never a shard."""
+    sequence parallelism x is the full sequence (after the column-parallel all-gather), never a shard; under context
+    parallelism the tables are those of the rank's chunks (``BlockHooks.positions``)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -113,7 +121,7 @@ class LlamaAttention(nn.Module):
         q, k, v = hooks.project(x, (self.q_proj, self.k_proj, self.v_proj))  # each [s, b, heads_local * d]
         s, b, _ = q.shape
         d, c = self.head_dim, self.config
-        cos, sin = rotary_tables(s, d, c.rope_theta, c.rope_scaling, q.device, q.dtype)
+        cos, sin = rotary_tables(hooks.positions(s), d, c.rope_theta, c.rope_scaling, q.device, q.dtype)
         q = apply_rotary(q.view(s, b, -1, d), cos, sin).permute(1, 2, 0, 3)  # [b, n_local, s, d]
         k = apply_rotary(k.view(s, b, -1, d), cos, sin).permute(1, 2, 0, 3)  # [b, kv_local, s, d]
         v = v.view(s, b, -1, d).permute(1, 2, 0, 3)
