@@ -127,7 +127,70 @@ def _run_rank(group, rank: int, world: int) -> dict[str, str]:
 
         return run
 
-    return run_checks({f"{c}-{k}-{t}": check(c, k, t) for c, k, t in CASES}, None)
+    def block_check(comm: str, kernel: str, dtype: str, recompute: str):
+        def run(_):
+            measured, predicted = _llama_block(group, rank, world, comm, kernel, dtypes[dtype], recompute)
+            what = f"LlamaBlock {comm} {kernel} {dtype} {recompute} saved bytes"
+            return [(what, torch.tensor(float(measured)), torch.tensor(predicted), 0.05)]
+
+        return run
+
+    checks = {f"{c}-{k}-{t}": check(c, k, t) for c, k, t in CASES}
+    checks.update({"block-" + "-".join(case): block_check(*case) for case in BLOCK_CASES})
+    return run_checks(checks, None)
+
+
+# A real LlamaBlock (4 heads, 2 KV heads, SwiGLU 176) at cp 2, as the CP training builds it (parallelize_block
+# with the CP group): what it saves for backward against activation_bytes_per_layer(..., cp=2).  The remainder is
+# the rotary cos/sin tables of the rank's positions (2 (s/cp) d elements per process, not per layer).
+BLOCK_CASES = [
+    (comm, kernel, dtype, recompute)
+    for comm in ("ring", "a2a")
+    for kernel, recompute in (("eager", "none"), ("sdpa", "none"), ("eager", "selective"))
+    for dtype in ("fp32", "bf16")
+]
+
+
+def _llama_block(group, rank: int, world: int, comm: str, kernel: str, dtype, recompute: str) -> tuple[int, float]:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from activation_memory import measure
+
+    from ds_megatron.config.schema import RecomputeSection
+    from ds_megatron.model.llama.model import LlamaBlock, LlamaConfig, init_llama_module
+    from ds_megatron.parallelize import ParallelContext, parallelize_block
+    from ds_megatron.random import build_rng
+    from ds_megatron.tensor_parallel import TPGroup
+
+    s, b, h, a, k, f = 128, 2, 64, 4, 2, 176
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=h,
+        num_layers=1,
+        num_heads=a,
+        num_kv_heads=k,
+        intermediate_size=f,
+        max_position_embeddings=s,
+        rope_theta=10000.0,
+        attention_dropout=0.0,
+        attention=kernel,
+    )
+    rng = build_rng(1234, 0, 0, rank)
+    plan = ParallelContext(
+        config, TPGroup(), False, rng, recompute=RecomputeSection(recompute),
+        cp_group=group, cp_rank=rank, cp_size=world, cp_comm=comm,
+    )  # fmt: skip
+    block = LlamaBlock(config)
+    init_llama_module(block, config, 1234, prefix="model.layers.0.")
+    block = parallelize_block(block, plan).to(dtype).train()
+    x = torch.randn(s // world, b, h).to(dtype).requires_grad_()
+    measured = measure(block, x, False, rng)
+    predicted = activation_bytes_per_layer(
+        s, b, h, a, recompute=recompute, act_bytes=torch.finfo(dtype).bits // 8, attention=kernel,
+        family="llama", num_kv_heads=k, intermediate_size=f, attention_dropout=0.0, cp=world, cp_comm=comm,
+    )  # fmt: skip
+    return measured, predicted
 
 
 @pytest.fixture(scope="module")
@@ -142,4 +205,13 @@ def test_saved_bytes_match_the_real_cp_functions(reports, comm, kernel, dtype):
     from inprocess import failures
 
     message = failures(reports, f"{comm}-{kernel}-{dtype}", f"{comm} {kernel} {dtype}")
+    assert not message, message
+
+
+@pytest.mark.parametrize("comm,kernel,dtype,recompute", BLOCK_CASES)
+def test_a_cp_llama_block_stores_what_the_formula_counts(reports, comm, kernel, dtype, recompute):
+    from inprocess import failures
+
+    name = "block-" + "-".join((comm, kernel, dtype, recompute))
+    message = failures(reports, name, f"LlamaBlock {comm} {kernel} {dtype} {recompute}")
     assert not message, message
