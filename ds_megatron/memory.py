@@ -18,10 +18,23 @@ terms and is refused with sdpa (the config loader refuses it too: the fused kern
 ``mlp_act`` drops the MLP activation's output (the second linear's input: 4h per token for GPT, F for Llama, split by
 TP) and ``layernorm`` the two norm outputs (the first linears' inputs: 2h, split by SP), with any kernel.  Full
 recompute keeps the block input whatever the kernel.
+
+Context parallelism (``cp`` > 1, ``cp_comm`` "ring" or "a2a", ``ds_megatron.parallel.cp_comm``): each rank holds
+``s / cp`` tokens (two load-balanced chunks), so every term above is taken at ``s / cp`` (``s / (cp t)`` under SP).
+The attention core is then the cp_comm autograd function, whatever ``attention`` names: it saves q, k, v (the
+family's Q, K, V terms, counted already: the ring keeps its inputs, the a2a its head-sharded copies of the whole
+sequence at ``a / (t cp)`` heads, the same element count), the core's output [b, a/t, s/cp, d] (a tensor of its own:
+the projection's [s, b, h] input is a transposed copy of it, so +1 h per token split by TP) and the fp32
+log-sum-exp [b, a/t, s/cp] (4 a / h per token in units of h, split by TP).  Both backward passes recompute the
+probabilities from q, k and lse, so no s x s term is stored with either kernel.  Selective recompute of core_attn
+(eager) checkpoints the whole cp_comm call, exchange included: it keeps only q, k and v, dropping the output and
+the log-sum-exp, and runs the exchange again in backward.  What one layer's exchange holds only while it runs
+(double-buffered K/V, the fp32 dK/dV accumulators, the eager kernel's score blocks) is :func:`cp_transient_bytes`.
 """
 
 from __future__ import annotations
 
+from ds_megatron.config.context_parallel import CP_COMMS
 from ds_megatron.config.rules import core_attn_saves_nothing
 from ds_megatron.config.schema import (
     ATTENTION_KERNELS,
@@ -57,8 +70,11 @@ def activation_bytes_per_layer(
     intermediate_size: int | None = None,
     attention_dropout: float | None = None,
     modules: tuple[str, ...] = (),
+    cp: int = 1,
+    cp_comm: str = "ring",
 ) -> float:
-    """Bytes of activations one transformer layer keeps for backward, per TP rank.
+    """Bytes of activations one transformer layer keeps for backward, per TP rank (and CP rank: ``cp`` > 1 takes
+    every term at ``s / cp`` and the cp_comm core's output and log-sum-exp in place of the s^2 terms).
 
     ``modules`` (selective recompute only; empty means ``("core_attn",)``): ``core_attn`` drops the s^2 terms,
     ``mlp_act`` the MLP activation's output (GELU's 4h, SwiGLU's F per token, split by TP), ``layernorm`` the two
@@ -83,6 +99,9 @@ def activation_bytes_per_layer(
         raise ValueError(f"modules must be among {RECOMPUTE_MODULES}, got {modules}")
     if core_attn_saves_nothing(attention, modules):
         raise ValueError("selective recompute of core_attn checkpoints the s x s core, which sdpa never stores")
+    if cp > 1:
+        _check_cp(cp, cp_comm, attention_dropout)
+        s = s // cp  # this rank's two chunks (the layout rule makes s divisible by 2 cp)
     terms = FAMILIES[family].block_terms(h, a, num_kv_heads, intermediate_size, attention_dropout, act_bytes)
     sp = sequence_parallel and t > 1
     sbh = s * b * h
@@ -96,6 +115,8 @@ def activation_bytes_per_layer(
         split -= terms.mlp_act * act_bytes
     if "core_attn" in modules:
         quadratic = 0.0
+    elif cp > 1:  # the cp_comm core's output and fp32 log-sum-exp; its backward recomputes the probabilities
+        quadratic = act_bytes + LSE_BYTES * a / h
     elif attention == "sdpa" and sdpa_path == "fused":
         quadratic = LSE_BYTES * a / h  # the log-sum-exp in place of the s^2 terms; split by TP like them
     elif attention == "sdpa":
@@ -106,6 +127,60 @@ def activation_bytes_per_layer(
     if sp:
         return sbh * (replicated + split + quadratic) / t
     return sbh * (replicated + (split + quadratic) / t)
+
+
+def _check_cp(cp: int, cp_comm: str, attention_dropout: float | None) -> None:
+    if cp_comm not in CP_COMMS:
+        raise ValueError(f"cp_comm must be one of {CP_COMMS}, got {cp_comm!r}")
+    if attention_dropout:
+        raise ValueError("attention dropout cannot run with cp > 1 (check_cp_attention_dropout refuses it)")
+
+
+def cp_core_saved_bytes(
+    s: int, b: int, h: int, a: int, t: int = 1, cp: int = 2, *, num_kv_heads: int | None = None, act_bytes: int = 2
+) -> float:
+    """What the cp_comm autograd function of one layer saves for backward on one TP and CP rank (ring and a2a
+    alike): q [b, a/t, s/cp, d], k and v at KV-head size, the output like q, all in activation bytes, and the fp32
+    log-sum-exp [b, a/t, s/cp].  The a2a saves its head-sharded copies [b, a/(t cp), s, d]: the same counts."""
+    d, kv = h // a, a if num_kv_heads is None else num_kv_heads
+    rows = b * (s // cp)
+    return rows * d * (2 * a + 2 * kv) / t * act_bytes + rows * a / t * LSE_BYTES
+
+
+def cp_transient_bytes(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    cp: int = 2,
+    cp_comm: str = "ring",
+    attention: str = "sdpa",
+    *,
+    num_kv_heads: int | None = None,
+    act_bytes: int = 2,
+) -> float:
+    """Bytes one layer's cp_comm core holds only while it runs (its backward, the larger phase), per TP and CP
+    rank; one layer at a time, so counted once per stage, not per layer.
+    - ring: the K/V chunk in hand and the one arriving (double buffering: a buffer being sent is never written),
+      [2, b, a_kv/t, s/cp, d] each in activation bytes; the fp32 dK/dV accumulator being sent on and the one
+      arriving (K/V size, 4 bytes); the fp32 dQ accumulator (q size).  The forward holds less (two K/V buffers and
+      the fp32 output accumulator).
+    - a2a: dq, dk, dv of the head-sharded core and one all-to-all's send and receive buffers of q's size, in
+      activation bytes.
+    - the eager kernel also materialises its score block in fp32, about three [rows, keys] copies alive at once
+      (scores, masked / shifted exponentials, probabilities): the ring's largest block is the diagonal pair,
+      [b, a/t, s/cp, s/cp]; the a2a's is the whole sequence at a/(t cp) heads, [b, a/(t cp), s, s]."""
+    d, kv = h // a, a if num_kv_heads is None else num_kv_heads
+    local = b * (s // cp) * d / t  # elements of one head-dim row set per head
+    q_elems, kv_elems = local * a, 2 * local * kv  # q; K and V together
+    if cp_comm == "ring":
+        held = 2 * kv_elems * act_bytes + 2 * kv_elems * 4 + q_elems * 4
+        scores = b * a / t * (s // cp) ** 2
+    else:
+        held = (3 * q_elems + kv_elems) * act_bytes
+        scores = b * a / (t * cp) * s**2
+    return held + (3 * 4 * scores if attention == "eager" else 0.0)
 
 
 def lse_bytes_per_layer(s: int, b: int, a: int, t: int = 1) -> float:

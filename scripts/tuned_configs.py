@@ -49,7 +49,8 @@ def tune(size: str, gpus: int, global_batch: int, gpu: str = "h100-sxm", pins: P
 
 def _pin_flags(pins: Pins) -> list[tuple[str, object]]:
     flags: list[tuple[str, object]] = []
-    for name, flag in (("tp", "--tp"), ("pp", "--pp"), ("dp", "--dp"), ("micro_batch_size", "--micro-batch-size")):
+    dims = (("tp", "--tp"), ("cp", "--cp"), ("cp_comm", "--cp-comm"), ("pp", "--pp"), ("dp", "--dp"))
+    for name, flag in (*dims, ("micro_batch_size", "--micro-batch-size")):
         if getattr(pins, name) is not None:
             flags.append((flag, getattr(pins, name)))
     if pins.sequence_parallel is not None:
@@ -93,13 +94,15 @@ def recipe(stem: str, title: str, tuned: Tuned, gpu: str, generator: str, note: 
     cfg = tuned.config
     par, recompute = cfg["ds_megatron"]["parallel"], cfg["ds_megatron"]["recompute"]
     rc = recompute["policy"] + (f" of {', '.join(recompute['modules'])}" if "modules" in recompute else "")
-    gpus = par["tp"] * par["pp"] * tuned.dp
+    cp = par.get("cp", 1)  # world = tp x cp x pp x dp
+    gpus = par["tp"] * cp * par["pp"] * tuned.dp
     nodes = max(1, gpus // GPUS_PER_NODE)
+    cp_text = f"cp {cp} ({par['cp_comm']}) x " if cp > 1 else ""
     sp = "on" if par["sequence_parallel"] else "off"
     attention = cfg["ds_megatron"]["model"]["attention"]
     micro, gas = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
     return f"""#!/usr/bin/env bash
-# {title}: {nodes} node(s) x 8 {GPU_LABELS[gpu]}, tp {par["tp"]} x pp {par["pp"]} x dp {tuned.dp},
+# {title}: {nodes} node(s) x 8 {GPU_LABELS[gpu]}, tp {par["tp"]} x {cp_text}pp {par["pp"]} x dp {tuned.dp},
 # sequence parallel {sp}, recompute {rc}, attention {attention},
 # micro-batch {micro} x {gas} accumulation = {cfg["train_batch_size"]} sequences of {tuned.model.seq_length}.
 # Chosen by `{tuned.command}`;

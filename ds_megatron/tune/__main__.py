@@ -90,6 +90,8 @@ FLAGS = {
     ),
     "pins (fix a dimension; the rest is searched)": (
         ("--tp", INT, "tensor-parallel size"),
+        ("--cp", INT, "context-parallel size (default: searched from 16384 tokens on, else 1)"),
+        ("--cp-comm", {"metavar": "ring|a2a"}, "CP attention exchange, with --cp N > 1 (default: both searched)"),
         ("--pp", INT, "pipeline-parallel size"),
         ("--dp", INT, "data-parallel size"),
         ("--micro-batch-size", INT, "micro-batch size b"),

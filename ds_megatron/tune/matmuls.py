@@ -35,32 +35,36 @@ def gemm(name: str, m: int, k: int, n: int, count: int = 1) -> Matmul:
 def block_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, ...]:
     """The weight matmuls of one block's forward for one micro-batch, per GPU (the TP-split dimension divided by t;
     the shapes are the family's ``tuner.block_gemms``)."""
-    s, b, h, t = model.seq_length, cand.micro_batch_size, model.hidden_size, cand.tp
+    s, b, h, t = model.seq_length // cand.cp, cand.micro_batch_size, model.hidden_size, cand.tp  # this CP rank's
     kv = h // model.num_heads * model.num_kv_heads
     shapes = family_of(model).tuner.block_gemms(b * s, h, kv, model.intermediate_size, t)
     return tuple(gemm(name, m, k, n, count=count) for name, m, k, n, count in shapes)
 
 
 def core_attention_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, ...]:
-    """The core attention's forward (Q K^T and x V) for one micro-batch, per GPU, as the candidate's kernel runs it."""
+    """The core attention's forward (Q K^T and x V) for one micro-batch, per GPU, as the candidate's kernel runs it.
+    With cp > 1 each rank's s / cp query rows meet all s keys (the ring: the K/V of every rank in turn; the a2a:
+    a / cp heads of the whole sequence, the same work): the whole sequence's square counted once over the ranks,
+    as at cp 1 (neither counts the causal half a kernel skips)."""
     s, b, t = model.seq_length, cand.micro_batch_size, cand.tp
+    rows = s // cand.cp  # query rows per CP rank
     d = model.hidden_size // model.num_heads
     kv_heads = model.num_kv_heads // t  # KV heads on this rank
     g = model.num_heads // model.num_kv_heads  # query heads per KV head
     if cand.attention == "sdpa":
         heads = model.num_heads // t
-        flops = 4.0 * b * heads * s * s * d
-        moved = ACT_BYTES * b * s * d * (2 * heads + 2 * kv_heads)  # q, o and k, v
+        flops = 4.0 * b * heads * rows * s * d
+        moved = ACT_BYTES * b * rows * d * (2 * heads + 2 * kv_heads)  # q, o and k, v
         return (Matmul("fused attention", flops, float(moved)),)
     return (
-        gemm("scores Q K^T", g * s, d, s, count=b * kv_heads),
-        gemm("probabilities x V", g * s, s, d, count=b * kv_heads),
+        gemm("scores Q K^T", g * rows, d, s, count=b * kv_heads),
+        gemm("probabilities x V", g * rows, s, d, count=b * kv_heads),
     )
 
 
 def logits_matmul(model: ModelShape, cand: Candidate) -> Matmul:
     """The output layer's forward for one micro-batch, per GPU (the vocabulary padded as ``parallelize`` pads it)."""
-    n = cand.micro_batch_size * model.seq_length
+    n = cand.micro_batch_size * (model.seq_length // cand.cp)
     return gemm("logits", n, model.hidden_size, padded_vocab_size(model.vocab_size, cand.tp) // cand.tp)
 
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from ds_megatron.config import ModelShape
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, padded_vocab_size
 from ds_megatron.config.shape import layers_per_stage
-from ds_megatron.memory import activation_bytes_per_layer
+from ds_megatron.memory import activation_bytes_per_layer, cp_transient_bytes
 from ds_megatron.model import family_of
 from ds_megatron.tune.spec import Candidate
 
@@ -115,6 +115,8 @@ def layer_activation_bytes(
         intermediate_size=model.intermediate_size,
         attention_dropout=attention_dropout(model),
         modules=cand.recompute_modules if recompute == "selective" else (),
+        cp=cand.cp,
+        cp_comm=cand.cp_comm,
     )
 
 
@@ -134,16 +136,36 @@ def recompute_transient_bytes(model: ModelShape, cand: Candidate, num_blocks: in
     """Activations re-created for one micro-batch while its backward runs: selective's modules of one block, one block
     (full, block method) or one chunk of k blocks (full, uniform)."""
     whole = layer_activation_bytes(model, cand, "none")
+    exchange = cp_exchange_bytes(model, cand)
     if cand.recompute == "selective":
-        return whole - layer_activation_bytes(model, cand, "selective")
+        return whole - layer_activation_bytes(model, cand, "selective") + exchange
     if cand.recompute == "full":
-        return whole * (min(cand.recompute_layers, num_blocks) if cand.recompute_method == "uniform" else 1)
-    return 0.0
+        return whole * (min(cand.recompute_layers, num_blocks) if cand.recompute_method == "uniform" else 1) + exchange
+    return exchange
+
+
+def cp_exchange_bytes(model: ModelShape, cand: Candidate) -> float:
+    """What one layer's CP exchange holds while it runs (its K/V and dK/dV buffers, the eager kernel's score
+    block; ``memory.cp_transient_bytes``): one layer at a time, so once per stage; 0 at cp 1."""
+    if cand.cp == 1:
+        return 0.0
+    return cp_transient_bytes(
+        model.seq_length,
+        cand.micro_batch_size,
+        model.hidden_size,
+        model.num_heads,
+        cand.tp,
+        cand.cp,
+        cand.cp_comm,
+        cand.attention,
+        num_kv_heads=model.num_kv_heads,
+        act_bytes=ACT_BYTES,
+    )
 
 
 def sp_split(cand: Candidate) -> int:
-    """What SP divides the sequence-length terms by: tp with SP on, else 1."""
-    return cand.tp if cand.sequence_parallel and cand.tp > 1 else 1
+    """What SP and CP divide the sequence-length terms by: tp with SP on (else 1), times cp."""
+    return (cand.tp if cand.sequence_parallel and cand.tp > 1 else 1) * cand.cp
 
 
 def embedding_activation_bytes(model: ModelShape, cand: Candidate) -> float:
@@ -158,7 +180,7 @@ def output_activation_bytes(model: ModelShape, cand: Candidate) -> float:
     logits in bf16 plus their fp32 copy."""
     s, b, h = model.seq_length, cand.micro_batch_size, model.hidden_size
     per_token = 2 * ACT_BYTES * h + family_of(model).tuner.norm_stat_bytes
-    logits = LOGITS_BYTES * s * b * padded_vocab_size(model.vocab_size, cand.tp) / cand.tp
+    logits = LOGITS_BYTES * s // cand.cp * b * padded_vocab_size(model.vocab_size, cand.tp) / cand.tp
     return per_token * s * b / sp_split(cand) + logits
 
 
@@ -178,7 +200,7 @@ def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, f
 def stage_memory(model: ModelShape, cand: Candidate) -> tuple[StageMemory, StageMemory]:
     """(first stage, last stage) memory per GPU."""
     per_layer = layer_activation_bytes(model, cand, cand.recompute)
-    shard = cand.dp if cand.zero == 1 else 1
+    shard = cand.dp * cand.cp if cand.zero == 1 else 1  # ZeRO-1 partitions over DeepSpeed's data axis, dp x cp
     return tuple(  # type: ignore[return-value]
         StageMemory(float(WEIGHT_BYTES * n), float(GRAD_BYTES * n), OPTIMIZER_BYTES * n / shard, act, per_layer)
         for n, act in zip(stage_param_counts(model, cand.tp, cand.pp), stage_activation_bytes(model, cand))

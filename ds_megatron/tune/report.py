@@ -30,11 +30,13 @@ COLUMNS = (
     ("MFU", 6),
     ("HFU", 6),
 )
-TEXT_COLUMNS = {"attn", "recompute", "status", "source"}  # left-aligned in every table
+CP_COLUMN = ("cp", 7)  # after tp, only in a table that shows a cp > 1 candidate ("4 ring", "2 a2a")
+TEXT_COLUMNS = {"attn", "recompute", "status", "source", "cp"}  # left-aligned in every table
 MAX_REJECTIONS_SHOWN = 8
 NEAR_TIE = 0.01  # candidates this close to the winner's step time are within the time model's error of it
 SETTINGS = (  # (label, cell) compared between two candidates
     ("tp", "tp"),
+    ("cp", "cp"),
     ("pp", "pp"),
     ("dp", "dp"),
     ("SP", "sp"),
@@ -49,6 +51,7 @@ TIME_PARTS = (
     ("recomputed elementwise passes", "recompute_passes_s"),
     ("TP comm", "tp_comm_s"),
     ("pipeline p2p", "p2p_s"),
+    ("CP comm not hidden", "cp_comm_s"),
     ("DP comm", "dp_comm_s"),
     ("bubble (part of the above)", "bubble_s"),
 )
@@ -59,20 +62,33 @@ def cells(c: Candidate) -> dict[str, str]:
     """A candidate's settings as the tables and lines show them, by column name."""
     numbers = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "b": c.micro_batch_size, "m": c.num_micro_batches, "zero": c.zero}
     text = {"sp": "on" if c.sequence_parallel else "off", "attn": c.attention, "recompute": c.recompute_label()}
+    text["cp"] = "1" if c.cp == 1 else f"{c.cp} {c.cp_comm}"
     return {**{name: str(n) for name, n in numbers.items()}, **text}
 
 
-def layout_cells(c: Candidate) -> list[str]:
-    """The tp, pp, dp, sp, b, m, attn and recompute cells of a table row."""
+def layout_cells(c: Candidate, with_cp: bool = False) -> list[str]:
+    """The tp, (cp,) pp, dp, sp, b, m, attn and recompute cells of a table row."""
     x = cells(c)
-    return [x[name] for name in ("tp", "pp", "dp", "sp", "b", "m", "attn", "recompute")]
+    names = ("tp", "cp", "pp", "dp", "sp", "b", "m", "attn", "recompute")
+    return [x[name] for name in names if with_cp or name != "cp"]
 
 
-def _row(rank: int, e: Evaluation) -> list[str]:
+def shows_cp(shown: list[Evaluation]) -> bool:
+    """Whether a table of ``shown`` needs the cp column (a cp 1 table stays as it was before the tuner knew cp)."""
+    return any(e.candidate.cp > 1 for e in shown)
+
+
+def with_cp_column(columns: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+    """``columns`` with the cp column after tp."""
+    i = [name for name, _ in columns].index("tp") + 1
+    return (*columns[:i], CP_COLUMN, *columns[i:])
+
+
+def _row(rank: int, e: Evaluation, with_cp: bool = False) -> list[str]:
     t = e.time
     memory = [f"{stage.required_bytes / GIB:.1f} GiB" for stage in (e.first, e.last)]
     speed = [seconds_text(t.step_s), f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}", f"{t.hfu:.1%}"]
-    return [str(rank), *layout_cells(e.candidate), str(e.candidate.zero), *memory, *speed]
+    return [str(rank), *layout_cells(e.candidate, with_cp), str(e.candidate.zero), *memory, *speed]
 
 
 def widened(columns: tuple[tuple[str, int], ...], shown: list[Evaluation]) -> tuple[tuple[str, int], ...]:
@@ -90,10 +106,11 @@ def table(rows: list[list[str]], columns: tuple[tuple[str, int], ...]) -> list[s
 
 
 def settings_text(c: Candidate) -> str:
-    """``tp 8, pp 16, dp 8, SP on, micro-batch 1 x 192, recompute selective, attention sdpa, ZeRO-1``."""
+    """``tp 8, pp 16, dp 8, SP on, micro-batch 1 x 192, recompute selective, attention sdpa, ZeRO-1`` (with
+    ``cp 4 ring`` after tp when cp > 1)."""
     return (
-        "tp {tp}, pp {pp}, dp {dp}, SP {sp}, micro-batch {b} x {m}, recompute {recompute}, attention {attn}, "
-        "ZeRO-{zero}"
+        "tp {tp}, " + ("cp {cp}, " if c.cp > 1 else "") + "pp {pp}, dp {dp}, SP {sp}, micro-batch {b} x {m}, "
+        "recompute {recompute}, attention {attn}, ZeRO-{zero}"
     ).format(**cells(c))
 
 
@@ -130,7 +147,9 @@ def format_report(result: SearchResult, top: int = 10) -> str:
         lines += _no_fit_lines(result)
     else:
         shown = result.ranked[:top]
-        lines += table([_row(i + 1, e) for i, e in enumerate(shown)], widened(COLUMNS, shown))
+        cp_column = shows_cp(shown)
+        columns = widened(with_cp_column(COLUMNS) if cp_column else COLUMNS, shown)
+        lines += table([_row(i + 1, e, cp_column) for i, e in enumerate(shown)], columns)
         t = winner.time
         lines += [
             "",
@@ -140,7 +159,8 @@ def format_report(result: SearchResult, top: int = 10) -> str:
             + (f"eager score passes {seconds_text(t.attention_s)} + " if t.attention_s else "")
             + (f"recomputed elementwise passes {seconds_text(t.recompute_passes_s)} + " if t.recompute_passes_s else "")
             + f"TP comm {seconds_text(t.tp_comm_s)} + "
-            f"pipeline p2p {seconds_text(t.p2p_s)} (bubble {seconds_text(t.bubble_s)} of these) + DP comm "
+            + (f"CP comm not hidden {seconds_text(t.cp_comm_s)} + " if t.cp_comm_s else "")
+            + f"pipeline p2p {seconds_text(t.p2p_s)} (bubble {seconds_text(t.bubble_s)} of these) + DP comm "
             f"{seconds_text(t.dp_comm_s)}"
             + (f" + fixed overhead {seconds_text(t.overhead_s)}" if t.overhead_s else ""),
             f"  memory per GPU: first stage {_memory(winner.first)}; last stage {_memory(winner.last)}",

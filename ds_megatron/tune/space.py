@@ -1,4 +1,4 @@
-"""The search space: every (tp, pp, dp, sp, b, recompute, attention, zero) the tuner considers under the package's
+"""The search space: every (tp, cp, pp, dp, sp, b, recompute, attention, zero) the tuner considers under the package's
 layout rules and the pipeline engine's limits (the table is in docs/tuner.md, "The search space"), and every family
 left out, with its reason.  Pure Python."""
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ds_megatron.config import ModelShape
 from ds_megatron.config.rules import TP_SPLITS, core_attn_saves_nothing
 from ds_megatron.config.schema import ATTENTION_KERNELS
+from ds_megatron.tune import cp_rules
 from ds_megatron.tune.memory_model import layers_per_stage
 from ds_megatron.tune.spec import (
     SDPA_CORE_ATTN_REASON,
@@ -29,6 +30,13 @@ SELECTIVE_MODULES = {
     "eager": (("core_attn",), ("core_attn", "mlp_act", "layernorm")),
     "sdpa": (("mlp_act", "layernorm"), ("mlp_act",), ("layernorm",)),
 }
+
+# Context parallelism is searched (unpinned) from this sequence length on.  Below it every shipped size fits with
+# tp, SP, pp and recompute alone, and CP only adds K/V traffic and shorter matmuls; above it a block's activations
+# (about 34 s b h / t bytes under SP) outgrow a GPU's share for the larger models, which is what CP is for.  Keeping
+# the search at cp 1 below it also keeps those searches (and their reports) exactly what they were.  --cp N searches
+# that cp at any length.
+CP_MIN_SEQ_LENGTH = 16384
 
 ZERO0_REASON = (
     "ZeRO stage 0 is not offered: with bf16 and fp32 gradient accumulation DeepSpeed's pipeline engine accepts only "
@@ -89,7 +97,9 @@ def selective_modules(kernel: str, pins: Pins) -> tuple[tuple[str, ...], ...]:
 
 
 def recompute_options(num_blocks: int, kernel: str, pins: Pins) -> list[tuple[str, int, str, tuple[str, ...]]]:
-    """(policy, k, method, modules) choices for a stage of ``num_blocks`` blocks under attention ``kernel``."""
+    """(policy, k, method, modules) choices for a stage of ``num_blocks`` blocks under attention ``kernel``.  At
+    cp > 1 eager's core_attn checkpoints the whole cp_comm call (the run does: its exchange runs again in backward),
+    which keeps q, k, v and drops the core's output and log-sum-exp."""
     ks = sorted({k for k in (2**i for i in range(num_blocks.bit_length())) if k < num_blocks} | {num_blocks})
     options = [("none", 1, "uniform", ())]
     options += [("selective", 1, "uniform", modules) for modules in selective_modules(kernel, pins)]
@@ -99,11 +109,29 @@ def recompute_options(num_blocks: int, kernel: str, pins: Pins) -> list[tuple[st
     return [o for o in options if policy is None or o[0] == policy]
 
 
+def cp_sizes(model: ModelShape, replicas: int, pins: Pins) -> list[int]:
+    """The cp degrees to try where ``replicas`` = GPUs / (tp x pp) ranks share the data and context axes: the pinned
+    one, else every divisor from CP_MIN_SEQ_LENGTH tokens on, else 1."""
+    if pins.cp is not None:
+        return [pins.cp] if replicas % pins.cp == 0 else []
+    if model.seq_length < CP_MIN_SEQ_LENGTH:
+        return [1]
+    return [cp for cp in range(1, replicas + 1) if replicas % cp == 0]
+
+
+def cp_comm_options(cp: int, pins: Pins) -> list[str]:
+    """The exchanges to try at ``cp``: both (or the pinned one) when cp > 1; at cp 1 there is none ("ring" stands
+    for it, as in a cp 1 config)."""
+    if cp == 1:
+        return ["ring"]
+    return [c for c in cp_rules.cp_comms() if pins.cp_comm is None or c == pins.cp_comm]
+
+
 def layout_candidates(
-    model: ModelShape, global_batch_size: int, tp: int, pp: int, dp: int, pins: Pins
+    model: ModelShape, global_batch_size: int, tp: int, pp: int, dp: int, pins: Pins, cp: int = 1
 ) -> tuple[list[Candidate], list[Rejection]]:
-    """Every candidate of one (tp, pp, dp) layout, and the micro-batch / SP families it cannot use."""
-    layout = {"tp": tp, "pp": pp, "dp": dp}
+    """Every candidate of one (tp, cp, pp, dp) layout, and the micro-batch / SP / cp_comm families it cannot use."""
+    layout = {"tp": tp, "pp": pp, "dp": dp, **({"cp": cp} if cp > 1 else {})}
     if global_batch_size % dp != 0:
         reason = f"global batch ({global_batch_size}) not divisible by dp ({dp})"
         return [], [Rejection(layout, reason)]
@@ -128,11 +156,22 @@ def layout_candidates(
         reason = f"SP needs seq_length ({model.seq_length}) divisible by tp ({tp})"
         rejected.append(Rejection({**layout, "sequence_parallel": True}, reason))
 
+    # The run's own CP rules (sequence length per SP choice, a2a heads, attention dropout), each family refused once.
+    allowed = []
+    for comm in cp_comm_options(cp, pins):
+        for sp in sp_options:
+            why = cp_rules.refusal(model, tp, cp, comm, sp)
+            if why is None:
+                allowed.append((comm, sp))
+            else:
+                family = {**layout, "cp_comm": comm, **({"sequence_parallel": sp} if tp > 1 else {})}
+                rejected.append(Rejection(family, why))
+
     num_blocks = layers_per_stage(model.num_layers, pp)
     recompute = {kernel: recompute_options(num_blocks, kernel, pins) for kernel in attention_options(pins)}
     candidates = [
-        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules)
-        for sp in sp_options
+        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm)
+        for comm, sp in allowed
         for b in micro
         for kernel, options in recompute.items()
         for policy, k, method, modules in options
@@ -165,12 +204,13 @@ def enumerate_candidates(
             if cluster.num_gpus % (tp * pp) != 0:
                 skipped.append(pp)
                 continue
-            dp = cluster.num_gpus // (tp * pp)
-            if pins.dp is not None and dp != pins.dp:
-                continue
-            found, why = layout_candidates(model, global_batch_size, tp, pp, dp, pins)
-            candidates += found
-            rejected += why
+            for cp in cp_sizes(model, cluster.num_gpus // (tp * pp), pins):
+                dp = cluster.num_gpus // (tp * cp * pp)
+                if pins.dp is not None and dp != pins.dp:
+                    continue
+                found, why = layout_candidates(model, global_batch_size, tp, pp, dp, pins, cp)
+                candidates += found
+                rejected += why
         if skipped and pins.pp is not None:
             reason = f"tp({tp}) x pp({pins.pp}) does not divide the GPU count ({cluster.num_gpus})"
             rejected.append(Rejection({"tp": tp, "pp": pins.pp}, reason))

@@ -66,6 +66,8 @@ class Pins:
     zero: int | None = None  # 0 | 1
     attention: str | None = None  # "eager" | "sdpa"
     recompute_modules: tuple[str, ...] | None = None  # selective's modules, in any order (implies "selective")
+    cp: int | None = None  # context-parallel size (None: searched for long sequences, tune.space.CP_MIN_SEQ_LENGTH)
+    cp_comm: str | None = None  # "ring" | "a2a"
 
 
 def ordered_modules(modules: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -91,6 +93,10 @@ class Candidate:
     # What selective recompute recomputes (empty: DEFAULT_SELECTIVE_MODULES); stored in RECOMPUTE_MODULES order,
     # and emptied for the other policies (so that dataclasses.replace(c, recompute="full") stays valid).
     recompute_modules: tuple[str, ...] = ()
+    # Context parallelism: each sequence split over cp ranks (world = tp x cp x pp x dp; dp counts replicas, so
+    # m = global batch / (dp x b)), exchanging K/V around a ring or by all-to-all over heads ("a2a").
+    cp: int = 1
+    cp_comm: str = "ring"
 
     def __post_init__(self) -> None:
         modules = tuple(self.recompute_modules)
@@ -121,6 +127,8 @@ class Candidate:
             "recompute_modules": list(self.recompute_modules) if self.recompute == "selective" else None,
             "zero_stage": self.zero,
             "attention": self.attention,
+            # only with cp > 1: a cp 1 record is what it was before the tuner knew cp
+            **({"cp": self.cp, "cp_comm": self.cp_comm} if self.cp > 1 else {}),
         }
 
 

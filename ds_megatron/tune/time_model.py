@@ -4,8 +4,8 @@
 
 t_mb is one micro-batch's forward and backward on the slowest stage: its matmuls (``tune.matmuls``), the eager
 kernel's memory-bound score passes, the elementwise passes selective recompute runs again, the TP collectives (ring
-model: latency + volume / bandwidth) and the pipeline sends.  Each term is derived in docs/tuner.md, "Time model".
-Pure Python."""
+model: latency + volume / bandwidth), the pipeline sends and, with cp > 1, the CP exchange not hidden behind the
+attention (``cp_comm_s``).  Each term is derived in docs/tuner.md, "Time model" and "Long sequences".  Pure Python."""
 
 from __future__ import annotations
 
@@ -116,10 +116,13 @@ class StageTime:
     attention_s: float = 0.0  # the eager kernel's memory-bound passes over the s x s scores (0 with sdpa)
     flops: float = 0.0  # matmul FLOPs of the micro-batch on this GPU, recomputation included
     recompute_passes_s: float = 0.0  # elementwise passes selective recompute runs again (mlp_act, layernorm)
+    cp_comm_s: float = 0.0  # the CP exchange (ring hops, a2a all-to-alls) not hidden behind compute
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.attention_s + self.recompute_passes_s + self.tp_comm_s + self.p2p_s
+        return (
+            self.compute_s + self.attention_s + self.recompute_passes_s + self.tp_comm_s + self.p2p_s + self.cp_comm_s
+        )
 
 
 @dataclass(frozen=True)
@@ -139,9 +142,15 @@ class StepTime:
     attention_s: float = 0.0  # the eager kernel's s x s passes on the critical path, bubble slots included
     matmul_efficiency: float = 0.0  # fraction of peak the slowest stage's matmuls run at (ds_megatron.tune.matmuls)
     recompute_passes_s: float = 0.0  # selective recompute's elementwise passes on the critical path, bubble included
+    # The CP exchange not hidden behind compute, on the critical path, bubble included.  Left out of the repr (and of
+    # as_dict at cp 1) so that a cp 1 prediction prints exactly as before the tuner knew cp.
+    cp_comm_s: float = dataclasses.field(default=0.0, repr=False)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        record = dataclasses.asdict(self)
+        if not self.cp_comm_s:  # absent at cp 1, so that a cp 1 record is what it was before the tuner knew cp
+            del record["cp_comm_s"]
+        return record
 
 
 def _recomputed_blocks(cand: Candidate, num_blocks: int) -> int:
@@ -164,6 +173,9 @@ def eager_score_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_bloc
         return 0.0
     scores = cand.micro_batch_size * model.num_heads / cand.tp * model.seq_length**2
     forwards = num_blocks + recomputed + (num_blocks if recomputes_core(cand) else 0)
+    if cand.cp > 1:  # a rank's share of the square; the cp kernels' backward recomputes the scores (a forward more)
+        scores /= cand.cp
+        forwards += num_blocks
     forward_bytes, backward_bytes = eager_score_bytes(has_attention_dropout(model))
     return memory_bound_s(scores * (forwards * forward_bytes + num_blocks * backward_bytes), cluster)
 
@@ -173,7 +185,7 @@ def recompute_passes_s(model: ModelShape, cluster: Cluster, cand: Candidate, num
     micro-batch (RECOMPUTED_PASSES); 0 for the other policies and for core_attn alone."""
     if cand.recompute != "selective":
         return 0.0
-    tokens = model.seq_length * cand.micro_batch_size
+    tokens = model.seq_length // cand.cp * cand.micro_batch_size
     sp = cand.sequence_parallel and cand.tp > 1
     elements = {  # of each pass's output, per TP rank
         "mlp_act": tokens * model.intermediate_size / cand.tp,  # type: ignore[operator]
@@ -184,9 +196,46 @@ def recompute_passes_s(model: ModelShape, cluster: Cluster, cand: Candidate, num
     return num_blocks * memory_bound_s(moved, cluster)
 
 
+def ring_pass_s(step_s: float, hop_s: float, cp: int) -> float:
+    """One pass of the ring over cp steps: each of the first cp - 1 steps computes the block in hand while the next
+    K/V chunk travels (posted before the compute), so it lasts the longer of the two; the last step computes only."""
+    return (cp - 1) * max(step_s, hop_s) + step_s
+
+
+def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int, recomputed: int) -> float:
+    """The CP exchange of ``num_blocks`` blocks for one micro-batch that compute does not hide (0 at cp 1).
+
+    ring: a forward hop carries this rank's K and V, 2 b (a_kv / t) (s / cp) d bf16 elements, and overlaps one
+    step's attention (the core's forward / cp: every step is one 2c x c chunk pair's worth); a backward hop carries
+    the K/V again and the fp32 dK/dV accumulator (3x the bytes, two messages) against twice a step's compute, and
+    the accumulator's last hop home waits after the last step.  What exceeds the compute is exposed:
+    ``ring_pass_s - cp x step``.  a2a: four all-to-alls (q, k, v, the context) per block forward and four in
+    backward, (cp - 1) / cp of each tensor leaving the rank, not overlapped.  The link is NVLink while tp x cp
+    ranks fit in a node, else the network; a re-run forward (full recompute, or selective core_attn, which
+    checkpoints the whole cp_comm call) exchanges again."""
+    cp = cand.cp
+    if cp == 1:
+        return 0.0
+    b, t, d = cand.micro_batch_size, cand.tp, model.hidden_size // model.num_heads
+    rows = model.seq_length // cp
+    gbps, latency = link(cluster, cand.tp * cp > cluster.gpus_per_node)
+    bandwidth = gbps * 1e9
+    kv_bytes = 2 * b * model.num_kv_heads / t * rows * d * ACT_BYTES
+    forwards = num_blocks + recomputed + (num_blocks if recomputes_core(cand) else 0)
+    if cand.cp_comm == "a2a":
+        q_bytes = b * model.num_heads / t * rows * d * ACT_BYTES
+        one_way = 4 * latency + (cp - 1) / cp * (2 * q_bytes + kv_bytes) / bandwidth  # q, k, v, context
+        return (forwards + num_blocks) * one_way
+    step = matmul_s(core_attention_matmuls(model, cand), cluster) / cp
+    forward = ring_pass_s(step, latency + kv_bytes / bandwidth, cp) - cp * step
+    backward_hop = 2 * latency + 3 * kv_bytes / bandwidth
+    backward = ring_pass_s(2 * step, backward_hop, cp) - cp * 2 * step + latency + 2 * kv_bytes / bandwidth
+    return forwards * forward + num_blocks * backward
+
+
 def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[StageTime, StageTime]:
     """(first stage, last stage) time of one micro-batch.  With p = 1 both are the whole model."""
-    s, b, h, t = model.seq_length, cand.micro_batch_size, model.hidden_size, cand.tp
+    s, b, h, t = model.seq_length // cand.cp, cand.micro_batch_size, model.hidden_size, cand.tp  # this CP rank's
     n = layers_per_stage(model.num_layers, cand.pp)
     recomputed = _recomputed_blocks(cand, n)
     # Forward and backward (twice the forward: input and weight gradients, GEMMs of the same shapes) of every block,
@@ -212,27 +261,30 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
     p2p = 0.0
     if cand.pp > 1:
         # a pipeline spanning nodes crosses a NIC
-        gbps, latency = link(cluster, cand.tp * cand.dp * cand.pp > cluster.gpus_per_node)
+        gbps, latency = link(cluster, cand.tp * cand.cp * cand.dp * cand.pp > cluster.gpus_per_node)
         sent = boundary / (t if cand.sequence_parallel else 1)
         p2p = 2 * (latency + sent / (gbps * 1e9))  # activation forward, its gradient backward
 
     scores = eager_score_s(model, cluster, cand, n, recomputed)
     passes = recompute_passes_s(model, cluster, cand, n)
-    first = StageTime(block_s, (block_units + 1) * unit, p2p, scores, block_flops, passes)
-    last = StageTime(block_s + logits_s, (block_units + 1) * unit, p2p, scores, block_flops + logits_flops, passes)
+    cp = cp_comm_s(model, cluster, cand, n, recomputed)
+    first = StageTime(block_s, (block_units + 1) * unit, p2p, scores, block_flops, passes, cp)
+    last = StageTime(block_s + logits_s, (block_units + 1) * unit, p2p, scores, block_flops + logits_flops, passes, cp)
     if cand.pp == 1:
-        first = last = StageTime(last.compute_s, (block_units + 2) * unit, 0.0, scores, last.flops, passes)
+        first = last = StageTime(last.compute_s, (block_units + 2) * unit, 0.0, scores, last.flops, passes, cp)
     return first, last
 
 
 def dp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate) -> float:
-    """Gradient all-reduce (+ ZeRO-1 weight all-gather) over dp and, for tied embeddings split over first and last
-    stage, their all-reduce; not overlapped."""
+    """Gradient all-reduce (+ ZeRO-1 weight all-gather) over DeepSpeed's data axis, dp x cp (the CP ranks hold the
+    same weights, so their gradients are averaged with the data-parallel ones) and, for tied embeddings split over
+    first and last stage, their all-reduce; not overlapped."""
     params = max(stage_param_counts(model, cand.tp, cand.pp))
-    gbps, latency = link(cluster, cand.tp * cand.dp > cluster.gpus_per_node)
-    total = ring_s(GRAD_REDUCE_BYTES * params, cand.dp, gbps, latency)
+    ranks = cand.dp * cand.cp
+    gbps, latency = link(cluster, cand.tp * ranks > cluster.gpus_per_node)
+    total = ring_s(GRAD_REDUCE_BYTES * params, ranks, gbps, latency)
     if cand.zero == 1:
-        total += ring_s(WEIGHT_BYTES * params, cand.dp, gbps, latency, passes=1)
+        total += ring_s(WEIGHT_BYTES * params, ranks, gbps, latency, passes=1)
     total *= 1.0 - DP_OVERLAP
     if cand.pp > 1 and model.tie_word_embeddings:
         embedding = padded_vocab_size(model.vocab_size, cand.tp) * model.hidden_size / cand.tp
@@ -275,4 +327,5 @@ def step_time(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch
         attention_s=slots * slowest.attention_s,
         matmul_efficiency=slowest.flops / (slowest.compute_s * cluster.peak_flops),
         recompute_passes_s=slots * slowest.recompute_passes_s,
+        cp_comm_s=slots * slowest.cp_comm_s,
     )

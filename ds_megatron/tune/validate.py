@@ -11,6 +11,7 @@ from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.numbers import check_finite
 from ds_megatron.config.rules import TP_SPLITS, check_zero_stage, core_attn_saves_nothing, tp_misfit
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
+from ds_megatron.tune import cp_rules
 from ds_megatron.tune.space import tp_sizes
 from ds_megatron.tune.spec import FLAGS, Cluster, Pins, check_positive
 
@@ -44,6 +45,8 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
         values = f"gpus={gpus}, gpus_per_node={per_node}"
         raise ConfigError("--gpus", "not a whole number of nodes", values, f"pass a multiple of {per_node}")
     pinned = {"--tp": pins.tp, "--pp": pins.pp, "--dp": pins.dp, "--micro-batch-size": pins.micro_batch_size}
+    if pins.cp is not None:
+        pinned["--cp"] = pins.cp
     for flag, value in pinned.items():
         if value is not None:
             check_positive(flag, value, "1")
@@ -52,18 +55,24 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
     if pins.pp is not None and pins.pp > model.num_layers:
         values, fix = f"pp={pins.pp}, layers={model.num_layers}", f"pass --pp <= {model.num_layers}"
         raise ConfigError("--pp", "more pipeline stages than layers", values, fix)
-    fixed = [(n, v) for n, v in (("tp", pins.tp), ("pp", pins.pp), ("dp", pins.dp)) if v is not None]
+    dims = (("tp", pins.tp), ("cp", pins.cp), ("pp", pins.pp), ("dp", pins.dp))
+    fixed = [(n, v) for n, v in dims if v is not None and (n != "cp" or v > 1)]
     product = math.prod(v for _, v in fixed)
     layout = " x ".join(f"{n}({v})" for n, v in fixed)
     if fixed and gpus % product != 0:
         problem = "the pinned dimensions do not divide the GPU count"
         raise ConfigError("--gpus", problem, f"{layout} = {product}, gpus={gpus}", "change a pin or the GPU count")
-    if len(fixed) == 3 and product != gpus:
+    if pins.cp is not None and pins.cp > 1 and len(fixed) == 4 and product != gpus:
+        problem, fix = "tp x cp x pp x dp must equal the GPU count", "drop one pin or fix the product"
+        raise ConfigError("--gpus", problem, f"{layout} = {product} != {gpus}", fix)
+    if len(fixed) == 3 and "cp" not in dict(fixed) and product != gpus:
         problem, fix = "tp x pp x dp must equal the GPU count", "drop one pin or fix the product"
         raise ConfigError("--gpus", problem, f"{layout} = {product} != {gpus}", fix)
     if pins.dp is not None and global_batch_size % pins.dp != 0:
         values = f"{global_batch_size} % {pins.dp} != 0"
         raise ConfigError("--global-batch-size", "not divisible by dp", values, f"pass a multiple of {pins.dp}")
+    if pins.cp_comm is not None:
+        _check_cp_comm(pins)
     if pins.recompute is not None and pins.recompute not in RECOMPUTE_POLICIES:
         raise ConfigError("--recompute", "unknown policy", repr(pins.recompute), f"use one of {RECOMPUTE_POLICIES}")
     if pins.attention is not None and pins.attention not in ATTENTION_KERNELS:
@@ -72,6 +81,15 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
         _check_modules(pins)
     if pins.zero is not None:
         check_zero_stage(pins.zero, pins.pp, FLAGS)
+
+
+def _check_cp_comm(pins: Pins) -> None:
+    comms = cp_rules.cp_comms()
+    if pins.cp_comm not in comms:
+        raise ConfigError("--cp-comm", "unknown exchange", repr(pins.cp_comm), f"use one of {', '.join(comms)}")
+    if pins.cp in (None, 1):
+        values, fix = f"cp_comm={pins.cp_comm}, cp={pins.cp}", "pass --cp N (N > 1) with it, or drop --cp-comm"
+        raise ConfigError("--cp-comm", "chooses the exchange of cp > 1 only", values, fix)
 
 
 def _check_tp(model: ModelShape, cluster: Cluster, pins: Pins) -> None:

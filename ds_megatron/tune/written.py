@@ -97,7 +97,12 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
         },
         "ds_megatron": {
             "model": model,
-            "parallel": {"tp": c.tp, "pp": c.pp, "sequence_parallel": c.sequence_parallel},
+            "parallel": {
+                "tp": c.tp,
+                **({"cp": c.cp, "cp_comm": c.cp_comm} if c.cp > 1 else {}),  # a cp 1 config is written as before
+                "pp": c.pp,
+                "sequence_parallel": c.sequence_parallel,
+            },
             "recompute": recompute,
         },
     }
