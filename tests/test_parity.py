@@ -17,10 +17,18 @@ from launch import WORKERS, deepspeed_launch
 
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
+# The DualPipeV layouts (``dualpipev``, with a recompute policy each) train as exactly as 1F1B's: both families, tied
+# and untied, with and without SP; gradient accumulation 4 = 2 x pp, the schedule's minimum.
+DUALPIPEV = {
+    2: ["1,2,1,dualpipev,full", "1,2,1,llama,dualpipev,selective"],
+    4: ["2,2,1,sp,dualpipev,selective", "2,2,1,llama,sp,dualpipev,full"],
+}
+# With dropout on, every recompute policy's gradients equal no recompute's under DualPipeV, bit for bit.
+REPLAY = {2: ["1,2,1,dualpipev,replay"]}
 GROUPS = {
     1: ["1,1,1", "1,1,1,llama,tied"],
-    2: ["2,1,1", "1,2,1", "1,1,2", "2,1,1,llama,sp", "2,1,1,llama,tied", "1,2,1,llama,tied"],
-    4: ["2,2,1", "2,1,2", "2,2,1,llama,sp,tied", "2,2,1,llama", "2,1,2,llama,sp"],
+    2: ["2,1,1", "1,2,1", "1,1,2", "2,1,1,llama,sp", "2,1,1,llama,tied", "1,2,1,llama,tied", *DUALPIPEV[2]],
+    4: ["2,2,1", "2,1,2", "2,2,1,llama,sp,tied", "2,2,1,llama", "2,1,2,llama,sp", *DUALPIPEV[4]],
 }
 
 
@@ -28,13 +36,15 @@ def result_name(layout: str) -> str:
     """The worker's result-file stem of a layout argument (``2,1,1,llama,sp`` -> ``2-1-1-sp-llama-untied``)."""
     tp, pp, dp, *options = layout.split(",")
     family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
-    return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family])
+    extra = [o for o in ("dualpipev", "selective", "full") if o in options]
+    return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family, *extra])
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
     for nprocs, layouts in GROUPS.items():
+        layouts = [*layouts, *REPLAY.get(nprocs, [])]
         deepspeed_launch(WORKERS / "parity.py", nprocs, ["--out", str(out), "--layouts", *layouts])
     return out
 
@@ -61,3 +71,21 @@ def test_layout_matches_single_device(results, layout):
         assert r["param_diff"] <= 1e-4, (layout, r["param_diff"])
     covered = set().union(*(r["checked"] for r in ranks))
     assert covered == set(ranks[0]["all_names"]), sorted(set(ranks[0]["all_names"]) - covered)
+    # The layout table (every checkpoint name mapping reads it) names the layers each rank really built, in the
+    # optimizer's order, under either schedule.
+    for r in ranks:
+        assert r["built_layers"] == r["table_layers"], (layout, r["pp_rank"], r["built_layers"], r["table_layers"])
+    if "dualpipev" in layout:  # the V: rank 0 holds the embedding and the output layer, the loss stage
+        first = next(r for r in ranks if r["pp_rank"] == 0)
+        last = max(max(r["built_layers"]) for r in ranks)
+        assert first["built_layers"][0] == 0 and max(first["built_layers"]) == last, first["built_layers"]
+
+
+@pytest.mark.parametrize("layout", [lay for group in REPLAY.values() for lay in group])
+def test_recompute_replays_dropout_under_dualpipev(results, layout):
+    files = sorted(results.glob(f"{layout.replace(',', '-')}.rank*.json"))
+    tp, pp, dp = (int(x) for x in layout.split(",")[:3])
+    assert len(files) == tp * pp * dp
+    for f in files:
+        for policy, r in json.loads(f.read_text()).items():
+            assert r["grad_diff"] == 0.0, (f.name, policy, r)

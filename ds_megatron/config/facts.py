@@ -71,10 +71,17 @@ def saved_layout(ds_config: dict) -> tuple[int, int, int]:
     return tp, pp, dp
 
 
+def saved_schedule(ds_config: dict) -> str:
+    """The pipeline schedule a config ran (``ds_megatron.parallel.pipeline_schedule``; before the key, 1F1B)."""
+    return ((ds_config.get("ds_megatron") or {}).get("parallel") or {}).get("pipeline_schedule", "1f1b")
+
+
 def needs_resharding(saved: dict, now: dict) -> bool:
     """Whether a checkpoint saved with config ``saved`` must be resharded to resume with config ``now``: another
-    tp or pp always; another dp too when either run partitions its optimizer state over data parallelism (bf16,
+    tp or pp always; another pipeline schedule (it changes which rank holds which layers, so the optimizer files'
+    contents); another dp too when either run partitions its optimizer state over data parallelism (bf16,
     fp16 or ZeRO: the flat partitions are cut per dp rank)."""
     (tp0, pp0, dp0), (tp1, pp1, dp1) = saved_layout(saved), saved_layout(now)
     partitioned = deepspeed_wraps_optimizer(saved) or deepspeed_wraps_optimizer(now)
-    return (tp0, pp0) != (tp1, pp1) or (partitioned and dp0 != dp1)
+    moved = (tp0, pp0) != (tp1, pp1) or saved_schedule(saved) != saved_schedule(now)
+    return moved or (partitioned and dp0 != dp1)

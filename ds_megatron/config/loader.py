@@ -16,6 +16,7 @@ from typing import Any
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.facts import grad_accum_dtype, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
+from ds_megatron.config.pipeline_checks import check_schedule_name, check_schedule_run
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
     BLOCK_LAYER_CLASS,
@@ -205,12 +206,15 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
             f"intermediate_size={shape.intermediate_size}, tp={tp}",
             "choose tp dividing intermediate_size",
         )
-    if shape.num_layers < pp:
+    schedule = check_schedule_name(par.pipeline_schedule, pp)
+    if shape.num_layers < pp * schedule.stages_per_rank:
+        per_rank = schedule.stages_per_rank
         raise ConfigError(
             "ds_megatron.parallel.pp",
             "fewer layers than pipeline stages",
-            f"num_layers={shape.num_layers}, pp={pp}",
-            f"set pp <= {shape.num_layers}",
+            f"num_layers={shape.num_layers}, pp={pp}"
+            + (f", {schedule.name}: {per_rank} stages per rank" if per_rank > 1 else ""),
+            f"set pp <= {shape.num_layers // per_rank}",
         )
     if world_size % (tp * pp) != 0:
         raise ConfigError(
@@ -272,12 +276,18 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         )
     if rc.policy == "full":
         _positive("ds_megatron.recompute.num_layers", rc.num_layers)
-        per_stage = layers_per_stage(shape.num_layers, pp)
+        stages = pp * schedule.stages_per_rank
+        per_stage = layers_per_stage(shape.num_layers, stages)
         if rc.num_layers > per_stage:
+            split = (
+                f"pp {pp}"
+                if stages == pp
+                else f"{stages} stages ({schedule.name}: {schedule.stages_per_rank} per rank)"
+            )
             raise ConfigError(
                 "ds_megatron.recompute.num_layers",
                 "more recomputed layers than a pipeline stage holds",
-                f"num_layers={rc.num_layers}, {shape.num_layers} layers / pp {pp} = at most {per_stage} per stage",
+                f"num_layers={rc.num_layers}, {shape.num_layers} layers / {split} = at most {per_stage} per stage",
                 f"set recompute.num_layers <= {per_stage}",
             )
     zero = zero_stage(ds_config)
@@ -336,6 +346,7 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
         raise ConfigError("optimizer.params.lr", "must be a positive number", f"got {lr!r}", "set e.g. 6e-4")
     warmup_cosine_from(ds_config)  # validates the scheduler section ds_megatron implements
     micro, gas, glob = resolve_batch(ds_config, dp)
+    check_schedule_run(schedule, ds_config, tp, pp, gas)
     # The resolved batch arithmetic is written back, so the config saved with a checkpoint states its layout
     # (``facts.saved_layout`` reads dp from it) even when the file gave only two of the three numbers.
     batch = {"train_batch_size": glob, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}

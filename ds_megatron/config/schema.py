@@ -22,6 +22,42 @@ SP_GRAD_SYNC = ("step", "micro_batch")
 DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fast matmul shapes on GPUs)
 
 
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """What the rest of ds_megatron must know of a pipeline schedule (the engine class lives in
+    ``ds_megatron.parallel.pipeline_schedule``)."""
+
+    name: str
+    stages_per_rank: int  # pipeline stages (model chunks) each pipeline rank holds
+    micro_batches_per_rank: int  # gradient_accumulation_steps must be >= this x pp (0: any count)
+    loss_on_first_rank: bool  # the loss (and the output layer) lives on pipeline rank 0, not on rank pp - 1
+
+    def stages_of(self, rank: int, pp: int) -> tuple[int, ...]:
+        """The stages (of ``pp * stages_per_rank``, in model order) pipeline rank ``rank`` builds, in the order it
+        registers their parameters: stage r, or with two per rank the V's r and 2p-1-r."""
+        return (rank,) if self.stages_per_rank == 1 else (rank, 2 * pp - 1 - rank)
+
+    def loss_rank(self, pp: int) -> int:
+        """The pipeline rank that computes the loss (holds the output layer)."""
+        return 0 if self.loss_on_first_rank else pp - 1
+
+
+# DualPipeV: rank r holds stages r and 2p-1-r, so rank 0 holds both the embedding and the loss, and its schedule
+# needs 2p micro-batches in flight to fill the pipeline from both ends.
+PIPELINE_SCHEDULES = (
+    PipelineSchedule("1f1b", stages_per_rank=1, micro_batches_per_rank=0, loss_on_first_rank=False),
+    PipelineSchedule("dualpipev", stages_per_rank=2, micro_batches_per_rank=2, loss_on_first_rank=True),
+)
+
+
+def pipeline_schedule(name: str) -> PipelineSchedule:
+    """The schedule called ``name`` (KeyError for an unknown one: the config loader refuses those first)."""
+    for schedule in PIPELINE_SCHEDULES:
+        if schedule.name == name:
+            return schedule
+    raise KeyError(name)
+
+
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = DEFAULT_VOCAB_MULTIPLE) -> int:
     """Smallest multiple of ``multiple * tp`` that holds ``vocab_size`` rows (the vocab-parallel embedding's and
     output layer's rows: every TP rank gets an equal slice of a size that keeps the matmuls fast)."""
@@ -68,6 +104,7 @@ class ParallelSection:
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
+    pipeline_schedule: str = "1f1b"  # DeepSpeed's pipeline schedule: "1f1b" or "dualpipev" (PIPELINE_SCHEDULES)
 
 
 @dataclass(frozen=True)
