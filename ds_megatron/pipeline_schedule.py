@@ -1,4 +1,5 @@
-"""L3: the model and engine classes of each pipeline schedule (``ds_megatron.parallel.pipeline_schedule``).
+"""L3: the model and engine classes of each pipeline schedule (``ds_megatron.parallel.pipeline_schedule``; what
+the rest must know of each is its row in ``config.schema.PIPELINE_SCHEDULES``).
 
 - ``1f1b``: DeepSpeed's ``PipelineModule`` / ``PipelineEngine`` (``TrainSchedule``), as :mod:`ds_megatron.pipeline`
   builds it.

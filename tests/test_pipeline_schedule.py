@@ -166,3 +166,59 @@ def test_step_sp_grad_sum_keeps_the_schedules_instructions(engine_class):
     assert table[ForwardPass] is engine_class._INSTRUCTION_MAP[ForwardPass]
     assert set(table) == set(engine_class._INSTRUCTION_MAP)
     assert table[ReduceTiedGrads] is not engine_class._INSTRUCTION_MAP[ReduceTiedGrads]
+
+
+class _Masters:
+    """A checkpoint's optimizer files, by the stage that holds each layer (what ``MasterWeights.stage_of`` finds)."""
+
+    def __init__(self, stage_of_layer: dict[int, int]):
+        self.stage_of_layer = stage_of_layer
+
+    def stage_of(self, idx: int, key: str, start: int = 0) -> int | None:
+        stage = self.stage_of_layer[idx]
+        return stage if stage >= start else None
+
+
+def test_export_finds_masters_that_return_to_an_earlier_rank():
+    """Export walks the layers in order; under DualPipeV the last ones live on rank 0 again."""
+    from pathlib import Path
+
+    from ds_megatron.checkpoint.export import _stage_holding
+
+    masters = _Masters({0: 0, 3: 1, 6: 0})  # GPT-2 at pp 2: wte on rank 0, block 1 on rank 1, ln_f on rank 0
+    assert _stage_holding(masters, 3, "block.x", 0, Path("f")) == 1
+    assert _stage_holding(masters, 6, "ln_f.weight", 1, Path("f")) == 0
+
+
+@pytest.mark.slow  # one launch (2 processes) with every engine of the checks below
+def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(tmp_path):
+    """A DualPipeV checkpoint resumes exactly at its own layout, resharded under 1F1B (and back) with the loss curve
+    continuing within 1e-5, and exports to transformers with the weights the ranks held; greedy decoding (the
+    recipe's end-of-training sample) reads the logits on rank 0 and equals the single-device model's."""
+    import json
+
+    from launch import WORKERS, deepspeed_launch
+    from safetensors.torch import load_file
+
+    from ds_megatron.checkpoint.export import export
+    from ds_megatron.model import FAMILIES
+
+    deepspeed_launch(WORKERS / "schedule_checkpoint.py", 2, ["--out", str(tmp_path)])
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"losses.rank{rank}.json").read_text())
+        a = r["A"]
+        assert r["B"] == {k: a[k] for k in ("3", "4")}, r  # same schedule and layout: bit for bit
+        assert not r["B_resharded"] and r["C_resharded"] and r["D_resharded"]
+        assert r["generate"]["pipeline"] == r["generate"]["reference"], r["generate"]
+        for run, steps in (("C", ("3", "4")), ("D", ("4",))):
+            for step in steps:
+                assert abs(r[run][step] - a[step]) <= 1e-5 * abs(a[step]), (run, step, r[run], a)
+    out = export(tmp_path / "dv", tmp_path / "hf", tag="step00000002", progress=False)
+    exported = load_file(str(out / "model.safetensors"))
+    held = {**torch.load(tmp_path / "params.rank0.pt"), **torch.load(tmp_path / "params.rank1.pt")}
+    assert set(exported) == set(held)
+    for name, tensor in held.items():
+        got = exported[name]
+        got = got.t() if FAMILIES["gpt2"].is_hf_transposed(name) else got
+        assert torch.equal(got, tensor[: got.shape[0]]), name  # the export strips the vocabulary padding rows
+        assert torch.count_nonzero(tensor[got.shape[0] :]) == 0, name
