@@ -222,3 +222,24 @@ def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(tmp_path):
         got = got.t() if FAMILIES["gpt2"].is_hf_transposed(name) else got
         assert torch.equal(got, tensor[: got.shape[0]]), name  # the export strips the vocabulary padding rows
         assert torch.count_nonzero(tensor[got.shape[0] :]) == 0, name
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (2, 8), (4, 8), (4, 16)])
+def test_activations_in_flight_count_deepspeeds_schedules(pp, m):
+    """The memory model's in-flight count against DeepSpeed's own instruction streams (forwards not yet backward,
+    in micro-batches of a 1F1B stage: DualPipeV's stages are half as deep)."""
+    from deepspeed.runtime.pipe.schedule import BackwardPass, DualPipeVSchedule, TrainSchedule
+
+    from ds_megatron.memory import stage_activations_in_flight
+
+    for rank in range(pp):
+        for name, sched, depth in (
+            ("1f1b", TrainSchedule(m, pp, rank), 1.0),
+            ("dualpipev", DualPipeVSchedule(m, pp, rank), 0.5),
+        ):
+            live = peak = 0
+            for step in sched.steps():
+                for cmd in step:
+                    live += isinstance(cmd, ForwardPass) - isinstance(cmd, BackwardPass)
+                    peak = max(peak, live)
+            assert stage_activations_in_flight(pipeline_schedule(name), pp, rank, m) == peak * depth, (name, rank)
