@@ -194,7 +194,8 @@ def test_export_finds_masters_that_return_to_an_earlier_rank():
 def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(tmp_path):
     """A DualPipeV checkpoint resumes exactly at its own layout, resharded under 1F1B (and back) with the loss curve
     continuing within 1e-5, and exports to transformers with the weights the ranks held; greedy decoding (the
-    recipe's end-of-training sample) reads the logits on rank 0 and equals the single-device model's."""
+    recipe's end-of-training sample) reads the logits on rank 0 and equals the single-device model's; bf16 + ZeRO-1
+    (fp32 masters in DeepSpeed's BF16 optimizer) trains as under 1F1B."""
     import json
 
     from launch import WORKERS, deepspeed_launch
@@ -210,6 +211,10 @@ def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(tmp_path):
         assert r["B"] == {k: a[k] for k in ("3", "4")}, r  # same schedule and layout: bit for bit
         assert not r["B_resharded"] and r["C_resharded"] and r["D_resharded"]
         assert r["generate"]["pipeline"] == r["generate"]["reference"], r["generate"]
+        bf16, bf16_dv = r["bf16-1f1b"], r["bf16-dualpipev"]
+        for step, loss in bf16["losses"].items():
+            assert abs(bf16_dv["losses"][step] - loss) <= 1e-6 * abs(loss), (bf16, bf16_dv)
+        assert abs(bf16_dv["norm"] - bf16["norm"]) <= 1e-5 * bf16["norm"], (bf16, bf16_dv)
         for run, steps in (("C", ("3", "4")), ("D", ("4",))):
             for step in steps:
                 assert abs(r[run][step] - a[step]) <= 1e-5 * abs(a[step]), (run, step, r[run], a)

@@ -5,7 +5,8 @@ A: DualPipeV trains 4 steps and saves after step 2 (``DIR/dv``); every rank also
 B: DualPipeV resumes A's step 2 (same layout, DeepSpeed's own load) and trains steps 3-4.
 C: 1F1B resumes A's step 2 (another schedule: resharded on load), trains step 3, saves (``DIR/f1``), trains step 4.
 D: DualPipeV resumes C's step 3 (resharded back) and trains step 4.
-Before A, greedy decoding through the DualPipeV engine at the initial weights.
+Before A, greedy decoding through the DualPipeV engine at the initial weights; after D, 2 steps of bf16 + ZeRO-1
+under each schedule.
 Writes DIR/losses.rank<r>.json: each run's losses by step, whether the load resharded, the decoded tokens.
 """
 
@@ -31,6 +32,13 @@ from ds_megatron.generate import Decoder  # noqa: E402
 from ds_megatron.model.gpt2.model import GPT, GPTConfig  # noqa: E402
 from ds_megatron.pipeline import pipeline_param_name  # noqa: E402
 from ds_megatron.pipeline_schedule import schedule_of  # noqa: E402
+
+BF16 = {
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 1},
+    "zero_allow_untested_optimizer": True,
+    "data_types": {"grad_accum_dtype": "fp32"},
+}
 
 
 def config(schedule: str):
@@ -90,6 +98,13 @@ def main() -> None:
     d, result["D_resharded"] = resume("dualpipev", f1, 3)
     result["D"] = train(d, [4])
     result["generate"] = {"pipeline": got, "reference": ids[len(prompt) :]}
+    # bf16 + ZeRO-1 (DeepSpeed's BF16 optimizer: fp32 masters, gradients accumulated in fp32 copies): both schedules.
+    for schedule in ("1f1b", "dualpipev"):
+        cfg = tiny_ds_config(1, 2, 1, extra=BF16)
+        cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = schedule
+        built = build_engine(resolve(cfg, int(os.environ["WORLD_SIZE"])))
+        losses = train(built, [1, 2])
+        result[f"bf16-{schedule}"] = {"losses": losses, "norm": float(built.engine.get_global_grad_norm())}
     write_result(args.out, "losses", result)
 
 
