@@ -218,6 +218,24 @@ def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(tmp_path):
         for run, steps in (("C", ("3", "4")), ("D", ("4",))):
             for step in steps:
                 assert abs(r[run][step] - a[step]) <= 1e-5 * abs(a[step]), (run, step, r[run], a)
+    # Offline resharding writes each rank's optimizer state where the layout table puts its layers: the DualPipeV
+    # checkpoint at tp 2 x pp 2 (still DualPipeV) and at pp 1 (1F1B) holds the same fp32 weights and Adam state.
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
+    from ds_megatron.checkpoint.reshard_offline import reshard_checkpoint
+    from ds_megatron.config.facts import saved_schedule
+
+    src = OldCheckpoint(tmp_path / "dv", "step00000002")
+    for tp, pp, schedule in ((2, 2, "dualpipev"), (1, 1, "1f1b")):
+        new = tmp_path / f"dv-{tp}x{pp}"
+        reshard_checkpoint(tmp_path / "dv", new, tp, pp, 1, progress=False)
+        moved = OldCheckpoint(new, "step00000002")
+        assert saved_schedule(moved.run.ds_config) == schedule
+        for i, _ in src.layout.saved_layers():
+            for key in src.layer_file(i, 0):
+                name = src.layout.full_name(src.layout.local_name(i, key))
+                assert torch.equal(src.full_weight(name), moved.full_weight(name)), name
+                a, b = src.full_optimizer_state(name), moved.full_optimizer_state(name)
+                assert all(torch.equal(a[k], b[k]) for k in a), name
     out = export(tmp_path / "dv", tmp_path / "hf", tag="step00000002", progress=False)
     exported = load_file(str(out / "model.safetensors"))
     held = {**torch.load(tmp_path / "params.rank0.pt"), **torch.load(tmp_path / "params.rank1.pt")}
