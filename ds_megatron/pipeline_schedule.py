@@ -8,9 +8,18 @@ the rest must know of each is its row in ``config.schema.PIPELINE_SCHEDULES``).
   towards rank 0), so rank 0 holds the embedding, the output layer and the loss, and a tied embedding is one module
   there (no tied-gradient exchange).  ``deepspeed.initialize`` picks ``DualPipeVEngine`` for such a module.
 
-What the DualPipeV module needs from ds_megatron: ``PipelineModel``'s forward runs its recompute segments over
-``forward_funcs``, and DualPipeV swaps ``forward_funcs`` per phase (``activate_phase``), so the segments are computed
-per phase and swapped with them.
+What DeepSpeed's DualPipeV needs from ds_megatron (subclassed or configured, nothing forked; gloo and the CPU
+accelerator run it as is, its p2p going through ``batch_isend_irecv``):
+- ``PipelineModel``'s forward runs its recompute segments over ``forward_funcs``, and DualPipeV swaps
+  ``forward_funcs`` per phase (``activate_phase``), so the segments are computed per phase and swapped with them;
+- the once-per-step SP gradient sum replaces ``ReduceTiedGrads`` in the engine's own class's instruction table
+  (``engine.install_step_sp_grad_sync``), which holds DualPipeV's phase-aware instructions;
+- TP partitioning of boundary tensors off at tp > 1 (the engine asserts it), fp16 refused (another gradient norm than
+  1F1B's, measured), at least 2p micro-batches per forward (sampling feeds one window 2p times, ``generate.py``),
+  logits on rank 0.
+What upstream would need for less of that: an inference forward of fewer than 2p micro-batches, fp16 loss scaling
+checked with two stages per rank, a hook after ``ReduceTiedGrads`` instead of a replaced instruction table, and the
+weight-gradient split of zero-bubble schedules (DeepSpeed's DualPipeV keeps each weight gradient in its backward).
 """
 
 from __future__ import annotations
