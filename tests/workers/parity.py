@@ -6,7 +6,8 @@ Usage (under the deepspeed launcher):
 A layout is tp,pp,dp, optionally followed by the Llama family (``llama``: 4 heads, 2 KV heads, SwiGLU width 96,
 untied unless ``tied``), per-layout ``sp``, the ``dualpipev`` pipeline schedule and a recompute policy
 (``selective``, ``full``).  With ``replay`` the layout instead compares, with dropout on, each recompute policy's
-step-1 gradients with no recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
+step-1 gradients with no recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).  The layout ``checkpoint`` runs
+``schedule_checkpoint.py``'s checks (2 processes) into DIR/checkpoint.
 Writes DIR/<layout>.rank<r>.json with losses, gradient differences and gradient norms.
 """
 
@@ -199,6 +200,11 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     for layout in args.layouts:
+        if layout == "checkpoint":
+            from schedule_checkpoint import run_checks
+
+            run_checks(os.path.join(args.out, "checkpoint"))
+            continue
         fields = layout.split(",")
         tp, pp, dp = (int(x) for x in fields[:3])
         if "replay" in fields:

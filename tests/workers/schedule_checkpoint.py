@@ -1,4 +1,5 @@
-"""Checkpoints across pipeline schedules, tp 1 x pp 2, fp32, dropout 0, gradient accumulation 4 (= 2 x pp).
+"""Checks run inside the parity worker's 2-process launch (its ``checkpoint`` layout), to save a launch:
+checkpoints across pipeline schedules, tp 1 x pp 2, fp32, dropout 0, gradient accumulation 4 (= 2 x pp).
 
 A: DualPipeV trains 4 steps and saves after step 2 (``DIR/dv``); every rank also writes its parameters at step 2 by
    full name (``DIR/params.rank<r>.pt``, for the export check).
@@ -12,26 +13,22 @@ Writes DIR/losses.rank<r>.json: each run's losses by step, whether the load resh
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
+import torch
+from common import micro_batches, tiny_ds_config, token_batches, write_result
 
-import torch  # noqa: E402
-from common import micro_batches, tiny_ds_config, token_batches, write_result  # noqa: E402
-
-from ds_megatron.checkpoint.manifest import tag_config  # noqa: E402
-from ds_megatron.checkpoint.run_state import load_run, save_run, tag_for  # noqa: E402
-from ds_megatron.config import resolve  # noqa: E402
-from ds_megatron.config.facts import needs_resharding  # noqa: E402
-from ds_megatron.engine import build_engine  # noqa: E402
-from ds_megatron.generate import Decoder  # noqa: E402
-from ds_megatron.model.gpt2.model import GPT, GPTConfig  # noqa: E402
-from ds_megatron.pipeline import pipeline_param_name  # noqa: E402
-from ds_megatron.pipeline_schedule import schedule_of  # noqa: E402
+from ds_megatron.checkpoint.manifest import tag_config
+from ds_megatron.checkpoint.run_state import load_run, save_run, tag_for
+from ds_megatron.config import resolve
+from ds_megatron.config.facts import needs_resharding
+from ds_megatron.engine import build_engine
+from ds_megatron.generate import Decoder
+from ds_megatron.model.gpt2.model import GPT, GPTConfig
+from ds_megatron.pipeline import pipeline_param_name
+from ds_megatron.pipeline_schedule import schedule_of
 
 BF16 = {
     "bf16": {"enabled": True},
@@ -47,11 +44,9 @@ def config(schedule: str):
     return resolve(cfg, int(os.environ["WORLD_SIZE"]))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--local_rank", type=int, default=0)
-    args = ap.parse_args()
+def run_checks(out: str) -> None:
+    """Every check above, writing into ``out`` (created)."""
+    os.makedirs(out, exist_ok=True)
     run = config("dualpipev")
     batches = token_batches(4, run.global_batch_size, run.model.seq_length, run.model.vocab_size)
 
@@ -71,7 +66,7 @@ def main() -> None:
         load_run(built.engine, load_dir, built.rng, built.parallel, built.topology, built.run.ds_config, tag)
         return built, needs_resharding(tag_config(Path(load_dir), tag), built.run.ds_config)
 
-    dv, f1 = os.path.join(args.out, "dv"), os.path.join(args.out, "f1")
+    dv, f1 = os.path.join(out, "dv"), os.path.join(out, "f1")
     a = build_engine(run)
     # Greedy decoding through DualPipeV (logits on rank 0, 2p micro-batches per forward) equals the single-device
     # model's at the initial weights.
@@ -89,7 +84,7 @@ def main() -> None:
     params = {
         pipeline_param_name(n, a.engine.module): p.detach().clone() for n, p in a.engine.module.named_parameters()
     }
-    torch.save(params, os.path.join(args.out, f"params.rank{os.environ['RANK']}.pt"))
+    torch.save(params, os.path.join(out, f"params.rank{os.environ['RANK']}.pt"))
     result["A"].update(train(a, [3, 4]))
     b, result["B_resharded"] = resume("dualpipev", dv, 2)
     result["B"] = train(b, [3, 4])
@@ -105,8 +100,4 @@ def main() -> None:
         built = build_engine(resolve(cfg, int(os.environ["WORLD_SIZE"])))
         losses = train(built, [1, 2])
         result[f"bf16-{schedule}"] = {"losses": losses, "norm": float(built.engine.get_global_grad_norm())}
-    write_result(args.out, "losses", result)
-
-
-if __name__ == "__main__":
-    main()
+    write_result(out, "losses", result)
