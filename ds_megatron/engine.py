@@ -27,6 +27,7 @@ from ds_megatron.parallel.zero_bubble import PIPELINE_SCHEDULE as ZERO_BUBBLE
 from ds_megatron.parallel.zero_bubble import ZeroBubblePipelineEngine
 from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline import build_pipeline_module
+from ds_megatron.pipeline_schedule import module_class, schedule_of
 from ds_megatron.random import RNGTracker, build_rng
 from ds_megatron.tensor_parallel import TPGroup, defer_sp_grad_sync, sum_sp_replicated_grads
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue, defer_weight_grads
@@ -113,6 +114,14 @@ def deepspeed_config_for(run: RunConfig, notes: list[str] | None = None) -> dict
             notes.append("sequence parallel: pipeline.pipe_partitioned and grad_partitioned turned off")
         pipe["pipe_partitioned"] = False
         pipe["grad_partitioned"] = False
+    if schedule_of(run).stages_per_rank > 1 and run.tp > 1:
+        # DeepSpeed's DualPipeV engine sends whole boundary tensors (it asserts both off); the config check refuses
+        # them when set explicitly, so only DeepSpeed's default (on) is turned off here.
+        pipe = ds.setdefault("pipeline", {})
+        if "pipe_partitioned" not in pipe or "grad_partitioned" not in pipe:
+            notes.append(f"{schedule_of(run).name}: pipeline.pipe_partitioned and grad_partitioned turned off")
+        pipe["pipe_partitioned"] = False
+        pipe["grad_partitioned"] = False
     if run.section.parallel.sequence_parallel and run.tp == 1:
         notes.append("warning: sequence_parallel with tp 1 does nothing (there is no TP group to shard over)")
     return ds
@@ -134,7 +143,7 @@ def install_step_sp_grad_sync(engine, topology: ParallelTopology, run: RunConfig
     defer_sp_grad_sync(engine.module)
     bf16 = bool(getattr(engine, "using_bf16_optimizer", False))
 
-    engine_class = type(engine)  # DeepSpeed's PipelineEngine, or the zero-bubble one (which runs W passes first)
+    engine_class = type(engine)  # PipelineEngine, the zero-bubble one, or DualPipeVEngine (phase-aware table)
 
     def reduce_tied_then_sp_grads(self) -> None:
         engine_class._exec_reduce_tied_grads(self)
@@ -142,7 +151,8 @@ def install_step_sp_grad_sync(engine, topology: ParallelTopology, run: RunConfig
         sum_sp_replicated_grads(params, grads, topology.tp_group)
 
     # The pipeline engine dispatches its schedule's instructions through this class-level table; an instance
-    # entry replaces one instruction for this engine only.
+    # entry replaces one instruction for this engine only.  The table is the engine's own class's: DualPipeV's
+    # replaces the forward, backward and p2p instructions with phase-aware ones.
     engine._INSTRUCTION_MAP = {**engine_class._INSTRUCTION_MAP, ReduceTiedGrads: reduce_tied_then_sp_grads}
     return True
 
@@ -168,7 +178,9 @@ def build_engine(run: RunConfig) -> Built:
         cp_size=topology.cp,
         cp_comm=run.section.parallel.cp_comm,
     )
-    module = build_pipeline_module(config, parallel, topology, seed, run.section.parallel.partition_method)
+    module = build_pipeline_module(
+        config, parallel, topology, seed, run.section.parallel.partition_method, module_class(schedule_of(run).name)
+    )
     ckpt = run.section.checkpoint
     if ckpt.init_from_hf and not ckpt.load:
         # Before deepspeed.initialize: the bf16 optimizer copies the weights into its fp32 masters there.

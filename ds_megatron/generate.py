@@ -3,9 +3,9 @@ sampled from the top k tokens at a temperature.
 
 The pipeline needs fixed shapes (its stage boundary buffers are allocated once), so every step feeds one micro-batch
 of the training shape [b, s]: the context left-aligned and padded with EOS, and reads the logits at the last context
-position.  The last stage gathers its TP ranks' vocabulary blocks (padding columns are -inf), picks the token, and
-the token is broadcast to every rank.  No KV cache: each new token costs one forward of s positions, fine for a
-sample of a few dozen tokens.
+position.  The loss stage (the last under 1F1B, rank 0 under DualPipeV) gathers its TP ranks' vocabulary blocks
+(padding columns are -inf), picks the token, and the token is broadcast to every rank.  No KV cache: each new token
+costs one forward of s positions, fine for a sample of a few dozen tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ds_megatron.config.schema import PIPELINE_SCHEDULES, PipelineSchedule
 from ds_megatron.tensor_parallel import gather_last_dim
 from ds_megatron.topology import ParallelTopology
 
@@ -33,6 +34,8 @@ class Decoder:
     micro_batch: int
     pad_id: int
     vocab_size: int
+    schedule: PipelineSchedule = PIPELINE_SCHEDULES[0]  # the pipeline schedule: where the logits are, how many
+    # micro-batches a forward takes
 
     def greedy(self, prompt_ids: list[int], num_tokens: int) -> list[int]:
         """Collective over all ranks: the generated token ids (the same list everywhere), always ``num_tokens``."""
@@ -83,11 +86,15 @@ class Decoder:
         stop: Callable[[int], str | None] | None = None,
     ) -> tuple[list[int], str]:
         """The decoding loop: ``pick`` maps the full-vocabulary logits [V] of the last position to a token and
-        ``stop`` may end the loop after a token; both run on the last stage only, and their results travel with the
+        ``stop`` may end the loop after a token; both run on the loss stage only, and their results travel with the
         broadcast, so every rank runs the same number of forwards (a rank that stopped early would leave the others
         hanging)."""
         ids = list(prompt_ids)[-self.seq_length :] or [self.pad_id]
-        src = self.topology.ds_topology.get_rank(pipe=self.topology.pp - 1, data=0, model=0)
+        loss_rank = self.schedule.loss_rank(self.topology.pp)
+        src = self.topology.ds_topology.get_rank(pipe=loss_rank, data=0, model=0)
+        # DualPipeV runs no forward of fewer than 2p micro-batches: the same window fills each, the last one's logits
+        # are read.
+        count = max(1, self.schedule.micro_batches_per_rank * self.topology.pp)
         out: list[int] = []
         reason = 0
         for _ in range(num_tokens):
@@ -99,14 +106,14 @@ class Decoder:
             # compute_loss=False the "loss" is the logits, so a scalar left by an earlier evaluation would not add up.
             self.engine.total_loss = None
             _, logits = self.engine.eval_batch(
-                iter([(x, torch.zeros_like(x))]),
+                iter([(x, torch.zeros_like(x))] * count),
                 return_logits=True,
                 compute_loss=False,
                 reduce_output=None,
-                num_micro_batches=1,
+                num_micro_batches=count,
             )
             message = torch.zeros(2, dtype=torch.long)  # [token, index in STOPS + 1 of why to stop, 0 to go on]
-            if self.topology.is_last_stage:
+            if self.topology.pp_rank == loss_rank:
                 local = logits[n - 1, 0].float().unsqueeze(0)  # [1, V_pad/t] at the last context position
                 full = gather_last_dim(local, self.topology.tp_group)[0, : self.vocab_size]
                 message[0] = int(pick(full))

@@ -41,6 +41,7 @@ from ds_megatron.config.schema import (
     DEFAULT_SELECTIVE_MODULES,
     RECOMPUTE_MODULES,
     RECOMPUTE_POLICIES,
+    PipelineSchedule,
 )
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
 
@@ -191,3 +192,15 @@ def lse_bytes_per_layer(s: int, b: int, a: int, t: int = 1) -> float:
 def paper_units(s: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, recompute: str = "none") -> float:
     """The paper's per-layer activation memory in units of s*b*h bytes (2-byte activations, 1-byte masks)."""
     return activation_bytes_per_layer(s, 1, h, a, t, sequence_parallel, recompute) / (s * h)
+
+
+def stage_activations_in_flight(schedule: PipelineSchedule, pp: int, rank: int, num_micro_batches: int) -> float:
+    """The most micro-batches' activations pipeline rank ``rank`` holds at once, in units of one micro-batch's
+    activations of a 1F1B stage (L/p blocks), as counted off DeepSpeed's schedules (forward passes not yet
+    backward): 1F1B holds min(p - rank, m) on rank ``rank``; DualPipeV (m >= 2p) holds 2p + 1 micro-batches of a
+    half stage (L/2p blocks) on every rank, p + 1/2 stages' worth: half a stage more than 1F1B's rank 0, and p - 1/2
+    more on the last rank.  Weights: every rank holds L/p blocks under both; DualPipeV's rank 0 holds the embedding
+    and the output layer (two vocabulary matrices when untied), 1F1B splits them between the first and last rank."""
+    if schedule.stages_per_rank == 1:
+        return float(min(pp - rank, num_micro_batches))
+    return (2 * pp + 1) / schedule.stages_per_rank

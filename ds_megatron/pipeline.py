@@ -319,9 +319,11 @@ def build_pipeline_module(
     topology: ParallelTopology,
     seed: int,
     partition_method: str = "type:BlockPipe",
+    module_class: type[PipelineModel] = PipelineModel,
 ) -> PipelineModel:
-    """The model as a PipelineModule over ``topology`` (layers balanced by block count across stages)."""
-    return PipelineModel(
+    """The model as a PipelineModule over ``topology`` (layers balanced by block count across stages);
+    ``module_class`` is the pipeline schedule's (``ds_megatron.pipeline_schedule``)."""
+    return module_class(
         layers=layer_specs(config, ctx, seed),
         topology=topology.ds_topology,
         loss_fn=VocabParallelLoss(ctx),

@@ -28,6 +28,7 @@ from ds_megatron.engine import Built, build_engine, init_distributed
 from ds_megatron.flops import block_fields
 from ds_megatron.generate import Decoder
 from ds_megatron.metrics import MetricsLogger, WandbRun, format_record, lookup_peak_tflops, throughput
+from ds_megatron.pipeline_schedule import schedule_of
 from ds_megatron.plot import read_records, write_loss_plot
 from ds_megatron.stop import StopFlag
 
@@ -278,6 +279,7 @@ class Trainer:
             self.run.micro_batch_size,
             tok.eos_token_id,
             self.run.model.vocab_size,
+            schedule_of(self.run),
         )
 
         def is_blank(token: int) -> bool:

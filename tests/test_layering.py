@@ -30,6 +30,7 @@ LEVELS = {
     "plot": 3,
     "data": 3,
     "pipeline": 3.5,
+    "pipeline_schedule": 3.6,
     "checkpoint": 3.7,
     "tune": 3.8,
     "preflight": 3.9,

@@ -15,14 +15,43 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from launch import WORKERS, deepspeed_launch
 
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
+# The DualPipeV layouts (``dualpipev``, with a recompute policy each) train as exactly as 1F1B's: both families, tied
+# and untied, with and without SP; gradient accumulation 4 = 2 x pp, the schedule's minimum.
+DUALPIPEV = {
+    2: ["1,2,1,dualpipev,full", "1,2,1,llama,dualpipev,selective"],
+    4: ["2,2,1,sp,dualpipev,selective", "2,2,1,llama,sp,dualpipev,full"],
+}
+# With dropout on, every recompute policy's gradients equal no recompute's under DualPipeV, bit for bit.
+REPLAY = {2: ["1,2,1,dualpipev,replay"]}
+# DualPipeV checkpoints, export, sampling and bf16, in the 2-process launch (tests/workers/schedule_checkpoint.py).
+CHECKPOINT = {2: ["checkpoint"]}
 GROUPS = {
     1: ["1,1,1", "1,1,1,llama,tied"],
-    2: ["2,1,1", "1,2,1", "1,1,2", "2,1,1,llama,sp", "2,1,1,llama,tied", "1,2,1,llama,tied", "1,1,1,llama,cp2"],
-    4: ["2,2,1", "2,1,2", "2,2,1,llama,sp,tied", "2,2,1,llama", "2,1,2,llama,sp", "1,2,1,cp2", "1,1,2,llama,cp2,a2a"],
+    2: [
+        "2,1,1",
+        "1,2,1",
+        "1,1,2",
+        "2,1,1,llama,sp",
+        "2,1,1,llama,tied",
+        "1,2,1,llama,tied",
+        "1,1,1,llama,cp2",
+        *DUALPIPEV[2],
+    ],
+    4: [
+        "2,2,1",
+        "2,1,2",
+        "2,2,1,llama,sp,tied",
+        "2,2,1,llama",
+        "2,1,2,llama,sp",
+        "1,2,1,cp2",
+        "1,1,2,llama,cp2,a2a",
+        *DUALPIPEV[4],
+    ],
 }
 
 
@@ -32,13 +61,15 @@ def result_name(layout: str) -> str:
     family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
     cp = [o for o in options if o.startswith("cp")]
     cp_part = [*cp, *(["a2a"] if cp and "a2a" in options else [])]
-    return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family, *cp_part])
+    extra = [o for o in ("dualpipev", "selective", "full") if o in options]
+    return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family, *cp_part, *extra])
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
     for nprocs, layouts in GROUPS.items():
+        layouts = [*layouts, *REPLAY.get(nprocs, []), *CHECKPOINT.get(nprocs, [])]
         deepspeed_launch(WORKERS / "parity.py", nprocs, ["--out", str(out), "--layouts", *layouts])
     return out
 
@@ -69,3 +100,74 @@ def test_layout_matches_single_device(results, layout):
         assert r["param_diff"] <= 1e-4, (layout, r["param_diff"])
     covered = set().union(*(r["checked"] for r in ranks))
     assert covered == set(ranks[0]["all_names"]), sorted(set(ranks[0]["all_names"]) - covered)
+    # The layout table (every checkpoint name mapping reads it) names the layers each rank really built, in the
+    # optimizer's order, under either schedule.
+    for r in ranks:
+        assert r["built_layers"] == r["table_layers"], (layout, r["pp_rank"], r["built_layers"], r["table_layers"])
+    if "dualpipev" in layout:  # the V: rank 0 holds the embedding and the output layer, the loss stage
+        first = next(r for r in ranks if r["pp_rank"] == 0)
+        last = max(max(r["built_layers"]) for r in ranks)
+        assert first["built_layers"][0] == 0 and max(first["built_layers"]) == last, first["built_layers"]
+
+
+@pytest.mark.parametrize("layout", [lay for group in REPLAY.values() for lay in group])
+def test_recompute_replays_dropout_under_dualpipev(results, layout):
+    files = sorted(results.glob(f"{layout.replace(',', '-')}.rank*.json"))
+    tp, pp, dp = (int(x) for x in layout.split(",")[:3])
+    assert len(files) == tp * pp * dp
+    for f in files:
+        for policy, r in json.loads(f.read_text()).items():
+            assert r["grad_diff"] == 0.0, (f.name, policy, r)
+
+
+def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(results):
+    """A DualPipeV checkpoint resumes exactly at its own layout, resharded under 1F1B (and back) with the loss curve
+    continuing within 1e-5, and exports to transformers with the weights the ranks held; greedy decoding (the
+    recipe's end-of-training sample) reads the logits on rank 0 and equals the single-device model's; bf16 + ZeRO-1
+    (fp32 masters in DeepSpeed's BF16 optimizer) trains as under 1F1B."""
+    from safetensors.torch import load_file
+
+    from ds_megatron.checkpoint.export import export
+    from ds_megatron.model import FAMILIES
+
+    tmp_path = results / "checkpoint"  # the parity launch's "checkpoint" layout (tests/workers/schedule_checkpoint.py)
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"losses.rank{rank}.json").read_text())
+        a = r["A"]
+        assert r["B"] == {k: a[k] for k in ("3", "4")}, r  # same schedule and layout: bit for bit
+        assert not r["B_resharded"] and r["C_resharded"] and r["D_resharded"]
+        assert r["generate"]["pipeline"] == r["generate"]["reference"], r["generate"]
+        bf16, bf16_dv = r["bf16-1f1b"], r["bf16-dualpipev"]
+        for step, loss in bf16["losses"].items():
+            assert abs(bf16_dv["losses"][step] - loss) <= 1e-6 * abs(loss), (bf16, bf16_dv)
+        assert abs(bf16_dv["norm"] - bf16["norm"]) <= 1e-5 * bf16["norm"], (bf16, bf16_dv)
+        for run, steps in (("C", ("3", "4")), ("D", ("4",))):
+            for step in steps:
+                assert abs(r[run][step] - a[step]) <= 1e-5 * abs(a[step]), (run, step, r[run], a)
+    # Offline resharding writes each rank's optimizer state where the layout table puts its layers: the DualPipeV
+    # checkpoint at tp 2 x pp 2 (still DualPipeV) and at pp 1 (1F1B) holds the same fp32 weights and Adam state.
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
+    from ds_megatron.checkpoint.reshard_offline import reshard_checkpoint
+    from ds_megatron.config.facts import saved_schedule
+
+    src = OldCheckpoint(tmp_path / "dv", "step00000002")
+    for tp, pp, schedule in ((2, 2, "dualpipev"), (1, 1, "1f1b")):
+        new = tmp_path / f"dv-{tp}x{pp}"
+        reshard_checkpoint(tmp_path / "dv", new, tp, pp, 1, progress=False)
+        moved = OldCheckpoint(new, "step00000002")
+        assert saved_schedule(moved.run.ds_config) == schedule
+        for i, _ in src.layout.saved_layers():
+            for key in src.layer_file(i, 0):
+                name = src.layout.full_name(src.layout.local_name(i, key))
+                assert torch.equal(src.full_weight(name), moved.full_weight(name)), name
+                a, b = src.full_optimizer_state(name), moved.full_optimizer_state(name)
+                assert all(torch.equal(a[k], b[k]) for k in a), name
+    out = export(tmp_path / "dv", tmp_path / "hf", tag="step00000002", progress=False)
+    exported = load_file(str(out / "model.safetensors"))
+    held = {**torch.load(tmp_path / "params.rank0.pt"), **torch.load(tmp_path / "params.rank1.pt")}
+    assert set(exported) == set(held)
+    for name, tensor in held.items():
+        got = exported[name]
+        got = got.t() if FAMILIES["gpt2"].is_hf_transposed(name) else got
+        assert torch.equal(got, tensor[: got.shape[0]]), name  # the export strips the vocabulary padding rows
+        assert torch.count_nonzero(tensor[got.shape[0] :]) == 0, name

@@ -128,7 +128,8 @@ def test_zb_h1_trains_like_1f1b(tmp_path):
         (
             "zb",
             False,
-            "error: ds_megatron.parallel.pipeline_schedule: unknown schedule (got 'zb'); use one of ('1f1b', 'zb-h1')",
+            "error: ds_megatron.parallel.pipeline_schedule: unknown schedule (got 'zb'); "
+            "use one of ['1f1b', 'dualpipev', 'zb-h1']",
         ),
         (
             "zb-h1",
@@ -144,15 +145,15 @@ def test_pipeline_schedule_is_validated(schedule, fp16, message):
 
     model = {"size": "gpt-tiny", "vocab_size": 1000, "seq_length": 32}
     cfg = {"train_micro_batch_size_per_gpu": 1, "ds_megatron": {"model": model}}
-    cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": schedule}
+    cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": schedule, "pp": 2}
     if fp16:
         cfg["fp16"] = {"enabled": True}
     with pytest.raises(ConfigError) as err:
-        resolve(cfg, 1)
+        resolve(cfg, 2)
     assert str(err.value) == message
-    cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": "zb-h1"}
+    cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": "zb-h1", "pp": 2}
     cfg.pop("fp16", None)
-    assert resolve(cfg, 1).section.parallel.pipeline_schedule == "zb-h1"
+    assert resolve(cfg, 2).section.parallel.pipeline_schedule == "zb-h1"
 
 
 class _FakeBF16Optimizer:

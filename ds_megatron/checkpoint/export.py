@@ -106,8 +106,13 @@ def iter_full_parameters(
 
 
 def _stage_holding(masters: MasterWeights, idx: int, key: str, start: int, layer_file: Path) -> int:
-    """The pipeline stage (from ``start`` on: layers come in order) whose optimizer files hold layer ``idx``."""
+    """The pipeline stage whose optimizer files hold layer ``idx``, searched from ``start`` on (under 1F1B layers
+    come in stage order) and then from the first stage."""
     stage = masters.stage_of(idx, key, start)
+    if stage is None:
+        # A schedule whose ranks hold two stages (DualPipeV's V: rank r holds stages r and 2p-1-r) brings later
+        # layers back to earlier ranks.
+        stage = masters.stage_of(idx, key, 0)
     if stage is None:
         raise ConfigError(
             "--checkpoint",

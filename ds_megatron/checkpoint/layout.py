@@ -11,6 +11,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
 from ds_megatron.config import ConfigError, RunConfig
+from ds_megatron.config.schema import pipeline_schedule
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline import PipelineLayout, layer_specs
@@ -33,18 +34,22 @@ def shard_context(config: ModelConfig, run: RunConfig, tp: int) -> ParallelConte
 
 
 def stage_param_layers(config: ModelConfig, run: RunConfig, pp: int) -> list[list[int]]:
-    """Per pipeline stage, the layer indices whose parameters the stage holds, in the order DeepSpeed's
+    """Per pipeline rank, the layer indices whose parameters the rank holds, in the order DeepSpeed's
     ``PipelineModule`` registers them (which is the optimizer's order): tied modules first, each under the index of
-    its first layer (whose file holds it), then the stage's own layers in order.  The split over stages is
-    DeepSpeed's own (``partition_balanced`` over the layers matching ``type:<regex>``, or ``partition_uniform``),
-    computed from the layer specs without building a layer."""
+    its first layer (whose file holds it), then the rank's own layers in order, stage by stage.  The split into
+    ``pp x stages_per_rank`` stages is DeepSpeed's own (``partition_balanced`` over the layers matching
+    ``type:<regex>``, or ``partition_uniform``), computed from the layer specs without building a layer; which
+    stages a rank holds is the run's pipeline schedule's (1F1B: stage r; DualPipeV: stages r and 2p-1-r, so rank 0
+    holds the embedding and the output layer)."""
     specs = layer_specs(config, shard_context(config, run, 1), run.section.train.seed)
+    schedule = pipeline_schedule(run.section.parallel.pipeline_schedule)
+    num_stages = pp * schedule.stages_per_rank
     method = run.section.parallel.partition_method.lower()
     if method == "uniform":
-        parts = partition_uniform(len(specs), pp)
+        parts = partition_uniform(len(specs), num_stages)
     elif method.startswith("type:"):
         pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
-        parts = partition_balanced([1 if pattern.search(s.typename.__name__) else 0 for s in specs], pp)
+        parts = partition_balanced([1 if pattern.search(s.typename.__name__) else 0 for s in specs], num_stages)
     else:
         raise ConfigError(
             "ds_megatron.parallel.partition_method",
@@ -57,17 +62,18 @@ def stage_param_layers(config: ModelConfig, run: RunConfig, pp: int) -> list[lis
     for i, spec in enumerate(specs):
         if isinstance(spec, TiedLayerSpec):
             first_of_key.setdefault(spec.key, i)
-    stages = []
-    for s in range(pp):
+    ranks = []
+    for r in range(pp):
         tied, own = [], []
-        for i in range(parts[s], parts[s + 1]):
-            if isinstance(specs[i], TiedLayerSpec):
-                if first_of_key[specs[i].key] not in tied:
-                    tied.append(first_of_key[specs[i].key])
-            else:
-                own.append(i)
-        stages.append(tied + own)
-    return stages
+        for s in schedule.stages_of(r, pp):
+            for i in range(parts[s], parts[s + 1]):
+                if isinstance(specs[i], TiedLayerSpec):
+                    if first_of_key[specs[i].key] not in tied:
+                        tied.append(first_of_key[specs[i].key])
+                else:
+                    own.append(i)
+        ranks.append(tied + own)
+    return ranks
 
 
 def layout_ranks(tp: int, pp: int, dp: int) -> list[tuple[int, int, int, int]]:

@@ -166,7 +166,8 @@ def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:
 
 def _target_run(old_cfg: dict, tp: int, pp: int, dp: int) -> RunConfig:
     """The old run's configuration at the new layout, validated.  The global batch stays (the step count is the
-    data position), and so does the micro batch; gradient accumulation takes up the change of dp."""
+    data position), and so does the micro batch; gradient accumulation takes up the change of dp.  The pipeline
+    schedule stays too (below pp 2, 1F1B)."""
     old = resolve(old_cfg, _world(old_cfg))
     glob, micro = old.global_batch_size, old.micro_batch_size
     if glob % (micro * dp) != 0:
@@ -178,6 +179,8 @@ def _target_run(old_cfg: dict, tp: int, pp: int, dp: int) -> RunConfig:
         )
     cfg = copy.deepcopy(old.ds_config)
     cfg["ds_megatron"].setdefault("parallel", {}).update(tp=tp, pp=pp)
+    if pp == 1:  # one stage has one schedule: a DualPipeV checkpoint resharded to pp 1 resumes as 1F1B (the default)
+        cfg["ds_megatron"]["parallel"].pop("pipeline_schedule", None)
     cfg["gradient_accumulation_steps"] = glob // (micro * dp)
     return resolve(cfg, tp * pp * dp)
 

@@ -76,11 +76,18 @@ def saved_cp(ds_config: dict) -> int:
     return ((ds_config.get("ds_megatron") or {}).get("parallel") or {}).get("cp", 1)
 
 
+def saved_schedule(ds_config: dict) -> str:
+    """The pipeline schedule a config ran (``ds_megatron.parallel.pipeline_schedule``; before the key, 1F1B)."""
+    return ((ds_config.get("ds_megatron") or {}).get("parallel") or {}).get("pipeline_schedule", "1f1b")
+
+
 def needs_resharding(saved: dict, now: dict) -> bool:
     """Whether a checkpoint saved with config ``saved`` must be resharded to resume with config ``now``: another
-    tp or pp always; another data axis too when either run partitions its optimizer state over it (bf16, fp16 or
+    tp or pp always; another pipeline schedule (it changes which rank holds which layers, so the optimizer files'
+    contents); another data axis too when either run partitions its optimizer state over it (bf16, fp16 or
     ZeRO: the flat partitions are cut per rank of DeepSpeed's data axis, which holds dp x cp ranks, so cp 2 x dp 1
     and cp 1 x dp 2 hold the same partitions)."""
     (tp0, pp0, dp0), (tp1, pp1, dp1) = saved_layout(saved), saved_layout(now)
     partitioned = deepspeed_wraps_optimizer(saved) or deepspeed_wraps_optimizer(now)
-    return (tp0, pp0) != (tp1, pp1) or (partitioned and dp0 * saved_cp(saved) != dp1 * saved_cp(now))
+    moved = (tp0, pp0) != (tp1, pp1) or saved_schedule(saved) != saved_schedule(now)
+    return moved or (partitioned and dp0 * saved_cp(saved) != dp1 * saved_cp(now))

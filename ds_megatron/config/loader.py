@@ -22,6 +22,7 @@ from ds_megatron.config.context_parallel import (
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.facts import grad_accum_dtype, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
+from ds_megatron.config.pipeline_checks import check_schedule_name, check_schedule_run
 from ds_megatron.config.rules import (
     CONFIG_FILE_RULES,
     check_tokenizer_fits,
@@ -34,7 +35,6 @@ from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
     BLOCK_LAYER_CLASS,
     DOCUMENT_POSITIONS,
-    PIPELINE_SCHEDULES,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
     RECOMPUTE_POLICIES,
@@ -45,8 +45,10 @@ from ds_megatron.config.schema import (
     LoggingSection,
     ModelSection,
     ParallelSection,
+    PipelineSchedule,
     RecomputeSection,
     TrainSection,
+    pipeline_schedule,
 )
 from ds_megatron.config.shape import ModelShape, layers_per_stage, resolve_shape
 
@@ -197,15 +199,16 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
     section = parse_section(ds_config.get(SECTION))
     shape = resolve_shape(section.model)
     tp, pp, cp, dp = check_parallel(section.parallel, shape, world_size)
-    check_recompute(section.recompute, shape, pp)
+    schedule = pipeline_schedule(section.parallel.pipeline_schedule)  # a known name: check_parallel refused others
+    check_recompute(section.recompute, shape, pp, schedule)
     check_deepspeed_keys(ds_config, pp)
-    check_pipeline_schedule(section.parallel, ds_config)
     check_train(section.train)
     check_counts(section)
     # data.tokenizer and data.valid_fraction apply to text tokenised in the launch only: pre-flight checks them
     # (check_text_settings) once it knows the data is not a prepared directory, which brings its own.
     check_data_section(section.data)
     micro, gas, glob = resolve_batch(ds_config, dp)
+    check_schedule_run(schedule, ds_config, tp, pp, gas)
     # The resolved batch arithmetic is written back, so the config saved with a checkpoint states its layout
     # (``facts.saved_layout`` reads dp from it) even when the file gave only two of the three numbers.
     batch = {"train_batch_size": glob, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
@@ -231,12 +234,15 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
         raise ConfigError(
             "ds_megatron.parallel.tp", f"{misfit} not divisible by tp", values, f"choose tp dividing {misfit}"
         )
-    if shape.num_layers < pp:
+    schedule = check_schedule_name(par.pipeline_schedule, pp)
+    if shape.num_layers < pp * schedule.stages_per_rank:
+        per_rank = schedule.stages_per_rank
         raise ConfigError(
             "ds_megatron.parallel.pp",
             "fewer layers than pipeline stages",
-            f"num_layers={shape.num_layers}, pp={pp}",
-            f"set pp <= {shape.num_layers}",
+            f"num_layers={shape.num_layers}, pp={pp}"
+            + (f", {schedule.name}: {per_rank} stages per rank" if per_rank > 1 else ""),
+            f"set pp <= {shape.num_layers // per_rank}",
         )
     cp = _positive("ds_megatron.parallel.cp", par.cp)
     if par.cp_comm not in CP_COMMS:
@@ -275,27 +281,7 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
     return tp, pp, cp, dp
 
 
-def check_pipeline_schedule(par: ParallelSection, ds_config: dict) -> None:
-    """A known pipeline schedule that the run's precision can use."""
-    schedule = par.pipeline_schedule
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError(
-            "ds_megatron.parallel.pipeline_schedule",
-            "unknown schedule",
-            f"got {schedule!r}",
-            f"use one of {PIPELINE_SCHEDULES}",
-        )
-    if schedule == "zb-h1" and precision(ds_config) == "fp16":
-        # fp16's wrappers scale and accumulate 16-bit gradients in backward; deferred weight gradients bypass that
-        raise ConfigError(
-            "ds_megatron.parallel.pipeline_schedule",
-            "zb-h1 is not supported with fp16",
-            "pipeline_schedule='zb-h1', fp16.enabled=true",
-            'use bf16 or fp32, or pipeline_schedule "1f1b"',
-        )
-
-
-def check_recompute(rc: RecomputeSection, shape: ModelShape, pp: int) -> None:
+def check_recompute(rc: RecomputeSection, shape: ModelShape, pp: int, schedule: PipelineSchedule) -> None:
     """A known policy and method; modules known, once each, for selective only, and worth recomputing."""
     if rc.policy not in RECOMPUTE_POLICIES:
         raise ConfigError(
@@ -331,12 +317,18 @@ def check_recompute(rc: RecomputeSection, shape: ModelShape, pp: int) -> None:
         )
     if rc.policy == "full":
         _positive("ds_megatron.recompute.num_layers", rc.num_layers)
-        per_stage = layers_per_stage(shape.num_layers, pp)
+        stages = pp * schedule.stages_per_rank
+        per_stage = layers_per_stage(shape.num_layers, stages)
         if rc.num_layers > per_stage:
+            split = (
+                f"pp {pp}"
+                if stages == pp
+                else f"{stages} stages ({schedule.name}: {schedule.stages_per_rank} per rank)"
+            )
             raise ConfigError(
                 "ds_megatron.recompute.num_layers",
                 "more recomputed layers than a pipeline stage holds",
-                f"num_layers={rc.num_layers}, {shape.num_layers} layers / pp {pp} = at most {per_stage} per stage",
+                f"num_layers={rc.num_layers}, {shape.num_layers} layers / {split} = at most {per_stage} per stage",
                 f"set recompute.num_layers <= {per_stage}",
             )
 

@@ -22,8 +22,45 @@ DEFAULT_SELECTIVE_MODULES = ("core_attn",)  # what selective recomputes when no 
 SP_GRAD_SYNC = ("step", "micro_batch")
 # Positions of packed documents under data.document_mask: restart at each document (Llama 3's) or the window index.
 DOCUMENT_POSITIONS = ("restart", "global")
-PIPELINE_SCHEDULES = ("1f1b", "zb-h1")  # DeepSpeed's 1F1B; ZB-H1: 1F1B with weight gradients run in the bubbles
 DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fast matmul shapes on GPUs)
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """What the rest of ds_megatron must know of a pipeline schedule (the engine class lives in
+    ``ds_megatron.parallel.pipeline_schedule``)."""
+
+    name: str
+    stages_per_rank: int  # pipeline stages (model chunks) each pipeline rank holds
+    micro_batches_per_rank: int  # gradient_accumulation_steps must be >= this x pp (0: any count)
+    loss_on_first_rank: bool  # the loss (and the output layer) lives on pipeline rank 0, not on rank pp - 1
+
+    def stages_of(self, rank: int, pp: int) -> tuple[int, ...]:
+        """The stages (of ``pp * stages_per_rank``, in model order) pipeline rank ``rank`` builds, in the order it
+        registers their parameters: stage r, or with two per rank the V's r and 2p-1-r."""
+        return (rank,) if self.stages_per_rank == 1 else (rank, 2 * pp - 1 - rank)
+
+    def loss_rank(self, pp: int) -> int:
+        """The pipeline rank that computes the loss (holds the output layer)."""
+        return 0 if self.loss_on_first_rank else pp - 1
+
+
+# DualPipeV: rank r holds stages r and 2p-1-r, so rank 0 holds both the embedding and the loss, and its schedule
+# needs 2p micro-batches in flight to fill the pipeline from both ends.
+PIPELINE_SCHEDULES = (
+    PipelineSchedule("1f1b", stages_per_rank=1, micro_batches_per_rank=0, loss_on_first_rank=False),
+    PipelineSchedule("dualpipev", stages_per_rank=2, micro_batches_per_rank=2, loss_on_first_rank=True),
+    # ZB-H1: DeepSpeed's 1F1B, weight-gradient passes deferred into its bubbles (ds_megatron.parallel.zero_bubble)
+    PipelineSchedule("zb-h1", stages_per_rank=1, micro_batches_per_rank=0, loss_on_first_rank=False),
+)
+
+
+def pipeline_schedule(name: str) -> PipelineSchedule:
+    """The schedule called ``name`` (KeyError for an unknown one: the config loader refuses those first)."""
+    for schedule in PIPELINE_SCHEDULES:
+        if schedule.name == name:
+            return schedule
+    raise KeyError(name)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = DEFAULT_VOCAB_MULTIPLE) -> int:
@@ -74,7 +111,7 @@ class ParallelSection:
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
-    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES
+    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES' names: "1f1b", "dualpipev" or "zb-h1"
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,11 @@ the single-device GPT trained by plain torch (same weights, same data, same Adam
 Usage (under the deepspeed launcher):
     parity.py --out DIR --layouts 2,1,1 1,2,1 2,1,1,llama,sp,tied [--sequence-parallel]
 A layout is tp,pp,dp, optionally followed by the Llama family (``llama``: 4 heads, 2 KV heads, SwiGLU width 96,
-untied unless ``tied``), per-layout ``sp``, and context parallelism ``cp<N>`` (ring; ``a2a`` for the all-to-all):
-the world is then tp x cp x pp x dp and each CP rank trains on its chunks of every sequence.
+untied unless ``tied``), per-layout ``sp``, context parallelism ``cp<N>`` (ring; ``a2a`` for the all-to-all:
+the world is then tp x cp x pp x dp and each CP rank trains on its chunks of every sequence), the ``dualpipev``
+pipeline schedule and a recompute policy (``selective``, ``full``).  With ``replay`` the layout instead compares,
+with dropout on, each recompute policy's step-1 gradients with no recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
+The layout ``checkpoint`` runs ``schedule_checkpoint.py``'s checks (2 processes) into DIR/checkpoint.
 Writes DIR/<layout>.rank<r>.json with losses, gradient differences and gradient norms.
 """
 
@@ -22,6 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from common import log, micro_batches, tiny_ds_config, token_batches, write_result  # noqa: E402
 
+from ds_megatron.checkpoint.layout import stage_param_layers  # noqa: E402
 from ds_megatron.config import resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
 from ds_megatron.model import build_model, model_config  # noqa: E402
@@ -70,6 +74,11 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
     cfg = tiny_ds_config(tp, pp, dp, sequence_parallel=sp, attention=args.attention, cp=cp, cp_comm=comm)
     if "llama" in options:
         cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings="tied" in options)
+    if "dualpipev" in options:
+        cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = "dualpipev"
+    for policy in ("selective", "full"):  # full: one block per recomputed chunk
+        if policy in options:
+            cfg["ds_megatron"]["recompute"] = {"policy": policy}
     run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     built = build_engine(run)
     engine, topo, plan = built.engine, built.topology, built.parallel
@@ -99,6 +108,13 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
         losses.append(float(engine.train_batch(it)))
         norms.append(float(engine.get_global_grad_norm()))
 
+    # The layout table's layers of this pipeline rank, in the optimizer's order, against what the engine built.
+    built_layers = []
+    for name, _ in engine.module.named_parameters():
+        idx = pipeline_layout_index(name)
+        if idx not in built_layers:
+            built_layers.append(idx)
+    table_layers = stage_param_layers(built.model_config, run, pp)[topo.pp_rank]
     ref_losses, ref_grads, ref_norms, ref_params = reference(run, batches)
     grad_diff, param_diff, checked, norm_weights = 0.0, 0.0, [], {}
     for name, p in engine.module.named_parameters():
@@ -116,7 +132,8 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
             norm_weights[full] = {"got": p.detach().flatten().tolist(), "ref": ref_params[full].flatten().tolist()}
     family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
     cp_part = [f"cp{cp}", *(["a2a"] if comm == "a2a" else [])] if cp > 1 else []
-    layout = "-".join([f"{tp}-{pp}-{dp}", *(["sp"] if sp else []), *family, *cp_part, args.attention])
+    extra = [o for o in ("dualpipev", "selective", "full") if o in options]
+    layout = "-".join([f"{tp}-{pp}-{dp}", *(["sp"] if sp else []), *family, *cp_part, *extra, args.attention])
     log(layout, "losses", losses, "ref", ref_losses, "grad_diff", grad_diff, "norms", norms, ref_norms)
     write_result(
         args.out,
@@ -136,8 +153,46 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
             "cp_rank": topo.cp_rank,
             "boundary_shapes": boundary_rows,
             "norm_weights": norm_weights,
+            "built_layers": built_layers,
+            "table_layers": table_layers,
         },
     )
+
+
+def pipeline_layout_index(local_name: str) -> int:
+    """The layer index of one of DeepSpeed's parameter names (a tied module's is its first layer's: 0)."""
+    head = local_name.split(".")[0]
+    return 0 if head == "tied_modules" else int(head)
+
+
+def run_replay(tp: int, pp: int, dp: int, args, options: tuple[str, ...]) -> None:
+    """With dropout 0.1: one step without recompute and one with each recompute policy, same seed, same schedule;
+    exact RNG replay makes the step's gradients equal bit for bit (the masks of the recomputed forward are the
+    original forward's).  Writes each policy's largest gradient difference on this rank."""
+    result = {}
+    for policy in ("none", "selective", "full"):
+        cfg = tiny_ds_config(tp, pp, dp, dropout=0.1, sequence_parallel="sp" in options)
+        if "llama" in options:
+            cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings="tied" in options)
+        if "dualpipev" in options:
+            cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = "dualpipev"
+        cfg["ds_megatron"]["recompute"] = {"policy": policy}
+        run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+        engine = build_engine(run).engine
+        grads = {}
+
+        def capture(optimizer, *_, engine=engine, grads=grads):
+            grads.update({n: p.grad.detach().clone() for n, p in engine.module.named_parameters()})
+
+        engine.optimizer.register_step_pre_hook(capture)
+        tokens = token_batches(1, run.global_batch_size, run.model.seq_length, run.model.vocab_size)[0]
+        loss = float(engine.train_batch(iter(micro_batches(tokens, run.micro_batch_size, run.dp, 0))))
+        if policy == "none":
+            base = grads
+        diff = max(float((grads[k] - base[k]).abs().max()) for k in base)
+        result[policy] = {"loss": loss, "grad_diff": diff, "num_params": len(grads)}
+    log("replay", options, result)
+    write_result(args.out, "-".join([f"{tp}-{pp}-{dp}", *options]), result)
 
 
 def main() -> None:
@@ -150,9 +205,17 @@ def main() -> None:
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     for layout in args.layouts:
+        if layout == "checkpoint":
+            from schedule_checkpoint import run_checks
+
+            run_checks(os.path.join(args.out, "checkpoint"))
+            continue
         fields = layout.split(",")
         tp, pp, dp = (int(x) for x in fields[:3])
-        run_layout(tp, pp, dp, args, tuple(fields[3:]))
+        if "replay" in fields:
+            run_replay(tp, pp, dp, args, tuple(fields[3:]))
+        else:
+            run_layout(tp, pp, dp, args, tuple(fields[3:]))
 
 
 if __name__ == "__main__":

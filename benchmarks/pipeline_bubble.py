@@ -1,0 +1,179 @@
+"""The pipeline bubble, measured: per rank, the time of one training step spent computing (forward and backward
+passes) and the time spent blocked on a peer (the step's time outside computing, data loading and the optimizer:
+sends, receives, DualPipeV's batched p2p commits, the tied-embedding sync and the loss broadcast),
+for 1F1B and DualPipeV at m = 4, 8 and 16 micro-batches, pp 2 on 2 CPU processes (gloo, one thread each).
+
+    python benchmarks/pipeline_bubble.py [--repeats 5] [--markdown OUT.md]
+
+Runs itself under the deepspeed launcher.  The 6 engines are built once; each repeat then runs one step of every
+(m, schedule) in turn, so a slower moment of a shared machine falls on all of them alike.  Each step starts after a
+barrier.  Idle fraction = blocked / (computing + blocked); the data load, gradient reduction and optimizer step (the
+same under both schedules) are left out.  1F1B's ideal bubble with p equal stages is (p-1)/(m+p-1) of the step.
+
+The model keeps its stages balanced, as the formula assumes: 8 blocks of width 256 and a 1024-token vocabulary
+(the output layer costs about a third of a block), so each 1F1B stage holds 4 blocks and the embedding or the
+output layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MICRO_BATCHES = (4, 8, 16)
+SCHEDULES = ("1f1b", "dualpipev")
+PP = 2
+
+
+def config(schedule: str, m: int) -> dict:
+    return {
+        "train_batch_size": 2 * m,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": m,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+        "ds_megatron": {
+            "model": {
+                "num_layers": 8,
+                "hidden_size": 256,
+                "num_heads": 4,
+                "vocab_size": 1024,
+                "seq_length": 128,
+                "dropout": 0.0,
+            },
+            "parallel": {"tp": 1, "pp": PP, "pipeline_schedule": schedule},
+            "train": {"seed": 1234, "train_iters": 1},
+        },
+    }
+
+
+def instrument(engine) -> dict[str, float]:
+    """Time the instructions of ``engine`` that work alone into the returned totals (zero them before a step):
+    forward and backward passes ("compute"), and the data load, gradient reduction and optimizer step ("local",
+    nothing to reduce at dp 1).  The rest of a step is spent waiting for a peer: sends, receives, DualPipeV's p2p
+    commits, the tied embedding's gradient exchange between the first and last stage (a pipeline-wide sync: under
+    1F1B the last stage's trailing idle time lands there) and the loss broadcast."""
+    totals = {"compute": 0.0, "local": 0.0, "other": 0.0}
+    from deepspeed.runtime.pipe import schedule as s
+
+    kinds = {s.ForwardPass: "compute", s.BackwardPass: "compute"}
+    kinds.update({s.LoadMicroBatch: "local", s.ReduceGrads: "local", s.OptimizerStep: "local"})
+    table = dict(engine._INSTRUCTION_MAP)
+
+    def timed(fn, kind):
+        def run(self, **kwargs):
+            t0 = time.perf_counter()
+            fn(self, **kwargs)
+            totals[kind] += time.perf_counter() - t0
+
+        return run
+
+    engine._INSTRUCTION_MAP = {cls: timed(fn, kinds.get(cls, "other")) for cls, fn in table.items()}
+    return totals
+
+
+def worker(out: str, repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ds_megatron.config import resolve
+    from ds_megatron.engine import build_engine
+
+    engines = {}
+    for m in MICRO_BATCHES:
+        for schedule in SCHEDULES:
+            run = resolve(config(schedule, m), int(os.environ["WORLD_SIZE"]))
+            engine = build_engine(run).engine
+            engines[(schedule, m)] = (run, engine, instrument(engine))
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for repeat in range(repeats + 1):  # the first round warms up (allocations, first p2p shape exchange)
+        for m in MICRO_BATCHES:
+            for schedule in SCHEDULES:
+                run, engine, totals = engines[(schedule, m)]
+                tokens = torch.randint(0, run.model.vocab_size, (m, 2, run.model.seq_length + 1), generator=g)
+                batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+                totals.update(compute=0.0, local=0.0, other=0.0)
+                dist.barrier()
+                t0 = time.perf_counter()
+                engine.train_batch(iter(batches))
+                totals["step"] = time.perf_counter() - t0
+                totals["wait"] = totals["step"] - totals["compute"] - totals["local"]
+                if repeat:
+                    rows.append({"schedule": schedule, "m": m, "repeat": repeat, **totals})
+                totals.pop("step"), totals.pop("wait")
+    Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(rows))
+
+
+def summarise(rows_by_rank: dict[int, list[dict]]) -> str:
+    lines = [
+        "| schedule | m | rank | idle fraction (median [min, max]) | computing ms | blocked ms | step ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    means = {}
+    for m in MICRO_BATCHES:
+        for schedule in SCHEDULES:
+            per_rank = []
+            for rank, rows in sorted(rows_by_rank.items()):
+                mine = [r for r in rows if r["schedule"] == schedule and r["m"] == m]
+                idle = [r["wait"] / (r["compute"] + r["wait"]) for r in mine]
+                per_rank.append(statistics.median(idle))
+                med = {k: 1e3 * statistics.median(r[k] for r in mine) for k in ("compute", "wait", "step")}
+                lines.append(
+                    f"| {schedule} | {m} | {rank} | {statistics.median(idle):.3f} [{min(idle):.3f}, {max(idle):.3f}] "
+                    f"| {med['compute']:.0f} | {med['wait']:.0f} | {med['step']:.0f} |"
+                )
+            means[(schedule, m)] = statistics.mean(per_rank)
+    lines += [
+        "",
+        "Mean over the two ranks of the median idle fraction, and 1F1B's ideal (p-1)/(m+p-1):",
+        "",
+        "| m | 1f1b measured | 1f1b ideal | dualpipev measured |",
+        "|---|---|---|---|",
+    ]
+    for m in MICRO_BATCHES:
+        ideal = (PP - 1) / (m + PP - 1)
+        lines.append(f"| {m} | {means[('1f1b', m)]:.3f} | {ideal:.3f} | {means[('dualpipev', m)]:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--markdown", default=None)
+    ap.add_argument("--note", default="", help="a line on the machine's load, written under the table")
+    ap.add_argument("--worker-out", default=None)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    if args.worker_out:
+        worker(args.worker_out, args.repeats)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        launcher = Path(sys.executable).parent / "deepspeed"
+        cmd = [str(launcher), "--num_gpus", str(PP), __file__, "--worker-out", tmp, "--repeats", str(args.repeats)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+        subprocess.run(cmd, env=env, check=True, capture_output=True)
+        rows = {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(tmp).glob("rank*.json")}
+    body = summarise(rows)
+    body = f"pp {PP}, gloo, 2 processes x 1 thread, {args.repeats} repeats after one warm-up round.\n\n{body}"
+    if args.note:
+        body += f"\n\n{args.note}"
+    print(body)
+    if args.markdown:
+        from _results import write_markdown
+
+        write_markdown(
+            args.markdown, "Pipeline bubble: 1F1B and DualPipeV", "python benchmarks/pipeline_bubble.py", body
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""L3.6: the model and engine classes of each pipeline schedule (``ds_megatron.parallel.pipeline_schedule``; what
+the rest must know of each is its row in ``config.schema.PIPELINE_SCHEDULES``).
+
+- ``1f1b``: DeepSpeed's ``PipelineModule`` / ``PipelineEngine`` (``TrainSchedule``), as :mod:`ds_megatron.pipeline`
+  builds it.
+- ``dualpipev``: DeepSpeed's ``DualPipeVModule`` / ``DualPipeVEngine`` (``DualPipeVSchedule``).  The layers are cut
+  into 2p stages; rank r builds stage r (phase 0, activations flow towards rank p-1) and stage 2p-1-r (phase 1, back
+  towards rank 0), so rank 0 holds the embedding, the output layer and the loss, and a tied embedding is one module
+  there (no tied-gradient exchange).  ``deepspeed.initialize`` picks ``DualPipeVEngine`` for such a module.
+
+What DeepSpeed's DualPipeV needs from ds_megatron (subclassed or configured, nothing forked; gloo and the CPU
+accelerator run it as is, its p2p going through ``batch_isend_irecv``):
+- ``PipelineModel``'s forward runs its recompute segments over ``forward_funcs``, and DualPipeV swaps
+  ``forward_funcs`` per phase (``activate_phase``), so the segments are computed per phase and swapped with them;
+- the once-per-step SP gradient sum replaces ``ReduceTiedGrads`` in the engine's own class's instruction table
+  (``engine.install_step_sp_grad_sync``), which holds DualPipeV's phase-aware instructions;
+- TP partitioning of boundary tensors off at tp > 1 (the engine asserts it), fp16 refused (another gradient norm than
+  1F1B's, measured), at least 2p micro-batches per forward (sampling feeds one window 2p times, ``generate.py``),
+  logits on rank 0.
+What upstream would need for less of that: an inference forward of fewer than 2p micro-batches, fp16 loss scaling
+checked with two stages per rank, a hook after ``ReduceTiedGrads`` instead of a replaced instruction table, and the
+weight-gradient split of zero-bubble schedules (DeepSpeed's DualPipeV keeps each weight gradient in its backward).
+"""
+
+from __future__ import annotations
+
+from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+
+from ds_megatron.config.schema import PipelineSchedule, pipeline_schedule
+from ds_megatron.pipeline import PipelineModel
+
+
+class DualPipeVModel(PipelineModel, DualPipeVModule):
+    """:class:`PipelineModel` cut into 2p stages, two per rank (DeepSpeed's ``DualPipeVModule``).  Recompute segments
+    (full recompute's chunks of blocks) are per phase: each phase's stage is recomputed as 1F1B would recompute a
+    stage of its own."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        segments = []
+        for phase in (0, 1):
+            DualPipeVModule.activate_phase(self, phase)
+            segments.append(self._segments())
+        self.phase_segments = segments
+        self.activate_phase(0)
+
+    def activate_phase(self, phase: int) -> None:
+        super().activate_phase(phase)
+        if getattr(self, "phase_segments", None) is not None:  # None while DeepSpeed builds the two stages
+            self.segments = self.phase_segments[phase]
+
+
+# zb-h1 runs the 1F1B module; its engine is swapped in after deepspeed.initialize (ds_megatron.parallel.zero_bubble).
+MODULE_CLASSES: dict[str, type[PipelineModel]] = {
+    "1f1b": PipelineModel,
+    "dualpipev": DualPipeVModel,
+    "zb-h1": PipelineModel,
+}
+
+
+def module_class(name: str) -> type[PipelineModel]:
+    """The pipeline module class of schedule ``name`` (its engine follows: ``deepspeed.initialize`` chooses
+    ``DualPipeVEngine`` for a ``DualPipeVModule``)."""
+    return MODULE_CLASSES[name]
+
+
+def schedule_of(run) -> PipelineSchedule:
+    """The pipeline schedule of a resolved run."""
+    return pipeline_schedule(run.section.parallel.pipeline_schedule)
