@@ -333,3 +333,48 @@ for _comm in ("ring", "a2a"):
         CHECKS[f"{_comm}-pairs-{_mix}"] = partial(check_skipped_pairs, comm=_comm, mix=_mix)
     CHECKS[f"{_comm}-bf16"] = partial(check_bf16_forward, comm=_comm)
 CHECKS["ring-sdpa-h8-kv2-crossing"] = partial(check_parity, comm="ring", kernel="sdpa", n=8, n_kv=2, mix="crossing")
+
+
+# ---- the data path: where the EOS id comes from, what the stream yields ----
+
+
+@pytest.fixture(scope="module")
+def prepared_dir(tmp_path_factory):
+    """A small prepared directory (the one tests/test_data_training.py trains from)."""
+    from test_data_prepare import make_tokenizer, run_prepare, write_corpus
+
+    tmp = tmp_path_factory.mktemp("prepared")
+    run_prepare(write_corpus(tmp / "corpus"), make_tokenizer(tmp / "tok"), tmp / "out", progress=False)
+    return tmp / "out"
+
+
+def test_training_data_marks_documents_with_the_tokenizers_eos(tmp_path, prepared_dir):
+    """With ``data.document_mask`` the run's data carries the EOS id its shards end documents with (the prepared
+    manifest's, which is the tokenizer's) and the positions choice, and the micro-batch stream yields (input_ids,
+    doc_ids, positions): each CP rank's slice of the whole window's layout.  Off, nothing changes: a tensor."""
+    from test_data_training import run_config
+
+    from ds_megatron.data import MicroBatchStream, open_prepared
+    from ds_megatron.data import prepare as run_data
+    from ds_megatron.parallel.cp import unslice
+
+    prepared = str(prepared_dir)
+    assert run_data.prepare_data(run_config(tmp_path, path=prepared), 0).documents is None
+    run = run_config(tmp_path, seq=48, path=prepared, document_mask=True, document_positions="global")
+    data = run_data.prepare_data(run, 0)
+    eos = open_prepared(prepared).manifest["eos_id"]
+    assert data.documents == (eos, "global") and eos == data.tokenizer.eos_token_id
+    plain = MicroBatchStream(data.train, 2, 1, 0, 1)
+    step = next(k for k, (ids, _) in enumerate(plain) if (ids == eos).any())  # a batch with a document boundary
+    plain = next(MicroBatchStream(data.train, 2, 1, 0, 1, step))
+    assert torch.is_tensor(plain[0])  # the default boundary: the ids alone
+    docs = data.documents._replace(positions="restart")
+    (ids, doc_ids, positions), labels = next(MicroBatchStream(data.train, 2, 1, 0, 1, step, documents=docs))
+    assert torch.equal(ids, plain[0]) and torch.equal(labels, plain[1])
+    layout = document_layout(ids, eos, "restart")
+    assert torch.equal(doc_ids, layout.doc_ids) and torch.equal(positions, layout.positions)
+    assert doc_ids.max() > 0
+    pieces = [next(MicroBatchStream(data.train, 2, 1, 0, 1, step, r, 2, docs))[0] for r in range(2)]
+    for k in range(3):
+        assert torch.equal(unslice([p[k] for p in pieces], 1), (ids, doc_ids, positions)[k])
+        assert pieces[0][k].dtype == torch.int64 and pieces[0][k].shape == (2, 24)
