@@ -69,13 +69,19 @@ def rotary_tables(
     return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=8)
+def _frequencies_on(head_dim: int, theta: float, scaling: tuple | None, device: torch.device) -> torch.Tensor:
+    """``inverse_frequencies`` on ``device``, made once (not copied to the device on every layer call)."""
+    return inverse_frequencies(head_dim, theta, scaling).to(device)
+
+
 def rotary_rows(
     positions: torch.Tensor, head_dim: int, theta: float, scaling: tuple | None, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [s, b, 1, d] for per-token positions [b, s] (packed documents: each row has its own positions, so
     one [s] table cannot serve the batch).  The same fp32 angles as ``rotary_tables``, then cast like the
     activations; built per call (b s d values, against the table's s d cached once)."""
-    inv = inverse_frequencies(head_dim, theta, scaling).to(positions.device)
+    inv = _frequencies_on(head_dim, theta, scaling, positions.device)
     angles = positions.t().to(torch.float32)[:, :, None] * inv  # [s, b, d/2]
     angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
