@@ -139,21 +139,24 @@ def block_hooks(ctx: ParallelContext) -> BlockHooks:
     modules, split, cp = ctx.recompute.selective_modules, ctx.tp.size > 1, ctx.cp_size > 1
     fork = ctx.tp_fork() if split else contextlib.nullcontext
 
-    def cp_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def cp_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None) -> torch.Tensor:
         # Causal attention of this rank's chunks over the whole sequence, across the CP group; the core's kernel and
-        # scale, no dropout (attention dropout with cp > 1 is refused by the loader).
-        return cp_attention(ctx.cp_comm, q, k, v, ctx.cp_group, core.kernel, core.scale)
+        # scale, no dropout (attention dropout with cp > 1 is refused by the loader).  ``doc_ids``: this rank's
+        # tokens' documents (packed documents), sliced like its tokens.
+        return cp_attention(ctx.cp_comm, q, k, v, ctx.cp_group, core.kernel, core.scale, doc_ids)
 
     local_core = cp_core if cp else run_core
 
-    def core_in_state(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core_in_state(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None):
         with fork():
-            return local_core(core, q, k, v)
+            return local_core(core, q, k, v, doc_ids)
 
-    def recomputed_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def recomputed_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None):
         # Under CP the whole cp_attention is recomputed in backward, its exchange included (every CP rank recomputes
-        # the same layer at the same point of backward, so the messages still match); what is saved is q, k, v.
-        return checkpoint(functools.partial(core_in_state, core), q, k, v, rng=ctx.rng)
+        # the same layer at the same point of backward, so the messages still match); what is saved is q, k, v (and
+        # the document ids, an integer input with no gradient).
+        ids = () if doc_ids is None else (doc_ids,)
+        return checkpoint(functools.partial(core_in_state, core), q, k, v, *ids, rng=ctx.rng)
 
     def grouped_projection(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
         queue = linears[0].weight_grad_queue  # deferred weight gradients (zero-bubble schedules), or None

@@ -11,7 +11,9 @@ then sharded by the family's plan), for GPT-2 / Llama:
     loss: vocab-parallel cross entropy against labels [b, s]
 
 Only fixed-shape hidden states cross stage boundaries; positions, rotary tables and the causal mask are made
-locally.  DeepSpeed sums a tied embedding's gradient over the first and last stage (``TiedLayerSpec``).  Which
+locally.  With packed documents (``data.document_mask``) the boundary is the tuple (hidden, doc_ids, positions),
+the two [b, s/cp] int64 tensors read with the batch (``split_boundary``); masks are still built per call.
+DeepSpeed sums a tied embedding's gradient over the first and last stage (``TiedLayerSpec``).  Which
 module path each layer holds is the family's ``layout``.
 """
 
@@ -139,6 +141,21 @@ class PipelineLayout:
         return None
 
 
+def split_boundary(x) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(hidden, documents) of what a layer receives: a tensor alone (the default boundary), or with packed documents
+    (hidden or token ids, doc_ids, positions).  The ids and positions cross stage boundaries as they are: a middle
+    stage never sees the token ids, and at cp > 1 restart positions depend on chunks other ranks hold.  DeepSpeed's
+    pipeline engine sends int64 tensors with their dtype and shape, marks received ones ``requires_grad =
+    is_floating_point()`` and sends and expects gradients for floating tensors only, so they cost b s/cp x 16
+    bytes per micro-batch and boundary and no gradient buffer."""
+    return (x[0], tuple(x[1:])) if isinstance(x, tuple) else (x, ())
+
+
+def join_boundary(hidden: torch.Tensor, documents: tuple[torch.Tensor, ...]):
+    """The inverse of :func:`split_boundary`: the hidden states alone when there are no documents."""
+    return (hidden, *documents) if documents else hidden
+
+
 def keep_slot(layer: nn.Module, slot: tuple[str, str], full: nn.Module, config: ModelConfig, seed, ctx) -> None:
     """Initialise the full module at ``slot`` (its path in the model, the attribute the layer keeps it under) by
     name, shard it by the plan and keep it as ``layer.<attr>``, so checkpoint keys read like the model's."""
@@ -155,9 +172,11 @@ class EmbeddingPipe(nn.Module):
         full = TiedEmbedding(config.vocab_size, config.n_embd)
         keep_slot(self, family_of(config).layout.embedding, full, config, seed, ctx)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """ids [b, s] -> [s, b, h] (SP: [s/t, b, h])."""
-        return getattr(self, self.attr)(input_ids.t().contiguous())
+    def forward(self, inputs):
+        """ids [b, s] -> [s, b, h] (SP: [s/t, b, h]); with packed documents (ids, doc_ids, positions) -> (hidden,
+        doc_ids, positions)."""
+        input_ids, documents = split_boundary(inputs)
+        return join_boundary(getattr(self, self.attr)(input_ids.t().contiguous()), documents)
 
 
 def lm_head_forward(module: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
@@ -188,12 +207,17 @@ class PositionEmbeddingPipe(nn.Module):
         self.seq_factor = ctx.tp.size if ctx.sp else 1
         self.positions = ctx.positions
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs):
         # Global positions of this rank's tokens (under CP its two chunks); under SP the local sequence is first
-        # split over TP by the position table itself, as the embedding's reduce-scatter splits the tokens.
+        # split over TP by the position table itself, as the embedding's reduce-scatter splits the tokens.  Packed
+        # documents: each token's own position ([b, s] -> [s, b], split over TP the same way).
+        x, documents = split_boundary(inputs)
+        table = getattr(self, self.attr)
+        if documents:
+            return join_boundary(self.drop(x + table(documents[1].t())), documents)
         s = x.shape[0] * self.seq_factor
         pos = positions_tensor(self.positions(s), x.device)
-        return self.drop(x + getattr(self, self.attr)(pos).unsqueeze(1))
+        return self.drop(x + table(pos).unsqueeze(1))
 
 
 class BlockPipe(nn.Module):
@@ -208,8 +232,9 @@ class BlockPipe(nn.Module):
         self.block = parallelize_block(block, ctx)
         self.layer_idx = layer_idx
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x)
+    def forward(self, inputs):
+        x, documents = split_boundary(inputs)
+        return join_boundary(self.block(x, *documents), documents)
 
 
 class FinalNormPipe(nn.Module):
@@ -220,8 +245,8 @@ class FinalNormPipe(nn.Module):
         family = family_of(config)
         keep_slot(self, family.layout.final_norm, family.torch_side().final_norm(config), config, seed, ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return getattr(self, self.attr)(x)
+    def forward(self, inputs) -> torch.Tensor:
+        return getattr(self, self.attr)(split_boundary(inputs)[0])  # nothing after it needs the documents
 
 
 class VocabParallelLoss:
@@ -309,8 +334,18 @@ class PipelineModel(PipelineModule):
             x = x[0]
         for start, end, recomputed in self.segments:
             fn = self._run(start, end)
-            x = checkpoint(fn, x, rng=self.rng) if recomputed else fn(x)
+            x = checkpoint_segment(fn, x, self.rng) if recomputed else fn(x)
         return x
+
+
+def checkpoint_segment(fn, x, rng: RNGTracker | None):
+    """Full recompute of ``fn`` (a chunk of blocks) on what crosses a boundary: the hidden states are kept and
+    recomputed from; packed documents' ids and positions (no gradient, unchanged by blocks) go in as inputs and
+    around the checkpoint's output."""
+    hidden, documents = split_boundary(x)
+    if not documents:
+        return checkpoint(fn, x, rng=rng)
+    return (checkpoint(lambda h, *d: fn((h, *d))[0], hidden, *documents, rng=rng), *documents)
 
 
 def build_pipeline_module(

@@ -117,6 +117,7 @@ class Trainer:
             start_step,
             topo.cp_rank,
             topo.cp,
+            data.documents,
         )
         return cls(run, built, data, logger, stream, start_step, id_box[0], skipped)
 
@@ -246,7 +247,15 @@ class Trainer:
         run, engine = self.run, self.built.engine
         topo = self.built.topology
         stream = MicroBatchStream(
-            self.data.valid, run.micro_batch_size, run.grad_accum_steps, topo.dp_rank, run.dp, 0, topo.cp_rank, topo.cp
+            self.data.valid,
+            run.micro_batch_size,
+            run.grad_accum_steps,
+            topo.dp_rank,
+            run.dp,
+            0,
+            topo.cp_rank,
+            topo.cp,
+            self.data.documents,
         )
         losses = [float(engine.eval_batch(stream)) for _ in range(run.section.train.eval_iters)]
         engine.module.train()

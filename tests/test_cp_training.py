@@ -9,7 +9,12 @@ DeepSpeed's engine does.  Each rank compares, in fp32 within 1e-5, with the sing
 the loss (averaged over the data axis once), every gradient (this rank's shard) and the global gradient norm
 (``optim.global_grad_norm``: CP ranks are replicas of the weights and must not be counted twice).  Layouts cover
 both families, ring and a2a, eager and sdpa, grouped-query attention, TP with sequence parallelism, dp 2, cp 4,
-selective and full recompute, and a sequence length that is not a power of two (24).  The DeepSpeed engine path
+selective and full recompute, and a sequence length that is not a power of two (24).  With packed documents
+(``docs``: ``data.document_mask``, restart positions, EOS tokens whose documents cross chunk and rank boundaries)
+the reference is the single-device model given the whole window's ``document_layout``, at cp 1 (tp 1, tp 2 + SP)
+and cp 2 (ring, a2a, SP), both families; ``stages`` cuts the layers into two stages at the second block and
+passes the boundary tuple the way DeepSpeed's pipeline engine does (received tensors detached, ``requires_grad``
+for floating ones only; backward of the floating outputs only).  The DeepSpeed engine path
 (its gradient average, its norm, the pipeline) is checked by the launcher parity run (tests/test_parity.py).
 """
 
@@ -34,7 +39,9 @@ SEQ = 24  # not a power of two; divisible by 2 cp (cp 2, 4) and by cp tp (cp 2, 
 LLAMA = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 48, "rope_theta": 10000.0}
 
 
-def config(tp=1, cp=1, dp=1, *, seq=SEQ, sp=False, comm="ring", attention="eager", llama=False, tied=True, **kw):
+def config(
+    tp=1, cp=1, dp=1, *, seq=SEQ, sp=False, comm="ring", attention="eager", llama=False, tied=True, docs=False, **kw
+):
     model = {
         "num_layers": 2,
         "hidden_size": 32,
@@ -56,6 +63,7 @@ def config(tp=1, cp=1, dp=1, *, seq=SEQ, sp=False, comm="ring", attention="eager
             "parallel": {"tp": tp, "cp": cp, "cp_comm": comm, "sequence_parallel": sp},
             "recompute": kw.pop("recompute", {"policy": "none"}),
             "train": {"seed": 1234},
+            "data": {"document_mask": docs},
         },
     }
 
@@ -170,7 +178,7 @@ class Layout(NamedTuple):
     tp: int
     cp: int
     dp: int
-    options: tuple[str, ...] = ()  # llama, untied, sp, a2a, sdpa, selective, full
+    options: tuple[str, ...] = ()  # llama, untied, sp, a2a, sdpa, selective, full, docs, stages
 
     @property
     def name(self) -> str:
@@ -185,6 +193,13 @@ LAYOUTS = {
         Layout(1, 2, 1, ("llama", "untied", "a2a")),
         Layout(1, 2, 1, ("selective",)),
         Layout(1, 2, 1, ("llama", "full")),
+        Layout(1, 1, 2, ("docs",)),
+        Layout(1, 1, 2, ("docs", "llama", "sdpa")),
+        Layout(1, 2, 1, ("docs",)),
+        Layout(1, 2, 1, ("docs", "llama", "a2a")),
+        Layout(1, 2, 1, ("docs", "a2a", "selective")),
+        Layout(1, 2, 1, ("docs", "stages")),
+        Layout(1, 2, 1, ("docs", "llama", "stages", "full")),
     ],
     4: [
         Layout(2, 2, 1, ("sp",)),
@@ -194,6 +209,10 @@ LAYOUTS = {
         Layout(1, 2, 2, ("llama", "a2a", "sdpa")),
         Layout(1, 4, 1, ("llama",)),
         Layout(1, 4, 1, ("a2a", "sdpa")),
+        Layout(2, 1, 2, ("docs", "sp")),
+        Layout(2, 1, 2, ("docs", "sp", "llama", "selective")),
+        Layout(2, 2, 1, ("docs", "sp", "a2a")),
+        Layout(2, 2, 1, ("docs", "sp", "llama", "stages")),
     ],
 }
 
@@ -213,16 +232,37 @@ def layout_run(layout: Layout, world: int):
         llama="llama" in o,
         tied="untied" not in o,
         recompute=recompute,
+        docs="docs" in o,
     )
     return resolve(cfg, world)
 
 
+EOS = 0
+EOS_AT = ((4, 9, 10, 17), (2, 13, 20))  # per batch row: documents crossing chunks (cp 2: 6 tokens) and ranks
+
+
+def packed_windows(n: int, seq: int, vocab: int) -> torch.Tensor:
+    """[n, seq + 1] windows of random non-EOS tokens with EOS at ``EOS_AT`` (by row parity)."""
+    windows = torch.randint(1, vocab, (n, seq + 1))
+    for row in range(n):
+        windows[row, list(EOS_AT[row % 2])] = EOS
+    return windows
+
+
+def through_boundary(x):
+    """What the next stage receives from DeepSpeed's pipeline engine: each tensor a detached copy, ``requires_grad``
+    set for floating ones only (``_exec_recv_activations``)."""
+    xs = x if isinstance(x, tuple) else (x,)
+    got = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in xs)
+    return got if isinstance(x, tuple) else got[0]
+
+
 def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
+    from ds_megatron.data.document_mask import document_layout
+    from ds_megatron.data.stream import DocumentMasking, split_batch
     from ds_megatron.optim import global_grad_norm
-    from ds_megatron.parallel.cp import split_window
     from ds_megatron.parallelize import ParallelContext, shard_rule
-    from ds_megatron.pipeline import PipelineLayout, VocabParallelLoss, layer_specs, lm_head_forward
-    from ds_megatron.recompute import checkpoint
+    from ds_megatron.pipeline import PipelineLayout, VocabParallelLoss, checkpoint_segment, layer_specs, lm_head_forward
     from ds_megatron.tensor_parallel import TPGroup, shard
     from ds_megatron.topology import ParallelTopology
 
@@ -253,18 +293,40 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         layers.append(specs[-1].build())
     blocks = [i for i, m in enumerate(layers) if type(m).__name__ == "BlockPipe"]
 
-    windows = torch.randint(0, cfg.vocab_size, (run.global_batch_size, run.model.seq_length + 1))
+    data = run.section.data
+    documents = DocumentMasking(EOS, data.document_positions) if data.document_mask else None
+    if documents is None:
+        windows = torch.randint(0, cfg.vocab_size, (run.global_batch_size, run.model.seq_length + 1))
+    else:
+        windows = packed_windows(run.global_batch_size, run.model.seq_length, cfg.vocab_size)
     mine = windows.chunk(run.dp)[topo.dp_rank]  # the CP ranks of one replica read the same samples
-    ids, labels = split_window(mine, topo.cp_rank, topo.cp)
-    x = ids
+    x, labels = split_batch(mine, topo.cp_rank, topo.cp, documents)
+    cut = blocks[1] if "stages" in layout.options else None  # the second stage starts at the second block
+    sent = received = None
     for i, layer in enumerate(layers):
-        if "full" in layout.options and i in blocks:
-            x = checkpoint(layer, x, rng=None)
-        else:
-            x = layer(x)
+        if i == cut:
+            sent, received = x, through_boundary(x)
+            x = received
+        x = checkpoint_segment(layer, x, None) if "full" in layout.options and i in blocks else layer(x)
     logits = x if not tied else lm_head_forward(layers[0], x)
     loss = VocabParallelLoss(ctx)(logits, labels)
     loss.backward()
+    pairs: Pairs = []
+    if cut is not None:  # the first stage's backward, from the gradients of the floating tensors it sent
+        floats = [(s, r) for s, r in zip(sent, received) if s.is_floating_point()]
+        torch.autograd.backward([s for s, _ in floats], [r.grad for _, r in floats])
+        local_s, b = run.model.seq_length // run.cp, run.micro_batch_size
+        hidden_s = local_s // run.tp if run.section.parallel.sequence_parallel else local_s
+        shapes = [(str(t.dtype), tuple(t.shape)) for t in received]
+        want = [
+            ("torch.float32", (hidden_s, b, cfg.n_embd)),
+            ("torch.int64", (b, local_s)),
+            ("torch.int64", (b, local_s)),
+        ]
+        pairs.append(("boundary dtypes and shapes", torch.tensor(int(shapes == want)), torch.tensor(1)))
+        pairs.append(
+            ("no gradient on the ids", torch.tensor(sum(t.grad is not None for t in received[1:])), torch.tensor(0))
+        )
     for p in layers.parameters():  # DeepSpeed's data-parallel average, over dp x cp ranks
         dist.all_reduce(p.grad, group=data_group)
         p.grad /= run.dp * run.cp
@@ -274,14 +336,17 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     norm = global_grad_norm(list(layers.parameters()), topo)
 
     ref = build_model(cfg, seed=seed)
-    ref_logits = ref(windows[:, :-1])
+    if documents is None:
+        ref_logits = ref(windows[:, :-1])
+    else:  # the same mask and positions, on the whole window
+        ref_logits = ref(windows[:, :-1], *document_layout(windows[:, :-1], EOS, documents.positions))
     ref_loss = F.cross_entropy(ref_logits.reshape(-1, ref_logits.shape[-1]), windows[:, 1:].reshape(-1))
     ref_loss.backward()
     ref_grads = dict(ref.named_parameters())
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
 
     layout_names = PipelineLayout.of(cfg)
-    pairs: Pairs = [("loss", mean_loss, ref_loss), ("grad norm", norm.reshape(()), ref_norm)]
+    pairs += [("loss", mean_loss, ref_loss), ("grad norm", norm.reshape(()), ref_norm)]
     seen = set()
     for name, p in layers.named_parameters():
         full = layout_names.full_name(name)

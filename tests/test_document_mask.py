@@ -128,14 +128,65 @@ def test_config_keys():
     assert (data.document_mask, data.document_positions) == (True, "global")
     assert (DataSection().document_mask, DataSection().document_positions) == (False, "restart")
     check_data_section(DataSection(document_positions="global"))
-    # refused until the model and pipeline pass the ids through: a key that did nothing would claim a mask it lacks
-    with pytest.raises(ConfigError, match="ds_megatron.data.document_mask: not yet passed"):
-        check_data_section(data)
+    check_data_section(data)  # accepted: the model and the pipeline pass the ids through
     with pytest.raises(ConfigError) as err:
         check_data_section(DataSection(document_positions="local"))
     assert str(err.value).startswith("error: ds_megatron.data.document_positions:") and "'local'" in str(err.value)
     with pytest.raises(ConfigError, match="document_mask"):
         parse_section({"data": {"document_mask": "yes"}})
+
+
+# ---- the model: a packed window equals each document run alone ----
+
+
+def tiny_model(family: str):
+    from ds_megatron.model import build_model, model_config
+
+    shape = {"num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 61, "seq_length": S, "dropout": 0.0}
+    shape["init_std"] = 0.3  # weights large enough that positions visibly change the logits
+    if family == "llama":
+        shape.update(family="llama", num_kv_heads=2, intermediate_size=48, rope_theta=10000.0)
+    from ds_megatron.config import resolve
+
+    run = resolve({"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "ds_megatron": {"model": shape}}, 1)
+    cfg = model_config(run.model)
+    return build_model(cfg, seed=7)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_packed_window_loss_is_each_document_run_alone(family: str):
+    """Restart positions and document masking make a packed window exactly the documents run alone: the packed
+    model's per-token losses (labels: the window shifted, the EOS of a document predicting the next one's first
+    token) equal those of every document run as its own sequence from position 0, in fp32 within 1e-5; and without
+    the mask they differ.  GPT-2's learned positions also differ with global positions; rotary attention depends on
+    position differences only, so inside a masked document global positions give Llama the same losses."""
+    model = tiny_model(family)
+    gen = torch.Generator().manual_seed(3)
+    window = torch.stack([torch.cat([window_tokens(lengths, gen), torch.randint(1, 50, (1,), generator=gen)])
+                          for lengths in MIXES["crossing"]])  # fmt: skip
+    inputs, labels = window[:, :-1], window[:, 1:]
+    layout = document_layout(inputs, EOS, "restart")
+
+    def token_losses(logits):
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # [b, s]
+
+    with torch.no_grad():
+        packed = token_losses(model(inputs, layout.doc_ids, layout.positions))
+        alone = torch.zeros_like(packed)
+        for b in range(B):
+            for lo, hi in segments(layout.doc_ids[b]):
+                logits = model(inputs[b : b + 1, lo:hi])  # the document alone: plain causal, positions 0..
+                alone[b, lo:hi] = F.cross_entropy(logits[0], labels[b, lo:hi], reduction="none")
+        plain = token_losses(model(inputs))
+        global_positions = document_layout(inputs, EOS, "global").positions
+        globally = token_losses(model(inputs, layout.doc_ids, global_positions))
+    torch.testing.assert_close(packed, alone, rtol=TOLERANCE, atol=TOLERANCE)
+    torch.testing.assert_close(packed.mean(), alone.mean(), rtol=TOLERANCE, atol=TOLERANCE)
+    assert (plain - alone).abs().max() > 1e-3
+    if family == "gpt2":
+        assert (globally - alone).abs().max() > 1e-3
+    else:
+        torch.testing.assert_close(globally, alone, rtol=1e-4, atol=1e-4)
 
 
 def test_ring_scores_computed_per_rank():
@@ -282,3 +333,48 @@ for _comm in ("ring", "a2a"):
         CHECKS[f"{_comm}-pairs-{_mix}"] = partial(check_skipped_pairs, comm=_comm, mix=_mix)
     CHECKS[f"{_comm}-bf16"] = partial(check_bf16_forward, comm=_comm)
 CHECKS["ring-sdpa-h8-kv2-crossing"] = partial(check_parity, comm="ring", kernel="sdpa", n=8, n_kv=2, mix="crossing")
+
+
+# ---- the data path: where the EOS id comes from, what the stream yields ----
+
+
+@pytest.fixture(scope="module")
+def prepared_dir(tmp_path_factory):
+    """A small prepared directory (the one tests/test_data_training.py trains from)."""
+    from test_data_prepare import make_tokenizer, run_prepare, write_corpus
+
+    tmp = tmp_path_factory.mktemp("prepared")
+    run_prepare(write_corpus(tmp / "corpus"), make_tokenizer(tmp / "tok"), tmp / "out", progress=False)
+    return tmp / "out"
+
+
+def test_training_data_marks_documents_with_the_tokenizers_eos(tmp_path, prepared_dir):
+    """With ``data.document_mask`` the run's data carries the EOS id its shards end documents with (the prepared
+    manifest's, which is the tokenizer's) and the positions choice, and the micro-batch stream yields (input_ids,
+    doc_ids, positions): each CP rank's slice of the whole window's layout.  Off, nothing changes: a tensor."""
+    from test_data_training import run_config
+
+    from ds_megatron.data import MicroBatchStream, open_prepared
+    from ds_megatron.data import prepare as run_data
+    from ds_megatron.parallel.cp import unslice
+
+    prepared = str(prepared_dir)
+    assert run_data.prepare_data(run_config(tmp_path, path=prepared), 0).documents is None
+    run = run_config(tmp_path, seq=48, path=prepared, document_mask=True, document_positions="global")
+    data = run_data.prepare_data(run, 0)
+    eos = open_prepared(prepared).manifest["eos_id"]
+    assert data.documents == (eos, "global") and eos == data.tokenizer.eos_token_id
+    plain = MicroBatchStream(data.train, 2, 1, 0, 1)
+    step = next(k for k, (ids, _) in enumerate(plain) if (ids == eos).any())  # a batch with a document boundary
+    plain = next(MicroBatchStream(data.train, 2, 1, 0, 1, step))
+    assert torch.is_tensor(plain[0])  # the default boundary: the ids alone
+    docs = data.documents._replace(positions="restart")
+    (ids, doc_ids, positions), labels = next(MicroBatchStream(data.train, 2, 1, 0, 1, step, documents=docs))
+    assert torch.equal(ids, plain[0]) and torch.equal(labels, plain[1])
+    layout = document_layout(ids, eos, "restart")
+    assert torch.equal(doc_ids, layout.doc_ids) and torch.equal(positions, layout.positions)
+    assert doc_ids.max() > 0
+    pieces = [next(MicroBatchStream(data.train, 2, 1, 0, 1, step, r, 2, docs))[0] for r in range(2)]
+    for k in range(3):
+        assert torch.equal(unslice([p[k] for p in pieces], 1), (ids, doc_ids, positions)[k])
+        assert pieces[0][k].dtype == torch.int64 and pieces[0][k].shape == (2, 24)

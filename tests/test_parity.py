@@ -5,6 +5,9 @@ by 128).  Llama layouts (4 heads, 2 KV heads: grouped-query attention split over
 tied and untied output layers, in the same launches as the GPT-2 ones.  Context-parallel layouts (``cp2``: each
 sequence split over 2 ranks, ring; ``a2a``: all-to-all) ride in the same launches: DeepSpeed's own gradient
 average over its data axis (dp x cp), its loss average, the pipeline with CP chunks at the boundary, dp 2 x cp 2.
+Packed documents (``docs``: ``data.document_mask``, restart positions) ride there too, at tp 2 x pp 2 (DeepSpeed
+partitions the boundary's first tensor over TP) and pp 2 x cp 2 Llama: the boundary is (hidden, doc_ids,
+positions), the two int64 ids [b, s / cp] arriving without gradient.
 Each worker compares its own shards with the single-device reference: losses of 3 optimizer steps, step-1
 gradients (every parameter, before clipping), the global gradient norm, and the weights after 3 steps.
 """
@@ -43,7 +46,7 @@ GROUPS = {
         *DUALPIPEV[2],
     ],
     4: [
-        "2,2,1",
+        "2,2,1,docs",
         "2,1,2",
         "2,2,1,llama,sp,tied",
         "2,2,1,llama",
@@ -51,6 +54,7 @@ GROUPS = {
         "1,2,1,cp2",
         "1,1,2,llama,cp2,a2a",
         *DUALPIPEV[4],
+        "1,2,1,llama,cp2,docs",
     ],
 }
 
@@ -62,7 +66,8 @@ def result_name(layout: str) -> str:
     cp = [o for o in options if o.startswith("cp")]
     cp_part = [*cp, *(["a2a"] if cp and "a2a" in options else [])]
     extra = [o for o in ("dualpipev", "selective", "full") if o in options]
-    return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family, *cp_part, *extra])
+    docs = ["docs"] if "docs" in options else []
+    return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family, *cp_part, *extra, *docs])
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +94,10 @@ def test_layout_matches_single_device(results, layout):
     if cp > 1 and pp > 1:  # stage-boundary activations hold this CP rank's s / cp tokens (seq 16 in the workers)
         later = [r for r in ranks if r["pp_rank"] > 0]
         assert later and all(shape[0] == 16 // cp for r in later for shape in r["boundary_shapes"]), later
+    if "docs" in layout and pp > 1:  # doc_ids and positions cross the boundary: int64 [b, s / cp], no gradient
+        later = [r for r in ranks if r["pp_rank"] > 0]
+        ids = ["torch.int64", [2, 16 // cp], False]
+        assert later and all(extras == [ids, ids] for r in later for extras in r["boundary_extras"]), later
     for r in ranks:
         for got, ref in zip(r["losses"], r["ref_losses"]):
             assert abs(got - ref) <= 1e-5 * abs(ref), (layout, r["losses"], r["ref_losses"])

@@ -448,15 +448,6 @@ def check_data_section(data: DataSection) -> None:
             f"got {data.document_positions!r}",
             f"use one of {DOCUMENT_POSITIONS}",
         )
-    if data.document_mask:
-        # The kernels take document ids (CoreAttention, cp_attention) but the model forward and the pipeline do not
-        # pass them yet: accepting the key would train with cross-document attention while claiming not to.
-        raise ConfigError(
-            "ds_megatron.data.document_mask",
-            "not yet passed through the model and pipeline (the attention kernels support it)",
-            "document_mask=true",
-            "set it false",
-        )
     check_hf_config(data)
     if not data.blend:
         return

@@ -34,6 +34,7 @@ from ds_megatron.config.schema import DataSection
 from ds_megatron.data.blend import BlendedSamples
 from ds_megatron.data.corpus import (
     build_tokenizer,
+    eos_id,
     fingerprint_documents,
     launch_record,
     load_documents,
@@ -44,7 +45,7 @@ from ds_megatron.data.corpus import (
 from ds_megatron.data.lock import file_lock
 from ds_megatron.data.megatron_indexed import IndexedDataset, megatron_prefix, open_indexed, tokenizer_spec
 from ds_megatron.data.prepared import Prepared, is_prepared, open_prepared
-from ds_megatron.data.stream import PackedSamples, split_train_valid
+from ds_megatron.data.stream import DocumentMasking, PackedSamples, split_train_valid
 from ds_megatron.fileio import atomic_write_text
 
 
@@ -55,6 +56,7 @@ class RunData:
     valid: PackedSamples | BlendedSamples
     num_tokens: int
     cache_file: Path  # the packed token file, or the (first) prepared directory
+    documents: DocumentMasking | None = None  # data.document_mask: how the micro-batches mark packed documents
 
 
 def _say(rank: int, line: str) -> None:
@@ -260,6 +262,11 @@ def prepare_data(run: RunConfig, rank: int, run_dir: Path | None = None) -> RunD
         result = _megatron_data(run, rank, prefix)
     else:
         result = _in_launch_data(run, rank)
+    if data.document_mask:
+        # Every packed file and prepared shard puts the tokenizer's EOS after each document (``corpus.pack``,
+        # ``prepare``; a prepared directory's tokenizer is checked against its shards), so that id ends one.
+        setting = "ds_megatron.data.document_mask"
+        result.documents = DocumentMasking(eos_id(result.tokenizer, setting), data.document_positions)
     if rank == 0 and run_dir is not None:
         result.tokenizer.save_pretrained(run_dir / "tokenizer")
     return result

@@ -62,9 +62,11 @@ def positions_tensor(ranges: tuple[tuple[int, int], ...], device: torch.device |
     return torch.cat([torch.arange(a, b, device=device) for a, b in ranges])
 
 
-def run_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``core(q, k, v)`` in the default RNG state: the single-device ``BlockHooks.core_attention``."""
-    return core(q, k, v)
+def run_core(
+    core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``core(q, k, v, doc_ids)`` in the default RNG state: the single-device ``BlockHooks.core_attention``."""
+    return core(q, k, v, doc_ids)
 
 
 class Modeling(NamedTuple):
@@ -87,11 +89,14 @@ class BlockHooks:
                                        ``mlp_act`` recomputes the activation's output the same way.
     project(x, linears)                each linear applied to x (q|k|v, gate|up).  Under TP, one collective on the
                                        input for all of them (one all-gather of a sequence shard under SP).
-    core_attention(core, q, k, v)      ``core(q, k, v)``.  Under TP in the tensor-parallel RNG state (heads are
-                                       split, so their dropout masks must differ across TP ranks); with selective
-                                       recompute of ``core_attn`` checkpointed, its s x s tensors recomputed with
-                                       the same RNG states in backward.  Under context parallelism, attention over
-                                       the whole sequence across the CP group.
+    core_attention(core, q, k, v,      ``core(q, k, v, doc_ids)``.  Under TP in the tensor-parallel RNG state
+                   doc_ids=None)       (heads are split, so their dropout masks must differ across TP ranks); with
+                                       selective recompute of ``core_attn`` checkpointed, its s x s tensors
+                                       recomputed with the same RNG states in backward (the ids an input with no
+                                       gradient).  Under context parallelism, attention over the whole sequence
+                                       across the CP group.  ``doc_ids`` [b, s] (packed documents): the document of
+                                       each token q, k, v hold, the whole (cp-local) sequence even under SP, since
+                                       the projections all-gather the sequence before attention.
     positions(s)                       the global positions of the s tokens the attention sees, as [start, stop)
                                        ranges (hashable, so rotary tables are cached per layout): ``((0, s),)``
                                        on one device; a CP rank's two chunks under context parallelism.

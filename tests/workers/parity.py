@@ -9,6 +9,8 @@ the world is then tp x cp x pp x dp and each CP rank trains on its chunks of eve
 pipeline schedule and a recompute policy (``selective``, ``full``).  With ``replay`` the layout instead compares,
 with dropout on, each recompute policy's step-1 gradients with no recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
 The layout ``checkpoint`` runs ``schedule_checkpoint.py``'s checks (2 processes) into DIR/checkpoint.
+``docs``: packed documents kept apart (``data.document_mask``, restart positions; token ids below 100 become
+EOS), against the single-device model given the whole window's layout.
 Writes DIR/<layout>.rank<r>.json with losses, gradient differences and gradient norms.
 """
 
@@ -27,6 +29,8 @@ from common import log, micro_batches, tiny_ds_config, token_batches, write_resu
 
 from ds_megatron.checkpoint.layout import stage_param_layers  # noqa: E402
 from ds_megatron.config import resolve  # noqa: E402
+from ds_megatron.data.document_mask import document_layout  # noqa: E402
+from ds_megatron.data.stream import DocumentMasking, split_batch  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
 from ds_megatron.model import build_model, model_config  # noqa: E402
 from ds_megatron.optim import param_groups  # noqa: E402
@@ -34,8 +38,15 @@ from ds_megatron.parallelize import shard_rule  # noqa: E402
 from ds_megatron.pipeline import pipeline_param_name  # noqa: E402
 from ds_megatron.tensor_parallel import shard  # noqa: E402
 
+EOS = 0
 
-def reference(run, batches):
+
+def with_documents(tokens: torch.Tensor) -> torch.Tensor:
+    """Random tokens made packed documents: every id below 100 becomes EOS (about one token in ten)."""
+    return torch.where(tokens < 100, EOS, tokens)
+
+
+def reference(run, batches, documents=None):
     """Plain single-device training: losses per step, step-1 gradients (before clipping) and grad norms."""
     torch.manual_seed(0)
     model = build_model(model_config(run.model), seed=run.section.train.seed)
@@ -48,7 +59,8 @@ def reference(run, batches):
     )
     losses, norms, grads = [], [], None
     for step, tokens in enumerate(batches):
-        logits = model(tokens[:, :-1])
+        inputs = tokens[:, :-1]
+        logits = model(inputs) if documents is None else model(inputs, *document_layout(inputs, EOS, documents))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -79,14 +91,26 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
     for policy in ("selective", "full"):  # full: one block per recomputed chunk
         if policy in options:
             cfg["ds_megatron"]["recompute"] = {"policy": policy}
+    docs = "docs" in options
+    if docs:
+        cfg["ds_megatron"].setdefault("data", {})["document_mask"] = True
     run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
+    documents = DocumentMasking(EOS, run.section.data.document_positions) if docs else None
     built = build_engine(run)
     engine, topo, plan = built.engine, built.topology, built.parallel
     batches = token_batches(args.steps, run.global_batch_size, run.model.seq_length, run.model.vocab_size)
-    boundary_rows = []
+    if docs:
+        batches = [with_documents(t) for t in batches]
+    boundary_rows, boundary_extras = [], []
+
+    def record(mod, inputs):
+        x = inputs[0]  # the hidden states, or with packed documents (hidden, doc_ids, positions)
+        hidden, extras = (x[0], x[1:]) if isinstance(x, tuple) else (x, ())
+        boundary_rows.append(list(hidden.shape))
+        boundary_extras.append([[str(t.dtype), list(t.shape), t.requires_grad] for t in extras])
+
     if topo.pp_rank > 0:  # what arrives from the previous stage
-        first = engine.module.forward_funcs[0]
-        first.register_forward_pre_hook(lambda mod, inputs: boundary_rows.append(list(inputs[0].shape)))
+        engine.module.forward_funcs[0].register_forward_pre_hook(record)
 
     captured = {}
 
@@ -104,7 +128,12 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
     engine.optimizer.register_step_pre_hook(capture)
     losses, norms = [], []
     for tokens in batches:
-        it = iter(micro_batches(tokens, run.micro_batch_size, run.dp, topo.dp_rank, topo.cp_rank, topo.cp))
+        if docs:
+            gas = tokens.shape[0] // (run.micro_batch_size * run.dp)
+            mine = tokens.view(run.dp, gas, run.micro_batch_size, -1)[topo.dp_rank]
+            it = iter([split_batch(mb, topo.cp_rank, topo.cp, documents) for mb in mine])
+        else:
+            it = iter(micro_batches(tokens, run.micro_batch_size, run.dp, topo.dp_rank, topo.cp_rank, topo.cp))
         losses.append(float(engine.train_batch(it)))
         norms.append(float(engine.get_global_grad_norm()))
 
@@ -115,7 +144,7 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
         if idx not in built_layers:
             built_layers.append(idx)
     table_layers = stage_param_layers(built.model_config, run, pp)[topo.pp_rank]
-    ref_losses, ref_grads, ref_norms, ref_params = reference(run, batches)
+    ref_losses, ref_grads, ref_norms, ref_params = reference(run, batches, documents and documents.positions)
     grad_diff, param_diff, checked, norm_weights = 0.0, 0.0, [], {}
     for name, p in engine.module.named_parameters():
         full = pipeline_param_name(name, engine.module)
@@ -133,7 +162,10 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
     family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
     cp_part = [f"cp{cp}", *(["a2a"] if comm == "a2a" else [])] if cp > 1 else []
     extra = [o for o in ("dualpipev", "selective", "full") if o in options]
-    layout = "-".join([f"{tp}-{pp}-{dp}", *(["sp"] if sp else []), *family, *cp_part, *extra, args.attention])
+    doc_part = ["docs"] if docs else []
+    layout = "-".join(
+        [f"{tp}-{pp}-{dp}", *(["sp"] if sp else []), *family, *cp_part, *extra, *doc_part, args.attention]
+    )
     log(layout, "losses", losses, "ref", ref_losses, "grad_diff", grad_diff, "norms", norms, ref_norms)
     write_result(
         args.out,
@@ -152,6 +184,7 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
             "dp_rank": topo.dp_rank,
             "cp_rank": topo.cp_rank,
             "boundary_shapes": boundary_rows,
+            "boundary_extras": boundary_extras,
             "norm_weights": norm_weights,
             "built_layers": built_layers,
             "table_layers": table_layers,

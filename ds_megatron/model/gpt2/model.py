@@ -32,13 +32,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
-    def forward(self, x: torch.Tensor, hooks: BlockHooks) -> torch.Tensor:
-        """x: [s, b, h] -> [s, b, h].  After TP the local head count is read off c_attn's output width."""
+    def forward(self, x: torch.Tensor, hooks: BlockHooks, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [s, b, h] -> [s, b, h].  After TP the local head count is read off c_attn's output width.  ``doc_ids``
+        [b, s] (packed documents): attention stays inside each document."""
         qkv = self.c_attn(x)  # [s, b, 3 * n_local * d]
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, 3, -1, self.head_dim)
         q, k, v = qkv.permute(2, 1, 3, 0, 4).unbind(0)  # each [b, n_local, s, d]
-        ctx = hooks.core_attention(self.core_attention, q, k, v)
+        ctx = hooks.core_attention(self.core_attention, q, k, v, doc_ids)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, n_local * d]
         return self.resid_dropout(self.c_proj(ctx))
 
@@ -66,10 +67,13 @@ class GPTBlock(nn.Module):
         self.mlp = MLP(config)
         self.hooks = hooks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [s(/t), b, h] -> same: x + attn(ln_1(x)), then + mlp(ln_2(.))."""
+    def forward(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [s(/t), b, h] -> same: x + attn(ln_1(x)), then + mlp(ln_2(.)).  ``doc_ids`` [b, s] (packed documents);
+        ``positions`` are unused here (learned positions are added before the blocks)."""
         hooks = self.hooks
-        x = x + hooks.around_norm(self.ln_1, (x,), lambda y: self.attn(y, hooks))
+        x = x + hooks.around_norm(self.ln_1, (x,), lambda y: self.attn(y, hooks, doc_ids))
         return x + hooks.around_norm(self.ln_2, (x,), lambda y: self.mlp(y, hooks))
 
 
@@ -90,15 +94,20 @@ class GPT(nn.Module):
         )
         init_module(self, config, seed)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [b, s] -> logits [b, s, V]."""
+    def forward(
+        self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids [b, s] -> logits [b, s, V].  Packed documents (``data.document_mask``): ``doc_ids`` and
+        ``positions`` [b, s] (``data.document_mask.document_layout``) keep attention inside each document and give
+        each token its position (per row); without them, positions 0..s-1 and attention over the whole window."""
         t = self.transformer
-        s = input_ids.shape[1]
-        pos = torch.arange(s, device=input_ids.device)
-        x = t.wte(input_ids.t()) + t.wpe(pos).unsqueeze(1)  # [s, b, h]
-        x = t.drop(x)
+        if positions is None:
+            pos = t.wpe(torch.arange(input_ids.shape[1], device=input_ids.device)).unsqueeze(1)  # [s, 1, h]
+        else:
+            pos = t.wpe(positions.t())  # [s, b, h]
+        x = t.drop(t.wte(input_ids.t()) + pos)  # [s, b, h]
         for block in t.h:
-            x = block(x)
+            x = block(x, doc_ids)
         return t.wte.logits(t.ln_f(x)).transpose(0, 1)
 
 

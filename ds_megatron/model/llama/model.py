@@ -69,6 +69,24 @@ def rotary_tables(
     return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=8)
+def _frequencies_on(head_dim: int, theta: float, scaling: tuple | None, device: torch.device) -> torch.Tensor:
+    """``inverse_frequencies`` on ``device``, made once (not copied to the device on every layer call)."""
+    return inverse_frequencies(head_dim, theta, scaling).to(device)
+
+
+def rotary_rows(
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: tuple | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [s, b, 1, d] for per-token positions [b, s] (packed documents: each row has its own positions, so
+    one [s] table cannot serve the batch).  The same fp32 angles as ``rotary_tables``, then cast like the
+    activations; built per call (b s d values, against the table's s d cached once)."""
+    inv = _frequencies_on(head_dim, theta, scaling, positions.device)
+    angles = positions.t().to(torch.float32)[:, :, None] * inv  # [s, b, d/2]
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x_i, x_{i + d/2}) of x [s, b, n, d] by the angle of each position.  Positions are global: under
     sequence parallelism x is the full sequence (after the column-parallel all-gather), never a shard; under context
@@ -116,16 +134,27 @@ class LlamaAttention(nn.Module):
         self.core_attention = CoreAttention(config)
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
 
-    def forward(self, x: torch.Tensor, hooks: BlockHooks) -> torch.Tensor:
-        """x: [s(/t), b, h] -> [s(/t), b, h].  After TP the local head counts are read off the projections' widths."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        hooks: BlockHooks,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: [s(/t), b, h] -> [s(/t), b, h].  After TP the local head counts are read off the projections' widths.
+        Packed documents: ``doc_ids`` and ``positions`` [b, s] (s the whole sequence q sees, after SP's all-gather;
+        under CP this rank's tokens): attention inside each document, rotary angles per token."""
         q, k, v = hooks.project(x, (self.q_proj, self.k_proj, self.v_proj))  # each [s, b, heads_local * d]
         s, b, _ = q.shape
         d, c = self.head_dim, self.config
-        cos, sin = rotary_tables(hooks.positions(s), d, c.rope_theta, c.rope_scaling, q.device, q.dtype)
+        if positions is None:
+            cos, sin = rotary_tables(hooks.positions(s), d, c.rope_theta, c.rope_scaling, q.device, q.dtype)
+        else:
+            cos, sin = rotary_rows(positions, d, c.rope_theta, c.rope_scaling, q.dtype)
         q = apply_rotary(q.view(s, b, -1, d), cos, sin).permute(1, 2, 0, 3)  # [b, n_local, s, d]
         k = apply_rotary(k.view(s, b, -1, d), cos, sin).permute(1, 2, 0, 3)  # [b, kv_local, s, d]
         v = v.view(s, b, -1, d).permute(1, 2, 0, 3)
-        ctx = hooks.core_attention(self.core_attention, q, k, v)  # [b, n_local, s, d]
+        ctx = hooks.core_attention(self.core_attention, q, k, v, doc_ids)  # [b, n_local, s, d]
         return self.o_proj(ctx.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
@@ -154,10 +183,14 @@ class LlamaBlock(nn.Module):
         self.mlp = LlamaMLP(config)
         self.hooks = hooks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [s(/t), b, h] -> same: x + attn(norm(x)), then + mlp(norm(.))."""
+    def forward(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [s(/t), b, h] -> same: x + attn(norm(x)), then + mlp(norm(.)).  ``doc_ids``, ``positions`` [b, s]:
+        packed documents (``LlamaAttention.forward``)."""
         hooks = self.hooks
-        x = x + hooks.around_norm(self.input_layernorm, (x,), lambda y: self.self_attn(y, hooks))
+        attn = lambda y: self.self_attn(y, hooks, doc_ids, positions)  # noqa: E731
+        x = x + hooks.around_norm(self.input_layernorm, (x,), attn)
         return x + hooks.around_norm(self.post_attention_layernorm, (x,), lambda y: self.mlp(y, hooks))
 
 
@@ -178,12 +211,15 @@ class Llama(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         init_llama_module(self, config, seed)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [b, s] -> logits [b, s, V]."""
+    def forward(
+        self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_ids [b, s] -> logits [b, s, V].  Packed documents (``data.document_mask``): ``doc_ids`` and
+        ``positions`` [b, s] (``data.document_mask.document_layout``)."""
         m = self.model
         x = m.embed_tokens(input_ids.t())  # [s, b, h]
         for block in m.layers:
-            x = block(x)
+            x = block(x, doc_ids, positions)
         x = m.norm(x)
         logits = m.embed_tokens.logits(x) if self.config.tie_word_embeddings else self.lm_head(x)
         return logits.transpose(0, 1)
