@@ -256,10 +256,14 @@ class _no_context:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what the rank really holds); any other tensor itself."""
+    """The plain tensor a rank really holds: a DTensor's local shard, the result inside a functional collective's
+    not-yet-waited wrapper (both have no storage of their own); any other tensor itself."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
 
-    return t._local_tensor if isinstance(t, DTensor) else t
+    while isinstance(t, (DTensor, AsyncCollectiveTensor)):
+        t = t._local_tensor if isinstance(t, DTensor) else t.elem
+    return t
 
 
 def saved_bytes(variant: Variant, x: torch.Tensor, y: torch.Tensor) -> int:
@@ -312,6 +316,13 @@ def work_memory(args, name: str) -> dict:
     return {"rss_built_kb": rss_built, "peak_rss_kb": peak, "saved_bytes": saved_bytes(variant, x, y)}
 
 
+def work_saved(args, names: list[str]) -> dict:
+    """Every variant in one process: the bytes one forward with the loss saves for backward (no peak RSS, which
+    needs the variant alone in its process)."""
+    x, y = batches(args, 1)[0]
+    return {name: {"saved_bytes": saved_bytes(Variant(name, args), x, y)} for name in names}
+
+
 def worker(args) -> None:
     from ds_megatron.engine import init_distributed
 
@@ -319,10 +330,11 @@ def worker(args) -> None:
     # leaves behind (~66 MB per rank and launch), which deepspeed.initialize alone would leak.
     init_distributed()
     names = args.variants.split(",")
-    result = work_times(args, names) if args.work == "times" else work_memory(args, names[0])
-    Path(
-        args.out, f"{args.work}-{names[0] if args.work == 'memory' else 'all'}.rank{os.environ['RANK']}.json"
-    ).write_text(json.dumps(result))
+    if args.work == "memory":
+        result, tag = work_memory(args, names[0]), names[0]
+    else:
+        result, tag = (work_times if args.work == "times" else work_saved)(args, names), "all"
+    Path(args.out, f"{args.work}-{tag}.rank{os.environ['RANK']}.json").write_text(json.dumps(result))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -369,7 +381,8 @@ def table(args, names: list[str], times: dict, memory: dict | None) -> str:
         w = [v * 1e3 for v in wall[name]]
         peak = saved = "-"
         if memory:
-            peak = f"{max(r['peak_rss_kb'] for r in memory[name]) / 1024:,.0f}"
+            if "peak_rss_kb" in memory[name][0]:
+                peak = f"{max(r['peak_rss_kb'] for r in memory[name]) / 1024:,.0f}"
             saved = f"{max(r['saved_bytes'] for r in memory[name]) / 2**20:.1f}"
         lines.append(
             f"| {label(name)} | {tokens / statistics.median(wall[name]):,.0f} | {statistics.median(w):,.0f} "
@@ -414,9 +427,13 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--steps", type=int, default=6, help="timed rounds (one step of every variant each)")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
     ap.add_argument("--no-memory", action="store_true", help="skip the one-launch-per-variant memory phase")
+    ap.add_argument(
+        "--saved-only", action="store_true", help="memory: saved bytes of every variant from one launch, no peak RSS"
+    )
     ap.add_argument("--markdown")
+    ap.add_argument("--times-json", help="the times of an earlier launch (its rank-0 JSON): run the memory phase only")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--work", choices=("times", "memory"), help=argparse.SUPPRESS)
+    ap.add_argument("--work", choices=("times", "memory", "saved"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -434,8 +451,17 @@ def main() -> None:
     names = args.variants.split(",")
     out = Path(tempfile.mkdtemp(prefix="peers_"))
     load_start = os.getloadavg()
-    times = launch(args, "times", names, out)[0]
-    memory = None if args.no_memory else {n: launch(args, "memory", [n], out) for n in names}
+    if args.times_json:
+        times = json.loads(Path(args.times_json).read_text())
+    else:
+        times = launch(args, "times", names, out)[0]
+    if args.no_memory:
+        memory = None
+    elif args.saved_only:
+        ranks = launch(args, "saved", names, out)
+        memory = {n: [r[n] for r in ranks] for n in names}
+    else:
+        memory = {n: launch(args, "memory", [n], out) for n in names}
     load_end = os.getloadavg()
     body = (
         f"Llama, {args.layers} layers, h {args.hidden}, {args.heads} heads ({args.kv_heads} KV heads, head dim "
