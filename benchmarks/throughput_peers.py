@@ -285,6 +285,7 @@ def saved_bytes(variant: Variant, x: torch.Tensor, y: torch.Tensor) -> int:
 
 def work_times(args, names: list[str]) -> dict:
     """All variants in one process; each round runs one step of each, in an order that rotates every round."""
+    load = os.getloadavg()
     variants = {name: Variant(name, args) for name in names}
     data = batches(args, args.warmup + args.steps)
     wall: dict[str, list[float]] = {n: [] for n in names}
@@ -300,7 +301,7 @@ def work_times(args, names: list[str]) -> dict:
                 cpu[name].append(cpu_seconds)
         if int(os.environ["RANK"]) == 0:
             print(f"step {step}: " + " ".join(f"{n} {wall[n][-1] * 1e3:.0f}" for n in names if wall[n]), flush=True)
-    return {"wall": wall, "cpu": cpu, "losses": losses}
+    return {"wall": wall, "cpu": cpu, "losses": losses, "load": [list(load), list(os.getloadavg())]}
 
 
 def work_memory(args, name: str) -> dict:
@@ -463,17 +464,26 @@ def main() -> None:
     else:
         memory = {n: launch(args, "memory", [n], out) for n in names}
     load_end = os.getloadavg()
+    memory_how = {
+        None: "no memory phase",
+        "saved": "saved bytes from one launch building every variant (no peak RSS)",
+        "rss": "memory from one launch per variant (peak RSS: VmHWM over two steps, reset after the build)",
+    }[None if args.no_memory else "saved" if args.saved_only else "rss"]
+    if "load" in times:
+        load_start, load_end = times["load"]  # the load while the times were measured
+    timed_in = f"the times from {args.times_json}, an earlier launch" if args.times_json else "one launch"
     body = (
         f"Llama, {args.layers} layers, h {args.hidden}, {args.heads} heads ({args.kv_heads} KV heads, head dim "
         f"{args.hidden // args.heads}), SwiGLU width {args.ffn}, V {args.vocab} (untied), s {args.seq}, "
         f"micro-batch {args.batch}, {num_params(args) / 1e6:.1f}M parameters; tp {TP} on {TP} CPU processes "
         f"(gloo, OMP_NUM_THREADS=1: one thread per process, one process per core), bf16 weights + fp32 masters, "
         f"AdamW, clipping 1.0, no dropout; {args.steps} timed rounds after {args.warmup} warm-up, every variant's "
-        f"step once per round in a rotating order, one launch (wall and CPU time per step: the slowest rank's); "
-        f"memory from one launch per variant.  The machine was shared with other jobs: load average (1/5/15 min) "
-        f"{'/'.join(f'{v:.1f}' for v in load_start)} at the start, {'/'.join(f'{v:.1f}' for v in load_end)} at "
-        f"the end, on {os.cpu_count()} cores, so wall times scatter; CPU time (the process's own) is less "
-        f"disturbed but leaves out waits in collectives.\n\n{table(args, names, times, memory)}"
+        f"step once per round in a rotating order, {timed_in} (wall and CPU time per step: the slowest rank's); "
+        f"{memory_how}.  The machine was shared with other jobs: load average (1/5/15 min) "
+        f"{'/'.join(f'{v:.1f}' for v in load_start)} at the start of the timing, "
+        f"{'/'.join(f'{v:.1f}' for v in load_end)} at its end, on {os.cpu_count()} cores, so wall times "
+        f"scatter; CPU time (the process's own) is less disturbed but leaves out waits in collectives."
+        f"\n\n{table(args, names, times, memory)}"
     )
     print(body)
     if args.markdown:
