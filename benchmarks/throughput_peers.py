@@ -5,7 +5,7 @@ each with ``sdpa`` and ``eager`` attention, without recompute and with per-layer
 
     python benchmarks/throughput_peers.py [--layers 4 --hidden 256 --heads 8 --kv-heads 2 --ffn 704 --seq 2048
                                           --batch 1 --vocab 8192] [--warmup 1 --steps 6] [--variants a,b,...]
-                                          [--no-memory] [--markdown OUT.md]
+                                          [--no-memory | --saved-only] [--times-json RANK0.json] [--markdown OUT.md]
 
 Every system: bf16 weights with fp32 master weights, AdamW (lr 1e-4, betas 0.9/0.95, weight decay 0.1 on
 matrices), clipping 1.0, no dropout, untied output layer, the same initial weights (ds_megatron's, loaded into the
@@ -26,7 +26,9 @@ Timing: one launch builds every variant and runs their steps in turn (one round 
 rotating every round), so machine noise hits them alike; per step the slowest rank's wall time and CPU time.
 Memory (unless ``--no-memory``): one launch per variant, nothing else resident: the peak RSS per rank over two
 training steps (VmHWM reset after the build) and the bytes one forward with the loss saves for backward (unique
-storages, parameters excluded, DTensors counted by their local shard).
+storages, parameters excluded, DTensors counted by their local shard); ``--saved-only`` measures the saved bytes of
+every variant in one launch instead (no peak RSS: on a loaded machine a launch per variant takes minutes), and
+``--times-json`` reuses the times of an earlier launch (its rank-0 JSON, which records the load average).
 """
 
 from __future__ import annotations
