@@ -81,7 +81,7 @@ def deepspeed_keys(args) -> dict:
     }
 
 
-def ds_megatron_config(args, recompute: str) -> dict:
+def ds_megatron_config(args, recompute: str, attention: str = "eager") -> dict:
     return {
         **deepspeed_keys(args),
         "optimizer": {
@@ -99,7 +99,7 @@ def ds_megatron_config(args, recompute: str) -> dict:
                 "vocab_size": args.vocab,
                 "seq_length": args.seq,
                 "dropout": 0.0,
-                "attention": "eager",
+                "attention": attention,
                 "tie_word_embeddings": False,
             },
             "parallel": {"tp": TP, "pp": 1, "sequence_parallel": True},
