@@ -47,14 +47,7 @@ def deepspeed_launch(
     and the runner's own start (a Python process importing torch and deepspeed, about 3 s of the 2 cores) is saved.
     ``command=True`` runs the real ``deepspeed`` command, for tests of what the command itself does."""
     port = _free_port()
-    if command:
-        launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs)]
-        launcher += ["--master_port", str(port)]
-    else:
-        world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nprocs))}).encode()).decode()
-        launcher = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}"]
-        launcher += ["--master_addr=127.0.0.1", f"--master_port={port}", "--log_level=info"]
-    cmd = [*launcher, str(script), *args]
+    cmd = [*launcher_command(nprocs, port, command), str(script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
     env.update(env_extra or {})
     _record_launch(script, nprocs)
@@ -68,6 +61,16 @@ def deepspeed_launch(
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+def launcher_command(nprocs: int, port: int, command: bool = False) -> list[str]:
+    """What starts ``nprocs`` processes of a script on this machine: ``deepspeed --num_gpus N`` with ``command``,
+    else DeepSpeed's per-node launcher with the arguments that command's single-node runner gives it."""
+    if command:
+        return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(port)]
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nprocs))}).encode()).decode()
+    launcher = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}"]
+    return [*launcher, "--master_addr=127.0.0.1", f"--master_port={port}", "--log_level=info"]
 
 
 def _record_launch(script: str | Path, nprocs: int, nodes: int = 1) -> None:
