@@ -3,7 +3,11 @@ this machine, and return its output."""
 
 from __future__ import annotations
 
+import atexit
+import base64
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,14 +32,25 @@ def shm_buffers(port: int) -> list[Path]:
 
 
 def deepspeed_launch(
-    script: str | Path, nprocs: int, args: list[str], timeout: int = 600, env_extra: dict | None = None
+    script: str | Path,
+    nprocs: int,
+    args: list[str],
+    timeout: int = 600,
+    env_extra: dict | None = None,
+    command: bool = False,
 ) -> str:
-    """Launch ``script`` under ``deepspeed --num_gpus nprocs``; raise with the output tail on failure."""
-    launcher = Path(sys.executable).parent / "deepspeed"
+    """Launch ``script`` in ``nprocs`` processes; raise with the output tail on failure.
+
+    By default DeepSpeed's per-node launcher (``python -m deepspeed.launcher.launch``) is started directly, with the
+    arguments the ``deepspeed --num_gpus N`` command gives it on one node (the command's runner passes the environment
+    on unchanged there): the workers see the same launcher, ranks, environment and process chain below the launcher,
+    and the runner's own start (a Python process importing torch and deepspeed, about 3 s of the 2 cores) is saved.
+    ``command=True`` runs the real ``deepspeed`` command, for tests of what the command itself does."""
     port = _free_port()
-    cmd = [str(launcher), "--num_gpus", str(nprocs), "--master_port", str(port), str(script), *args]
+    cmd = [*launcher_command(nprocs, port, command), str(script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
     env.update(env_extra or {})
+    _record_launch(script, nprocs)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
     leaked = shm_buffers(port)
@@ -46,6 +61,26 @@ def deepspeed_launch(
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+def launcher_command(nprocs: int, port: int, command: bool = False) -> list[str]:
+    """What starts ``nprocs`` processes of a script on this machine: ``deepspeed --num_gpus N`` with ``command``,
+    else DeepSpeed's per-node launcher with the arguments that command's single-node runner gives it."""
+    if command:
+        return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(port)]
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nprocs))}).encode()).decode()
+    launcher = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}"]
+    return [*launcher, "--master_addr=127.0.0.1", f"--master_port={port}", "--log_level=info"]
+
+
+def _record_launch(script: str | Path, nprocs: int, nodes: int = 1) -> None:
+    """With DS_MEGATRON_TEST_LAUNCH_LOG set, append one line per launch (test, script, processes): the suite's time is
+    mostly launches, and this counts them per test."""
+    log = os.environ.get("DS_MEGATRON_TEST_LAUNCH_LOG")
+    if log:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": test, "script": Path(script).name, "nprocs": nprocs, "nodes": nodes}) + "\n")
 
 
 def deepspeed_launch_nodes(
@@ -63,6 +98,7 @@ def deepspeed_launch_nodes(
     launcher = Path(sys.executable).parent / "deepspeed"
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+    _record_launch(script, procs_per_node, nodes)
     with tempfile.TemporaryDirectory() as tmp:
         hostfile = Path(tmp) / "hostfile"
         hostfile.write_text("".join(f"node{i} slots={procs_per_node}\n" for i in range(nodes)))
@@ -108,9 +144,22 @@ TINY_CONFIG = str(ROOT / "ds_configs" / "gpt_tiny.json")
 RECIPE = ROOT / "recipes" / "train_gpt.py"
 
 
+_TOKEN_CACHE: list[Path] = []
+
+
+def shared_token_cache() -> Path:
+    """One data cache for every test run of this pytest process.  The cache names its files by their inputs (corpus
+    fingerprint, tokenizer spec, sequence length) and builds them under a file lock, so runs of the same data share
+    the BPE training and the packing, which a cache per test paid again in each test's first launch."""
+    if not _TOKEN_CACHE:
+        _TOKEN_CACHE.append(Path(tempfile.mkdtemp(prefix="ds_megatron-test-token-cache-")))
+        atexit.register(shutil.rmtree, _TOKEN_CACHE[0], True)
+    return _TOKEN_CACHE[0]
+
+
 def quiet_run_flags(tmp_path: Path, name: str, tp: int, pp: int, dropout: float | None = None) -> list[str]:
-    """Flags for short test runs of the recipe: own run dir, shared data cache, a log line per step, no sample,
-    no wandb, one validation batch."""
+    """Flags for short test runs of the recipe: own run dir, the data cache shared by the process's tests
+    (``shared_token_cache``), a log line per step, no sample, no wandb, one validation batch."""
     flags = [
         "--tp",
         str(tp),
@@ -121,7 +170,7 @@ def quiet_run_flags(tmp_path: Path, name: str, tp: int, pp: int, dropout: float 
         "--set",
         f"ds_megatron.logging.run_dir={tmp_path / name}",
         "--set",
-        f"ds_megatron.data.cache_dir={tmp_path / 'cache'}",
+        f"ds_megatron.data.cache_dir={shared_token_cache()}",
         "--set",
         "ds_megatron.train.generate_tokens=0",
         "--set",
@@ -135,8 +184,6 @@ def quiet_run_flags(tmp_path: Path, name: str, tp: int, pp: int, dropout: float 
 
 
 def read_records(run_dir: Path) -> list[dict]:
-    import json
-
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

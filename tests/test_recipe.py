@@ -16,7 +16,8 @@ TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """One run of the demo config (4 processes, tp 2 x pp 2, SP, selective recompute), shared by the tests below."""
+    """One run of the demo config (4 processes, tp 2 x pp 2, SP, selective recompute), shared by the tests below,
+    through the `deepspeed` command as the README runs it."""
     tmp_path = tmp_path_factory.mktemp("demo")
     run_dir = tmp_path / "run"
     out = deepspeed_launch(
@@ -38,6 +39,7 @@ def demo(tmp_path_factory):
             "--set",
             "ds_megatron.train.generate_tokens=6",
         ],
+        command=True,
     )
     return tmp_path, run_dir, out
 
@@ -80,9 +82,10 @@ def test_demo_trains_and_reports(demo):
 def test_greedy_continuation_matches_single_device(tmp_path):
     from launch import WORKERS
 
-    deepspeed_launch(WORKERS / "generate.py", 2, ["--out", str(tmp_path), "--layout", "2,1,1"])
-    deepspeed_launch(WORKERS / "generate.py", 2, ["--out", str(tmp_path), "--layout", "1,2,1"])
-    for f in sorted(tmp_path.glob("generate-*.json")):
+    deepspeed_launch(WORKERS / "generate.py", 2, ["--out", str(tmp_path), "--layout", "2,1,1", "--layout", "1,2,1"])
+    files = sorted(tmp_path.glob("generate-*.json"))
+    assert [f.name for f in files] == [f"generate-{x}.rank{r}.json" for x in ("121", "211") for r in (0, 1)]
+    for f in files:
         r = json.loads(f.read_text())
         assert r["pipeline"] == r["reference"], (f.name, r)
 

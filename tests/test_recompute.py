@@ -12,14 +12,19 @@ from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.schema import RecomputeSection
 
 
+@pytest.fixture(scope="module")
+def recompute_results(tmp_path_factory):
+    """Both variants in one launch: SP off (GPT), then SP on (GPT and Llama)."""
+    out = tmp_path_factory.mktemp("recompute")
+    deepspeed_launch(WORKERS / "recompute.py", 4, ["--out", str(out), "--variants", "tp,tp+sp"])
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-def test_recompute_replays_dropout_exactly(tmp_path, sp):
+def test_recompute_replays_dropout_exactly(recompute_results, sp):
     """Every policy at tp 2 x pp 2; with SP for both families (the Llama's dropout is on its attention only)."""
-    deepspeed_launch(
-        WORKERS / "recompute.py", 4, ["--out", str(tmp_path)] + (["--sequence-parallel", "--llama"] if sp else [])
-    )
-    files = sorted(tmp_path.glob("recompute*.rank*.json"))
+    files = sorted(recompute_results.glob("recompute-sp*.rank*.json" if sp else "recompute.rank*.json"))
     assert len(files) == (8 if sp else 4)
     for f in files:
         result = json.loads(f.read_text())

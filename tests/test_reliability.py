@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import RECIPE, ROOT, WORKERS, _free_port, deepspeed_launch, quiet_run_flags, read_losses
+from launch import ROOT, WORKERS, _free_port, deepspeed_launch, launcher_command, quiet_run_flags, read_losses
 
 from ds_megatron.checkpoint.manifest import MANIFEST, file_record
 from ds_megatron.config.schedule import warmup_cosine_from
@@ -211,12 +211,12 @@ def test_load_of_a_file_whose_unpickling_would_run_code_is_refused_before_launch
         check_resume_files(damaged, "step00000002")
 
 
-def _launch_recipe(args: list[str], faults: list[str] | None = None) -> subprocess.Popen:
-    """The recipe under the launcher in the background; with ``faults``, through tests/workers/faulty_train.py."""
-    launcher = Path(sys.executable).parent / "deepspeed"
+def _launch_recipe(args: list[str], faults: list[str] | None = None, command: bool = True) -> subprocess.Popen:
+    """The recipe on 2 processes in the background, through the `deepspeed` command (``command=False``: DeepSpeed's
+    per-node launcher directly, for tests not about the command); with ``faults``, through
+    tests/workers/faulty_train.py."""
     script = [str(WORKERS / "faulty_train.py"), *faults] if faults else ["recipes/train_gpt.py"]
-    cmd = [str(launcher), "--num_gpus", "2", "--master_port", str(_free_port()), *script, "--deepspeed_config", TINY]
-    cmd += args
+    cmd = [*launcher_command(2, _free_port(), command), *script, "--deepspeed_config", TINY, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -240,16 +240,16 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240) -> None:
 
 @pytest.mark.slow
 def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
-    """6 steps straight equal 3 steps, a crash, --load, 3 more steps.
+    """6 steps straight equal 3 steps, a crash, --load, 3 more steps (the straight run without saving).
 
     The second run saves at step 3 and at its end (step 6); every process is killed in the middle of the step-6
     save (files written, no manifest).  The restart skips that incomplete tag, resumes from step 3 and its losses
     for steps 4-6 equal the straight run's bit for bit (fp32, dropout 0.1, SP at tp 2)."""
     ck = tmp_path / "ck"
-    deepspeed_launch(RECIPE, 2, ["--deepspeed_config", TINY, "--train-iters", "6", *_common(tmp_path, "straight")])
     proc = _launch_recipe(
         ["--train-iters", "6", "--save", str(ck), "--save-interval", "3", *_common(tmp_path, "crash")],
         ["--pause-before-manifest", "6:120"],
+        command=False,
     )
     _wait_for(
         lambda: (
@@ -263,9 +263,17 @@ def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
     proc.wait()
     assert (ck / "latest").read_text() == "step00000003"
     assert not (ck / "step00000006" / "manifest.json").exists()
-    out = deepspeed_launch(
-        RECIPE, 2, ["--deepspeed_config", TINY, "--train-iters", "6", "--load", str(ck), *_common(tmp_path, "resumed")]
-    )
+    # the restart, then the straight run (no save, no fault wrapper), in one launch (workers/recipe_runs.py)
+    args = ["--deepspeed_config", TINY, "--train-iters", "6"]
+    plan = [
+        {"name": "resumed", "argv": [*args, "--load", str(ck), *_common(tmp_path, "resumed")], "output": True},
+        {"name": "straight", "argv": [*args, *_common(tmp_path, "straight")]},
+    ]
+    (tmp_path / "plan.json").write_text(json.dumps([{**item, "status_dir": str(tmp_path)} for item in plan]))
+    deepspeed_launch(WORKERS / "recipe_runs.py", 2, ["--plan", str(tmp_path / "plan.json")])
+    for name in ("resumed", "straight"):
+        assert json.loads((tmp_path / f"{name}.status.json").read_text())["status"] == 0, name
+    out = "".join(f.read_text() for f in sorted(tmp_path.glob("resumed.rank*.out")))
     assert "skipping incomplete checkpoint(s) ['step00000006']" in out
     resumed, reference = read_losses(tmp_path / "resumed"), read_losses(tmp_path / "straight")
     assert sorted(resumed) == [4, 5, 6] and sorted(read_losses(tmp_path / "crash")) == [1, 2, 3, 4, 5, 6]
@@ -383,6 +391,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
             *_common(tmp_path, "run"),
         ],
         ["--nan-steps", "2,4,5,6"],
+        command=False,
     )
     out, _ = proc.communicate(timeout=240)
     losses = read_losses(tmp_path / "run")

@@ -3,7 +3,12 @@
 each, the loss curve continuing within 1e-5; bf16 + ZeRO-1 at tp 2 x dp 2 -> pp 2 x dp 2, where the offline
 output holds the same files and values as a checkpoint the on-load path saved, and resumes without resharding;
 DeepSpeed's ZeRO optimizer (fp32 + ZeRO-1, bf16 + ZeRO-1 without fp32 gradient accumulation) resumes exactly at its
-layout and reshards on load to one with less vocabulary padding (offline it is refused, pointing there)."""
+layout and reshards on load to one with less vocabulary padding (offline it is refused, pointing there).
+
+All the recipe runs of this file take two launches (``workers/recipe_runs.py``, the ``runs`` fixture): the runs
+that start from nothing, then, after the offline resharding, the ones that resume (in order, so a run may resume
+from the one before it).  Each run builds its own topology, engine and data, and its messages are read from its own
+output copy."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import shutil
 
 import pytest
 import torch
-from launch import RECIPE, ROOT, TINY_CONFIG, WORKERS, deepspeed_launch, quiet_run_flags, read_losses, read_records
+from launch import ROOT, TINY_CONFIG, WORKERS, deepspeed_launch, quiet_run_flags, read_losses, read_records
 
 from ds_megatron.checkpoint import safe_load
 from ds_megatron.checkpoint.__main__ import main as checkpoint_main
@@ -21,15 +26,43 @@ from ds_megatron.checkpoint.reshard import OldCheckpoint
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
 
-def _run(tmp_path, name: str, tp: int, pp: int, iters: int, extra: list[str]) -> tuple[dict[int, float], str]:
-    flags = quiet_run_flags(tmp_path, name, tp, pp)
-    out = deepspeed_launch(RECIPE, 4, ["--deepspeed_config", TINY_CONFIG, "--train-iters", str(iters), *flags, *extra])
-    return read_losses(tmp_path / name), out
+class Runs:
+    """The recipe runs of this file, planned by name and started together by ``launch``."""
+
+    def __init__(self, root):
+        self.root, self.plan, self.errors, self.offline = root, [], [], {}
+
+    def add(self, name: str, tp: int, pp: int, iters: int, extra: list[str], config: str = TINY_CONFIG, **kw) -> None:
+        flags = quiet_run_flags(self.root, name, tp, pp, **kw)
+        argv = ["--deepspeed_config", config, "--train-iters", str(iters), *flags, *extra]
+        self.plan.append({"name": name, "status_dir": str(self.root), "argv": argv, "output": True})
+
+    def launch(self) -> None:
+        path = self.root / f"plan{len(list(self.root.glob('plan*.json')))}.json"
+        path.write_text(json.dumps(self.plan))
+        self.plan = []
+        try:
+            deepspeed_launch(WORKERS / "recipe_runs.py", 4, ["--plan", str(path)])
+        except AssertionError as err:  # reported by the tests whose runs did not finish (``result``)
+            self.errors.append(str(err)[-6000:])
+
+    def result(self, name: str) -> str:
+        """The run's output (every rank's, joined) once it finished with status 0."""
+        status = self.root / f"{name}.status.json"
+        assert status.exists(), (f"{name}: its launch ended before it ran", self.errors)
+        result = json.loads(status.read_text())
+        assert result["status"] == 0, (name, result["error"])
+        return "".join(p.read_text() for p in sorted(self.root.glob(f"{name}.rank*.out")))
+
+    def losses(self, name: str) -> dict[int, float]:
+        self.result(name)
+        return read_losses(self.root / name)
 
 
-def _reshard_offline(src, out, tp: int, pp: int, dp: int) -> None:
+def _reshard_offline(runs: Runs, src, out, tp: int, pp: int, dp: int) -> None:
+    """Offline resharding of ``src`` into ``out``; its exit status is kept in ``runs.offline[out name]``."""
     argv = ["reshard", "--checkpoint", str(src), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", str(out)]
-    assert checkpoint_main(argv) == 0
+    runs.offline[out.name] = checkpoint_main(argv)
 
 
 def _full_names(ck: OldCheckpoint) -> list[str]:
@@ -52,20 +85,32 @@ def _assert_same_state(a: OldCheckpoint, b: OldCheckpoint) -> int:
     return len(names)
 
 
-def test_reshard_2x2_to_1x4_to_4x1_continues_the_loss_curve(tmp_path):
-    reference, _ = _run(tmp_path, "straight", 2, 2, 6, [])
-    first, _ = _run(tmp_path, "a", 2, 2, 2, ["--save", str(tmp_path / "ck_a")])
-    _reshard_offline(tmp_path / "ck_a", tmp_path / "ck_a14", 1, 4, 1)
+def plan_2x2_to_1x4_to_4x1(runs: Runs, leg: int) -> None:
+    if leg == 0:
+        runs.add("straight", 2, 2, 6, [])
+        runs.add("a", 2, 2, 2, ["--save", str(runs.root / "ck_a")])
+    elif leg == 1:
+        if (runs.root / "a.status.json").exists():
+            _reshard_offline(runs, runs.root / "ck_a", runs.root / "ck_a14", 1, 4, 1)
+    else:
+        runs.add("b", 1, 4, 4, ["--load", str(runs.root / "ck_a14"), "--save", str(runs.root / "ck_b")])
+        runs.add("c", 4, 1, 6, ["--load", str(runs.root / "ck_b")])
+
+
+def test_reshard_2x2_to_1x4_to_4x1_continues_the_loss_curve(runs):
+    root = runs.root
+    reference, first = runs.losses("straight"), runs.losses("a")
+    assert runs.offline["ck_a14"] == 0
     assert (
-        _assert_same_state(
-            OldCheckpoint(tmp_path / "ck_a", "step00000002"), OldCheckpoint(tmp_path / "ck_a14", "step00000002")
-        )
+        _assert_same_state(OldCheckpoint(root / "ck_a", "step00000002"), OldCheckpoint(root / "ck_a14", "step00000002"))
         == 52
     )
-    second, out = _run(tmp_path, "b", 1, 4, 4, ["--load", str(tmp_path / "ck_a14"), "--save", str(tmp_path / "ck_b")])
+    out = runs.result("b")
     assert "resharding" not in out and "was resharded offline from tp 2 x pp 2 x dp 1" in out
-    third, out = _run(tmp_path, "c", 4, 1, 6, ["--load", str(tmp_path / "ck_b")])
+    second = runs.losses("b")
+    out = runs.result("c")
     assert "resharding" in out
+    third = runs.losses("c")
     got = {**first, **second, **third}
     assert sorted(got) == list(range(1, 7))
     for step in range(1, 7):
@@ -116,31 +161,42 @@ def _assert_same_files(native, offline) -> None:
     assert (saved["train_batch_size"], saved["gradient_accumulation_steps"]) == (16, 2)
 
 
-def test_bf16_zero1_checkpoint_resumes_at_another_layout(tmp_path):
+def plan_bf16_zero1(runs: Runs, leg: int) -> None:
+    root = runs.root
+
+    def add(name, tp, pp, iters, extra):
+        runs.add(f"bf16_{name}", tp, pp, iters, [*BF16, *extra], dropout=0.0)
+
+    if leg == 0:
+        add("a", 2, 1, 3, ["--save", str(root / "bf16_ck"), "--save-interval", "2"])
+    elif leg == 1:
+        if (root / "bf16_a.status.json").exists():
+            shutil.move(root / "bf16_ck" / "step00000003", root / "bf16_a_step3")
+            _reshard_offline(runs, root / "bf16_ck", root / "bf16_offline", 1, 2, 2)
+    else:
+        add("b", 1, 2, 2, ["--load", str(root / "bf16_ck"), "--save", str(root / "bf16_ck_b")])
+        add("c", 1, 2, 3, ["--load", str(root / "bf16_offline")])
+
+
+def test_bf16_zero1_checkpoint_resumes_at_another_layout(runs):
     """bf16 + ZeRO-1 (DeepSpeed's BF16 optimizer, flat dp-partitioned fp32 state) saved at tp 2 x pp 1 x dp 2 and
     resumed at tp 1 x pp 2 x dp 2: on load, the fp32 masters and both Adam moments land exactly (a checkpoint written
     right after resharding holds the same full tensors, bit for bit) and the bf16 model copy is the master rounded;
     offline, the same checkpoint comes out file for file; resumed from the offline one (no resharding on load), the
     next step's loss and learning rate continue the straight run's (dropout 0; the loss within bf16 rounding of
     another reduction order)."""
-
-    def run(name, tp, pp, iters, extra):
-        flags = quiet_run_flags(tmp_path, name, tp, pp, dropout=0.0)
-        out = deepspeed_launch(
-            RECIPE, 4, ["--deepspeed_config", TINY_CONFIG, "--train-iters", str(iters), *BF16, *flags, *extra]
-        )
-        return out, read_records(tmp_path / name)
-
-    _, straight = run("a", 2, 1, 3, ["--save", str(tmp_path / "ck"), "--save-interval", "2"])
-    shutil.move(tmp_path / "ck" / "step00000003", tmp_path / "a_step3")
-    out, _ = run("b", 1, 2, 2, ["--load", str(tmp_path / "ck"), "--save", str(tmp_path / "ck_b")])
+    root = runs.root
+    runs.result("bf16_a")
+    straight = read_records(root / "bf16_a")
+    assert runs.offline["bf16_offline"] == 0
+    out = runs.result("bf16_b")
     assert "resharding" in out and "from tp 2 x pp 1 x dp 2 to tp 1 x pp 2 x dp 2" in out
-    _reshard_offline(tmp_path / "ck", tmp_path / "offline", 1, 2, 2)
-    _assert_same_files(tmp_path / "ck_b" / "step00000002", tmp_path / "offline" / "step00000002")
-    out, resumed = run("c", 1, 2, 3, ["--load", str(tmp_path / "offline")])
+    _assert_same_files(root / "bf16_ck_b" / "step00000002", root / "bf16_offline" / "step00000002")
+    out = runs.result("bf16_c")
     assert "resharding" not in out
+    resumed = read_records(root / "bf16_c")
 
-    old, new = OldCheckpoint(tmp_path / "ck", "step00000002"), OldCheckpoint(tmp_path / "ck_b", "step00000002")
+    old, new = OldCheckpoint(root / "bf16_ck", "step00000002"), OldCheckpoint(root / "bf16_ck_b", "step00000002")
     assert old.masters is not None and new.masters is not None
     assert _assert_same_state(old, new) == 4 * 12 + 4  # 12 tensors per block; wte, wpe, ln_f weight and bias
     for name in _full_names(new):
@@ -164,43 +220,38 @@ ZERO1_RUNS = {  # name: (config, flags)
 }
 
 
-def test_zero1_optimizer_checkpoints_resume_exactly_and_reshard(tmp_path, capsys):
+def plan_zero1_optimizers(runs: Runs, leg: int) -> None:
+    ck = {k: str(runs.root / f"ck_{k}") for k in ZERO1_RUNS}
+    if leg == 0:
+        for k, (config, flags) in ZERO1_RUNS.items():
+            runs.add(k, 2, 1, 3, [*flags, "--save", ck[k], "--save-interval", "2"], config=config, dropout=0.0)
+    elif leg == 1:
+        for k in ZERO1_RUNS:
+            if (runs.root / f"ck_{k}" / "step00000003").exists():
+                shutil.move(runs.root / f"ck_{k}" / "step00000003", runs.root / f"{k}_step3")
+    else:
+        for k, (config, flags) in ZERO1_RUNS.items():
+            runs.add(f"{k}_same", 2, 1, 3, [*flags, "--load", ck[k]], config=config, dropout=0.0)
+            runs.add(f"{k}_1x2", 1, 2, 3, [*flags, "--load", ck[k]], config=config, dropout=0.0)
+
+
+def test_zero1_optimizer_checkpoints_resume_exactly_and_reshard(runs, capsys):
     """fp32 + ZeRO-1 (Llama, untied) and bf16 + ZeRO-1 with bf16 gradient accumulation (GPT-2, tied): DeepSpeed's
     ZeRO optimizer, whose files hold its loss scaler.  Saved at tp 2 x dp 2: 2 steps + resume + 1 equal 3 straight
     bit for bit (loss, gradient norm, learning rate); resumed at tp 1 x pp 2 x dp 2 (resharded on load, the
     vocabulary padding going from 1,200 rows to 1,100) the step continues the straight run's; offline resharding
-    refuses it with one line naming the way that works.  Two launches for all six runs (``workers/recipe_runs.py``)."""
-
-    def plan(runs: list[tuple[str, str, int, int, list[str]]]) -> str:
-        items = []
-        for name, config, tp, pp, extra in runs:
-            flags = quiet_run_flags(tmp_path, name, tp, pp, dropout=0.0)
-            argv = ["--deepspeed_config", config, "--train-iters", "3", *flags, *extra]
-            items.append({"name": name, "status_dir": str(tmp_path), "argv": argv})
-        path = tmp_path / f"plan{len(list(tmp_path.glob('plan*.json')))}.json"
-        path.write_text(json.dumps(items))
-        return str(path)
-
-    def ok(name: str) -> None:
-        result = json.loads((tmp_path / f"{name}.status.json").read_text())
-        assert result["status"] == 0, (name, result["error"])
-
-    ck = {k: str(tmp_path / f"ck_{k}") for k in ZERO1_RUNS}
-    straight = [(k, c, 2, 1, [*f, "--save", ck[k], "--save-interval", "2"]) for k, (c, f) in ZERO1_RUNS.items()]
-    deepspeed_launch(WORKERS / "recipe_runs.py", 4, ["--plan", plan(straight)])
+    refuses it with one line naming the way that works."""
+    root = runs.root
+    capsys.readouterr()  # from here on, only what this test's offline resharding prints
     for k in ZERO1_RUNS:
-        ok(k)
-        shutil.move(tmp_path / f"ck_{k}" / "step00000003", tmp_path / f"{k}_step3")
-    resumed = [(f"{k}_same", c, 2, 1, [*f, "--load", ck[k]]) for k, (c, f) in ZERO1_RUNS.items()]
-    resumed += [(f"{k}_1x2", c, 1, 2, [*f, "--load", ck[k]]) for k, (c, f) in ZERO1_RUNS.items()]
-    out = deepspeed_launch(WORKERS / "recipe_runs.py", 4, ["--plan", plan(resumed)])
-    assert out.count("from tp 2 x pp 1 x dp 2 to tp 1 x pp 2 x dp 2") == 2
-    for k in ZERO1_RUNS:
-        a = {r["step"]: r for r in read_records(tmp_path / k) if "loss" in r}
+        runs.result(k)
+        a = {r["step"]: r for r in read_records(root / k) if "loss" in r}
         assert sorted(a) == [1, 2, 3]
         for name in (f"{k}_same", f"{k}_1x2"):
-            ok(name)
-            b = [r for r in read_records(tmp_path / name) if "loss" in r]
+            out = runs.result(name)
+            resharded = "from tp 2 x pp 1 x dp 2 to tp 1 x pp 2 x dp 2"
+            assert out.count(resharded) == (0 if name.endswith("_same") else 1), name
+            b = [r for r in read_records(root / name) if "loss" in r]
             assert [r["step"] for r in b] == [3], name
             if name.endswith("_same"):
                 for key in ("loss", "grad_norm", "lr"):
@@ -208,8 +259,24 @@ def test_zero1_optimizer_checkpoints_resume_exactly_and_reshard(tmp_path, capsys
             else:
                 assert b[0]["lr"] == a[3]["lr"]
                 assert abs(b[0]["loss"] - a[3]["loss"]) <= 1e-4 * abs(a[3]["loss"]), (name, a[3]["loss"], b[0]["loss"])
-        argv = ["reshard", "--checkpoint", ck[k], "--tp", "1", "--pp", "2", "--dp", "2"]
-        assert checkpoint_main([*argv, "--out", str(tmp_path / f"off_{k}")]) == 2
+        argv = ["reshard", "--checkpoint", str(root / f"ck_{k}"), "--tp", "1", "--pp", "2", "--dp", "2"]
+        assert checkpoint_main([*argv, "--out", str(root / f"off_{k}")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "DeepSpeed's ZeRO optimizer" in err[0] and "--load at the new layout" in err[0], err
-        assert not (tmp_path / f"off_{k}").exists()
+        assert not (root / f"off_{k}").exists()
+
+
+PLANS = (plan_2x2_to_1x4_to_4x1, plan_bf16_zero1, plan_zero1_optimizers)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    """Every run of this file: leg 0 (one launch) starts from nothing, leg 1 reshards offline and sets checkpoints
+    aside in this process, leg 2 (one launch) resumes."""
+    runs = Runs(tmp_path_factory.mktemp("reshard"))
+    for leg in range(3):
+        for plan in PLANS:
+            plan(runs, leg)
+        if runs.plan:
+            runs.launch()
+    return runs

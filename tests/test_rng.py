@@ -11,9 +11,16 @@ from launch import WORKERS, deepspeed_launch
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
 
-def test_dropout_masks_follow_the_regions(tmp_path):
-    deepspeed_launch(WORKERS / "rng.py", 4, ["--out", str(tmp_path)])
-    result = json.loads((tmp_path / "rng.json").read_text())
+@pytest.fixture(scope="module")
+def masks(tmp_path_factory):
+    """SP off (rng.json), then on (rng-sp.json), in one launch."""
+    out = tmp_path_factory.mktemp("rng")
+    deepspeed_launch(WORKERS / "rng.py", 4, ["--out", str(out), "--both"])
+    return out
+
+
+def test_dropout_masks_follow_the_regions(masks):
+    result = json.loads((masks / "rng.json").read_text())
     for name in ("embedding_dropout", "residual_dropout", "mlp_dropout"):
         assert result[name]["same_across_tp"], (name, result[name])
         assert not result[name]["same_across_dp"], (name, result[name])
@@ -22,10 +29,9 @@ def test_dropout_masks_follow_the_regions(tmp_path):
     assert not attn["same_across_tp"] and not attn["same_across_dp"], attn
 
 
-def test_sequence_parallel_regions_draw_different_masks_per_tp_rank(tmp_path):
+def test_sequence_parallel_regions_draw_different_masks_per_tp_rank(masks):
     """Under SP the embedding and residual dropouts act on different sequence shards: masks must differ."""
-    deepspeed_launch(WORKERS / "rng.py", 4, ["--out", str(tmp_path), "--sequence-parallel"])
-    result = json.loads((tmp_path / "rng.json").read_text())
+    result = json.loads((masks / "rng-sp.json").read_text())
     for name in ("embedding_dropout", "residual_dropout", "mlp_dropout", "attention_probs_dropout"):
         assert not result[name]["same_across_tp"], (name, result[name])
         assert not result[name]["same_across_dp"], (name, result[name])

@@ -21,16 +21,26 @@ LAYOUTS = {2: "2,1,1", 4: "2,2,1"}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def launches(tmp_path_factory):
+    """Two launches (``workers/several.py``) for every run of this file: at 2 processes the SP parity run at tp 2 and
+    the bf16 runs, at 4 the SP parity run at tp 2 x pp 2 and the collective count."""
     out = tmp_path_factory.mktemp("sp")
+    bf16 = f"bf16_sp.py --out {out / 'bf16'} --sp-grad-sync step,micro_batch"
+    others = {2: bf16, 4: f"collectives.py --out {out / 'collectives'}"}
+    for sub in ("bf16", "collectives"):
+        (out / sub).mkdir()
     for nprocs, layout in LAYOUTS.items():
-        deepspeed_launch(
-            WORKERS / "parity.py",
-            nprocs,
-            ["--out", str(out), "--layouts", layout, "--sequence-parallel", "--steps", "5"],
-        )
+        parity = f"parity.py --out {out} --layouts {layout} --sequence-parallel --steps 5"
+        deepspeed_launch(WORKERS / "several.py", nprocs, ["--run", parity, "--run", others[nprocs]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(launches):
     return {
-        layout: [json.loads(f.read_text()) for f in sorted(out.glob(f"{layout.replace(',', '-')}-sp-eager.rank*.json"))]
+        layout: [
+            json.loads(f.read_text()) for f in sorted(launches.glob(f"{layout.replace(',', '-')}-sp-eager.rank*.json"))
+        ]
         for layout in LAYOUTS.values()
     }
 
@@ -75,14 +85,12 @@ def test_stage_boundary_tensors_are_sequence_shards(results):
             assert shape[0] == SEQ // TP, shape
 
 
-def test_bf16_zero1_path_keeps_sp_replicated_weights_identical(tmp_path):
+def test_bf16_zero1_path_keeps_sp_replicated_weights_identical(launches):
     """On the GPU path (DeepSpeed's BF16 optimizer, fp32 gradient accumulation over 4 micro-batches) the
     SP-replicated gradients are summed over TP once per step on the fp32 buffers: LayerNorm weights and row-parallel
     biases stay identical across TP ranks, and the run equals the per-micro-batch sync within bf16 rounding."""
-    for mode in ("step", "micro_batch"):
-        deepspeed_launch(WORKERS / "bf16_sp.py", 2, ["--out", str(tmp_path), "--sp-grad-sync", mode])
     runs = {
-        mode: [json.loads((tmp_path / f"bf16-sp-{mode}.rank{i}.json").read_text()) for i in (0, 1)]
+        mode: [json.loads((launches / "bf16" / f"bf16-sp-{mode}.rank{i}.json").read_text()) for i in (0, 1)]
         for mode in ("step", "micro_batch")
     }
     for r0, r1 in runs.values():
@@ -99,15 +107,14 @@ def test_bf16_zero1_path_keeps_sp_replicated_weights_identical(tmp_path):
         assert diff <= 0.02, (name, diff)  # a few bf16 ulps of weights near 1 after 5 updates
 
 
-def test_tp_collectives_per_step_are_the_stated_count(tmp_path):
+def test_tp_collectives_per_step_are_the_stated_count(launches):
     """tp 2 x pp 2 with SP, 4 micro-batches, 2 blocks per stage: per block and micro-batch 6 all-gathers (2 forward,
     4 backward: the saved sequence shards are gathered again, and the row-parallel gradients) and 4 reduce-scatters
     (gloo: all-reduces); the first stage adds the vocabulary embedding's reduce-scatter and its backward all-gather,
     the last stage the output layer's 2 all-gathers and 1 reduce-scatter and the cross entropy's 2 all-reduces per
     micro-batch; and each stage sums its SP-replicated gradients with one all-reduce per step."""
-    deepspeed_launch(WORKERS / "collectives.py", 4, ["--out", str(tmp_path)])
     for rank in range(4):
-        r = json.loads((tmp_path / f"collectives.rank{rank}.json").read_text())
+        r = json.loads((launches / "collectives" / f"collectives.rank{rank}.json").read_text())
         m, blocks, first = r["micro_batches"], r["blocks"], r["pp_rank"] == 0
         assert (m, blocks) == (4, 2)
         all_gathers = m * (6 * blocks + (1 if first else 2))

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import shared_token_cache
 
 from ds_megatron.config import resolve
 from ds_megatron.tune import Cluster, Measurement, build_model_shape, calibrate, fit_time_model, search, step_time
@@ -276,8 +277,8 @@ def test_cli_takes_the_fitted_constants(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tune_cache")  # shared: the tokenizer and corpus are built once
+def cache_dir():
+    return shared_token_cache()  # the tokenizer and corpus are built once per pytest process, as for the recipe tests
 
 
 def _tune(args: list[str], tmp_path: Path, cache_dir: Path, capsys, monkeypatch) -> tuple[str, dict, float]:

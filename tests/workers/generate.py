@@ -1,5 +1,6 @@
 """Generation worker: greedy continuation through the pipeline engine (tp 2 with SP, pp 1, or tp 1 pp 2) equals
-greedy decoding with the single-device GPT holding the same (initial) weights."""
+greedy decoding with the single-device GPT holding the same (initial) weights.  ``--layout`` may be given more than
+once: one engine per layout, one after the other in this launch."""
 
 from __future__ import annotations
 
@@ -21,10 +22,14 @@ from ds_megatron.model.gpt2.model import GPT, GPTConfig  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layout", default="2,1,1")
+    ap.add_argument("--layout", action="append", help="tp,pp,dp (default 2,1,1); repeat for several")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    tp, pp, dp = (int(x) for x in args.layout.split(","))
+    for layout in args.layout or ["2,1,1"]:
+        compare(args.out, *(int(x) for x in layout.split(",")))
+
+
+def compare(out: str, tp: int, pp: int, dp: int) -> None:
     run = resolve(tiny_ds_config(tp, pp, dp, sequence_parallel=tp > 1), int(os.environ["WORLD_SIZE"]))
     built = build_engine(run)
     prompt = [5, 17, 99, 3, 250]
@@ -42,7 +47,7 @@ def main() -> None:
     with torch.no_grad():
         for _ in range(8):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    write_result(args.out, f"generate-{tp}{pp}{dp}", {"pipeline": got, "reference": ids[len(prompt) :]})
+    write_result(out, f"generate-{tp}{pp}{dp}", {"pipeline": got, "reference": ids[len(prompt) :]})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Run the training recipe several times in one launch: ``recipe_runs.py --plan PLAN.json``, where the plan is a
-JSON list of {"name": ..., "argv": [...]} and each argv is what ``recipes/train_gpt.py`` would get.
+JSON list of {"name": ..., "status_dir": ..., "argv": [...]} and each argv is what ``recipes/train_gpt.py`` would get.
+With ``"output": true`` in an item, each rank also copies what that run prints (``sys.stdout`` and ``sys.stderr``)
+to ``<status_dir>/<name>.rank<R>.out``: a test can then read one run's messages apart from the others'.
 
 One launch per process count instead of one per run: the launcher, the imports and the process group are paid once.
 Each run builds its own topology, engine and data and ends before the next starts.  Each run's exit status is
@@ -11,6 +13,7 @@ failed run, and the launcher stops them all.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -31,8 +34,10 @@ def main() -> int:
     failed = 0
     for item in plan:
         out = Path(item["status_dir"]) / f"{item['name']}.status.json"
+        copy = out.with_name(f"{item['name']}.rank{os.environ.get('RANK', '0')}.out") if item.get("output") else None
         try:
-            status = train_main(item["argv"])
+            with _copied_output(copy):
+                status = train_main(item["argv"])
         except Exception:
             if os.environ.get("RANK", "0") == "0":
                 out.write_text(json.dumps({"status": 1, "error": traceback.format_exc()}))
@@ -41,6 +46,34 @@ def main() -> int:
         if os.environ.get("RANK", "0") == "0":
             out.write_text(json.dumps({"status": status, "error": f"exit status {status}" if status else None}))
     return 0 if failed == 0 else 1
+
+
+class _Tee:
+    """A text stream that writes to ``stream`` and to ``copy``."""
+
+    def __init__(self, stream, copy):
+        self.stream, self.copy = stream, copy
+
+    def write(self, text: str) -> int:
+        self.copy.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.copy.flush()
+        self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def _copied_output(path: Path | None):
+    if path is None:
+        yield
+        return
+    with open(path, "w") as copy:
+        with contextlib.redirect_stdout(_Tee(sys.stdout, copy)), contextlib.redirect_stderr(_Tee(sys.stderr, copy)):
+            yield
 
 
 if __name__ == "__main__":

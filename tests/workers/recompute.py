@@ -1,6 +1,7 @@
 """Recompute worker: one training step per recompute policy with dropout on and the same seed; writes each policy's
 loss and its largest gradient difference from the ``none`` run (every parameter of this rank).  ``--llama`` repeats
-it for the Llama family (its attention dropout is its only dropout)."""
+it for the Llama family (its attention dropout is its only dropout).  ``--variants tp,tp+sp`` runs both in one launch:
+SP off for the GPT, then SP on for the GPT and the Llama."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ POLICIES = {
 LLAMA_FIELDS = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 96, "rope_theta": 10000.0}
 
 
-def one_step(policy: dict, args, llama: bool = False) -> tuple[float, dict]:
-    cfg = tiny_ds_config(args.tp, args.pp, 1, dropout=0.1, sequence_parallel=args.sequence_parallel)
+def one_step(policy: dict, args, llama: bool = False, sp: bool = False) -> tuple[float, dict]:
+    cfg = tiny_ds_config(args.tp, args.pp, 1, dropout=0.1, sequence_parallel=sp)
     if llama:
         cfg["ds_megatron"]["model"].update(LLAMA_FIELDS)
     cfg["ds_megatron"]["recompute"] = policy
@@ -55,17 +56,23 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--llama", action="store_true")
+    ap.add_argument("--variants", help="tp (SP off, GPT) and/or tp+sp (SP on, GPT and Llama), comma-separated")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    for llama in (False, True) if args.llama else (False,):
-        base_loss, base_grads = one_step(POLICIES["none"], args, llama)
+    if args.variants is None:
+        runs = [(args.sequence_parallel, llama) for llama in ((False, True) if args.llama else (False,))]
+    else:
+        variants = {"tp": [(False, False)], "tp+sp": [(True, False), (True, True)]}
+        runs = [run for v in args.variants.split(",") for run in variants[v]]
+    for sp, llama in runs:
+        base_loss, base_grads = one_step(POLICIES["none"], args, llama, sp)
         result = {}
         for name, policy in POLICIES.items():
-            loss, grads = one_step(policy, args, llama)
+            loss, grads = one_step(policy, args, llama, sp)
             diff = max(float((grads[k] - base_grads[k]).abs().max()) for k in base_grads)
             result[name] = {"loss": loss, "base_loss": base_loss, "grad_diff": diff, "num_params": len(grads)}
         log(result)
-        name = "recompute" + ("-sp" if args.sequence_parallel else "") + ("-llama" if llama else "")
+        name = "recompute" + ("-sp" if sp else "") + ("-llama" if llama else "")
         write_result(args.out, name, result)
 
 

@@ -22,10 +22,16 @@ from ds_megatron.engine import build_engine  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--sequence-parallel", action="store_true", help="SP on (rng.json)")
+    ap.add_argument("--both", action="store_true", help="SP off (rng.json), then on (rng-sp.json), in this launch")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    cfg = tiny_ds_config(2, 1, 2, dropout=0.3, sequence_parallel=args.sequence_parallel)
+    for sp in (False, True) if args.both else (args.sequence_parallel,):
+        record(Path(args.out, "rng-sp.json" if args.both and sp else "rng.json"), sp)
+
+
+def record(path: Path, sequence_parallel: bool) -> None:
+    cfg = tiny_ds_config(2, 1, 2, dropout=0.3, sequence_parallel=sequence_parallel)
     cfg["ds_megatron"]["train"]["seed"] = 7
     run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
     built = build_engine(run)
@@ -64,7 +70,7 @@ def main() -> None:
                 "same_across_tp": bool(same_shape and torch.equal(m00, m10)),
                 "same_across_dp": bool(torch.equal(m00, m01)),
             }
-        Path(args.out, "rng.json").write_text(json.dumps(result))
+        path.write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
