@@ -1,11 +1,10 @@
-"""Write ds_configs/cp/llama3_8b_128k.json and recipes/cp/llama3_8b_128k.sh: Llama 3 8B continued at 131,072
+"""Write ds_configs/llama3_8b_128k.json and recipes/llama3_8b_128k.sh: Llama 3 8B continued at 131,072
 tokens, the layout chosen by the tuner (``python -m ds_megatron.tune``, which searches context parallelism from
 16,384 tokens on) for 4 nodes of 8 H100 SXM GPUs, plus the hyperparameters below.
 
     .venv/bin/python scripts/llama_long_configs.py   # rewrites the config and its recipe
 
-They live in ds_configs/cp/ (not globbed with ds_configs/*.json by the shipped-config tests) until the miniature
-(tests/miniature.py) keeps cp > 1; then STEM becomes "llama3_8b_128k" and the miniature run picks it up.
+Like every shipped config, it runs in miniature in the tests (tests/miniature.py keeps cp 2 there).
 
 Shape: the 8B with Llama 3.1's long-context rotary scaling (Grattafiori et al. 2024; the transformers config of
 Llama 3.1 8B: rope_type llama3, factor 8, low/high frequency factors 1 and 4, original context 8,192) and a position
@@ -24,7 +23,7 @@ from ds_megatron.tune import Pins, build_cluster, build_model_shape, search
 from ds_megatron.tune.search import SearchResult
 from ds_megatron.tune.written import ds_config
 
-STEM = "cp/llama3_8b_128k"
+STEM = "llama3_8b_128k"
 SIZE = "llama3-8b"
 SEQ = 131072
 GPUS = 32

@@ -4,8 +4,8 @@
 optimizer, scheduler type and ratios, clipping, SP, recompute policy, attention kernel, dropout, pipeline on or off)
 and shrinks what only sets sizes: a few layers (two per pipeline stage), width 64, 4 heads, sequence 64, a 1,024-token
 BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule steps scaled to a 3-step run.  tp/pp/dp are adapted
-to at most 4 processes: pp = min(pp, 2), tp = min(tp, 4 // pp), and dp = 2 where that still fits (so ZeRO-1
-really partitions the optimizer state).
+to at most 4 processes: pp = min(pp, 2), cp = min(cp, 2) (a context-parallel config keeps cp > 1), tp =
+min(tp, 4 // (pp cp)), and dp = 2 where that still fits (so ZeRO-1 really partitions the optimizer state).
 
 Configs whose miniatures differ only in numbers that select no code (learning rate, betas, schedule lengths, seed)
 share one run: ``code_path_key`` says which.  A config added to ds_configs/ is covered without writing a test.
@@ -24,12 +24,13 @@ VOCAB = 1024
 MINI_STEPS = 3  # train 2, save, resume for 1
 
 
-def adapted_layout(tp: int, pp: int) -> tuple[int, int, int]:
-    """(tp, pp, dp) of the miniature."""
+def adapted_layout(tp: int, pp: int, cp: int = 1) -> tuple[int, int, int, int]:
+    """(tp, pp, cp, dp) of the miniature."""
     pp2 = min(pp, 2)
-    tp2 = min(tp, MAX_PROCS // pp2)
-    dp2 = 2 if tp2 * pp2 * 2 <= MAX_PROCS else 1
-    return tp2, pp2, dp2
+    cp2 = min(cp, 2)
+    tp2 = min(tp, MAX_PROCS // (pp2 * cp2))
+    dp2 = 2 if tp2 * pp2 * cp2 * 2 <= MAX_PROCS else 1
+    return tp2, pp2, cp2, dp2
 
 
 def miniature(path: Path) -> tuple[dict, int]:
@@ -37,8 +38,8 @@ def miniature(path: Path) -> tuple[dict, int]:
     cfg = copy.deepcopy(json.loads(Path(path).read_text()))
     sec = cfg.setdefault("ds_megatron", {})
     par = sec.setdefault("parallel", {})
-    tp, pp, dp = adapted_layout(par.get("tp", 1), par.get("pp", 1))
-    par.update(tp=tp, pp=pp)
+    tp, pp, cp, dp = adapted_layout(par.get("tp", 1), par.get("pp", 1), par.get("cp", 1))
+    par.update(tp=tp, pp=pp, **({"cp": cp} if cp > 1 else {}))
     model = sec.setdefault("model", {})
     named = sizes.named(model.pop("size", None) or "")
     model.pop("max_position_embeddings", None)
@@ -65,7 +66,7 @@ def miniature(path: Path) -> tuple[dict, int]:
     sec["data"] = {**sec.get("data", {}), "path": None, "tokenizer": f"bpe:{VOCAB}", "num_proc": 1}
     sec["logging"] = {"wandb_project": None}
     sec["checkpoint"] = {"save_interval": 2}
-    return cfg, tp * pp * dp
+    return cfg, tp * pp * cp * dp
 
 
 # Keys that hold numbers only (no code path depends on them): two miniatures equal but for these run once.

@@ -25,7 +25,8 @@ from ds_megatron.pipeline import PipelineLayout
 
 def miniature_procs(cfg: dict) -> int:
     par = cfg["ds_megatron"]["parallel"]
-    return par["tp"] * par["pp"] * cfg["train_batch_size"] // (2 * 2)  # dp from micro 2 x accumulation 2
+    # dp from micro 2 x accumulation 2 (train_batch_size counts sequences: CP ranks share them)
+    return par["tp"] * par["pp"] * par.get("cp", 1) * cfg["train_batch_size"] // (2 * 2)
 
 
 CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))

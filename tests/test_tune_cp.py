@@ -190,8 +190,8 @@ def test_cli_pins_cp(tmp_path, capsys):
 
 
 def test_the_shipped_128k_config_is_the_tuners_choice():
-    # ds_configs/cp/ is not globbed by the shipped-config tests (their miniature does not keep cp > 1 yet); here the
-    # file is checked against its generator, its recipe's GPU count and the loader.
+    # The file against its generator, its recipe's GPU count and the loader (its miniature run is in
+    # tests/test_shipped_configs.py, with every shipped config).
     import re
     import sys
 
