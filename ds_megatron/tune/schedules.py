@@ -40,9 +40,9 @@ def refusal(schedule: str, pp: int, num_micro_batches: int) -> str | None:
 
 def dualpipev_order(p: int, m: int, rank: int) -> list[tuple[str, int]]:
     """The compute passes rank ``rank`` of a ``p``-rank DualPipeV pipeline runs, in order: ("F" | "B", phase).
-    The phases' k-th forward (and k-th backward) is micro-batch k.  The eight steps of the schedule: warm-up
-    forwards of phase 0, forward pairs, backward-forward pairs of phase 1, the steady F0 B1 F1 B0 step, then the
-    drain."""
+    The phases' k-th forward (and k-th backward) is micro-batch k.  The seven steps with compute of the schedule:
+    warm-up forwards of phase 0, forward pairs, backward-forward pairs of phase 1, the steady F0 B1 F1 B0 step,
+    then the drain."""
     tail = p - rank - 1
     steps = (
         (2 * tail, (("F", 0),)),
@@ -59,9 +59,15 @@ def dualpipev_order(p: int, m: int, rank: int) -> list[tuple[str, int]]:
 @functools.lru_cache(maxsize=1024)
 def simulate_dualpipev(p: int, m: int, forward: float = 1.0, backward: float = 2.0) -> float:
     """The makespan of one DualPipeV step with every chunk's forward costing ``forward`` and its backward
-    ``backward``.  Chunk k (0..2p-1) lives on rank min(k, 2p-1-k); a forward of chunk k waits for chunk k-1's
-    forward of the same micro-batch, a backward of chunk k for chunk k+1's backward (the last chunk's for its own
-    forward); each rank runs its :func:`dualpipev_order` one pass at a time."""
+    ``backward``, transfers free.  Chunk k (0..2p-1) lives on rank min(k, 2p-1-k); a forward of chunk k waits for
+    chunk k-1's forward of the same micro-batch, a backward of chunk k for chunk k+1's backward (the last chunk's
+    for its own forward); each rank runs its :func:`dualpipev_order` one pass at a time.
+
+    DeepSpeed launches each step's sends and receives as one batch (CommitP2P) and waits for all of them before the
+    step's compute, so a pass also waits for the inputs of the pass it is paired with (a forward for the gradient of
+    the backward after it).  On the critical path that costs (p - 1) chunk forwards more than the order alone,
+    whatever the costs: added here (tests/test_tune_schedule.py simulates DeepSpeed's instruction stream with its
+    batched p2p and finds exactly this for p 2 to 8, m 2p to 4p and three forward : backward ratios)."""
     orders = [dualpipev_order(p, m, r) for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}  # (pass, chunk, micro-batch) -> finish time
     position, free = [0] * p, [0.0] * p
@@ -88,7 +94,7 @@ def simulate_dualpipev(p: int, m: int, forward: float = 1.0, backward: float = 2
                 progressed = True
         if not progressed:
             raise RuntimeError(f"the DualPipeV order deadlocks at p={p}, m={m}")
-    return max(free)
+    return max(free) + (p - 1) * forward
 
 
 def dualpipev_slots(p: int, m: int) -> float:
