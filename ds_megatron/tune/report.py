@@ -45,6 +45,7 @@ SETTINGS = (  # (label, cell) compared between two candidates
     ("recompute", "recompute"),
     ("attention", "attn"),
     ("ZeRO", "zero"),
+    ("schedule", "schedule"),
 )
 TIME_PARTS = (
     ("compute", "compute_s"),
@@ -64,6 +65,7 @@ def cells(c: Candidate) -> dict[str, str]:
     numbers = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "b": c.micro_batch_size, "m": c.num_micro_batches, "zero": c.zero}
     text = {"sp": "on" if c.sequence_parallel else "off", "attn": c.attention, "recompute": c.recompute_label()}
     text["cp"] = "1" if c.cp == 1 else f"{c.cp} {c.cp_comm}"
+    text["schedule"] = c.schedule
     return {**{name: str(n) for name, n in numbers.items()}, **text}
 
 
