@@ -204,3 +204,28 @@ def stage_activations_in_flight(schedule: PipelineSchedule, pp: int, rank: int, 
     if schedule.stages_per_rank == 1:
         return float(min(pp - rank, num_micro_batches))
     return (2 * pp + 1) / schedule.stages_per_rank
+
+
+def deferred_weight_grad_bytes_per_layer(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    *,
+    family: str = DEFAULT_FAMILY,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    cp: int = 1,
+    act_bytes: int = 2,
+) -> float:
+    """Bytes one layer's queued W pass keeps alive until it runs (zero-bubble schedules,
+    ``ds_megatron.tensor_parallel.weight_grad``), per TP and CP rank: for each of the block's linears (the family's
+    ``tuner.block_gemms``, m tokens x k in -> n out per TP rank) its input, m x k, and its output gradient, m x n,
+    in activation bytes.  Under SP a column-parallel linear's input is the all-gathered [s, b, h], t times the shard
+    the activation formula counts, so m is the whole s / cp x b whatever SP does.  These belong to a micro-batch
+    whose B has run, so none of them is among :func:`activation_bytes_per_layer`'s micro-batches in flight."""
+    kv = h // a * (a if num_kv_heads is None else num_kv_heads)
+    width = 4 * h if intermediate_size is None else intermediate_size
+    gemms = FAMILIES[family].tuner.block_gemms(b * (s // cp), h, kv, width, t)
+    return float(sum(count * m * (k + n) for _, m, k, n, count in gemms) * act_bytes)

@@ -24,6 +24,7 @@ from ds_megatron.tune import Pins, build_model_shape, empirical, search
 from ds_megatron.tune.empirical_report import format_empirical
 from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 from ds_megatron.tune.report import format_report
+from ds_megatron.tune.schedules import ALL, DEFAULT_SCHEDULES, SCHEDULES
 from ds_megatron.tune.spec import DEFAULT_EFFICIENCY, INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, cluster_from_flags
 from ds_megatron.tune.written import check_output, to_json, write_config, write_output
 
@@ -105,6 +106,11 @@ FLAGS = {
         ),
         ("--attention", {"choices": ATTENTION_KERNELS}, "attention kernel (sdpa never with core_attn)"),
         ("--zero", INT | {"choices": PIPELINE_ZERO_STAGES}, "ZeRO stage"),
+        (
+            "--schedule",
+            {"metavar": "|".join((*SCHEDULES, ALL))},
+            f"pipeline schedule (default: {', '.join(DEFAULT_SCHEDULES)} only; {ALL}: rank every schedule together)",
+        ),
     ),
     "output": (
         ("--top", INT | {"default": 10}, "rows of the ranked table (default 10)"),

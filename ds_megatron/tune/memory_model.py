@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass
 from ds_megatron.config import ModelShape
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, padded_vocab_size
 from ds_megatron.config.shape import layers_per_stage
-from ds_megatron.memory import activation_bytes_per_layer, cp_transient_bytes
+from ds_megatron.memory import activation_bytes_per_layer, cp_transient_bytes, deferred_weight_grad_bytes_per_layer
 from ds_megatron.model import family_of
+from ds_megatron.tune.schedules import dualpipev_peak_bytes
 from ds_megatron.tune.spec import Candidate
 
 GIB = 2**30
@@ -64,6 +65,17 @@ def stage_param_counts(
         return total, total
     blocks = layers_per_stage(model.num_layers, pp) * block
     return embedding + positions + blocks, blocks + final_norm + embedding
+
+
+def rank_param_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
+    """(first, last) pipeline rank's parameters per TP rank under the candidate's schedule.  DualPipeV: rank 0 holds
+    chunks 0 and 2p-1 (the embedding, the final norm and the output layer, a tied one sharing the embedding's
+    module), the last rank two chunks of the middle, each chunk ceil(L/(2p)) blocks: the same total as 1F1B."""
+    if cand.schedule != "dualpipev":
+        return stage_param_counts(model, cand.tp, cand.pp)
+    whole = stage_param_counts(model, cand.tp, 1)[0]
+    blocks = 2 * layers_per_stage(model.num_layers, 2 * cand.pp) * block_param_count(model, cand.tp)
+    return whole - model.num_layers * block_param_count(model, cand.tp) + blocks, blocks
 
 
 def total_param_count(model: ModelShape, vocab_multiple: int = 1) -> int:
@@ -184,9 +196,47 @@ def output_activation_bytes(model: ModelShape, cand: Candidate) -> float:
     return per_token * s * b / sp_split(cand) + logits
 
 
+def deferred_weight_grad_bytes(model: ModelShape, cand: Candidate, num_blocks: int, last: bool) -> float:
+    """What one queued W pass of a stage keeps (``memory.deferred_weight_grad_bytes_per_layer`` per block), on the
+    last stage with the output layer's: its input [s/cp, b, h] (gathered whole under SP) and output gradient
+    [s/cp, b, V/t], in activation bytes."""
+    m = model
+    per_block = deferred_weight_grad_bytes_per_layer(
+        m.seq_length,
+        cand.micro_batch_size,
+        m.hidden_size,
+        m.num_heads,
+        cand.tp,
+        family=m.family,
+        num_kv_heads=m.num_kv_heads,
+        intermediate_size=m.intermediate_size,
+        cp=cand.cp,
+        act_bytes=ACT_BYTES,
+    )
+    tokens = m.seq_length // cand.cp * cand.micro_batch_size
+    output = tokens * (m.hidden_size + padded_vocab_size(m.vocab_size, cand.tp) / cand.tp) * ACT_BYTES
+    return num_blocks * per_block + (output if last else 0.0)
+
+
 def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, float]:
-    """(first stage, last stage) activation bytes at their peak under 1F1B: the first stage keeps min(p, m)
-    micro-batches in flight, the last one."""
+    """(first, last) pipeline rank's activation bytes at their peak under the candidate's schedule.
+    1F1B: the first stage keeps min(p, m) micro-batches in flight, the last one.
+    ZB-H1: 1F1B's micro-batches in flight, and stage s holds back up to s W passes: none on the first stage; the last
+    keeps p - 1 of them beside its one micro-batch in flight, and p (none in flight) in the cooldown, between a B and
+    the W it makes due (``deferred_weight_grad_bytes``).  Between the two ends a stage's peak is linear in s, so the
+    ends are the peaks.
+    DualPipeV: each rank's two chunks (ceil(L/(2p)) blocks each) in flight at the peak of its schedule order
+    (``schedules.dualpipev_peak_bytes``); rank 0 adds the embedding's masks to its phase-0 chunks and the output
+    layer's activations to its phase-1 chunks, the loss being computed there."""
+    if cand.schedule == "dualpipev":
+        chunk = layers_per_stage(model.num_layers, 2 * cand.pp)
+        stored = stored_activation_bytes(model, cand, chunk)
+        transient = recompute_transient_bytes(model, cand, chunk)
+        p, m = cand.pp, cand.num_micro_batches
+        ends = (embedding_activation_bytes(model, cand), output_activation_bytes(model, cand))
+        first = dualpipev_peak_bytes(p, m, 0, (stored + ends[0], stored + ends[1])) + transient
+        last = dualpipev_peak_bytes(p, m, p - 1, (stored, stored)) + transient
+        return first, last
     n = layers_per_stage(model.num_layers, cand.pp)
     stored = stored_activation_bytes(model, cand, n)
     transient = recompute_transient_bytes(model, cand, n)
@@ -194,6 +244,9 @@ def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, f
     last = stored + output_activation_bytes(model, cand) + transient
     if cand.pp == 1:
         first = last = first + output_activation_bytes(model, cand)
+    elif cand.schedule == "zb-h1":
+        held = deferred_weight_grad_bytes(model, cand, n, last=True)
+        last = max(last - transient, held) + (cand.pp - 1) * held + transient
     return first, last
 
 
@@ -203,5 +256,5 @@ def stage_memory(model: ModelShape, cand: Candidate) -> tuple[StageMemory, Stage
     shard = cand.dp * cand.cp if cand.zero == 1 else 1  # ZeRO-1 partitions over DeepSpeed's data axis, dp x cp
     return tuple(  # type: ignore[return-value]
         StageMemory(float(WEIGHT_BYTES * n), float(GRAD_BYTES * n), OPTIMIZER_BYTES * n / shard, act, per_layer)
-        for n, act in zip(stage_param_counts(model, cand.tp, cand.pp), stage_activation_bytes(model, cand))
+        for n, act in zip(rank_param_counts(model, cand), stage_activation_bytes(model, cand))
     )

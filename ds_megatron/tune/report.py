@@ -30,8 +30,9 @@ COLUMNS = (
     ("MFU", 6),
     ("HFU", 6),
 )
+SCHEDULE_COLUMN = ("schedule", 9)  # last, only in a table that shows a schedule other than 1f1b
 CP_COLUMN = ("cp", 7)  # after tp, only in a table that shows a cp > 1 candidate ("4 ring", "2 a2a")
-TEXT_COLUMNS = {"attn", "recompute", "status", "source", "cp"}  # left-aligned in every table
+TEXT_COLUMNS = {"attn", "recompute", "status", "source", "cp", "schedule"}  # left-aligned in every table
 MAX_REJECTIONS_SHOWN = 8
 NEAR_TIE = 0.01  # candidates this close to the winner's step time are within the time model's error of it
 SETTINGS = (  # (label, cell) compared between two candidates
@@ -44,6 +45,7 @@ SETTINGS = (  # (label, cell) compared between two candidates
     ("recompute", "recompute"),
     ("attention", "attn"),
     ("ZeRO", "zero"),
+    ("schedule", "schedule"),
 )
 TIME_PARTS = (
     ("compute", "compute_s"),
@@ -63,6 +65,7 @@ def cells(c: Candidate) -> dict[str, str]:
     numbers = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "b": c.micro_batch_size, "m": c.num_micro_batches, "zero": c.zero}
     text = {"sp": "on" if c.sequence_parallel else "off", "attn": c.attention, "recompute": c.recompute_label()}
     text["cp"] = "1" if c.cp == 1 else f"{c.cp} {c.cp_comm}"
+    text["schedule"] = c.schedule
     return {**{name: str(n) for name, n in numbers.items()}, **text}
 
 
@@ -84,11 +87,17 @@ def with_cp_column(columns: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int
     return (*columns[:i], CP_COLUMN, *columns[i:])
 
 
-def _row(rank: int, e: Evaluation, with_cp: bool = False) -> list[str]:
+def shows_schedule(shown: list[Evaluation]) -> bool:
+    """Whether a table of ``shown`` needs the schedule column (a 1f1b table stays as it was before schedules)."""
+    return any(e.candidate.schedule != "1f1b" for e in shown)
+
+
+def _row(rank: int, e: Evaluation, with_cp: bool = False, with_schedule: bool = False) -> list[str]:
     t = e.time
     memory = [f"{stage.required_bytes / GIB:.1f} GiB" for stage in (e.first, e.last)]
     speed = [seconds_text(t.step_s), f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}", f"{t.hfu:.1%}"]
-    return [str(rank), *layout_cells(e.candidate, with_cp), str(e.candidate.zero), *memory, *speed]
+    schedule = [e.candidate.schedule] if with_schedule else []
+    return [str(rank), *layout_cells(e.candidate, with_cp), str(e.candidate.zero), *memory, *speed, *schedule]
 
 
 def widened(columns: tuple[tuple[str, int], ...], shown: list[Evaluation]) -> tuple[tuple[str, int], ...]:
@@ -111,7 +120,7 @@ def settings_text(c: Candidate) -> str:
     return (
         "tp {tp}, " + ("cp {cp}, " if c.cp > 1 else "") + "pp {pp}, dp {dp}, SP {sp}, micro-batch {b} x {m}, "
         "recompute {recompute}, attention {attn}, ZeRO-{zero}"
-    ).format(**cells(c))
+    ).format(**cells(c)) + (f", schedule {c.schedule}" if c.schedule != "1f1b" else "")
 
 
 def describe(e: Evaluation) -> str:
@@ -148,8 +157,10 @@ def format_report(result: SearchResult, top: int = 10) -> str:
     else:
         shown = result.ranked[:top]
         cp_column = shows_cp(shown)
+        schedule_column = shows_schedule(shown)
         columns = widened(with_cp_column(COLUMNS) if cp_column else COLUMNS, shown)
-        lines += table([_row(i + 1, e, cp_column) for i, e in enumerate(shown)], columns)
+        columns += (SCHEDULE_COLUMN,) if schedule_column else ()
+        lines += table([_row(i + 1, e, cp_column, schedule_column) for i, e in enumerate(shown)], columns)
         t = winner.time
         lines += [
             "",

@@ -103,15 +103,17 @@ def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:
     groups: dict[tuple, list[Evaluation]] = defaultdict(list)
     for e in evaluations:
         c = e.candidate
-        groups[(c.tp, c.pp, c.dp, c.sequence_parallel, c.recompute, c.attention, c.cp, c.cp_comm)].append(e)
+        groups[(c.tp, c.pp, c.dp, c.sequence_parallel, c.recompute, c.attention, c.cp, c.cp_comm, c.schedule)].append(e)
     rejected = []
-    for (tp, pp, dp, sp, policy, kernel, cp, comm), members in groups.items():
+    for (tp, pp, dp, sp, policy, kernel, cp, comm, schedule), members in groups.items():
         if any(e.fits for e in members):
             continue
         closest = min(members, key=lambda e: e.required_bytes)
         family = {"tp": tp, "pp": pp, "dp": dp, "sequence_parallel": sp, "recompute": policy, "attention": kernel}
         if cp > 1:  # a cp 1 family is named as before the tuner knew cp
             family.update(cp=cp, cp_comm=comm)
+        if schedule != "1f1b":  # a 1f1b family is named as before the tuner knew schedules
+            family["pipeline_schedule"] = schedule
         best = closest.candidate
         reason = f"{closest.reason}; closest member b={best.micro_batch_size} {best.recompute_label()}"
         rejected.append(Rejection(family, reason, len(members), closest.required_bytes))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ds_megatron.config import ModelShape
 from ds_megatron.config.rules import TP_SPLITS, core_attn_saves_nothing
 from ds_megatron.config.schema import ATTENTION_KERNELS
-from ds_megatron.tune import cp_rules
+from ds_megatron.tune import cp_rules, schedules
 from ds_megatron.tune.memory_model import layers_per_stage
 from ds_megatron.tune.spec import (
     SDPA_CORE_ATTN_REASON,
@@ -127,6 +127,13 @@ def cp_comm_options(cp: int, pins: Pins) -> list[str]:
     return [c for c in cp_rules.cp_comms() if pins.cp_comm is None or c == pins.cp_comm]
 
 
+def schedule_options(pins: Pins) -> tuple[str, ...]:
+    """The pipeline schedules to try: the pinned one, all of them (``--schedule all``), else DEFAULT_SCHEDULES."""
+    if pins.schedule is None:
+        return schedules.DEFAULT_SCHEDULES
+    return schedules.SCHEDULES if pins.schedule == schedules.ALL else (pins.schedule,)
+
+
 def layout_candidates(
     model: ModelShape, global_batch_size: int, tp: int, pp: int, dp: int, pins: Pins, cp: int = 1
 ) -> tuple[list[Candidate], list[Rejection]]:
@@ -167,13 +174,28 @@ def layout_candidates(
                 family = {**layout, "cp_comm": comm, **({"sequence_parallel": sp} if tp > 1 else {})}
                 rejected.append(Rejection(family, why))
 
-    num_blocks = layers_per_stage(model.num_layers, pp)
-    recompute = {kernel: recompute_options(num_blocks, kernel, pins) for kernel in attention_options(pins)}
+    runs = {}  # schedule -> the micro-batch sizes it can run
+    for schedule in schedule_options(pins):
+        refused: dict[str, list[int]] = {}
+        for b in micro:
+            why = schedules.refusal(schedule, pp, per_replica // b)
+            if why is not None:
+                refused.setdefault(why, []).append(b)
+        for why, sizes_refused in refused.items():
+            family = {**layout, "pipeline_schedule": schedule, "micro_batch_size": sizes_refused}
+            rejected.append(Rejection(family, why))
+        runs[schedule] = [b for b in micro if schedules.refusal(schedule, pp, per_replica // b) is None]
+
+    recompute = {}
+    for schedule in runs:  # full recompute's k counts blocks of one stage: a DualPipeV chunk of ceil(L/(2p))
+        num_blocks = layers_per_stage(model.num_layers, 2 * pp if schedule == "dualpipev" else pp)
+        recompute[schedule] = {k: recompute_options(num_blocks, k, pins) for k in attention_options(pins)}
     candidates = [
-        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm)
+        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm, schedule)
+        for schedule, schedule_micro in runs.items()
         for comm, sp in allowed
-        for b in micro
-        for kernel, options in recompute.items()
+        for b in schedule_micro
+        for kernel, options in recompute[schedule].items()
         for policy, k, method, modules in options
     ]
     return candidates, rejected

@@ -68,6 +68,7 @@ class Pins:
     recompute_modules: tuple[str, ...] | None = None  # selective's modules, in any order (implies "selective")
     cp: int | None = None  # context-parallel size (None: searched for long sequences, tune.space.CP_MIN_SEQ_LENGTH)
     cp_comm: str | None = None  # "ring" | "a2a"
+    schedule: str | None = None  # a tune.schedules name, or "all" (None: tune.schedules.DEFAULT_SCHEDULES)
 
 
 def ordered_modules(modules: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -97,6 +98,8 @@ class Candidate:
     # m = global batch / (dp x b)), exchanging K/V around a ring or by all-to-all over heads ("a2a").
     cp: int = 1
     cp_comm: str = "ring"
+    # The pipeline schedule (ds_megatron.parallel.pipeline_schedule; tune.schedules models each).
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
         modules = tuple(self.recompute_modules)
@@ -129,6 +132,8 @@ class Candidate:
             "attention": self.attention,
             # only with cp > 1: a cp 1 record is what it was before the tuner knew cp
             **({"cp": self.cp, "cp_comm": self.cp_comm} if self.cp > 1 else {}),
+            # only off 1f1b: a 1f1b record is what it was before the tuner knew schedules
+            **({"pipeline_schedule": self.schedule} if self.schedule != "1f1b" else {}),
         }
 
 

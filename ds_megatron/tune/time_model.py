@@ -1,6 +1,8 @@
 """Predicted time of one optimizer step of a candidate:
 
-    step = (m + p - 1) * t_mb + t_dp * (1 - DP_OVERLAP) + t_tied + overhead
+    step = slots * t_mb + t_dp * (1 - DP_OVERLAP) + t_tied + overhead
+
+slots is the pipeline schedule's critical path in micro-batches (``schedule_slots``): m + p - 1 under 1F1B.
 
 t_mb is one micro-batch's forward and backward on the slowest stage: its matmuls (``tune.matmuls``), the eager
 kernel's memory-bound score passes, the elementwise passes selective recompute runs again, the TP collectives (ring
@@ -22,8 +24,9 @@ from ds_megatron.tune.memory_model import (
     has_attention_dropout,
     layers_per_stage,
     padded_vocab_size,
-    stage_param_counts,
+    rank_param_counts,
 )
+from ds_megatron.tune.schedules import dualpipev_slots
 from ds_megatron.tune.spec import Candidate, Cluster
 
 GRAD_REDUCE_BYTES = 4  # DeepSpeed's BF16 optimizer reduces the fp32 gradient copies (grad_accum_dtype fp32)
@@ -117,6 +120,7 @@ class StageTime:
     flops: float = 0.0  # matmul FLOPs of the micro-batch on this GPU, recomputation included
     recompute_passes_s: float = 0.0  # elementwise passes selective recompute runs again (mlp_act, layernorm)
     cp_comm_s: float = 0.0  # the CP exchange (ring hops, a2a all-to-alls) not hidden behind compute
+    weight_grad_s: float = 0.0  # the W share of compute_s: the weight-gradient GEMMs of the linears (ZB-H1 defers)
 
     @property
     def total_s(self) -> float:
@@ -133,7 +137,7 @@ class StepTime:
     compute_s: float  # compute on the critical path, bubble slots included
     tp_comm_s: float  # TP/SP collectives on the critical path, bubble slots included
     p2p_s: float  # pipeline sends on the critical path, bubble slots included
-    bubble_s: float  # (p - 1) * t_mb: the share of the above spent filling and draining the pipeline
+    bubble_s: float  # the share of the above spent filling and draining the pipeline (1F1B: (p - 1) * t_mb)
     dp_comm_s: float  # gradient reduction, weight all-gather and tied-embedding reduction not hidden
     tokens_per_s: float
     mfu: float  # model FLOPs / (step * peak * gpus)
@@ -146,8 +150,13 @@ class StepTime:
     # as_dict at cp 1) so that a cp 1 prediction prints exactly as before the tuner knew cp.
     cp_comm_s: float = dataclasses.field(default=0.0, repr=False)
 
+    # The schedule's name, left out of the repr and of a 1f1b record (which stays what it was before schedules).
+    schedule: str = dataclasses.field(default="1f1b", repr=False)
+
     def as_dict(self) -> dict:
         record = dataclasses.asdict(self)
+        if self.schedule == "1f1b":
+            del record["schedule"]
         if not self.cp_comm_s:  # absent at cp 1, so that a cp 1 record is what it was before the tuner knew cp
             del record["cp_comm_s"]
         return record
@@ -157,7 +166,11 @@ def _recomputed_blocks(cand: Candidate, num_blocks: int) -> int:
     """Blocks of a stage whose forward runs twice under full recompute."""
     if cand.recompute != "full":
         return 0
-    return num_blocks if cand.recompute_method == "uniform" else min(cand.recompute_layers, num_blocks)
+    if cand.recompute_method == "uniform":
+        return num_blocks
+    if cand.schedule == "dualpipev":  # k blocks of each of the rank's two chunks
+        return 2 * min(cand.recompute_layers, num_blocks // 2)
+    return min(cand.recompute_layers, num_blocks)
 
 
 def recomputes_core(cand: Candidate) -> bool:
@@ -236,7 +249,7 @@ def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: 
 def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[StageTime, StageTime]:
     """(first stage, last stage) time of one micro-batch.  With p = 1 both are the whole model."""
     s, b, h, t = model.seq_length // cand.cp, cand.micro_batch_size, model.hidden_size, cand.tp  # this CP rank's
-    n = layers_per_stage(model.num_layers, cand.pp)
+    n = stage_blocks(model, cand)
     recomputed = _recomputed_blocks(cand, n)
     # Forward and backward (twice the forward: input and weight gradients, GEMMs of the same shapes) of every block,
     # plus the recomputed forwards: full recompute re-runs whole blocks, selective with core_attn the core attention
@@ -264,29 +277,61 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
         gbps, latency = link(cluster, cand.tp * cand.cp * cand.dp * cand.pp > cluster.gpus_per_node)
         sent = boundary / (t if cand.sequence_parallel else 1)
         p2p = 2 * (latency + sent / (gbps * 1e9))  # activation forward, its gradient backward
+        if cand.schedule == "dualpipev":  # each of the rank's two chunks receives and sends its own
+            p2p *= 2
 
     scores = eager_score_s(model, cluster, cand, n, recomputed)
     passes = recompute_passes_s(model, cluster, cand, n)
     cp = cp_comm_s(model, cluster, cand, n, recomputed)
-    first = StageTime(block_s, (block_units + 1) * unit, p2p, scores, block_flops, passes, cp)
-    last = StageTime(block_s + logits_s, (block_units + 1) * unit, p2p, scores, block_flops + logits_flops, passes, cp)
+    # W: one GEMM of each forward GEMM's shape per linear (dA = dY^T X), the output layer's on the last stage.
+    block_w = n * matmul_s(block_matmuls(model, cand), cluster)
+    logits_w = matmul_s((logits,), cluster)
+    first = StageTime(block_s, (block_units + 1) * unit, p2p, scores, block_flops, passes, cp, block_w)
+    last = StageTime(
+        block_s + logits_s, (block_units + 1) * unit, p2p, scores, block_flops + logits_flops, passes, cp, block_w
+    )
+    last = dataclasses.replace(last, weight_grad_s=block_w + logits_w)
     if cand.pp == 1:
-        first = last = StageTime(last.compute_s, (block_units + 2) * unit, 0.0, scores, last.flops, passes, cp)
+        first = last = dataclasses.replace(last, tp_comm_s=(block_units + 2) * unit, p2p_s=0.0)
     return first, last
+
+
+def stage_blocks(model: ModelShape, cand: Candidate) -> int:
+    """Blocks one pipeline rank runs per micro-batch: ceil(L/p), under DualPipeV two chunks of ceil(L/(2p))."""
+    if cand.schedule == "dualpipev":
+        return 2 * layers_per_stage(model.num_layers, 2 * cand.pp)
+    return layers_per_stage(model.num_layers, cand.pp)
+
+
+def schedule_slots(cand: Candidate, slowest: StageTime) -> tuple[float, float]:
+    """(slots, bubble in s): the step's critical path in micro-batches of ``slowest.total_s`` and the part of it
+    spent filling and draining the pipeline, per schedule (``tune.schedules``).
+    1F1B: m + p - 1 slots, bubble (p - 1) t_mb.
+    ZB-H1: the bubble (p-1)(T_F + T_B - T_W) = (p-1)(t_mb - 2 T_W), T_W the W share (``StageTime.weight_grad_s``).
+    DualPipeV: the simulated makespan of its order in t_mb (``schedules.dualpipev_slots``)."""
+    m, p, t_mb = cand.num_micro_batches, cand.pp, slowest.total_s
+    if cand.schedule == "zb-h1" and p > 1:
+        bubble = (p - 1) * (t_mb - 2 * slowest.weight_grad_s)
+        return m + bubble / t_mb, bubble
+    if cand.schedule == "dualpipev":
+        slots = dualpipev_slots(p, m)
+        return slots, (slots - m) * t_mb
+    return m + p - 1, (p - 1) * t_mb
 
 
 def dp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate) -> float:
     """Gradient all-reduce (+ ZeRO-1 weight all-gather) over DeepSpeed's data axis, dp x cp (the CP ranks hold the
     same weights, so their gradients are averaged with the data-parallel ones) and, for tied embeddings split over
     first and last stage, their all-reduce; not overlapped."""
-    params = max(stage_param_counts(model, cand.tp, cand.pp))
+    params = max(rank_param_counts(model, cand))
     ranks = cand.dp * cand.cp
     gbps, latency = link(cluster, cand.tp * ranks > cluster.gpus_per_node)
     total = ring_s(GRAD_REDUCE_BYTES * params, ranks, gbps, latency)
     if cand.zero == 1:
         total += ring_s(WEIGHT_BYTES * params, ranks, gbps, latency, passes=1)
     total *= 1.0 - DP_OVERLAP
-    if cand.pp > 1 and model.tie_word_embeddings:
+    # DualPipeV's rank 0 holds both ends: a tied embedding is one module there, with nothing to all-reduce.
+    if cand.pp > 1 and model.tie_word_embeddings and cand.schedule != "dualpipev":
         embedding = padded_vocab_size(model.vocab_size, cand.tp) * model.hidden_size / cand.tp
         total += ring_s(GRAD_REDUCE_BYTES * embedding, 2, *link(cluster, cluster.num_gpus > cluster.gpus_per_node))
     return total
@@ -296,7 +341,7 @@ def job_flops(model: ModelShape, global_batch_size: int, cand: Candidate | None 
     """FLOPs the whole job runs per step: the model's (for MFU), or with ``cand`` its recomputation included (HFU)."""
     policy, recomputed = "none", None
     if cand is not None and cand.recompute == "full":
-        n = layers_per_stage(model.num_layers, cand.pp)
+        n = stage_blocks(model, cand)
         policy, recomputed = "full", min(model.num_layers, _recomputed_blocks(cand, n) * cand.pp)
     elif cand is not None and recomputes_core(cand):  # selective's other modules are elementwise: no matmul FLOPs
         policy = "selective"
@@ -309,7 +354,7 @@ def step_time(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch
     """Predicted step time, tokens/s, MFU and HFU of ``cand``."""
     first, last = stage_times(model, cluster, cand)
     slowest = max(first, last, key=lambda st: st.total_s)
-    slots = cand.num_micro_batches + cand.pp - 1
+    slots, bubble = schedule_slots(cand, slowest)
     dp = dp_comm_s(model, cluster, cand)
     step = slots * slowest.total_s + dp + cluster.step_overhead_s
     capacity = step * cluster.peak_flops * cluster.num_gpus
@@ -318,7 +363,7 @@ def step_time(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch
         compute_s=slots * slowest.compute_s,
         tp_comm_s=slots * slowest.tp_comm_s,
         p2p_s=slots * slowest.p2p_s,
-        bubble_s=(cand.pp - 1) * slowest.total_s,
+        bubble_s=bubble,
         dp_comm_s=dp,
         tokens_per_s=global_batch_size * model.seq_length / step,
         mfu=job_flops(model, global_batch_size) / capacity,
@@ -328,4 +373,5 @@ def step_time(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch
         matmul_efficiency=slowest.flops / (slowest.compute_s * cluster.peak_flops),
         recompute_passes_s=slots * slowest.recompute_passes_s,
         cp_comm_s=slots * slowest.cp_comm_s,
+        schedule=cand.schedule,
     )

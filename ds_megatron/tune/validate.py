@@ -11,7 +11,7 @@ from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.numbers import check_finite
 from ds_megatron.config.rules import TP_SPLITS, check_zero_stage, core_attn_saves_nothing, tp_misfit
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
-from ds_megatron.tune import cp_rules
+from ds_megatron.tune import cp_rules, schedules
 from ds_megatron.tune.space import tp_sizes
 from ds_megatron.tune.spec import FLAGS, Cluster, Pins, check_positive
 
@@ -81,6 +81,26 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
         _check_modules(pins)
     if pins.zero is not None:
         check_zero_stage(pins.zero, pins.pp, FLAGS)
+    if pins.schedule is not None:
+        _check_schedule(global_batch_size, pins)
+
+
+def _check_schedule(global_batch_size: int, pins: Pins) -> None:
+    """A pinned schedule the pins leave no way to run (``schedules.refusal``), with the most micro-batches they allow:
+    m = global batch / (dp x b), dp and b at least 1."""
+    if pins.schedule == schedules.ALL:
+        return
+    if pins.schedule not in schedules.SCHEDULES:
+        names = ", ".join((*schedules.SCHEDULES, schedules.ALL))
+        raise ConfigError("--schedule", "unknown pipeline schedule", repr(pins.schedule), f"use one of {names}")
+    if pins.pp is None:  # searched from pp 2 on where pp 1 cannot run it
+        return
+    most = global_batch_size // ((pins.dp or 1) * (pins.micro_batch_size or 1))
+    why = schedules.refusal(pins.schedule, pins.pp, most)
+    if why is not None:
+        values = f"schedule={pins.schedule}, pp={pins.pp}, m={most}"
+        fix = "raise the global batch or lower pp, dp or b" if pins.pp > 1 else "pass --pp 2 or more"
+        raise ConfigError("--schedule", why, values, fix)
 
 
 def _check_cp_comm(pins: Pins) -> None:

@@ -102,6 +102,8 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
                 **({"cp": c.cp, "cp_comm": c.cp_comm} if c.cp > 1 else {}),  # a cp 1 config is written as before
                 "pp": c.pp,
                 "sequence_parallel": c.sequence_parallel,
+                # a 1f1b config is written as before the tuner knew schedules (1f1b is the loader's default)
+                **({"pipeline_schedule": c.schedule} if c.schedule != "1f1b" else {}),
             },
             "recompute": recompute,
         },

@@ -1,0 +1,115 @@
+"""The pipeline schedules the tuner models (``ds_megatron.parallel.pipeline_schedule``): how many micro-batch slots
+one step's critical path lasts, and how many micro-batches each rank keeps in flight.  Pure Python.
+
+- ``1f1b`` (DeepSpeed's TrainSchedule): m + p - 1 slots of t_mb = T_F + T_B + T_W, exact for equal stage costs.
+- ``zb-h1`` (the backward split into B and a deferred W, stage s holding back up to s W passes): the fill and drain
+  shrink from (p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W), W filling the cooldown slots.
+- ``dualpipev`` (DeepSpeed's DualPipeVSchedule): rank r runs chunks r (phase 0) and 2p-1-r (phase 1) of L/(2p)
+  blocks each, in the compute order :func:`dualpipev_order` lists; its makespan comes from
+  :func:`simulate_dualpipev`, a list scheduling of that order with each chunk's forward and backward waiting for the
+  chunk it depends on (transfers free).  It needs pp > 1 and m >= 2p.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ds_megatron.config.schema import PIPELINE_SCHEDULES
+
+SCHEDULES = tuple(schedule.name for schedule in PIPELINE_SCHEDULES)  # the config's names, one owner
+# Searched unless --schedule says otherwise: ZB-H1 has only been measured on CPU (idle 0.65x at m 4, the step gain
+# eaten by the split backward's extra work) and DualPipeV not at all, so the time model's gains for them are not yet
+# trusted enough to change a winner.  --schedule all ranks the three together.
+DEFAULT_SCHEDULES = ("1f1b",)
+ALL = "all"
+# Chunk forward : backward cost of the DualPipeV simulation: the time model's own count (a backward runs the input
+# and the weight gradients, two GEMMs of the forward's shapes).
+DUALPIPEV_COSTS = (1.0, 2.0)
+
+
+def refusal(schedule: str, pp: int, num_micro_batches: int) -> str | None:
+    """Why ``schedule`` cannot run at ``pp`` stages and ``num_micro_batches`` micro-batches (None: it can)."""
+    if schedule not in SCHEDULES:
+        return f"unknown schedule (use one of {', '.join(SCHEDULES)} or {ALL})"
+    if schedule == "dualpipev" and pp == 1:
+        return "dualpipev needs pp > 1 (each pipeline rank holds two stages of one pipeline)"
+    if schedule == "dualpipev" and num_micro_batches < 2 * pp:
+        return "dualpipev needs m >= 2 x pp (DualPipeVSchedule refuses fewer micro-batches)"
+    if schedule == "zb-h1" and pp == 1:
+        return "zb-h1 needs pp > 1 (with one stage there is no bubble for the W passes to fill)"
+    return None
+
+
+def dualpipev_order(p: int, m: int, rank: int) -> list[tuple[str, int]]:
+    """The compute passes rank ``rank`` of a ``p``-rank DualPipeV pipeline runs, in order: ("F" | "B", phase).
+    The phases' k-th forward (and k-th backward) is micro-batch k.  The seven steps with compute of the schedule:
+    warm-up forwards of phase 0, forward pairs, backward-forward pairs of phase 1, the steady F0 B1 F1 B0 step,
+    then the drain."""
+    tail = p - rank - 1
+    steps = (
+        (2 * tail, (("F", 0),)),
+        (rank + 1, (("F", 0), ("F", 1))),
+        (tail, (("B", 1), ("F", 1))),
+        (m - 2 * p + rank + 1, (("F", 0), ("B", 1), ("F", 1), ("B", 0))),
+        (tail, (("B", 1), ("F", 1), ("B", 0))),
+        (rank + 1, (("B", 1), ("B", 0))),
+        (tail, (("B", 0),)),
+    )
+    return [op for count, ops in steps for _ in range(count) for op in ops]
+
+
+@functools.lru_cache(maxsize=1024)
+def simulate_dualpipev(p: int, m: int, forward: float = 1.0, backward: float = 2.0) -> float:
+    """The makespan of one DualPipeV step with every chunk's forward costing ``forward`` and its backward
+    ``backward``, transfers free.  Chunk k (0..2p-1) lives on rank min(k, 2p-1-k); a forward of chunk k waits for
+    chunk k-1's forward of the same micro-batch, a backward of chunk k for chunk k+1's backward (the last chunk's
+    for its own forward); each rank runs its :func:`dualpipev_order` one pass at a time.
+
+    DeepSpeed launches each step's sends and receives as one batch (CommitP2P) and waits for all of them before the
+    step's compute, so a pass also waits for the inputs of the pass it is paired with (a forward for the gradient of
+    the backward after it).  On the critical path that costs (p - 1) chunk forwards more than the order alone,
+    whatever the costs: added here (tests/test_tune_schedule.py simulates DeepSpeed's instruction stream with its
+    batched p2p and finds exactly this for p 2 to 8, m 2p to 4p and three forward : backward ratios)."""
+    orders = [dualpipev_order(p, m, r) for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}  # (pass, chunk, micro-batch) -> finish time
+    position, free = [0] * p, [0.0] * p
+    counters = [{key: 0 for key in (("F", 0), ("F", 1), ("B", 0), ("B", 1))} for _ in range(p)]
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while position[r] < len(orders[r]):
+                kind, phase = orders[r][position[r]]
+                chunk = r if phase == 0 else 2 * p - 1 - r
+                mb = counters[r][(kind, phase)]
+                if kind == "F":
+                    needs = ("F", chunk - 1, mb) if chunk > 0 else None
+                else:
+                    needs = ("B", chunk + 1, mb) if chunk < 2 * p - 1 else ("F", chunk, mb)
+                if needs is not None and needs not in done:
+                    break
+                start = max(free[r], done[needs] if needs is not None else 0.0)
+                free[r] = done[(kind, chunk, mb)] = start + (forward if kind == "F" else backward)
+                counters[r][(kind, phase)] += 1
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"the DualPipeV order deadlocks at p={p}, m={m}")
+    return max(free) + (p - 1) * forward
+
+
+def dualpipev_slots(p: int, m: int) -> float:
+    """The step's critical path in units of t_mb (one micro-batch's two chunks, forward and backward, on a rank)."""
+    forward, backward = DUALPIPEV_COSTS
+    return simulate_dualpipev(p, m, forward, backward) / (2 * (forward + backward))
+
+
+def dualpipev_peak_bytes(p: int, m: int, rank: int, phase_bytes: tuple[float, float]) -> float:
+    """The most a rank keeps in flight over its :func:`dualpipev_order` (timing does not change it): chunks
+    forwarded and not yet backwarded, ``phase_bytes[phase]`` each."""
+    held, peak = [0, 0], 0.0
+    for kind, phase in dualpipev_order(p, m, rank):
+        held[phase] += 1 if kind == "F" else -1
+        peak = max(peak, held[0] * phase_bytes[0] + held[1] * phase_bytes[1])
+    return peak
