@@ -118,23 +118,33 @@ def test_cli_flags():
     assert cfg["ds_megatron"]["parallel"] == {"cp": 2, "cp_comm": "a2a"}
 
 
-def test_resharding_counts_deepspeeds_data_axis_and_refuses_cp(monkeypatch, tmp_path):
+def test_resharding_counts_deepspeeds_data_axis_and_takes_cp(monkeypatch, tmp_path):
     from ds_megatron.checkpoint import manifest
-    from ds_megatron.config.facts import needs_resharding
+    from ds_megatron.config.facts import data_axis, needs_resharding
     from ds_megatron.preflight import check_resume_shape
 
     zero1 = {"zero_optimization": {"stage": 1}}
     cp2_dp1 = {**resolve(config(cp=2), 2).ds_config, **zero1}
     cp1_dp2 = {**resolve(config(dp=2), 2).ds_config, **zero1}
     cp1_dp1 = {**resolve(config(), 1).ds_config, **zero1}
+    assert [data_axis(c) for c in (cp2_dp1, cp1_dp2, cp1_dp1)] == [2, 2, 1]
     assert not needs_resharding(cp2_dp1, cp1_dp2)  # ZeRO-1 partitions over dp x cp = 2 in both
     assert needs_resharding(cp2_dp1, cp1_dp1)
     monkeypatch.setattr(manifest, "tag_config", lambda load, tag: cp2_dp1)
     check_resume_shape(resolve(cp1_dp2, 2), tmp_path, "step00000002")  # no resharding needed: allowed
+    # Another dp x cp: the partitions are resharded on load (one per rank of the data axis), as for another dp.
+    check_resume_shape(resolve(cp1_dp1, 1), tmp_path, "step00000002")
+    check_resume_shape(resolve({**resolve(config(cp=4), 4).ds_config, **zero1}, 4), tmp_path, "step00000002")
+    # fp16's loss scaler is not resharded: it resumes only where the partitions are the saved ones.
+    fp16 = {"fp16": {"enabled": True}}
+    monkeypatch.setattr(manifest, "tag_config", lambda load, tag: {**cp2_dp1, **fp16})
+    check_resume_shape(resolve({**cp1_dp2, **fp16}, 2), tmp_path, "step00000002")
     with pytest.raises(ConfigError) as err:
-        check_resume_shape(resolve(cp1_dp1, 1), tmp_path, "step00000002")
-    assert "resharding a checkpoint to or from cp > 1 is not built (tp 1 x cp 2 x pp 1 x dp 1 in" in str(err.value)
-    assert "resume at tp 1, pp 1 and dp x cp = 2" in str(err.value)
+        check_resume_shape(resolve({**cp1_dp1, **fp16}, 1), tmp_path, "step00000002")
+    assert "fp16 run resumes only at the tp, pp and dp x cp it was saved at" in str(err.value)
+    assert "(tp 1 x cp 2 x pp 1 x dp 1 in" in str(err.value) and "resume with --tp 1 --cp 2 --pp 1 on 2" in str(
+        err.value
+    )
 
 
 def test_positions_are_the_chunks_global_indices():
