@@ -468,6 +468,10 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_continuing_the_losses(tmp_path):
     hf = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
     old = OldCheckpoint(pathlib.Path(ck), "step00000002")
     assert old.masters is not None and old.data_axis == 2
+    # One ZeRO-1 partition per data coordinate (cp rank here); the model files once, by data coordinate 0.
+    names = sorted(f.name for f in (pathlib.Path(ck) / "step00000002").glob("*_states.pt"))
+    assert [n for n in names if "optim" in n] == [f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in (0, 1)]
+    assert [n for n in names if n.startswith("mp_rank")] == ["mp_rank_00_model_states.pt"]
     for name, tensor in hf.items():
         layer = old.layer_file(old.layout.index_of(name), 0)[old.layout.key_in_layer(name)]
         rows = tuple(slice(0, n) for n in tensor.shape)  # the per-layer file's vocabulary may be padded
