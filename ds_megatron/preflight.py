@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ds_megatron.config import ConfigError, RunConfig, check_text_settings, effective_tokenizer, resolve
-from ds_megatron.config.facts import needs_resharding, precision, saved_cp, saved_layout
+from ds_megatron.config.facts import needs_resharding, precision, saved_world
 from ds_megatron.config.rules import CONFIG_FILE_RULES, check_tokenizer_fits
 from ds_megatron.config.shape import SHAPE_FIELDS
 
@@ -361,9 +361,8 @@ def check_resume_shape(run: RunConfig, load: Path, tag: str) -> None:
     saved = tag_config(load, tag)
     if saved is None:
         return
-    tp, pp, dp = saved_layout(saved)
     try:
-        old = resolve(saved, tp * saved_cp(saved) * pp * dp)
+        old = resolve(saved, saved_world(saved))
     except ConfigError:
         return
     for key in SHAPE_KEYS:
@@ -375,21 +374,14 @@ def check_resume_shape(run: RunConfig, load: Path, tag: str) -> None:
                 f"{key}={a} in {load}/{tag}, {b} in the config",
                 f"set ds_megatron.model.{key}={a} or start a new run",
             )
-    if needs_resharding(old.ds_config, run.ds_config) and max(old.cp, run.cp) > 1:
-        # CP adds no weights, but the resharding paths read and write partitions per dp rank, not per rank of
-        # DeepSpeed's data axis (dp x cp): refuse before anything is read rather than load wrong partitions.
-        raise ConfigError(
-            "ds_megatron.checkpoint.load",
-            "resharding a checkpoint to or from cp > 1 is not built",
-            f"tp {old.tp} x cp {old.cp} x pp {old.pp} x dp {old.dp} in {load}/{tag}, "
-            f"tp {run.tp} x cp {run.cp} x pp {run.pp} x dp {run.dp} now",
-            f"resume at tp {old.tp}, pp {old.pp} and dp x cp = {old.dp * old.cp} (cp is free to change there)",
-        )
     fp16 = "fp16" in (precision(old.ds_config), precision(run.ds_config))
     if needs_resharding(old.ds_config, run.ds_config) and fp16:
         raise ConfigError(
             "ds_megatron.checkpoint.load",
-            "an fp16 run resumes only at the tp x pp x dp it was saved at (its loss-scaler state is not resharded)",
-            f"tp {old.tp} x pp {old.pp} x dp {old.dp} in {load}/{tag}, tp {run.tp} x pp {run.pp} x dp {run.dp} now",
-            f"resume with --tp {old.tp} --pp {old.pp} on {old.world_size} processes, or export and --init-from-hf",
+            "an fp16 run resumes only at the tp, pp and dp x cp it was saved at (its loss-scaler state is not "
+            "resharded)",
+            f"tp {old.tp} x cp {old.cp} x pp {old.pp} x dp {old.dp} in {load}/{tag}, "
+            f"tp {run.tp} x cp {run.cp} x pp {run.pp} x dp {run.dp} now",
+            f"resume with --tp {old.tp} --cp {old.cp} --pp {old.pp} on {old.world_size} processes, or export and "
+            "--init-from-hf",
         )

@@ -118,23 +118,33 @@ def test_cli_flags():
     assert cfg["ds_megatron"]["parallel"] == {"cp": 2, "cp_comm": "a2a"}
 
 
-def test_resharding_counts_deepspeeds_data_axis_and_refuses_cp(monkeypatch, tmp_path):
+def test_resharding_counts_deepspeeds_data_axis_and_takes_cp(monkeypatch, tmp_path):
     from ds_megatron.checkpoint import manifest
-    from ds_megatron.config.facts import needs_resharding
+    from ds_megatron.config.facts import data_axis, needs_resharding
     from ds_megatron.preflight import check_resume_shape
 
     zero1 = {"zero_optimization": {"stage": 1}}
     cp2_dp1 = {**resolve(config(cp=2), 2).ds_config, **zero1}
     cp1_dp2 = {**resolve(config(dp=2), 2).ds_config, **zero1}
     cp1_dp1 = {**resolve(config(), 1).ds_config, **zero1}
+    assert [data_axis(c) for c in (cp2_dp1, cp1_dp2, cp1_dp1)] == [2, 2, 1]
     assert not needs_resharding(cp2_dp1, cp1_dp2)  # ZeRO-1 partitions over dp x cp = 2 in both
     assert needs_resharding(cp2_dp1, cp1_dp1)
     monkeypatch.setattr(manifest, "tag_config", lambda load, tag: cp2_dp1)
     check_resume_shape(resolve(cp1_dp2, 2), tmp_path, "step00000002")  # no resharding needed: allowed
+    # Another dp x cp: the partitions are resharded on load (one per rank of the data axis), as for another dp.
+    check_resume_shape(resolve(cp1_dp1, 1), tmp_path, "step00000002")
+    check_resume_shape(resolve({**resolve(config(cp=4), 4).ds_config, **zero1}, 4), tmp_path, "step00000002")
+    # fp16's loss scaler is not resharded: it resumes only where the partitions are the saved ones.
+    fp16 = {"fp16": {"enabled": True}}
+    monkeypatch.setattr(manifest, "tag_config", lambda load, tag: {**cp2_dp1, **fp16})
+    check_resume_shape(resolve({**cp1_dp2, **fp16}, 2), tmp_path, "step00000002")
     with pytest.raises(ConfigError) as err:
-        check_resume_shape(resolve(cp1_dp1, 1), tmp_path, "step00000002")
-    assert "resharding a checkpoint to or from cp > 1 is not built (tp 1 x cp 2 x pp 1 x dp 1 in" in str(err.value)
-    assert "resume at tp 1, pp 1 and dp x cp = 2" in str(err.value)
+        check_resume_shape(resolve({**cp1_dp1, **fp16}, 1), tmp_path, "step00000002")
+    assert "fp16 run resumes only at the tp, pp and dp x cp it was saved at" in str(err.value)
+    assert "(tp 1 x cp 2 x pp 1 x dp 1 in" in str(err.value) and "resume with --tp 1 --cp 2 --pp 1 on 2" in str(
+        err.value
+    )
 
 
 def test_positions_are_the_chunks_global_indices():
@@ -402,31 +412,39 @@ def test_cp_training_matches_single_device(reports, world, name):
     assert not message, message
 
 
-# ---- a checkpoint saved at cp 2 resumes at cp 1 ------------------------------------------------------------------
+# ---- a checkpoint saved at cp 2 resumes at cp 1, reshards to another dp x cp, and exports ---------------------------
 
 
-@pytest.mark.slow  # real processes with the deepspeed launcher: one launch, three recipe runs
+@pytest.mark.slow  # real processes with the deepspeed launcher: one launch, four recipe runs
 def test_checkpoint_saved_at_cp2_resumes_at_cp1_continuing_the_losses(tmp_path):
     """Llama (GQA, untied), fp32 + ZeRO-1, on 2 processes: 4 steps straight at cp 2 (dp 1) equal 2 steps at cp 2,
     a save, and 2 more resumed at cp 1 (dp 2).  CP adds no weights, the data position counts sequences, and ZeRO-1
     partitions over DeepSpeed's data axis, dp x cp = 2 in both runs, so the optimizer state loads without
-    resharding."""
+    resharding.  The same checkpoint resumed at cp 1 x pp 2 (dp 1: a data axis of 1, so its two ZeRO-1 partitions
+    are resharded on load into one per stage) continues the losses too, and exports to transformers equal to its
+    weights (the per-layer files and the fp32 masters of the ZeRO-1 files)."""
     import json
+    import pathlib
 
     from launch import ROOT, WORKERS, deepspeed_launch, quiet_run_flags, read_losses
+    from safetensors.torch import load_file
+
+    from ds_megatron.checkpoint.export import export
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
 
     config = str(ROOT / "ds_configs" / "llama_tiny.json")
     zero1 = ["--set", "zero_optimization.stage=1", "--set", "zero_allow_untested_optimizer=true"]
     zero1 += ["--set", "gradient_accumulation_steps=null", "--set", "ds_megatron.parallel.sequence_parallel=false"]
     ck = str(tmp_path / "ck")
     runs = [
-        ("straight", 2, 4, []),
-        ("first", 2, 2, ["--save", ck]),
-        ("resumed", 1, 4, ["--load", ck]),
+        ("straight", 2, 1, 4, []),
+        ("first", 2, 1, 2, ["--save", ck]),
+        ("resumed", 1, 1, 4, ["--load", ck]),
+        ("resharded", 1, 2, 4, ["--load", ck]),
     ]
     items = []
-    for name, cp, iters, extra in runs:
-        flags = quiet_run_flags(tmp_path, name, 1, 1, dropout=0.0)
+    for name, cp, pp, iters, extra in runs:
+        flags = quiet_run_flags(tmp_path, name, 1, pp, dropout=0.0)
         argv = ["--deepspeed_config", config, "--train-iters", str(iters), "--cp", str(cp), *flags, *zero1, *extra]
         items.append({"name": name, "status_dir": str(tmp_path), "argv": argv})
     plan = tmp_path / "plan.json"
@@ -435,9 +453,27 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_continuing_the_losses(tmp_path):
     for name, *_ in runs:
         result = json.loads((tmp_path / f"{name}.status.json").read_text())
         assert result["status"] == 0, (name, result["error"])
-    assert "tp 1 cp 2 pp 1 dp 1" in out and "tp 1 cp 1 pp 1 dp 2" in out
+    assert "tp 1 cp 2 pp 1 dp 1" in out and "tp 1 cp 1 pp 1 dp 2" in out and "tp 1 cp 1 pp 2 dp 1" in out
+    assert "from tp 1 x cp 2 x pp 1 x dp 1 to tp 1 x cp 1 x pp 2 x dp 1" in out
     straight = read_losses(tmp_path / "straight")
-    got = {**read_losses(tmp_path / "first"), **read_losses(tmp_path / "resumed")}
-    assert sorted(got) == sorted(straight) == [1, 2, 3, 4]
-    for step, loss in straight.items():
-        assert abs(got[step] - loss) <= 1e-5 * abs(loss), (step, got[step], loss)
+    assert sorted(straight) == [1, 2, 3, 4]
+    first = read_losses(tmp_path / "first")
+    for run in ("resumed", "resharded"):
+        got = {**first, **read_losses(tmp_path / run)}
+        assert sorted(got) == sorted(straight), run
+        for step, loss in straight.items():
+            assert abs(got[step] - loss) <= 1e-5 * abs(loss), (run, step, got[step], loss)
+
+    export(ck, tmp_path / "hf", progress=False)
+    hf = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    old = OldCheckpoint(pathlib.Path(ck), "step00000002")
+    assert old.masters is not None and old.data_axis == 2
+    # One ZeRO-1 partition per data coordinate (cp rank here); the model files once, by data coordinate 0.
+    names = sorted(f.name for f in (pathlib.Path(ck) / "step00000002").glob("*_states.pt"))
+    assert [n for n in names if "optim" in n] == [f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in (0, 1)]
+    assert [n for n in names if n.startswith("mp_rank")] == ["mp_rank_00_model_states.pt"]
+    for name, tensor in hf.items():
+        layer = old.layer_file(old.layout.index_of(name), 0)[old.layout.key_in_layer(name)]
+        rows = tuple(slice(0, n) for n in tensor.shape)  # the per-layer file's vocabulary may be padded
+        assert torch.equal(tensor, layer[rows]) and torch.equal(tensor, old.full_weight(name)), name
+    assert sorted(hf) == sorted(old.where)

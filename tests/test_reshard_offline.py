@@ -179,3 +179,156 @@ def test_refuses_a_zero_optimizer_checkpoint_naming_the_on_load_way(tmp_path, ca
     _tag_manifest(src / TAG)
     line = _refused(tmp_path, capsys, _reshard(src), expected)
     assert "resume it with --load at the new layout instead (it reshards on load)" in line
+
+
+# ---- context parallelism: a cp change is a change in the number of optimizer partitions -------------------------
+
+LLAMA = TINY.parent / "llama_tiny.json"
+STEP = torch.tensor(3.0)
+
+
+def _cp_run(dp: int, cp: int, optimizer: str):
+    """llama_tiny on one stage at dp x cp: ``"fp32"`` (ds_megatron's AdamW, ZeRO 0), ``"bf16"`` (DeepSpeed's BF16
+    optimizer: bf16, ZeRO 1, fp32 accumulation) or ``"zero1"`` (fp32 with ZeRO 1: DeepSpeed's ZeRO optimizer)."""
+    cfg = load_json(LLAMA)
+    cfg["ds_megatron"]["parallel"] = {"tp": 1, "pp": 1, "cp": cp, "sequence_parallel": False}
+    cfg["ds_megatron"]["model"]["seq_length"] = 16
+    cfg.update(train_batch_size=8, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4 // dp)
+    if optimizer != "fp32":
+        cfg.update(zero_optimization={"stage": 1}, zero_allow_untested_optimizer=True)
+    if optimizer == "bf16":
+        cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+    return resolve(cfg, dp * cp)
+
+
+class _Trained:
+    """What a run's checkpoint holds, as the offline writer reads it (full fp32 weights and Adam moments by name,
+    counters, and the BF16 optimizer's file it copies the layout of), with distinct random values everywhere."""
+
+    def __init__(self, run, root: pathlib.Path):
+        from ds_megatron.checkpoint.export import expected_shapes
+        from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config
+
+        self.run, self.root, self.tag, self.trust = run, root, TAG, False
+        config = run_model_config(run)
+        self.layout = pipeline_layout(config)
+        g = torch.Generator().manual_seed(0)
+        self.values = {
+            name: {k: torch.randn(shape, generator=g).abs() for k in ("weight", "exp_avg", "exp_avg_sq")}
+            for name, shape in expected_shapes(config).items()
+        }
+        self.keys: dict[int, list[str]] = {}
+        for name in self.values:
+            self.keys.setdefault(self.layout.index_of(name), []).append(self.layout.key_in_layer(name))
+        groups = [{"lr": 1e-3, "weight_decay": w, "params": []} for w in (0.1, 0.0)]
+        self._client = {
+            "module": None,
+            "global_steps": 3,
+            "global_samples": 24,
+            "skipped_steps": 0,
+            "ds_config": run.ds_config,
+            "step": 3,
+            "config": run.ds_config,
+            "skipped": 0,
+            "optimizer": {"state": {}, "param_groups": groups},
+        }
+        (root / TAG).mkdir(parents=True)
+        base = {"state": {g: {"step": STEP} for g in range(2)}, "param_groups": groups}
+        template = {"optimizer_state_dict": {"base_optimizer_state": base}}
+        torch.save(template, root / TAG / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+    def layer_file(self, idx: int, tp_rank: int) -> dict[str, None]:
+        return dict.fromkeys(self.keys[idx])
+
+    def full_shape(self, name: str) -> torch.Size:
+        return self.values[name]["weight"].shape
+
+    def full_weight(self, name: str) -> torch.Tensor:
+        return self.values[name]["weight"]
+
+    def full_optimizer_state(self, name: str) -> dict:
+        return {"step": STEP, **{k: self.values[name][k] for k in ("exp_avg", "exp_avg_sq")}}
+
+    def client(self, mp_index: int = 0) -> dict:
+        return self._client
+
+
+def _saved(trained: _Trained, run, optimizer: str, out: pathlib.Path) -> pathlib.Path:
+    """The checkpoint a run at ``run``'s layout would save, written by the offline writer; the ZeRO optimizer's
+    files are the BF16 layout under DeepSpeed's other name (what the fp32-master reader sees is the same)."""
+    from ds_megatron.checkpoint.reshard_offline import _Writer
+
+    out.mkdir()
+    _Writer(trained, run, "fp32" if optimizer == "fp32" else "bf16", out, TAG, False).write()
+    if optimizer == "zero1":
+        for f in (out / TAG).glob("bf16_zero_pp_rank_*"):
+            f.rename(f.with_name(f.name.removeprefix("bf16_")))
+        records = {p.name: file_record(p) for p in sorted((out / TAG).iterdir()) if p.name != MANIFEST}
+        (out / TAG / MANIFEST).write_text(json.dumps({"step": 3, "files": records}))
+    (out / "latest").write_text(TAG)
+    return out
+
+
+def _check_holds(ckpt: pathlib.Path, trained: _Trained, dp: int, cp: int, optimizer: str) -> None:
+    """Every parameter's weight and Adam moments read back exactly; one partition per rank of DeepSpeed's data
+    axis, each the next slice of the group's flat buffer (its parameters concatenated in the optimizer's order)."""
+    from ds_megatron.checkpoint.masters import optimizer_files
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
+
+    old = OldCheckpoint(ckpt, TAG)
+    assert (old.cp, old.data_axis) == (cp, dp * cp)
+    for name, values in trained.values.items():
+        assert torch.equal(old.full_weight(name), values["weight"]), name
+        state = old.full_optimizer_state(name)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[k], values[k]), (name, k)
+    records = sorted((ckpt / TAG).glob("params_rank*.json"))
+    ranks = [json.loads(f.read_text()) for f in records]
+    assert [(r["dp_rank"], r["cp_rank"]) for r in ranks] == [(d, c) for d in range(dp) for c in range(cp)]
+    files = optimizer_files(ckpt / TAG)
+    if optimizer == "fp32":
+        assert files == {}
+        return
+    assert sorted(files) == [0] and len(files[0]) == dp * cp
+    parts = [safe_load.load(f)["optimizer_state_dict"] for f in files[0]]
+    assert all(p["partition_count"] == [dp * cp] * 2 for p in parts)
+    for g, names in enumerate(ranks[0]["groups"]):
+        flat = torch.cat([p["single_partition_of_fp32_groups"][g] for p in parts])
+        want = torch.cat([trained.values[n]["weight"].reshape(-1) for n in names])
+        assert flat.numel() % (2 * dp * cp) == 0 and torch.equal(flat[: want.numel()], want), g
+
+
+@pytest.mark.parametrize("optimizer", ["fp32", "bf16", "zero1"])
+@pytest.mark.parametrize(("saved", "resharded"), [((1, 2), (1, 1)), ((2, 2), (1, 4)), ((1, 4), (2, 1))])
+def test_a_cp_change_is_a_change_in_the_number_of_partitions(tmp_path, optimizer, saved, resharded):
+    """Saved at (dp, cp), read back exactly; resharded offline to another (dp, cp) (``--cp`` to the command), read
+    back exactly again; the bf16 one exported to transformers equals the trained weights."""
+    trained = _Trained(_cp_run(*saved, optimizer), tmp_path / "trained")
+    ckpt = _saved(trained, trained.run, optimizer, tmp_path / "ck")
+    _check_holds(ckpt, trained, *saved, optimizer)
+    if optimizer == "zero1":
+        return  # offline resharding refuses the ZeRO optimizer's files (a test above); --load reshards them
+    dp, cp = resharded
+    argv = _reshard(ckpt, tp=1, pp=1, dp=dp) + ["--cp", str(cp), "--out", str(tmp_path / "re")]
+    assert checkpoint_main(argv) == 0
+    _check_holds(tmp_path / "re", trained, dp, cp, optimizer)
+    if optimizer == "bf16" and saved == (1, 2):
+        from safetensors.torch import load_file
+
+        from ds_megatron.checkpoint.export import export
+
+        export(ckpt, tmp_path / "hf", progress=False)
+        hf = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+        assert sorted(hf) == sorted(trained.values)
+        for name, values in trained.values.items():
+            assert torch.equal(hf[name], values["weight"]), name
+
+
+def test_reshard_keeps_the_saved_cp_unless_told(tmp_path, capsys):
+    trained = _Trained(_cp_run(1, 2, "bf16"), tmp_path / "trained")
+    ckpt = _saved(trained, trained.run, "bf16", tmp_path / "ck")
+    assert checkpoint_main(_reshard(ckpt, tp=1, pp=1, dp=2) + ["--out", str(tmp_path / "re")]) == 0
+    assert "--cp 2 --pp 1 on 4 processes" in capsys.readouterr().out
+    _check_holds(tmp_path / "re", trained, 2, 2, "bf16")
+    _refused(tmp_path, capsys, _reshard(ckpt, tp=1, pp=1, dp=1) + ["--cp", "0"], "error: --cp: must be a positive")
+    _refused(tmp_path, capsys, _reshard(ckpt, tp=1, pp=1, dp=1) + ["--cp", "3"], "error: ds_megatron.parallel.cp")

@@ -4,8 +4,9 @@
 a DeepSpeed checkpoint of any tp/pp/dp -> a transformers directory (import into training:
 ``recipes/train_gpt.py --init-from-hf HF_DIR``).
 
-``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D --out DIR2``: the same checkpoint at another layout,
-ready for ``--load DIR2`` on N x M x D processes (resharding on load does the same inside the launch).
+``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D [--cp C] --out DIR2``: the same checkpoint at another
+layout (cp: the saved one unless given), ready for ``--load DIR2`` on N x C x M x D processes (resharding on load
+does the same inside the launch).
 
 Both read files weights-only and refuse one that needs more, unless ``--trust-checkpoint``.
 
@@ -33,12 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     ex.add_argument("--max-shard-size", default="5GB")
     ex.add_argument("--tokenizer", help="tokenizer directory (default: the one saved with the run)")
-    rs = sub.add_parser("reshard", help="checkpoint -> the same checkpoint at another tp x pp x dp")
+    rs = sub.add_parser("reshard", help="checkpoint -> the same checkpoint at another tp x cp x pp x dp")
     rs.add_argument("--checkpoint", required=True, help="directory written by train_gpt.py --save")
     rs.add_argument("--tag", help="checkpoint tag (default: the newest complete one)")
     rs.add_argument("--tp", type=int, required=True, help="tensor-parallel size of the new layout")
     rs.add_argument("--pp", type=int, required=True, help="pipeline stages of the new layout")
     rs.add_argument("--dp", type=int, required=True, help="data-parallel size of the new layout")
+    rs.add_argument("--cp", type=int, help="context-parallel size of the new layout (default: the saved one)")
     rs.add_argument("--out", required=True, help="new output directory (must not exist)")
     im = sub.add_parser("import", help="Hugging Face directory -> step-0 checkpoint at tp x pp")
     im.add_argument("--hf", required=True, help="transformers model directory (config.json, safetensors)")
@@ -71,13 +73,16 @@ def main(argv: list[str] | None = None) -> int:
             out = import_checkpoint(args.hf, args.out, args.config, args.tp, args.pp)
             done = f"train from it with --load {out} --tp {args.tp} --pp {args.pp} (the optimizer starts afresh)"
         else:
+            from ds_megatron.checkpoint.manifest import tag_config
             from ds_megatron.checkpoint.reshard_offline import reshard_checkpoint
+            from ds_megatron.config.facts import saved_cp
 
             out = reshard_checkpoint(
-                args.checkpoint, args.out, args.tp, args.pp, args.dp, args.tag, args.trust_checkpoint
+                args.checkpoint, args.out, args.tp, args.pp, args.dp, args.tag, args.trust_checkpoint, cp=args.cp
             )
-            world = args.tp * args.pp * args.dp
-            done = f"resume with --load {out} --tp {args.tp} --pp {args.pp} on {world} processes"
+            cp = saved_cp(tag_config(out, (out / "latest").read_text().strip()))
+            world = args.tp * cp * args.pp * args.dp
+            done = f"resume with --load {out} --tp {args.tp} --cp {cp} --pp {args.pp} on {world} processes"
     except ConfigError as err:
         if args.debug:
             raise

@@ -1,4 +1,4 @@
-"""Export a ds_megatron DeepSpeed checkpoint (any tp / pp / dp) to a Hugging Face directory of the run's family
+"""Export a ds_megatron DeepSpeed checkpoint (any tp / cp / pp / dp) to a Hugging Face directory of the run's family
 (``GPT2LMHeadModel`` or ``LlamaForCausalLM``).
 
 Reads the pipeline's per-layer files (``layer_<i>-model_<tp>-model_states.pt``, written once per TP rank by DP rank
@@ -26,7 +26,7 @@ from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, sha
 from ds_megatron.checkpoint.manifest import complete_tags, is_complete, newest_complete_tag, verify_tag
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
-from ds_megatron.config.facts import saved_layout
+from ds_megatron.config.facts import saved_layout, saved_world
 from ds_megatron.fileio import staged_directory
 from ds_megatron.model import ModelConfig, build_model, family_of
 from ds_megatron.parallelize import ParallelContext, shard_rule
@@ -146,8 +146,8 @@ def export(
     if out.exists() and any(out.iterdir()):
         raise ConfigError("--out", "exists and is not empty", str(out), "choose a new directory")
     tag, ds_config = read_checkpoint_config(ckpt_dir, tag, trust_checkpoint)
-    tp, pp, dp = saved_layout(ds_config)
-    run = resolve(ds_config, tp * pp * dp)
+    tp = saved_layout(ds_config)[0]
+    run = resolve(ds_config, saved_world(ds_config))
     config = run_model_config(run)
     parallel = shard_context(config, run, tp)
     limit = parse_size(max_shard_size)

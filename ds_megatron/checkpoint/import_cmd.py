@@ -35,7 +35,7 @@ from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config
 from ds_megatron.checkpoint.reshard_offline import FRESH, _Writer
 from ds_megatron.checkpoint.run_state import IMPORTED, tag_for
 from ds_megatron.config import ConfigError, RunConfig, load_json, resolve
-from ds_megatron.config.facts import precision, saved_layout
+from ds_megatron.config.facts import precision, saved_world
 from ds_megatron.fileio import atomic_write_text, staged_directory
 from ds_megatron.model import FAMILIES, ModelConfig, family_of
 
@@ -109,8 +109,7 @@ def _target_run(config_path: str | Path, tp: int, pp: int) -> RunConfig:
         raise ConfigError(
             "--config", "import writes bf16 and fp32 runs", f"{config_path} is {prec}", "import with a bf16 config"
         )
-    dp = saved_layout(cfg)[2]
-    return resolve(cfg, tp * pp * dp)
+    return resolve(cfg, saved_world(cfg))
 
 
 class HFSource:

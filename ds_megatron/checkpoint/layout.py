@@ -77,8 +77,9 @@ def stage_param_layers(config: ModelConfig, run: RunConfig, pp: int) -> list[lis
 
 
 def layout_ranks(tp: int, pp: int, dp: int) -> list[tuple[int, int, int, int]]:
-    """(global rank, tp rank, pp rank, dp rank) of every process, in DeepSpeed's topology order (axes pipe, data,
-    model: the one ``ParallelTopology`` builds on)."""
+    """(global rank, tp rank, pp rank, data coordinate) of every process, in DeepSpeed's topology order (axes pipe,
+    data, model: the one ``ParallelTopology`` builds on); ``dp`` is the size of DeepSpeed's data axis, dp x cp under
+    context parallelism (coordinate ``dp_rank x cp + cp_rank``)."""
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     coords = [topo.get_coord(r) for r in range(tp * pp * dp)]
     return [(r, c.model, c.pipe, c.data) for r, c in enumerate(coords)]

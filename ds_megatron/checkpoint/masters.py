@@ -3,11 +3,13 @@
 Under bf16 (DeepSpeed's BF16 optimizer) or with ZeRO-1 (DeepSpeed's ZeRO optimizer, fp32, bf16 or fp16), the
 per-layer files hold the copies the forward pass used (16-bit, or fp32 equal to the masters); the weights the
 optimizer really trains are fp32 and live in the optimizer files
-``[bf16_]zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt``, one per (data-parallel rank, model-parallel rank), with
-``mp = pp_rank * tp + tp_rank``.  Each file holds, per parameter group, this data-parallel rank's contiguous slice of
-the group's flat fp32 buffer (``single_partition_of_fp32_groups``) and, per parameter name, the fragment of that
-slice that belongs to it (``param_slice_mappings``: start, numel).  A parameter's full fp32 value is its fragments
-concatenated in data-parallel order.
+``[bf16_]zero_pp_rank_<d>_mp_rank_<mp>_optim_states.pt``, one per (rank of DeepSpeed's data axis, model-parallel
+rank), with ``mp = pp_rank * tp + tp_rank``; the data axis holds dp x cp ranks (context-parallel ranks are folded
+into it, ``d = dp_rank * cp + cp_rank``), and the readers take the number of partitions from the files, so any cp
+reads alike.  Each file holds, per parameter group, this data rank's contiguous slice of the group's flat fp32
+buffer (``single_partition_of_fp32_groups``) and, per parameter name, the fragment of that slice that belongs to it
+(``param_slice_mappings``: start, numel).  A parameter's full fp32 value is its fragments concatenated in data-axis
+order.
 
 Files are memory-mapped (``torch.load(mmap=True)``): only the fragments read are paged in, so the Adam moments in
 the same files cost nothing, and host memory stays bounded by what the caller keeps.

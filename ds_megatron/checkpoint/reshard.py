@@ -20,7 +20,7 @@ from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, sha
 from ds_megatron.checkpoint.manifest import tag_config
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
-from ds_megatron.config.facts import precision, saved_layout
+from ds_megatron.config.facts import data_axis, precision, saved_cp, saved_layout, saved_world
 from ds_megatron.parallelize import ParallelContext, shard_rule
 from ds_megatron.pipeline import pipeline_param_name
 from ds_megatron.tensor_parallel import shard, unshard
@@ -44,7 +44,8 @@ def param_names_record(engine, topology) -> dict:
     """This rank's optimizer parameter order as full GPT names (written with every checkpoint)."""
     names = {id(p): pipeline_param_name(n, engine.module) for n, p in engine.module.named_parameters()}
     groups = [[names[id(p)] for p in g] for g in model_param_groups(engine.optimizer)]
-    return {"tp_rank": topology.tp_rank, "pp_rank": topology.pp_rank, "dp_rank": topology.dp_rank, "groups": groups}
+    ranks = {"tp_rank": topology.tp_rank, "pp_rank": topology.pp_rank, "dp_rank": topology.dp_rank}
+    return {**ranks, "cp_rank": topology.cp_rank, "groups": groups}
 
 
 class OldCheckpoint:
@@ -60,8 +61,11 @@ class OldCheckpoint:
         cfg = tag_config(root, tag)
         if cfg is None:
             raise ConfigError("--load", "no config.json, cannot reshard", f"{root}/{tag}", "resume at the saved layout")
-        self.tp, self.pp, dp = saved_layout(cfg)
-        self.run = resolve(cfg, self.tp * self.pp * dp)
+        self.tp, self.pp, _ = saved_layout(cfg)
+        # The optimizer files hold one partition per rank of DeepSpeed's data axis (dp x cp): a cp change is only a
+        # change in their number, which the readers below take from the files.
+        self.cp, self.data_axis = saved_cp(cfg), data_axis(cfg)
+        self.run = resolve(cfg, saved_world(cfg))
         self.model_config = run_model_config(self.run)
         self.layout = pipeline_layout(self.model_config)
         self.parallel = shard_context(self.model_config, self.run, self.tp)
@@ -69,7 +73,7 @@ class OldCheckpoint:
         self.where: dict[str, dict[int, tuple[int, int]]] = {}  # name -> {old tp rank: (mp file index, position)}
         for f in sorted((root / tag).glob("params_rank*.json")):
             rec = json.loads(f.read_text())
-            if rec["dp_rank"] != 0:
+            if rec["dp_rank"] != 0 or rec.get("cp_rank", 0) != 0:  # every data rank holds the same order
                 continue
             flat = [n for group in rec["groups"] for n in group]
             mp_index = rec["pp_rank"] * self.tp + rec["tp_rank"]

@@ -1,6 +1,8 @@
-"""``python -m ds_megatron.checkpoint reshard``: rewrite a checkpoint at another tp x pp x dp, offline, as the files
-a run at the new layout would have saved at the same step, which ``--load`` resumes without resharding.  What is
-written, what carries over exactly and what is refused: README, "Resuming at another layout".  The values are those
+"""``python -m ds_megatron.checkpoint reshard``: rewrite a checkpoint at another tp x cp x pp x dp, offline, as the
+files a run at the new layout would have saved at the same step, which ``--load`` resumes without resharding.  What is
+written, what carries over exactly and what is refused: README, "Resuming at another layout".  Context parallelism
+adds no weights: a cp change only changes the number of optimizer partitions, one per rank of DeepSpeed's data axis
+(dp x cp, data coordinate ``d = dp_rank x cp + cp_rank``).  The values are those
 the on-load path (``reshard.py``) puts into a new engine, by the same shard rules; no RNG files are written.
 
 The BF16 optimizer's flat partition files this writes, the streaming that keeps memory near one parameter and what
@@ -42,7 +44,9 @@ from ds_megatron.config.facts import (
     grad_accum_dtype,
     optimizer_wrapper,
     precision,
+    saved_cp,
     saved_layout,
+    saved_world,
     zero_stage,
 )
 from ds_megatron.fileio import atomic_write_text, staged_directory
@@ -67,13 +71,14 @@ def reshard_checkpoint(
     tag: str | None = None,
     trust: bool = False,
     progress: bool = True,
+    cp: int | None = None,
 ) -> Path:
-    """Write tag ``tag`` (default: the newest complete one) of ``checkpoint`` at tp x pp x dp into the new
-    directory ``out``; every refusal is a ConfigError raised before anything is written."""
+    """Write tag ``tag`` (default: the newest complete one) of ``checkpoint`` at tp x cp x pp x dp (``cp`` None: the
+    saved cp) into the new directory ``out``; every refusal is a ConfigError raised before anything is written."""
     src, out = Path(checkpoint), Path(out)
     if out.exists() or out.is_symlink():
         raise ConfigError("--out", "already exists", str(out), "choose a new directory (reshard never writes into one)")
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--cp", 1 if cp is None else cp)):
         if value < 1:
             raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
     tag = _source_tag(src, tag)
@@ -81,7 +86,7 @@ def reshard_checkpoint(
     # An imported tag (weights alone) stays one: resharded, it still loads with a fresh optimizer.
     imported = src / tag / IMPORTED
     kind = FRESH if imported.is_file() else _optimizer_kind(src / tag, old_cfg)
-    target = _target_run(old_cfg, tp, pp, dp)
+    target = _target_run(old_cfg, tp, pp, dp, saved_cp(old_cfg) if cp is None else cp)
     verify_tag(src / tag, "--checkpoint", f"reshard another tag (--tag; complete ones: {complete_tags(src)})")
     for f in sorted((src / tag).glob("*.pt")):  # refuse before DeepSpeed-format files are unpickled for real
         what = None if trust else safe_load.unsafe_reason(f)
@@ -164,11 +169,11 @@ def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:
     )
 
 
-def _target_run(old_cfg: dict, tp: int, pp: int, dp: int) -> RunConfig:
+def _target_run(old_cfg: dict, tp: int, pp: int, dp: int, cp: int) -> RunConfig:
     """The old run's configuration at the new layout, validated.  The global batch stays (the step count is the
-    data position), and so does the micro batch; gradient accumulation takes up the change of dp.  The pipeline
-    schedule stays too (below pp 2, 1F1B)."""
-    old = resolve(old_cfg, _world(old_cfg))
+    data position), and so does the micro batch; gradient accumulation takes up the change of dp (the cp ranks of a
+    replica share its sequences, so cp leaves it alone).  The pipeline schedule stays too (below pp 2, 1F1B)."""
+    old = resolve(old_cfg, saved_world(old_cfg))
     glob, micro = old.global_batch_size, old.micro_batch_size
     if glob % (micro * dp) != 0:
         raise ConfigError(
@@ -178,16 +183,11 @@ def _target_run(old_cfg: dict, tp: int, pp: int, dp: int) -> RunConfig:
             f"use a dp dividing {glob // micro}",
         )
     cfg = copy.deepcopy(old.ds_config)
-    cfg["ds_megatron"].setdefault("parallel", {}).update(tp=tp, pp=pp)
+    cfg["ds_megatron"].setdefault("parallel", {}).update(tp=tp, pp=pp, cp=cp)
     if pp == 1:  # one stage has one schedule: a DualPipeV checkpoint resharded to pp 1 resumes as 1F1B (the default)
         cfg["ds_megatron"]["parallel"].pop("pipeline_schedule", None)
     cfg["gradient_accumulation_steps"] = glob // (micro * dp)
-    return resolve(cfg, tp * pp * dp)
-
-
-def _world(cfg: dict) -> int:
-    tp, pp, dp = saved_layout(cfg)
-    return tp * pp * dp
+    return resolve(cfg, tp * cp * pp * dp)
 
 
 class _Scratch:
@@ -217,7 +217,9 @@ class _Writer:
 
     def __init__(self, old: OldCheckpoint, target: RunConfig, kind: str, tmp: Path, tag: str, progress: bool):
         self.old, self.run, self.kind, self.progress = old, target, kind, progress
-        self.tp, self.pp, self.dp = target.tp, target.pp, target.dp
+        self.tp, self.pp, self.dp, self.cp = target.tp, target.pp, target.dp, target.cp
+        # The optimizer's partitions are cut over DeepSpeed's data axis, dp x cp ranks.
+        self.data = target.dp * target.cp
         self.dir = tmp / tag
         self.dir.mkdir()
         self.scratch = _Scratch(tmp / ".scratch")
@@ -238,6 +240,8 @@ class _Writer:
         self.groups = [self._optimizer_groups(list(local)) for local in self.local]
         self.client = self.old.client(0)
         self.ds_config = {**self.client["ds_config"], **{k: target.ds_config[k] for k in BATCH_KEYS}}
+        # DeepSpeed is handed the sequences times cp (it counts a sequence's piece on one CP rank as a sample).
+        self.ds_config["train_batch_size"] = target.global_batch_size * target.cp
         self.fp32_state: dict[tuple[int, int], dict[str, dict]] = {}
         if kind == "bf16":
             self._plan_partitions()
@@ -270,7 +274,8 @@ class _Writer:
 
     def _plan_partitions(self) -> None:
         """Per stage and group, the flat buffer's partition size and padding, and per parameter its fragments
-        (dp rank, start in the parameter, start in the partition, numel); then the scratch partitions."""
+        (data coordinate, group, start in the parameter, start in the partition, numel); then the scratch
+        partitions."""
         self.part_size: list[list[int]] = []
         self.padding: list[list[int]] = []
         self.fragments: list[dict[str, list[tuple[int, int, int, int, int]]]] = []
@@ -278,13 +283,13 @@ class _Writer:
             sizes, pads, frags = [], [], {}
             for g, names in enumerate(groups):
                 total = sum(self.shape[n].numel() for n in names)
-                align = BF16_ALIGNMENT * self.dp
+                align = BF16_ALIGNMENT * self.data
                 padded = -(-total // align) * align
-                size = padded // self.dp
+                size = padded // self.data
                 offset = 0
                 for n in names if size else []:
                     end = offset + self.shape[n].numel()
-                    for d in range(offset // size, min(self.dp, -(-end // size))):
+                    for d in range(offset // size, min(self.data, -(-end // size))):
                         lo, hi = max(offset, d * size), min(end, (d + 1) * size)
                         if lo < hi:
                             frags.setdefault(n, []).append((d, g, lo - offset, lo - d * size, hi - lo))
@@ -298,7 +303,7 @@ class _Writer:
             (s, t, d): [{k: self.scratch.zeros((size,)) for k in ("master", *MOMENTS)} for size in self.part_size[s]]
             for s in range(self.pp)
             for t in range(self.tp)
-            for d in range(self.dp)
+            for d in range(self.data)
         }
 
     # ---- writing ------------------------------------------------------------------------------------------------
@@ -360,13 +365,16 @@ class _Writer:
                         OrderedDict((self.local[s][n], torch.Size(self.shape[n])) for n in names)
                         for names in self.groups[s]
                     ]
-                out.update(dp_world_size=self.dp, mp_world_size=self.tp * self.pp, ds_config=self.ds_config)
+                out.update(dp_world_size=self.data, mp_world_size=self.tp * self.pp, ds_config=self.ds_config)
                 if "checkpoint_parallel_dimensions" in self.client:
                     out["checkpoint_parallel_dimensions"] = {"pp_degree": self.pp, "tp_degree": self.tp}
                 out["config"] = self.run.ds_config
                 if self.kind != FRESH:
                     old_layout = saved_layout(self.old.run.ds_config)
-                    out["resharded_from"] = dict(zip(("tp", "pp", "dp"), old_layout))
+                    out["resharded_from"] = {
+                        **dict(zip(("tp", "pp", "dp"), old_layout)),
+                        "cp": saved_cp(self.old.run.ds_config),
+                    }
                 torch.save(out, self.dir / f"mp_rank_{s * self.tp + t:02d}_model_states.pt")
 
     def _fp32_optimizer(self, s: int, t: int) -> dict:
@@ -384,7 +392,7 @@ class _Writer:
         return {"state": state, "param_groups": groups}
 
     def _write_partitions(self) -> None:
-        """The BF16 optimizer's file of every (dp rank, stage, TP rank), laid out as its ``state_dict``."""
+        """The BF16 optimizer's file of every (data coordinate, stage, TP rank), laid out as its ``state_dict``."""
         files = optimizer_files(self.old.root / self.old.tag)
         template = safe_load.load(files[min(files)][0], trust=self.old.trust, mmap=True)
         sd = template["optimizer_state_dict"]
@@ -405,8 +413,8 @@ class _Writer:
                 **sd,
                 "base_optimizer_state": {"state": state, "param_groups": copy.deepcopy(base["param_groups"])},
                 "single_partition_of_fp32_groups": [p["master"] for p in parts],
-                "group_paddings": [pad if d == self.dp - 1 else 0 for pad in self.padding[s]],
-                "partition_count": [self.dp] * len(parts),
+                "group_paddings": [pad if d == self.data - 1 else 0 for pad in self.padding[s]],
+                "partition_count": [self.data] * len(parts),
                 "param_slice_mappings": mappings,
             }
             name = f"bf16_zero_pp_rank_{d}_mp_rank_{s * self.tp + t:02d}_optim_states.pt"
@@ -414,8 +422,9 @@ class _Writer:
 
     def _write_records(self) -> None:
         """ds_megatron's own files: every rank's parameter order by name, the config, then the manifest."""
-        for rank, t, s, d in layout_ranks(self.tp, self.pp, self.dp) if self.kind != FRESH else []:
-            record = {"tp_rank": t, "pp_rank": s, "dp_rank": d, "groups": self.groups[s]}
+        for rank, t, s, d in layout_ranks(self.tp, self.pp, self.data) if self.kind != FRESH else []:
+            ranks = {"tp_rank": t, "pp_rank": s, "dp_rank": d // self.cp, "cp_rank": d % self.cp}
+            record = {**ranks, "groups": self.groups[s]}
             atomic_write_text(self.dir / f"params_rank{rank:05d}.json", json.dumps(record))
         atomic_write_text(self.dir / TAG_CONFIG, json.dumps(self.run.ds_config, indent=1))
         files = {p.name: file_record(p) for p in sorted(self.dir.iterdir()) if p.is_file()}

@@ -43,7 +43,7 @@ from ds_megatron.checkpoint.manifest import (
     write_manifest,
 )
 from ds_megatron.config import ConfigError
-from ds_megatron.config.facts import needs_resharding, precision, saved_layout
+from ds_megatron.config.facts import needs_resharding, precision, saved_cp, saved_layout
 from ds_megatron.fileio import atomic_write_text
 from ds_megatron.random import RNGTracker
 
@@ -121,9 +121,10 @@ def load_run(
         tp, pp, dp = saved_layout(saved)
         if dist.get_rank() == 0:
             print(
-                f"resharding {root}/{tag} from tp {tp} x pp {pp} x dp {dp} to tp {topology.tp} x pp {topology.pp} "
-                f"x dp {topology.dp}: weights, {precision(saved)} optimizer state, schedule and data position carry "
-                "over; dropout RNG streams start afresh (they depend on the layout)",
+                f"resharding {root}/{tag} from tp {tp} x cp {saved_cp(saved)} x pp {pp} x dp {dp} to tp {topology.tp} "
+                f"x cp {topology.cp} x pp {topology.pp} x dp {topology.dp}: weights, {precision(saved)} optimizer "
+                "state, schedule and data position carry over; dropout RNG streams start afresh (they depend on "
+                "the layout)",
                 flush=True,
             )
         return load_resharded(engine, parallel, topology, root, tag)
@@ -143,8 +144,8 @@ def load_run(
         if dist.get_rank() == 0:
             was = client_state["resharded_from"]
             print(
-                f"{root}/{tag} was resharded offline from tp {was['tp']} x pp {was['pp']} x dp {was['dp']}: dropout "
-                "RNG streams start afresh (they depend on the layout)",
+                f"{root}/{tag} was resharded offline from tp {was['tp']} x cp {was.get('cp', 1)} x pp {was['pp']} "
+                f"x dp {was['dp']}: dropout RNG streams start afresh (they depend on the layout)",
                 flush=True,
             )
     else:

@@ -81,13 +81,27 @@ def saved_schedule(ds_config: dict) -> str:
     return ((ds_config.get("ds_megatron") or {}).get("parallel") or {}).get("pipeline_schedule", "1f1b")
 
 
+def saved_world(ds_config: dict) -> int:
+    """The number of processes a resolved config was trained on: tp x cp x pp x dp (what ``resolve`` needs to
+    validate it again)."""
+    tp, pp, dp = saved_layout(ds_config)
+    return tp * saved_cp(ds_config) * pp * dp
+
+
+def data_axis(ds_config: dict) -> int:
+    """The size of DeepSpeed's data axis in a resolved config's run: dp x cp (context-parallel ranks are folded into
+    it), which is the number of partitions ZeRO-1 and the BF16 optimizer cut their flat state into, and the number of
+    ``zero_pp_rank_<d>`` files per model-parallel rank."""
+    return saved_layout(ds_config)[2] * saved_cp(ds_config)
+
+
 def needs_resharding(saved: dict, now: dict) -> bool:
     """Whether a checkpoint saved with config ``saved`` must be resharded to resume with config ``now``: another
     tp or pp always; another pipeline schedule (it changes which rank holds which layers, so the optimizer files'
     contents); another data axis too when either run partitions its optimizer state over it (bf16, fp16 or
     ZeRO: the flat partitions are cut per rank of DeepSpeed's data axis, which holds dp x cp ranks, so cp 2 x dp 1
     and cp 1 x dp 2 hold the same partitions)."""
-    (tp0, pp0, dp0), (tp1, pp1, dp1) = saved_layout(saved), saved_layout(now)
+    (tp0, pp0, _), (tp1, pp1, _) = saved_layout(saved), saved_layout(now)
     partitioned = deepspeed_wraps_optimizer(saved) or deepspeed_wraps_optimizer(now)
     moved = (tp0, pp0) != (tp1, pp1) or saved_schedule(saved) != saved_schedule(now)
-    return moved or (partitioned and dp0 * saved_cp(saved) != dp1 * saved_cp(now))
+    return moved or (partitioned and data_axis(saved) != data_axis(now))
