@@ -1,7 +1,7 @@
 """Context parallelism and memory per rank: saved activation bytes at cp 1, 2, 4, and the longest sequence that
 trains within a fixed per-process memory budget.
 
-    python benchmarks/cp_memory.py [--seq 8192] [--budget-mib 96] [--markdown OUT.md]
+    python benchmarks/cp_memory.py [--seqs 8192 16384 32768] [--cps 1 2 4] [--budget-mib 256] [--markdown OUT.md]
 
 Part 1 (saved bytes): the training path's own pipeline layers (``pipeline.layer_specs``: embedding, rotary
 positions, Llama blocks with their CP ``core_attention`` hook, final norm, output and loss), built for a topology
@@ -305,7 +305,7 @@ def formula_bytes(seq: int, cp: int, comm: str, dtype: torch.dtype) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768])
     ap.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--comm", default="ring")
     ap.add_argument("--budget-mib", type=int, default=256)
