@@ -4,7 +4,9 @@
 # full with eager and sdpa attention; prints one markdown table (step time, tokens/s, MFU, HFU, peak memory, the
 # analytic activation prediction) and writes it to ${OUT:-benchmarks/results}/gpu_check.md.  Then one inference
 # measurement: TTFT and TPOT of a Llama 3.2 1B-shaped exported model (random weights, built locally) at batch 1 and
-# 16 under DeepSpeed's inference engine, against the inference tuner's prediction (gpu_inference.md).
+# 16 under DeepSpeed's inference engine, against the inference tuner's prediction (gpu_inference.md).  Last, the
+# context-parallel kernels: the ring's chunked flash attention with its log-sum-exp merge (every CP rank played in
+# turn on the one GPU) against one whole-sequence flash call, time, peak memory and error (gpu_cp_kernel.md).
 #
 # Python: $PYTHON if set, else .venv/bin/python when its torch sees a GPU, else python3.  A machine without deepspeed
 # or transformers and without network (the lent GPU machines) installs the wheels that `bash benchmarks/gpu_wheels.sh`
@@ -31,6 +33,8 @@ fi
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${MASTER_PORT:-29511}
 export PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
-# 8 minutes in all: 320 s for the training steps, 150 s for the inference measurement (build, save, two launches).
-timeout 320 "$PY" benchmarks/gpu_step.py --markdown "$OUT/gpu_check.md" "$@"
-timeout 150 "$PY" benchmarks/gpu_inference.py --markdown "$OUT/gpu_inference.md" --max-minutes 2
+# 8 minutes in all: 310 s for the training steps, 140 s for the inference measurement (build, save, two launches),
+# 30 s for the CP kernels (s 16k and 64k, cp 2/4/8: a few seconds of flash on an H200; the rest is start-up).
+timeout 310 "$PY" benchmarks/gpu_step.py --markdown "$OUT/gpu_check.md" "$@"
+timeout 140 "$PY" benchmarks/gpu_inference.py --markdown "$OUT/gpu_inference.md" --max-minutes 2
+timeout 30 "$PY" benchmarks/gpu_cp_kernel.py --markdown "$OUT/gpu_cp_kernel.md"
