@@ -19,9 +19,9 @@ demo-llama: venv
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
-# The unit tier: in-process tests only (no deepspeed launcher), for use while you work.
+# The unit tier: tests/unit, in-process only (no deepspeed launcher), for use while you work.
 test-fast: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/unit
 
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -77,7 +77,7 @@ def run_config(tp, cp, seq, shape, *, comm="ring", attention="sdpa", recompute="
 
 
 class RankModel:
-    """The training path's pipeline layers on this rank (one pipeline stage, dp 1), as tests/test_cp_training.py
+    """The training path's pipeline layers on this rank (one pipeline stage, dp 1), as tests/unit/test_cp_training.py
     builds them, in ``dtype``."""
 
     def __init__(self, run, dtype):

@@ -68,7 +68,7 @@ def simulate_dualpipev(p: int, m: int, forward: float = 1.0, backward: float = 2
     DeepSpeed launches each step's sends and receives as one batch (CommitP2P) and waits for all of them before the
     step's compute, so a pass also waits for the inputs of the pass it is paired with (a forward for the gradient of
     the backward after it).  On the critical path that costs (p - 1) chunk forwards more than the order alone,
-    whatever the costs: added here (tests/test_tune_schedule.py simulates DeepSpeed's instruction stream with its
+    whatever the costs: added here (tests/unit/test_tune_schedule.py simulates DeepSpeed's instruction stream with its
     batched p2p and finds exactly this for p 2 to 8, m 2p to 4p and three forward : backward ratios)."""
     orders = [dualpipev_order(p, m, r) for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}  # (pass, chunk, micro-batch) -> finish time

@@ -1,0 +1,26 @@
+"""The test tree: ``unit/`` runs in-process (``make test-fast``), ``launcher/`` starts real processes with DeepSpeed's
+launcher (the slow tier).  Both import the shared helpers beside this file (``launch``, ``inprocess``,
+``miniature``), and a launcher file may import a helper of the unit file it was split from, so both folders are on
+the import path."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+for folder in (HERE, HERE / "unit"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The folder is the tier: every test of ``launcher/`` is marked slow, and a test of ``unit/`` marked slow (it
+    starts the launcher) is an error naming the folder it belongs in."""
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        slow = item.get_closest_marker("slow") is not None
+        if folder == "unit" and slow:
+            raise pytest.UsageError(f"{item.nodeid}: a launcher test (marked slow) belongs in tests/launcher/")
+        if folder == "launcher" and not slow:
+            item.add_marker(pytest.mark.slow)

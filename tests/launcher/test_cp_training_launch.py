@@ -1,0 +1,90 @@
+"""The launcher tests of ``tests/unit/test_cp_training.py`` (its subject below), slow tier.
+
+Context parallelism wired into training: the settings and their refusals, the batch arithmetic handed to
+DeepSpeed, the data split, and whole-model parity in-process.
+
+The parity tier spawns one gloo group per world size (2 and 4 processes) and runs every layout there: the training
+path's own pipeline layers (embedding, positions, blocks with their ``BlockHooks``, final norm, vocabulary-parallel
+output and loss), built by ``pipeline.layer_specs`` for a topology with a CP axis, are run on each rank's
+``split_window`` of the micro-batch; gradients are then averaged over DeepSpeed's data axis (dp x cp ranks), as
+DeepSpeed's engine does.  Each rank compares, in fp32 within 1e-5, with the single-device model on the whole batch:
+the loss (averaged over the data axis once), every gradient (this rank's shard) and the global gradient norm
+(``optim.global_grad_norm``: CP ranks are replicas of the weights and must not be counted twice).  Layouts cover
+both families, ring and a2a, eager and sdpa, grouped-query attention, TP with sequence parallelism, dp 2, cp 4,
+selective and full recompute, and a sequence length that is not a power of two (24).  With packed documents
+(``docs``: ``data.document_mask``, restart positions, EOS tokens whose documents cross chunk and rank boundaries)
+the reference is the single-device model given the whole window's ``document_layout``, at cp 1 (tp 1, tp 2 + SP)
+and cp 2 (ring, a2a, SP), both families; ``stages`` cuts the layers into two stages at the second block and
+passes the boundary tuple the way DeepSpeed's pipeline engine does (received tensors detached, ``requires_grad``
+for floating ones only; backward of the floating outputs only).  The DeepSpeed engine path
+(its gradient average, its norm, the pipeline) is checked by the launcher parity run (tests/launcher/test_parity.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.mark.slow  # real processes with the deepspeed launcher: one launch, four recipe runs
+def test_checkpoint_saved_at_cp2_resumes_at_cp1_continuing_the_losses(tmp_path):
+    """Llama (GQA, untied), fp32 + ZeRO-1, on 2 processes: 4 steps straight at cp 2 (dp 1) equal 2 steps at cp 2,
+    a save, and 2 more resumed at cp 1 (dp 2).  CP adds no weights, the data position counts sequences, and ZeRO-1
+    partitions over DeepSpeed's data axis, dp x cp = 2 in both runs, so the optimizer state loads without
+    resharding.  The same checkpoint resumed at cp 1 x pp 2 (dp 1: a data axis of 1, so its two ZeRO-1 partitions
+    are resharded on load into one per stage) continues the losses too, and exports to transformers equal to its
+    weights (the per-layer files and the fp32 masters of the ZeRO-1 files)."""
+    import json
+    import pathlib
+
+    from launch import ROOT, WORKERS, deepspeed_launch, quiet_run_flags, read_losses
+    from safetensors.torch import load_file
+
+    from ds_megatron.checkpoint.export import export
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
+
+    config = str(ROOT / "ds_configs" / "llama_tiny.json")
+    zero1 = ["--set", "zero_optimization.stage=1", "--set", "zero_allow_untested_optimizer=true"]
+    zero1 += ["--set", "gradient_accumulation_steps=null", "--set", "ds_megatron.parallel.sequence_parallel=false"]
+    ck = str(tmp_path / "ck")
+    runs = [
+        ("straight", 2, 1, 4, []),
+        ("first", 2, 1, 2, ["--save", ck]),
+        ("resumed", 1, 1, 4, ["--load", ck]),
+        ("resharded", 1, 2, 4, ["--load", ck]),
+    ]
+    items = []
+    for name, cp, pp, iters, extra in runs:
+        flags = quiet_run_flags(tmp_path, name, 1, pp, dropout=0.0)
+        argv = ["--deepspeed_config", config, "--train-iters", str(iters), "--cp", str(cp), *flags, *zero1, *extra]
+        items.append({"name": name, "status_dir": str(tmp_path), "argv": argv})
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(items))
+    out = deepspeed_launch(WORKERS / "recipe_runs.py", 2, ["--plan", str(plan)])
+    for name, *_ in runs:
+        result = json.loads((tmp_path / f"{name}.status.json").read_text())
+        assert result["status"] == 0, (name, result["error"])
+    assert "tp 1 cp 2 pp 1 dp 1" in out and "tp 1 cp 1 pp 1 dp 2" in out and "tp 1 cp 1 pp 2 dp 1" in out
+    assert "from tp 1 x cp 2 x pp 1 x dp 1 to tp 1 x cp 1 x pp 2 x dp 1" in out
+    straight = read_losses(tmp_path / "straight")
+    assert sorted(straight) == [1, 2, 3, 4]
+    first = read_losses(tmp_path / "first")
+    for run in ("resumed", "resharded"):
+        got = {**first, **read_losses(tmp_path / run)}
+        assert sorted(got) == sorted(straight), run
+        for step, loss in straight.items():
+            assert abs(got[step] - loss) <= 1e-5 * abs(loss), (run, step, got[step], loss)
+
+    export(ck, tmp_path / "hf", progress=False)
+    hf = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    old = OldCheckpoint(pathlib.Path(ck), "step00000002")
+    assert old.masters is not None and old.data_axis == 2
+    # One ZeRO-1 partition per data coordinate (cp rank here); the model files once, by data coordinate 0.
+    names = sorted(f.name for f in (pathlib.Path(ck) / "step00000002").glob("*_states.pt"))
+    assert [n for n in names if "optim" in n] == [f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in (0, 1)]
+    assert [n for n in names if n.startswith("mp_rank")] == ["mp_rank_00_model_states.pt"]
+    for name, tensor in hf.items():
+        layer = old.layer_file(old.layout.index_of(name), 0)[old.layout.key_in_layer(name)]
+        rows = tuple(slice(0, n) for n in tensor.shape)  # the per-layer file's vocabulary may be padded
+        assert torch.equal(tensor, layer[rows]) and torch.equal(tensor, old.full_weight(name)), name
+    assert sorted(hf) == sorted(old.where)

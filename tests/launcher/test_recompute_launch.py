@@ -1,0 +1,33 @@
+"""The launcher tests of ``tests/unit/test_recompute.py`` (its subject below), slow tier.
+
+Selective, full-uniform and full-block recompute give the gradients of no recompute with
+dropout 0.1 and the same seed (exact RNG replay), inside the pipeline engine at tp 2 x pp 2, with and without SP."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from launch import WORKERS, deepspeed_launch
+
+
+@pytest.fixture(scope="module")
+def recompute_results(tmp_path_factory):
+    """Both variants in one launch: SP off (GPT), then SP on (GPT and Llama)."""
+    out = tmp_path_factory.mktemp("recompute")
+    deepspeed_launch(WORKERS / "recompute.py", 4, ["--out", str(out), "--variants", "tp,tp+sp"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_recompute_replays_dropout_exactly(recompute_results, sp):
+    """Every policy at tp 2 x pp 2; with SP for both families (the Llama's dropout is on its attention only)."""
+    files = sorted(recompute_results.glob("recompute-sp*.rank*.json" if sp else "recompute.rank*.json"))
+    assert len(files) == (8 if sp else 4)
+    for f in files:
+        result = json.loads(f.read_text())
+        assert set(result) == {"none", "selective", "full-uniform-1", "full-uniform-2", "full-block-1", "modules"}
+        for name, r in result.items():
+            assert r["grad_diff"] <= 1e-6, (f.name, name, r)
+            assert r["loss"] == r["base_loss"], (f.name, name, r)

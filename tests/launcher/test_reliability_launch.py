@@ -1,0 +1,202 @@
+"""The launcher tests of ``tests/unit/test_reliability.py`` (its subject below), slow tier.
+
+Bad input refused before anything happens; crash-safe checkpoints; graceful stop; numerical guards."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launch import ROOT, WORKERS, _free_port, deepspeed_launch, launcher_command, quiet_run_flags, read_losses
+from test_reliability import TINY
+
+from ds_megatron.config.schedule import warmup_cosine_from
+
+
+def _launch_recipe(args: list[str], faults: list[str] | None = None, command: bool = True) -> subprocess.Popen:
+    """The recipe on 2 processes in the background, through the `deepspeed` command (``command=False``: DeepSpeed's
+    per-node launcher directly, for tests not about the command); with ``faults``, through
+    tests/workers/faulty_train.py."""
+    script = [str(WORKERS / "faulty_train.py"), *faults] if faults else ["recipes/train_gpt.py"]
+    cmd = [*launcher_command(2, _free_port(), command), *script, "--deepspeed_config", TINY, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def _common(tmp_path: Path, name: str) -> list[str]:
+    return quiet_run_flags(tmp_path, name, tp=2, pp=1, dropout=0.1)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early ({proc.returncode}):\n{proc.stdout.read()[-4000:]}")
+        if time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("timed out waiting for the run")
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
+    """6 steps straight equal 3 steps, a crash, --load, 3 more steps (the straight run without saving).
+
+    The second run saves at step 3 and at its end (step 6); every process is killed in the middle of the step-6
+    save (files written, no manifest).  The restart skips that incomplete tag, resumes from step 3 and its losses
+    for steps 4-6 equal the straight run's bit for bit (fp32, dropout 0.1, SP at tp 2)."""
+    ck = tmp_path / "ck"
+    proc = _launch_recipe(
+        ["--train-iters", "6", "--save", str(ck), "--save-interval", "3", *_common(tmp_path, "crash")],
+        ["--pause-before-manifest", "6:120"],
+        command=False,
+    )
+    _wait_for(
+        lambda: (
+            (ck / "step00000006").is_dir()
+            and (ck / "step00000003" / "manifest.json").exists()
+            and len(list((ck / "step00000006").glob("rng_rank*.pt"))) == 2
+        ),
+        proc,
+    )
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (ck / "latest").read_text() == "step00000003"
+    assert not (ck / "step00000006" / "manifest.json").exists()
+    # the restart, then the straight run (no save, no fault wrapper), in one launch (workers/recipe_runs.py)
+    args = ["--deepspeed_config", TINY, "--train-iters", "6"]
+    plan = [
+        {"name": "resumed", "argv": [*args, "--load", str(ck), *_common(tmp_path, "resumed")], "output": True},
+        {"name": "straight", "argv": [*args, *_common(tmp_path, "straight")]},
+    ]
+    (tmp_path / "plan.json").write_text(json.dumps([{**item, "status_dir": str(tmp_path)} for item in plan]))
+    deepspeed_launch(WORKERS / "recipe_runs.py", 2, ["--plan", str(tmp_path / "plan.json")])
+    for name in ("resumed", "straight"):
+        assert json.loads((tmp_path / f"{name}.status.json").read_text())["status"] == 0, name
+    out = "".join(f.read_text() for f in sorted(tmp_path.glob("resumed.rank*.out")))
+    assert "skipping incomplete checkpoint(s) ['step00000006']" in out
+    resumed, reference = read_losses(tmp_path / "resumed"), read_losses(tmp_path / "straight")
+    assert sorted(resumed) == [4, 5, 6] and sorted(read_losses(tmp_path / "crash")) == [1, 2, 3, 4, 5, 6]
+    assert all(read_losses(tmp_path / "crash")[s] == reference[s] for s in (1, 2, 3))
+    assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
+
+
+def _tree(pid: int) -> list:
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _assert_stopped_and_saved(out: str, ck: Path, run_dir: Path, tree: list) -> None:
+    """Every worker saved after its current step and exited 0, and no process of the launch is left."""
+    import psutil
+
+    assert out.count("stop requested: saving at step") == 1, out[-3000:]
+    assert "exits with return code" not in out, out[-3000:]  # the launcher saw every worker exit 0
+    gone, alive = psutil.wait_procs(tree, timeout=60)
+    assert not alive, [p.cmdline() for p in alive]
+    tag = (ck / "latest").read_text()
+    step = int(tag.removeprefix("step"))
+    assert (ck / tag / "manifest.json").exists() and 3 <= step < 500
+    assert max(read_losses(run_dir)) == step
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_deepspeed_command_saves_and_leaves_nothing_running(tmp_path):
+    """SIGTERM to the `deepspeed` command alone (what a user's kill sends): DeepSpeed's single-node runner dies without
+    passing it on, and the workers notice their launcher lost its parent, finish the step, save and exit 0."""
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    proc = _launch_recipe(["--train-iters", "500", "--save", str(ck), *_common(tmp_path, "run")])
+    _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_losses(run_dir)) >= 3, proc)
+    try:
+        tree = _tree(proc.pid)
+        assert sum(p.cmdline()[1:3] == ["-u", "recipes/train_gpt.py"] for p in tree) == 2  # the workers
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)  # the pipe closes when the launcher and both workers have exited
+        _assert_stopped_and_saved(out, ck, run_dir, tree)
+    finally:  # whatever a failure left of the launch
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "(the deepspeed command" in out
+
+
+@pytest.mark.slow
+def test_sigint_to_one_nodes_deepspeed_command_stops_every_node(tmp_path):
+    """Two nodes of one process each, launched the way the README's clusters without ssh are (`--no_ssh`, one
+    `deepspeed` command per node): SIGINT to node 1's command stops both nodes after the same step, with one
+    checkpoint and nothing left running."""
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    launcher = Path(sys.executable).parent / "deepspeed"
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    common = [str(launcher), "--hostfile", str(hostfile), "--no_ssh", "--master_addr", "127.0.0.1"]
+    common += ["--master_port", str(_free_port())]
+    args = ["--deepspeed_config", TINY, "--train-iters", "500", "--save", str(ck), *_common(tmp_path, "run")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
+    procs = [
+        subprocess.Popen(
+            [*common, "--node_rank", str(i), "recipes/train_gpt.py", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_losses(run_dir)) >= 3, procs[0])
+        trees = [_tree(p.pid) for p in procs]
+        os.kill(procs[1].pid, signal.SIGINT)
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:  # whatever a failure left of the launches
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    assert procs[0].returncode == 0, outs[0][-3000:]  # node 0's command was not signalled: it ends normally
+    _assert_stopped_and_saved(outs[0], ck, run_dir, trees[0] + trees[1])
+    assert "exits with return code" not in outs[1]
+
+
+@pytest.mark.slow
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
+    """NaN losses at steps 2, 4, 5, 6 with max_bad_steps 3: step 2 is skipped, counted and training goes on; steps
+    4-6 in a row stop the run with a checkpoint and a clear message."""
+    ck = tmp_path / "ck"
+    proc = _launch_recipe(
+        [
+            "--train-iters",
+            "20",
+            "--save",
+            str(ck),
+            "--set",
+            "ds_megatron.train.max_bad_steps=3",
+            *_common(tmp_path, "run"),
+        ],
+        ["--nan-steps", "2,4,5,6"],
+        command=False,
+    )
+    out, _ = proc.communicate(timeout=240)
+    losses = read_losses(tmp_path / "run")
+    assert sorted(losses) == [1, 3], losses  # steps 2, 4, 5, 6 logged no loss
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in records if "loss" in r] == [0, 1]
+    # the skipped step did not advance the schedule: step 3 uses the rate of the second applied update
+    cfg = json.loads(Path(TINY).read_text())
+    peak = cfg["optimizer"]["params"]["lr"]
+    assert [r["lr"] for r in records if "loss" in r] == [peak * warmup_cosine_from(cfg).ratio(k) for k in (1, 2)]
+    assert "non-finite loss nan or grad norm nan: update skipped (1 in a row, 1 in total)" in out
+    assert "error: training: 3 steps in a row with a non-finite loss" in out
+    assert proc.returncode != 0
+    assert (ck / "latest").read_text() == "step00000006" and (ck / "step00000006" / "manifest.json").exists()

@@ -1,0 +1,194 @@
+"""The package's layering (README, "Layout"), enforced: a module imports only from layers below it (or its own
+package), and the single-device model never touches torch.distributed or deepspeed."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[2] / "ds_megatron"
+
+# Higher number = higher layer.  Sub-levels order the modules of one layer that build on each other.  "families" is
+# the model package's standard-library part (FAMILY_RECORD_FILES), below the config that reads its names and rules;
+# "model" is the rest of the package (the torch side).
+LEVELS = {
+    "families": 0,
+    "config": 0.2,
+    "fileio": 0.5,
+    "topology": 1,
+    "random": 1,
+    "model": 1.5,
+    "tensor_parallel": 2,
+    "parallel": 2,
+    "recompute": 2.5,
+    "parallelize": 3,
+    "optim": 3,
+    "memory": 3,
+    "flops": 3,
+    "metrics": 3.2,
+    "plot": 3,
+    "data": 3,
+    "pipeline": 3.5,
+    "pipeline_schedule": 3.6,
+    "checkpoint": 3.7,
+    "tune": 3.8,
+    "preflight": 3.9,
+    "engine": 4,
+    "generate": 4,
+    "stop": 4.2,
+    "trainer": 4.5,
+    "cli": 5,
+}
+STDLIB_ONLY = {"config", "fileio"}  # the family records: test_the_family_registry_and_records_import_no_torch
+NO_DISTRIBUTED = {"model"}
+# The model package's files that the config, the tuner and the analytic formulas import without torch: the registry,
+# the family record type, and each family's record (its config, sizes, plan, layout and terms).
+FAMILY_RECORD_FILES = ("model/__init__.py", "model/family.py", "model/*/__init__.py")
+
+
+def _unit(path: Path) -> str:
+    if any(path.match(str(PKG / pattern)) for pattern in FAMILY_RECORD_FILES):
+        return "families"
+    rel = path.relative_to(PKG).parts
+    return rel[0].removesuffix(".py")
+
+
+def _target(name: str) -> str:
+    """The unit an import ``ds_megatron.<...>`` reaches: the registry, the record type and a family's record are
+    "families"; ``model.layers`` and a family's ``model`` module the torch side, "model"."""
+    parts = name.split(".")[1:]
+    if parts[0] != "model":
+        return parts[0]
+    return "model" if parts[1:2] == ["layers"] or parts[2:] == ["model"] else "families"
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def test_every_module_has_a_level():
+    units = {_unit(p) for p in PKG.rglob("*.py") if _unit(p) != "__init__"}
+    assert units <= set(LEVELS), sorted(units - set(LEVELS))
+
+
+def test_imports_point_down():
+    bad = []
+    for path in PKG.rglob("*.py"):
+        unit = _unit(path)
+        if unit == "__init__":
+            continue
+        for name in _imports(path):
+            if name.startswith("ds_megatron."):
+                target = _target(name)
+                if target != unit and LEVELS[target] >= LEVELS[unit]:
+                    bad.append(f"{path.relative_to(PKG)} imports {name} (level {LEVELS[target]} >= {LEVELS[unit]})")
+            top = name.split(".")[0]
+            if (
+                unit in STDLIB_ONLY
+                and top not in ("ds_megatron", "__future__")
+                and top in ("torch", "deepspeed", "transformers", "numpy", "datasets", "wandb")
+            ):
+                bad.append(f"{path.relative_to(PKG)} (stdlib only) imports {name}")
+            if unit in NO_DISTRIBUTED and (name.startswith("torch.distributed") or top == "deepspeed"):
+                bad.append(f"{path.relative_to(PKG)} (single-device model) imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_recipes_are_not_imported_by_the_package():
+    for path in PKG.rglob("*.py"):
+        assert not any(n.startswith("recipes") for n in _imports(path)), path
+
+
+def _module_level_imports(path: Path) -> list[str]:
+    """What importing the module imports (a function's own imports, e.g. transformers in ``to_hf``, run later)."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def test_the_family_registry_and_records_import_no_torch():
+    bad = []
+    paths = [path for pattern in FAMILY_RECORD_FILES for path in PKG.glob(pattern)]
+    assert len(paths) >= 4, paths  # the registry, the record type and at least two family records
+    for path in paths:
+        for name in _module_level_imports(path):
+            top = name.split(".")[0]
+            if top in ("torch", "deepspeed", "transformers", "numpy"):
+                bad.append(f"{path.relative_to(PKG)} imports {name}")
+            if name.startswith("ds_megatron.") and not name.startswith(("ds_megatron.model", "ds_megatron.config")):
+                bad.append(f"{path.relative_to(PKG)} imports {name}")
+            if name == "ds_megatron.model.layers" or (
+                name.startswith("ds_megatron.model.") and name.endswith(".model")
+            ):
+                bad.append(f"{path.relative_to(PKG)} imports {name} (a family's torch side)")
+    assert not bad, "\n".join(bad)
+
+
+def _family_names() -> set[str]:
+    """The registered families' names, read off each family folder's record (``NAME = "..."``) without importing."""
+    names = set()
+    for config in PKG.glob("model/*/__init__.py"):
+        for node in ast.walk(ast.parse(config.read_text())):
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NAME" for t in node.targets):
+                names.add(node.value.value)
+    return names
+
+
+def test_the_config_names_the_registered_families():
+    from ds_megatron.config.schema import MODEL_FAMILIES
+    from ds_megatron.model import FAMILIES
+
+    assert MODEL_FAMILIES == tuple(FAMILIES)
+
+
+def test_no_family_is_named_outside_its_folder_and_the_registry():
+    """Outside the family folders and the registry no string is a family's name (so no branch compares with one)
+    and no module imports one family's record (a third family adds a folder and a registry line, nothing else)."""
+    names = _family_names()
+    assert names == {"gpt2", "llama"}, names
+    found = []
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        if rel == "model/__init__.py" or (rel.startswith("model/") and rel.count("/") == 2):
+            continue  # the registry and the family folders
+        tree = ast.parse(path.read_text())
+        found += [
+            f"{rel}: {node.value!r}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in names
+        ]
+        found += [f"{rel} imports {n}" for n in _imports(path) if n.split(".")[1:3] in [["model", f] for f in names]]
+    assert not found, found
+
+
+def test_the_partition_default_names_the_pipelines_block_class():
+    """The config (standard library only) names the pipeline's block layer class so that a ``type:`` partition
+    pattern matching no block is refused before launch; the name must be the class's."""
+    from ds_megatron.config.schema import BLOCK_LAYER_CLASS, ParallelSection
+    from ds_megatron.pipeline import BlockPipe
+
+    assert BlockPipe.__name__ == BLOCK_LAYER_CLASS
+    assert ParallelSection().partition_method == f"type:{BlockPipe.__name__}"
+
+
+def test_docstring_levels_are_the_tables():
+    """A module docstring that opens with its level (``L3.5: ...``) states the level of LEVELS above."""
+    bad = []
+    for path in PKG.rglob("*.py"):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        match = re.match(r"L(\d+(?:\.\d+)?):", doc)
+        if match and _unit(path) != "__init__" and float(match.group(1)) != LEVELS[_unit(path)]:
+            bad.append(f"{path.relative_to(PKG)}: L{match.group(1)}, the table says {LEVELS[_unit(path)]}")
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,217 @@
+"""The analytic activation memory under context parallelism (``ds_megatron.memory``, ``cp`` > 1): the cp 1 terms
+unchanged, the sequence terms at s / cp, the cp_comm core's saved tensors counted, and that count checked against
+the bytes the real ring and a2a autograd functions save (2 gloo ranks, in-process), in fp32 and bf16."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_megatron.memory import (
+    LSE_BYTES,
+    activation_bytes_per_layer,
+    cp_core_saved_bytes,
+    cp_transient_bytes,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LLAMA = dict(family="llama", num_kv_heads=8, intermediate_size=14336)  # Llama 3 8B's block
+S, B, H, A = 8192, 1, 4096, 32
+
+
+@pytest.mark.parametrize("kernel", ["eager", "sdpa"])
+@pytest.mark.parametrize("sp,t", [(False, 1), (False, 4), (True, 4)])
+def test_cp1_is_unchanged(kernel, sp, t):
+    for recompute in ("none", "selective", "full"):
+        if kernel == "sdpa" and recompute == "selective":
+            continue
+        before = activation_bytes_per_layer(S, B, H, A, t, sp, recompute, attention=kernel, **LLAMA)
+        assert activation_bytes_per_layer(S, B, H, A, t, sp, recompute, attention=kernel, **LLAMA, cp=1) == before
+
+
+@pytest.mark.parametrize("cp_comm", ["ring", "a2a"])
+@pytest.mark.parametrize("sp,t", [(False, 1), (False, 4), (True, 4)])
+def test_cp2_halves_the_sequence_terms_and_adds_the_core_output(cp_comm, sp, t):
+    # The fused sdpa kernel at cp 1 already stores no s^2 term, only the fp32 lse; the cp_comm core adds its own
+    # output tensor ([b, a/t, s/cp, d]: one h per token split by TP, in activation bytes) on top of that.
+    half = activation_bytes_per_layer(S // 2, B, H, A, t, sp, attention="sdpa", **LLAMA)
+    out_copy = 2 * (S // 2) * B * H / t
+    got = activation_bytes_per_layer(S, B, H, A, t, sp, attention="sdpa", **LLAMA, cp=2, cp_comm=cp_comm)
+    assert got == pytest.approx(half + out_copy)
+    # Eager at cp 2 stores no s^2 term either (the cp kernels recompute the probabilities): the same bytes.
+    assert activation_bytes_per_layer(S, B, H, A, t, sp, **LLAMA, cp=2, cp_comm=cp_comm) == pytest.approx(got)
+    # Under SP everything is split by cp x t; the full-recompute block input too.
+    full = activation_bytes_per_layer(S, B, H, A, t, sp, "full", **LLAMA, cp=2)
+    assert full == pytest.approx(2 * S * B * H / (2 * (t if sp else 1)))
+
+
+def test_cp_refuses_what_cannot_run():
+    with pytest.raises(ValueError, match="cp_comm"):
+        activation_bytes_per_layer(S, B, H, A, **LLAMA, cp=2, cp_comm="allgather")
+    with pytest.raises(ValueError, match="attention dropout"):
+        activation_bytes_per_layer(S, B, H, A, **{**LLAMA, "attention_dropout": 0.1}, cp=2)
+    # core_attn at cp > 1 checkpoints the whole cp_comm call: the output and the lse are not kept
+    kept = activation_bytes_per_layer(S, B, H, A, recompute="selective", **LLAMA, cp=2)
+    dropped = activation_bytes_per_layer(S, B, H, A, **LLAMA, cp=2) - kept
+    assert dropped == pytest.approx((2 + LSE_BYTES * A / H) * (S // 2) * B * H)
+
+
+def test_ring_buffers_are_counted():
+    d, kv, cp, t = H // A, 8, 4, 2
+    local = B * S // cp * d / t
+    kv_elems = 2 * local * kv
+    expected = 2 * kv_elems * 2 + 2 * kv_elems * 4 + local * A * 4  # two bf16 K/V, two fp32 dK/dV, fp32 dQ
+    assert cp_transient_bytes(S, B, H, A, t, cp, "ring", num_kv_heads=kv) == pytest.approx(expected)
+    eager = cp_transient_bytes(S, B, H, A, t, cp, "ring", "eager", num_kv_heads=kv)
+    assert eager - expected == pytest.approx(12 * B * A / t * (S // cp) ** 2)  # the diagonal block in fp32 x 3
+    # the a2a's eager score block is the whole sequence at a/(t cp) heads: cp times the ring's diagonal block
+    a2a = cp_transient_bytes(S, B, H, A, t, cp, "a2a", "eager", num_kv_heads=kv)
+    a2a_fused = cp_transient_bytes(S, B, H, A, t, cp, "a2a", num_kv_heads=kv)
+    assert a2a - a2a_fused == pytest.approx(cp * (eager - expected))
+
+
+def test_core_saved_bytes_formula():
+    # q and out [b, a/t, s/cp, d], k and v at KV size, lse fp32 [b, a/t, s/cp]
+    s, b, h, a, kv, t, cp = 24, 2, 32, 4, 2, 1, 2
+    rows = b * s // cp
+    expected = rows * 8 * (4 + 4 + 2 + 2) * 4 + rows * 4 * LSE_BYTES  # fp32: 4 bytes each
+    assert cp_core_saved_bytes(s, b, h, a, t, cp, num_kv_heads=kv, act_bytes=4) == expected
+
+
+# The in-process measurement: every (cp_comm, kernel, dtype) on 2 gloo ranks, one spawn.
+SHAPE = dict(s=32, b=2, a=4, kv=2, d=8)
+CASES = [
+    (comm, kernel, dtype) for comm in ("ring", "a2a") for kernel in ("eager", "sdpa") for dtype in ("fp32", "bf16")
+]
+
+
+def _saved_bytes(fn, *args) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs (each storage counted once)."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        storage = x.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = fn(*args)
+    out.float().sum().backward()  # the saved tensors are enough to run the backward
+    return sum(seen.values())
+
+
+def _run_rank(group, rank: int, world: int) -> dict[str, str]:
+    import torch
+    from inprocess import run_checks
+
+    from ds_megatron.parallel.cp_comm import cp_attention
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    s, b, a, kv, d = (SHAPE[k] for k in ("s", "b", "a", "kv", "d"))
+
+    def check(comm: str, kernel: str, dtype: str):
+        def run(_):
+            q = torch.randn(b, a, s // world, d, dtype=dtypes[dtype], requires_grad=True)
+            k, v = (torch.randn(b, kv, s // world, d, dtype=dtypes[dtype], requires_grad=True) for _ in range(2))
+            measured = _saved_bytes(lambda *x: cp_attention(comm, *x, group, kernel, d**-0.5), q, k, v)
+            act = 4 if dtype == "fp32" else 2
+            predicted = cp_core_saved_bytes(s, b, a * d, a, 1, world, num_kv_heads=kv, act_bytes=act)
+            return [
+                (f"{comm} {kernel} {dtype} saved bytes", torch.tensor(float(measured)), torch.tensor(predicted), 0.05)
+            ]
+
+        return run
+
+    def block_check(comm: str, kernel: str, dtype: str, recompute: str):
+        def run(_):
+            measured, predicted = _llama_block(group, rank, world, comm, kernel, dtypes[dtype], recompute)
+            what = f"LlamaBlock {comm} {kernel} {dtype} {recompute} saved bytes"
+            return [(what, torch.tensor(float(measured)), torch.tensor(predicted), 0.05)]
+
+        return run
+
+    checks = {f"{c}-{k}-{t}": check(c, k, t) for c, k, t in CASES}
+    checks.update({"block-" + "-".join(case): block_check(*case) for case in BLOCK_CASES})
+    return run_checks(checks, None)
+
+
+# A real LlamaBlock (4 heads, 2 KV heads, SwiGLU 176) at cp 2, as the CP training builds it (parallelize_block
+# with the CP group): what it saves for backward against activation_bytes_per_layer(..., cp=2).  The remainder is
+# the rotary cos/sin tables of the rank's positions (2 (s/cp) d elements per process, not per layer).
+BLOCK_CASES = [
+    (comm, kernel, dtype, recompute)
+    for comm in ("ring", "a2a")
+    for kernel, recompute in (("eager", "none"), ("sdpa", "none"), ("eager", "selective"))
+    for dtype in ("fp32", "bf16")
+]
+
+
+def _llama_block(group, rank: int, world: int, comm: str, kernel: str, dtype, recompute: str) -> tuple[int, float]:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from activation_memory import measure
+
+    from ds_megatron.config.schema import RecomputeSection
+    from ds_megatron.model.llama.model import LlamaBlock, LlamaConfig, init_llama_module
+    from ds_megatron.parallelize import ParallelContext, parallelize_block
+    from ds_megatron.random import build_rng
+    from ds_megatron.tensor_parallel import TPGroup
+
+    s, b, h, a, k, f = 128, 2, 64, 4, 2, 176
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=h,
+        num_layers=1,
+        num_heads=a,
+        num_kv_heads=k,
+        intermediate_size=f,
+        max_position_embeddings=s,
+        rope_theta=10000.0,
+        attention_dropout=0.0,
+        attention=kernel,
+    )
+    rng = build_rng(1234, 0, 0, rank)
+    plan = ParallelContext(
+        config, TPGroup(), False, rng, recompute=RecomputeSection(recompute),
+        cp_group=group, cp_rank=rank, cp_size=world, cp_comm=comm,
+    )  # fmt: skip
+    block = LlamaBlock(config)
+    init_llama_module(block, config, 1234, prefix="model.layers.0.")
+    block = parallelize_block(block, plan).to(dtype).train()
+    x = torch.randn(s // world, b, h).to(dtype).requires_grad_()
+    measured = measure(block, x, False, rng)
+    predicted = activation_bytes_per_layer(
+        s, b, h, a, recompute=recompute, act_bytes=torch.finfo(dtype).bits // 8, attention=kernel,
+        family="llama", num_kv_heads=k, intermediate_size=f, attention_dropout=0.0, cp=world, cp_comm=comm,
+    )  # fmt: skip
+    return measured, predicted
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory):
+    from inprocess import spawn_reports
+
+    return spawn_reports(_run_rank, 2, tmp_path_factory.mktemp("cp_saved"))
+
+
+@pytest.mark.parametrize("comm,kernel,dtype", CASES)
+def test_saved_bytes_match_the_real_cp_functions(reports, comm, kernel, dtype):
+    from inprocess import failures
+
+    message = failures(reports, f"{comm}-{kernel}-{dtype}", f"{comm} {kernel} {dtype}")
+    assert not message, message
+
+
+@pytest.mark.parametrize("comm,kernel,dtype,recompute", BLOCK_CASES)
+def test_a_cp_llama_block_stores_what_the_formula_counts(reports, comm, kernel, dtype, recompute):
+    from inprocess import failures
+
+    name = "block-" + "-".join((comm, kernel, dtype, recompute))
+    message = failures(reports, name, f"LlamaBlock {comm} {kernel} {dtype} {recompute}")
+    assert not message, message
