@@ -38,7 +38,8 @@ class ZeroBubbleH1Schedule(schedule.TrainSchedule):
     the stage still has forwards to run, a due W pass runs right after its B (before the gradient is sent: the
     upstream stage is busy with its own forward and W until it asks for it); in the cooldown, once the last forward
     has run, it runs after the gradient has been sent, while the upstream stage runs that B.  With T_F = T_B = T_W
-    this reaches ZB-H1's bubble of (p-1)(T_F+T_B-T_W) under blocking sends (tests/unit/test_zero_bubble.py simulates it)."""
+    this reaches ZB-H1's bubble of (p-1)(T_F+T_B-T_W) under blocking sends (tests/unit/test_zero_bubble.py
+    simulates it)."""
 
     def steps(self):
         held_back = self.stage_id  # W passes this stage may hold: the cooldown slots its upstream stages leave
