@@ -8,7 +8,8 @@ Per transformer block and micro-batch, SP runs 6 all-gathers and 4 reduce-scatte
 (tests/launcher/test_sequence_parallel.py counts them).  gloo has no reduce-scatter: ds_megatron emulates it by an
 all-reduce of the full tensor, so on CPU each of SP's reduce-scatters costs an all-reduce, and SP pays its 6
 all-gathers on top (on NCCL an all-reduce costs about a reduce-scatter plus an all-gather, and SP's extra traffic is
-2 all-gathers, the re-gathers of the saved shards).  The embedding adds 1 all-gather and the output layer 2, per micro-batch.
+2 all-gathers, the re-gathers of the saved shards).  The embedding adds 1 all-gather and the output layer 2, per
+micro-batch.
 """
 
 from __future__ import annotations
