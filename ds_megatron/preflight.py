@@ -376,12 +376,16 @@ def check_resume_shape(run: RunConfig, load: Path, tag: str) -> None:
             )
     fp16 = "fp16" in (precision(old.ds_config), precision(run.ds_config))
     if needs_resharding(old.ds_config, run.ds_config) and fp16:
+        with_cp = old.cp > 1 or run.cp > 1  # cp named only where a run sets it
+
+        def layout(r: RunConfig) -> str:
+            return f"tp {r.tp}" + (f" x cp {r.cp}" if with_cp else "") + f" x pp {r.pp} x dp {r.dp}"
+
         raise ConfigError(
             "ds_megatron.checkpoint.load",
-            "an fp16 run resumes only at the tp, pp and dp x cp it was saved at (its loss-scaler state is not "
-            "resharded)",
-            f"tp {old.tp} x cp {old.cp} x pp {old.pp} x dp {old.dp} in {load}/{tag}, "
-            f"tp {run.tp} x cp {run.cp} x pp {run.pp} x dp {run.dp} now",
-            f"resume with --tp {old.tp} --cp {old.cp} --pp {old.pp} on {old.world_size} processes, or export and "
-            "--init-from-hf",
+            f"an fp16 run resumes only at the tp, pp and {'dp x cp' if with_cp else 'dp'} it was saved at (its "
+            "loss-scaler state is not resharded)",
+            f"{layout(old)} in {load}/{tag}, {layout(run)} now",
+            f"resume with --tp {old.tp}" + (f" --cp {old.cp}" if with_cp else "") + f" --pp {old.pp} on "
+            f"{old.world_size} processes, or export and --init-from-hf",
         )

@@ -83,7 +83,8 @@ def build(c: Ctx, family: str, sp: bool, recompute: str, dtype: torch.dtype):
     if policy.policy == "full":  # each block recomputed in backward, as the pipeline's full policy does
         blocks = model.transformer.h if family == "gpt2" else model.model.layers
         for block in blocks:
-            block.forward = lambda x, run=block.forward: checkpoint(run, x, rng=None)
+            # the blocks' other inputs (packed documents' ids and positions: None here) pass around the checkpoint
+            block.forward = lambda x, *rest, run=block.forward: checkpoint(lambda h: run(h, *rest), x, rng=None)
     return model, ctx
 
 
