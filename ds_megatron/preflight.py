@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ds_megatron.config import ConfigError, RunConfig, check_text_settings, effective_tokenizer, resolve
-from ds_megatron.config.facts import needs_resharding, precision, saved_world
+from ds_megatron.config.facts import layout_text, needs_resharding, precision, saved_world
 from ds_megatron.config.rules import CONFIG_FILE_RULES, check_tokenizer_fits
 from ds_megatron.config.shape import SHAPE_FIELDS
 
@@ -379,7 +379,7 @@ def check_resume_shape(run: RunConfig, load: Path, tag: str) -> None:
         with_cp = old.cp > 1 or run.cp > 1  # cp named only where a run sets it
 
         def layout(r: RunConfig) -> str:
-            return f"tp {r.tp}" + (f" x cp {r.cp}" if with_cp else "") + f" x pp {r.pp} x dp {r.dp}"
+            return layout_text(r.tp, r.cp, r.pp, r.dp, with_cp)
 
         raise ConfigError(
             "ds_megatron.checkpoint.load",

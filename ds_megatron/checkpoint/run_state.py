@@ -43,7 +43,7 @@ from ds_megatron.checkpoint.manifest import (
     write_manifest,
 )
 from ds_megatron.config import ConfigError
-from ds_megatron.config.facts import needs_resharding, precision, saved_cp, saved_layout
+from ds_megatron.config.facts import layout_text, needs_resharding, precision, saved_cp, saved_layout
 from ds_megatron.fileio import atomic_write_text
 from ds_megatron.random import RNGTracker
 
@@ -120,10 +120,12 @@ def load_run(
 
         tp, pp, dp = saved_layout(saved)
         if dist.get_rank() == 0:
+            with_cp = saved_cp(saved) > 1 or topology.cp > 1
+            was = layout_text(tp, saved_cp(saved), pp, dp, with_cp)
+            now = layout_text(topology.tp, topology.cp, topology.pp, topology.dp, with_cp)
             print(
-                f"resharding {root}/{tag} from tp {tp} x cp {saved_cp(saved)} x pp {pp} x dp {dp} to tp {topology.tp} "
-                f"x cp {topology.cp} x pp {topology.pp} x dp {topology.dp}: weights, {precision(saved)} optimizer "
-                "state, schedule and data position carry over; dropout RNG streams start afresh (they depend on "
+                f"resharding {root}/{tag} from {was} to {now}: weights, {precision(saved)} optimizer state, "
+                "schedule and data position carry over; dropout RNG streams start afresh (they depend on "
                 "the layout)",
                 flush=True,
             )
@@ -144,8 +146,9 @@ def load_run(
         if dist.get_rank() == 0:
             was = client_state["resharded_from"]
             print(
-                f"{root}/{tag} was resharded offline from tp {was['tp']} x cp {was.get('cp', 1)} x pp {was['pp']} "
-                f"x dp {was['dp']}: dropout RNG streams start afresh (they depend on the layout)",
+                f"{root}/{tag} was resharded offline from "
+                f"{layout_text(was['tp'], was.get('cp', 1), was['pp'], was['dp'])}: dropout RNG streams start "
+                "afresh (they depend on the layout)",
                 flush=True,
             )
     else:

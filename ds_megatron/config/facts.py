@@ -71,6 +71,13 @@ def saved_layout(ds_config: dict) -> tuple[int, int, int]:
     return tp, pp, dp
 
 
+def layout_text(tp: int, cp: int, pp: int, dp: int, with_cp: bool | None = None) -> str:
+    """``tp T x pp P x dp D`` for messages, with ``x cp C`` after tp where context parallelism is in play (by
+    default when cp > 1; a message comparing two layouts passes whether either has it)."""
+    cp_part = f" x cp {cp}" if (cp > 1 if with_cp is None else with_cp) else ""
+    return f"tp {tp}{cp_part} x pp {pp} x dp {dp}"
+
+
 def saved_cp(ds_config: dict) -> int:
     """The context-parallel size a resolved config was trained at (1 when unset)."""
     return ((ds_config.get("ds_megatron") or {}).get("parallel") or {}).get("cp", 1)
