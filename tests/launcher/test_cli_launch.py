@@ -1,6 +1,4 @@
-"""The launcher tests of ``tests/unit/test_cli.py`` (its subject below), slow tier.
-
-The recipe's command line: a bad setup exits 2 with one error line before anything distributed is imported."""
+"""The launcher tests of ``tests/unit/test_cli.py``: that file's docstring states their subject."""
 
 from __future__ import annotations
 

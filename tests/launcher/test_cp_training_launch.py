@@ -1,24 +1,4 @@
-"""The launcher tests of ``tests/unit/test_cp_training.py`` (its subject below), slow tier.
-
-Context parallelism wired into training: the settings and their refusals, the batch arithmetic handed to
-DeepSpeed, the data split, and whole-model parity in-process.
-
-The parity tier spawns one gloo group per world size (2 and 4 processes) and runs every layout there: the training
-path's own pipeline layers (embedding, positions, blocks with their ``BlockHooks``, final norm, vocabulary-parallel
-output and loss), built by ``pipeline.layer_specs`` for a topology with a CP axis, are run on each rank's
-``split_window`` of the micro-batch; gradients are then averaged over DeepSpeed's data axis (dp x cp ranks), as
-DeepSpeed's engine does.  Each rank compares, in fp32 within 1e-5, with the single-device model on the whole batch:
-the loss (averaged over the data axis once), every gradient (this rank's shard) and the global gradient norm
-(``optim.global_grad_norm``: CP ranks are replicas of the weights and must not be counted twice).  Layouts cover
-both families, ring and a2a, eager and sdpa, grouped-query attention, TP with sequence parallelism, dp 2, cp 4,
-selective and full recompute, and a sequence length that is not a power of two (24).  With packed documents
-(``docs``: ``data.document_mask``, restart positions, EOS tokens whose documents cross chunk and rank boundaries)
-the reference is the single-device model given the whole window's ``document_layout``, at cp 1 (tp 1, tp 2 + SP)
-and cp 2 (ring, a2a, SP), both families; ``stages`` cuts the layers into two stages at the second block and
-passes the boundary tuple the way DeepSpeed's pipeline engine does (received tensors detached, ``requires_grad``
-for floating ones only; backward of the floating outputs only).  The DeepSpeed engine path
-(its gradient average, its norm, the pipeline) is checked by the launcher parity run (tests/launcher/test_parity.py).
-"""
+"""The launcher tests of ``tests/unit/test_cp_training.py``: that file's docstring states their subject."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The launcher tests of ``tests/unit/test_hf_interop.py`` (its subject below), slow tier.
-
-transformers -> ds_megatron (tp 2 x pp 2, --init-from-hf) -> DeepSpeed checkpoint -> export gives back
-bitwise-identical tensors; bad input to export is one error line and writes nothing."""
+"""The launcher tests of ``tests/unit/test_hf_interop.py``: that file's docstring states their subject."""
 
 from __future__ import annotations
 

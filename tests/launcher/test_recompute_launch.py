@@ -1,7 +1,4 @@
-"""The launcher tests of ``tests/unit/test_recompute.py`` (its subject below), slow tier.
-
-Selective, full-uniform and full-block recompute give the gradients of no recompute with
-dropout 0.1 and the same seed (exact RNG replay), inside the pipeline engine at tp 2 x pp 2, with and without SP."""
+"""The launcher tests of ``tests/unit/test_recompute.py``: that file's docstring states their subject."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The launcher tests of ``tests/unit/test_reliability.py`` (its subject below), slow tier.
-
-Bad input refused before anything happens; crash-safe checkpoints; graceful stop; numerical guards."""
+"""The launcher tests of ``tests/unit/test_reliability.py``: that file's docstring states their subject."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The launcher tests of ``tests/unit/test_shipped_configs.py`` (its subject below), slow tier.
-
-Every shipped config as a user runs it, in miniature (``miniature.py``: same precision, ZeRO stage, optimizer,
-scheduler, SP, recompute, attention kernel and dropout; tiny shapes, 2-4 processes).  Per miniature, two launches of
-the recipe: 3 straight steps saving at steps 2 and 3, then a resume from step 2 for one step.  Checked: the resumed
-step equals the straight run's bit for bit (loss, gradient norm, learning rate, validation loss), each step's
-logged learning rate is the published schedule's, and the checkpoint exports (from the fp32 masters when it has
-them) to a model transformers loads."""
+"""The launcher tests of ``tests/unit/test_shipped_configs.py``: that file's docstring states their subject."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The launcher tests of ``tests/unit/test_tune_empirical.py`` (its subject below), slow tier.
-
-The tuner's empirical mode (python -m ds_megatron.tune --empirical): real short runs on 4 CPU processes, a failing
-candidate, the time budget, and the pure-Python parts (Spearman, recalibration, budget, failure reasons)."""
+"""The launcher tests of ``tests/unit/test_tune_empirical.py``: that file's docstring states their subject."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""The launcher tests of ``tests/unit/test_tune_inference_empirical.py`` (its subject below), slow tier.
-
-The inference tuner's empirical mode (``inference --empirical``): the calibration fit and the failure reporting on
-fake measurements, the launch loop with a fake launch, and (slow) real measured runs of a small exported Llama on 2
-CPU processes under DeepSpeed's inference engine."""
+"""The launcher tests of ``tests/unit/test_tune_inference_empirical.py``: that file's docstring states their subject."""
 
 from __future__ import annotations
 

@@ -1,21 +1,4 @@
-"""The launcher tests of ``tests/unit/test_zero_bubble.py`` (its subject below), slow tier.
-
-ZB-H1 on DeepSpeed's pipeline engine: the schedule (unit tier) and the trained result (one launcher run).
-
-Unit tier: with the W passes removed, the ZB-H1 stream of every stage is DeepSpeed's 1F1B stream, instruction for
-instruction (same communication order, so no new deadlock); every backward pass gets exactly one W pass, no W pass
-runs before its backward, stage s holds at most s when it runs a forward, and all have run before the step's
-reductions.  A timing model of the streams (T_F = T_B = T_W; a send and its receive block until both sides are
-there, as DeepSpeed's p2p does) shows the bubble going from 1F1B's (p-1)(T_F+T_B+T_W) to ZB-H1's (p-1)(T_F+T_B-T_W),
-and, with the costs measured on CPU (T_F 1.6, T_B 1.4, T_W 1), halving.  The schedule key
-is validated before anything starts.  The engine's W instruction frames each W pass for DeepSpeed's BF16 optimizer
-like a backward pass, and its optimizer step refuses to run with W passes queued.
-
-Launcher tier (one run, 2 processes, pp 2): GPT-2 (tied embeddings across the two stages) and Llama (untied) in
-fp32, and GPT-2 with DeepSpeed's BF16 optimizer (ZeRO-1, fp32 accumulators), each train three steps with 1F1B and
-with ZB-H1: losses, step-1 gradients (bf16: the fp32 accumulators) and the weights after three steps agree within
-fp32 rounding (measured: bit for bit), and ZB-H1 ran one W pass with deferred work per micro-batch.
-"""
+"""The launcher tests of ``tests/unit/test_zero_bubble.py``: that file's docstring states their subject."""
 
 from __future__ import annotations
 
