@@ -55,8 +55,8 @@ from throughput_vs_autotp import (  # noqa: E402
     TP,
     WEIGHT_DECAY,
     _port,
+    autotp_engine,
     batches,
-    deepspeed_keys,
     ds_megatron_config,
     num_params,
     proc_status_kb,
@@ -223,29 +223,7 @@ class Variant:
         self.loss_context = loss_parallel
 
     def _build_autotp(self, args, kernel: str, recompute: str) -> None:
-        import deepspeed
-
-        from ds_megatron.optim import param_groups
-
-        model = hf_llama(args, kernel)
-        if recompute == "full":
-            model.activation_checkpointing_enable()  # transformers 5's name for gradient_checkpointing_enable
-        opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
-        config = {**deepspeed_keys(args), "tensor_parallel": {"autotp_size": TP}}
-        # DeepSpeed checks the batch sizes before it builds the TP groups, against all 2 ranks as data parallel
-        # (1 != 1 x 1 x 2): let it derive train_batch_size instead.
-        del config["train_batch_size"]
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-        model.train()
-
-        def train_step(x, y):
-            loss = self.engine(input_ids=x, labels=y, shift_labels=y).loss  # labels already shifted
-            self.engine.backward(loss)
-            self.engine.step()
-            return float(loss.detach())
-
-        self.train_step = train_step
-        self.forward_loss = lambda x, y: self.engine.module(input_ids=x, labels=y, shift_labels=y).loss
+        self.engine, self.train_step, self.forward_loss = autotp_engine(args, hf_llama(args, kernel), recompute)
         self.loss_context = _no_context
 
 

@@ -129,36 +129,43 @@ class Variant:
         self.forward_loss = lambda x, y: module.loss_fn(module(x), y)
 
     def _build_autotp(self, args, recompute: str) -> None:
-        import deepspeed
         from transformers import LlamaForCausalLM
 
         from ds_megatron.config import resolve
         from ds_megatron.model import build_model, model_config
-        from ds_megatron.optim import param_groups
 
         run = resolve(ds_megatron_config(args, "none"), TP)
         reference = build_model(model_config(run.model), seed=run.section.train.seed)
         model = LlamaForCausalLM(reference.config.to_hf())
         model.load_state_dict(reference.state_dict())  # LlamaForCausalLM names: the key map is the identity
         del reference
-        if recompute == "full":
-            model.activation_checkpointing_enable()  # transformers 5's name for gradient_checkpointing_enable
-        opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
-        config = {**deepspeed_keys(args), "tensor_parallel": {"autotp_size": TP}}
-        # DeepSpeed checks the batch sizes before it builds the TP groups, against all 2 ranks as data parallel
-        # (1 != 1 x 1 x 2): let it derive train_batch_size instead.
-        del config["train_batch_size"]
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-        model.train()
+        self.engine, self.train_step, self.forward_loss = autotp_engine(args, model, recompute)
 
-        def train_step(x, y):
-            loss = self.engine(input_ids=x, labels=y, shift_labels=y).loss  # labels already shifted
-            self.engine.backward(loss)
-            self.engine.step()
-            return float(loss.detach())
 
-        self.train_step = train_step
-        self.forward_loss = lambda x, y: self.engine.module(input_ids=x, labels=y, shift_labels=y).loss
+def autotp_engine(args, model, recompute: str):
+    """DeepSpeed's AutoTP training engine of transformers' ``model`` at tp ``TP``, the way its users start it, with
+    this benchmark's optimizer; returns (engine, train_step(x, y) -> loss, forward_loss(x, y))."""
+    import deepspeed
+
+    from ds_megatron.optim import param_groups
+
+    if recompute == "full":
+        model.activation_checkpointing_enable()  # transformers 5's name for gradient_checkpointing_enable
+    opt = torch.optim.AdamW(param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS)
+    config = {**deepspeed_keys(args), "tensor_parallel": {"autotp_size": TP}}
+    # DeepSpeed checks the batch sizes before it builds the TP groups, against all 2 ranks as data parallel
+    # (1 != 1 x 1 x 2): let it derive train_batch_size instead.
+    del config["train_batch_size"]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    model.train()
+
+    def train_step(x, y):
+        loss = engine(input_ids=x, labels=y, shift_labels=y).loss  # labels already shifted
+        engine.backward(loss)
+        engine.step()
+        return float(loss.detach())
+
+    return engine, train_step, lambda x, y: engine.module(input_ids=x, labels=y, shift_labels=y).loss
 
 
 def batches(args, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
