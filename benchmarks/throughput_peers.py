@@ -60,7 +60,7 @@ from throughput_vs_autotp import (  # noqa: E402
     ds_megatron_config,
     num_params,
     proc_status_kb,
-    timed_step,
+    timed_rounds,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -264,24 +264,11 @@ def saved_bytes(variant: Variant, x: torch.Tensor, y: torch.Tensor) -> int:
 
 
 def work_times(args, names: list[str]) -> dict:
-    """All variants in one process; each round runs one step of each, in an order that rotates every round."""
+    """All variants in one process, timed in rotating rounds, with the load average before and after."""
     load = os.getloadavg()
     variants = {name: Variant(name, args) for name in names}
-    data = batches(args, args.warmup + args.steps)
-    wall: dict[str, list[float]] = {n: [] for n in names}
-    cpu: dict[str, list[float]] = {n: [] for n in names}
-    losses: dict[str, list[float]] = {n: [] for n in names}
-    for step, (x, y) in enumerate(data):
-        order = names[step % len(names) :] + names[: step % len(names)]
-        for name in order:
-            seconds, cpu_seconds, loss = timed_step(variants[name], x, y)
-            losses[name].append(loss)
-            if step >= args.warmup:
-                wall[name].append(seconds)
-                cpu[name].append(cpu_seconds)
-        if int(os.environ["RANK"]) == 0:
-            print(f"step {step}: " + " ".join(f"{n} {wall[n][-1] * 1e3:.0f}" for n in names if wall[n]), flush=True)
-    return {"wall": wall, "cpu": cpu, "losses": losses, "load": [list(load), list(os.getloadavg())]}
+    times = timed_rounds(variants, batches(args, args.warmup + args.steps), args.warmup)
+    return {**times, "load": [list(load), list(os.getloadavg())]}
 
 
 def work_memory(args, name: str) -> dict:

@@ -216,11 +216,10 @@ def timed_step(variant: Variant, x: torch.Tensor, y: torch.Tensor) -> tuple[floa
     return float(t[0]), float(t[1]), loss
 
 
-def work_times(args) -> dict:
-    """All variants in one process; each round runs one step of each, in an order that rotates every round."""
-    names = list(VARIANTS)
-    variants = {name: Variant(name, args) for name in names}
-    data = batches(args, args.warmup + args.steps)
+def timed_rounds(variants: dict, data: list, warmup: int) -> dict:
+    """One step of every variant per batch of ``data``, in an order that rotates every round (so no variant always
+    runs first or last); wall and CPU seconds per timed step (after ``warmup`` rounds) and every step's loss."""
+    names = list(variants)
     wall: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
@@ -229,12 +228,18 @@ def work_times(args) -> dict:
         for name in order:
             seconds, cpu_seconds, loss = timed_step(variants[name], x, y)
             losses[name].append(loss)
-            if step >= args.warmup:
+            if step >= warmup:
                 wall[name].append(seconds)
                 cpu[name].append(cpu_seconds)
-        if int(os.environ["RANK"]) == 0 and step >= args.warmup:
+        if int(os.environ["RANK"]) == 0 and step >= warmup:
             print(f"step {step}: " + " ".join(f"{n} {wall[n][-1] * 1e3:.0f}/{cpu[n][-1] * 1e3:.0f}" for n in names))
     return {"wall": wall, "cpu": cpu, "losses": losses}
+
+
+def work_times(args) -> dict:
+    """All variants in one process, timed in rotating rounds."""
+    variants = {name: Variant(name, args) for name in VARIANTS}
+    return timed_rounds(variants, batches(args, args.warmup + args.steps), args.warmup)
 
 
 def work_memory(args) -> dict:
