@@ -12,6 +12,23 @@ EMPIRICAL_COLUMNS = (("#", 2), ("rank", 4), *LAYOUT_COLUMNS, ("status", 13), *RE
 FINAL_COLUMNS = (("rank", 4), *LAYOUT_COLUMNS, ("step s", 8), ("tokens/s", 10), ("source", 9))
 
 
+def calibration_text(cal, overhead: str) -> tuple[str, str, str]:
+    """What a calibration fitted, the tuner flags that rank with it, and its error, as the training and the inference
+    reports print them; ``overhead`` is the fitted fixed overhead in the report's own unit."""
+    parts = [f"efficiency {efficiency_text(cal.efficiency)}"]
+    flags = [f"--efficiency {cal.efficiency:.4g}"]
+    if cal.intra_node_latency_s is not None:
+        parts.append(f"collective latency {cal.intra_node_latency_s * 1e6:,.0f} us")
+        flags.append(f"--intra-node-latency-us {cal.intra_node_latency_s * 1e6:.4g}")
+    if cal.step_overhead_s:
+        parts.append(f"fixed overhead {overhead}")
+        flags.append(f"--step-overhead-s {cal.step_overhead_s:.4g}")
+    error = f"relative RMS error {cal.rms_error:.1%}"
+    if len(cal.terms) > 1:
+        error += f" ({cal.rms_error_efficiency_only:.1%} with the efficiency alone)"
+    return ", ".join(parts), " ".join(flags), error
+
+
 def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: int, top: int = 10) -> str:
     """The empirical section: each run against its predictions, the calibration, the correlation, the final ranking."""
     o = emp.options
@@ -45,19 +62,9 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
     if cal is None:
         lines.append(f"calibration: {emp.calibration_note}")
     else:
-        parts = [f"efficiency {efficiency_text(cal.efficiency)}"]
-        flags = [f"--efficiency {cal.efficiency:.4g}"]
-        if cal.intra_node_latency_s is not None:
-            parts.append(f"collective latency {cal.intra_node_latency_s * 1e6:,.0f} us")
-            flags.append(f"--intra-node-latency-us {cal.intra_node_latency_s * 1e6:.4g}")
-        if cal.step_overhead_s:
-            parts.append(f"fixed overhead {seconds_text(cal.step_overhead_s)} s per step")
-            flags.append(f"--step-overhead-s {cal.step_overhead_s:.4g}")
-        error = f"relative RMS error {cal.rms_error:.1%}"
-        if len(cal.terms) > 1:
-            error += f" ({cal.rms_error_efficiency_only:.1%} with the efficiency alone)"
-        lines.append(f"calibration from {cal.num_measurements} run(s): {', '.join(parts)}; {error}")
-        lines.append(f"  {cal.note}; rank with these numbers: {' '.join(flags)}")
+        parts, flags, error = calibration_text(cal, f"{seconds_text(cal.step_overhead_s)} s per step")
+        lines.append(f"calibration from {cal.num_measurements} run(s): {parts}; {error}")
+        lines.append(f"  {cal.note}; rank with these numbers: {flags}")
     n = len(emp.measured)
     if emp.spearman_before is None:
         lines.append(f"rank correlation (Spearman): n/a ({n} measured candidate(s); needs 2 with different times)")

@@ -3,9 +3,9 @@ and measured, the calibration, the rank correlations and the final ranking (meas
 
 from __future__ import annotations
 
+from ds_megatron.tune.empirical_report import calibration_text
 from ds_megatron.tune.inference_empirical import REPLICAS_NOTE, FinalEntry, InferenceEmpiricalResult
 from ds_megatron.tune.inference_probe import Figures
-from ds_megatron.tune.report import efficiency_text
 
 PEAK_NOTE = {
     "cpu": "peak mem: max RSS of rank 0 so far in its launch (the model, torch and every earlier batch included)",
@@ -71,21 +71,11 @@ def _calibration_lines(emp: InferenceEmpiricalResult) -> list[str]:
     if cal is None:
         lines = [f"calibration: {emp.calibration_note}"]
     else:
-        parts = [f"efficiency {efficiency_text(cal.efficiency)}"]
-        flags = [f"--efficiency {cal.efficiency:.4g}"]
-        if cal.intra_node_latency_s is not None:
-            parts.append(f"collective latency {cal.intra_node_latency_s * 1e6:,.0f} us")
-            flags.append(f"--intra-node-latency-us {cal.intra_node_latency_s * 1e6:.4g}")
-        if cal.step_overhead_s:
-            parts.append(f"fixed overhead {ms(cal.step_overhead_s)} ms per forward")
-            flags.append(f"--step-overhead-s {cal.step_overhead_s:.4g}")
-        error = f"relative RMS error {cal.rms_error:.1%}"
-        if len(cal.terms) > 1:
-            error += f" ({cal.rms_error_efficiency_only:.1%} with the efficiency alone)"
+        parts, flags, error = calibration_text(cal, f"{ms(cal.step_overhead_s)} ms per forward")
         lines = [
             f"calibration from {cal.num_measurements} figures (TTFT and TPOT of {len(emp.ok)} run(s)): "
-            f"{', '.join(parts)}; {error}",
-            f"  {cal.note}; rank with these numbers: {' '.join(flags)}",
+            f"{parts}; {error}",
+            f"  {cal.note}; rank with these numbers: {flags}",
         ]
     n = len(emp.ok)
     pairs = []
