@@ -55,6 +55,7 @@ MODULE_CLASSES: dict[str, type[PipelineModel]] = {
     "1f1b": PipelineModel,
     "dualpipev": DualPipeVModel,
     "zb-h1": PipelineModel,
+    "dualpipev-zb": DualPipeVModel,  # its engine swapped in after deepspeed.initialize (parallel.dualpipev_zb)
 }
 
 
