@@ -27,7 +27,7 @@ from __future__ import annotations
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
 
-from ds_megatron.parallel import dualpipev_order as order
+from ds_megatron.config import dualpipev_order as order
 from ds_megatron.parallel.zero_bubble import WeightGradPass, ZeroBubblePipelineEngine
 
 PIPELINE_SCHEDULE = "dualpipev-zb"  # the config value of ds_megatron.parallel.pipeline_schedule this module implements

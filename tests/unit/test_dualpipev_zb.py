@@ -200,3 +200,70 @@ def test_the_schedule_is_a_config_value():
         with pytest.raises(ConfigError) as err:
             resolve({**cfg, **extra}, 2)
         assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("p,m", CASES)
+def test_the_tuners_order_and_makespan_are_the_schedules(p, m):
+    """The tuner's pass order is the schedule's stream, and its list scheduling gives the batched-p2p makespan of
+    DeepSpeed's streams at the time model's F : B : W = 1 : 1 : 1 (at other ratios it is a model, within a chunk
+    forward of the streams' here)."""
+    from ds_megatron.config.dualpipev_order import compute_order
+    from ds_megatron.tune import dualpipev_zb
+    from ds_megatron.tune.schedules import dualpipev_slots
+
+    for rank, stream in enumerate(streams(DualPipeVZeroBubbleSchedule, p, m)):
+        passes, queued = [], []
+        for i, cmd in enumerate(stream):
+            if isinstance(cmd, ds.ForwardPass):
+                passes.append(("F", cmd.phase))
+            elif isinstance(cmd, ds.BackwardPass):
+                whole = isinstance(stream[i + 1], WeightGradPass)
+                passes.append(("BW" if whole else "B", cmd.phase))
+                queued += [] if whole else [cmd.phase]
+            elif isinstance(cmd, WeightGradPass) and not isinstance(stream[i - 1], ds.BackwardPass):
+                passes.append(("W", queued.pop(0)))
+        assert passes == compute_order(p, m, rank)
+    split = {ds.ForwardPass: 1.0, ds.BackwardPass: 1.0, WeightGradPass: 1.0}
+    assert dualpipev_zb.simulate(p, m, 1.0, 1.0, 1.0) == makespan(streams(DualPipeVZeroBubbleSchedule, p, m), split)
+    for f, b, w in ((1.6, 1.4, 1.0), (2.0, 1.0, 1.0)):
+        split = {ds.ForwardPass: f, ds.BackwardPass: b, WeightGradPass: w}
+        simulated = makespan(streams(DualPipeVZeroBubbleSchedule, p, m), split)
+        assert abs(dualpipev_zb.simulate(p, m, f, b, w) - simulated) <= f
+    assert m < dualpipev_zb.slots(p, m) < dualpipev_slots(p, m)  # fewer bubble slots than DualPipeV's
+
+
+def test_the_tuner_models_dualpipev_zb_as_the_v_with_its_drain():
+    """Same layout as DualPipeV (parameters, blocks per rank, p2p per chunk), a smaller bubble, and the memory of
+    DualPipeV plus what the drain's queued W passes keep beyond the chunks their backward passes freed."""
+    import dataclasses
+
+    from ds_megatron.tune import Candidate, build_model_shape
+    from ds_megatron.tune.dualpipev_zb import peak_bytes
+    from ds_megatron.tune.memory_model import rank_param_counts, stage_activation_bytes
+    from ds_megatron.tune.schedules import dualpipev_peak_bytes, refusal
+    from ds_megatron.tune.time_model import StageTime, schedule_slots, stage_blocks
+
+    model = build_model_shape("gpt3-1.3b", None, None, None, None, None)
+    base = dict(tp=2, pp=4, dp=1, sequence_parallel=True, micro_batch_size=1, num_micro_batches=16)
+    base.update(recompute="selective", attention="sdpa", recompute_modules=("mlp_act",))
+    dv = Candidate(**base, schedule="dualpipev")
+    zb = dataclasses.replace(dv, schedule="dualpipev-zb")
+    assert rank_param_counts(model, zb) == rank_param_counts(model, dv)
+    assert stage_blocks(model, zb) == stage_blocks(model, dv)
+    stage = StageTime(compute_s=1.0, tp_comm_s=0.0, p2p_s=0.0, weight_grad_s=1 / 3)
+    assert schedule_slots(zb, stage)[1] < schedule_slots(dv, stage)[1]
+    first_dv, last_dv = stage_activation_bytes(model, dv)
+    first_zb, last_zb = stage_activation_bytes(model, zb)
+    assert first_zb >= first_dv and last_zb >= last_dv
+    # nothing queued at any forward: with W passes that keep nothing, DualPipeV's peak exactly
+    for rank in range(4):
+        assert peak_bytes(4, 16, rank, (1.0, 1.0), (0.0, 0.0)) == dualpipev_peak_bytes(4, 16, rank, (1.0, 1.0))
+    # the drain's queued W passes (r + 1 at most) stay under the 2p + 1 = 9 chunks' peak while one keeps up to two
+    # chunks' activations (about one in practice: its linears' inputs and output gradients), above beyond
+    assert [peak_bytes(4, 16, r, (1.0, 1.0), (2.0, 2.0)) for r in range(4)] == [9.0] * 4
+    assert peak_bytes(4, 16, 3, (1.0, 1.0), (3.0, 3.0)) == 12.0
+    assert (
+        refusal("dualpipev-zb", 1, 8)
+        == "dualpipev-zb needs pp > 1 (each pipeline rank holds two stages of one pipeline)"
+    )
+    assert refusal("dualpipev-zb", 4, 7).startswith("dualpipev-zb needs m >= 2 x pp")

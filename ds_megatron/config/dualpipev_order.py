@@ -1,6 +1,6 @@
 """Where DualPipeV with deferred weight gradients (``dualpipev-zb``) splits a backward pass and runs its W pass, as
 a function of (p, m, rank) only: the one rule that the schedule (``parallel.dualpipev_zb``), the memory terms and
-the tuner (``tune.schedules``) read.  Pure Python, no torch or DeepSpeed.
+the tuner (``tune.dualpipev_zb``) read.  Standard library only, as all of config/.
 
 DeepSpeed 0.19.8's ``DualPipeVSchedule`` yields its train schedule in nine steps (``step_sizes``).  Three of them
 hold an empty commit where DualPipe runs a W pass (``W_SLOT_STEPS``); the backward passes just before those slots
