@@ -1,14 +1,15 @@
 """The pipeline bubble, measured: per rank, the time of one training step spent computing (forward and backward
-passes) and the time spent blocked on a peer (the step's time outside computing, data loading and the optimizer:
-sends, receives, DualPipeV's batched p2p commits, the tied-embedding sync and the loss broadcast),
-for 1F1B and DualPipeV at m = 4, 8 and 16 micro-batches, pp 2 on 2 CPU processes (gloo, one thread each).
+passes, and the deferred W passes of ``dualpipev-zb``) and the time spent blocked on a peer (the step's time outside
+computing, data loading and the optimizer: sends, receives, DualPipeV's batched p2p commits, the tied-embedding sync
+and the loss broadcast), for 1F1B, DualPipeV and DualPipeV with deferred weight gradients (``dualpipev-zb``) at
+m = 4, 8 and 16 micro-batches, pp 2 on 2 CPU processes (gloo, one thread each).
 
     python benchmarks/pipeline_bubble.py [--repeats 5] [--markdown OUT.md]
 
-Runs itself under the deepspeed launcher.  The 6 engines are built once; each repeat then runs one step of every
+Runs itself under the deepspeed launcher.  The 9 engines are built once; each repeat then runs one step of every
 (m, schedule) in turn, so a slower moment of a shared machine falls on all of them alike.  Each step starts after a
 barrier.  Idle fraction = blocked / (computing + blocked); the data load, gradient reduction and optimizer step (the
-same under both schedules) are left out.  1F1B's ideal bubble with p equal stages is (p-1)/(m+p-1) of the step.
+same under every schedule) are left out.  1F1B's ideal bubble with p equal stages is (p-1)/(m+p-1) of the step.
 
 The model keeps its stages balanced, as the formula assumes: 8 blocks of width 256 and a 1024-token vocabulary
 (the output layer costs about a third of a block), so each 1F1B stage holds 4 blocks and the embedding or the
@@ -29,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MICRO_BATCHES = (4, 8, 16)
-SCHEDULES = ("1f1b", "dualpipev")
+SCHEDULES = ("1f1b", "dualpipev", "dualpipev-zb")
 PP = 2
 
 
@@ -64,7 +65,9 @@ def instrument(engine) -> dict[str, float]:
     totals = {"compute": 0.0, "local": 0.0, "other": 0.0}
     from deepspeed.runtime.pipe import schedule as s
 
-    kinds = {s.ForwardPass: "compute", s.BackwardPass: "compute"}
+    from ds_megatron.parallel.zero_bubble import WeightGradPass
+
+    kinds = {s.ForwardPass: "compute", s.BackwardPass: "compute", WeightGradPass: "compute"}
     kinds.update({s.LoadMicroBatch: "local", s.ReduceGrads: "local", s.OptimizerStep: "local"})
     table = dict(engine._INSTRUCTION_MAP)
 
@@ -118,30 +121,34 @@ def summarise(rows_by_rank: dict[int, list[dict]]) -> str:
         "| schedule | m | rank | idle fraction (median [min, max]) | computing ms | blocked ms | step ms |",
         "|---|---|---|---|---|---|---|",
     ]
-    means = {}
+    means, steps = {}, {}
     for m in MICRO_BATCHES:
         for schedule in SCHEDULES:
-            per_rank = []
+            per_rank, step_ms = [], []
             for rank, rows in sorted(rows_by_rank.items()):
                 mine = [r for r in rows if r["schedule"] == schedule and r["m"] == m]
                 idle = [r["wait"] / (r["compute"] + r["wait"]) for r in mine]
                 per_rank.append(statistics.median(idle))
                 med = {k: 1e3 * statistics.median(r[k] for r in mine) for k in ("compute", "wait", "step")}
+                step_ms.append(med["step"])
                 lines.append(
                     f"| {schedule} | {m} | {rank} | {statistics.median(idle):.3f} [{min(idle):.3f}, {max(idle):.3f}] "
                     f"| {med['compute']:.0f} | {med['wait']:.0f} | {med['step']:.0f} |"
                 )
             means[(schedule, m)] = statistics.mean(per_rank)
+            steps[(schedule, m)] = statistics.mean(step_ms)
     lines += [
         "",
-        "Mean over the two ranks of the median idle fraction, and 1F1B's ideal (p-1)/(m+p-1):",
+        "Mean over the two ranks of the median idle fraction (and of the median step, ms), and 1F1B's ideal "
+        "(p-1)/(m+p-1):",
         "",
-        "| m | 1f1b measured | 1f1b ideal | dualpipev measured |",
-        "|---|---|---|---|",
+        "| m | 1f1b measured | 1f1b ideal | dualpipev measured | dualpipev-zb measured |",
+        "|---|---|---|---|---|",
     ]
     for m in MICRO_BATCHES:
         ideal = (PP - 1) / (m + PP - 1)
-        lines.append(f"| {m} | {means[('1f1b', m)]:.3f} | {ideal:.3f} | {means[('dualpipev', m)]:.3f} |")
+        cells = [f"{means[(name, m)]:.3f} ({steps[(name, m)]:.0f} ms)" for name in SCHEDULES]
+        lines.append(f"| {m} | {cells[0]} | {ideal:.3f} | {cells[1]} | {cells[2]} |")
     return "\n".join(lines)
 
 
@@ -171,7 +178,10 @@ def main() -> None:
         from _results import write_markdown
 
         write_markdown(
-            args.markdown, "Pipeline bubble: 1F1B and DualPipeV", "python benchmarks/pipeline_bubble.py", body
+            args.markdown,
+            "Pipeline bubble: 1F1B, DualPipeV and DualPipeV with deferred weight gradients",
+            f"python benchmarks/pipeline_bubble.py --repeats {args.repeats}",
+            body,
         )
 
 
