@@ -12,9 +12,10 @@ slots, so each slot runs one W pass and none is left for the step.  Every other 
 after its B, as DeepSpeed's does.  A W pass runs after the slot's commit: the sends of the B before it are then on
 their way and the rank computes while its peers do.
 
-Memory: at most ``r + 1`` W passes are queued at once on rank r (the drain's), each keeping its linears' inputs and
-output gradients (``memory.deferred_weight_grad_bytes_per_layer``), while the drain has already freed more than that
-many micro-batches' activations; the in-flight micro-batches are DualPipeV's own.
+Memory: no W pass is queued when a forward runs, so the micro-batches in flight are DualPipeV's; in the drain rank
+r queues up to r + 1, each keeping its linears' inputs and output gradients
+(``memory.deferred_weight_grad_bytes_per_layer``) while its backward passes free chunks: the peak stays DualPipeV's
+while a queued W pass keeps at most two chunks' activations (``tune.dualpipev_zb.peak_bytes`` counts both).
 
 :class:`DualPipeVZeroBubbleEngine` executes it on top of DeepSpeed's ``DualPipeVEngine``: each backward pass seals
 its W pass in the rank's queue, ``WeightGradPass`` runs the oldest one with ZB-H1's framing for DeepSpeed's BF16
