@@ -58,7 +58,7 @@ def config(schedule: str, m: int) -> dict:
 
 def instrument(engine) -> dict[str, float]:
     """Time the instructions of ``engine`` that work alone into the returned totals (zero them before a step):
-    forward and backward passes ("compute"), and the data load, gradient reduction and optimizer step ("local",
+    forward, backward and W passes ("compute"), and the data load, gradient reduction and optimizer step ("local",
     nothing to reduce at dp 1).  The rest of a step is spent waiting for a peer: sends, receives, DualPipeV's p2p
     commits, the tied embedding's gradient exchange between the first and last stage (a pipeline-wide sync: under
     1F1B the last stage's trailing idle time lands there) and the loss broadcast."""
@@ -163,6 +163,7 @@ def main() -> None:
     if args.worker_out:
         worker(args.worker_out, args.repeats)
         return
+    load_start = os.getloadavg()[0]  # the machine's load: a shared machine's numbers say how shared it was
     with tempfile.TemporaryDirectory() as tmp:
         launcher = Path(sys.executable).parent / "deepspeed"
         cmd = [str(launcher), "--num_gpus", str(PP), __file__, "--worker-out", tmp, "--repeats", str(args.repeats)]
@@ -170,7 +171,8 @@ def main() -> None:
         subprocess.run(cmd, env=env, check=True, capture_output=True)
         rows = {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(tmp).glob("rank*.json")}
     body = summarise(rows)
-    body = f"pp {PP}, gloo, 2 processes x 1 thread, {args.repeats} repeats after one warm-up round.\n\n{body}"
+    load = f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    body = f"pp {PP}, gloo, 2 processes x 1 thread, {args.repeats} repeats after one warm-up round; {load}.\n\n{body}"
     if args.note:
         body += f"\n\n{args.note}"
     print(body)
