@@ -11,9 +11,10 @@ DualPipeV's 5p - 6 slots to 2(p - 1) at T_F = T_B = T_W, and by 30% or more at t
 other place they could go) is worse.  The engine's optimizer step refuses to run with W passes queued.
 
 Launcher tier (tests/launcher/test_parity.py, in the launches that already train DualPipeV): tp 1 x pp 2 with full
-recompute and tp 2 x pp 2 with SP and selective recompute train like the single-device model (within fp32
-rounding) and give DualPipeV's losses and gradient norms bit for bit; tests/workers/schedule_checkpoint.py's bf16 +
-ZeRO-1 steps give DualPipeV's losses bit for bit.
+recompute and Llama at tp 2 x pp 2 with SP and full recompute train like the single-device model (within fp32
+rounding); at tp 1 the losses and gradient norms are DualPipeV's bit for bit (measured by hand at tp 2 with SP and
+selective recompute too); tests/workers/schedule_checkpoint.py's bf16 + ZeRO-1 steps give DualPipeV's losses and
+gradient norm bit for bit.
 """
 
 from __future__ import annotations
