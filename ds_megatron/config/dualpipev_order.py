@@ -4,7 +4,7 @@ the tuner (``tune.dualpipev_zb``) read.  Standard library only, as all of config
 
 DeepSpeed 0.19.8's ``DualPipeVSchedule`` yields its train schedule in nine steps (``step_sizes``).  Three of them
 hold an empty commit where DualPipe runs a W pass (``W_SLOT_STEPS``); the backward passes just before those slots
-are split (``DEFERRED_STEPS``): the phase-1 backward of each B1 W F1 pair, the last ``rank + 1`` backward passes of
+are split (:func:`deferred`): the phase-1 backward of each B1 W F1 pair, the last ``rank + 1`` backward passes of
 the B1 B0 drain and the phase-0 backward of each W B0 step, as many as there are slots.
 """
 

@@ -43,11 +43,16 @@ class DualPipeVZeroBubbleSchedule(schedule.DualPipeVSchedule):
             return
         rank = self.stage_id
         steps = order.step_of(self.stages, self.micro_batches, rank)
+        # The W slots are found by counting DeepSpeed's steps: checked before the engine runs any of them.
+        ds_steps = list(super().steps())
+        if len(ds_steps) != len(steps):
+            raise RuntimeError(
+                f"DeepSpeed's DualPipeVSchedule yielded {len(ds_steps)} steps, not the {len(steps)} this schedule "
+                "places its W passes by (checked on deepspeed 0.19.8)"
+            )
         pending = 0  # deferred W passes not yet run
         drain_index = 0  # backward passes of the B1 B0 drain so far
-        count = 0
-        for count, cmds in enumerate(super().steps(), start=1):
-            step = steps[count - 1] if count <= len(steps) else None
+        for step, cmds in zip(steps, ds_steps):
             slot = self._w_slot(step, cmds)
             out = []
             for position, cmd in enumerate(cmds):
@@ -65,14 +70,9 @@ class DualPipeVZeroBubbleSchedule(schedule.DualPipeVSchedule):
                     out.append(WeightGradPass())
                     pending -= 1
             yield out
-        if count != len(steps):
-            raise RuntimeError(
-                f"DeepSpeed's DualPipeVSchedule yielded {count} steps, not the {len(steps)} this schedule places "
-                "its W passes by (checked on deepspeed 0.19.8)"
-            )
 
     @staticmethod
-    def _w_slot(step: int | None, cmds: list) -> int | None:
+    def _w_slot(step: int, cmds: list) -> int | None:
         """The position in ``cmds`` of DeepSpeed's W placeholder, the commit the W pass follows: in a B1 W F1 list
         the second commit (the first belongs to the backward's receive), in a W B0 or W list the first command."""
         if step not in order.W_SLOT_STEPS:

@@ -143,8 +143,8 @@ def test_the_timing_model_is_deepspeeds_batched_p2p():
 
 
 def test_a_changed_deepspeed_schedule_is_refused():
-    """The W slots are found by counting DeepSpeed's steps: a schedule that yields another count raises instead of
-    placing W passes at the wrong commits."""
+    """The W slots are found by counting DeepSpeed's steps: a schedule that yields another count raises before its
+    first step is handed to the engine, instead of placing W passes at the wrong commits."""
 
     class Longer(DualPipeVZeroBubbleSchedule):
         pass
@@ -158,7 +158,7 @@ def test_a_changed_deepspeed_schedule_is_refused():
     ds.DualPipeVSchedule.steps = extra_step
     try:
         with pytest.raises(RuntimeError, match="yielded .* steps"):
-            list(Longer(4, 2, 0).steps())
+            next(iter(Longer(4, 2, 0).steps()))
     finally:
         ds.DualPipeVSchedule.steps = original
 
