@@ -1,14 +1,15 @@
 """The pipeline bubble, measured: per rank, the time of one training step spent computing (forward and backward
-passes) and the time spent blocked on a peer (the step's time outside computing, data loading and the optimizer:
-sends, receives, DualPipeV's batched p2p commits, the tied-embedding sync and the loss broadcast),
-for 1F1B and DualPipeV at m = 4, 8 and 16 micro-batches, pp 2 on 2 CPU processes (gloo, one thread each).
+passes, and the deferred W passes of ``dualpipev-zb``) and the time spent blocked on a peer (the step's time outside
+computing, data loading and the optimizer: sends, receives, DualPipeV's batched p2p commits, the tied-embedding sync
+and the loss broadcast), for 1F1B, DualPipeV and DualPipeV with deferred weight gradients (``dualpipev-zb``) at
+m = 4, 8 and 16 micro-batches, pp 2 on 2 CPU processes (gloo, one thread each).
 
     python benchmarks/pipeline_bubble.py [--repeats 5] [--markdown OUT.md]
 
-Runs itself under the deepspeed launcher.  The 6 engines are built once; each repeat then runs one step of every
+Runs itself under the deepspeed launcher.  The 9 engines are built once; each repeat then runs one step of every
 (m, schedule) in turn, so a slower moment of a shared machine falls on all of them alike.  Each step starts after a
 barrier.  Idle fraction = blocked / (computing + blocked); the data load, gradient reduction and optimizer step (the
-same under both schedules) are left out.  1F1B's ideal bubble with p equal stages is (p-1)/(m+p-1) of the step.
+same under every schedule) are left out.  1F1B's ideal bubble with p equal stages is (p-1)/(m+p-1) of the step.
 
 The model keeps its stages balanced, as the formula assumes: 8 blocks of width 256 and a 1024-token vocabulary
 (the output layer costs about a third of a block), so each 1F1B stage holds 4 blocks and the embedding or the
@@ -29,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MICRO_BATCHES = (4, 8, 16)
-SCHEDULES = ("1f1b", "dualpipev")
+SCHEDULES = ("1f1b", "dualpipev", "dualpipev-zb")
 PP = 2
 
 
@@ -57,14 +58,16 @@ def config(schedule: str, m: int) -> dict:
 
 def instrument(engine) -> dict[str, float]:
     """Time the instructions of ``engine`` that work alone into the returned totals (zero them before a step):
-    forward and backward passes ("compute"), and the data load, gradient reduction and optimizer step ("local",
+    forward, backward and W passes ("compute"), and the data load, gradient reduction and optimizer step ("local",
     nothing to reduce at dp 1).  The rest of a step is spent waiting for a peer: sends, receives, DualPipeV's p2p
     commits, the tied embedding's gradient exchange between the first and last stage (a pipeline-wide sync: under
     1F1B the last stage's trailing idle time lands there) and the loss broadcast."""
     totals = {"compute": 0.0, "local": 0.0, "other": 0.0}
     from deepspeed.runtime.pipe import schedule as s
 
-    kinds = {s.ForwardPass: "compute", s.BackwardPass: "compute"}
+    from ds_megatron.parallel.zero_bubble import WeightGradPass
+
+    kinds = {s.ForwardPass: "compute", s.BackwardPass: "compute", WeightGradPass: "compute"}
     kinds.update({s.LoadMicroBatch: "local", s.ReduceGrads: "local", s.OptimizerStep: "local"})
     table = dict(engine._INSTRUCTION_MAP)
 
@@ -118,30 +121,34 @@ def summarise(rows_by_rank: dict[int, list[dict]]) -> str:
         "| schedule | m | rank | idle fraction (median [min, max]) | computing ms | blocked ms | step ms |",
         "|---|---|---|---|---|---|---|",
     ]
-    means = {}
+    means, steps = {}, {}
     for m in MICRO_BATCHES:
         for schedule in SCHEDULES:
-            per_rank = []
+            per_rank, step_ms = [], []
             for rank, rows in sorted(rows_by_rank.items()):
                 mine = [r for r in rows if r["schedule"] == schedule and r["m"] == m]
                 idle = [r["wait"] / (r["compute"] + r["wait"]) for r in mine]
                 per_rank.append(statistics.median(idle))
                 med = {k: 1e3 * statistics.median(r[k] for r in mine) for k in ("compute", "wait", "step")}
+                step_ms.append(med["step"])
                 lines.append(
                     f"| {schedule} | {m} | {rank} | {statistics.median(idle):.3f} [{min(idle):.3f}, {max(idle):.3f}] "
                     f"| {med['compute']:.0f} | {med['wait']:.0f} | {med['step']:.0f} |"
                 )
             means[(schedule, m)] = statistics.mean(per_rank)
+            steps[(schedule, m)] = statistics.mean(step_ms)
     lines += [
         "",
-        "Mean over the two ranks of the median idle fraction, and 1F1B's ideal (p-1)/(m+p-1):",
+        "Mean over the two ranks of the median idle fraction (and of the median step, ms), and 1F1B's ideal "
+        "(p-1)/(m+p-1):",
         "",
-        "| m | 1f1b measured | 1f1b ideal | dualpipev measured |",
-        "|---|---|---|---|",
+        "| m | 1f1b measured | 1f1b ideal | dualpipev measured | dualpipev-zb measured |",
+        "|---|---|---|---|---|",
     ]
     for m in MICRO_BATCHES:
         ideal = (PP - 1) / (m + PP - 1)
-        lines.append(f"| {m} | {means[('1f1b', m)]:.3f} | {ideal:.3f} | {means[('dualpipev', m)]:.3f} |")
+        cells = [f"{means[(name, m)]:.3f} ({steps[(name, m)]:.0f} ms)" for name in SCHEDULES]
+        lines.append(f"| {m} | {cells[0]} | {ideal:.3f} | {cells[1]} | {cells[2]} |")
     return "\n".join(lines)
 
 
@@ -156,6 +163,7 @@ def main() -> None:
     if args.worker_out:
         worker(args.worker_out, args.repeats)
         return
+    load_start = os.getloadavg()[0]  # the machine's load: a shared machine's numbers say how shared it was
     with tempfile.TemporaryDirectory() as tmp:
         launcher = Path(sys.executable).parent / "deepspeed"
         cmd = [str(launcher), "--num_gpus", str(PP), __file__, "--worker-out", tmp, "--repeats", str(args.repeats)]
@@ -163,7 +171,8 @@ def main() -> None:
         subprocess.run(cmd, env=env, check=True, capture_output=True)
         rows = {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(tmp).glob("rank*.json")}
     body = summarise(rows)
-    body = f"pp {PP}, gloo, 2 processes x 1 thread, {args.repeats} repeats after one warm-up round.\n\n{body}"
+    load = f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    body = f"pp {PP}, gloo, 2 processes x 1 thread, {args.repeats} repeats after one warm-up round; {load}.\n\n{body}"
     if args.note:
         body += f"\n\n{args.note}"
     print(body)
@@ -171,7 +180,10 @@ def main() -> None:
         from _results import write_markdown
 
         write_markdown(
-            args.markdown, "Pipeline bubble: 1F1B and DualPipeV", "python benchmarks/pipeline_bubble.py", body
+            args.markdown,
+            "Pipeline bubble: 1F1B, DualPipeV and DualPipeV with deferred weight gradients",
+            f"python benchmarks/pipeline_bubble.py --repeats {args.repeats}",
+            body,
         )
 
 

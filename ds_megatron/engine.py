@@ -23,6 +23,8 @@ from ds_megatron.config.facts import deepspeed_wraps_optimizer, precision
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
+from ds_megatron.parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZERO_BUBBLE
+from ds_megatron.parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
 from ds_megatron.parallel.zero_bubble import PIPELINE_SCHEDULE as ZERO_BUBBLE
 from ds_megatron.parallel.zero_bubble import ZeroBubblePipelineEngine
 from ds_megatron.parallelize import ParallelContext
@@ -210,6 +212,10 @@ def build_engine(run: RunConfig) -> Built:
         queue = WeightGradQueue()
         defer_weight_grads(engine.module, queue)
         ZeroBubblePipelineEngine.install(engine, queue)
+    elif run.section.parallel.pipeline_schedule == DUALPIPEV_ZERO_BUBBLE:
+        queue = WeightGradQueue()
+        defer_weight_grads(engine.module, queue)  # both of the rank's stages defer to one queue
+        DualPipeVZeroBubbleEngine.install(engine, queue)
     if install_step_sp_grad_sync(engine, topology, run) and topology.rank == 0:
         print("ds_megatron: SP-replicated gradients summed over TP once per step (fp32)", flush=True)
     return Built(engine, topology, parallel, rng, config, run)

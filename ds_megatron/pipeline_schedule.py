@@ -3,7 +3,8 @@ the rest must know of each is its row in ``config.schema.PIPELINE_SCHEDULES``).
 
 - ``1f1b``: DeepSpeed's ``PipelineModule`` / ``PipelineEngine`` (``TrainSchedule``), as :mod:`ds_megatron.pipeline`
   builds it.
-- ``dualpipev``: DeepSpeed's ``DualPipeVModule`` / ``DualPipeVEngine`` (``DualPipeVSchedule``).  The layers are cut
+- ``dualpipev``: DeepSpeed's ``DualPipeVModule`` / ``DualPipeVEngine`` (``DualPipeVSchedule``; ``dualpipev-zb``: the
+  same module, the engine and schedule of :mod:`ds_megatron.parallel.dualpipev_zb`).  The layers are cut
   into 2p stages; rank r builds stage r (phase 0, activations flow towards rank p-1) and stage 2p-1-r (phase 1, back
   towards rank 0), so rank 0 holds the embedding, the output layer and the loss, and a tied embedding is one module
   there (no tied-gradient exchange).  ``deepspeed.initialize`` picks ``DualPipeVEngine`` for such a module.
@@ -19,7 +20,8 @@ accelerator run it as is, its p2p going through ``batch_isend_irecv``):
   logits on rank 0.
 What upstream would need for less of that: an inference forward of fewer than 2p micro-batches, fp16 loss scaling
 checked with two stages per rank, a hook after ``ReduceTiedGrads`` instead of a replaced instruction table, and the
-weight-gradient split of zero-bubble schedules (DeepSpeed's DualPipeV keeps each weight gradient in its backward).
+weight-gradient split of zero-bubble schedules (DeepSpeed's DualPipeV keeps each weight gradient in its backward;
+``dualpipev-zb``, :mod:`ds_megatron.parallel.dualpipev_zb`, splits it on DualPipeV's module).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ MODULE_CLASSES: dict[str, type[PipelineModel]] = {
     "1f1b": PipelineModel,
     "dualpipev": DualPipeVModel,
     "zb-h1": PipelineModel,
+    "dualpipev-zb": DualPipeVModel,  # its engine swapped in after deepspeed.initialize (parallel.dualpipev_zb)
 }
 
 

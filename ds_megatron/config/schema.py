@@ -52,6 +52,8 @@ PIPELINE_SCHEDULES = (
     PipelineSchedule("dualpipev", stages_per_rank=2, micro_batches_per_rank=2, loss_on_first_rank=True),
     # ZB-H1: DeepSpeed's 1F1B, weight-gradient passes deferred into its bubbles (ds_megatron.parallel.zero_bubble)
     PipelineSchedule("zb-h1", stages_per_rank=1, micro_batches_per_rank=0, loss_on_first_rank=False),
+    # DualPipeV with weight-gradient passes deferred into its drain (ds_megatron.parallel.dualpipev_zb)
+    PipelineSchedule("dualpipev-zb", stages_per_rank=2, micro_batches_per_rank=2, loss_on_first_rank=True),
 )
 
 
@@ -111,7 +113,7 @@ class ParallelSection:
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
-    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES' names: "1f1b", "dualpipev" or "zb-h1"
+    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES' names: "1f1b", "dualpipev", "zb-h1", "dualpipev-zb"
 
 
 @dataclass(frozen=True)

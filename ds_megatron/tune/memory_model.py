@@ -12,6 +12,7 @@ from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, padded_vocab_size
 from ds_megatron.config.shape import layers_per_stage
 from ds_megatron.memory import activation_bytes_per_layer, cp_transient_bytes, deferred_weight_grad_bytes_per_layer
 from ds_megatron.model import family_of
+from ds_megatron.tune import dualpipev_zb
 from ds_megatron.tune.schedules import dualpipev_peak_bytes
 from ds_megatron.tune.spec import Candidate
 
@@ -71,7 +72,7 @@ def rank_param_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
     """(first, last) pipeline rank's parameters per TP rank under the candidate's schedule.  DualPipeV: rank 0 holds
     chunks 0 and 2p-1 (the embedding, the final norm and the output layer, a tied one sharing the embedding's
     module), the last rank two chunks of the middle, each chunk ceil(L/(2p)) blocks: the same total as 1F1B."""
-    if cand.schedule != "dualpipev":
+    if not dualpipev_zb.two_stages_per_rank(cand.schedule):
         return stage_param_counts(model, cand.tp, cand.pp)
     whole = stage_param_counts(model, cand.tp, 1)[0]
     blocks = 2 * layers_per_stage(model.num_layers, 2 * cand.pp) * block_param_count(model, cand.tp)
@@ -236,6 +237,17 @@ def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, f
         ends = (embedding_activation_bytes(model, cand), output_activation_bytes(model, cand))
         first = dualpipev_peak_bytes(p, m, 0, (stored + ends[0], stored + ends[1])) + transient
         last = dualpipev_peak_bytes(p, m, p - 1, (stored, stored)) + transient
+        return first, last
+    if cand.schedule == dualpipev_zb.NAME:  # DualPipeV's chunks, and the W passes queued in its drain
+        chunk = layers_per_stage(model.num_layers, 2 * cand.pp)
+        stored = stored_activation_bytes(model, cand, chunk)
+        transient = recompute_transient_bytes(model, cand, chunk)
+        p, m = cand.pp, cand.num_micro_batches
+        ends = (embedding_activation_bytes(model, cand), output_activation_bytes(model, cand))
+        w = deferred_weight_grad_bytes(model, cand, chunk, last=False)
+        w_loss = deferred_weight_grad_bytes(model, cand, chunk, last=True)  # rank 0's phase 1: the output layer
+        first = dualpipev_zb.peak_bytes(p, m, 0, (stored + ends[0], stored + ends[1]), (w, w_loss)) + transient
+        last = dualpipev_zb.peak_bytes(p, m, p - 1, (stored, stored), (w, w)) + transient
         return first, last
     n = layers_per_stage(model.num_layers, cand.pp)
     stored = stored_activation_bytes(model, cand, n)

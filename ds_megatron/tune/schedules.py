@@ -31,10 +31,10 @@ def refusal(schedule: str, pp: int, num_micro_batches: int) -> str | None:
     """Why ``schedule`` cannot run at ``pp`` stages and ``num_micro_batches`` micro-batches (None: it can)."""
     if schedule not in SCHEDULES:
         return f"unknown schedule (use one of {', '.join(SCHEDULES)} or {ALL})"
-    if schedule == "dualpipev" and pp == 1:
-        return "dualpipev needs pp > 1 (each pipeline rank holds two stages of one pipeline)"
-    if schedule == "dualpipev" and num_micro_batches < 2 * pp:
-        return "dualpipev needs m >= 2 x pp (DualPipeVSchedule refuses fewer micro-batches)"
+    if schedule in ("dualpipev", "dualpipev-zb") and pp == 1:
+        return f"{schedule} needs pp > 1 (each pipeline rank holds two stages of one pipeline)"
+    if schedule in ("dualpipev", "dualpipev-zb") and num_micro_batches < 2 * pp:
+        return f"{schedule} needs m >= 2 x pp (DualPipeVSchedule refuses fewer micro-batches)"
     if schedule == "zb-h1" and pp == 1:
         return "zb-h1 needs pp > 1 (with one stage there is no bubble for the W passes to fill)"
     return None

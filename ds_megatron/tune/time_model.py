@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ds_megatron.config import ModelShape
 from ds_megatron.flops import block_fields, executed_flops_per_step
 from ds_megatron.model import FAMILIES
+from ds_megatron.tune import dualpipev_zb
 from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
 from ds_megatron.tune.memory_model import (
     ACT_BYTES,
@@ -168,7 +169,7 @@ def _recomputed_blocks(cand: Candidate, num_blocks: int) -> int:
         return 0
     if cand.recompute_method == "uniform":
         return num_blocks
-    if cand.schedule == "dualpipev":  # k blocks of each of the rank's two chunks
+    if dualpipev_zb.two_stages_per_rank(cand.schedule):  # k blocks of each of the rank's two chunks
         return 2 * min(cand.recompute_layers, num_blocks // 2)
     return min(cand.recompute_layers, num_blocks)
 
@@ -277,7 +278,7 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
         gbps, latency = link(cluster, cand.tp * cand.cp * cand.dp * cand.pp > cluster.gpus_per_node)
         sent = boundary / (t if cand.sequence_parallel else 1)
         p2p = 2 * (latency + sent / (gbps * 1e9))  # activation forward, its gradient backward
-        if cand.schedule == "dualpipev":  # each of the rank's two chunks receives and sends its own
+        if dualpipev_zb.two_stages_per_rank(cand.schedule):  # each of the rank's two chunks receives and sends its own
             p2p *= 2
 
     scores = eager_score_s(model, cluster, cand, n, recomputed)
@@ -298,7 +299,7 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
 
 def stage_blocks(model: ModelShape, cand: Candidate) -> int:
     """Blocks one pipeline rank runs per micro-batch: ceil(L/p), under DualPipeV two chunks of ceil(L/(2p))."""
-    if cand.schedule == "dualpipev":
+    if dualpipev_zb.two_stages_per_rank(cand.schedule):
         return 2 * layers_per_stage(model.num_layers, 2 * cand.pp)
     return layers_per_stage(model.num_layers, cand.pp)
 
@@ -308,13 +309,17 @@ def schedule_slots(cand: Candidate, slowest: StageTime) -> tuple[float, float]:
     spent filling and draining the pipeline, per schedule (``tune.schedules``).
     1F1B: m + p - 1 slots, bubble (p - 1) t_mb.
     ZB-H1: the bubble (p-1)(T_F + T_B - T_W) = (p-1)(t_mb - 2 T_W), T_W the W share (``StageTime.weight_grad_s``).
-    DualPipeV: the simulated makespan of its order in t_mb (``schedules.dualpipev_slots``)."""
+    DualPipeV: the simulated makespan of its order in t_mb (``schedules.dualpipev_slots``); with its W passes
+    deferred, of that order with the backward passes split (``dualpipev_zb.slots``)."""
     m, p, t_mb = cand.num_micro_batches, cand.pp, slowest.total_s
     if cand.schedule == "zb-h1" and p > 1:
         bubble = (p - 1) * (t_mb - 2 * slowest.weight_grad_s)
         return m + bubble / t_mb, bubble
     if cand.schedule == "dualpipev":
         slots = dualpipev_slots(p, m)
+        return slots, (slots - m) * t_mb
+    if cand.schedule == dualpipev_zb.NAME:
+        slots = dualpipev_zb.slots(p, m)
         return slots, (slots - m) * t_mb
     return m + p - 1, (p - 1) * t_mb
 
@@ -331,7 +336,7 @@ def dp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate) -> float:
         total += ring_s(WEIGHT_BYTES * params, ranks, gbps, latency, passes=1)
     total *= 1.0 - DP_OVERLAP
     # DualPipeV's rank 0 holds both ends: a tied embedding is one module there, with nothing to all-reduce.
-    if cand.pp > 1 and model.tie_word_embeddings and cand.schedule != "dualpipev":
+    if cand.pp > 1 and model.tie_word_embeddings and not dualpipev_zb.two_stages_per_rank(cand.schedule):
         embedding = padded_vocab_size(model.vocab_size, cand.tp) * model.hidden_size / cand.tp
         total += ring_s(GRAD_REDUCE_BYTES * embedding, 2, *link(cluster, cluster.num_gpus > cluster.gpus_per_node))
     return total

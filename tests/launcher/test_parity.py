@@ -25,10 +25,15 @@ pytestmark = pytest.mark.slow  # every test here starts real processes with the 
 
 # The DualPipeV layouts (``dualpipev``, with a recompute policy each) train as exactly as 1F1B's: both families, tied
 # and untied, with and without SP; gradient accumulation 4 = 2 x pp, the schedule's minimum.
+# The Llama one at tp 2 runs ``dualpipev-zb`` (``zb``: weight gradients deferred into DualPipeV's drain), which
+# costs the 4-process launch no extra layout.
 DUALPIPEV = {
     2: ["1,2,1,dualpipev,full", "1,2,1,llama,dualpipev,selective"],
-    4: ["2,2,1,sp,dualpipev,selective", "2,2,1,llama,sp,dualpipev,full"],
+    4: ["2,2,1,sp,dualpipev,selective", "2,2,1,llama,sp,dualpipev,zb,full"],
 }
+# ``dualpipev-zb`` beside a DualPipeV layout of the same launch: the single-device comparison, and DualPipeV's
+# losses and gradient norms bit for bit (at tp 2 with SP, selective recompute, too: measured by hand).
+DUALPIPEV_ZB = {2: {"1,2,1,dualpipev,zb,full": "1,2,1,dualpipev,full"}}
 # With dropout on, every recompute policy's gradients equal no recompute's under DualPipeV, bit for bit.
 REPLAY = {2: ["1,2,1,dualpipev,replay"]}
 # DualPipeV checkpoints, export, sampling and bf16, in the 2-process launch (tests/workers/schedule_checkpoint.py).
@@ -44,6 +49,7 @@ GROUPS = {
         "1,2,1,llama,tied",
         "1,1,1,llama,cp2",
         *DUALPIPEV[2],
+        *DUALPIPEV_ZB[2],
     ],
     4: [
         "2,2,1,docs",
@@ -65,7 +71,7 @@ def result_name(layout: str) -> str:
     family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
     cp = [o for o in options if o.startswith("cp")]
     cp_part = [*cp, *(["a2a"] if cp and "a2a" in options else [])]
-    extra = [o for o in ("dualpipev", "selective", "full") if o in options]
+    extra = [o for o in ("dualpipev", "zb", "selective", "full") if o in options]
     docs = ["docs"] if "docs" in options else []
     return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family, *cp_part, *extra, *docs])
 
@@ -119,6 +125,18 @@ def test_layout_matches_single_device(results, layout):
         assert first["built_layers"][0] == 0 and max(first["built_layers"]) == last, first["built_layers"]
 
 
+@pytest.mark.parametrize("layout,plain", [pair for group in DUALPIPEV_ZB.values() for pair in group.items()])
+def test_deferred_weight_grads_train_as_dualpipev(results, layout, plain):
+    """Deferring the weight gradients changes when they are computed, not what: the same sums in the same order."""
+    for zb, dv in zip(_load(results, layout), _load(results, plain), strict=True):
+        assert (zb["pp_rank"], zb["tp_rank"]) == (dv["pp_rank"], dv["tp_rank"])
+        assert zb["losses"] == dv["losses"] and zb["norms"] == dv["norms"], (layout, zb, dv)
+        assert zb["engine"] == "DualPipeVZeroBubbleEngine" and dv["engine"] == "DualPipeVEngine", (
+            zb["engine"],
+            dv["engine"],
+        )
+
+
 @pytest.mark.parametrize("layout", [lay for group in REPLAY.values() for lay in group])
 def test_recompute_replays_dropout_under_dualpipev(results, layout):
     files = sorted(results.glob(f"{layout.replace(',', '-')}.rank*.json"))
@@ -133,7 +151,8 @@ def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(results):
     """A DualPipeV checkpoint resumes exactly at its own layout, resharded under 1F1B (and back) with the loss curve
     continuing within 1e-5, and exports to transformers with the weights the ranks held; greedy decoding (the
     recipe's end-of-training sample) reads the logits on rank 0 and equals the single-device model's; bf16 + ZeRO-1
-    (fp32 masters in DeepSpeed's BF16 optimizer) trains as under 1F1B."""
+    (fp32 masters in DeepSpeed's BF16 optimizer) trains as under 1F1B, and with deferred weight gradients
+    (``dualpipev-zb``) as DualPipeV, bit for bit."""
     from safetensors.torch import load_file
 
     from ds_megatron.checkpoint.export import export
@@ -146,10 +165,11 @@ def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(results):
         assert r["B"] == {k: a[k] for k in ("3", "4")}, r  # same schedule and layout: bit for bit
         assert not r["B_resharded"] and r["C_resharded"] and r["D_resharded"]
         assert r["generate"]["pipeline"] == r["generate"]["reference"], r["generate"]
-        bf16, bf16_dv = r["bf16-1f1b"], r["bf16-dualpipev"]
+        bf16, bf16_dv, bf16_zb = r["bf16-1f1b"], r["bf16-dualpipev"], r["bf16-dualpipev-zb"]
         for step, loss in bf16["losses"].items():
             assert abs(bf16_dv["losses"][step] - loss) <= 1e-6 * abs(loss), (bf16, bf16_dv)
         assert abs(bf16_dv["norm"] - bf16["norm"]) <= 1e-5 * bf16["norm"], (bf16, bf16_dv)
+        assert bf16_zb == bf16_dv, (bf16_zb, bf16_dv)  # W passes framed like backward passes: bit for bit
         for run, steps in (("C", ("3", "4")), ("D", ("4",))):
             for step in steps:
                 assert abs(r[run][step] - a[step]) <= 1e-5 * abs(a[step]), (run, step, r[run], a)

@@ -6,8 +6,9 @@ Usage (under the deepspeed launcher):
 A layout is tp,pp,dp, optionally followed by the Llama family (``llama``: 4 heads, 2 KV heads, SwiGLU width 96,
 untied unless ``tied``), per-layout ``sp``, context parallelism ``cp<N>`` (ring; ``a2a`` for the all-to-all:
 the world is then tp x cp x pp x dp and each CP rank trains on its chunks of every sequence), the ``dualpipev``
-pipeline schedule and a recompute policy (``selective``, ``full``).  With ``replay`` the layout instead compares,
-with dropout on, each recompute policy's step-1 gradients with no recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
+pipeline schedule (with ``zb``: ``dualpipev-zb``) and a recompute policy (``selective``, ``full``).  With
+``replay`` the layout instead compares, with dropout on, each recompute policy's step-1 gradients with no
+recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
 The layout ``checkpoint`` runs ``schedule_checkpoint.py``'s checks (2 processes) into DIR/checkpoint.
 ``docs``: packed documents kept apart (``data.document_mask``, restart positions; token ids below 100 become
 EOS), against the single-device model given the whole window's layout.
@@ -86,8 +87,8 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
     cfg = tiny_ds_config(tp, pp, dp, sequence_parallel=sp, attention=args.attention, cp=cp, cp_comm=comm)
     if "llama" in options:
         cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings="tied" in options)
-    if "dualpipev" in options:
-        cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = "dualpipev"
+    if "dualpipev" in options:  # with ``zb``: its weight gradients deferred into the drain
+        cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = "dualpipev-zb" if "zb" in options else "dualpipev"
     for policy in ("selective", "full"):  # full: one block per recomputed chunk
         if policy in options:
             cfg["ds_megatron"]["recompute"] = {"policy": policy}
@@ -161,7 +162,7 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
             norm_weights[full] = {"got": p.detach().flatten().tolist(), "ref": ref_params[full].flatten().tolist()}
     family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
     cp_part = [f"cp{cp}", *(["a2a"] if comm == "a2a" else [])] if cp > 1 else []
-    extra = [o for o in ("dualpipev", "selective", "full") if o in options]
+    extra = [o for o in ("dualpipev", "zb", "selective", "full") if o in options]
     doc_part = ["docs"] if docs else []
     layout = "-".join(
         [f"{tp}-{pp}-{dp}", *(["sp"] if sp else []), *family, *cp_part, *extra, *doc_part, args.attention]
@@ -178,6 +179,7 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
             "norms": norms,
             "ref_norms": ref_norms,
             "checked": checked,
+            "engine": type(engine).__name__,
             "all_names": sorted(ref_params),
             "tp_rank": topo.tp_rank,
             "pp_rank": topo.pp_rank,

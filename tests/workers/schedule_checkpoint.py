@@ -93,8 +93,8 @@ def run_checks(out: str) -> None:
     d, result["D_resharded"] = resume("dualpipev", f1, 3)
     result["D"] = train(d, [4])
     result["generate"] = {"pipeline": got, "reference": ids[len(prompt) :]}
-    # bf16 + ZeRO-1 (DeepSpeed's BF16 optimizer: fp32 masters, gradients accumulated in fp32 copies): both schedules.
-    for schedule in ("1f1b", "dualpipev"):
+    # bf16 + ZeRO-1 (DeepSpeed's BF16 optimizer: fp32 masters, gradients accumulated in fp32 copies): each schedule.
+    for schedule in ("1f1b", "dualpipev", "dualpipev-zb"):
         cfg = tiny_ds_config(1, 2, 1, extra=BF16)
         cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = schedule
         built = build_engine(resolve(cfg, int(os.environ["WORLD_SIZE"])))
