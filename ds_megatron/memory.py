@@ -30,6 +30,8 @@ probabilities from q, k and lse, so no s x s term is stored with either kernel. 
 (eager) checkpoints the whole cp_comm call, exchange included: it keeps only q, k and v, dropping the output and
 the log-sum-exp, and runs the exchange again in backward.  What one layer's exchange holds only while it runs
 (double-buffered K/V, the fp32 dK/dV accumulators, the eager kernel's score blocks) is :func:`cp_transient_bytes`.
+The rotary cos/sin tables of a rotary family are one pair per process, shared by its blocks (at any cp):
+:func:`rotary_table_bytes`, counted once per stage, not in the per-layer terms.
 """
 
 from __future__ import annotations
