@@ -241,14 +241,16 @@ def longest_within(fits, start: int, step: int) -> int:
 
 
 def budget_worker(group, rank, world, args) -> dict:
-    """The longest sequence at tp x cp = world (``args["tp"]``, default 1) within the budget, with its probes."""
+    """The longest sequence at tp x cp = world (``args["tp"]``, default 1) within the budget, with its probes, at
+    ``args["shape"]`` (default the budget shape)."""
     budget = args["budget_mib"] * 2**20
     tp = args.get("tp", 1)
     cp = world // tp
+    shape = args.get("shape", BUDGET_SHAPE)
     probes = []
 
     def fits(seq) -> bool:
-        run = run_config(tp, cp, seq, BUDGET_SHAPE, comm=args["comm"])
+        run = run_config(tp, cp, seq, shape, comm=args["comm"])
         model = RankModel(run, DTYPES[args["dtype"]])
         peak = probe_peak(model, run)
         probes.append((seq, peak))
@@ -293,14 +295,17 @@ def spawn(fn_name: str, world: int, args: dict):
 
 
 def formula_bytes(seq: int, cp: int, comm: str, dtype: torch.dtype) -> float:
-    """memory.py's activation bytes of one Llama block per rank at this shape (sdpa's fused path, no dropout)."""
-    from ds_megatron.memory import activation_bytes_per_layer
+    """memory.py's bytes of the blocks per rank at this shape (sdpa's fused path, no dropout): every layer's
+    activations, plus the rotary tables the process's blocks share (once, not per layer)."""
+    from ds_megatron.memory import activation_bytes_per_layer, rotary_table_bytes
 
     act = torch.empty((), dtype=dtype).element_size()
-    return activation_bytes_per_layer(
+    per_layer = activation_bytes_per_layer(
         seq, 1, SHAPE["hidden"], SHAPE["heads"], act_bytes=act, attention="sdpa", family="llama",
         num_kv_heads=SHAPE["kv_heads"], intermediate_size=SHAPE["inter"], cp=cp, cp_comm=comm,
     )  # fmt: skip
+    tables = rotary_table_bytes(seq, SHAPE["hidden"], SHAPE["heads"], cp, family="llama", act_bytes=act)
+    return SHAPE["layers"] * per_layer + tables
 
 
 def main() -> None:
@@ -321,8 +326,8 @@ def main() -> None:
     }
     mib = 2**20
     lines = [
-        "| dtype | s | cp | blocks saved MiB / rank | memory.py formula MiB | measured / formula | cp 1 / cp MiB | "
-        "x cp vs cp 1 | whole forward saved MiB / rank |",
+        "| dtype | s | cp | blocks saved MiB / rank | memory.py formula MiB (layers + rotary tables) | "
+        "measured / formula | cp 1 / cp MiB | x cp vs cp 1 | whole forward saved MiB / rank |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for dtype_name in DTYPES:
@@ -332,7 +337,7 @@ def main() -> None:
                 blocks, every = saved[cp][f"{dtype_name}/{seq}"]
                 ratio = f"{blocks * cp / ref:.3f}" if ref else "-"
                 share = f"{ref / cp / mib:.2f}" if ref else "-"
-                formula = SHAPE["layers"] * formula_bytes(seq, cp, args.comm, DTYPES[dtype_name])
+                formula = formula_bytes(seq, cp, args.comm, DTYPES[dtype_name])
                 lines.append(
                     f"| {dtype_name} | {seq} | {cp} | {blocks / mib:.2f} | {formula / mib:.2f} | "
                     f"{blocks / formula:.3f} | {share} | {ratio} | {every / mib:.2f} |"

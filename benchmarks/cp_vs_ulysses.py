@@ -23,6 +23,12 @@ parameters excluded.
 
 ``--budget-mib M`` measures instead the longest sequence within M MiB of peak resident memory per process for
 Ulysses and for ds_megatron's cp and tp (``benchmarks/cp_memory.py``'s search and probe, its budget shape, fp32).
+
+``--head-limit-mib M`` (4 processes) measures the same at a head count where Ulysses' degree stops below the process
+count: Qwen2.5-0.5B's attention layout, 14 query heads and 2 KV heads (width scaled down).  Ulysses' degree must
+divide the query heads, so at 4 processes its best layout is sp 2 x dp 2 (each sequence split 2 ways; sp 4 is
+refused by DeepSpeed, and the refusal is recorded in the same run), while ds_megatron splits each sequence 4 ways:
+tp 2 x cp 2 with sequence parallelism (tp needs 14 and 2 divisible by 2) and cp 4 with the ring (no head rule).
 """
 
 from __future__ import annotations
@@ -236,6 +242,77 @@ def budget_worker(rank: int, world: int, port: int, args: dict, queue) -> None:
     dist.destroy_process_group()
 
 
+# Qwen2.5-0.5B's (and Qwen2-0.5B's) attention layout, 14 query heads sharing 2 KV heads, at head size 8, with the
+# budget shape's wide MLP and small vocabulary so that activations dominate and long sequences stay cheap on 2 cores.
+HEAD_LIMIT_SHAPE = dict(hidden=112, heads=14, kv_heads=2, layers=2, inter=1024, vocab=128)
+HEAD_LIMIT_LAYOUTS = ((2, "ds_megatron tp 2 x cp 2 ring SP"), (1, "ds_megatron tp 1 x cp 4 ring"))  # (tp, name)
+
+
+def ulysses_refusal(shape: dict, world: int) -> str:
+    """DeepSpeed's own refusal of Ulysses sp = ``world`` at ``shape``'s head counts ("" if it accepts)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    try:
+        UlyssesSPAttentionHF(
+            attn=None,
+            batch_size=1,
+            attn_head_count=shape["heads"],
+            attn_head_size=shape["hidden"] // shape["heads"],
+            kv_head_count=shape["kv_heads"],
+            num_hidden_layers=shape["layers"],
+            process_group=dist.group.WORLD,
+            seq_length_is_variable=True,
+        )
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def ulysses_best_degree(heads: int, world: int) -> int:
+    """The largest Ulysses degree at ``world`` processes: it must divide both the world and the query heads."""
+    return max(sp for sp in range(2, world + 1) if world % sp == 0 and heads % sp == 0)
+
+
+def head_limit_worker(rank: int, world: int, port: int, args: dict, queue) -> None:
+    """The longest sequence within the budget at HEAD_LIMIT_SHAPE: Ulysses at its best degree x dp, then
+    ds_megatron's HEAD_LIMIT_LAYOUTS, fp32, forward + backward, peak resident memory (cp_memory.py's probe)."""
+    import cp_memory
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    shape, budget = HEAD_LIMIT_SHAPE, args["budget_mib"] * 2**20
+    refusal = ulysses_refusal(shape, world)
+    sp = ulysses_best_degree(shape["heads"], world)
+    uly = Ulysses(sp, None, shape, torch.float32)  # DeepSpeed's groups: sp consecutive ranks, world / sp of them
+    probes: list[tuple[int, int]] = []
+
+    def fits(seq: int) -> bool:
+        g = torch.Generator().manual_seed(0)
+        batch = uly.batch(torch.randint(0, shape["vocab"], (1, seq + 1), generator=g))
+        uly.calls = 0
+        peak = cp_memory.peak_of(lambda: uly.loss(batch).backward(), uly.parameters)
+        assert uly.calls == shape["layers"], f"Ulysses attention ran {uly.calls} times in one forward"
+        probes.append((seq, peak))
+        return peak <= budget
+
+    start = args["start"] * world
+    results = [
+        (f"DeepSpeed Ulysses sp {sp} x dp {world // sp}", sp, cp_memory.longest_within(fits, start, 2 * sp), probes)
+    ]
+    for tp, name in HEAD_LIMIT_LAYOUTS:
+        common = {"budget_mib": args["budget_mib"], "dtype": "fp32", "comm": "ring", "tp": tp, "shape": shape}
+        got = cp_memory.budget_worker(None, rank, world, {**common, "start": args["start"]})
+        results.append((name, world, got["longest"], got["probes"]))
+    if rank == 0:
+        queue.put({"refusal": refusal, "rows": results})
+    dist.destroy_process_group()
+
+
 def measure(world: int, args: dict, target=None):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -259,9 +336,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--budget-mib", type=int, help="instead: the longest sequence within this peak memory per process")
+    ap.add_argument(
+        "--head-limit-mib", type=int, help="instead: the same at 14 heads, where Ulysses' degree stops below --world"
+    )
     ap.add_argument("--markdown")
     args = ap.parse_args()
     w = args.world
+    if args.head_limit_mib:
+        return head_limit_table(args)
     if args.budget_mib:
         return budget_table(args)
     layouts = {1: [(1, 1, "ring")], 2: [(1, 2, "a2a"), (1, 2, "ring"), (2, 1, "ring")]}.get(
@@ -318,6 +400,40 @@ def budget_table(args) -> None:
         f"{shape['inter']}, vocabulary {shape['vocab']}, batch 1, fp32, sdpa, forward + backward, no recompute; "
         f"search and peak as in cp_memory.md. Load average before {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}; after "
         f"{after[0]:.1f}, {after[1]:.1f}, {after[2]:.1f}; {time.time() - t0:.0f} s.\n\n" + "\n".join(lines) + "\n"
+    )
+    print(body)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(f"\n{body}")
+
+
+def head_limit_table(args) -> None:
+    shape, world = HEAD_LIMIT_SHAPE, args.world
+    load, t0 = os.getloadavg(), time.time()
+    got = measure(world, {"budget_mib": args.head_limit_mib, "start": 1024}, head_limit_worker)
+    after = os.getloadavg()
+    rows = got["rows"]
+    base = rows[0][2]
+    lines = [
+        "| system | ways each sequence is split | longest s within budget | tokens per process | x Ulysses | "
+        "probes (s: peak MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, ways, longest, probes in rows:
+        seen = ", ".join(f"{s}: {p / 2**20:.0f}" for s, p in probes)
+        ratio = f"{longest / base:.2f}" if base else "-"
+        lines.append(f"| {name} | {ways} | {longest} | {longest // ways} | {ratio} | {seen} |")
+    refusal = got["refusal"] or "(accepted)"
+    body = (
+        f"### Longest sequence within {args.head_limit_mib} MiB per process where Ulysses' degree stops: "
+        f"{shape['heads']} heads, {world} processes\n\n"
+        f"{world} processes (gloo, 1 thread each), Llama h {shape['hidden']}, {shape['heads']} heads "
+        f"({shape['kv_heads']} KV heads: Qwen2.5-0.5B's attention layout), {shape['layers']} layers, MLP "
+        f"{shape['inter']}, vocabulary {shape['vocab']}, batch 1, fp32, sdpa, forward + backward, no recompute; "
+        f"peak resident memory above the resident set before the step (weights excluded, gradients included), "
+        f"search as in cp_memory.md. DeepSpeed on Ulysses sp {world} at this shape, in the same run: "
+        f"`{refusal}`. Load average before {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}; after {after[0]:.1f}, "
+        f"{after[1]:.1f}, {after[2]:.1f}; {time.time() - t0:.0f} s.\n\n" + "\n".join(lines) + "\n"
     )
     print(body)
     if args.markdown:

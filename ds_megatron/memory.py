@@ -30,6 +30,8 @@ probabilities from q, k and lse, so no s x s term is stored with either kernel. 
 (eager) checkpoints the whole cp_comm call, exchange included: it keeps only q, k and v, dropping the output and
 the log-sum-exp, and runs the exchange again in backward.  What one layer's exchange holds only while it runs
 (double-buffered K/V, the fp32 dK/dV accumulators, the eager kernel's score blocks) is :func:`cp_transient_bytes`.
+The rotary cos/sin tables of a rotary family are one pair per process, shared by its blocks (at any cp):
+:func:`rotary_table_bytes`, counted once per stage, not in the per-layer terms.
 """
 
 from __future__ import annotations
@@ -182,6 +184,19 @@ def cp_transient_bytes(
         held = (3 * q_elems + kv_elems) * act_bytes
         scores = b * a / (t * cp) * s**2
     return held + (3 * 4 * scores if attention == "eager" else 0.0)
+
+
+def rotary_table_bytes(
+    s: int, h: int, a: int, cp: int = 1, *, family: str = DEFAULT_FAMILY, act_bytes: int = 2
+) -> float:
+    """The rotary cos/sin tables one process keeps for its blocks' backward: [s/cp, 1, 1, d] each in activation
+    bytes, built once per process for the rank's positions and shared by every block (q * cos and rotate(q) * sin
+    save them), so counted once per stage, not per layer; whole under TP and SP (rotary runs on q and k after
+    SP's all-gather).  0 for a family with a learned position table (no rotary).  Packed documents with per-token
+    positions build [s/cp, b, 1, d] tables per block call instead (not counted here)."""
+    if FAMILIES[family].layout.positions is not None:  # learned positions: an embedding row, no tables
+        return 0.0
+    return 2.0 * (s // cp) * (h // a) * act_bytes
 
 
 def lse_bytes_per_layer(s: int, b: int, a: int, t: int = 1) -> float:

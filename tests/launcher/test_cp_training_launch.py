@@ -13,7 +13,8 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_continuing_the_losses(tmp_path):
     partitions over DeepSpeed's data axis, dp x cp = 2 in both runs, so the optimizer state loads without
     resharding.  The same checkpoint resumed at cp 1 x pp 2 (dp 1: a data axis of 1, so its two ZeRO-1 partitions
     are resharded on load into one per stage) continues the losses too, and exports to transformers equal to its
-    weights (the per-layer files and the fp32 masters of the ZeRO-1 files)."""
+    weights (the per-layer files and the fp32 masters of the ZeRO-1 files).  The resume at cp 4 and the bf16 +
+    ZeRO-1 cp changes (on load and offline) need 4 processes: they ride tests/launcher/test_reshard.py's launches."""
     import json
     import pathlib
 

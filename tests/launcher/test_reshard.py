@@ -3,7 +3,8 @@
 each, the loss curve continuing within 1e-5; bf16 + ZeRO-1 at tp 2 x dp 2 -> pp 2 x dp 2, where the offline
 output holds the same files and values as a checkpoint the on-load path saved, and resumes without resharding;
 DeepSpeed's ZeRO optimizer (fp32 + ZeRO-1, bf16 + ZeRO-1 without fp32 gradient accumulation) resumes exactly at its
-layout and reshards on load to one with less vocabulary padding (offline it is refused, pointing there).
+layout and reshards on load to one with less vocabulary padding (offline it is refused, pointing there); bf16 +
+ZeRO-1 saved at cp 2 resumes at cp 4 on load and, resharded offline across cp, at tp 2 x cp 1.
 
 All the recipe runs of this file take two launches (``workers/recipe_runs.py``, the ``runs`` fixture): the runs
 that start from nothing, then, after the offline resharding, the ones that resume (in order, so a run may resume
@@ -59,9 +60,10 @@ class Runs:
         return read_losses(self.root / name)
 
 
-def _reshard_offline(runs: Runs, src, out, tp: int, pp: int, dp: int) -> None:
+def _reshard_offline(runs: Runs, src, out, tp: int, pp: int, dp: int, cp: int | None = None) -> None:
     """Offline resharding of ``src`` into ``out``; its exit status is kept in ``runs.offline[out name]``."""
     argv = ["reshard", "--checkpoint", str(src), "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--out", str(out)]
+    argv += [] if cp is None else ["--cp", str(cp)]
     runs.offline[out.name] = checkpoint_main(argv)
 
 
@@ -266,7 +268,65 @@ def test_zero1_optimizer_checkpoints_resume_exactly_and_reshard(runs, capsys):
         assert not (root / f"off_{k}").exists()
 
 
-PLANS = (plan_2x2_to_1x4_to_4x1, plan_bf16_zero1, plan_zero1_optimizers)
+# bf16 + ZeRO-1 with fp32 gradient accumulation (DeepSpeed's BF16 optimizer: what a long-context run uses) on the
+# Llama config (GQA, untied), sequence parallelism off so that tp 1 layouts run; the accumulation steps follow dp.
+CP_BF16 = [
+    "--set",
+    "bf16.enabled=true",
+    "--set",
+    "zero_optimization.stage=1",
+    "--set",
+    "gradient_accumulation_steps=null",
+]
+CP_BF16 += ["--set", "data_types.grad_accum_dtype=fp32", "--set", "zero_allow_untested_optimizer=true"]
+CP_BF16 += ["--set", "ds_megatron.parallel.sequence_parallel=false"]
+
+
+def plan_cp_bf16(runs: Runs, leg: int) -> None:
+    root = runs.root
+
+    def add(name, tp, cp, iters, extra):
+        argv = [*CP_BF16, "--cp", str(cp), *extra]
+        runs.add(f"cp_{name}", tp, 1, iters, argv, config=LLAMA_TINY, dropout=0.0)
+
+    if leg == 0:
+        add("a", 1, 2, 3, ["--save", str(root / "cp_ck"), "--save-interval", "2"])
+    elif leg == 1:
+        if (root / "cp_a.status.json").exists():
+            shutil.move(root / "cp_ck" / "step00000003", root / "cp_a_step3")
+            _reshard_offline(runs, root / "cp_ck", root / "cp_offline", 2, 1, 2, cp=1)
+    else:
+        add("cp4", 1, 4, 3, ["--load", str(root / "cp_ck")])
+        add("offline", 2, 1, 3, ["--load", str(root / "cp_offline")])
+
+
+def test_bf16_zero1_checkpoint_saved_at_cp2_resumes_at_cp4_and_cp1(runs):
+    """bf16 + ZeRO-1 (BF16 optimizer) saved at cp 2 x dp 2 after 2 steps resumes at cp 4 x dp 1 on load: CP adds
+    no weights and DeepSpeed's data axis (dp x cp) stays 4, so the optimizer partitions load as they are (no
+    resharding); the offline reshard across cp (--cp 1, to tp 2 x dp 2: a data axis of 2) holds every fp32 master
+    and Adam moment of the saved one, bit for bit, and resumes without resharding on load.  Each resumed step 3
+    continues the straight cp 2 run's: the same learning rate, the loss within bf16 rounding of another split of
+    the sequence and another reduction order (measured: 4e-6 at cp 4, 1.5e-6 offline)."""
+    root = runs.root
+    runs.result("cp_a")
+    straight = {r["step"]: r for r in read_records(root / "cp_a") if "loss" in r}
+    assert sorted(straight) == [1, 2, 3]
+    assert runs.offline["cp_offline"] == 0
+    saved = OldCheckpoint(root / "cp_ck", "step00000002")
+    assert saved.masters is not None and saved.data_axis == 4
+    assert (
+        _assert_same_state(saved, OldCheckpoint(root / "cp_offline", "step00000002")) == 4 * 9 + 3
+    )  # 9 tensors per block; embedding, final norm, lm_head
+    layouts = {"cp4": "tp 1 cp 4 pp 1 dp 1", "offline": "tp 2 cp 1 pp 1 dp 2"}
+    for name, layout in layouts.items():
+        out = runs.result(f"cp_{name}")
+        assert layout in out and "resharding" not in out, name
+        (b,) = [r for r in read_records(root / f"cp_{name}") if "loss" in r]
+        assert b["step"] == 3 and b["lr"] == straight[3]["lr"], name
+        assert abs(b["loss"] - straight[3]["loss"]) <= 1e-4 * abs(straight[3]["loss"]), (name, b, straight[3])
+
+
+PLANS = (plan_2x2_to_1x4_to_4x1, plan_bf16_zero1, plan_zero1_optimizers, plan_cp_bf16)
 
 
 @pytest.fixture(scope="module")

@@ -204,8 +204,8 @@ def block_terms(
     - the s^2 terms, split by TP: the softmax output (a s, activation bytes); with an attention dropout p > 0
       (Llama's only dropout; 0 in the published recipes) also its output (a s, activation bytes) and mask (a s, mask
       bytes), with p = 0 nothing (dropout returns its input).  There is no residual or embedding dropout.  The
-      rotary cos/sin tables are buffers shared by every block (2 s d elements per process, not per layer), so they
-      are not counted."""
+      rotary cos/sin tables are shared by every block (2 s d elements per process, not per layer): they are
+      ``memory.rotary_table_bytes``, counted once per stage, not here."""
     if num_kv_heads is None or intermediate_size is None:
         raise ValueError("the llama family needs num_kv_heads and intermediate_size")
     kv = num_kv_heads / a  # k d / h
