@@ -2,6 +2,7 @@
 change, interleaved in one run.
 
     python benchmarks/cp_overhead.py [--world 1|2] [--reps 6] [--before REF] [--comms a2a,ring] [--rows 30]
+                                     [--markdown OUT.md]
 
 Systems: transformers' Llama (world 1) or DeepSpeed Ulysses sp = world, and ds_megatron at cp = world (1: its
 single process) with each ``--comms``, built and stepped exactly as ``cp_vs_ulysses.py`` does (forward, backward,
@@ -36,6 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.join(HERE, "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+
+from _results import write_markdown  # noqa: E402
 
 
 def _module_at(ref: str, path: str, name: str, replace: dict[str, str] | None = None) -> types.ModuleType:
@@ -141,6 +144,7 @@ def main() -> None:
     ap.add_argument("--before", help="git revision to compare with (e.g. main)")
     ap.add_argument("--comms", default="a2a,ring")
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--markdown", help="append the tables to this file (created with a header if missing)")
     args = ap.parse_args()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -156,22 +160,32 @@ def main() -> None:
     for p in procs:
         p.join()
     after = os.getloadavg()
-    print(
-        f"{' '.join(sys.argv)}: {args.world} process(es), s {args.seq}, {args.reps} repetitions after one warm-up, "
-        f"interleaved; load average before {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}, after {after[0]:.1f}, "
-        f"{after[1]:.1f}, {after[2]:.1f}; {time.time() - t0:.0f} s\n"
-    )
-    print("| system | CPU s per step, all ranks: median | min | x first |\n|---|---|---|---|")
     base = statistics.median(cpu[0])
+    lines = [
+        f"{args.world} process(es), s {args.seq}, {args.reps} repetitions after one warm-up, systems interleaved. "
+        f"Load average (1, 5, 15 min) before {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}; after {after[0]:.1f}, "
+        f"{after[1]:.1f}, {after[2]:.1f}; {time.time() - t0:.0f} s.",
+        "",
+        "| system | CPU s per step, all ranks: median | min | x first (median) |",
+        "|---|---|---|---|",
+    ]
     for name, c in zip(names, cpu, strict=True):
-        print(f"| {name} | {statistics.median(c):.3f} | {min(c):.3f} | {base / statistics.median(c):.2f} |")
-    print("\nper-op minimum self CPU ms over repetitions, rank 0 (calls per step)\n")
-    print("| op | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
-    print("| sum of the minima | " + " | ".join(f"{sum(v[0] for v in o.values()):.0f}" for o in ops) + " |")
+        lines.append(f"| {name} | {statistics.median(c):.3f} | {min(c):.3f} | {base / statistics.median(c):.2f} |")
+    lines += ["", "Per op, rank 0: the smallest self CPU ms of any repetition (calls per step).", ""]
+    lines += ["| op | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines.append("| sum of the minima | " + " | ".join(f"{sum(v[0] for v in o.values()):.0f}" for o in ops) + " |")
     keys = sorted(set().union(*ops), key=lambda k: -max(o.get(k, [0])[0] for o in ops))
     for k in keys[: args.rows]:
         cells = [f"{o[k][0]:.1f} ({o[k][1]})" if k in o else "-" for o in ops]
-        print(f"| {k[:60]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {k[:60]} | " + " | ".join(cells) + " |")
+    body = "\n".join(lines) + "\n"
+    print(body)
+    if args.markdown:
+        command = "python benchmarks/cp_overhead.py " + " ".join(sys.argv[1:])
+        if not os.path.exists(args.markdown):
+            write_markdown(args.markdown, "Where a CP step's CPU time goes, op by op", command, "")
+        with open(args.markdown, "a") as f:
+            f.write(f"\n## {args.world} process(es): `{command}`\n\n{body}")
 
 
 if __name__ == "__main__":

@@ -182,7 +182,8 @@ class _RingAttention(torch.autograd.Function):
     rank and receives the following one while it computes the attention of the block in hand (two buffers: the one
     in flight is never written).  Partial outputs are merged exactly with their log-sum-exp:
         lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b.
-    Saved for backward: q, k, v (local), the merged output and its lse; no received K/V is kept.
+    Saved for backward: q, the local K/V stack (its first hop in backward), the merged output and its lse; no received
+    K/V is kept.
     Backward: the K/V travel the ring again together with their gradient: dK/dV of the block in hand are added to
     the accumulator that arrives from the previous rank and sent on (fp32, so the sum over cp ranks rounds once);
     after cp steps each accumulator has visited every rank and takes one last hop home to its owner.
