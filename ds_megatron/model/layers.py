@@ -220,14 +220,11 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # A bf16 operand times an fp32 one is computed in fp32 (type promotion converts each element exactly, on
-        # the fly), so x, weight and the rounded normed values are never materialised as fp32 copies: the same
-        # numbers as upcasting each first, two [..., h] passes fewer per norm.
         x, weight, rstd = ctx.saved_tensors
-        normed = x * rstd  # [..., h], fp32 (or wider): rstd is
+        normed = upcast(x) * rstd  # [..., h], fp32 (or wider)
         g = upcast(grad)
-        grad_weight = (g * normed.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gn = g * weight
+        grad_weight = (g * upcast(normed.to(x.dtype))).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        gn = g * upcast(weight)
         grad_x = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
         return grad_x.to(x.dtype), grad_weight, None
 
