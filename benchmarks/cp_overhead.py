@@ -7,8 +7,8 @@ change, interleaved in one run.
 Systems: transformers' Llama (world 1) or DeepSpeed Ulysses sp = world, and ds_megatron at cp = world (1: its
 single process) with each ``--comms``, built and stepped exactly as ``cp_vs_ulysses.py`` does (forward, backward,
 the gradient all-reduce).  ``--before REF`` adds, for each ds_megatron system, the same system running the code of
-git revision REF for the functions this benchmark's overhead work touched (the RMSNorm autograd function, CP
-attention with its kernels); everything else is the working tree's.  Systems run in turn within each repetition
+git revision REF for CP attention (``parallel/cp_comm.py`` with its ``cp_kernels.py``); everything else is the
+working tree's.  Systems run in turn within each repetition
 (one warm-up first), so load from other processes falls on all of them alike.
 
 Reported: per system the median and minimum CPU seconds per step over all ranks (``time.process_time``), and per
@@ -57,10 +57,8 @@ def _module_at(ref: str, path: str, name: str, replace: dict[str, str] | None = 
 
 def before_patches(ref: str) -> list[tuple[object, str, object]]:
     """(module, attribute, value at ``ref``) for every function this benchmark compares before and after."""
-    import ds_megatron.model.layers as layers
     import ds_megatron.parallelize as parallelize
 
-    old_layers = _module_at(ref, "ds_megatron/model/layers.py", "_before_layers")
     _module_at(ref, "ds_megatron/parallel/cp_kernels.py", "_before_cp_kernels")
     old_comm = _module_at(
         ref,
@@ -68,10 +66,7 @@ def before_patches(ref: str) -> list[tuple[object, str, object]]:
         "_before_cp_comm",
         {"from ds_megatron.parallel.cp_kernels import": "from _before_cp_kernels import"},
     )
-    return [
-        (layers, "RMSNormFunction", old_layers.RMSNormFunction),
-        (parallelize, "cp_attention", old_comm.cp_attention),
-    ]
+    return [(parallelize, "cp_attention", old_comm.cp_attention)]
 
 
 class Before:
