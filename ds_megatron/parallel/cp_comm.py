@@ -125,10 +125,11 @@ def _forward_pairs(
 
 def _backward_pairs(
     kernel: str, dout: Tensor, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, plan: list[Planned], scale: float,
-    dq: Tensor,
+    dq: Tensor, first: bool = False,
 ) -> list[tuple[slice, Tensor, Tensor]]:  # fmt: skip
     """Add every planned block's dq into ``dq``; return its (key rows, dk, dv) for the caller to add to the K/V's
-    accumulator (the ring adds them once the accumulator has arrived).  The forward's plan."""
+    accumulator (the ring adds them once the accumulator has arrived).  The forward's plan.  ``first``: ``dq``
+    holds nothing yet (uninitialised) and the plan's one block covers every row: copy instead of add."""
     dkv = []
     for rows, cols, causal, pair_docs in plan:
         dq_b, dk_b, dv_b = block_backward(
@@ -143,15 +144,24 @@ def _backward_pairs(
             scale,
             pair_docs,
         )
-        dq[:, :, rows] += dq_b
+        if first:
+            dq[:, :, rows].copy_(dq_b)
+        else:
+            dq[:, :, rows] += dq_b
         dkv.append((cols, dk_b, dv_b))
     return dkv
 
 
-def _add_dkv(dkv: Tensor, grads: list[tuple[slice, Tensor, Tensor]]) -> None:
+def _add_dkv(dkv: Tensor, grads: list[tuple[slice, Tensor, Tensor]], first: bool = False) -> None:
+    """Add each block's (dk, dv) into the accumulator ``dkv`` [2, b, n_kv, sk, d]; ``first``: ``dkv`` holds nothing
+    yet (uninitialised) and the one block covers every key row: copy instead of add."""
     for cols, dk_b, dv_b in grads:
-        dkv[0][:, :, cols] += dk_b
-        dkv[1][:, :, cols] += dv_b
+        if first:
+            dkv[0][:, :, cols].copy_(dk_b)
+            dkv[1][:, :, cols].copy_(dv_b)
+        else:
+            dkv[0][:, :, cols] += dk_b
+            dkv[1][:, :, cols] += dv_b
 
 
 def ring_scores_computed(doc_ids: Tensor, cp: int) -> list[int]:
@@ -172,7 +182,8 @@ class _RingAttention(torch.autograd.Function):
     rank and receives the following one while it computes the attention of the block in hand (two buffers: the one
     in flight is never written).  Partial outputs are merged exactly with their log-sum-exp:
         lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b.
-    Saved for backward: q, k, v (local), the merged output and its lse; no received K/V is kept.
+    Saved for backward: q, the local K/V stack (its first hop in backward), the merged output and its lse; no received
+    K/V is kept.
     Backward: the K/V travel the ring again together with their gradient: dK/dV of the block in hand are added to
     the accumulator that arrives from the previous rank and sent on (fp32, so the sum over cp ranks rounds once);
     after cp steps each accumulator has visited every rank and takes one last hop home to its owner.
@@ -192,49 +203,56 @@ class _RingAttention(torch.autograd.Function):
         plans = _ring_plans(rank, cp, c, all_docs)  # per step; backward computes the same blocks
         kv = torch.stack([k, v])  # [2, b, n_kv, 2c, d]: one message per hop, at KV-head size
         acc = torch.float32 if q.dtype != torch.float64 else q.dtype
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # Without document ids step 0 is one block over every row (the diagonal), which is copied into out/lse:
+        # nothing to initialise.  With them, rows may see nothing until a later step (zeros, -inf).
+        first = doc_ids is None
+        out = (torch.empty if first else torch.zeros)(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        own_kv = kv  # saved for backward, whose first hop sends it again (k and v are not saved apart)
         for step in range(cp):
             requests: list[Any] = []
             if step + 1 < cp:
                 recv, requests = _shift(kv, group)
-            _forward_pairs(kernel, q, kv, plans[step], out, lse, scale, first=step == 0 and doc_ids is None)
+            _forward_pairs(kernel, q, kv, plans[step], out, lse, scale, first=step == 0 and first)
             if requests:
                 _wait(requests)
                 kv = recv
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, own_kv, out, lse)
+        ctx.first_covers_all = first
         ctx.group, ctx.kernel, ctx.scale, ctx.plans = group, kernel, scale, plans
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, kv, out, lse = ctx.saved_tensors
         group, kernel, scale, plans = ctx.group, ctx.kernel, ctx.scale, ctx.plans
         cp = _size_rank(group)[0]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
-        dkv_in, dkv_requests = torch.zeros(kv.shape, dtype=acc, device=q.device), []
+        # Step 0 without document ids: one block over every row and every key (the diagonal), copied into the
+        # accumulators, which therefore start uninitialised.
+        first = ctx.first_covers_all
+        alloc = torch.empty if first else torch.zeros
+        dq = alloc(q.shape, dtype=acc, device=q.device)
+        dkv_in, dkv_requests = alloc(kv.shape, dtype=acc, device=q.device), []
         for step in range(cp):
             kv_requests: list[Any] = []
             if step + 1 < cp:
                 kv_next, kv_requests = _shift(kv, group)
-            grads = _backward_pairs(kernel, dout, q, kv, out, lse, plans[step], scale, dq)
+            grads = _backward_pairs(kernel, dout, q, kv, out, lse, plans[step], scale, dq, step == 0 and first)
             # The accumulator of the block in hand (the K/V of rank (rank - step) mod cp) as the previous rank
             # sent it on (zeros at step 0: this rank's own block starts here).  Waiting also completes this rank's
             # previous send, so no buffer in flight is ever written: the received one is complete and is the one
             # updated and sent on.
             _wait(dkv_requests)
             dkv = dkv_in
-            _add_dkv(dkv, grads)
+            _add_dkv(dkv, grads, step == 0 and first)
             dkv_in, dkv_requests = _shift(dkv, group)
             if kv_requests:
                 _wait(kv_requests)
                 kv = kv_next
         _wait(dkv_requests)  # after cp steps the accumulator of this rank's own block has come home
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv_in[0].to(kv.dtype), dkv_in[1].to(kv.dtype), None, None, None, None
 
 
 def _all_docs(doc_ids: Tensor, group: ProcessGroup) -> Tensor:
@@ -327,7 +345,16 @@ def _seq_to_heads(x: Tensor, group: ProcessGroup) -> Tensor:
 def _heads_to_seq(y: Tensor, group: ProcessGroup) -> Tensor:
     """The inverse of ``_seq_to_heads``: [b, n/cp, s, d] -> [b, n, s/cp, d]."""
     cp = dist.get_world_size(group)
-    send = torch.stack([slice_for_rank(y, 2, r, cp) for r in range(cp)])  # [cp (dest), b, n/cp, s/cp, d]
+    b, n_part, s, d = y.shape
+    c = s // (2 * cp)
+    # Rank r's shard is its chunks (r, 2cp-1-r) of the sequence, written straight into the send buffer (one pass
+    # over y; slicing each rank's chunks out and stacking them would be two).
+    send = y.new_empty(cp, b, n_part, 2, c, d)  # [cp (dest), b, n/cp, (first, second chunk), c, d]
+    chunks = y.view(b, n_part, 2 * cp, c, d)
+    send[:, :, :, 0].copy_(chunks[:, :, :cp].permute(2, 0, 1, 3, 4))  # first chunks: chunk r to rank r
+    for r in range(cp):
+        send[r, :, :, 1].copy_(chunks[:, :, 2 * cp - 1 - r])  # second chunks, in reverse order
+    send = send.view(cp, b, n_part, 2 * c, d)  # [cp (dest), b, n/cp, s/cp, d]
     recv = torch.empty_like(send)  # [cp (source head group), b, n/cp, s/cp, d]
     dist.all_to_all_single(recv, send, group=group)
     _, b, n_part, sl, d = recv.shape

@@ -157,11 +157,14 @@ def block_backward(
     """(dq, dk, dv) of this block's part of a softmax whose final output and log-sum-exp over every key block are
     ``out`` [b, n, sq, d] (q's dtype) and ``lse`` [b, n, sq]; dk and dv at KV-head size.  ``docs`` as in
     :func:`block_forward` (the same ids as its forward)."""
+    if kernel == "sdpa" and docs is None and not q.is_cuda:
+        # The CPU kernel reads every operand through its strides (a query-row slice of a [b, n, s, d] tensor, the
+        # [s, b, n, d] memory of a block's projections) with the same result bit for bit: no copies (each
+        # .contiguous() here was a [b, n, rows, d] copy per operand per ring step).
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
     if kernel == "eager" or docs is not None:
         return _eager_backward(dout, q, k, v, out, lse, causal, scale, docs)
-    if q.is_cuda:
-        return _flash_cuda_backward(dout, q, k, v, out, lse, causal, scale)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale
-    )
+    return _flash_cuda_backward(dout, q, k, v, out, lse, causal, scale)

@@ -11,6 +11,7 @@ test.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -23,6 +24,7 @@ from inprocess import Pairs, failures, run_checks, spawn_reports
 from test_document_mask import CHECKS as DOCUMENT_CHECKS
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_megatron.config import ConfigError
 from ds_megatron.parallel import cp_comm
@@ -143,6 +145,52 @@ def check_ring_traffic_and_work(c: Ctx, kernel: str) -> Pairs:
     ]
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run inside it, and the elements that the copying ones write."""
+
+    COPIES = ("aten.clone.default", "aten.cat.default", "aten.stack.default", "aten.copy_.default")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+        self.copied = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.calls[str(func)] += 1
+        if str(func) in self.COPIES:
+            self.copied += out.numel()
+        return out
+
+
+def check_ring_copies_nothing(c: Ctx) -> Pairs:
+    """The sdpa ring on CPU, forward and backward: no operand is copied (the CPU kernel reads strided q, dout and
+    out slices through their strides, bit for bit as from contiguous copies) and no accumulator is filled with
+    zeros (step 0's diagonal block covers every row and key and is copied in); the results stay exact (the parity
+    checks)."""
+    q = torch.randn(S // c.cp, B, 8, D).permute(1, 2, 0, 3).requires_grad_()  # [b, n, s, d] over [s, b, n, d]
+    k, v = (torch.randn(S // c.cp, B, 2, D).permute(1, 2, 0, 3).requires_grad_() for _ in range(2))
+    with OpCounter() as ops:
+        cp_comm.ring_attention(q, k, v, c.group, "sdpa", 0.3).sum().backward()
+    return [
+        ("operand copies (aten.clone)", torch.tensor(ops.calls["aten.clone.default"]), torch.tensor(0)),
+        ("accumulators zero-filled", torch.tensor(ops.calls["aten.zeros.default"]), torch.tensor(0)),
+    ]
+
+
+def check_heads_to_seq_one_pass(c: Ctx) -> Pairs:
+    """a2a's return trip builds its send buffer in one pass over the context (every rank's chunks written straight
+    into it), and reassembles the received heads in one more (a copy at batch 2, a view at batch 1)."""
+    y = torch.randn(B, 2, S, D)  # [b, n/cp, s, d]: head group of this rank, the whole sequence
+    with OpCounter() as ops:
+        out = cp_comm._heads_to_seq(y, c.group)
+    mine = slice_for_rank(y, 2, c.rank, c.cp)
+    return [
+        ("elements copied", torch.tensor(ops.copied), torch.tensor(2 * y.numel())),
+        ("own heads of own chunks", out[:, 2 * c.rank : 2 * c.rank + 2], mine),
+    ]
+
+
 def check_gather_for_ranks(c: Ctx) -> Pairs:
     x = torch.randn(S, B, 3)  # [s, b, h]: the sequence along dim 0
     return [("gather_for_ranks", gather_for_ranks(slice_for_rank(x, 0, c.rank, c.cp), 0, c.group), x)]
@@ -159,6 +207,8 @@ for _comm in ("ring", "a2a"):
     CHECKS[f"ring-{_kernel}-h8-kv2"] = partial(check_parity, comm="ring", kernel=_kernel, n=8, n_kv=2)
 for _kernel in ("eager", "sdpa"):
     CHECKS[f"ring-{_kernel}-traffic-and-work"] = partial(check_ring_traffic_and_work, kernel=_kernel)
+CHECKS["ring-sdpa-copies-nothing"] = check_ring_copies_nothing
+CHECKS["a2a-heads-to-seq-one-pass"] = check_heads_to_seq_one_pass
 # packed documents (document ids: parity with each document alone, skipped pairs, bf16), in the same spawn
 CHECKS |= {f"documents-{name}": check for name, check in DOCUMENT_CHECKS.items()}
 
@@ -176,7 +226,9 @@ def _run_rank(group: ProcessGroup | None, rank: int, world: int) -> dict[str, st
     return report
 
 
-CHECKS_CP1 = {k: f for k, f in CHECKS.items() if "traffic" not in k}  # cp 1 sends nothing and computes one block
+# cp 1 sends nothing and computes one block: no ring, no all-to-all to check
+CP_ONLY = ("traffic", "copies-nothing", "heads-to-seq")
+CHECKS_CP1 = {k: f for k, f in CHECKS.items() if not any(word in k for word in CP_ONLY)}
 
 
 @pytest.fixture(scope="module")
