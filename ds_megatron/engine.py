@@ -23,8 +23,7 @@ from ds_megatron.config.facts import deepspeed_wraps_optimizer, precision
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
-from ds_megatron.parallel.zero_bubble import PIPELINE_SCHEDULE as ZERO_BUBBLE
-from ds_megatron.parallel.zero_bubble import ZeroBubblePipelineEngine
+from ds_megatron.parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
 from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline import build_pipeline_module
 from ds_megatron.pipeline_schedule import module_class, schedule_of
@@ -206,10 +205,10 @@ def build_engine(run: RunConfig) -> Built:
     scheduler = None if schedule is None else functools.partial(WarmupCosineScheduler, schedule=schedule)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler)
     read_weights_only(engine)  # DeepSpeed's own checkpoint reads unpickle weights-only too
-    if run.section.parallel.pipeline_schedule == ZERO_BUBBLE:
+    if run.section.parallel.pipeline_schedule in ZERO_BUBBLE_ENGINES:
         queue = WeightGradQueue()
         defer_weight_grads(engine.module, queue)
-        ZeroBubblePipelineEngine.install(engine, queue)
+        ZERO_BUBBLE_ENGINES[run.section.parallel.pipeline_schedule].install(engine, queue)
     if install_step_sp_grad_sync(engine, topology, run) and topology.rank == 0:
         print("ds_megatron: SP-replicated gradients summed over TP once per step (fp32)", flush=True)
     return Built(engine, topology, parallel, rng, config, run)
