@@ -24,8 +24,18 @@ from __future__ import annotations
 import functools
 
 # The costs the order is built with (T_F, T_B, T_W): equal, the paper's assumption and what a GPU's GEMMs give.
-# Any costs give a valid (deadlock-free) order; these decide only where the Ws land.
+# Any costs give a valid (deadlock-free) order; these decide only where the Ws land.  Everywhere here ``costs`` is
+# one (T_F, T_B, T_W) for every stage or one per stage (the last stage also runs the output layer and the loss).
 BUILD_COSTS = (1.0, 1.0, 1.0)
+Costs = tuple  # (T_F, T_B, T_W) or ((T_F, T_B, T_W), ...) per stage
+
+
+def stage_costs(costs: Costs, p: int) -> list[dict[str, float]]:
+    """``costs`` as one {"F": T_F, "B": T_B, "W": T_W} per stage."""
+    rows = costs if isinstance(costs[0], tuple | list) else (costs,) * p
+    if len(rows) != p:
+        raise ValueError(f"{len(rows)} stages' costs for {p} stages")
+    return [dict(zip("FBW", map(float, row))) for row in rows]
 
 
 ZB_H2_FORWARDS_AHEAD = 2  # ZB-H2's factor k of forwards_ahead (config.schema's zb-h2 row carries the same)
@@ -51,19 +61,16 @@ def max_w_held(p: int, stage: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def zb_h2_streams(p: int, m: int, costs: tuple[float, float, float] = BUILD_COSTS) -> tuple[tuple[tuple, ...], ...]:
+def zb_h2_streams(p: int, m: int, costs: Costs = BUILD_COSTS) -> tuple[tuple[tuple, ...], ...]:
     """Every stage's ZB-H2 ops, in order (see the module docstring): of the orders :data:`W_LIMITS` allows, the
-    one :func:`makespan` finds fastest under ``costs`` (T_F, T_B, T_W)."""
+    one :func:`makespan` finds fastest under ``costs``."""
     built = [_build(p, m, costs, limit) for limit in W_LIMITS]
-    return min(built, key=lambda streams: makespan(streams, *costs))
+    return min(built, key=lambda streams: makespan(streams, costs))
 
 
-def _build(
-    p: int, m: int, costs: tuple[float, float, float], w_limit: tuple[int, int]
-) -> tuple[tuple[tuple, ...], ...]:
+def _build(p: int, m: int, costs: Costs, w_limit: tuple[int, int]) -> tuple[tuple[tuple, ...], ...]:
     """The list schedule of the module docstring, stage s holding at most w_limit[0] (p - s) + w_limit[1] W passes."""
-    t_f, t_b, t_w = costs
-    cost = {"F": t_f, "B": t_b, "W": t_w}
+    cost = stage_costs(costs, p)
     streams: list[list[tuple]] = [[] for _ in range(p)]
     next_f, next_b, pending_w = [0] * p, [0] * p, [0] * p
     acts = [set(range(m))] + [set() for _ in range(p - 1)]  # activations held (stage 0 loads its own)
@@ -106,7 +113,7 @@ def _build(
         # Blocking p2p: the next stage stops at busy[s + 1] to send this stage a gradient or take an activation
         # from it, and waits there until this stage stops too; an F or W that would end later makes it wait.
         meets = s < p - 1 and (current[s + 1] == "B" or (to_send_act[s] and to_send_act[s][0] == next_f[s + 1]))
-        if kind and meets and busy[s + 1] > now and now + cost[kind] > busy[s + 1] + 1e-9:
+        if kind and meets and busy[s + 1] > now and now + cost[s][kind] > busy[s + 1] + 1e-9:
             return None
         return kind
 
@@ -139,7 +146,7 @@ def _build(
             else:
                 streams[s].append(("W",))
                 pending_w[s] -= 1
-            busy[s], current[s] = now + cost[kind], kind
+            busy[s], current[s] = now + cost[s][kind], kind
             started = True
         later = [t for t in busy if t > now]
         if not later and not started:
@@ -183,12 +190,12 @@ def peak_in_flight(stream: tuple[tuple, ...]) -> tuple[int, int]:
 LINKS = {"SA": ("act", 0), "RA": ("act", -1), "SG": ("grad", -1), "RG": ("grad", 0)}
 
 
-def makespan(streams: tuple[tuple[tuple, ...], ...], t_f: float, t_b: float, t_w: float) -> float:
-    """The finish time of ``streams`` when F, B and W take ``t_f``, ``t_b`` and ``t_w`` and a send and its receive
-    (the n-th on a link) both wait until the other side is there, as DeepSpeed's blocking p2p does; transfers and
-    loads free."""
-    cost = {"F": t_f, "B": t_b, "W": t_w}
+def makespan(streams: tuple[tuple[tuple, ...], ...], costs: Costs) -> float:
+    """The finish time of ``streams`` when F, B and W take what ``costs`` says and a send and its receive (the n-th
+    on a link) both wait until the other side is there, as DeepSpeed's blocking p2p does; transfers and loads
+    free."""
     p = len(streams)
+    cost = stage_costs(costs, p)
     clock, position = [0.0] * p, [0] * p
     posted: dict = {}  # (link, upstream stage, n) -> (stage waiting, since when)
     count: list[dict] = [{} for _ in range(p)]
@@ -213,7 +220,7 @@ def makespan(streams: tuple[tuple[tuple, ...], ...], t_f: float, t_b: float, t_w
                     position[other] += 1
                     waiting[other] = False
                 else:
-                    clock[s] += cost.get(op[0], 0.0)
+                    clock[s] += cost[s].get(op[0], 0.0)
                 position[s] += 1
         if not progressed:
             raise RuntimeError("the streams deadlock")

@@ -88,9 +88,9 @@ class ZeroBubbleH2Schedule(schedule.PipeSchedule):
         "RG": schedule.RecvGrad,
     }
 
-    def __init__(self, micro_batches, stages, stage_id, costs: tuple[float, float, float] = BUILD_COSTS):
+    def __init__(self, micro_batches, stages, stage_id, costs: tuple = BUILD_COSTS):
         super().__init__(micro_batches, stages, stage_id)
-        self.ops = zb_h2_streams(stages, micro_batches, tuple(costs))[stage_id]
+        self.ops = zb_h2_streams(stages, micro_batches, costs)[stage_id]
         self.buffers = num_buffers(self.ops)
 
     def steps(self):
@@ -180,12 +180,12 @@ class ZeroBubblePipelineEngine(PipelineEngine):
 class ZeroBubbleH2PipelineEngine(ZeroBubblePipelineEngine):
     """DeepSpeed's pipeline engine running :class:`ZeroBubbleH2Schedule`.  Where a W pass fits depends on what F,
     B and W cost (the paper's scheduler takes them profiled): the first step runs the order built for equal costs
-    and times every F, B and W on every rank; their means over all ranks (one all-reduce of three numbers, so every
-    rank builds the same order: TP ranks of a stage must run the same passes) rebuild the order once, for the rest
-    of the run.  Gradients do not depend on the order: each micro-batch's F and B are the same computations, and W
+    and times every F, B and W on every rank; each stage's means (one all-reduce over all ranks, so every rank
+    builds the same order: TP ranks of a stage must run the same passes) rebuild the order once, for the rest of
+    the run.  Gradients do not depend on the order: each micro-batch's F and B are the same computations, and W
     passes add into the gradients in backward order whatever their place."""
 
-    zb_costs: tuple[float, float, float] = BUILD_COSTS
+    zb_costs: tuple = BUILD_COSTS  # one (T_F, T_B, T_W), or one per stage once the first step has timed them
     _zb_timing: dict | None = None  # kind -> [seconds, count] while the first step is timed
 
     def _train_schedule(self):
@@ -219,21 +219,23 @@ class ZeroBubbleH2PipelineEngine(ZeroBubblePipelineEngine):
     def _exec_optimizer_step(self, lr_kwargs=None):
         super()._exec_optimizer_step(lr_kwargs)
         if self._zb_timing is not None:
-            self.zb_costs = agreed_costs(self._zb_timing)
+            self.zb_costs = agreed_costs(self._zb_timing, self.stage_id, self.num_stages)
             self._zb_timing = None
 
 
-def agreed_costs(timing: dict) -> tuple[float, float, float]:
-    """(T_F, T_B, T_W): this rank's mean seconds per pass, averaged over every rank (stages without a kind of pass
-    count nothing for it), rounded to 3 significant digits so that every rank builds the same order."""
-    sums = torch.tensor([timing[k][i] for k in ("F", "B", "W") for i in (0, 1)], dtype=torch.float64)
+def agreed_costs(timing: dict, stage: int, num_stages: int) -> tuple:
+    """Per stage (T_F, T_B, T_W): its ranks' mean seconds per pass (every rank adds its own to its stage's row of
+    one all-reduce over all ranks, so every rank gets the same numbers and builds the same order), relative to the
+    largest and rounded to 3 significant digits; equal costs where a stage timed nothing."""
+    table = torch.zeros(num_stages, 6, dtype=torch.float64)
+    table[stage] = torch.tensor([timing[k][i] for k in ("F", "B", "W") for i in (0, 1)], dtype=torch.float64)
     if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(sums)
-    means = [float(sums[2 * i] / max(float(sums[2 * i + 1]), 1.0)) for i in range(3)]
-    if not all(v > 0 for v in means):
+        torch.distributed.all_reduce(table)
+    means = table[:, 0::2] / table[:, 1::2].clamp(min=1.0)
+    if not bool((means > 0).all()):
         return BUILD_COSTS
-    unit = means[2]
-    return tuple(float(f"{v / unit:.3g}") for v in means)  # type: ignore[return-value]
+    means = means / means.max()
+    return tuple(tuple(float(f"{float(v):.3g}") for v in row) for row in means)
 
 
 ZeroBubbleH2PipelineEngine._INSTRUCTION_MAP = {

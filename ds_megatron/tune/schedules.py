@@ -55,7 +55,7 @@ def bubble_s(schedule: str, p: int, m: int, t_f: float, t_b: float, t_w: float) 
     if schedule == "zb-h1":
         return (p - 1) * (t_f + t_b - t_w)
     if schedule == "zb-h2":
-        return makespan(zb_h2_streams(p, m, (t_f, t_b, t_w)), t_f, t_b, t_w) - m * (t_f + t_b + t_w)
+        return makespan(zb_h2_streams(p, m, (t_f, t_b, t_w)), (t_f, t_b, t_w)) - m * (t_f + t_b + t_w)
     return (p - 1) * (t_f + t_b + t_w)
 
 

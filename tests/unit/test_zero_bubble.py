@@ -273,6 +273,33 @@ def test_zb_h2_halves_1f1b_bubble_at_pp2_with_cpu_costs(p, m):
     assert equal == p - 1
 
 
+def test_zb_h2_order_built_per_stage_costs():
+    """The last stage also runs the output layer and the loss: built for each stage's own costs the order still
+    reaches the (p - 1) T_F floor at pp 2, m 8, where the order built for the stages' mean costs does not; the
+    engine's agreed costs are each stage's own means, the same on every rank (one all-reduce)."""
+    from ds_megatron.parallel.zb_order import makespan as zb_makespan
+    from ds_megatron.parallel.zb_order import zb_h2_streams
+
+    per_stage = (CPU_COSTS, (1.67, 1.6, 1.1))
+    mean = tuple((a + b) / 2 for a, b in zip(*per_stage))
+    work = 8 * sum(per_stage[1])
+    assert zb_makespan(zb_h2_streams(2, 8, per_stage), per_stage) - work == pytest.approx(CPU_COSTS[0])
+    assert zb_makespan(zb_h2_streams(2, 8, mean), per_stage) - work > 1.5 * CPU_COSTS[0]
+
+
+def test_agreed_costs_are_each_stages_means_on_every_rank(monkeypatch):
+    import torch
+
+    from ds_megatron.parallel import zero_bubble
+
+    other = torch.zeros(2, 6, dtype=torch.float64)
+    other[1] = torch.tensor([4.0, 2, 3.0, 2, 2.0, 2], dtype=torch.float64)  # stage 1's rank: F 2, B 1.5, W 1 s
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t: t.add_(other))
+    mine = {"F": [2.0, 2], "B": [2.0, 2], "W": [1.0, 2]}  # stage 0: F 1, B 1, W 0.5 s
+    assert zero_bubble.agreed_costs(mine, 0, 2) == ((0.5, 0.5, 0.25), (1.0, 0.75, 0.5))
+
+
 def test_received_gradients_are_not_overwritten_by_the_next_receive(monkeypatch):
     """DeepSpeed receives every gradient into one buffer; a W pass queued across the next receive (ZB-H2, and ZB-H1
     at pp > 2) keeps the gradient it was given, so the engine hands DeepSpeed its own buffer back, never the copy."""
