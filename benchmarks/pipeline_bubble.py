@@ -8,7 +8,8 @@ for 1F1B and DualPipeV at m = 4, 8 and 16 micro-batches, pp 2 on 2 CPU processes
 Runs itself under the deepspeed launcher.  The 6 engines are built once; each repeat then runs one step of every
 (m, schedule) in turn, so a slower moment of a shared machine falls on all of them alike.  Each step starts after a
 barrier.  Idle fraction = blocked / (computing + blocked); the data load, gradient reduction and optimizer step (the
-same under both schedules) are left out.  1F1B's ideal bubble with p equal stages is (p-1)/(m+p-1) of the step.
+same under both schedules) are left out.  Next to each measured idle fraction: the tuner's prediction for p equal
+stages (``tune.schedules``: 1F1B's bubble (p-1)/(m+p-1) of the step, DualPipeV's simulated makespan).
 
 The model keeps its stages balanced, as the formula assumes: 8 blocks of width 256 and a 1024-token vocabulary
 (the output layer costs about a third of a block), so each 1F1B stage holds 4 blocks and the embedding or the
@@ -28,6 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ds_megatron.tune.schedules import DUALPIPEV_COSTS, bubble_s, dualpipev_slots  # noqa: E402
+
 MICRO_BATCHES = (4, 8, 16)
 SCHEDULES = ("1f1b", "dualpipev")
 PP = 2
@@ -134,14 +139,21 @@ def summarise(rows_by_rank: dict[int, list[dict]]) -> str:
             means[(schedule, m)] = statistics.mean(per_rank)
     lines += [
         "",
-        "Mean over the two ranks of the median idle fraction, and 1F1B's ideal (p-1)/(m+p-1):",
+        "Mean over the two ranks of the median idle fraction, and the tuner's for equal stages (tune.schedules):",
         "",
-        "| m | 1f1b measured | 1f1b ideal | dualpipev measured |",
-        "|---|---|---|---|",
+        "| m | 1f1b measured | 1f1b predicted | dualpipev measured | dualpipev predicted |",
+        "|---|---|---|---|---|",
     ]
     for m in MICRO_BATCHES:
-        ideal = (PP - 1) / (m + PP - 1)
-        lines.append(f"| {m} | {means[('1f1b', m)]:.3f} | {ideal:.3f} | {means[('dualpipev', m)]:.3f} |")
+        t_f, t_b = DUALPIPEV_COSTS  # the time model's forward : backward (W inside the backward)
+        one_f_one_b = bubble_s("1f1b", PP, m, t_f, t_b, 0.0) / (
+            m * (t_f + t_b) + bubble_s("1f1b", PP, m, t_f, t_b, 0.0)
+        )
+        slots = dualpipev_slots(PP, m)
+        lines.append(
+            f"| {m} | {means[('1f1b', m)]:.3f} | {one_f_one_b:.3f} | {means[('dualpipev', m)]:.3f} "
+            f"| {(slots - m) / slots:.3f} |"
+        )
     return "\n".join(lines)
 
 
