@@ -21,6 +21,7 @@ optimizer step all see complete gradients; the optimizer step refuses to run wit
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -180,17 +181,17 @@ class ZeroBubblePipelineEngine(PipelineEngine):
 class ZeroBubbleH2PipelineEngine(ZeroBubblePipelineEngine):
     """DeepSpeed's pipeline engine running :class:`ZeroBubbleH2Schedule`.  Where a W pass fits depends on what F,
     B and W cost (the paper's scheduler takes them profiled): the first step runs the order built for equal costs
-    and times every F, B and W on every rank; each stage's means (one all-reduce over all ranks, so every rank
+    and times every F, B and W on every rank; each stage's medians (one all-reduce over all ranks, so every rank
     builds the same order: TP ranks of a stage must run the same passes) rebuild the order once, for the rest of
     the run.  Gradients do not depend on the order: each micro-batch's F and B are the same computations, and W
     passes add into the gradients in backward order whatever their place."""
 
     zb_costs: tuple = BUILD_COSTS  # one (T_F, T_B, T_W), or one per stage once the first step has timed them
-    _zb_timing: dict | None = None  # kind -> [seconds, count] while the first step is timed
+    _zb_timing: dict | None = None  # kind -> seconds of each pass while the first step is timed
 
     def _train_schedule(self):
         if self._zb_timing is None and self.zb_costs == BUILD_COSTS:
-            self._zb_timing = {"F": [0.0, 0], "B": [0.0, 0], "W": [0.0, 0]}
+            self._zb_timing = {"F": [], "B": [], "W": []}
         return ZeroBubbleH2Schedule(
             micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id, costs=self.zb_costs
         )
@@ -204,8 +205,7 @@ class ZeroBubbleH2PipelineEngine(ZeroBubblePipelineEngine):
         start = time.perf_counter()
         run()
         sync()
-        self._zb_timing[kind][0] += time.perf_counter() - start
-        self._zb_timing[kind][1] += 1
+        self._zb_timing[kind].append(time.perf_counter() - start)
 
     def _exec_forward_pass(self, buffer_id):
         self._timed("F", lambda: super(ZeroBubbleH2PipelineEngine, self)._exec_forward_pass(buffer_id))
@@ -224,11 +224,15 @@ class ZeroBubbleH2PipelineEngine(ZeroBubblePipelineEngine):
 
 
 def agreed_costs(timing: dict, stage: int, num_stages: int) -> tuple:
-    """Per stage (T_F, T_B, T_W): its ranks' mean seconds per pass (every rank adds its own to its stage's row of
-    one all-reduce over all ranks, so every rank gets the same numbers and builds the same order), relative to the
-    largest and rounded to 3 significant digits; equal costs where a stage timed nothing."""
+    """Per stage (T_F, T_B, T_W): the median seconds of each kind of pass (robust to a pass the machine delayed),
+    averaged over the stage's ranks (every rank adds its own to its stage's row of one all-reduce over all ranks, so
+    every rank gets the same numbers and builds the same order), relative to the largest and rounded to 3
+    significant digits; equal costs where a stage timed nothing."""
     table = torch.zeros(num_stages, 6, dtype=torch.float64)
-    table[stage] = torch.tensor([timing[k][i] for k in ("F", "B", "W") for i in (0, 1)], dtype=torch.float64)
+    for i, kind in enumerate(("F", "B", "W")):
+        if timing[kind]:
+            table[stage, 2 * i] = statistics.median(timing[kind])
+            table[stage, 2 * i + 1] = 1.0
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(table)
     means = table[:, 0::2] / table[:, 1::2].clamp(min=1.0)

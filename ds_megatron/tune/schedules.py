@@ -21,9 +21,10 @@ from ds_megatron.config.schema import PIPELINE_SCHEDULES
 from ds_megatron.parallel.zb_order import makespan, zb_h2_streams
 
 SCHEDULES = tuple(schedule.name for schedule in PIPELINE_SCHEDULES)  # the config's names, one owner
-# Searched unless --schedule says otherwise: ZB-H1 has only been measured on CPU (idle 0.65x at m 4, the step gain
-# eaten by the split backward's extra work) and DualPipeV not at all, so the time model's gains for them are not yet
-# trusted enough to change a winner.  --schedule all ranks the three together.
+# Searched unless --schedule says otherwise: ZB-H1 and ZB-H2 have only been measured on CPU (ZB-H1: idle 0.65x at
+# m 4, the step gain eaten by the split backward's extra work; ZB-H2 on a loaded machine only) and DualPipeV not at
+# all, so the time model's gains for them are not yet trusted enough to change a winner.  --schedule all ranks the
+# four together.
 DEFAULT_SCHEDULES = ("1f1b",)
 ALL = "all"
 # Chunk forward : backward cost of the DualPipeV simulation: the time model's own count (a backward runs the input

@@ -287,16 +287,17 @@ def test_zb_h2_order_built_per_stage_costs():
     assert zb_makespan(zb_h2_streams(2, 8, mean), per_stage) - work > 1.5 * CPU_COSTS[0]
 
 
-def test_agreed_costs_are_each_stages_means_on_every_rank(monkeypatch):
+def test_agreed_costs_are_each_stages_medians_on_every_rank(monkeypatch):
     import torch
 
     from ds_megatron.parallel import zero_bubble
 
     other = torch.zeros(2, 6, dtype=torch.float64)
-    other[1] = torch.tensor([4.0, 2, 3.0, 2, 2.0, 2], dtype=torch.float64)  # stage 1's rank: F 2, B 1.5, W 1 s
+    other[1] = torch.tensor([2.0, 1, 1.5, 1, 1.0, 1], dtype=torch.float64)  # stage 1's rank: F 2, B 1.5, W 1 s
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda t: t.add_(other))
-    mine = {"F": [2.0, 2], "B": [2.0, 2], "W": [1.0, 2]}  # stage 0: F 1, B 1, W 0.5 s
+    # stage 0: medians F 1, B 1, W 0.5 s (one F the machine delayed does not move them)
+    mine = {"F": [1.0, 9.0, 1.0], "B": [1.0, 1.0], "W": [0.5, 0.5, 0.4]}
     assert zero_bubble.agreed_costs(mine, 0, 2) == ((0.5, 0.5, 0.25), (1.0, 0.75, 0.5))
 
 
