@@ -1,4 +1,4 @@
-"""ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1) on DeepSpeed's pipeline engine.
+"""ZB-H1 and ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1) on DeepSpeed's pipeline engine.
 
 DeepSpeed's 1F1B (``TrainSchedule``) runs each backward pass whole.  With the layers' weight gradients deferred
 (``ds_megatron.tensor_parallel.weight_grad``), a backward pass is B only (input gradients: what the previous stage
@@ -17,6 +17,10 @@ micro-batches in flight, that stays below the p micro-batches 1F1B's first stage
 ``WeightGradPass`` runs the oldest one; ``ReduceTiedGrads`` (the first of the step's reduction instructions) runs
 any left first, so the tied, SP-replicated and data-parallel reductions, clipping, the skipped-step guard and the
 optimizer step all see complete gradients; the optimizer step refuses to run with W passes still queued.
+
+:class:`ZeroBubbleH2Schedule` yields the ZB-H2 order of ``parallel.zb_order`` (up to 2(p - s) - 1 forwards ahead,
+W passes where the stage would wait) and :class:`ZeroBubbleH2PipelineEngine` runs it, rebuilding the order once
+for the pass costs it times in the first step.
 """
 
 from __future__ import annotations
