@@ -125,8 +125,14 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
             "error: ds_megatron.parallel.pipeline_schedule: zb-h1 is not supported with fp16 "
             "(pipeline_schedule='zb-h1', fp16.enabled=true); use bf16 or fp32, or pipeline_schedule \"1f1b\"",
         ),
+        (
+            "zb-h2",
+            True,
+            "error: ds_megatron.parallel.pipeline_schedule: zb-h2 is not supported with fp16 "
+            "(pipeline_schedule='zb-h2', fp16.enabled=true); use bf16 or fp32, or pipeline_schedule \"1f1b\"",
+        ),
     ],
-    ids=["unknown", "fp16"],
+    ids=["unknown", "fp16", "fp16-zb-h2"],
 )
 def test_pipeline_schedule_is_validated(schedule, fp16, message):
     from ds_megatron.config import ConfigError, resolve
@@ -139,9 +145,13 @@ def test_pipeline_schedule_is_validated(schedule, fp16, message):
     with pytest.raises(ConfigError) as err:
         resolve(cfg, 2)
     assert str(err.value) == message
-    cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": "zb-h1", "pp": 2}
     cfg.pop("fp16", None)
-    assert resolve(cfg, 2).section.parallel.pipeline_schedule == "zb-h1"
+    for name in ("zb-h1", "zb-h2"):
+        cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": name, "pp": 2}
+        assert resolve(cfg, 2).section.parallel.pipeline_schedule == name
+    cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": "zb-h2", "pp": 1}
+    with pytest.raises(ConfigError, match="pp 1 has one stage"):
+        resolve(cfg, 1)
 
 
 class _FakeBF16Optimizer:
