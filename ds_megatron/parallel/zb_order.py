@@ -28,6 +28,9 @@ import functools
 # one (T_F, T_B, T_W) for every stage or one per stage (the last stage also runs the output layer and the loss).
 BUILD_COSTS = (1.0, 1.0, 1.0)
 Costs = tuple  # (T_F, T_B, T_W) or ((T_F, T_B, T_W), ...) per stage
+# Times closer than this (relative to the costs, which the callers scale to at most 1) are the same instant, so
+# that float sums of equal costs (0.1 + 0.2 against 0.3) do not decide the order.
+EPS = 1e-9
 
 
 def stage_costs(costs: Costs, p: int) -> list[dict[str, float]]:
@@ -86,7 +89,7 @@ def _build(p: int, m: int, costs: Costs, w_limit: tuple[int, int]) -> tuple[tupl
 
     def match() -> bool:  # one send/receive between two stopped neighbours; True if one happened
         for s in range(p - 1):
-            if busy[s] > now or busy[s + 1] > now:
+            if busy[s] > now + EPS or busy[s + 1] > now + EPS:
                 continue
             if to_send_act[s]:
                 mb = to_send_act[s].pop(0)
@@ -113,7 +116,7 @@ def _build(p: int, m: int, costs: Costs, w_limit: tuple[int, int]) -> tuple[tupl
         # Blocking p2p: the next stage stops at busy[s + 1] to send this stage a gradient or take an activation
         # from it, and waits there until this stage stops too; an F or W that would end later makes it wait.
         meets = s < p - 1 and (current[s + 1] == "B" or (to_send_act[s] and to_send_act[s][0] == next_f[s + 1]))
-        if kind and meets and busy[s + 1] > now and now + cost[s][kind] > busy[s + 1] + 1e-9:
+        if kind and meets and busy[s + 1] > now + EPS and now + cost[s][kind] > busy[s + 1] + EPS:
             return None
         return kind
 
@@ -122,7 +125,7 @@ def _build(p: int, m: int, costs: Costs, w_limit: tuple[int, int]) -> tuple[tupl
             pass
         started = False
         for s in range(p):
-            if busy[s] > now:
+            if busy[s] > now + EPS:
                 continue
             kind = pick(s)
             if kind is None:
@@ -148,13 +151,13 @@ def _build(p: int, m: int, costs: Costs, w_limit: tuple[int, int]) -> tuple[tupl
                 pending_w[s] -= 1
             busy[s], current[s] = now + cost[s][kind], kind
             started = True
-        later = [t for t in busy if t > now]
+        later = [t for t in busy if t > now + EPS]
         if not later and not started:
             raise RuntimeError(f"the ZB-H2 order stalls at p={p}, m={m}")  # unreachable: every stage can progress
         if later:
             now = min(later)
             for s in range(p):
-                if busy[s] <= now:
+                if busy[s] <= now + EPS:
                     current[s] = ""
     return tuple(tuple(stream) for stream in streams)
 

@@ -56,8 +56,17 @@ def bubble_s(schedule: str, p: int, m: int, t_f: float, t_b: float, t_w: float) 
     if schedule == "zb-h1":
         return (p - 1) * (t_f + t_b - t_w)
     if schedule == "zb-h2":
-        return makespan(zb_h2_streams(p, m, (t_f, t_b, t_w)), (t_f, t_b, t_w)) - m * (t_f + t_b + t_w)
+        scale = max(t_f, t_b, t_w)
+        return scale * _zb_h2_unit_bubble(p, m, (t_f / scale, t_b / scale, t_w / scale))
     return (p - 1) * (t_f + t_b + t_w)
+
+
+@functools.lru_cache(maxsize=4096)
+def _zb_h2_unit_bubble(p: int, m: int, shares: tuple[float, float, float]) -> float:
+    """ZB-H2's bubble for costs at most 1 (its order and makespan scale with the costs), cached: a build at
+    p 8, m 64 takes about 0.1 s, and the time model rounds its shares so that a search builds a few orders."""
+    streams = zb_h2_streams(p, m, shares)
+    return makespan(streams, shares) - m * sum(shares)
 
 
 def dualpipev_order(p: int, m: int, rank: int) -> list[tuple[str, int]]:
