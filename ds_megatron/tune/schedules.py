@@ -64,7 +64,7 @@ def bubble_s(schedule: str, p: int, m: int, t_f: float, t_b: float, t_w: float) 
 @functools.lru_cache(maxsize=4096)
 def _zb_h2_unit_bubble(p: int, m: int, shares: tuple[float, float, float]) -> float:
     """ZB-H2's bubble for costs at most 1 (its order and makespan scale with the costs), cached: a build at
-    p 8, m 64 takes about 0.1 s, and the time model rounds its shares so that a search builds a few orders."""
+    p 8, m 64 takes about 0.1 s, and the time model rounds its W share so that a search builds a few orders."""
     streams = zb_h2_streams(p, m, shares)
     return makespan(streams, shares) - m * sum(shares)
 

@@ -313,11 +313,12 @@ def schedule_slots(cand: Candidate, slowest: StageTime) -> tuple[float, float]:
     m, p, t_mb = cand.num_micro_batches, cand.pp, slowest.total_s
     if cand.schedule in ("zb-h1", "zb-h2") and p > 1:
         # The model's backward is two forwards' GEMMs, W its weight-gradient share: T_F = t_mb / 3.  ZB-H2 builds
-        # and times an order per cost ratio, so its W share is rounded to 0.01 of t_mb (a search's thousands of
-        # candidates then build a few dozen orders; ZB-H1's formula is linear and needs no rounding).
+        # and times an order per cost ratio (about 0.1 s at m 64), so its W share is rounded to 0.05 of t_mb: a
+        # search's thousands of candidates then build a few per (p, m), and the bubble moves by at most
+        # (p - 1) x 0.05 t_mb; ZB-H1's formula is linear and needs no rounding.
         t_w = slowest.weight_grad_s
         if cand.schedule == "zb-h2":
-            t_w = round(t_w / t_mb, 2) * t_mb
+            t_w = round(t_w / t_mb * 20) / 20 * t_mb
         bubble = bubble_s(cand.schedule, p, m, t_mb / 3, 2 * t_mb / 3 - t_w, t_w)
         return m + bubble / t_mb, bubble
     if cand.schedule == "dualpipev":

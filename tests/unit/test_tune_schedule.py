@@ -73,7 +73,7 @@ def test_1f1b_and_zb_h1_slots_are_their_simulated_makespans(p, m):
 @pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 8), (4, 16)])
 def test_zb_h2_slots_are_its_simulated_makespan(p, m):
     """The tuner's ZB-H2 bubble is the makespan of the DeepSpeed instructions the engine runs, built for the tuner's
-    costs (T_F a third of the micro-batch, W its weight-GEMM share, rounded to 0.01 of it: here exact), under
+    costs (T_F a third of the micro-batch, W its weight-GEMM share, rounded to 0.05 of it: here exact), under
     blocking p2p."""
     for t_mb, t_w in ((3.0, 0.75), (3.0, 0.6)):
         costs = (t_mb / 3, 2 * t_mb / 3 - t_w, t_w)
