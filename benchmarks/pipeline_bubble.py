@@ -9,7 +9,9 @@ m = 4, 8 and 16 micro-batches, pp 2 on 2 CPU processes (gloo, one thread each).
 Runs itself under the deepspeed launcher.  The 9 engines are built once; each repeat then runs one step of every
 (m, schedule) in turn, so a slower moment of a shared machine falls on all of them alike.  Each step starts after a
 barrier.  Idle fraction = blocked / (computing + blocked); the data load, gradient reduction and optimizer step (the
-same under every schedule) are left out.  1F1B's ideal bubble with p equal stages is (p-1)/(m+p-1) of the step.
+same under every schedule) are left out.  Next to each measured idle fraction: the tuner's prediction for p equal
+stages (``tune.schedules``: 1F1B's bubble (p-1)/(m+p-1) of the step, DualPipeV's simulated makespan, and
+``tune.dualpipev_zb``'s with its W passes deferred).
 
 The model keeps its stages balanced, as the formula assumes: 8 blocks of width 256 and a 1024-token vocabulary
 (the output layer costs about a third of a block), so each 1F1B stage holds 4 blocks and the embedding or the
@@ -29,6 +31,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ds_megatron.tune import dualpipev_zb  # noqa: E402
+from ds_megatron.tune.schedules import DUALPIPEV_COSTS, bubble_s, dualpipev_slots  # noqa: E402
+
 MICRO_BATCHES = (4, 8, 16)
 SCHEDULES = ("1f1b", "dualpipev", "dualpipev-zb")
 PP = 2
@@ -139,16 +146,23 @@ def summarise(rows_by_rank: dict[int, list[dict]]) -> str:
             steps[(schedule, m)] = statistics.mean(step_ms)
     lines += [
         "",
-        "Mean over the two ranks of the median idle fraction (and of the median step, ms), and 1F1B's ideal "
-        "(p-1)/(m+p-1):",
+        "Mean over the two ranks of the median idle fraction (and of the median step, ms), and the tuner's for equal "
+        "stages (tune.schedules, tune.dualpipev_zb):",
         "",
-        "| m | 1f1b measured | 1f1b ideal | dualpipev measured | dualpipev-zb measured |",
-        "|---|---|---|---|---|",
+        "| m | 1f1b measured | 1f1b predicted | dualpipev measured | dualpipev predicted | dualpipev-zb measured "
+        "| dualpipev-zb predicted |",
+        "|---|---|---|---|---|---|---|",
     ]
     for m in MICRO_BATCHES:
-        ideal = (PP - 1) / (m + PP - 1)
-        cells = [f"{means[(name, m)]:.3f} ({steps[(name, m)]:.0f} ms)" for name in SCHEDULES]
-        lines.append(f"| {m} | {cells[0]} | {ideal:.3f} | {cells[1]} | {cells[2]} |")
+        t_f, t_b = DUALPIPEV_COSTS  # the time model's forward : backward (W inside the backward)
+        one_f_one_b = bubble_s("1f1b", PP, m, t_f, t_b, 0.0) / (
+            m * (t_f + t_b) + bubble_s("1f1b", PP, m, t_f, t_b, 0.0)
+        )
+        predicted = [one_f_one_b] + [(s - m) / s for s in (dualpipev_slots(PP, m), dualpipev_zb.slots(PP, m))]
+        cells = [
+            f"{means[(name, m)]:.3f} ({steps[(name, m)]:.0f} ms) | {p:.3f}" for name, p in zip(SCHEDULES, predicted)
+        ]
+        lines.append(f"| {m} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 

@@ -1,14 +1,22 @@
-"""Pipeline idle time of one training step, DeepSpeed's 1F1B against ZB-H1, measured per rank at pp 2.
+"""Pipeline idle time of one training step, DeepSpeed's 1F1B against ZB-H1 and ZB-H2, measured per rank, next to
+the tuner's predicted bubble.
 
-    python benchmarks/zero_bubble.py [--micro-batches 4 8 16] [--repeats 7] [--shapes 512x64 256x128] [--markdown OUT]
+    python benchmarks/zero_bubble.py [--pp 2] [--micro-batches 4 8 16] [--repeats 7] [--shapes 512x64 256x128]
+        [--markdown OUT]
 
-Two processes under the deepspeed launcher (CPU, gloo, one thread each), a GPT-2 of 4 layers (2 per stage), 8
-heads, micro-batch 2, fp32.  Every instruction of a step is timed on every rank (the worker is
-tests/workers/zero_bubble.py), at each hidden x sequence shape: compute (forward, B, W, loading a micro-batch),
-idle (the pipeline's sends and receives, which block until the other stage is ready, and the tied-embedding
-all-reduce where the stage done first waits: the bubble), and the gradient reduction and optimizer.  The two
-schedules and every micro-batch count are interleaved within each repeat, so machine noise hits them alike; the
+pp processes under the deepspeed launcher (CPU, gloo, one thread each; pp 4 on a 2-core machine oversubscribes it),
+a GPT-2 of 2 pp layers (2 per stage), 8 heads, micro-batch 2, fp32.  Every instruction of a step is timed on every
+rank (the worker is tests/workers/zero_bubble.py), at each hidden x sequence shape: compute (forward, B, W, loading
+a micro-batch), idle (the pipeline's sends and receives, which block until the other stage is ready, and the
+tied-embedding all-reduce where the stage done first waits: the bubble), and the gradient reduction and optimizer.
+The schedules and every micro-batch count are interleaved within each repeat, so machine noise hits them alike; the
 median over the repeats is reported with its range.
+
+Prediction: the tuner's bubble (``tune.schedules.bubble_s``, the one owner of the formulas and of ZB-H2's simulated
+order) from this run's own per-pass costs, T_F, T_B and T_W (1F1B: its fused backward as T_B), each the median over
+the repeats of the slowest rank's mean seconds per pass; it is compared with the measured bubble, the idle time of
+the rank that computes most (the critical path's wait: the others idle as long plus their lighter share), as a
+fraction of the step.
 """
 
 from __future__ import annotations
@@ -28,15 +36,18 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _results import write_markdown  # noqa: E402
 from launch import WORKERS, deepspeed_launch  # noqa: E402
 
-SCHEDULES = ("1f1b", "zb-h1")
+from ds_megatron.tune.schedules import bubble_s  # noqa: E402
+
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+PASSES = ("ForwardPass", "BackwardPass", "WeightGradPass")  # T_F, T_B, T_W
 
 
-def run(micro_batches: list[int], repeats: int, hidden: int, seq: int) -> list[dict]:
+def run(micro_batches: list[int], repeats: int, hidden: int, seq: int, pp: int) -> list[dict]:
     """Every rank's rows: one per (repeat, m, schedule) with seconds of compute, wait, step work and the step."""
     with tempfile.TemporaryDirectory() as out:
         args = ["--out", out, "--measure", "--repeats", str(repeats), "--micro-batches", *map(str, micro_batches)]
-        args += ["--hidden", str(hidden), "--seq", str(seq)]
-        deepspeed_launch(WORKERS / "zero_bubble.py", 2, args, timeout=1800)
+        args += ["--hidden", str(hidden), "--seq", str(seq), "--pp", str(pp)]
+        deepspeed_launch(WORKERS / "zero_bubble.py", pp, args, timeout=3000)
         return [json.loads(p.read_text()) for p in sorted(Path(out).glob("measure.rank*.json"))]
 
 
@@ -46,19 +57,32 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(ms):.1f} ({min(ms):.1f}-{max(ms):.1f})"
 
 
+def per_pass(rows: list[dict]) -> tuple[float, float, float]:
+    """(T_F, T_B, T_W): median over the repeats of one rank's mean seconds per pass (0 where it ran none)."""
+    return tuple(
+        statistics.median(row.get(kind, 0.0) / max(row.get(f"n_{kind}", 0), 1) for row in rows) for kind in PASSES
+    )  # type: ignore[return-value]
+
+
 def table(ranks: list[dict], micro_batches: list[int]) -> tuple[str, list[str]]:
-    """Per (m, schedule, rank): compute, idle, the optimizer's own work and the step; and one verdict per m.
+    """Per (m, schedule, rank): compute, idle, the optimizer's own work and the step; per (m, schedule) the
+    predicted against the measured bubble; and one verdict per m.
 
     Idle is the time blocked in the pipeline's sends and receives plus the tied-embedding all-reduce at the step's
     end (the stage that finishes first waits there for the other: the cooldown bubble lands in it); the all-reduce's
     own transfer is a few milliseconds of that."""
+    pp = len(ranks)
     lines = [
         "| m | schedule | rank | compute (ms) | idle (ms) | grad reduction + optimizer (ms) | step (ms) |",
         "|---|---|---|---|---|---|---|",
     ]
+    predicted = [
+        "| m | schedule | T_F, T_B, T_W (ms) | predicted bubble (ms) | measured bubble (ms) | difference / step |",
+        "|---|---|---|---|---|---|",
+    ]
     verdicts = []
     for m in micro_batches:
-        med = {}
+        med, costs = {}, {}
         for name in SCHEDULES:
             for r in ranks:
                 rows = [row for row in r["rows"] if row["m"] == m and row["schedule"] == name]
@@ -69,48 +93,68 @@ def table(ranks: list[dict], micro_batches: list[int]) -> tuple[str, list[str]]:
                     "step": [row["step_total"] for row in rows],
                 }
                 med[(name, r["pp_rank"])] = {k: statistics.median(v) for k, v in cols.items()}
+                costs[(name, r["pp_rank"])] = per_pass(rows)
                 lines.append(
                     f"| {m} | {name} | {r['pp_rank']} | {spread(cols['compute'])} | {spread(cols['idle'])} "
                     f"| {spread(cols['optimizer'])} | {spread(cols['step'])} |"
                 )
-        idle = {name: sum(med[(name, rk)]["idle"] for rk in (0, 1)) / 2 for name in SCHEDULES}
-        step = {name: max(med[(name, rk)]["step"] for rk in (0, 1)) for name in SCHEDULES}
-        saved_idle, saved_step = idle["1f1b"] - idle["zb-h1"], step["1f1b"] - step["zb-h1"]
-        verdict = (
-            f"m {m}: idle per rank (mean of the two) {idle['1f1b'] * 1e3:.1f} -> {idle['zb-h1'] * 1e3:.1f} ms "
-            f"(x{idle['zb-h1'] / idle['1f1b']:.2f}); step {step['1f1b'] * 1e3:.1f} -> {step['zb-h1'] * 1e3:.1f} ms "
-            f"({saved_step * 1e3:+.1f} ms faster"
-        )
-        verdicts.append(verdict + (f", for {saved_idle * 1e3:.1f} ms of idle saved)" if saved_idle > 0 else ")"))
-    return "\n".join(lines), verdicts
+        for name in SCHEDULES:
+            t_f, t_b, t_w = (max(costs[(name, rk)][i] for rk in range(pp)) for i in range(3))
+            guess = bubble_s(name, pp, m, t_f, t_b, t_w)
+            busiest = max(range(pp), key=lambda rk: med[(name, rk)]["compute"])
+            measured, step = med[(name, busiest)]["idle"], max(med[(name, rk)]["step"] for rk in range(pp))
+            predicted.append(
+                f"| {m} | {name} | {t_f * 1e3:.1f}, {t_b * 1e3:.1f}, {t_w * 1e3:.1f} | {guess * 1e3:.1f} "
+                f"| {measured * 1e3:.1f} (rank {busiest}) | {(guess - measured) / step:+.3f} |"
+            )
+        idle = {name: sum(med[(name, rk)]["idle"] for rk in range(pp)) / pp for name in SCHEDULES}
+        step = {name: max(med[(name, rk)]["step"] for rk in range(pp)) for name in SCHEDULES}
+        for name in SCHEDULES[1:]:
+            saved_idle, saved_step = idle["1f1b"] - idle[name], step["1f1b"] - step[name]
+            verdict = (
+                f"m {m}, {name}: idle per rank (mean of the {pp}) {idle['1f1b'] * 1e3:.1f} -> "
+                f"{idle[name] * 1e3:.1f} ms (x{idle[name] / idle['1f1b']:.2f}); step {step['1f1b'] * 1e3:.1f} -> "
+                f"{step[name] * 1e3:.1f} ms ({saved_step * 1e3:+.1f} ms faster"
+            )
+            verdicts.append(verdict + (f", for {saved_idle * 1e3:.1f} ms of idle saved)" if saved_idle > 0 else ")"))
+    return "\n".join(lines) + "\n\n" + "\n".join(predicted), verdicts
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--pp", type=int, default=2, help="pipeline stages, one process each")
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--shapes", nargs="+", default=["512x64", "256x128"], help="hidden x sequence, one run each")
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
+    load_start = os.getloadavg()[0]
     sections = []
     for shape in args.shapes:
         hidden, seq = (int(v) for v in shape.split("x"))
-        ranks = sorted(run(args.micro_batches, args.repeats, hidden, seq), key=lambda r: r["pp_rank"])
+        ranks = sorted(run(args.micro_batches, args.repeats, hidden, seq, args.pp), key=lambda r: r["pp_rank"])
         body, verdicts = table(ranks, args.micro_batches)
         sections.append(f"**h {hidden}, s {seq}**\n\n{body}\n\n" + "\n".join(f"- {v}" for v in verdicts))
+    cores = os.cpu_count() or 1
+    crowded = f" (oversubscribed: {args.pp} processes on {cores} cores)" if args.pp > cores else ""
     text = (
-        f"pp 2 on 2 CPU processes (gloo, 1 thread each), GPT-2 (tied embeddings) 4 layers, 8 heads, micro-batch 2, "
-        f"fp32; median (min-max) of {args.repeats} repeats after one warm-up, 1f1b and zb-h1 and every m "
+        f"pp {args.pp} on {args.pp} CPU processes{crowded} (gloo, 1 thread each), GPT-2 (tied embeddings) "
+        f"{2 * args.pp} layers, 8 heads, micro-batch 2, fp32; median (min-max) of {args.repeats} repeats after one "
+        f"warm-up (where ZB-H2 times its passes and rebuilds its order), {', '.join(SCHEDULES)} and every m "
         f"interleaved in each repeat.  Compute = forward, B, W and loading; idle = blocked in the pipeline's sends "
         f"and receives and in the tied-embedding all-reduce that ends the step (where the stage done first waits).  "
-        f"The machine's {os.cpu_count()} cores were shared with other jobs (other agents' tests and benchmarks; "
-        f"load average 20-50 during the runs), so times are noisy; the schedules, interleaved, saw the same "
-        f"noise.\n\n" + "\n\n".join(sections)
+        f"Load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {cores} cores: "
+        f"above {args.pp} other jobs shared the cores and the times are noisy (the schedules, interleaved, saw the "
+        f"same noise).\n\n" + "\n\n".join(sections)
     )
     print(text)
     if args.markdown:
-        command = f"python benchmarks/zero_bubble.py --repeats {args.repeats} --shapes {' '.join(args.shapes)}"
-        write_markdown(args.markdown, "Zero-bubble (ZB-H1) against 1F1B: pipeline idle time at pp 2", command, text)
+        command = (
+            f"python benchmarks/zero_bubble.py --pp {args.pp} --repeats {args.repeats} "
+            f"--micro-batches {' '.join(map(str, args.micro_batches))} --shapes {' '.join(args.shapes)}"
+        )
+        title = f"Zero-bubble (ZB-H1, ZB-H2) against 1F1B: pipeline idle time at pp {args.pp}"
+        write_markdown(args.markdown, title, command, text)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,7 @@ from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
 from ds_megatron.parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZERO_BUBBLE
 from ds_megatron.parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
-from ds_megatron.parallel.zero_bubble import PIPELINE_SCHEDULE as ZERO_BUBBLE
-from ds_megatron.parallel.zero_bubble import ZeroBubblePipelineEngine
+from ds_megatron.parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
 from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline import build_pipeline_module
 from ds_megatron.pipeline_schedule import module_class, schedule_of
@@ -208,10 +207,10 @@ def build_engine(run: RunConfig) -> Built:
     scheduler = None if schedule is None else functools.partial(WarmupCosineScheduler, schedule=schedule)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler)
     read_weights_only(engine)  # DeepSpeed's own checkpoint reads unpickle weights-only too
-    if run.section.parallel.pipeline_schedule == ZERO_BUBBLE:
+    if run.section.parallel.pipeline_schedule in ZERO_BUBBLE_ENGINES:
         queue = WeightGradQueue()
         defer_weight_grads(engine.module, queue)
-        ZeroBubblePipelineEngine.install(engine, queue)
+        ZERO_BUBBLE_ENGINES[run.section.parallel.pipeline_schedule].install(engine, queue)
     elif run.section.parallel.pipeline_schedule == DUALPIPEV_ZERO_BUBBLE:
         queue = WeightGradQueue()
         defer_weight_grads(engine.module, queue)  # both of the rank's stages defer to one queue

@@ -52,11 +52,13 @@ class DualPipeVModel(PipelineModel, DualPipeVModule):
             self.segments = self.phase_segments[phase]
 
 
-# zb-h1 runs the 1F1B module; its engine is swapped in after deepspeed.initialize (ds_megatron.parallel.zero_bubble).
+# zb-h1 and zb-h2 run the 1F1B module; their engine is swapped in after deepspeed.initialize
+# (ds_megatron.parallel.zero_bubble).
 MODULE_CLASSES: dict[str, type[PipelineModel]] = {
     "1f1b": PipelineModel,
     "dualpipev": DualPipeVModel,
     "zb-h1": PipelineModel,
+    "zb-h2": PipelineModel,
     "dualpipev-zb": DualPipeVModel,  # its engine swapped in after deepspeed.initialize (parallel.dualpipev_zb)
 }
 

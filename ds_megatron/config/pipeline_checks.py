@@ -38,7 +38,7 @@ def check_schedule_run(schedule: PipelineSchedule, ds_config: dict, tp: int, pp:
         )
     if schedule.name == PIPELINE_SCHEDULES[0].name:
         return
-    if schedule.stages_per_rank == 1:  # zb-h1: DeepSpeed's own 1F1B engine with deferred weight gradients
+    if schedule.stages_per_rank == 1:  # zb-h1, zb-h2: DeepSpeed's own engine, deferred weight gradients
         if precision(ds_config) == "fp16":
             # fp16's wrappers scale and accumulate 16-bit gradients in backward; deferred weight gradients bypass that
             raise ConfigError(

@@ -34,6 +34,10 @@ class PipelineSchedule:
     stages_per_rank: int  # pipeline stages (model chunks) each pipeline rank holds
     micro_batches_per_rank: int  # gradient_accumulation_steps must be >= this x pp (0: any count)
     loss_on_first_rank: bool  # the loss (and the output layer) lives on pipeline rank 0, not on rank pp - 1
+    forwards_ahead: int = 1  # rank r runs up to k (p - r) - (k - 1) forwards ahead of its backwards (1F1B: 1)
+    deferred_weight_grads: bool = (
+        False  # the backward runs B only; W passes run later (ds_megatron.parallel.zero_bubble)
+    )
 
     def stages_of(self, rank: int, pp: int) -> tuple[int, ...]:
         """The stages (of ``pp * stages_per_rank``, in model order) pipeline rank ``rank`` builds, in the order it
@@ -51,9 +55,11 @@ PIPELINE_SCHEDULES = (
     PipelineSchedule("1f1b", stages_per_rank=1, micro_batches_per_rank=0, loss_on_first_rank=False),
     PipelineSchedule("dualpipev", stages_per_rank=2, micro_batches_per_rank=2, loss_on_first_rank=True),
     # ZB-H1: DeepSpeed's 1F1B, weight-gradient passes deferred into its bubbles (ds_megatron.parallel.zero_bubble)
-    PipelineSchedule("zb-h1", stages_per_rank=1, micro_batches_per_rank=0, loss_on_first_rank=False),
+    PipelineSchedule("zb-h1", 1, 0, loss_on_first_rank=False, deferred_weight_grads=True),
+    # ZB-H2: twice 1F1B's forwards ahead (about twice its peak activations), W passes wherever a stage would wait
+    PipelineSchedule("zb-h2", 1, 0, loss_on_first_rank=False, forwards_ahead=2, deferred_weight_grads=True),
     # DualPipeV with weight-gradient passes deferred into its drain (ds_megatron.parallel.dualpipev_zb)
-    PipelineSchedule("dualpipev-zb", stages_per_rank=2, micro_batches_per_rank=2, loss_on_first_rank=True),
+    PipelineSchedule("dualpipev-zb", 2, 2, loss_on_first_rank=True, deferred_weight_grads=True),
 )
 
 
@@ -113,7 +119,7 @@ class ParallelSection:
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
-    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES' names: "1f1b", "dualpipev", "zb-h1", "dualpipev-zb"
+    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES' names (1f1b, dualpipev, zb-h1, zb-h2, dualpipev-zb)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1) on DeepSpeed's pipeline engine.
+"""ZB-H1 and ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1) on DeepSpeed's pipeline engine.
 
 DeepSpeed's 1F1B (``TrainSchedule``) runs each backward pass whole.  With the layers' weight gradients deferred
 (``ds_megatron.tensor_parallel.weight_grad``), a backward pass is B only (input gradients: what the previous stage
@@ -17,14 +17,25 @@ micro-batches in flight, that stays below the p micro-batches 1F1B's first stage
 ``WeightGradPass`` runs the oldest one; ``ReduceTiedGrads`` (the first of the step's reduction instructions) runs
 any left first, so the tied, SP-replicated and data-parallel reductions, clipping, the skipped-step guard and the
 optimizer step all see complete gradients; the optimizer step refuses to run with W passes still queued.
+
+:class:`ZeroBubbleH2Schedule` yields the ZB-H2 order of ``parallel.zb_order`` (up to 2(p - s) - 1 forwards ahead,
+W passes where the stage would wait) and :class:`ZeroBubbleH2PipelineEngine` runs it, rebuilding the order once
+for the pass costs it times in the first step.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+
+import torch
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-PIPELINE_SCHEDULE = "zb-h1"  # the config value of ds_megatron.parallel.pipeline_schedule this module implements
+from ds_megatron.parallel.zb_order import BUILD_COSTS, num_buffers, zb_h2_streams
+
+PIPELINE_SCHEDULE = "zb-h1"  # the config values of ds_megatron.parallel.pipeline_schedule this module implements
+PIPELINE_SCHEDULE_H2 = "zb-h2"
 
 
 class WeightGradPass(schedule.PipeInstruction):
@@ -67,6 +78,35 @@ class ZeroBubbleH1Schedule(schedule.TrainSchedule):
             yield out
 
 
+class ZeroBubbleH2Schedule(schedule.PipeSchedule):
+    """ZB-H2 (``parallel.zb_order``): up to 2(p - s) - 1 forwards ahead on stage s and the W passes where the
+    stage would wait, built for ``costs`` (T_F, T_B, T_W), as DeepSpeed instructions, one per step; micro-batch i
+    lives in pipe buffer i % :meth:`num_pipe_buffers`."""
+
+    KINDS = {
+        "LOAD": schedule.LoadMicroBatch,
+        "F": schedule.ForwardPass,
+        "B": schedule.BackwardPass,
+        "SA": schedule.SendActivation,
+        "RA": schedule.RecvActivation,
+        "SG": schedule.SendGrad,
+        "RG": schedule.RecvGrad,
+    }
+
+    def __init__(self, micro_batches, stages, stage_id, costs: tuple = BUILD_COSTS):
+        super().__init__(micro_batches, stages, stage_id)
+        self.ops = zb_h2_streams(stages, micro_batches, costs)[stage_id]
+        self.buffers = num_buffers(self.ops)
+
+    def steps(self):
+        for op in self.ops:
+            yield [WeightGradPass()] if op[0] == "W" else [self.KINDS[op[0]](op[1] % self.buffers)]
+        yield [schedule.ReduceTiedGrads(), schedule.ReduceGrads(), schedule.OptimizerStep()]
+
+    def num_pipe_buffers(self):
+        return self.buffers
+
+
 class ZeroBubblePipelineEngine(PipelineEngine):
     """DeepSpeed's pipeline engine running :class:`ZeroBubbleH1Schedule`.  Never constructed: ``install`` turns a
     built ``PipelineEngine`` into one (deepspeed.initialize builds the engine itself) and attaches the queue that the
@@ -77,7 +117,7 @@ class ZeroBubblePipelineEngine(PipelineEngine):
     @classmethod
     def install(cls, engine: PipelineEngine, queue) -> None:
         if type(engine) is not PipelineEngine:
-            raise TypeError(f"zb-h1 extends DeepSpeed's PipelineEngine, not {type(engine).__name__}")
+            raise TypeError(f"{cls.__name__} extends DeepSpeed's PipelineEngine, not {type(engine).__name__}")
         engine.__class__ = cls
         engine.weight_grad_queue = queue
 
@@ -88,10 +128,16 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         super()._exec_backward_pass(buffer_id)
         self.weight_grad_queue.seal()
 
+    _grad_recv_buffer = None  # the tensor(s) DeepSpeed receives gradients into, reused for every micro-batch
+
     def _exec_recv_grads(self, buffer_id):
-        # DeepSpeed receives every micro-batch's output gradient into one reused buffer; the stage's last linear
-        # may keep that very tensor for its W pass, so each micro-batch gets its own copy.
+        # DeepSpeed receives every micro-batch's output gradient into one reused buffer (``grad_layer``); the
+        # stage's last linear may keep that very tensor for its W pass, so each micro-batch gets its own copy, and
+        # DeepSpeed gets its receive buffer back, never a copy a queued W pass still holds (which the next receive
+        # would overwrite whenever a stage holds a W pass across a receive: ZB-H2, and ZB-H1 at pp > 2).
+        self.grad_layer = self._grad_recv_buffer
         super()._exec_recv_grads(buffer_id)
+        self._grad_recv_buffer = self.grad_layer
         if isinstance(self.grad_layer, tuple | list):
             self.grad_layer = type(self.grad_layer)(g.clone() if g.is_floating_point() else g for g in self.grad_layer)
         else:
@@ -134,3 +180,79 @@ class ZeroBubblePipelineEngine(PipelineEngine):
         schedule.OptimizerStep: _exec_optimizer_step,
         WeightGradPass: _exec_weight_grad_pass,
     }
+
+
+class ZeroBubbleH2PipelineEngine(ZeroBubblePipelineEngine):
+    """DeepSpeed's pipeline engine running :class:`ZeroBubbleH2Schedule`.  Where a W pass fits depends on what F,
+    B and W cost (the paper's scheduler takes them profiled): the first step runs the order built for equal costs
+    and times every F, B and W on every rank; each stage's medians (one all-reduce over all ranks, so every rank
+    builds the same order: TP ranks of a stage must run the same passes) rebuild the order once, for the rest of
+    the run.  Gradients do not depend on the order: each micro-batch's F and B are the same computations, and W
+    passes add into the gradients in backward order whatever their place."""
+
+    zb_costs: tuple = BUILD_COSTS  # one (T_F, T_B, T_W), or one per stage once the first step has timed them
+    _zb_timing: dict | None = None  # kind -> seconds of each pass while the first step is timed
+
+    def _train_schedule(self):
+        if self._zb_timing is None and self.zb_costs == BUILD_COSTS:
+            self._zb_timing = {"F": [], "B": [], "W": []}
+        return ZeroBubbleH2Schedule(
+            micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id, costs=self.zb_costs
+        )
+
+    def _timed(self, kind: str, run) -> None:
+        if self._zb_timing is None:
+            run()
+            return
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        self._zb_timing[kind].append(time.perf_counter() - start)
+
+    def _exec_forward_pass(self, buffer_id):
+        self._timed("F", lambda: super(ZeroBubbleH2PipelineEngine, self)._exec_forward_pass(buffer_id))
+
+    def _exec_backward_pass(self, buffer_id):
+        self._timed("B", lambda: super(ZeroBubbleH2PipelineEngine, self)._exec_backward_pass(buffer_id))
+
+    def _exec_weight_grad_pass(self):
+        self._timed("W", lambda: self._run_weight_grads(all_of_them=False))
+
+    def _exec_optimizer_step(self, lr_kwargs=None):
+        super()._exec_optimizer_step(lr_kwargs)
+        if self._zb_timing is not None:
+            self.zb_costs = agreed_costs(self._zb_timing, self.stage_id, self.num_stages)
+            self._zb_timing = None
+
+
+def agreed_costs(timing: dict, stage: int, num_stages: int) -> tuple:
+    """Per stage (T_F, T_B, T_W): the median seconds of each kind of pass (robust to a pass the machine delayed),
+    averaged over the stage's ranks (every rank adds its own to its stage's row of one all-reduce over all ranks, so
+    every rank gets the same numbers and builds the same order), relative to the largest and rounded to 3
+    significant digits; equal costs where a stage timed nothing."""
+    table = torch.zeros(num_stages, 6, dtype=torch.float64)
+    for i, kind in enumerate(("F", "B", "W")):
+        if timing[kind]:
+            table[stage, 2 * i] = statistics.median(timing[kind])
+            table[stage, 2 * i + 1] = 1.0
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(table)
+    means = table[:, 0::2] / table[:, 1::2].clamp(min=1.0)
+    if not bool((means > 0).all()):
+        return BUILD_COSTS
+    means = means / means.max()
+    return tuple(tuple(float(f"{float(v):.3g}") for v in row) for row in means)
+
+
+ZeroBubbleH2PipelineEngine._INSTRUCTION_MAP = {
+    **ZeroBubblePipelineEngine._INSTRUCTION_MAP,
+    schedule.ForwardPass: ZeroBubbleH2PipelineEngine._exec_forward_pass,
+    schedule.BackwardPass: ZeroBubbleH2PipelineEngine._exec_backward_pass,
+    schedule.OptimizerStep: ZeroBubbleH2PipelineEngine._exec_optimizer_step,
+    WeightGradPass: ZeroBubbleH2PipelineEngine._exec_weight_grad_pass,
+}
+
+# The engine each zero-bubble schedule (its ds_megatron.parallel.pipeline_schedule value) swaps in.
+ENGINES = {PIPELINE_SCHEDULE: ZeroBubblePipelineEngine, PIPELINE_SCHEDULE_H2: ZeroBubbleH2PipelineEngine}

@@ -67,17 +67,18 @@ class WeightGradQueue:
 
 
 def _accumulate(work: list) -> None:
-    """Compute one W pass's gradients and add them to ``.grad`` through one autograd call on views of the
-    parameters, so accumulation (and every gradient hook) happens as in the backward pass that deferred them."""
-    views, grads = [], []
+    """Compute one W pass's gradients and add them to ``.grad`` through one autograd call rooted at the parameters
+    themselves, so accumulation (and every gradient hook) happens as in the backward pass that deferred them: a
+    parameter named twice (the tied embedding on one stage) gets its terms summed before they are accumulated."""
+    params, grads = [], []
     with torch.enable_grad():
-        for params, compute in work:
-            for p, g in zip(params, compute()):
+        for owners, compute in work:
+            for p, g in zip(owners, compute()):
                 if p is not None and g is not None:
-                    views.append(p.view_as(p))
+                    params.append(p)
                     grads.append(g)
-    if views:
-        torch.autograd.backward(views, grads)
+    if params:
+        torch.autograd.backward(params, grads)
 
 
 class DeferrableWeightGrads:

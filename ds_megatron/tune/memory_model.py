@@ -8,9 +8,15 @@ import math
 from dataclasses import asdict, dataclass
 
 from ds_megatron.config import ModelShape
-from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, padded_vocab_size
+from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, padded_vocab_size, pipeline_schedule
 from ds_megatron.config.shape import layers_per_stage
-from ds_megatron.memory import activation_bytes_per_layer, cp_transient_bytes, deferred_weight_grad_bytes_per_layer
+from ds_megatron.memory import (
+    activation_bytes_per_layer,
+    cp_transient_bytes,
+    deferred_weight_grad_bytes_per_layer,
+    stage_activations_in_flight,
+    stage_deferred_w_passes,
+)
 from ds_megatron.model import family_of
 from ds_megatron.tune import dualpipev_zb
 from ds_megatron.tune.schedules import dualpipev_peak_bytes
@@ -226,6 +232,8 @@ def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, f
     keeps p - 1 of them beside its one micro-batch in flight, and p (none in flight) in the cooldown, between a B and
     the W it makes due (``deferred_weight_grad_bytes``).  Between the two ends a stage's peak is linear in s, so the
     ends are the peaks.
+    ZB-H2: ``memory.stage_activations_in_flight`` micro-batches (2p - 1 on the first stage, 1 on the last) and
+    ``memory.stage_deferred_w_passes`` W passes beside them, both at once (an upper bound).
     DualPipeV: each rank's two chunks (ceil(L/(2p)) blocks each) in flight at the peak of its schedule order
     (``schedules.dualpipev_peak_bytes``); rank 0 adds the embedding's masks to its phase-0 chunks and the output
     layer's activations to its phase-1 chunks, the loss being computed there."""
@@ -259,6 +267,14 @@ def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, f
     elif cand.schedule == "zb-h1":
         held = deferred_weight_grad_bytes(model, cand, n, last=True)
         last = max(last - transient, held) + (cand.pp - 1) * held + transient
+    elif cand.schedule == "zb-h2":
+        # twice 1F1B's forwards ahead, and beside them the W passes each stage may hold (memory's own counts)
+        schedule, p, m = pipeline_schedule("zb-h2"), cand.pp, cand.num_micro_batches
+        ahead = (stage_activations_in_flight(schedule, p, 0, m), stage_activations_in_flight(schedule, p, p - 1, m))
+        first = ahead[0] * (stored + embedding_activation_bytes(model, cand)) + transient
+        first += stage_deferred_w_passes(schedule, p, 0) * deferred_weight_grad_bytes(model, cand, n, last=False)
+        last = ahead[1] * stored + output_activation_bytes(model, cand) + transient
+        last += stage_deferred_w_passes(schedule, p, p - 1) * deferred_weight_grad_bytes(model, cand, n, last=True)
     return first, last
 
 

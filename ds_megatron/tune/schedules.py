@@ -4,6 +4,9 @@ one step's critical path lasts, and how many micro-batches each rank keeps in fl
 - ``1f1b`` (DeepSpeed's TrainSchedule): m + p - 1 slots of t_mb = T_F + T_B + T_W, exact for equal stage costs.
 - ``zb-h1`` (the backward split into B and a deferred W, stage s holding back up to s W passes): the fill and drain
   shrink from (p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W), W filling the cooldown slots.
+- ``zb-h2`` (up to 2(p-s)-1 forwards ahead, W wherever a stage would wait; ``parallel.zb_order``): the makespan of
+  its own order, built for the costs given and timed under DeepSpeed's blocking p2p (:func:`bubble_s`); its floor
+  under DeepSpeed's synchronised step is (p-1) T_F.
 - ``dualpipev`` (DeepSpeed's DualPipeVSchedule): rank r runs chunks r (phase 0) and 2p-1-r (phase 1) of L/(2p)
   blocks each, in the compute order :func:`dualpipev_order` lists; its makespan comes from
   :func:`simulate_dualpipev`, a list scheduling of that order with each chunk's forward and backward waiting for the
@@ -15,11 +18,13 @@ from __future__ import annotations
 import functools
 
 from ds_megatron.config.schema import PIPELINE_SCHEDULES
+from ds_megatron.parallel.zb_order import makespan, zb_h2_streams
 
 SCHEDULES = tuple(schedule.name for schedule in PIPELINE_SCHEDULES)  # the config's names, one owner
-# Searched unless --schedule says otherwise: ZB-H1 has only been measured on CPU (idle 0.65x at m 4, the step gain
-# eaten by the split backward's extra work) and DualPipeV not at all, so the time model's gains for them are not yet
-# trusted enough to change a winner.  --schedule all ranks the three together.
+# Searched unless --schedule says otherwise: ZB-H1 and ZB-H2 have only been measured on CPU (ZB-H1: idle 0.65x at
+# m 4, the step gain eaten by the split backward's extra work; ZB-H2 on a loaded machine only) and DualPipeV not at
+# all, so the time model's gains for them are not yet trusted enough to change a winner.  --schedule all ranks the
+# four together.
 DEFAULT_SCHEDULES = ("1f1b",)
 ALL = "all"
 # Chunk forward : backward cost of the DualPipeV simulation: the time model's own count (a backward runs the input
@@ -35,9 +40,33 @@ def refusal(schedule: str, pp: int, num_micro_batches: int) -> str | None:
         return f"{schedule} needs pp > 1 (each pipeline rank holds two stages of one pipeline)"
     if schedule in ("dualpipev", "dualpipev-zb") and num_micro_batches < 2 * pp:
         return f"{schedule} needs m >= 2 x pp (DualPipeVSchedule refuses fewer micro-batches)"
-    if schedule == "zb-h1" and pp == 1:
-        return "zb-h1 needs pp > 1 (with one stage there is no bubble for the W passes to fill)"
+    if schedule in ("zb-h1", "zb-h2") and pp == 1:
+        return f"{schedule} needs pp > 1 (with one stage there is no bubble for the W passes to fill)"
     return None
+
+
+def bubble_s(schedule: str, p: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+    """The part of one step's critical path spent filling and draining the pipeline, for a stage whose forward,
+    input-gradient (B) and weight-gradient (W) passes take ``t_f``, ``t_b`` and ``t_w`` seconds per micro-batch
+    (the 1F1B backward is B + W): 1F1B (p-1)(T_F+T_B+T_W), ZB-H1 (p-1)(T_F+T_B-T_W), ZB-H2 its built order's
+    simulated makespan less m (T_F+T_B+T_W).  The one owner of these formulas (the time model and the benchmarks
+    call it)."""
+    if p == 1:
+        return 0.0
+    if schedule == "zb-h1":
+        return (p - 1) * (t_f + t_b - t_w)
+    if schedule == "zb-h2":
+        scale = max(t_f, t_b, t_w)
+        return scale * _zb_h2_unit_bubble(p, m, (t_f / scale, t_b / scale, t_w / scale))
+    return (p - 1) * (t_f + t_b + t_w)
+
+
+@functools.lru_cache(maxsize=4096)
+def _zb_h2_unit_bubble(p: int, m: int, shares: tuple[float, float, float]) -> float:
+    """ZB-H2's bubble for costs at most 1 (its order and makespan scale with the costs), cached: a build at
+    p 8, m 64 takes about 0.1 s, and the time model rounds its W share so that a search builds a few orders."""
+    streams = zb_h2_streams(p, m, shares)
+    return makespan(streams, shares) - m * sum(shares)
 
 
 def dualpipev_order(p: int, m: int, rank: int) -> list[tuple[str, int]]:

@@ -47,7 +47,7 @@ def test_default_is_1f1b_and_the_values_are_one_table():
     c = copy.deepcopy(BASE)
     del c["ds_megatron"]["parallel"]["pipeline_schedule"]
     assert resolve(c, 2).section.parallel.pipeline_schedule == "1f1b"
-    assert [s.name for s in PIPELINE_SCHEDULES] == ["1f1b", "dualpipev", "zb-h1", "dualpipev-zb"]
+    assert [s.name for s in PIPELINE_SCHEDULES] == ["1f1b", "dualpipev", "zb-h1", "zb-h2", "dualpipev-zb"]
     assert resolve(cfg(), 2).section.parallel.pipeline_schedule == "dualpipev"
 
 
@@ -198,12 +198,14 @@ def test_activations_in_flight_count_deepspeeds_schedules(pp, m):
 
     from ds_megatron.memory import stage_activations_in_flight
     from ds_megatron.parallel.dualpipev_zb import DualPipeVZeroBubbleSchedule
+    from ds_megatron.parallel.zero_bubble import ZeroBubbleH2Schedule
 
     for rank in range(pp):
         for name, sched, depth in (
             ("1f1b", TrainSchedule(m, pp, rank), 1.0),
             ("dualpipev", DualPipeVSchedule(m, pp, rank), 0.5),
             ("dualpipev-zb", DualPipeVZeroBubbleSchedule(m, pp, rank), 0.5),  # no W pass keeps a forward's inputs
+            ("zb-h2", ZeroBubbleH2Schedule(m, pp, rank), 1.0),
         ):
             live = peak = 0
             for step in sched.steps():

@@ -14,7 +14,7 @@ from deepspeed.runtime.pipe import schedule as ds
 from test_zero_bubble import makespan, streams
 
 from ds_megatron.memory import deferred_weight_grad_bytes_per_layer
-from ds_megatron.parallel.zero_bubble import ZeroBubbleH1Schedule
+from ds_megatron.parallel.zero_bubble import ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
 from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search
 from ds_megatron.tune.__main__ import main
 from ds_megatron.tune.memory_model import (
@@ -68,6 +68,19 @@ def test_1f1b_and_zb_h1_slots_are_their_simulated_makespans(p, m):
         simulated = makespan(streams(ZeroBubbleH1Schedule, m, p), {"F": f, "B": b, "W": w})
         assert slots * (f + b + w) == pytest.approx(simulated)
         assert bubble == pytest.approx((p - 1) * (f + b - w))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 7), (4, 8), (4, 16)])
+def test_zb_h2_slots_are_its_simulated_makespan(p, m):
+    """The tuner's ZB-H2 bubble is the makespan of the DeepSpeed instructions the engine runs, built for the tuner's
+    costs (T_F a third of the micro-batch, W its weight-GEMM share, rounded to 0.05 of it: here exact), under
+    blocking p2p."""
+    for t_mb, t_w in ((3.0, 0.75), (3.0, 0.6)):
+        costs = (t_mb / 3, 2 * t_mb / 3 - t_w, t_w)
+        slots, bubble = schedule_slots(_cand(pp=p, num_micro_batches=m, schedule="zb-h2"), _stage(t_mb, t_w))
+        simulated = makespan(streams(ZeroBubbleH2Schedule, m, p, costs=costs), dict(zip("FBW", costs)))
+        assert slots * t_mb == pytest.approx(simulated)
+        assert bubble == pytest.approx(simulated - m * t_mb)
 
 
 def _dualpipev_streams(p: int, m: int) -> list[list]:
@@ -176,6 +189,22 @@ def test_zb_h1_memory_adds_p_minus_1_w_passes_on_the_last_stage_only():
     assert rank_param_counts(model, zb) == stage_param_counts(model, 2, 4)
 
 
+def test_zb_h2_memory_twice_the_forwards_and_its_w_passes():
+    """ZB-H2's first stage keeps 2p - 1 micro-batches (1F1B: p) and up to memory.stage_deferred_w_passes W passes."""
+    from ds_megatron.parallel.zb_order import max_w_held
+
+    model = _model()
+    base, zb = _cand(), _cand(schedule="zb-h2")
+    first, _ = stage_activation_bytes(model, base)
+    zb_first, zb_last = stage_activation_bytes(model, zb)
+    transient = recompute_transient_bytes(model, base, 6)
+    per_mb = (first - transient) / 4
+    w_first = deferred_weight_grad_bytes(model, zb, 6, last=False)
+    assert zb_first == pytest.approx(7 * per_mb + transient + max_w_held(4, 0) * w_first)
+    one = stored_activation_bytes(model, base, 6) + output_activation_bytes(model, base) + transient
+    assert zb_last == pytest.approx(one + max_w_held(4, 3) * deferred_weight_grad_bytes(model, zb, 6, last=True))
+
+
 def test_dualpipev_memory_two_chunks_per_rank():
     model, cand = _model(), _cand(schedule="dualpipev")
     first, last = rank_param_counts(model, cand)
@@ -202,6 +231,7 @@ def test_step_times_per_schedule():
     assert 0 < slowest.weight_grad_s < slowest.compute_s / 3  # the W share: a third of the weight GEMMs' runs
     assert times["zb-h1"].step_s < times["1f1b"].step_s
     assert times["dualpipev"].bubble_s < times["1f1b"].bubble_s
+    assert times["zb-h2"].bubble_s <= times["1f1b"].bubble_s
     assert "schedule" not in times["1f1b"].as_dict() and times["zb-h1"].as_dict()["schedule"] == "zb-h1"
 
 
@@ -247,6 +277,7 @@ def test_written_config_names_the_schedule():
         (["--schedule", "dualpipe"], "error: --schedule: unknown pipeline schedule ('dualpipe'); use one of"),
         (["--schedule", "dualpipev", "--pp", "1"], "error: --schedule: dualpipev needs pp > 1"),
         (["--schedule", "zb-h1", "--pp", "1"], "error: --schedule: zb-h1 needs pp > 1"),
+        (["--schedule", "zb-h2", "--pp", "1"], "error: --schedule: zb-h2 needs pp > 1"),
         (
             ["--schedule", "dualpipev", "--pp", "8", "--dp", "1", "--global-batch-size", "8"],
             "error: --schedule: dualpipev needs m >= 2 x pp",

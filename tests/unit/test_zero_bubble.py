@@ -1,4 +1,4 @@
-"""ZB-H1 on DeepSpeed's pipeline engine: the schedule (unit tier) and the trained result (one launcher run).
+"""ZB-H1 and ZB-H2 on DeepSpeed's pipeline engine: the schedules (unit tier) and the trained result (one launcher run).
 
 Unit tier: with the W passes removed, the ZB-H1 stream of every stage is DeepSpeed's 1F1B stream, instruction for
 instruction (same communication order, so no new deadlock); every backward pass gets exactly one W pass, no W pass
@@ -7,12 +7,19 @@ reductions.  A timing model of the streams (T_F = T_B = T_W; a send and its rece
 there, as DeepSpeed's p2p does) shows the bubble going from 1F1B's (p-1)(T_F+T_B+T_W) to ZB-H1's (p-1)(T_F+T_B-T_W),
 and, with the costs measured on CPU (T_F 1.6, T_B 1.4, T_W 1), halving.  The schedule key
 is validated before anything starts.  The engine's W instruction frames each W pass for DeepSpeed's BF16 optimizer
-like a backward pass, and its optimizer step refuses to run with W passes queued.
+like a backward pass, and its optimizer step refuses to run with W passes queued; a gradient received stays what it
+was when the next one arrives (a W pass may still hold it).  ZB-H2's streams (built by ``parallel.zb_order``) are
+valid DeepSpeed programs (each pass once and in order, within 2(p - s) - 1 forwards ahead and the memory model's
+W passes, pipe buffers never reused early, no deadlock under blocking p2p), and with the CPU's costs halve 1F1B's
+bubble at pp 2 where ZB-H1 cannot.
 
 Launcher tier (one run, 2 processes, pp 2): GPT-2 (tied embeddings across the two stages) and Llama (untied) in
-fp32, and GPT-2 with DeepSpeed's BF16 optimizer (ZeRO-1, fp32 accumulators), each train three steps with 1F1B and
-with ZB-H1: losses, step-1 gradients (bf16: the fp32 accumulators) and the weights after three steps agree within
-fp32 rounding (measured: bit for bit), and ZB-H1 ran one W pass with deferred work per micro-batch.
+fp32, and GPT-2 with DeepSpeed's BF16 optimizer (ZeRO-1, fp32 accumulators), each train three steps with 1F1B,
+ZB-H1 and ZB-H2: losses, step-1 gradients (bf16: the fp32 accumulators) and the weights after three steps agree
+within fp32 rounding (measured: bit for bit), each zero-bubble schedule ran one W pass with deferred work per
+micro-batch, and ZB-H2 rebuilt its order after the first step for the costs all ranks timed alike.  (tp 2 and SP
+need 4 processes at pp 2; the deferred W passes are exact there in-process, tests/unit/test_weight_grad.py, and
+the schedules only reorder whole passes.)
 """
 
 from __future__ import annotations
@@ -20,11 +27,11 @@ from __future__ import annotations
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
-from ds_megatron.parallel.zero_bubble import WeightGradPass, ZeroBubbleH1Schedule
+from ds_megatron.parallel.zero_bubble import WeightGradPass, ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
 
 
-def streams(cls, m: int, p: int) -> list[list]:
-    return [[cmd for step in cls(micro_batches=m, stages=p, stage_id=s) for cmd in step] for s in range(p)]
+def streams(cls, m: int, p: int, **kw) -> list[list]:
+    return [[cmd for step in cls(micro_batches=m, stages=p, stage_id=s, **kw) for cmd in step] for s in range(p)]
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
@@ -110,7 +117,7 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
             "zb",
             False,
             "error: ds_megatron.parallel.pipeline_schedule: unknown schedule (got 'zb'); "
-            "use one of ['1f1b', 'dualpipev', 'zb-h1', 'dualpipev-zb']",
+            "use one of ['1f1b', 'dualpipev', 'zb-h1', 'zb-h2', 'dualpipev-zb']",
         ),
         (
             "zb-h1",
@@ -118,8 +125,14 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
             "error: ds_megatron.parallel.pipeline_schedule: zb-h1 is not supported with fp16 "
             "(pipeline_schedule='zb-h1', fp16.enabled=true); use bf16 or fp32, or pipeline_schedule \"1f1b\"",
         ),
+        (
+            "zb-h2",
+            True,
+            "error: ds_megatron.parallel.pipeline_schedule: zb-h2 is not supported with fp16 "
+            "(pipeline_schedule='zb-h2', fp16.enabled=true); use bf16 or fp32, or pipeline_schedule \"1f1b\"",
+        ),
     ],
-    ids=["unknown", "fp16"],
+    ids=["unknown", "fp16", "fp16-zb-h2"],
 )
 def test_pipeline_schedule_is_validated(schedule, fp16, message):
     from ds_megatron.config import ConfigError, resolve
@@ -132,9 +145,13 @@ def test_pipeline_schedule_is_validated(schedule, fp16, message):
     with pytest.raises(ConfigError) as err:
         resolve(cfg, 2)
     assert str(err.value) == message
-    cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": "zb-h1", "pp": 2}
     cfg.pop("fp16", None)
-    assert resolve(cfg, 2).section.parallel.pipeline_schedule == "zb-h1"
+    for name in ("zb-h1", "zb-h2"):
+        cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": name, "pp": 2}
+        assert resolve(cfg, 2).section.parallel.pipeline_schedule == name
+    cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": "zb-h2", "pp": 1}
+    with pytest.raises(ConfigError, match="pp 1 has one stage"):
+        resolve(cfg, 1)
 
 
 class _FakeBF16Optimizer:
@@ -190,3 +207,127 @@ def test_w_pass_moves_bf16_gradients_once_and_the_step_refuses_leftovers():
     queue.defer((p,), lambda: (plain.append("W") or torch.ones(1),))
     _fake_engine(plain, queue, bf16=False)._exec_weight_grad_pass()  # fp32: .grad directly, no framing
     assert plain == ["W"] and p.grad.item() == 4.0
+
+
+CPU_COSTS = (1.44, 1.48, 1.0)  # T_F, T_B, T_W per micro-batch measured on CPU at h 256, s 128 (39, 40, 27 ms)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
+@pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), CPU_COSTS], ids=["equal", "cpu"])
+def test_zb_h2_streams_are_valid_deepspeed_programs(m, p, costs):
+    """Every stage forwards and backwards each micro-batch once, in order, with one W pass per backward, all before
+    the reductions; never more than 2(p - s) - 1 forwards ahead; a gradient received is the next backward's (the
+    engine keeps one); a pipe buffer is never reused while its micro-batch still needs it; and the blocking-p2p
+    timing model runs the streams to the end (no deadlock)."""
+    from ds_megatron.config.schema import pipeline_schedule
+    from ds_megatron.memory import stage_activations_in_flight, stage_deferred_w_passes
+
+    per_stage = streams(ZeroBubbleH2Schedule, m, p, costs=costs)
+    h2 = pipeline_schedule("zb-h2")
+    for stage, stream in enumerate(per_stage):
+        buffers = ZeroBubbleH2Schedule(m, p, stage, costs=costs).num_pipe_buffers()
+        forwards, backwards, pending, live, peak_f, peak_w = [], [], 0, {}, 0, 0
+        for i, cmd in enumerate(stream):
+            if isinstance(cmd, ds.ForwardPass):
+                forwards.append(i)
+            elif isinstance(cmd, ds.BackwardPass):
+                backwards.append(i)
+                pending += 1
+                assert isinstance(stream[i - 1], ds.RecvGrad) or stage == p - 1 or stream[i - 1] is None
+            elif isinstance(cmd, WeightGradPass):
+                pending -= 1
+                assert pending >= 0
+            elif isinstance(cmd, ds.ReduceTiedGrads):
+                assert pending == 0
+            peak_f = max(peak_f, len(forwards) - len(backwards))
+            peak_w = max(peak_w, pending)
+            buffer = getattr(cmd, "buffer_id", None)
+            if buffer is not None:  # micro-batch of this op: F/B/RA/SA/... count in order per kind
+                kind = type(cmd)
+                n = live.setdefault(("n", kind), 0)
+                live[("n", kind)] = n + 1
+                assert buffer == n % buffers, (stage, i, cmd)
+                owner = live.get(("buffer", buffer))
+                if owner is not None and owner != n:  # a new micro-batch takes the buffer: the old one is done
+                    assert owner < n and ("done", owner) in live, (stage, i, cmd, owner)
+                live[("buffer", buffer)] = n
+                if kind is (ds.BackwardPass if stage == 0 else ds.SendGrad):
+                    live[("done", n)] = True
+        assert len(forwards) == len(backwards) == m
+        assert peak_f <= stage_activations_in_flight(h2, p, stage, m) == min(m, 2 * (p - stage) - 1)
+        assert peak_w <= stage_deferred_w_passes(h2, p, stage)
+    makespan(per_stage, dict(zip("FBW", costs)))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (2, 16)])
+def test_zb_h2_halves_1f1b_bubble_at_pp2_with_cpu_costs(p, m):
+    """With the costs measured on CPU (T_F about T_B + T_W), ZB-H1's bubble is at best half of 1F1B's; ZB-H2, built
+    for those costs, reaches (p - 1) T_F at m 4 and 8 (the floor under DeepSpeed's synchronised step: the last
+    stage waits that long for its first activation), and never does worse than ZB-H1; with equal costs it equals
+    ZB-H1's (p - 1) T_F.  The tuner's bubble is this simulated makespan (tune.schedules.bubble_s)."""
+    from ds_megatron.tune.schedules import bubble_s
+
+    t_f, t_b, t_w = CPU_COSTS
+    work = m * (t_f + t_b + t_w)
+    one_f_one_b = makespan(streams(ds.TrainSchedule, m, p), {"F": t_f, "B": t_b + t_w}) - work
+    h1 = makespan(streams(ZeroBubbleH1Schedule, m, p), dict(zip("FBW", CPU_COSTS))) - work
+    h2 = makespan(streams(ZeroBubbleH2Schedule, m, p, costs=CPU_COSTS), dict(zip("FBW", CPU_COSTS))) - work
+    assert h2 == pytest.approx(bubble_s("zb-h2", p, m, *CPU_COSTS))
+    assert h1 == pytest.approx(bubble_s("zb-h1", p, m, *CPU_COSTS))
+    assert one_f_one_b == pytest.approx(bubble_s("1f1b", p, m, *CPU_COSTS))
+    assert h2 <= h1 + 1e-9
+    if m <= 8:
+        assert h2 == pytest.approx((p - 1) * t_f) and h2 <= one_f_one_b / 2
+    equal = makespan(streams(ZeroBubbleH2Schedule, m, p), {"F": 1, "B": 1, "W": 1}) - 3 * m
+    assert equal == p - 1
+
+
+def test_zb_h2_order_built_per_stage_costs():
+    """The last stage also runs the output layer and the loss: built for each stage's own costs the order still
+    reaches the (p - 1) T_F floor at pp 2, m 8, where the order built for the stages' mean costs does not; the
+    engine's agreed costs are each stage's own means, the same on every rank (one all-reduce)."""
+    from ds_megatron.parallel.zb_order import makespan as zb_makespan
+    from ds_megatron.parallel.zb_order import zb_h2_streams
+
+    per_stage = (CPU_COSTS, (1.67, 1.6, 1.1))
+    mean = tuple((a + b) / 2 for a, b in zip(*per_stage))
+    work = 8 * sum(per_stage[1])
+    assert zb_makespan(zb_h2_streams(2, 8, per_stage), per_stage) - work == pytest.approx(CPU_COSTS[0])
+    assert zb_makespan(zb_h2_streams(2, 8, mean), per_stage) - work > 1.5 * CPU_COSTS[0]
+
+
+def test_agreed_costs_are_each_stages_medians_on_every_rank(monkeypatch):
+    import torch
+
+    from ds_megatron.parallel import zero_bubble
+
+    other = torch.zeros(2, 6, dtype=torch.float64)
+    other[1] = torch.tensor([2.0, 1, 1.5, 1, 1.0, 1], dtype=torch.float64)  # stage 1's rank: F 2, B 1.5, W 1 s
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t: t.add_(other))
+    # stage 0: medians F 1, B 1, W 0.5 s (one F the machine delayed does not move them)
+    mine = {"F": [1.0, 9.0, 1.0], "B": [1.0, 1.0], "W": [0.5, 0.5, 0.4]}
+    assert zero_bubble.agreed_costs(mine, 0, 2) == ((0.5, 0.5, 0.25), (1.0, 0.75, 0.5))
+
+
+def test_received_gradients_are_not_overwritten_by_the_next_receive(monkeypatch):
+    """DeepSpeed receives every gradient into one buffer; a W pass queued across the next receive (ZB-H2, and ZB-H1
+    at pp > 2) keeps the gradient it was given, so the engine hands DeepSpeed its own buffer back, never the copy."""
+    import torch
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from ds_megatron.parallel.zero_bubble import ZeroBubblePipelineEngine
+
+    def receive(self, buffer_id):  # DeepSpeed's: allocate once, then receive in place into grad_layer
+        if self.grad_layer is None:
+            self.grad_layer = torch.zeros(3)
+        self.grad_layer.fill_(float(buffer_id))
+
+    monkeypatch.setattr(PipelineEngine, "_exec_recv_grads", receive)
+    engine = ZeroBubblePipelineEngine.__new__(ZeroBubblePipelineEngine)
+    engine.grad_layer = None
+    engine._exec_recv_grads(1)
+    kept = engine.grad_layer  # what the stage's last linear's W pass holds
+    engine._exec_recv_grads(2)
+    assert kept.tolist() == [1.0] * 3 and engine.grad_layer.tolist() == [2.0] * 3

@@ -1,15 +1,15 @@
-"""Zero-bubble worker: train each layout with DeepSpeed's 1F1B and with ZB-H1 (deferred weight gradients run in the
-pipeline's bubbles) from the same weights on the same data, and compare, on every rank.
+"""Zero-bubble worker: train each layout with DeepSpeed's 1F1B, with ZB-H1 and with ZB-H2 (deferred weight gradients
+run in the pipeline's bubbles) from the same weights on the same data, and compare, on every rank.
 
 Usage (under the deepspeed launcher):
     zero_bubble.py --out DIR --layouts 1,2,1 1,2,1,llama [--steps 3]
-        writes DIR/<layout>.rank<r>.json: both schedules' losses, the largest step-1 gradient and final weight
-        differences, how many W passes ZB-H1 ran and how many were left at a step.
-    zero_bubble.py --out DIR --measure --micro-batches 4 8 16 --repeats 5
-        times every instruction of one step per schedule, interleaved (1f1b, zb-h1, 1f1b, ...), and writes
+        writes DIR/<layout>.rank<r>.json: per zero-bubble schedule, its and 1F1B's losses, the largest step-1
+        gradient and final weight differences, how many W passes it ran and how many were left at a step.
+    zero_bubble.py --out DIR --measure --micro-batches 4 8 16 --repeats 5 [--pp 2]
+        times every instruction of one step per schedule, interleaved (1f1b, zb-h1, zb-h2, 1f1b, ...), and writes
         DIR/measure.rank<r>.json: per repeat and micro-batch count, the seconds spent computing (forward, B, W,
         loading), waiting in pipeline sends/receives, in the step's reductions and optimizer ("step"), and the
-        whole step ("step_total").
+        whole step ("step_total"); per instruction kind its seconds and its count ("n_<kind>").
 A layout is tp,pp,dp, optionally followed by ``llama`` (4 heads, 2 KV heads, untied), ``sp`` and ``bf16`` (DeepSpeed's
 BF16 optimizer with ZeRO-1 and fp32 gradient accumulation).
 """
@@ -32,7 +32,7 @@ from ds_megatron.engine import build_engine  # noqa: E402
 from ds_megatron.parallel.zero_bubble import WeightGradPass  # noqa: E402
 
 LLAMA_FIELDS = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 96, "rope_theta": 10000.0}
-SCHEDULES = ("1f1b", "zb-h1")
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
 # DeepSpeed's BF16 optimizer (ZeRO-1, fp32 accumulation): gradients live in its fp32 accumulators (``_hp_grad``)
 BF16 = {
     "bf16": {"enabled": True},
@@ -91,6 +91,8 @@ def train(cfg: dict, steps: int):
             float(engine.train_batch(iter(micro_batches(tokens, run.micro_batch_size, run.dp, topo.dp_rank))))
         )
     weights = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    if hasattr(engine, "zb_costs"):  # ZB-H2: the costs its order was rebuilt for after the first step
+        counts["costs"] = list(engine.zb_costs)
     return losses, captured, weights, counts, run.grad_accum_steps
 
 
@@ -109,19 +111,21 @@ def compare(layout: str, args) -> None:
     tp, pp, dp = (int(x) for x in fields[:3])
     options = tuple(fields[3:])
     results = {name: train(config(tp, pp, dp, options, name), args.steps) for name in SCHEDULES}
-    (l1, g1, w1, _, gas), (l2, g2, w2, counts, _) = results["1f1b"], results["zb-h1"]
-    payload = {
-        "losses_1f1b": l1,
-        "losses_zb": l2,
-        "grad_diff": max_diff(g1, g2),
-        "grad_scale": max(float(g.abs().max()) for g in g1.values()),
-        "param_diff": max_diff(w1, w2),
-        "grad_names": sorted(g1),
-        "w_passes": counts["w_passes"],
-        "left_at_reduce": counts["left_at_reduce"],
-        "expected_w_passes": args.steps * gas,
-    }
-    log(layout, payload["losses_1f1b"], payload["losses_zb"], payload["grad_diff"], counts)
+    l1, g1, w1, _, gas = results["1f1b"]
+    payload = {"grad_scale": max(float(g.abs().max()) for g in g1.values()), "grad_names": sorted(g1)}
+    for name in SCHEDULES[1:]:
+        losses, grads, weights, counts, _ = results[name]
+        payload[name] = {
+            "losses_1f1b": l1,
+            "losses_zb": losses,
+            "grad_diff": max_diff(g1, grads),
+            "param_diff": max_diff(w1, weights),
+            "w_passes": counts["w_passes"],
+            "left_at_reduce": counts["left_at_reduce"],
+            "expected_w_passes": args.steps * gas,
+            "costs": counts.get("costs"),
+        }
+    log(layout, {name: (payload[name]["losses_zb"], payload[name]["grad_diff"]) for name in SCHEDULES[1:]}, l1)
     write_result(args.out, layout.replace(",", "-"), payload)
 
 
@@ -132,15 +136,15 @@ def measure(args) -> None:
         "wait": (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad),
         "step": (schedule.ReduceTiedGrads, schedule.ReduceGrads, schedule.OptimizerStep),
     }
-    shape = {"layers": 4, "hidden": args.hidden, "heads": 8, "seq": args.seq, "vocab": 1001, "micro": 2}
+    shape = {"layers": 2 * args.pp, "hidden": args.hidden, "heads": 8, "seq": args.seq, "vocab": 1001, "micro": 2}
     engines = {}
     for m in args.micro_batches:
         for name in SCHEDULES:
-            cfg = config(1, 2, 1, (), name, global_batch=2 * m, **shape)
+            cfg = config(1, args.pp, 1, (), name, global_batch=2 * m, **shape)
             run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
             built = build_engine(run)
             engine = built.engine
-            spent = {k: 0.0 for k in kinds}
+            spent: dict = {k: 0.0 for k in kinds}
             table = (
                 dict(engine._INSTRUCTION_MAP)
                 if "_INSTRUCTION_MAP" in vars(engine)
@@ -180,6 +184,7 @@ def timed(fn, spent: dict, kind: str, name: str):
             elapsed = time.perf_counter() - start
             spent[kind] += elapsed
             spent[name] = spent.get(name, 0.0) + elapsed
+            spent[f"n_{name}"] = spent.get(f"n_{name}", 0) + 1
 
     return run
 
@@ -194,6 +199,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     if args.measure:
