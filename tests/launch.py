@@ -190,3 +190,61 @@ def read_records(run_dir: Path) -> list[dict]:
 def read_losses(run_dir: Path) -> dict[int, float]:
     """Per-step training loss from a run's metrics.jsonl."""
     return {r["step"]: r["loss"] for r in read_records(run_dir) if "loss" in r}
+
+
+# Worker runs of several test modules at the same process count share one launch (``workers/several.py``): a
+# launch's fixed cost (the launcher, every rank importing torch and deepspeed, the process group, DeepSpeed's first
+# engine build) is most of what a short worker run costs.  A module registers its runs with ``shared_launch`` at
+# import; the first test that needs them starts every registered run of that process count of the modules that have
+# a selected test (``tests/launcher/conftest.py`` fills SELECTED_MODULES), each module's runs writing into their own
+# folder.  Each run is still its own ``__main__`` with its own engine (see workers/several.py).
+SELECTED_MODULES: set[str] | None = None  # None: every registered module
+
+
+class _SharedLaunch:
+    def __init__(self, nprocs: int):
+        self.nprocs, self.entries = nprocs, []
+        self.done: Path | None = None  # the runs' completion markers, once launched
+        self.failure: str | None = None  # the launch's output tail when it failed
+
+    def launch(self) -> None:
+        root = Path(tempfile.mkdtemp(prefix=f"ds_megatron-shared-{self.nprocs}-"))
+        atexit.register(shutil.rmtree, root, True)
+        self.done = root / "done"
+        self.done.mkdir()
+        args, index = ["--done", str(self.done)], 0
+        entries = [e for e in self.entries if SELECTED_MODULES is None or e["module"] in SELECTED_MODULES]
+        for k, entry in enumerate(entries):
+            entry["out"] = root / f"{k}-{entry['module']}"
+            entry["out"].mkdir()
+            for run in entry["runs"](entry["out"]):
+                entry["indices"].append(index)
+                args += ["--run", run]
+                index += 1
+        try:
+            deepspeed_launch(WORKERS / "several.py", self.nprocs, args, timeout=sum(e["timeout"] for e in entries))
+        except (AssertionError, subprocess.TimeoutExpired) as err:
+            self.failure = str(err)[-6000:]
+
+
+_SHARED: dict[int, _SharedLaunch] = {}
+
+
+def shared_launch(module: str, nprocs: int, runs, timeout: int = 600):
+    """Register ``runs(out)`` (``workers/several.py`` ``--run`` strings writing under the folder ``out``) of test
+    module ``module`` for the shared launch of ``nprocs`` processes (``timeout``: seconds these runs may take).
+    Returns a function giving ``out`` once the launch ran; it raises with the launch's output tail when one of this
+    module's runs did not finish."""
+    shared = _SHARED.setdefault(nprocs, _SharedLaunch(nprocs))
+    entry = {"module": module, "runs": runs, "out": None, "indices": [], "timeout": timeout}
+    shared.entries.append(entry)
+
+    def result() -> Path:
+        if shared.done is None:
+            shared.launch()
+        missing = [i for i in entry["indices"] if not (shared.done / f"{i}.done").exists()]
+        if missing or entry["out"] is None:
+            raise AssertionError(f"{module}: run(s) {missing} of the shared launch did not finish:\n{shared.failure}")
+        return entry["out"]
+
+    return result
