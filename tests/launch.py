@@ -50,8 +50,11 @@ def deepspeed_launch(
     cmd = [*launcher_command(nprocs, port, command), str(script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
     env.update(env_extra or {})
-    _record_launch(script, nprocs)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        _record_launch(script, nprocs, seconds=time.monotonic() - start, args=args)
     output = proc.stdout + proc.stderr
     leaked = shm_buffers(port)
     for f in leaked:  # never let a failed run fill the machine's memory (see engine.release_shm_buffer_name)
@@ -73,14 +76,17 @@ def launcher_command(nprocs: int, port: int, command: bool = False) -> list[str]
     return [*launcher, "--master_addr=127.0.0.1", f"--master_port={port}", "--log_level=info"]
 
 
-def _record_launch(script: str | Path, nprocs: int, nodes: int = 1) -> None:
-    """With DS_MEGATRON_TEST_LAUNCH_LOG set, append one line per launch (test, script, processes): the suite's time is
-    mostly launches, and this counts them per test."""
+def _record_launch(script: str | Path, nprocs: int, nodes: int = 1, seconds: float = 0.0, args=()) -> None:
+    """With DS_MEGATRON_TEST_LAUNCH_LOG set, append one line per launch (test, script, processes, wall seconds, and
+    for a shared launch the workers it ran): the suite's time is mostly launches, and this counts them per test."""
     log = os.environ.get("DS_MEGATRON_TEST_LAUNCH_LOG")
     if log:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        runs = [Path(a.split()[0]).name for a, flag in zip(args[1:], args) if flag == "--run"]
+        record = {"test": test, "script": Path(script).name, "nprocs": nprocs, "nodes": nodes}
+        record.update(seconds=round(seconds, 1), **({"runs": runs} if runs else {}))
         with open(log, "a") as f:
-            f.write(json.dumps({"test": test, "script": Path(script).name, "nprocs": nprocs, "nodes": nodes}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
 
 def deepspeed_launch_nodes(
@@ -98,7 +104,7 @@ def deepspeed_launch_nodes(
     launcher = Path(sys.executable).parent / "deepspeed"
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
-    _record_launch(script, procs_per_node, nodes)
+    start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         hostfile = Path(tmp) / "hostfile"
         hostfile.write_text("".join(f"node{i} slots={procs_per_node}\n" for i in range(nodes)))
@@ -128,6 +134,7 @@ def deepspeed_launch_nodes(
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
         outputs = [log.read_text() for log in logs]
+        _record_launch(script, procs_per_node, nodes, seconds=time.monotonic() - start)
     leaked = shm_buffers(port)
     for f in leaked:
         f.unlink(missing_ok=True)
@@ -190,3 +197,75 @@ def read_records(run_dir: Path) -> list[dict]:
 def read_losses(run_dir: Path) -> dict[int, float]:
     """Per-step training loss from a run's metrics.jsonl."""
     return {r["step"]: r["loss"] for r in read_records(run_dir) if "loss" in r}
+
+
+# Worker runs of several test modules at the same process count share one launch (``workers/several.py``): a
+# launch's fixed cost (the launcher, every rank importing torch and deepspeed, the process group, DeepSpeed's first
+# engine build) is most of what a short worker run costs.  A module registers its runs with ``shared_launch`` at
+# import; the first test that needs them starts every registered run of that process count and phase of the modules
+# that have a selected test (``tests/launcher/conftest.py`` fills SELECTED_MODULES), each module's runs writing into
+# their own folder.  Each run is still its own ``__main__`` with its own engine (see workers/several.py).  A run that
+# must start in a fresh launch after another (a resume) registers in a later phase, and its ``runs`` function asks
+# for the earlier phase's result itself (the work between the two, such as moving a checkpoint, goes there too).
+SELECTED_MODULES: set[str] | None = None  # None: every registered module
+
+
+class _SharedLaunch:
+    def __init__(self, nprocs: int, phase: int):
+        self.nprocs, self.phase, self.entries = nprocs, phase, []
+        self.done: Path | None = None  # the runs' completion markers, once launched
+        self.failure: str | None = None  # the launch's output tail when it failed
+
+    def launch(self) -> None:
+        root = Path(tempfile.mkdtemp(prefix=f"ds_megatron-shared-{self.nprocs}-{self.phase}-"))
+        atexit.register(shutil.rmtree, root, True)
+        self.done = root / "done"
+        self.done.mkdir()
+        args, index = ["--done", str(self.done)], 0
+        entries = [e for e in self.entries if SELECTED_MODULES is None or e["module"] in SELECTED_MODULES]
+        for k, entry in enumerate(entries):
+            entry["out"] = root / f"{k}-{entry['module']}"
+            entry["out"].mkdir()
+            try:
+                runs = entry["runs"](entry["out"])
+            except AssertionError as err:  # what this module's runs depend on failed: the other modules still run
+                entry["error"] = str(err)[-6000:]
+                continue
+            for run in runs:
+                entry["indices"].append(index)
+                args += ["--run", run]
+                index += 1
+        if index == 0:
+            return
+        try:
+            deepspeed_launch(WORKERS / "several.py", self.nprocs, args, timeout=sum(e["timeout"] for e in entries))
+        except (AssertionError, subprocess.TimeoutExpired) as err:
+            self.failure = str(err)[-6000:]
+
+
+_SHARED: dict[tuple[int, int], _SharedLaunch] = {}
+
+
+def shared_launch(module: str, nprocs: int, runs, phase: int = 0, timeout: int = 600):
+    """Register ``runs(out)`` (``workers/several.py`` ``--run`` strings writing under the folder ``out``) of test
+    module ``module`` for the shared launch of ``nprocs`` processes in ``phase`` (``timeout``: seconds these runs may
+    take).  Returns a function giving ``out`` once the launch ran; it raises with the launch's output tail when one
+    of this module's runs did not finish (``check=False``: it gives ``out`` all the same, for runs that report their
+    own outcome)."""
+    shared = _SHARED.setdefault((nprocs, phase), _SharedLaunch(nprocs, phase))
+    entry = {"module": module, "runs": runs, "out": None, "indices": [], "timeout": timeout, "error": None}
+    shared.entries.append(entry)
+
+    def result(check: bool = True) -> Path:
+        if shared.done is None:
+            shared.launch()
+        if not check and entry["out"] is not None:
+            return entry["out"]
+        if entry["error"] is not None:
+            raise AssertionError(f"{module}: the runs of phase {phase} could not be planned:\n{entry['error']}")
+        missing = [i for i in entry["indices"] if not (shared.done / f"{i}.done").exists()]
+        if missing or entry["out"] is None:
+            raise AssertionError(f"{module}: run(s) {missing} of the shared launch did not finish:\n{shared.failure}")
+        return entry["out"]
+
+    return result

@@ -4,8 +4,9 @@
 optimizer, scheduler type and ratios, clipping, SP, recompute policy, attention kernel, dropout, pipeline on or off)
 and shrinks what only sets sizes: a few layers (two per pipeline stage), width 64, 4 heads, sequence 64, a 1,024-token
 BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule steps scaled to a 3-step run.  tp/pp/dp are adapted
-to at most 4 processes: pp = min(pp, 2), cp = min(cp, 2) (a context-parallel config keeps cp > 1), tp =
-min(tp, 4 // (pp cp)), and dp = 2 where that still fits (so ZeRO-1 really partitions the optimizer state).
+to 4 processes: pp = min(pp, 2), cp = min(cp, 2) (a context-parallel config keeps cp > 1), tp = min(tp, 4 // (pp cp)),
+and dp fills the 4 (at least 2 where that fits, so ZeRO-1 really partitions the optimizer state): every miniature
+runs at 4 processes, so all of them share one launch.
 
 Configs whose miniatures differ only in numbers that select no code (learning rate, betas, schedule lengths, seed)
 share one run: ``code_path_key`` says which.  A config added to ds_configs/ is covered without writing a test.
@@ -29,7 +30,7 @@ def adapted_layout(tp: int, pp: int, cp: int = 1) -> tuple[int, int, int, int]:
     pp2 = min(pp, 2)
     cp2 = min(cp, 2)
     tp2 = min(tp, MAX_PROCS // (pp2 * cp2))
-    dp2 = 2 if tp2 * pp2 * cp2 * 2 <= MAX_PROCS else 1
+    dp2 = MAX_PROCS // (tp2 * pp2 * cp2)
     return tp2, pp2, cp2, dp2
 
 

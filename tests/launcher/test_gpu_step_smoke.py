@@ -4,14 +4,17 @@ check does not rot between the sessions that have a GPU: bf16 + ZeRO-1 through t
 from __future__ import annotations
 
 import pytest
-from launch import ROOT, deepspeed_launch
+from launch import ROOT, shared_launch
+
+# in the 1-process launch shared with other modules (launch.shared_launch)
+LAUNCH = shared_launch(
+    __name__, 1, lambda out: [f"{ROOT / 'benchmarks' / 'gpu_step.py'} --tiny --markdown {out / 'gpu.md'}"]
+)
 
 
 @pytest.mark.slow
-def test_gpu_step_runs_tiny_on_cpu(tmp_path):
-    out = tmp_path / "gpu.md"
-    deepspeed_launch(ROOT / "benchmarks" / "gpu_step.py", 1, ["--tiny", "--markdown", str(out)])
-    table = out.read_text()
+def test_gpu_step_runs_tiny_on_cpu():
+    table = (LAUNCH() / "gpu.md").read_text()
     for kernel, policy in [
         ("eager", "none"),
         ("eager", "selective"),

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from launch import WORKERS, deepspeed_launch
+from launch import shared_launch
 from safetensors.torch import load_file
 from test_hf_interop import _random_hf
 from transformers import GPT2LMHeadModel
@@ -39,16 +39,25 @@ def _random_llama(path):
     return model
 
 
+_ORIGINAL = {}
+
+
+def _import_runs(out) -> list[str]:
+    _ORIGINAL["gpt2"] = _random_hf(out / "hf")
+    _random_llama(out / "hf_llama")
+    return [f"hf_roundtrip.py --hf {out / 'hf'} --hf-llama {out / 'hf_llama'} --out {out}"]
+
+
+# in the 4-process launch shared with other modules (launch.shared_launch)
+LAUNCH = shared_launch(__name__, 4, _import_runs)
+
+
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory):
+def imported():
     """A random GPT-2 and a random Llama imported at tp 2 x pp 2 with SP (--init-from-hf) and saved as step-0
-    DeepSpeed checkpoints (one launch)."""
-    tmp_path = tmp_path_factory.mktemp("imported")
-    original = _random_hf(tmp_path / "hf")
-    _random_llama(tmp_path / "hf_llama")
-    args = ["--hf", str(tmp_path / "hf"), "--hf-llama", str(tmp_path / "hf_llama"), "--out", str(tmp_path)]
-    deepspeed_launch(WORKERS / "hf_roundtrip.py", 4, args)
-    return original, tmp_path
+    DeepSpeed checkpoints (one run)."""
+    out = LAUNCH()
+    return _ORIGINAL["gpt2"], out
 
 
 @pytest.mark.slow

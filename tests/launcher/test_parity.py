@@ -15,11 +15,12 @@ gradients (every parameter, before clipping), the global gradient norm, and the 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from launch import WORKERS, deepspeed_launch
+from launch import shared_launch
 
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
@@ -76,12 +77,23 @@ def result_name(layout: str) -> str:
     return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family, *cp_part, *extra, *docs])
 
 
+def _parity_run(layouts: list[str]):
+    return lambda out: [f"parity.py --out {out} --layouts {' '.join(layouts)}"]
+
+
+# one run per process count, in the launch of that count shared with other modules (launch.shared_launch)
+LAUNCHES = [
+    shared_launch(__name__, nprocs, _parity_run([*layouts, *REPLAY.get(nprocs, []), *CHECKPOINT.get(nprocs, [])]))
+    for nprocs, layouts in GROUPS.items()
+]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Every process count's results in one folder."""
     out = tmp_path_factory.mktemp("parity")
-    for nprocs, layouts in GROUPS.items():
-        layouts = [*layouts, *REPLAY.get(nprocs, []), *CHECKPOINT.get(nprocs, [])]
-        deepspeed_launch(WORKERS / "parity.py", nprocs, ["--out", str(out), "--layouts", *layouts])
+    for launched in LAUNCHES:
+        shutil.copytree(launched(), out, dirs_exist_ok=True)
     return out
 
 

@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from launch import RECIPE, ROOT, deepspeed_launch, read_records
+from launch import RECIPE, ROOT, deepspeed_launch, read_records, shared_launch
 
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
@@ -79,11 +79,12 @@ def test_demo_trains_and_reports(demo):
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step00000040"
 
 
-def test_greedy_continuation_matches_single_device(tmp_path):
-    from launch import WORKERS
+# in the 2-process launch shared with other modules (launch.shared_launch)
+GENERATE = shared_launch(__name__, 2, lambda out: [f"generate.py --out {out} --layout 2,1,1 --layout 1,2,1"])
 
-    deepspeed_launch(WORKERS / "generate.py", 2, ["--out", str(tmp_path), "--layout", "2,1,1", "--layout", "1,2,1"])
-    files = sorted(tmp_path.glob("generate-*.json"))
+
+def test_greedy_continuation_matches_single_device():
+    files = sorted(GENERATE().glob("generate-*.json"))
     assert [f.name for f in files] == [f"generate-{x}.rank{r}.json" for x in ("121", "211") for r in (0, 1)]
     for f in files:
         r = json.loads(f.read_text())

@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from launch import WORKERS, deepspeed_launch
+from launch import shared_launch
+
+# both variants in one run: SP off (GPT), then SP on (GPT and Llama), in the 4-process launch shared with other modules
+LAUNCH = shared_launch(__name__, 4, lambda out: [f"recompute.py --out {out} --variants tp,tp+sp"])
 
 
 @pytest.fixture(scope="module")
-def recompute_results(tmp_path_factory):
-    """Both variants in one launch: SP off (GPT), then SP on (GPT and Llama)."""
-    out = tmp_path_factory.mktemp("recompute")
-    deepspeed_launch(WORKERS / "recompute.py", 4, ["--out", str(out), "--variants", "tp,tp+sp"])
-    return out
+def recompute_results():
+    return LAUNCH()
 
 
 @pytest.mark.slow

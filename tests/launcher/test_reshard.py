@@ -6,10 +6,10 @@ DeepSpeed's ZeRO optimizer (fp32 + ZeRO-1, bf16 + ZeRO-1 without fp32 gradient a
 layout and reshards on load to one with less vocabulary padding (offline it is refused, pointing there); bf16 +
 ZeRO-1 saved at cp 2 resumes at cp 4 on load and, resharded offline across cp, at tp 2 x cp 1.
 
-All the recipe runs of this file take two launches (``workers/recipe_runs.py``, the ``runs`` fixture): the runs
-that start from nothing, then, after the offline resharding, the ones that resume (in order, so a run may resume
-from the one before it).  Each run builds its own topology, engine and data, and its messages are read from its own
-output copy."""
+All the recipe runs of this file take two launches (``workers/recipe_runs.py``, the ``runs`` fixture), shared with
+other modules' runs of 4 processes: the runs that start from nothing, then, after the offline resharding, the ones
+that resume (in order, so a run may resume from the one before it).  Each run builds its own topology, engine and
+data, and its messages are read from its own output copy."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 import torch
-from launch import ROOT, TINY_CONFIG, WORKERS, deepspeed_launch, quiet_run_flags, read_losses, read_records
+from launch import ROOT, TINY_CONFIG, quiet_run_flags, read_losses, read_records, shared_launch
 
 from ds_megatron.checkpoint import safe_load
 from ds_megatron.checkpoint.__main__ import main as checkpoint_main
@@ -38,14 +38,13 @@ class Runs:
         argv = ["--deepspeed_config", config, "--train-iters", str(iters), *flags, *extra]
         self.plan.append({"name": name, "status_dir": str(self.root), "argv": argv, "output": True})
 
-    def launch(self) -> None:
+    def take(self) -> list[str]:
+        """The ``workers/several.py`` run of the runs planned so far; it exits 0 once every run returned (each is
+        reported from its status file by ``result``), so that the other modules' runs of the launch still start."""
         path = self.root / f"plan{len(list(self.root.glob('plan*.json')))}.json"
         path.write_text(json.dumps(self.plan))
         self.plan = []
-        try:
-            deepspeed_launch(WORKERS / "recipe_runs.py", 4, ["--plan", str(path)])
-        except AssertionError as err:  # reported by the tests whose runs did not finish (``result``)
-            self.errors.append(str(err)[-6000:])
+        return [f"recipe_runs.py --plan {path} --exit-zero"]
 
     def result(self, name: str) -> str:
         """The run's output (every rank's, joined) once it finished with status 0."""
@@ -329,14 +328,41 @@ def test_bf16_zero1_checkpoint_saved_at_cp2_resumes_at_cp4_and_cp1(runs):
 PLANS = (plan_2x2_to_1x4_to_4x1, plan_bf16_zero1, plan_zero1_optimizers, plan_cp_bf16)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    """Every run of this file: leg 0 (one launch) starts from nothing, leg 1 reshards offline and sets checkpoints
-    aside in this process, leg 2 (one launch) resumes."""
-    runs = Runs(tmp_path_factory.mktemp("reshard"))
-    for leg in range(3):
+_RUNS: list[Runs] = []
+
+
+def _starting(out) -> list[str]:
+    """Leg 0: the runs that start from nothing."""
+    _RUNS.append(Runs(out))
+    for plan in PLANS:
+        plan(_RUNS[0], 0)
+    return _RUNS[0].take()
+
+
+def _resuming(out) -> list[str]:
+    """Leg 1 (offline resharding, checkpoints set aside) in this process, after leg 0's launch; then leg 2, the
+    runs that resume, in order, so a run may resume from the one before it."""
+    STARTING(check=False)  # a run that did not finish fails its tests, and those that resume from it
+    for leg in (1, 2):
         for plan in PLANS:
-            plan(runs, leg)
-        if runs.plan:
-            runs.launch()
-    return runs
+            plan(_RUNS[0], leg)
+    return _RUNS[0].take()
+
+
+# two launches of 4 processes shared with other modules (launch.shared_launch)
+STARTING = shared_launch(__name__, 4, _starting)
+RESUMING = shared_launch(__name__, 4, _resuming, phase=1)
+
+
+@pytest.fixture(scope="module")
+def runs() -> Runs:
+    """Every run of this file."""
+    for launched in (STARTING, RESUMING):
+        try:
+            launched()
+        except AssertionError as err:  # reported by the tests whose runs did not finish (``result``)
+            if _RUNS:
+                _RUNS[0].errors.append(str(err)[-6000:])
+            else:
+                raise
+    return _RUNS[0]

@@ -6,17 +6,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from launch import WORKERS, deepspeed_launch
+from launch import shared_launch
 
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
 
+# SP off (rng.json), then on (rng-sp.json), in the 4-process launch shared with other modules
+LAUNCH = shared_launch(__name__, 4, lambda out: [f"rng.py --out {out} --both"])
+
+
 @pytest.fixture(scope="module")
-def masks(tmp_path_factory):
-    """SP off (rng.json), then on (rng-sp.json), in one launch."""
-    out = tmp_path_factory.mktemp("rng")
-    deepspeed_launch(WORKERS / "rng.py", 4, ["--out", str(out), "--both"])
-    return out
+def masks():
+    return LAUNCH()
 
 
 def test_dropout_masks_follow_the_regions(masks):

@@ -10,9 +10,10 @@ s/t rows.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
-from launch import WORKERS, deepspeed_launch
+from launch import shared_launch
 
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
@@ -20,18 +21,31 @@ SEQ, TP = 16, 2
 LAYOUTS = {2: "2,1,1", 4: "2,2,1"}
 
 
+def _runs(nprocs: int):
+    """At 2 processes the SP parity run at tp 2 and the bf16 runs, at 4 the SP parity run at tp 2 x pp 2 and the
+    collective count."""
+
+    def runs(out) -> list[str]:
+        sub = out / ("bf16" if nprocs == 2 else "collectives")
+        sub.mkdir()
+        other = (
+            f"bf16_sp.py --out {sub} --sp-grad-sync step,micro_batch" if nprocs == 2 else f"collectives.py --out {sub}"
+        )
+        return [f"parity.py --out {out} --layouts {LAYOUTS[nprocs]} --sequence-parallel --steps 5", other]
+
+    return runs
+
+
+# in the launches of 2 and 4 processes shared with other modules (launch.shared_launch)
+LAUNCHES = [shared_launch(__name__, nprocs, _runs(nprocs)) for nprocs in LAYOUTS]
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """Two launches (``workers/several.py``) for every run of this file: at 2 processes the SP parity run at tp 2 and
-    the bf16 runs, at 4 the SP parity run at tp 2 x pp 2 and the collective count."""
+    """Both launches' results in one folder."""
     out = tmp_path_factory.mktemp("sp")
-    bf16 = f"bf16_sp.py --out {out / 'bf16'} --sp-grad-sync step,micro_batch"
-    others = {2: bf16, 4: f"collectives.py --out {out / 'collectives'}"}
-    for sub in ("bf16", "collectives"):
-        (out / sub).mkdir()
-    for nprocs, layout in LAYOUTS.items():
-        parity = f"parity.py --out {out} --layouts {layout} --sequence-parallel --steps 5"
-        deepspeed_launch(WORKERS / "several.py", nprocs, ["--run", parity, "--run", others[nprocs]])
+    for launched in LAUNCHES:
+        shutil.copytree(launched(), out, dirs_exist_ok=True)
     return out
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from launch import WORKERS, deepspeed_launch, read_records
+from launch import read_records, shared_launch
 from miniature import miniature
 from test_shipped_configs import GROUPS
 
@@ -31,48 +32,59 @@ RUNS = [paths[0] for paths in GROUPS.values()]
 IDS = ["+".join(p.stem for p in paths) for paths in GROUPS.values()]
 
 
-@pytest.fixture(scope="session")
-def token_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("token_cache")
+def _plan(out: Path, name: str, plan: list[dict]) -> list[str]:
+    """The ``workers/several.py`` run of a ``workers/recipe_runs.py`` plan; it exits 0 when every run returned, so
+    that the other modules' runs of the shared launch still start (each miniature's status is in its file)."""
+    (out / f"{name}.json").write_text(json.dumps(plan))
+    return [f"recipe_runs.py --plan {out / f'{name}.json'} --exit-zero"]
+
+
+def _straight(out: Path) -> list[str]:
+    """Every miniature, run as a user runs the recipe: 3 straight steps saving at steps 2 and 3 (one data cache for
+    all, built by the first as a user's first run builds it)."""
+    plan = []
+    for path in RUNS:
+        cfg, nprocs = miniature(path)
+        assert nprocs == 4, (path.name, nprocs)  # all of them in the shared launch of 4 processes
+        work = out / path.stem
+        work.mkdir()
+        (work / "mini.json").write_text(json.dumps(cfg))
+        argv = [*_common(out, work), "--save", str(work / "ck"), "--set", f"ds_megatron.logging.run_dir={work / 'a'}"]
+        plan.append({"name": path.stem, "status_dir": str(work), "argv": argv})
+    return _plan(out, "straight", plan)
+
+
+def _common(out: Path, work: Path) -> list[str]:
+    return ["--deepspeed_config", str(work / "mini.json"), "--set", f"ds_megatron.data.cache_dir={out / 'cache'}"]
+
+
+def _resumed(out: Path) -> list[str]:
+    """In a later launch, so nothing carries over in memory: each miniature resumes from step 2 for one step."""
+    first = STRAIGHT(check=False)  # the miniatures whose straight run failed fail their resume too, as they should
+    plan = []
+    for path in RUNS:
+        work = first / path.stem
+        _keep_final(work)
+        resume = ["--load", str(work / "ck"), "--save", str(work / "ck_b")]
+        argv = [*_common(first, work), *resume, "--set", f"ds_megatron.logging.run_dir={work / 'b'}"]
+        plan.append({"name": path.stem + "-resume", "status_dir": str(work), "argv": argv})
+    return _plan(out, "resumed", plan)
+
+
+# two launches of 4 processes shared with other modules (launch.shared_launch): the straight runs, then the resumes
+STRAIGHT = shared_launch(__name__, 4, _straight)
+RESUMED = shared_launch(__name__, 4, _resumed, phase=1)
 
 
 @pytest.fixture(scope="module")
-def all_runs(tmp_path_factory, token_cache):
-    """Every miniature, run as a user runs the recipe: 3 straight steps saving at steps 2 and 3, then (in a new
-    launch, so nothing carries over in memory) a resume from step 2 for one step.  Runs with the same process count
-    share a launch (``workers/recipe_runs.py``): two launches per process count, not two per miniature."""
-    works, straight, resumed = {}, {}, {}
-    for path in RUNS:
-        cfg, nprocs = miniature(path)
-        work = tmp_path_factory.mktemp(path.stem)
-        config = work / "mini.json"
-        config.write_text(json.dumps(cfg))
-        common = ["--deepspeed_config", str(config), "--set", f"ds_megatron.data.cache_dir={token_cache}"]
-        run_dir = ["--set", f"ds_megatron.logging.run_dir={work / 'a'}"]
-        straight.setdefault(nprocs, []).append(
-            {"name": path.stem, "status_dir": str(work), "argv": [*common, "--save", str(work / "ck"), *run_dir]}
-        )
-        resume = ["--load", str(work / "ck"), "--save", str(work / "ck_b")]
-        resumed.setdefault(nprocs, []).append(
-            {
-                "name": path.stem + "-resume",
-                "status_dir": str(work),
-                "argv": [*common, *resume, "--set", f"ds_megatron.logging.run_dir={work / 'b'}"],
-            }
-        )
-        works[path] = (cfg, work)
-    for plans, after in ((straight, _keep_final), (resumed, None)):
-        for nprocs, plan in plans.items():
-            plan_file = tmp_path_factory.mktemp("plan") / "plan.json"
-            plan_file.write_text(json.dumps(plan))
-            try:
-                deepspeed_launch(WORKERS / "recipe_runs.py", nprocs, ["--plan", str(plan_file)])
-            except AssertionError as err:  # reported per miniature below, from its status file
-                print(err)
-        if after is not None:
-            for _, work in works.values():
-                after(work)
-    return works
+def all_runs():
+    """{config path: (its miniature, its folder)}; each miniature's runs are reported from its status files."""
+    for launched in (STRAIGHT, RESUMED):
+        try:
+            launched()
+        except AssertionError as err:  # reported per miniature below, from its status file
+            print(err)
+    return {path: (miniature(path)[0], STRAIGHT(check=False) / path.stem) for path in RUNS}
 
 
 def _keep_final(work) -> None:

@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from launch import WORKERS, deepspeed_launch
+from launch import shared_launch
+
+LAYOUTS = ["1,2,1", "1,2,1,llama", "1,2,1,bf16"]
+# one run (both families, 1f1b, zb-h1 and zb-h2) in the 2-process launch shared with other modules
+LAUNCH = shared_launch(__name__, 2, lambda out: [f"zero_bubble.py --out {out} --layouts {' '.join(LAYOUTS)}"])
 
 
-@pytest.mark.slow  # one deepspeed launch: both families, all three schedules
-def test_zb_h1_and_zb_h2_train_like_1f1b(tmp_path):
-    layouts = ["1,2,1", "1,2,1,llama", "1,2,1,bf16"]
-    deepspeed_launch(WORKERS / "zero_bubble.py", 2, ["--out", str(tmp_path), "--layouts", *layouts])
-    for layout in (lay.replace(",", "-") for lay in layouts):
-        ranks = [json.loads(f.read_text()) for f in sorted(tmp_path.glob(f"{layout}.rank*.json"))]
+@pytest.mark.slow  # one run in the shared 2-process launch: both families, all three schedules
+def test_zb_h1_and_zb_h2_train_like_1f1b():
+    out = LAUNCH()
+    for layout in (lay.replace(",", "-") for lay in LAYOUTS):
+        ranks = [json.loads(f.read_text()) for f in sorted(out.glob(f"{layout}.rank*.json"))]
         assert len(ranks) == 2, layout
         for r in ranks:
             for name in ("zb-h1", "zb-h2"):

@@ -7,7 +7,9 @@ One launch per process count instead of one per run: the launcher, the imports a
 Each run builds its own topology, engine and data and ends before the next starts.  Each run's exit status is
 recorded (``<name>.status.json`` by rank 0); a non-zero status (every rank returns the same) lets the next run start,
 but an exception ends the launch (rank 0 records it first): the other ranks may be waiting in a collective of the
-failed run, and the launcher stops them all.
+failed run, and the launcher stops them all.  With ``--exit-zero`` the launch exits 0 once every run returned,
+whatever their statuses (they are in the status files): for a launch shared with other workers that must still run
+(``workers/several.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ds_megatron.cli.train import main as train_main  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plan", required=True)
+    ap.add_argument("--exit-zero", action="store_true", help="exit 0 when every run returned (see the docstring)")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     plan = json.loads(Path(args.plan).read_text())
@@ -45,7 +48,7 @@ def main() -> int:
         failed += status != 0
         if os.environ.get("RANK", "0") == "0":
             out.write_text(json.dumps({"status": status, "error": f"exit status {status}" if status else None}))
-    return 0 if failed == 0 else 1
+    return 0 if failed == 0 or args.exit_zero else 1
 
 
 class _Tee:

@@ -1,5 +1,7 @@
 """Run several worker scripts of this folder one after the other in one launch:
-``several.py --run "parity.py --out D --layouts 2,2,1" --run "collectives.py --out E"``.
+``several.py --run "parity.py --out D --layouts 2,2,1" --run "collectives.py --out E"`` (a script is named relative to
+this folder, or by its absolute path).  With ``--done DIR``, rank 0 writes ``DIR/<i>.done`` when the i-th run (from 0)
+has returned on every rank, so a caller can tell which runs finished when the launch failed.
 
 One launch instead of one per worker: the launcher, the imports and the process group are paid once.  Each worker
 runs as its own ``__main__`` with its own argv and builds its own engine (every build seeds all generators from its
@@ -10,6 +12,7 @@ in one of its collectives); the ones before it have written their results.
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import shlex
 import sys
@@ -21,18 +24,32 @@ HERE = Path(__file__).resolve().parent
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", action="append", required=True, help="a worker script of this folder and its arguments")
+    ap.add_argument("--done", help="a folder for the runs' completion markers")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    for run in args.run:
+    for i, run in enumerate(args.run):
         script, *argv = shlex.split(run)
-        sys.argv = [str(HERE / script), *argv, f"--local_rank={args.local_rank}"]
+        path = HERE / script  # an absolute ``script`` stays itself
+        sys.argv = [str(path), *argv, f"--local_rank={args.local_rank}"]
         try:
-            runpy.run_path(str(HERE / script), run_name="__main__")
+            runpy.run_path(str(path), run_name="__main__")
         except SystemExit as done:
             if done.code not in (None, 0):
                 print(f"{run}: exit status {done.code}", file=sys.stderr, flush=True)
                 return 1
+        if args.done:
+            _all_returned()
+            if os.environ.get("RANK", "0") == "0":
+                (Path(args.done) / f"{i}.done").write_text(run)
     return 0
+
+
+def _all_returned() -> None:
+    """Wait until every rank has returned from the run (a rank that failed never arrives, and the launch ends)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 if __name__ == "__main__":
