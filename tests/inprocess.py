@@ -1,7 +1,7 @@
 """The in-process tier's harness: run named checks on every rank of a gloo group of ``world`` processes and report
 per check.  A group of one runs in the test process (the topology hands over ``None``); larger groups run on one pool
-of spawned ranks per world size, started when a test module that needs it is imported (``prestart``) or at its
-first use, and kept for the test session (starting a rank and importing torch cost more than most checks).
+of spawned ranks per world size, started at its first use and kept for the test session (starting a rank and
+importing torch cost more than most checks).
 
 A check returns (what, actual, expected[, tolerance]) tuples; they are compared only after all of the check's
 collectives ran, so a mismatch on one rank never leaves the others waiting in a collective.
