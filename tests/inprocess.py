@@ -31,7 +31,6 @@ Pair = tuple[str, Tensor | None, Tensor] | tuple[str, Tensor | None, Tensor, flo
 Pairs = list[Pair]  # (what, sharded result, reference[, atol = rtol]), compared after all collectives
 TOLERANCE = 1e-5
 _failed = False  # set on a pool rank when one of its checks failed: its job's pool is then replaced
-_in_rank = False  # this process is a pool's rank
 
 
 def run_checks(checks: dict[str, Callable[[Any], Pairs]], ctx: Any) -> dict[str, str]:
@@ -61,8 +60,7 @@ START_TIMEOUT_S = JOB_TIMEOUT_S = 600
 
 def _pool_worker(rank: int, world: int, init_file: str, conn: Connection) -> None:
     """One rank of a pool: join the gloo group once, then run every job sent until told to stop (``None``)."""
-    global _failed, _in_rank
-    _in_rank = True  # a job imports its test module, whose prestart must not start pools inside a rank
+    global _failed
     torch.set_num_threads(1)  # several ranks share few cores; intra-op threads would only oversubscribe them
     # A short timeout turns a rank stuck in a collective into an exception (reported) instead of a hung test session.
     dist.init_process_group(
@@ -70,11 +68,9 @@ def _pool_worker(rank: int, world: int, init_file: str, conn: Connection) -> Non
     )
     conn.send(("ready", None))
     try:
-        while True:
+        while (job := conn.recv()) is not None:
             _failed = False
             try:
-                if (job := conn.recv()) is None:  # unpickling imports the job's test module: that may raise too
-                    break
                 group = dist.new_group(list(range(world)))  # an explicit group, the way the topology hands one over
                 report = job(group, rank, world)
                 conn.send(("failed" if _failed else "report", report))
@@ -101,14 +97,12 @@ class _Pool:
             theirs.close()
             self.conns.append(ours)
             self.procs.append(proc)
-        self.ready = False  # the ranks start in the background; the first job waits for them
+        started = self._answers({}, START_TIMEOUT_S)
+        if any(kind != "ready" for kind, _ in started):
+            self.close(kill=True)
+            raise RuntimeError(f"the pool of {world} ranks did not start: {started}")
 
     def run(self, run_rank: Callable[[ProcessGroup, int, int], dict[str, str]]) -> list[tuple[str, Any]]:
-        if not self.ready:
-            started = self._answers({}, START_TIMEOUT_S)
-            if any(kind != "ready" for kind, _ in started):
-                return started
-            self.ready = True
         """Every rank's (kind, answer): ("report" or "failed" (a check failed), report), ("raised", traceback) or
         ("lost", why)."""
         answers: dict[int, tuple[str, Any]] = {}
@@ -144,7 +138,7 @@ class _Pool:
         for conn, proc in zip(self.conns, self.procs):
             with contextlib.suppress(OSError):
                 conn.send(None)
-            proc.join(timeout=0 if kill or not self.ready else 10)
+            proc.join(timeout=0 if kill else 10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -159,13 +153,6 @@ KEPT = ("report", "failed")  # answers that carry a report
 def _close_pools() -> None:
     while _POOLS:
         _POOLS.popitem()[1].close()
-
-
-def prestart(*worlds: int) -> None:
-    """Start the pools of these world sizes now, in the background (a test module calls it when it is imported): the
-    ranks import torch on the core that the test process, which runs one test at a time, leaves idle."""
-    for world in worlds if not _in_rank else ():
-        _POOLS.setdefault(world, _Pool(world))
 
 
 def spawn_reports(

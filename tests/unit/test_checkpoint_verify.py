@@ -15,7 +15,6 @@ import io
 import json
 import pathlib
 
-import inprocess
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,8 +24,6 @@ from ds_megatron.checkpoint.__main__ import main as checkpoint_main
 from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config
 from ds_megatron.checkpoint.manifest import MANIFEST, TAG_CONFIG, file_record, manifest_records, shares
 from ds_megatron.config import ConfigError, load_json, resolve
-
-inprocess.prestart(2)  # this module's spawned checks: their ranks start while collection goes on
 
 TINY = pathlib.Path(__file__).resolve().parents[2] / "ds_configs" / "gpt_tiny.json"
 TAG = "step00000002"

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
-import inprocess
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,8 +37,6 @@ from ds_megatron.parallel.cp import (
     unslice,
     window_ranges,
 )
-
-inprocess.prestart(4)  # this module's spawned checks: their ranks start while collection goes on
 
 CP_SIZES = (1, 2, 4)
 B, S, D = 2, 24, 8  # 24 = 2 x 2 x 6 = 2 x 4 x 3: two chunks per rank at cp 2 and 4, and not a power of two

@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
-import inprocess
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,8 +34,6 @@ from ds_megatron.config import ConfigError, resolve
 from ds_megatron.data.stream import MicroBatchStream
 from ds_megatron.model import build_model, model_config
 from ds_megatron.parallel.cp import unslice
-
-inprocess.prestart(2, 4)  # this module's spawned checks: their ranks start while collection goes on
 
 SEQ = 24  # not a power of two; divisible by 2 cp (cp 2, 4) and by cp tp (cp 2, tp 2: sequence parallel)
 LLAMA = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 48, "rope_theta": 10000.0}

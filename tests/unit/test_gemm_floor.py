@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import sys
 
-import inprocess
 import torch
 import torch.nn.functional as F
 
 from ds_megatron.model import LlamaConfig
 from ds_megatron.model.llama.model import Llama
-
-inprocess.prestart(2)  # this module's spawned checks: their ranks start while collection goes on
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -99,5 +96,7 @@ def _peer_rank(group, rank: int, world: int) -> dict[str, str]:
 
 
 def test_pytorch_native_peer_trains_tiny_at_tp2():
-    reports = inprocess.spawn_reports(_peer_rank, 2)
+    from inprocess import spawn_reports
+
+    reports = spawn_reports(_peer_rank, 2)
     assert all(r == {"sdpa": "ok"} for r in reports), reports

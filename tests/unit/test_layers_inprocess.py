@@ -13,7 +13,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
-import inprocess
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,8 +22,6 @@ from torch.distributed import ProcessGroup
 
 import ds_megatron.tensor_parallel as tpl
 from ds_megatron.parallelize import ParallelContext
-
-inprocess.prestart(2, 4)  # this module's spawned checks: their ranks start while collection goes on
 
 S, B, H, FFN = 8, 2, 16, 32  # s divisible by every tp below, so each SP shard has s/t rows
 WORLD_SIZES = (1, 2, 4)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import inprocess
 import pytest
 
 from ds_megatron.memory import (
@@ -16,8 +15,6 @@ from ds_megatron.memory import (
     cp_core_saved_bytes,
     cp_transient_bytes,
 )
-
-inprocess.prestart(2)  # this module's spawned checks: their ranks start while collection goes on
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

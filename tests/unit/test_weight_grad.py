@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import inprocess
 import pytest
 import torch
 from inprocess import Pairs, failures, run_checks, spawn_reports
@@ -26,8 +25,6 @@ from ds_megatron.parallelize import ParallelContext, parallelize_model
 from ds_megatron.recompute import checkpoint
 from ds_megatron.tensor_parallel import TPGroup, vocab_parallel_cross_entropy
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue, defer_weight_grads
-
-inprocess.prestart(2)  # this module's spawned checks: their ranks start while collection goes on
 
 S, B, MICRO_BATCHES, VOCAB = 8, 2, 3, 101
 FAMILIES = {
