@@ -68,9 +68,11 @@ def _pool_worker(rank: int, world: int, init_file: str, conn: Connection) -> Non
     )
     conn.send(("ready", None))
     try:
-        while (job := conn.recv()) is not None:
+        while True:
             _failed = False
             try:
+                if (job := conn.recv()) is None:  # unpickling imports the job's test module: that may raise too
+                    break
                 group = dist.new_group(list(range(world)))  # an explicit group, the way the topology hands one over
                 report = job(group, rank, world)
                 conn.send(("failed" if _failed else "report", report))
