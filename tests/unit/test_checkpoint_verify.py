@@ -10,15 +10,15 @@ and its error line is not glued to the progress bar."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import pathlib
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from inprocess import spawn_reports
 
 from ds_megatron.checkpoint.__main__ import main as checkpoint_main
 from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config
@@ -95,16 +95,12 @@ def test_offline_readers_refuse_a_flipped_byte(tmp_path, capsys, reader):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # nothing written
 
 
-def _load_worker(rank: int, world: int, tmp: str, victim: str) -> None:
+def _load_rank(tmp: str, victim: str, group, rank: int, world: int) -> dict[str, str]:
     """One rank of ``--load``'s verification: on the intact tag (recording the files this rank hashed), then through
-    the recipe's ``train`` after rank 0 flipped a byte of ``victim``.  Writes the outcomes and what it printed."""
+    the recipe's ``train`` after rank 0 flipped a byte of ``victim``.  Returns the outcomes and what it printed."""
     from ds_megatron import trainer
     from ds_megatron.checkpoint import manifest, run_state
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
     hashed = []
     real = manifest.sha256_file
     manifest.sha256_file = lambda path: hashed.append(pathlib.Path(path).name) or real(path)
@@ -121,10 +117,9 @@ def _load_worker(rank: int, world: int, tmp: str, victim: str) -> None:
         printed = io.StringIO()
         with contextlib.redirect_stderr(printed):
             status = trainer.train(resolve(cfg, world))
-    finally:
-        dist.destroy_process_group()
-    result = {"intact": intact, "hashed": intact_hashed, "status": status, "printed": printed.getvalue()}
-    pathlib.Path(tmp, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:  # the rank runs other tests' checks afterwards (the session's pool): leave the module as found
+        manifest.sha256_file = real
+    return {"intact": intact, "hashed": intact_hashed, "status": status, "printed": printed.getvalue()}
 
 
 def test_load_verification_is_shared_over_ranks_and_agreed(tmp_path):
@@ -134,8 +129,7 @@ def test_load_verification_is_shared_over_ranks_and_agreed(tmp_path):
     ck = _tag(tmp_path / "ck")
     split = shares(manifest_records(ck / TAG), 2)
     victim = next(n for n in split[1] if n.startswith("layer_"))
-    mp.spawn(_load_worker, args=(2, str(tmp_path), victim), nprocs=2)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = spawn_reports(functools.partial(_load_rank, str(tmp_path), victim), 2)
     assert [r["hashed"] for r in ranks] == split
     assert [r["intact"] for r in ranks] == [TAG, TAG]
     assert [r["status"] for r in ranks] == [2, 2] and ranks[1]["printed"] == ""
@@ -202,44 +196,46 @@ def test_a_failed_export_leaves_nothing_and_prints_its_error_on_a_line_of_its_ow
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck_ok"]
 
 
-def _swap_worker(rank: int, tmp: str, port: int) -> None:
-    """A one-process engine of the tiny GPT (``build_engine``, as the recipe builds it): save, swap a per-layer file
-    for one with a payload, resume.  Writes the outcome."""
+def test_a_file_swapped_after_the_checks_is_refused_by_deepspeeds_own_load(tmp_path, monkeypatch):
+    """Pre-flight and the sha256 pass read the files before the engine exists; DeepSpeed reads them again later.
+    A per-layer file replaced in between is refused by DeepSpeed's load itself (the engine ``build_engine`` made
+    reads weights-only), and its payload never runs.  A one-process engine of the tiny GPT (``build_engine``, as the
+    recipe builds it), here in the test process: save, swap a per-layer file for one with a payload, resume."""
+    import importlib
     import os
+    import socket
+
+    import deepspeed.comm.comm as ds_comm
 
     from ds_megatron.checkpoint.run_state import load_run, save_run
     from ds_megatron.engine import build_engine
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    torch.set_num_threads(1)
-    cfg = load_json(TINY)
-    cfg["ds_megatron"]["parallel"].update(tp=1, pp=1)
-    run = resolve(cfg, 1)
-    built = build_engine(run)
-    ck = pathlib.Path(tmp) / "ck"
-    tag = save_run(built.engine, ck, 1, {"step": 1, "config": run.ds_config}, built.rng)
-    marker = pathlib.Path(tmp) / "marker"
-    torch.save({"payload": _WritesMarker(marker)}, ck / tag / FLIPPED)
-    try:
-        load_run(built.engine, ck, built.rng, tag=tag)  # the tag verified before the swap
-        outcome = "loaded"
-    except ConfigError as err:
-        outcome = str(err)
-    pathlib.Path(tmp, "outcome.json").write_text(json.dumps({"outcome": outcome, "ran": marker.exists()}))
-    dist.destroy_process_group()
-
-
-def test_a_file_swapped_after_the_checks_is_refused_by_deepspeeds_own_load(tmp_path):
-    """Pre-flight and the sha256 pass read the files before the engine exists; DeepSpeed reads them again later.
-    A per-layer file replaced in between is refused by DeepSpeed's load itself (the engine ``build_engine`` made
-    reads weights-only), and its payload never runs."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_swap_worker, args=(str(tmp_path), port), nprocs=1)
-    result = json.loads((tmp_path / "outcome.json").read_text())
-    assert not result["ran"], result
-    assert result["outcome"].startswith("error: ds_megatron.checkpoint.load: a checkpoint file needs more"), result
-    assert f"{FLIPPED} asks for GLOBAL " in result["outcome"], result
+    # DeepSpeed's CPU backend compiles its shared-memory all-reduce kernel (used by init_inference's all-reduce, never
+    # by one process) with the JIT build cache of torch extensions: that took 44 s instead of 5 whenever the cache
+    # was last built with other flags or another process held its lock.  Without it the backend is plain gloo.
+    monkeypatch.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
+    monkeypatch.setattr(ds_comm, "cdb", ds_comm.cdb)  # DeepSpeed's backend, set by build_engine: restored after
+    environ = dict(os.environ)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    try:
+        cfg = load_json(TINY)
+        cfg["ds_megatron"]["parallel"].update(tp=1, pp=1)
+        run = resolve(cfg, 1)
+        built = build_engine(run)
+        ck = tmp_path / "ck"
+        tag = save_run(built.engine, ck, 1, {"step": 1, "config": run.ds_config}, built.rng)
+        marker = tmp_path / "marker"
+        torch.save({"payload": _WritesMarker(marker)}, ck / tag / FLIPPED)
+        with pytest.raises(ConfigError) as err:
+            load_run(built.engine, ck, built.rng, tag=tag)  # the tag verified before the swap
+    finally:  # the test process goes on with other tests: no process group, the environment as it was
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    assert not marker.exists()
+    assert str(err.value).startswith("error: ds_megatron.checkpoint.load: a checkpoint file needs more"), err.value
+    assert f"{FLIPPED} asks for GLOBAL " in str(err.value), err.value

@@ -232,13 +232,13 @@ CHECKS_CP1 = {k: f for k, f in CHECKS.items() if not any(word in k for word in C
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict[str, str]]]:
+def reports() -> Callable[[int], list[dict[str, str]]]:
     cache: dict[int, list[dict[str, str]]] = {}
 
     def get(cp: int) -> list[dict[str, str]]:
         world = 1 if cp == 1 else 4
         if world not in cache:
-            cache[world] = spawn_reports(_run_rank, world, tmp_path_factory.mktemp(f"world{world}"))
+            cache[world] = spawn_reports(_run_rank, world)
         return cache[world]
 
     return get

@@ -392,12 +392,12 @@ def _run_rank(group, rank: int, world: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def reports():
     cache: dict[int, list[dict[str, str]]] = {}  # one spawn per world size, for all its layouts
 
     def get(world: int) -> list[dict[str, str]]:
         if world not in cache:
-            cache[world] = spawn_reports(_run_rank, world, tmp_path_factory.mktemp(f"cp{world}"))
+            cache[world] = spawn_reports(_run_rank, world)
         return cache[world]
 
     return get

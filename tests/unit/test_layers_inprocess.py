@@ -281,12 +281,12 @@ def _run_rank(group: ProcessGroup | None, rank: int, world: int) -> dict[str, st
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict[str, str]]]:
+def reports() -> Callable[[int], list[dict[str, str]]]:
     cache: dict[int, list[dict[str, str]]] = {}
 
     def get(t: int) -> list[dict[str, str]]:
         if t not in cache:
-            cache[t] = spawn_reports(_run_rank, t, tmp_path_factory.mktemp(f"tp{t}"))
+            cache[t] = spawn_reports(_run_rank, t)
         return cache[t]
 
     return get

@@ -204,10 +204,10 @@ def _llama_block(group, rank: int, world: int, comm: str, kernel: str, dtype, re
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory):
+def reports():
     from inprocess import spawn_reports
 
-    return spawn_reports(_run_rank, 2, tmp_path_factory.mktemp("cp_saved"))
+    return spawn_reports(_run_rank, 2)
 
 
 @pytest.mark.parametrize("comm,kernel,dtype", CASES)

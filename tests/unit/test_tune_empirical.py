@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -200,22 +199,18 @@ def _alive(pid: int) -> bool:
 
 def test_run_process_kills_the_whole_group_on_timeout(tmp_path):
     pid_file = tmp_path / "child.pid"
-    child = "import time; time.sleep(60)"
-    parent = (
-        "import subprocess, sys, time; "
-        f"p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
-        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); time.sleep(60)"
-    )
+    # a launcher and its rank: a shell (it starts in milliseconds, so a short timeout still finds the child started)
+    parent = f"sleep 60 & echo $! > {str(pid_file)!r}; echo started; sleep 60"
     start = time.monotonic()
-    code, duration = run_process([sys.executable, "-c", parent], tmp_path / "out.log", 3.0, dict(os.environ))
-    assert code is None and 2.9 < duration < 10 and time.monotonic() - start < 10
+    code, duration = run_process(["sh", "-c", parent], tmp_path / "out.log", 1.0, dict(os.environ))
+    assert code is None and 0.9 < duration < 10 and time.monotonic() - start < 10
     assert "started" in (tmp_path / "out.log").read_text()
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 5
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid), "the grandchild survived the timeout"
-    code, _ = run_process([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "o.log", 30, dict(os.environ))
+    code, _ = run_process(["sh", "-c", "exit 3"], tmp_path / "o.log", 30, dict(os.environ))
     assert code == 3
 
 

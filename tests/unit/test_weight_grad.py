@@ -147,8 +147,8 @@ def run_rank(group: ProcessGroup | None, rank: int, world: int) -> dict[str, str
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def reports(request, tmp_path_factory):
-    return request.param, spawn_reports(run_rank, request.param, tmp_path_factory.mktemp("wgrad"))
+def reports(request):
+    return request.param, spawn_reports(run_rank, request.param)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
