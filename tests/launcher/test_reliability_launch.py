@@ -34,11 +34,12 @@ def _common(tmp_path: Path, name: str) -> list[str]:
     return quiet_run_flags(tmp_path, name, tp=2, pp=1, dropout=0.1)
 
 
-def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240) -> None:
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240, log: Path | None = None) -> None:
     deadline = time.time() + timeout
     while not predicate():
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended early ({proc.returncode}):\n{proc.stdout.read()[-4000:]}")
+            out = log.read_text() if log is not None else proc.stdout.read()
+            raise AssertionError(f"the run ended early ({proc.returncode}):\n{out[-4000:]}")
         if time.time() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError("timed out waiting for the run")
@@ -141,27 +142,41 @@ def test_sigint_to_one_nodes_deepspeed_command_stops_every_node(tmp_path):
     common += ["--master_port", str(_free_port())]
     args = ["--deepspeed_config", TINY, "--train-iters", "500", "--save", str(ck), *_common(tmp_path, "run")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen(
-            [*common, "--node_rank", str(i), "recipes/train_gpt.py", *args],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for i in range(2)
-    ]
+    # Each node's output goes to a file, not a pipe: a pipe nobody drains while the test waits fills up (64 KiB),
+    # the node's next print blocks, and its peer then waits in a collective for ever.
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    procs = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as f:
+            procs.append(
+                subprocess.Popen(
+                    [*common, "--node_rank", str(i), "recipes/train_gpt.py", *args],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     try:
-        _wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_losses(run_dir)) >= 3, procs[0])
+        _wait_for(
+            lambda: (run_dir / "metrics.jsonl").exists() and len(read_losses(run_dir)) >= 3, procs[0], log=logs[0]
+        )
         trees = [_tree(p.pid) for p in procs]
         os.kill(procs[1].pid, signal.SIGINT)
-        outs = [p.communicate(timeout=120)[0] for p in procs]
+        # Node 1's launcher and worker outlive its command (they are orphaned, then stop): wait for all of them.
+        import psutil
+
+        gone, alive = psutil.wait_procs(trees[0] + trees[1], timeout=120)
+        if alive:
+            tails = "\n----\n".join(log.read_text()[-2500:] for log in logs)
+            raise AssertionError(f"{len(alive)} process(es) still running 120 s after SIGINT:\n{tails}")
+        procs[0].wait()
     finally:  # whatever a failure left of the launches
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
+    outs = [log.read_text() for log in logs]
     assert procs[0].returncode == 0, outs[0][-3000:]  # node 0's command was not signalled: it ends normally
     _assert_stopped_and_saved(outs[0], ck, run_dir, trees[0] + trees[1])
     assert "exits with return code" not in outs[1]
