@@ -89,6 +89,14 @@ def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
     assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
 
 
+def _sigint_by_default() -> None:
+    """In the child before it starts: SIGINT back to its default.  A suite started in the background of a
+    non-interactive shell (``make test &``, a CI step) runs with SIGINT ignored, every child inherits that, and
+    Python keeps a signal ignored at start-up ignored, so the ``deepspeed`` command would never see the SIGINT this
+    test sends (a user's Ctrl-C reaches a foreground command, whose SIGINT is not ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _tree(pid: int) -> list:
     import psutil
 
@@ -156,6 +164,7 @@ def test_sigint_to_one_nodes_deepspeed_command_stops_every_node(tmp_path):
                     stdout=f,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=_sigint_by_default,
                 )
             )
     try:
