@@ -29,7 +29,7 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
 
 from ds_megatron.config import dualpipev_order as order
-from ds_megatron.parallel.zero_bubble import WeightGradPass, ZeroBubblePipelineEngine
+from ds_megatron.parallel.zero_bubble import DeferredWeightGradSteps, WeightGradPass
 
 PIPELINE_SCHEDULE = "dualpipev-zb"  # the config value of ds_megatron.parallel.pipeline_schedule this module implements
 
@@ -81,12 +81,10 @@ class DualPipeVZeroBubbleSchedule(schedule.DualPipeVSchedule):
         return commits[1] if step == order.B1_W_F1 else commits[0]
 
 
-class DualPipeVZeroBubbleEngine(DualPipeVEngine):
+class DualPipeVZeroBubbleEngine(DeferredWeightGradSteps, DualPipeVEngine):
     """DeepSpeed's DualPipeV engine running :class:`DualPipeVZeroBubbleSchedule`.  Never constructed: ``install``
     turns a built ``DualPipeVEngine`` into one (deepspeed.initialize builds the engine itself) and attaches the
-    queue that the layers defer their weight gradients to."""
-
-    weight_grad_queue = None  # the rank's ``WeightGradQueue`` (both of its stages), set by ``install``
+    queue that the layers defer their weight gradients to (one queue for both of the rank's stages)."""
 
     @classmethod
     def install(cls, engine: DualPipeVEngine, queue) -> None:
@@ -104,22 +102,8 @@ class DualPipeVZeroBubbleEngine(DualPipeVEngine):
         super()._exec_backward_pass(buffer_id, phase)
         self.weight_grad_queue.seal()
 
-    def _exec_weight_grad_pass(self):
-        ZeroBubblePipelineEngine._run_weight_grads(self, all_of_them=False)
-
-    def _exec_reduce_tied_grads(self):
-        ZeroBubblePipelineEngine._run_weight_grads(self, all_of_them=True)
-        super()._exec_reduce_tied_grads()
-
-    def _exec_optimizer_step(self, lr_kwargs=None):
-        if len(self.weight_grad_queue):
-            raise RuntimeError(f"{len(self.weight_grad_queue)} W pass(es) still queued at the optimizer step")
-        super()._exec_optimizer_step(lr_kwargs)
-
     _INSTRUCTION_MAP = {
         **DualPipeVEngine._INSTRUCTION_MAP,
+        **DeferredWeightGradSteps.INSTRUCTIONS,
         schedule.BackwardPass: _exec_backward_pass,
-        schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
-        schedule.OptimizerStep: _exec_optimizer_step,
-        WeightGradPass: _exec_weight_grad_pass,
     }

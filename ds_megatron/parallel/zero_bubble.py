@@ -107,41 +107,14 @@ class ZeroBubbleH2Schedule(schedule.PipeSchedule):
         return self.buffers
 
 
-class ZeroBubblePipelineEngine(PipelineEngine):
-    """DeepSpeed's pipeline engine running :class:`ZeroBubbleH1Schedule`.  Never constructed: ``install`` turns a
-    built ``PipelineEngine`` into one (deepspeed.initialize builds the engine itself) and attaches the queue that the
-    layers defer their weight gradients to."""
+class DeferredWeightGradSteps:
+    """The instructions every engine with deferred weight gradients runs the same way (ZB-H1, ZB-H2 and DualPipeV's
+    ``parallel.dualpipev_zb``), mixed in before DeepSpeed's engine class: a W pass runs the oldest queued one, the
+    step's first reduction (``ReduceTiedGrads``) runs every one left first, so the tied, SP-replicated and
+    data-parallel reductions, clipping, the skipped-step guard and the optimizer see complete gradients, and an
+    optimizer step with W passes still queued is an error."""
 
-    weight_grad_queue = None  # the stage's ``WeightGradQueue``, set by ``install``
-
-    @classmethod
-    def install(cls, engine: PipelineEngine, queue) -> None:
-        if type(engine) is not PipelineEngine:
-            raise TypeError(f"{cls.__name__} extends DeepSpeed's PipelineEngine, not {type(engine).__name__}")
-        engine.__class__ = cls
-        engine.weight_grad_queue = queue
-
-    def _train_schedule(self):
-        return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
-
-    def _exec_backward_pass(self, buffer_id):
-        super()._exec_backward_pass(buffer_id)
-        self.weight_grad_queue.seal()
-
-    _grad_recv_buffer = None  # the tensor(s) DeepSpeed receives gradients into, reused for every micro-batch
-
-    def _exec_recv_grads(self, buffer_id):
-        # DeepSpeed receives every micro-batch's output gradient into one reused buffer (``grad_layer``); the
-        # stage's last linear may keep that very tensor for its W pass, so each micro-batch gets its own copy, and
-        # DeepSpeed gets its receive buffer back, never a copy a queued W pass still holds (which the next receive
-        # would overwrite whenever a stage holds a W pass across a receive: ZB-H2, and ZB-H1 at pp > 2).
-        self.grad_layer = self._grad_recv_buffer
-        super()._exec_recv_grads(buffer_id)
-        self._grad_recv_buffer = self.grad_layer
-        if isinstance(self.grad_layer, tuple | list):
-            self.grad_layer = type(self.grad_layer)(g.clone() if g.is_floating_point() else g for g in self.grad_layer)
-        else:
-            self.grad_layer = self.grad_layer.clone()
+    weight_grad_queue = None  # the rank's ``WeightGradQueue``, set by the engine's ``install``
 
     def _exec_weight_grad_pass(self):
         self._run_weight_grads(all_of_them=False)
@@ -172,13 +145,52 @@ class ZeroBubblePipelineEngine(PipelineEngine):
             raise RuntimeError(f"{len(self.weight_grad_queue)} W pass(es) still queued at the optimizer step")
         super()._exec_optimizer_step(lr_kwargs)
 
-    _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
-        schedule.BackwardPass: _exec_backward_pass,
-        schedule.RecvGrad: _exec_recv_grads,
+    INSTRUCTIONS = {  # merged into each engine's _INSTRUCTION_MAP
         schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
         schedule.OptimizerStep: _exec_optimizer_step,
         WeightGradPass: _exec_weight_grad_pass,
+    }
+
+
+class ZeroBubblePipelineEngine(DeferredWeightGradSteps, PipelineEngine):
+    """DeepSpeed's pipeline engine running :class:`ZeroBubbleH1Schedule`.  Never constructed: ``install`` turns a
+    built ``PipelineEngine`` into one (deepspeed.initialize builds the engine itself) and attaches the queue that the
+    layers defer their weight gradients to."""
+
+    @classmethod
+    def install(cls, engine: PipelineEngine, queue) -> None:
+        if type(engine) is not PipelineEngine:
+            raise TypeError(f"{cls.__name__} extends DeepSpeed's PipelineEngine, not {type(engine).__name__}")
+        engine.__class__ = cls
+        engine.weight_grad_queue = queue
+
+    def _train_schedule(self):
+        return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+
+    def _exec_backward_pass(self, buffer_id):
+        super()._exec_backward_pass(buffer_id)
+        self.weight_grad_queue.seal()
+
+    _grad_recv_buffer = None  # the tensor(s) DeepSpeed receives gradients into, reused for every micro-batch
+
+    def _exec_recv_grads(self, buffer_id):
+        # DeepSpeed receives every micro-batch's output gradient into one reused buffer (``grad_layer``); the
+        # stage's last linear may keep that very tensor for its W pass, so each micro-batch gets its own copy, and
+        # DeepSpeed gets its receive buffer back, never a copy a queued W pass still holds (which the next receive
+        # would overwrite whenever a stage holds a W pass across a receive: ZB-H2, and ZB-H1 at pp > 2).
+        self.grad_layer = self._grad_recv_buffer
+        super()._exec_recv_grads(buffer_id)
+        self._grad_recv_buffer = self.grad_layer
+        if isinstance(self.grad_layer, tuple | list):
+            self.grad_layer = type(self.grad_layer)(g.clone() if g.is_floating_point() else g for g in self.grad_layer)
+        else:
+            self.grad_layer = self.grad_layer.clone()
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        **DeferredWeightGradSteps.INSTRUCTIONS,
+        schedule.BackwardPass: _exec_backward_pass,
+        schedule.RecvGrad: _exec_recv_grads,
     }
 
 
