@@ -14,6 +14,7 @@ from ds_megatron.memory import (
     activation_bytes_per_layer,
     cp_transient_bytes,
     deferred_weight_grad_bytes_per_layer,
+    rotary_table_bytes,
     stage_activations_in_flight,
     stage_deferred_w_passes,
 )
@@ -279,10 +280,14 @@ def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, f
 
 
 def stage_memory(model: ModelShape, cand: Candidate) -> tuple[StageMemory, StageMemory]:
-    """(first stage, last stage) memory per GPU."""
+    """(first stage, last stage) memory per GPU; each rank's activations add the rotary cos/sin tables its blocks
+    share (``memory.rotary_table_bytes``, once per process whatever its number of stages or blocks)."""
     per_layer = layer_activation_bytes(model, cand, cand.recompute)
+    tables = rotary_table_bytes(
+        model.seq_length, model.hidden_size, model.num_heads, cand.cp, family=model.family, act_bytes=ACT_BYTES
+    )
     shard = cand.dp * cand.cp if cand.zero == 1 else 1  # ZeRO-1 partitions over DeepSpeed's data axis, dp x cp
     return tuple(  # type: ignore[return-value]
         StageMemory(float(WEIGHT_BYTES * n), float(GRAD_BYTES * n), OPTIMIZER_BYTES * n / shard, act, per_layer)
-        for n, act in zip(rank_param_counts(model, cand), stage_activation_bytes(model, cand))
+        for n, act in zip(rank_param_counts(model, cand), (a + tables for a in stage_activation_bytes(model, cand)))
     )

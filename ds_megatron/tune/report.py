@@ -219,7 +219,8 @@ def why_ahead(a: Evaluation, b: Evaluation, rank_a: int, rank_b: int) -> list[st
         for name, field in TIME_PARTS
         if abs(getattr(ta, field) - getattr(tb, field)) > PART_SHOWN * tb.step_s
     ]
-    verdict = f"{gap / tb.step_s:.1%} faster" if gap > 0 else "as fast (ranked ahead on memory)"
+    tie_break = "smaller cp" if a.candidate.cp < b.candidate.cp else "memory"  # search._rank_key's order
+    verdict = f"{gap / tb.step_s:.1%} faster" if gap > 0 else f"as fast (ranked ahead on {tie_break})"
     return [
         f"why rank {rank_a} is ahead of rank {rank_b} (which differs in: {'; '.join(differs) or 'nothing'}):",
         f"  time: {seconds_text(ta.step_s)} vs {seconds_text(tb.step_s)} s/step, {verdict}"

@@ -95,7 +95,10 @@ def evaluate(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch_
 
 
 def _rank_key(e: Evaluation) -> tuple:
-    return (not e.fits, e.time.step_s if e.fits else e.required_bytes, e.required_bytes)
+    # Layouts with equal predicted steps (cp 8 x micro-batch 1 against cp 16 x micro-batch 2 hold the same tokens per
+    # rank) rank the smaller cp first: the time model counts a ring's exchange as hidden behind compute, which
+    # holds less surely the more, shorter chunks it cuts the sequence into.  Then the smaller memory.
+    return (not e.fits, e.time.step_s if e.fits else e.required_bytes, e.candidate.cp, e.required_bytes)
 
 
 def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:

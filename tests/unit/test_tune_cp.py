@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from ds_megatron.memory import rotary_table_bytes
 from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search
 from ds_megatron.tune.__main__ import main
 from ds_megatron.tune.matmuls import core_attention_matmuls, matmul_s
-from ds_megatron.tune.memory_model import stage_memory
+from ds_megatron.tune.memory_model import ACT_BYTES, stage_activation_bytes, stage_memory
 from ds_megatron.tune.space import CP_MIN_SEQ_LENGTH, enumerate_candidates
 from ds_megatron.tune.time_model import cp_comm_s, dp_comm_s, link, ring_pass_s
 from ds_megatron.tune.written import ds_config
@@ -86,6 +87,34 @@ def test_memory_splits_the_sequence_and_zero1_over_dp_x_cp():
     assert split.optimizer_bytes == pytest.approx(base.optimizer_bytes)  # ZeRO-1 over the 4 ranks either way
     assert split.params_bytes == base.params_bytes
     assert split.activation_bytes < base.activation_bytes / 3.5  # the sequence terms / 4, plus the ring buffers
+
+
+def test_each_gpu_adds_the_rotary_tables_once():
+    # A Llama's cos/sin tables ([s/cp, d] each, shared by every block of the process) on each pipeline end, at pp 1
+    # and pp 2; a GPT (learned positions) has none.
+    model = _llama8b()
+    for cand in (_cand(cp=4), _cand(cp=8, pp=2, num_micro_batches=16)):
+        tables = rotary_table_bytes(LONG, 4096, 32, cand.cp, family="llama", act_bytes=ACT_BYTES)
+        assert tables == 2 * (LONG // cand.cp) * 128 * ACT_BYTES
+        for stage, act in zip(stage_memory(model, cand), stage_activation_bytes(model, cand)):
+            assert stage.activation_bytes == act + tables
+    gpt = build_model_shape("gpt3-1.3b", None, None, None, None, 2048)
+    gpt_cand = _cand(cp=1, tp=1, sequence_parallel=False, micro_batch_size=1, num_micro_batches=8)
+    assert [m.activation_bytes for m in stage_memory(gpt, gpt_cand)] == list(stage_activation_bytes(gpt, gpt_cand))
+
+
+def test_a_tie_in_time_ranks_the_smaller_cp_first():
+    # cp 8 x dp 2 x micro-batch 1 and cp 16 x dp 1 x micro-batch 2 hold the same tokens per GPU: the same predicted
+    # step; the cp 16 one needs less memory (its rotary tables are half as long), yet cp 8 ranks first.
+    pins = Pins(attention="sdpa", tp=2, pp=1, recompute="selective")
+    result = search(_llama8b(), build_cluster("h100-sxm", 32, 8), 32, pins)
+    mods = result.winner.candidate.recompute_modules
+    same = [e for e in result.ranked if e.candidate.cp in (8, 16) and e.candidate.recompute_modules == mods]
+    cp8 = next(e for e in same if e.candidate.cp == 8 and e.candidate.micro_batch_size == 1)
+    cp16 = next(e for e in same if e.candidate.cp == 16 and e.candidate.micro_batch_size == 2)
+    assert cp8.time.step_s == pytest.approx(cp16.time.step_s, rel=1e-12)
+    assert cp16.required_bytes < cp8.required_bytes
+    assert result.ranked.index(cp8) < result.ranked.index(cp16)
 
 
 def test_gradients_are_averaged_over_dp_x_cp_like_dp():
