@@ -1,8 +1,9 @@
 """The pipeline bubble, measured: per rank, the time of one training step spent computing (forward and backward
 passes, and the deferred W passes of ``dualpipev-zb``) and the time spent blocked on a peer (the step's time outside
-computing, data loading and the optimizer: sends, receives, DualPipeV's batched p2p commits, the tied-embedding sync
-and the loss broadcast), for 1F1B, DualPipeV and DualPipeV with deferred weight gradients (``dualpipev-zb``) at
-m = 4, 8 and 16 micro-batches, pp 2 on 2 CPU processes (gloo, one thread each).
+computing, data loading and the optimizer: receives, DualPipeV's batched p2p commits (which wait for their receives),
+the sends (async, ``parallel.p2p``) and the wait for them to complete at the step's first reduction, the
+tied-embedding sync and the loss broadcast), for 1F1B, DualPipeV and DualPipeV with deferred weight gradients
+(``dualpipev-zb``) at m = 4, 8 and 16 micro-batches, pp 2 on 2 CPU processes (gloo, one thread each).
 
     python benchmarks/pipeline_bubble.py [--repeats 5] [--markdown OUT.md]
 
@@ -67,8 +68,9 @@ def instrument(engine) -> dict[str, float]:
     """Time the instructions of ``engine`` that work alone into the returned totals (zero them before a step):
     forward, backward and W passes ("compute"), and the data load, gradient reduction and optimizer step ("local",
     nothing to reduce at dp 1).  The rest of a step is spent waiting for a peer: sends, receives, DualPipeV's p2p
-    commits, the tied embedding's gradient exchange between the first and last stage (a pipeline-wide sync: under
-    1F1B the last stage's trailing idle time lands there) and the loss broadcast."""
+    commits, the wait for the step's async sends (at ``ReduceTiedGrads``, or after the schedule), the tied
+    embedding's gradient exchange between the first and last stage (a pipeline-wide sync: under 1F1B the last
+    stage's trailing idle time lands there) and the loss broadcast."""
     totals = {"compute": 0.0, "local": 0.0, "other": 0.0}
     from deepspeed.runtime.pipe import schedule as s
 

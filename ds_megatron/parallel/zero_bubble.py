@@ -45,12 +45,12 @@ class WeightGradPass(schedule.PipeInstruction):
 class ZeroBubbleH1Schedule(schedule.TrainSchedule):
     """DeepSpeed's 1F1B with W passes split off the backward passes and delayed by up to ``stage_id`` of them.
 
-    Where a W pass goes matters because DeepSpeed's sends and receives block until the other stage is there: while
-    the stage still has forwards to run, a due W pass runs right after its B (before the gradient is sent: the
-    upstream stage is busy with its own forward and W until it asks for it); in the cooldown, once the last forward
-    has run, it runs after the gradient has been sent, while the upstream stage runs that B.  With T_F = T_B = T_W
-    this reaches ZB-H1's bubble of (p-1)(T_F+T_B-T_W) under blocking sends (tests/unit/test_zero_bubble.py
-    simulates it)."""
+    The placement was chosen for DeepSpeed's sends, which block until the other stage is there: while the stage
+    still has forwards to run, a due W pass runs right after its B (before the gradient is sent: the upstream stage
+    is busy with its own forward and W until it asks for it); in the cooldown, once the last forward has run, it
+    runs after the gradient has been sent, while the upstream stage runs that B.  With T_F = T_B = T_W this reaches
+    ZB-H1's bubble of (p-1)(T_F+T_B-T_W) under blocking sends, and the same under the engines' async sends
+    (``parallel.p2p``; tests/unit/test_zero_bubble.py simulates both)."""
 
     def steps(self):
         held_back = self.stage_id  # W passes this stage may hold: the cooldown slots its upstream stages leave
