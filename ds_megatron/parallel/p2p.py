@@ -85,6 +85,19 @@ class PendingSends:
             work.wait()
 
 
+class BlockingSends(PendingSends):
+    """The sends as DeepSpeed 0.19 makes them, for measuring what async sends change (the benchmarks swap it in
+    for an engine's ``pending_sends``): each send returns once its receiver has posted the receive, each DualPipeV
+    commit once its whole batch is done."""
+
+    def isend(self, tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+        dist.send(tensor, dst, group=group, tag=tag)
+
+    def commit(self, ops: list) -> None:
+        super().commit(ops)
+        PendingSends.wait_all(self)
+
+
 class AsyncSendSteps:
     """The send, commit and end-of-step instructions of an engine whose sends are async, mixed in before DeepSpeed's
     engine class (``PipelineEngine`` or ``DualPipeVEngine``; each engine class lists them in its

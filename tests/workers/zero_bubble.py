@@ -31,7 +31,7 @@ from deepspeed.runtime.pipe import schedule  # noqa: E402
 
 from ds_megatron.config import resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
-from ds_megatron.parallel.p2p import PendingSends  # noqa: E402
+from ds_megatron.parallel.p2p import BlockingSends  # noqa: E402
 from ds_megatron.parallel.zero_bubble import WeightGradPass  # noqa: E402
 
 LLAMA_FIELDS = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 96, "rope_theta": 10000.0}
@@ -133,18 +133,6 @@ def compare(layout: str, args) -> None:
 
 
 BLOCKING = "+blocking"  # a measured schedule's name suffix: its engine sends as DeepSpeed's own p2p does
-
-
-class BlockingSends(PendingSends):
-    """DeepSpeed's own p2p, for comparison: each send returns once its receiver has posted the receive, each
-    DualPipeV commit once its whole batch is done."""
-
-    def isend(self, tensor, dst, group=None, tag=0):
-        torch.distributed.send(tensor, dst, group=group, tag=tag)
-
-    def commit(self, ops):
-        super().commit(ops)
-        self.wait_all()
 
 
 def measure(args) -> None:
