@@ -9,8 +9,9 @@ instead of moving on to its next pass.  DeepSpeed's DualPipeV batches its sends 
 send does not block the host; Megatron-LM issues isend/irecv.)
 
 :class:`PendingSends` is the one owner of an async send and of its wait.  Each send is an ``isend`` whose handle is
-kept with a second reference to the tensor's storage (``detach()``: DeepSpeed's receive of a partitioned gradient
-reassigns a sent tensor's ``.data``, which alone would free the storage the transport still reads).  Receives stay
+kept with a second reference to the tensor's storage (``detach()``: DeepSpeed's receive of the gradient of a
+TP-partitioned activation reassigns the sent activation's ``.data``, which alone would free the storage the
+transport still reads; tested: without it the receiver gets garbage).  Receives stay
 blocking: the pass after them needs the data.  When a send is waited for: at the end of the step's pipeline work,
 never earlier.  No tensor the engines send is written again while it is in flight: each is a fresh tensor (a
 forward's output, an input's gradient, a new shape-metadata buffer; the receivers copy out of their reused receive
@@ -20,8 +21,9 @@ counts the wait as idle, as a blocked send was) and after every schedule (eval h
 step is still pending in the next.  A send already completed is dropped at each new send (NCCL reports completion;
 gloo's ``is_completed()`` stays False until ``wait()``, so on gloo a step's sends are held until its end: the sent
 activations, which the stage keeps for its backward anyway, and the sent input gradients).  Send order on each link
-is the order of the calls, as DeepSpeed's (the receiver matches them in order): the first send of a step that also
-sends shape metadata (``_send_tensor_meta``) goes through the same queue, before the tensors it describes.
+is the order of the calls, as DeepSpeed's (the receiver matches them in order): the shape metadata that the
+engine's first send (every send under ``dynamic_shape``) carries (``_send_tensor_meta``) goes through the same
+queue, before the tensors it describes.
 
 :class:`AsyncSendSteps` puts it into DeepSpeed's engines without forking their send code: each send instruction runs
 DeepSpeed's own (shape metadata, partitioned tensors, the bool-mask cast) with its module function ``p2p.send`` bound
