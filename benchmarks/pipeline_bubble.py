@@ -1,10 +1,11 @@
 """The pipeline bubble, measured: per rank, the time of one training step spent computing (forward and backward
 passes, and the deferred W passes of ``dualpipev-zb``) and the time spent blocked on a peer (the step's time outside
-computing, data loading and the optimizer: sends, receives, DualPipeV's batched p2p commits, the tied-embedding sync
-and the loss broadcast), for 1F1B, DualPipeV and DualPipeV with deferred weight gradients (``dualpipev-zb``) at
-m = 4, 8 and 16 micro-batches, pp 2 on 2 CPU processes (gloo, one thread each).
+computing, data loading and the optimizer: receives, DualPipeV's batched p2p commits (which wait for their receives),
+the sends (async, ``parallel.p2p``) and the wait for them to complete at the step's first reduction, the
+tied-embedding sync and the loss broadcast), for 1F1B, DualPipeV and DualPipeV with deferred weight gradients
+(``dualpipev-zb``) at m = 4, 8 and 16 micro-batches, pp 2 on 2 CPU processes (gloo, one thread each).
 
-    python benchmarks/pipeline_bubble.py [--repeats 5] [--markdown OUT.md]
+    python benchmarks/pipeline_bubble.py [--repeats 5] [--blocking] [--markdown OUT.md]
 
 Runs itself under the deepspeed launcher.  The 9 engines are built once; each repeat then runs one step of every
 (m, schedule) in turn, so a slower moment of a shared machine falls on all of them alike.  Each step starts after a
@@ -38,6 +39,7 @@ from ds_megatron.tune.schedules import DUALPIPEV_COSTS, bubble_s, dualpipev_slot
 
 MICRO_BATCHES = (4, 8, 16)
 SCHEDULES = ("1f1b", "dualpipev", "dualpipev-zb")
+BLOCKING = "+blocking"  # a schedule run with DeepSpeed's blocking sends (``--blocking``), interleaved with the rest
 PP = 2
 
 
@@ -67,8 +69,9 @@ def instrument(engine) -> dict[str, float]:
     """Time the instructions of ``engine`` that work alone into the returned totals (zero them before a step):
     forward, backward and W passes ("compute"), and the data load, gradient reduction and optimizer step ("local",
     nothing to reduce at dp 1).  The rest of a step is spent waiting for a peer: sends, receives, DualPipeV's p2p
-    commits, the tied embedding's gradient exchange between the first and last stage (a pipeline-wide sync: under
-    1F1B the last stage's trailing idle time lands there) and the loss broadcast."""
+    commits, the wait for the step's async sends (at ``ReduceTiedGrads``, or after the schedule), the tied
+    embedding's gradient exchange between the first and last stage (a pipeline-wide sync: under 1F1B the last
+    stage's trailing idle time lands there) and the loss broadcast."""
     totals = {"compute": 0.0, "local": 0.0, "other": 0.0}
     from deepspeed.runtime.pipe import schedule as s
 
@@ -90,24 +93,27 @@ def instrument(engine) -> dict[str, float]:
     return totals
 
 
-def worker(out: str, repeats: int) -> None:
+def worker(out: str, repeats: int, names: tuple[str, ...]) -> None:
     import torch
     import torch.distributed as dist
 
     from ds_megatron.config import resolve
     from ds_megatron.engine import build_engine
+    from ds_megatron.parallel.p2p import BlockingSends
 
     engines = {}
     for m in MICRO_BATCHES:
-        for schedule in SCHEDULES:
-            run = resolve(config(schedule, m), int(os.environ["WORLD_SIZE"]))
+        for schedule in names:
+            run = resolve(config(schedule.removesuffix(BLOCKING), m), int(os.environ["WORLD_SIZE"]))
             engine = build_engine(run).engine
+            if schedule.endswith(BLOCKING):
+                engine.pending_sends = BlockingSends()
             engines[(schedule, m)] = (run, engine, instrument(engine))
     g = torch.Generator().manual_seed(0)
     rows = []
     for repeat in range(repeats + 1):  # the first round warms up (allocations, first p2p shape exchange)
         for m in MICRO_BATCHES:
-            for schedule in SCHEDULES:
+            for schedule in names:
                 run, engine, totals = engines[(schedule, m)]
                 tokens = torch.randint(0, run.model.vocab_size, (m, 2, run.model.seq_length + 1), generator=g)
                 batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
@@ -123,14 +129,14 @@ def worker(out: str, repeats: int) -> None:
     Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(rows))
 
 
-def summarise(rows_by_rank: dict[int, list[dict]]) -> str:
+def summarise(rows_by_rank: dict[int, list[dict]], names: tuple[str, ...]) -> str:
     lines = [
         "| schedule | m | rank | idle fraction (median [min, max]) | computing ms | blocked ms | step ms |",
         "|---|---|---|---|---|---|---|",
     ]
     means, steps = {}, {}
     for m in MICRO_BATCHES:
-        for schedule in SCHEDULES:
+        for schedule in names:
             per_rank, step_ms = [], []
             for rank, rows in sorted(rows_by_rank.items()):
                 mine = [r for r in rows if r["schedule"] == schedule and r["m"] == m]
@@ -163,28 +169,42 @@ def summarise(rows_by_rank: dict[int, list[dict]]) -> str:
             f"{means[(name, m)]:.3f} ({steps[(name, m)]:.0f} ms) | {p:.3f}" for name, p in zip(SCHEDULES, predicted)
         ]
         lines.append(f"| {m} | {' | '.join(cells)} |")
+    blocking = [name for name in names if name.endswith(BLOCKING)]
+    if blocking:
+        lines += [
+            "",
+            "With DeepSpeed's blocking sends (interleaved with the above): the same mean idle fraction (step).",
+            "",
+        ]
+        lines += ["| m | " + " | ".join(blocking) + " |", "|---|" + "---|" * len(blocking)]
+        for m in MICRO_BATCHES:
+            cells = [f"{means[(name, m)]:.3f} ({steps[(name, m)]:.0f} ms)" for name in blocking]
+            lines.append(f"| {m} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--blocking", action="store_true", help="also each schedule with DeepSpeed's blocking sends")
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--note", default="", help="a line on the machine's load, written under the table")
     ap.add_argument("--worker-out", default=None)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
+    names = SCHEDULES + tuple(name + BLOCKING for name in SCHEDULES if args.blocking)
     if args.worker_out:
-        worker(args.worker_out, args.repeats)
+        worker(args.worker_out, args.repeats, names)
         return
     load_start = os.getloadavg()[0]  # the machine's load: a shared machine's numbers say how shared it was
     with tempfile.TemporaryDirectory() as tmp:
         launcher = Path(sys.executable).parent / "deepspeed"
         cmd = [str(launcher), "--num_gpus", str(PP), __file__, "--worker-out", tmp, "--repeats", str(args.repeats)]
+        cmd += ["--blocking"] * args.blocking
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
         subprocess.run(cmd, env=env, check=True, capture_output=True)
         rows = {int(f.stem[4:]): json.loads(f.read_text()) for f in Path(tmp).glob("rank*.json")}
-    body = summarise(rows)
+    body = summarise(rows, names)
     load = f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     body = f"pp {PP}, gloo, 2 processes x 1 thread, {args.repeats} repeats after one warm-up round; {load}.\n\n{body}"
     if args.note:
@@ -196,7 +216,7 @@ def main() -> None:
         write_markdown(
             args.markdown,
             "Pipeline bubble: 1F1B, DualPipeV and DualPipeV with deferred weight gradients",
-            f"python benchmarks/pipeline_bubble.py --repeats {args.repeats}",
+            f"python benchmarks/pipeline_bubble.py --repeats {args.repeats}" + " --blocking" * args.blocking,
             body,
         )
 

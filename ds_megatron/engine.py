@@ -25,6 +25,7 @@ from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
 from ds_megatron.parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZERO_BUBBLE
 from ds_megatron.parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
+from ds_megatron.parallel.p2p import ENGINES as ASYNC_SEND_ENGINES
 from ds_megatron.parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
 from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline import build_pipeline_module
@@ -215,6 +216,8 @@ def build_engine(run: RunConfig) -> Built:
         queue = WeightGradQueue()
         defer_weight_grads(engine.module, queue)  # both of the rank's stages defer to one queue
         DualPipeVZeroBubbleEngine.install(engine, queue)
+    else:  # every engine's pipeline sends are async (parallel.p2p), so that the schedules compare alike
+        ASYNC_SEND_ENGINES[run.section.parallel.pipeline_schedule].install(engine)
     if install_step_sp_grad_sync(engine, topology, run) and topology.rank == 0:
         print("ds_megatron: SP-replicated gradients summed over TP once per step (fp32)", flush=True)
     return Built(engine, topology, parallel, rng, config, run)

@@ -2,7 +2,7 @@
 the rest must know of each is its row in ``config.schema.PIPELINE_SCHEDULES``).
 
 - ``1f1b``: DeepSpeed's ``PipelineModule`` / ``PipelineEngine`` (``TrainSchedule``), as :mod:`ds_megatron.pipeline`
-  builds it.
+  builds it; its sends async, as every schedule's (:mod:`ds_megatron.parallel.p2p`).
 - ``dualpipev``: DeepSpeed's ``DualPipeVModule`` / ``DualPipeVEngine`` (``DualPipeVSchedule``; ``dualpipev-zb``: the
   same module, the engine and schedule of :mod:`ds_megatron.parallel.dualpipev_zb`).  The layers are cut
   into 2p stages; rank r builds stage r (phase 0, activations flow towards rank p-1) and stage 2p-1-r (phase 1, back
@@ -10,7 +10,8 @@ the rest must know of each is its row in ``config.schema.PIPELINE_SCHEDULES``).
   there (no tied-gradient exchange).  ``deepspeed.initialize`` picks ``DualPipeVEngine`` for such a module.
 
 What DeepSpeed's DualPipeV needs from ds_megatron (subclassed or configured, nothing forked; gloo and the CPU
-accelerator run it as is, its p2p going through ``batch_isend_irecv``):
+accelerator run it as is, its p2p going through ``batch_isend_irecv``, whose commit ds_megatron makes wait for its
+receives only, :mod:`ds_megatron.parallel.p2p`):
 - ``PipelineModel``'s forward runs its recompute segments over ``forward_funcs``, and DualPipeV swaps
   ``forward_funcs`` per phase (``activate_phase``), so the segments are computed per phase and swapped with them;
 - the once-per-step SP gradient sum replaces ``ReduceTiedGrads`` in the engine's own class's instruction table

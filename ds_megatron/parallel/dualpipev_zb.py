@@ -26,9 +26,9 @@ optimizer step refuses to run with W passes still queued.
 from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule
-from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
 
 from ds_megatron.config import dualpipev_order as order
+from ds_megatron.parallel.p2p import AsyncSendDualPipeVEngine
 from ds_megatron.parallel.zero_bubble import DeferredWeightGradSteps, WeightGradPass
 
 PIPELINE_SCHEDULE = "dualpipev-zb"  # the config value of ds_megatron.parallel.pipeline_schedule this module implements
@@ -81,17 +81,11 @@ class DualPipeVZeroBubbleSchedule(schedule.DualPipeVSchedule):
         return commits[1] if step == order.B1_W_F1 else commits[0]
 
 
-class DualPipeVZeroBubbleEngine(DeferredWeightGradSteps, DualPipeVEngine):
-    """DeepSpeed's DualPipeV engine running :class:`DualPipeVZeroBubbleSchedule`.  Never constructed: ``install``
-    turns a built ``DualPipeVEngine`` into one (deepspeed.initialize builds the engine itself) and attaches the
-    queue that the layers defer their weight gradients to (one queue for both of the rank's stages)."""
-
-    @classmethod
-    def install(cls, engine: DualPipeVEngine, queue) -> None:
-        if type(engine) is not DualPipeVEngine:
-            raise TypeError(f"{PIPELINE_SCHEDULE} extends DeepSpeed's DualPipeVEngine, not {type(engine).__name__}")
-        engine.__class__ = cls
-        engine.weight_grad_queue = queue
+class DualPipeVZeroBubbleEngine(DeferredWeightGradSteps, AsyncSendDualPipeVEngine):
+    """DeepSpeed's DualPipeV engine running :class:`DualPipeVZeroBubbleSchedule`, with ``dualpipev``'s async sends
+    (``parallel.p2p``).  Never constructed: ``install(engine, queue)`` turns a built ``DualPipeVEngine`` into one
+    (deepspeed.initialize builds the engine itself) and attaches the queue that the layers defer their weight
+    gradients to (one queue for both of the rank's stages)."""
 
     def _train_schedule(self):
         return DualPipeVZeroBubbleSchedule(
@@ -103,7 +97,7 @@ class DualPipeVZeroBubbleEngine(DeferredWeightGradSteps, DualPipeVEngine):
         self.weight_grad_queue.seal()
 
     _INSTRUCTION_MAP = {
-        **DualPipeVEngine._INSTRUCTION_MAP,
+        **AsyncSendDualPipeVEngine._INSTRUCTION_MAP,
         **DeferredWeightGradSteps.INSTRUCTIONS,
         schedule.BackwardPass: _exec_backward_pass,
     }

@@ -30,8 +30,8 @@ import time
 
 import torch
 from deepspeed.runtime.pipe import schedule
-from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from ds_megatron.parallel.p2p import AsyncSendPipelineEngine
 from ds_megatron.parallel.zb_order import BUILD_COSTS, num_buffers, zb_h2_streams
 
 PIPELINE_SCHEDULE = "zb-h1"  # the config values of ds_megatron.parallel.pipeline_schedule this module implements
@@ -45,12 +45,12 @@ class WeightGradPass(schedule.PipeInstruction):
 class ZeroBubbleH1Schedule(schedule.TrainSchedule):
     """DeepSpeed's 1F1B with W passes split off the backward passes and delayed by up to ``stage_id`` of them.
 
-    Where a W pass goes matters because DeepSpeed's sends and receives block until the other stage is there: while
-    the stage still has forwards to run, a due W pass runs right after its B (before the gradient is sent: the
-    upstream stage is busy with its own forward and W until it asks for it); in the cooldown, once the last forward
-    has run, it runs after the gradient has been sent, while the upstream stage runs that B.  With T_F = T_B = T_W
-    this reaches ZB-H1's bubble of (p-1)(T_F+T_B-T_W) under blocking sends (tests/unit/test_zero_bubble.py
-    simulates it)."""
+    The placement was chosen for DeepSpeed's sends, which block until the other stage is there: while the stage
+    still has forwards to run, a due W pass runs right after its B (before the gradient is sent: the upstream stage
+    is busy with its own forward and W until it asks for it); in the cooldown, once the last forward has run, it
+    runs after the gradient has been sent, while the upstream stage runs that B.  With T_F = T_B = T_W this reaches
+    ZB-H1's bubble of (p-1)(T_F+T_B-T_W) under blocking sends, and the same under the engines' async sends
+    (``parallel.p2p``; tests/unit/test_zero_bubble.py simulates both)."""
 
     def steps(self):
         held_back = self.stage_id  # W passes this stage may hold: the cooldown slots its upstream stages leave
@@ -116,6 +116,11 @@ class DeferredWeightGradSteps:
 
     weight_grad_queue = None  # the rank's ``WeightGradQueue``, set by the engine's ``install``
 
+    @classmethod
+    def _attach(cls, engine, queue) -> None:
+        """``install``'s part: the queue that the layers defer their weight gradients to."""
+        engine.weight_grad_queue = queue
+
     def _exec_weight_grad_pass(self):
         self._run_weight_grads(all_of_them=False)
 
@@ -152,17 +157,11 @@ class DeferredWeightGradSteps:
     }
 
 
-class ZeroBubblePipelineEngine(DeferredWeightGradSteps, PipelineEngine):
-    """DeepSpeed's pipeline engine running :class:`ZeroBubbleH1Schedule`.  Never constructed: ``install`` turns a
-    built ``PipelineEngine`` into one (deepspeed.initialize builds the engine itself) and attaches the queue that the
-    layers defer their weight gradients to."""
-
-    @classmethod
-    def install(cls, engine: PipelineEngine, queue) -> None:
-        if type(engine) is not PipelineEngine:
-            raise TypeError(f"{cls.__name__} extends DeepSpeed's PipelineEngine, not {type(engine).__name__}")
-        engine.__class__ = cls
-        engine.weight_grad_queue = queue
+class ZeroBubblePipelineEngine(DeferredWeightGradSteps, AsyncSendPipelineEngine):
+    """DeepSpeed's pipeline engine running :class:`ZeroBubbleH1Schedule`, with 1F1B's async sends
+    (``parallel.p2p``).  Never constructed: ``install(engine, queue)`` turns a built ``PipelineEngine`` into one
+    (deepspeed.initialize builds the engine itself) and attaches the queue that the layers defer their weight
+    gradients to."""
 
     def _train_schedule(self):
         return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
@@ -187,7 +186,7 @@ class ZeroBubblePipelineEngine(DeferredWeightGradSteps, PipelineEngine):
             self.grad_layer = self.grad_layer.clone()
 
     _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
+        **AsyncSendPipelineEngine._INSTRUCTION_MAP,
         **DeferredWeightGradSteps.INSTRUCTIONS,
         schedule.BackwardPass: _exec_backward_pass,
         schedule.RecvGrad: _exec_recv_grads,

@@ -143,7 +143,7 @@ def test_deferred_weight_grads_train_as_dualpipev(results, layout, plain):
     for zb, dv in zip(_load(results, layout), _load(results, plain), strict=True):
         assert (zb["pp_rank"], zb["tp_rank"]) == (dv["pp_rank"], dv["tp_rank"])
         assert zb["losses"] == dv["losses"] and zb["norms"] == dv["norms"], (layout, zb, dv)
-        assert zb["engine"] == "DualPipeVZeroBubbleEngine" and dv["engine"] == "DualPipeVEngine", (
+        assert zb["engine"] == "DualPipeVZeroBubbleEngine" and dv["engine"] == "AsyncSendDualPipeVEngine", (
             zb["engine"],
             dv["engine"],
         )

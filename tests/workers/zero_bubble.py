@@ -5,11 +5,13 @@ Usage (under the deepspeed launcher):
     zero_bubble.py --out DIR --layouts 1,2,1 1,2,1,llama [--steps 3]
         writes DIR/<layout>.rank<r>.json: per zero-bubble schedule, its and 1F1B's losses, the largest step-1
         gradient and final weight differences, how many W passes it ran and how many were left at a step.
-    zero_bubble.py --out DIR --measure --micro-batches 4 8 16 --repeats 5 [--pp 2]
+    zero_bubble.py --out DIR --measure --micro-batches 4 8 16 --repeats 5 [--pp 2] [--blocking]
         times every instruction of one step per schedule, interleaved (1f1b, zb-h1, zb-h2, 1f1b, ...), and writes
         DIR/measure.rank<r>.json: per repeat and micro-batch count, the seconds spent computing (forward, B, W,
         loading), waiting in pipeline sends/receives, in the step's reductions and optimizer ("step"), and the
-        whole step ("step_total"); per instruction kind its seconds and its count ("n_<kind>").
+        whole step ("step_total"); per instruction kind its seconds and its count ("n_<kind>"); and the wait for
+        the step's async sends ("SendWait", inside ReduceTiedGrads).  ``--blocking`` adds each schedule with
+        DeepSpeed's blocking sends ("<name>+blocking"), interleaved with the rest.
 A layout is tp,pp,dp, optionally followed by ``llama`` (4 heads, 2 KV heads, untied), ``sp`` and ``bf16`` (DeepSpeed's
 BF16 optimizer with ZeRO-1 and fp32 gradient accumulation).
 """
@@ -29,6 +31,7 @@ from deepspeed.runtime.pipe import schedule  # noqa: E402
 
 from ds_megatron.config import resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
+from ds_megatron.parallel.p2p import BlockingSends  # noqa: E402
 from ds_megatron.parallel.zero_bubble import WeightGradPass  # noqa: E402
 
 LLAMA_FIELDS = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 96, "rope_theta": 10000.0}
@@ -129,21 +132,28 @@ def compare(layout: str, args) -> None:
     write_result(args.out, layout.replace(",", "-"), payload)
 
 
+BLOCKING = "+blocking"  # a measured schedule's name suffix: its engine sends as DeepSpeed's own p2p does
+
+
 def measure(args) -> None:
-    """Per instruction kind, seconds of one step, for each schedule and micro-batch count, interleaved."""
+    """Per instruction kind, seconds of one step, for each schedule and micro-batch count, interleaved (with
+    ``--blocking``: each schedule also with DeepSpeed's blocking sends, as "<name>+blocking")."""
     kinds = {
         "compute": (schedule.ForwardPass, schedule.BackwardPass, WeightGradPass, schedule.LoadMicroBatch),
         "wait": (schedule.SendActivation, schedule.RecvActivation, schedule.SendGrad, schedule.RecvGrad),
         "step": (schedule.ReduceTiedGrads, schedule.ReduceGrads, schedule.OptimizerStep),
     }
     shape = {"layers": 2 * args.pp, "hidden": args.hidden, "heads": 8, "seq": args.seq, "vocab": 1001, "micro": 2}
+    names = SCHEDULES + tuple(name + BLOCKING for name in SCHEDULES if args.blocking)
     engines = {}
     for m in args.micro_batches:
-        for name in SCHEDULES:
-            cfg = config(1, args.pp, 1, (), name, global_batch=2 * m, **shape)
+        for name in names:
+            cfg = config(1, args.pp, 1, (), name.removesuffix(BLOCKING), global_batch=2 * m, **shape)
             run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
             built = build_engine(run)
             engine = built.engine
+            if name.endswith(BLOCKING):
+                engine.pending_sends = BlockingSends()
             spent: dict = {k: 0.0 for k in kinds}
             table = (
                 dict(engine._INSTRUCTION_MAP)
@@ -155,11 +165,12 @@ def measure(args) -> None:
                     if instr in table:
                         table[instr] = timed(table[instr], spent, kind, instr.__name__)
             engine._INSTRUCTION_MAP = table
+            engine.pending_sends.wait_all = timed_call(engine.pending_sends.wait_all, spent, "SendWait")
             engines[(m, name)] = (engine, run, spent)
     rows = []
     for repeat in range(args.repeats + 1):  # the first round warms up every engine and is dropped
         for m in args.micro_batches:
-            for name in SCHEDULES:
+            for name in names:
                 engine, run, spent = engines[(m, name)]
                 tokens = token_batches(1, run.global_batch_size, run.model.seq_length, run.model.vocab_size, repeat)[0]
                 spent.clear()
@@ -171,6 +182,20 @@ def measure(args) -> None:
                 if repeat:
                     rows.append({"m": m, "schedule": name, "repeat": repeat, **spent, "step_total": total})
     write_result(args.out, "measure", {"rows": rows, "pp_rank": engines[(args.micro_batches[0], "1f1b")][0].stage_id})
+
+
+def timed_call(fn, spent: dict, name: str):
+    """``fn`` adding its seconds to ``spent[name]`` only: the wait for the step's async sends, which runs inside
+    ``ReduceTiedGrads`` (already timed as a step instruction), or after the schedule."""
+
+    def run():
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+
+    return run
 
 
 def timed(fn, spent: dict, kind: str, name: str):
@@ -200,6 +225,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--blocking", action="store_true", help="--measure: also each schedule with blocking sends")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     if args.measure:
