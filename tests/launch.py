@@ -78,13 +78,18 @@ def launcher_command(nprocs: int, port: int, command: bool = False) -> list[str]
 
 def _record_launch(script: str | Path, nprocs: int, nodes: int = 1, seconds: float = 0.0, args=()) -> None:
     """With DS_MEGATRON_TEST_LAUNCH_LOG set, append one line per launch (test, script, processes, wall seconds, and
-    for a shared launch the workers it ran): the suite's time is mostly launches, and this counts them per test."""
+    for a shared launch the workers it ran and each one's seconds): the suite's time is mostly launches, and this
+    counts them per test."""
     log = os.environ.get("DS_MEGATRON_TEST_LAUNCH_LOG")
     if log:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
         runs = [Path(a.split()[0]).name for a, flag in zip(args[1:], args) if flag == "--run"]
         record = {"test": test, "script": Path(script).name, "nprocs": nprocs, "nodes": nodes}
         record.update(seconds=round(seconds, 1), **({"runs": runs} if runs else {}))
+        done = [Path(a) for a, flag in zip(args[1:], args) if flag == "--done"]
+        if done:  # each finished run's own seconds (workers/several.py's completion markers)
+            markers = [done[0] / f"{i}.done" for i in range(len(runs))]
+            record["run_seconds"] = [json.loads(m.read_text())["seconds"] if m.exists() else None for m in markers]
         with open(log, "a") as f:
             f.write(json.dumps(record) + "\n")
 

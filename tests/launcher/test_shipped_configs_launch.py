@@ -50,7 +50,7 @@ def _straight(out: Path) -> list[str]:
         work.mkdir()
         (work / "mini.json").write_text(json.dumps(cfg))
         argv = [*_common(out, work), "--save", str(work / "ck"), "--set", f"ds_megatron.logging.run_dir={work / 'a'}"]
-        plan.append({"name": path.stem, "status_dir": str(work), "argv": argv})
+        plan.append({"name": path.stem, "status_dir": str(work), "argv": argv, "plot": False})
     return _plan(out, "straight", plan)
 
 
@@ -67,7 +67,7 @@ def _resumed(out: Path) -> list[str]:
         _keep_final(work)
         resume = ["--load", str(work / "ck"), "--save", str(work / "ck_b")]
         argv = [*_common(first, work), *resume, "--set", f"ds_megatron.logging.run_dir={work / 'b'}"]
-        plan.append({"name": path.stem + "-resume", "status_dir": str(work), "argv": argv})
+        plan.append({"name": path.stem + "-resume", "status_dir": str(work), "argv": argv, "plot": False})
     return _plan(out, "resumed", plan)
 
 

@@ -65,10 +65,11 @@ def main() -> None:
         variants = {"tp": [(False, False)], "tp+sp": [(True, False), (True, True)]}
         runs = [run for v in args.variants.split(",") for run in variants[v]]
     for sp, llama in runs:
-        base_loss, base_grads = one_step(POLICIES["none"], args, llama, sp)
         result = {}
-        for name, policy in POLICIES.items():
+        for name, policy in POLICIES.items():  # "none" first: the run the others are compared with
             loss, grads = one_step(policy, args, llama, sp)
+            if name == "none":
+                base_loss, base_grads = loss, grads
             diff = max(float((grads[k] - base_grads[k]).abs().max()) for k in base_grads)
             result[name] = {"loss": loss, "base_loss": base_loss, "grad_diff": diff, "num_params": len(grads)}
         log(result)

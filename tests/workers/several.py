@@ -1,7 +1,8 @@
 """Run several worker scripts of this folder one after the other in one launch:
 ``several.py --run "parity.py --out D --layouts 2,2,1" --run "collectives.py --out E"`` (a script is named relative to
 this folder, or by its absolute path).  With ``--done DIR``, rank 0 writes ``DIR/<i>.done`` when the i-th run (from 0)
-has returned on every rank, so a caller can tell which runs finished when the launch failed.
+has returned on every rank, so a caller can tell which runs finished when the launch failed; the marker holds the
+run and its wall seconds on rank 0 (``tests/launch.py`` logs them with the launch).
 
 One launch instead of one per worker: the launcher, the imports and the process group are paid once.  Each worker
 runs as its own ``__main__`` with its own argv and builds its own engine (every build seeds all generators from its
@@ -12,10 +13,12 @@ in one of its collectives); the ones before it have written their results.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import runpy
 import shlex
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -28,6 +31,7 @@ def main() -> int:
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     for i, run in enumerate(args.run):
+        start = time.monotonic()
         script, *argv = shlex.split(run)
         path = HERE / script  # an absolute ``script`` stays itself
         sys.argv = [str(path), *argv, f"--local_rank={args.local_rank}"]
@@ -40,7 +44,8 @@ def main() -> int:
         if args.done:
             _all_returned()
             if os.environ.get("RANK", "0") == "0":
-                (Path(args.done) / f"{i}.done").write_text(run)
+                marker = {"run": run, "seconds": round(time.monotonic() - start, 1)}
+                (Path(args.done) / f"{i}.done").write_text(json.dumps(marker))
     return 0
 
 
