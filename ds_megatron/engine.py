@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -48,11 +49,35 @@ class Built:
     run: RunConfig
 
 
-def init_distributed() -> None:
-    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); idempotent."""
-    if not dist.is_initialized():
+def init_distributed(inference_all_reduce: bool = False) -> None:
+    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on CPU); idempotent.
+
+    On CPU DeepSpeed's backend builds (a JIT C++ extension) and maps its shared-memory all-reduce, which only
+    ``deepspeed.comm.inference_all_reduce`` uses: ``init_inference``'s tensor-parallel layers.  Training reduces
+    through torch.distributed (ds_megatron's collectives, DeepSpeed's engines, AutoTP training's layers), so unless
+    ``inference_all_reduce`` asks for it the backend starts without it: the build is cached, but the cache is keyed
+    by the compiler command and was seen rebuilding for 40-150 s when two build flavours alternated, and each
+    rank's 66 MB buffer in /dev/shm is not needed."""
+    if dist.is_initialized():
+        return
+    if inference_all_reduce or device_type() != "cpu":
         deepspeed.init_distributed(verbose=False)
-        release_shm_buffer_name()
+    else:
+        with _without_shm_all_reduce():
+            deepspeed.init_distributed(verbose=False)
+    release_shm_buffer_name()
+
+
+@contextlib.contextmanager
+def _without_shm_all_reduce():
+    """DeepSpeed's backend, built inside the block, without its CPU shared-memory all-reduce (its builder function
+    returning None is the state DeepSpeed itself takes when the op is not compatible: plain torch.distributed)."""
+    comm_torch = importlib.import_module("deepspeed.comm.torch")
+    build, comm_torch.build_shm_op = comm_torch.build_shm_op, lambda: None
+    try:
+        yield
+    finally:
+        comm_torch.build_shm_op = build
 
 
 def release_shm_buffer_name() -> None:

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from ds_megatron.tune.inference_probe import launch_tps
 
     default_cpu_threads()
-    init_distributed()
+    init_distributed(inference_all_reduce=True)  # init_inference's layers reduce through its shm all-reduce on CPU
     rank, world = dist.get_rank(), dist.get_world_size()
     tps = list(dict.fromkeys(c["tp"] for c in plan["candidates"]))
     if not set(tps) <= set(launch_tps(world)):

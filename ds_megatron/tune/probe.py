@@ -130,7 +130,38 @@ def run_process(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str,
             with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            wait_group_gone(proc.pid)
     return returncode, time.monotonic() - start
+
+
+GROUP_GONE_S = 30.0  # how long a SIGKILLed process group may take to leave the process table
+
+
+def wait_group_gone(pgid: int, timeout_s: float = GROUP_GONE_S) -> bool:
+    """Wait until no live process of group ``pgid`` is left (True), or ``timeout_s`` passes (False).  After the
+    group's SIGKILL the ranks, children of the launcher and not of this process, still run their exit (freeing their
+    memory) for a while (a loaded machine took over a second): a caller that returned before that would report a
+    killed run whose workers still hold memory and ports.  A zombie (exited, waiting for its new parent to reap it)
+    holds neither and counts as gone."""
+    deadline = time.monotonic() + timeout_s
+    while _group_has_live_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _group_has_live_members(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):  # no member left (or none that could still be ours)
+        return False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if int(group) == pgid and state != "Z":
+                return True
+    return False
 
 
 def failure_reason(returncode: int | None, output: str, timeout_s: float) -> tuple[str, str]:

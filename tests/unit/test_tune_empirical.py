@@ -7,6 +7,8 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from ds_megatron.tune.probe import (
     probe_config,
     read_metrics,
     run_process,
+    wait_group_gone,
 )
 from ds_megatron.tune.time_model import FIT_TERMS
 
@@ -197,6 +200,23 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def test_wait_group_gone_waits_for_live_members_only():
+    member = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert not wait_group_gone(member.pid, timeout_s=0.2)  # a live member: still there after the timeout
+        os.kill(member.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _alive(member.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # exited and not yet reaped by its parent (this process): a zombie holds no memory or port, so gone
+        assert Path(f"/proc/{member.pid}/stat").exists()
+        assert wait_group_gone(member.pid, timeout_s=5)
+    finally:
+        member.kill()
+        member.wait()
+    assert wait_group_gone(member.pid, timeout_s=0)  # reaped: no member at all
+
+
 def test_run_process_kills_the_whole_group_on_timeout(tmp_path):
     pid_file = tmp_path / "child.pid"
     # a launcher and its rank: a shell (it starts in milliseconds, so a short timeout still finds the child started)
@@ -206,9 +226,8 @@ def test_run_process_kills_the_whole_group_on_timeout(tmp_path):
     assert code is None and 0.9 < duration < 10 and time.monotonic() - start < 10
     assert "started" in (tmp_path / "out.log").read_text()
     pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # gone when run_process returns, not some time later: the group's SIGKILLed members can take over a second to
+    # exit on a loaded machine, and a caller checking then found them still running
     assert not _alive(pid), "the grandchild survived the timeout"
     code, _ = run_process(["sh", "-c", "exit 3"], tmp_path / "o.log", 30, dict(os.environ))
     assert code == 3
