@@ -161,16 +161,11 @@ def _backward_pairs(
     return dkv
 
 
-def _add_dkv(dkv: Tensor, grads: list[tuple[slice, Tensor, Tensor]], first: bool = False) -> None:
-    """Add each block's (dk, dv) into the accumulator ``dkv`` [2, b, n_kv, sk, d]; ``first``: ``dkv`` holds nothing
-    yet (uninitialised) and the one block covers every key row: copy instead of add."""
+def _add_dkv(dkv: Tensor, grads: list[tuple[slice, Tensor, Tensor]]) -> None:
+    """Add each block's (dk, dv) into the accumulator ``dkv`` [2, b, n_kv, sk, d]."""
     for cols, dk_b, dv_b in grads:
-        if first:
-            dkv[0][:, :, cols].copy_(dk_b)
-            dkv[1][:, :, cols].copy_(dv_b)
-        else:
-            dkv[0][:, :, cols] += dk_b
-            dkv[1][:, :, cols] += dv_b
+        dkv[0][:, :, cols] += dk_b
+        dkv[1][:, :, cols] += dv_b
 
 
 def ring_scores_computed(doc_ids: Tensor, cp: int) -> list[int]:
@@ -195,8 +190,9 @@ class _RingAttention(torch.autograd.Function):
     K/V is kept.  The output, and in backward dq, dk, dv, are rounded from their fp32 accumulators straight into
     ``_seq_major`` layout.
     Backward: the K/V travel the ring again together with their gradient: dK/dV of the block in hand are added to
-    the accumulator that arrives from the previous rank and sent on (fp32, so the sum over cp ranks rounds once);
-    after cp steps each accumulator has visited every rank and takes one last hop home to its owner.
+    the accumulator that arrives from the previous rank and sent on (fp32, so the sum over cp ranks rounds once;
+    the first hop and the last one home in the K/V's dtype, ``_dkv_message``); after cp steps each accumulator has
+    visited every rank and takes one last hop home to its owner.
 
     With document ids every rank's ids are all-gathered once before the ring starts (b x s integers, one
     collective): the blocks of every step are planned then, before any K/V arrive, and the plan is kept for
@@ -239,24 +235,23 @@ class _RingAttention(torch.autograd.Function):
         group, kernel, scale, plans = ctx.group, ctx.kernel, ctx.scale, ctx.plans
         cp = _size_rank(group)[0]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        # Step 0 without document ids: one block over every row and every key (the diagonal), copied into the
-        # accumulators, which therefore start uninitialised.
+        # Step 0 without document ids: one block over every row and every key (the diagonal), copied into dq,
+        # which therefore starts uninitialised.
         first = ctx.first_covers_all
         alloc = torch.empty if first else torch.zeros
         dq = alloc(q.shape, dtype=acc, device=q.device)
-        dkv_in, dkv_requests = alloc(kv.shape, dtype=acc, device=q.device), []
+        dkv_in, dkv_requests = None if first else torch.zeros(kv.shape, dtype=acc, device=q.device), []
         for step in range(cp):
             kv_requests: list[Any] = []
             if step + 1 < cp:
                 kv_next, kv_requests = _shift(kv, group)
             grads = _backward_pairs(kernel, dout, q, kv, out, lse, plans[step], scale, dq, step == 0 and first)
             # The accumulator of the block in hand (the K/V of rank (rank - step) mod cp) as the previous rank
-            # sent it on (zeros at step 0: this rank's own block starts here).  Waiting also completes this rank's
-            # previous send, so no buffer in flight is ever written: the received one is complete and is the one
-            # updated and sent on.
+            # sent it on (nothing at step 0: this rank's own block starts here).  Waiting also completes this
+            # rank's previous send, so no buffer in flight is ever written: the received one is complete and is
+            # the one updated and sent on.
             _wait(dkv_requests)
-            dkv = dkv_in
-            _add_dkv(dkv, grads, step == 0 and first)
+            dkv = _dkv_message(dkv_in, grads, acc, kv.dtype, first=step == 0 and first, last=step == cp - 1)
             dkv_in, dkv_requests = _shift(dkv, group)
             if kv_requests:
                 _wait(kv_requests)
@@ -265,6 +260,25 @@ class _RingAttention(torch.autograd.Function):
         dq, dk, dv = (_seq_major(t.shape, dtype, t.device).copy_(t) for t, dtype in
                       ((dq, q.dtype), (dkv_in[0], kv.dtype), (dkv_in[1], kv.dtype)))  # fmt: skip
         return dq, dk, dv, None, None, None, None
+
+
+def _dkv_message(
+    received: Tensor | None, grads: list[tuple[slice, Tensor, Tensor]], acc: torch.dtype, dtype: torch.dtype,
+    first: bool, last: bool,
+) -> Tensor:  # fmt: skip
+    """The dK/dV accumulator [2, b, n_kv, sk, d] a ring step sends on: ``received`` (what the previous rank sent;
+    None when ``first``) plus this step's block grads, summed in ``acc`` (fp32 for bf16 K/V, so the sum over cp
+    ranks rounds once).  Two hops travel in the K/V's own ``dtype`` instead, bit for bit the same: the ``first``
+    (step 0 without document ids: one block over every key row, its grads already in that dtype, nothing summed
+    yet), and the ``last`` (the hop home, whose owner would only round it to that dtype): at cp 2 both hops, half
+    the bytes of fp32 ones."""
+    if first:
+        ((_, dk, dv),) = grads  # the diagonal block: every key row
+        message = torch.stack([dk, dv])
+    else:
+        message = received if received.dtype == acc else received.to(acc)
+        _add_dkv(message, grads)
+    return message.to(dtype) if last else message
 
 
 def _all_docs(doc_ids: Tensor, group: ProcessGroup) -> Tensor:

@@ -145,6 +145,33 @@ def check_ring_traffic_and_work(c: Ctx, kernel: str) -> Pairs:
     ]
 
 
+def check_ring_message_dtypes(c: Ctx) -> Pairs:
+    """bf16 K/V: the backward's dK/dV accumulator travels in fp32 (the sum over cp ranks rounds once) except on its
+    first hop (one block's grads, nothing summed yet) and its last one home (the owner would only round it): both
+    in bf16, which at cp 2 is every hop.  The K/V themselves travel in bf16."""
+    dtypes: list[torch.dtype] = []
+    real_shift = cp_comm._shift
+
+    def shift(send: Tensor, group: ProcessGroup) -> Any:
+        dtypes.append(send.dtype)
+        return real_shift(send, group)
+
+    q = torch.randn(B, 4, S // c.cp, D, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, 2, S // c.cp, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out = cp_comm.ring_attention(q, k, v, c.group, "sdpa", 0.3)
+    cp_comm._shift = shift
+    try:
+        out.backward(torch.randn_like(out))
+    finally:
+        cp_comm._shift = real_shift
+    # backward posts, per step, the K/V's next hop (steps 0 .. cp-2) and then the accumulator's
+    kv_hops = [torch.bfloat16 if step + 1 < c.cp else None for step in range(c.cp)]
+    acc_hops = [torch.bfloat16 if step in (0, c.cp - 1) else torch.float32 for step in range(c.cp)]
+    expected = [d for pair in zip(kv_hops, acc_hops, strict=True) for d in pair if d is not None]
+    return [("message dtypes", torch.tensor([d == torch.bfloat16 for d in dtypes]),
+             torch.tensor([d == torch.bfloat16 for d in expected]))]  # fmt: skip
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops run inside it, and the elements that the copying ones write."""
 
@@ -241,6 +268,7 @@ for _comm in ("ring", "a2a"):
 for _kernel in ("eager", "sdpa"):
     CHECKS[f"ring-{_kernel}-traffic-and-work"] = partial(check_ring_traffic_and_work, kernel=_kernel)
 CHECKS["ring-sdpa-copies-nothing"] = check_ring_copies_nothing
+CHECKS["ring-sdpa-message-dtypes"] = check_ring_message_dtypes
 CHECKS["a2a-heads-to-seq-one-pass"] = check_heads_to_seq_one_pass
 for _comm in ("ring", "a2a"):
     CHECKS[f"{_comm}-layout-and-exchanges"] = partial(check_layout_and_exchanges, comm=_comm)
@@ -262,7 +290,7 @@ def _run_rank(group: ProcessGroup | None, rank: int, world: int) -> dict[str, st
 
 
 # cp 1 sends nothing and computes one block: no ring, no all-to-all to check
-CP_ONLY = ("traffic", "copies-nothing", "heads-to-seq", "layout-and-exchanges")
+CP_ONLY = ("traffic", "copies-nothing", "message-dtypes", "heads-to-seq", "layout-and-exchanges")
 CHECKS_CP1 = {k: f for k, f in CHECKS.items() if not any(word in k for word in CP_ONLY)}
 
 
