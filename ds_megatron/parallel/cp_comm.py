@@ -187,8 +187,8 @@ class _RingAttention(torch.autograd.Function):
     in flight is never written).  Partial outputs are merged exactly with their log-sum-exp:
         lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b.
     Saved for backward: q, the local K/V stack (its first hop in backward), the merged output and its lse; no received
-    K/V is kept.  The output, and in backward dq, dk, dv, are rounded from their fp32 accumulators straight into
-    ``_seq_major`` layout.
+    K/V is kept.  In backward dq, dk, dv are rounded from their fp32 accumulators straight into ``_seq_major``
+    layout.
     Backward: the K/V travel the ring again together with their gradient: dK/dV of the block in hand are added to
     the accumulator that arrives from the previous rank and sent on (fp32, so the sum over cp ranks rounds once;
     the first hop and the last one home in the K/V's dtype, ``_dkv_message``); after cp steps each accumulator has
@@ -223,7 +223,10 @@ class _RingAttention(torch.autograd.Function):
             if requests:
                 _wait(requests)
                 kv = recv
-        out = _seq_major(q.shape, q.dtype, q.device).copy_(out)
+        # [b, n, s/cp, d]-contiguous, not in ``_seq_major`` layout: the model's projection then saves its own copy
+        # of the context beside this one, which is what ``ds_megatron.memory`` counts for the ring (and the tuner
+        # plans with); the model-layout output would share that storage instead.
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, own_kv, out, lse)
         ctx.first_covers_all = first
         ctx.group, ctx.kernel, ctx.scale, ctx.plans = group, kernel, scale, plans
