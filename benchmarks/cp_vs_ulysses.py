@@ -34,9 +34,11 @@ tp 2 x cp 2 with sequence parallelism (tp needs 14 and 2 divisible by 2) and cp 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import time
 
@@ -381,7 +383,31 @@ def main() -> None:
                 args.markdown, "ds_megatron CP against DeepSpeed Ulysses", "python benchmarks/cp_vs_ulysses.py", ""
             )
         with open(args.markdown, "a") as f:
-            f.write(f"\n## {w} processes\n\n{body}")
+            f.write(
+                f"\n## {w} processes, s {args.seq}{loaded_note(load)}\n\n`{command_line()}`, code at "
+                f"{code_revision()}\n\n{body}"
+            )
+
+
+def loaded_note(load: tuple[float, float, float]) -> str:
+    """A section title's mark for a run on a machine busy with other work (1-minute load average above half the
+    cores): its tokens/s are a sanity check, not a measurement to compare with a quiet run's."""
+    cores = os.cpu_count() or 1
+    return f" (loaded machine: load average {load[0]:.1f} on {cores} cores)" if load[0] > cores / 2 else ""
+
+
+def command_line() -> str:
+    return "python " + " ".join(["benchmarks/cp_vs_ulysses.py", *sys.argv[1:]])
+
+
+def code_revision() -> str:
+    """The git commit the measured code is at, marked when the working tree differs from it."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    run = functools.partial(subprocess.run, cwd=root, capture_output=True, text=True)
+    head = run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip() or "unknown"
+    return head + (
+        " + uncommitted changes" if run(["git", "status", "--porcelain", "--", "ds_megatron"]).stdout else ""
+    )
 
 
 def budget_table(args) -> None:

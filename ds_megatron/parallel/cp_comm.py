@@ -53,6 +53,15 @@ def _wait(requests: list[Any]) -> None:
         request.wait()
 
 
+def _seq_major(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised [b, n, s, d] tensor laid out as [s, b, n, d] in memory: the layout of the model's [s, b, h]
+    projections, whose q, k, v reach CP attention as [b, n, s, d] views of it.  A context in that layout makes the
+    model's reshape back to [s, b, n * d] a view, and gradients of q, k, v in it flow into the projections' backward
+    without a copy (a [b, n, s, d]-contiguous one costs a copy per tensor per layer there)."""
+    b, n, s, d = shape
+    return torch.empty(s, b, n, d, dtype=dtype, device=device).permute(1, 2, 0, 3)
+
+
 def _ring_block(rank: int, src: int, c: int) -> tuple[slice, slice, bool]:
     """Which of this rank's query rows attend to which rows of the K/V held by CP rank ``src``, and whether the
     block is causal.  Local rows [0, c) are chunk ``rank``, [c, 2c) chunk ``2cp-1-rank``; the same for ``src``.
@@ -152,16 +161,11 @@ def _backward_pairs(
     return dkv
 
 
-def _add_dkv(dkv: Tensor, grads: list[tuple[slice, Tensor, Tensor]], first: bool = False) -> None:
-    """Add each block's (dk, dv) into the accumulator ``dkv`` [2, b, n_kv, sk, d]; ``first``: ``dkv`` holds nothing
-    yet (uninitialised) and the one block covers every key row: copy instead of add."""
+def _add_dkv(dkv: Tensor, grads: list[tuple[slice, Tensor, Tensor]]) -> None:
+    """Add each block's (dk, dv) into the accumulator ``dkv`` [2, b, n_kv, sk, d]."""
     for cols, dk_b, dv_b in grads:
-        if first:
-            dkv[0][:, :, cols].copy_(dk_b)
-            dkv[1][:, :, cols].copy_(dv_b)
-        else:
-            dkv[0][:, :, cols] += dk_b
-            dkv[1][:, :, cols] += dv_b
+        dkv[0][:, :, cols] += dk_b
+        dkv[1][:, :, cols] += dv_b
 
 
 def ring_scores_computed(doc_ids: Tensor, cp: int) -> list[int]:
@@ -183,10 +187,12 @@ class _RingAttention(torch.autograd.Function):
     in flight is never written).  Partial outputs are merged exactly with their log-sum-exp:
         lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b.
     Saved for backward: q, the local K/V stack (its first hop in backward), the merged output and its lse; no received
-    K/V is kept.
+    K/V is kept.  In backward dq, dk, dv are rounded from their fp32 accumulators straight into ``_seq_major``
+    layout.
     Backward: the K/V travel the ring again together with their gradient: dK/dV of the block in hand are added to
-    the accumulator that arrives from the previous rank and sent on (fp32, so the sum over cp ranks rounds once);
-    after cp steps each accumulator has visited every rank and takes one last hop home to its owner.
+    the accumulator that arrives from the previous rank and sent on (fp32, so the sum over cp ranks rounds once;
+    the first hop and the last one home in the K/V's dtype, ``_dkv_message``); after cp steps each accumulator has
+    visited every rank and takes one last hop home to its owner.
 
     With document ids every rank's ids are all-gathered once before the ring starts (b x s integers, one
     collective): the blocks of every step are planned then, before any K/V arrive, and the plan is kept for
@@ -217,6 +223,9 @@ class _RingAttention(torch.autograd.Function):
             if requests:
                 _wait(requests)
                 kv = recv
+        # [b, n, s/cp, d]-contiguous, not in ``_seq_major`` layout: the model's projection then saves its own copy
+        # of the context beside this one, which is what ``ds_megatron.memory`` counts for the ring (and the tuner
+        # plans with); the model-layout output would share that storage instead.
         out = out.to(q.dtype)
         ctx.save_for_backward(q, own_kv, out, lse)
         ctx.first_covers_all = first
@@ -229,30 +238,50 @@ class _RingAttention(torch.autograd.Function):
         group, kernel, scale, plans = ctx.group, ctx.kernel, ctx.scale, ctx.plans
         cp = _size_rank(group)[0]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        # Step 0 without document ids: one block over every row and every key (the diagonal), copied into the
-        # accumulators, which therefore start uninitialised.
+        # Step 0 without document ids: one block over every row and every key (the diagonal), copied into dq,
+        # which therefore starts uninitialised.
         first = ctx.first_covers_all
         alloc = torch.empty if first else torch.zeros
         dq = alloc(q.shape, dtype=acc, device=q.device)
-        dkv_in, dkv_requests = alloc(kv.shape, dtype=acc, device=q.device), []
+        dkv_in, dkv_requests = None if first else torch.zeros(kv.shape, dtype=acc, device=q.device), []
         for step in range(cp):
             kv_requests: list[Any] = []
             if step + 1 < cp:
                 kv_next, kv_requests = _shift(kv, group)
             grads = _backward_pairs(kernel, dout, q, kv, out, lse, plans[step], scale, dq, step == 0 and first)
             # The accumulator of the block in hand (the K/V of rank (rank - step) mod cp) as the previous rank
-            # sent it on (zeros at step 0: this rank's own block starts here).  Waiting also completes this rank's
-            # previous send, so no buffer in flight is ever written: the received one is complete and is the one
-            # updated and sent on.
+            # sent it on (nothing at step 0: this rank's own block starts here).  Waiting also completes this
+            # rank's previous send, so no buffer in flight is ever written: the received one is complete and is
+            # the one updated and sent on.
             _wait(dkv_requests)
-            dkv = dkv_in
-            _add_dkv(dkv, grads, step == 0 and first)
+            dkv = _dkv_message(dkv_in, grads, acc, kv.dtype, first=step == 0 and first, last=step == cp - 1)
             dkv_in, dkv_requests = _shift(dkv, group)
             if kv_requests:
                 _wait(kv_requests)
                 kv = kv_next
         _wait(dkv_requests)  # after cp steps the accumulator of this rank's own block has come home
-        return dq.to(q.dtype), dkv_in[0].to(kv.dtype), dkv_in[1].to(kv.dtype), None, None, None, None
+        dq, dk, dv = (_seq_major(t.shape, dtype, t.device).copy_(t) for t, dtype in
+                      ((dq, q.dtype), (dkv_in[0], kv.dtype), (dkv_in[1], kv.dtype)))  # fmt: skip
+        return dq, dk, dv, None, None, None, None
+
+
+def _dkv_message(
+    received: Tensor | None, grads: list[tuple[slice, Tensor, Tensor]], acc: torch.dtype, dtype: torch.dtype,
+    first: bool, last: bool,
+) -> Tensor:  # fmt: skip
+    """The dK/dV accumulator [2, b, n_kv, sk, d] a ring step sends on: ``received`` (what the previous rank sent;
+    None when ``first``) plus this step's block grads, summed in ``acc`` (fp32 for bf16 K/V, so the sum over cp
+    ranks rounds once).  Two hops travel in the K/V's own ``dtype`` instead, bit for bit the same: the ``first``
+    (step 0 without document ids: one block over every key row, its grads already in that dtype, nothing summed
+    yet), and the ``last`` (the hop home, whose owner would only round it to that dtype): at cp 2 both hops, half
+    the bytes of fp32 ones."""
+    if first:
+        ((_, dk, dv),) = grads  # the diagonal block: every key row
+        message = torch.stack([dk, dv])
+    else:
+        message = received if received.dtype == acc else received.to(acc)
+        _add_dkv(message, grads)
+    return message.to(dtype) if last else message
 
 
 def _all_docs(doc_ids: Tensor, group: ProcessGroup) -> Tensor:
@@ -330,48 +359,65 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, group, kernel, scale, doc_ids)
 
 
-def _seq_to_heads(x: Tensor, group: ProcessGroup) -> Tensor:
-    """[b, n, s/cp, d] (this rank's chunks, all local heads) -> [b, n/cp, s, d] (head group ``rank``, the whole
-    sequence in order).  One all-to-all; the received shards are put back in sequence order by the layout's
-    ``unslice`` (rank r's shard holds chunks r and 2cp-1-r)."""
+def _seq_to_heads(xs: tuple[Tensor, ...], group: ProcessGroup) -> tuple[Tensor, ...]:
+    """Each x [b, n_x, s/cp, d] (this rank's chunks, all local heads; any strides) -> [b, n_x/cp, s, d] (head group
+    ``rank``, the whole sequence in order), all of them in one all-to-all: q, k and v travel as one message per
+    peer instead of three.  The send buffer is written straight from the inputs (one pass each), the received
+    shards put back in sequence order by the layout's ``unslice`` (rank r's shard holds chunks r and 2cp-1-r: one
+    more pass); the outputs are head slices of that one [b, sum n_x/cp, s, d] tensor."""
     cp = dist.get_world_size(group)
-    b, n, sl, d = x.shape
-    send = x.reshape(b, cp, n // cp, sl, d).transpose(0, 1).contiguous()  # [cp (dest), b, n/cp, s/cp, d]
-    recv = torch.empty_like(send)  # [cp (source rank), b, n/cp, s/cp, d]
+    b, _, sl, d = xs[0].shape
+    parts = [x.shape[1] // cp for x in xs]
+    send = xs[0].new_empty(cp, b, sum(parts), sl, d)  # [cp (dest), b, heads of every x for dest, s/cp, d]
+    start = 0
+    for x, part in zip(xs, parts, strict=True):
+        send[:, :, start : start + part].copy_(x.reshape(b, cp, part, sl, d).transpose(0, 1))
+        start += part
+    recv = torch.empty_like(send)  # [cp (source rank), b, heads, s/cp, d]
     dist.all_to_all_single(recv, send, group=group)
-    return unslice(list(recv.unbind(0)), dim=2)
+    return unslice(list(recv.unbind(0)), dim=2).split(parts, dim=1)
 
 
-def _heads_to_seq(y: Tensor, group: ProcessGroup) -> Tensor:
-    """The inverse of ``_seq_to_heads``: [b, n/cp, s, d] -> [b, n, s/cp, d]."""
+def _heads_to_seq(ys: tuple[Tensor, ...], group: ProcessGroup) -> tuple[Tensor, ...]:
+    """The inverse of ``_seq_to_heads``: each y [b, n_y/cp, s, d] -> [b, n_y, s/cp, d] in ``_seq_major`` layout,
+    all of them in one all-to-all."""
     cp = dist.get_world_size(group)
-    b, n_part, s, d = y.shape
+    b, _, s, d = ys[0].shape
     c = s // (2 * cp)
+    parts = [y.shape[1] for y in ys]
     # Rank r's shard is its chunks (r, 2cp-1-r) of the sequence, written straight into the send buffer (one pass
-    # over y; slicing each rank's chunks out and stacking them would be two).
-    send = y.new_empty(cp, b, n_part, 2, c, d)  # [cp (dest), b, n/cp, (first, second chunk), c, d]
-    chunks = y.view(b, n_part, 2 * cp, c, d)
-    send[:, :, :, 0].copy_(chunks[:, :, :cp].permute(2, 0, 1, 3, 4))  # first chunks: chunk r to rank r
-    for r in range(cp):
-        send[r, :, :, 1].copy_(chunks[:, :, 2 * cp - 1 - r])  # second chunks, in reverse order
-    send = send.view(cp, b, n_part, 2 * c, d)  # [cp (dest), b, n/cp, s/cp, d]
-    recv = torch.empty_like(send)  # [cp (source head group), b, n/cp, s/cp, d]
+    # over each y; slicing each rank's chunks out and stacking them would be two).
+    send = ys[0].new_empty(cp, b, sum(parts), 2, c, d)  # [cp (dest), b, heads, (first, second chunk), c, d]
+    start = 0
+    for y, part in zip(ys, parts, strict=True):
+        chunks, dest = y.reshape(b, part, 2 * cp, c, d), send[:, :, start : start + part]
+        dest[:, :, :, 0].copy_(chunks[:, :, :cp].permute(2, 0, 1, 3, 4))  # first chunks: chunk r to rank r
+        for r in range(cp):
+            dest[r, :, :, 1].copy_(chunks[:, :, 2 * cp - 1 - r])  # second chunks, in reverse order
+        start += part
+    send = send.view(cp, b, sum(parts), 2 * c, d)  # [cp (dest), b, heads, s/cp, d]
+    recv = torch.empty_like(send)  # [cp (source head group), b, heads, s/cp, d]
     dist.all_to_all_single(recv, send, group=group)
-    _, b, n_part, sl, d = recv.shape
-    return recv.transpose(0, 1).reshape(b, cp * n_part, sl, d)
+    outs, start = [], 0
+    for part in parts:  # head group g of the source rank g: heads [g * part, (g + 1) * part) of the output
+        out = _seq_major(torch.Size((b, cp * part, 2 * c, d)), recv.dtype, recv.device)
+        out.view(b, cp, part, 2 * c, d).copy_(recv[:, :, start : start + part].transpose(0, 1))
+        outs.append(out)
+        start += part
+    return tuple(outs)
 
 
 class _SeqToHeads(torch.autograd.Function):
-    """Forward: all-to-all sequence-sharded -> head-sharded.  Backward: the inverse all-to-all."""
+    """Forward: one all-to-all of every input, sequence-sharded -> head-sharded.  Backward: the inverse one."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: ProcessGroup) -> Tensor:
+    def forward(ctx: Any, group: ProcessGroup, *xs: Tensor) -> tuple[Tensor, ...]:
         ctx.group = group
-        return _seq_to_heads(x, group)
+        return _seq_to_heads(xs, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        return None, *_heads_to_seq(grads, ctx.group)
 
 
 class _HeadsToSeq(torch.autograd.Function):
@@ -380,11 +426,13 @@ class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, y: Tensor, group: ProcessGroup) -> Tensor:
         ctx.group = group
-        return _heads_to_seq(y, group)
+        return _heads_to_seq((y,), group)[0]
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
+        # The gradient arrives in the model's layout ([b, n, s/cp, d] over [s/cp, b, n * d]); the send buffer is
+        # written from it directly, never from a contiguous copy first.
+        return _seq_to_heads((grad,), ctx.group)[0], None
 
 
 def a2a_attention(
@@ -394,6 +442,8 @@ def a2a_attention(
     """Ulysses attention: q, k, v all-to-all'd to n/cp (n_kv/cp) heads of the whole sequence, causal attention
     there, the context all-to-all'd back.  Query head group r meets KV head group r: head i uses KV head
     i // (n / n_kv), and both are split into cp contiguous groups.  Heads must divide by cp (``check_cp_heads``).
+    Two all-to-alls per call each way (q, k, v together; the context), where one per tensor would be four; the
+    context and the gradients of q, k, v come back in ``_seq_major`` layout.
 
     Not DeepSpeed's ``deepspeed.sequence.layer.DistributedAttention``: it takes [b, s, n, d] or [s, b, n, d] (a
     transpose copy each way around this [b, n, s, d] core), gathers shards in rank order only (the balanced layout
@@ -406,7 +456,7 @@ def a2a_attention(
     if cp == 1:
         return _LocalAttention.apply(q, k, v, kernel, scale, doc_ids, 2)
     full_docs = None if doc_ids is None else gather_for_ranks(doc_ids, 1, group)
-    q, k, v = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    q, k, v = _SeqToHeads.apply(group, q, k, v)
     return _HeadsToSeq.apply(_LocalAttention.apply(q, k, v, kernel, scale, full_docs, 2 * cp), group)
 
 

@@ -145,6 +145,33 @@ def check_ring_traffic_and_work(c: Ctx, kernel: str) -> Pairs:
     ]
 
 
+def check_ring_message_dtypes(c: Ctx) -> Pairs:
+    """bf16 K/V: the backward's dK/dV accumulator travels in fp32 (the sum over cp ranks rounds once) except on its
+    first hop (one block's grads, nothing summed yet) and its last one home (the owner would only round it): both
+    in bf16, which at cp 2 is every hop.  The K/V themselves travel in bf16."""
+    dtypes: list[torch.dtype] = []
+    real_shift = cp_comm._shift
+
+    def shift(send: Tensor, group: ProcessGroup) -> Any:
+        dtypes.append(send.dtype)
+        return real_shift(send, group)
+
+    q = torch.randn(B, 4, S // c.cp, D, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(B, 2, S // c.cp, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out = cp_comm.ring_attention(q, k, v, c.group, "sdpa", 0.3)
+    cp_comm._shift = shift
+    try:
+        out.backward(torch.randn_like(out))
+    finally:
+        cp_comm._shift = real_shift
+    # backward posts, per step, the K/V's next hop (steps 0 .. cp-2) and then the accumulator's
+    kv_hops = [torch.bfloat16 if step + 1 < c.cp else None for step in range(c.cp)]
+    acc_hops = [torch.bfloat16 if step in (0, c.cp - 1) else torch.float32 for step in range(c.cp)]
+    expected = [d for pair in zip(kv_hops, acc_hops, strict=True) for d in pair if d is not None]
+    return [("message dtypes", torch.tensor([d == torch.bfloat16 for d in dtypes]),
+             torch.tensor([d == torch.bfloat16 for d in expected]))]  # fmt: skip
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops run inside it, and the elements that the copying ones write."""
 
@@ -180,15 +207,50 @@ def check_ring_copies_nothing(c: Ctx) -> Pairs:
 
 def check_heads_to_seq_one_pass(c: Ctx) -> Pairs:
     """a2a's return trip builds its send buffer in one pass over the context (every rank's chunks written straight
-    into it), and reassembles the received heads in one more (a copy at batch 2, a view at batch 1)."""
+    into it), and reassembles the received heads in one more, straight into the model's [s, b, n, d] layout."""
     y = torch.randn(B, 2, S, D)  # [b, n/cp, s, d]: head group of this rank, the whole sequence
     with OpCounter() as ops:
-        out = cp_comm._heads_to_seq(y, c.group)
+        (out,) = cp_comm._heads_to_seq((y,), c.group)
     mine = slice_for_rank(y, 2, c.rank, c.cp)
     return [
         ("elements copied", torch.tensor(ops.copied), torch.tensor(2 * y.numel())),
         ("own heads of own chunks", out[:, 2 * c.rank : 2 * c.rank + 2], mine),
     ]
+
+
+def model_layout(s: int, n: int) -> Tensor:
+    """[b, n, s, d] as the model hands it to attention: a view of its [s, b, n, d] projections."""
+    return torch.randn(s, B, n, D).permute(1, 2, 0, 3).requires_grad_()
+
+
+def seq_major(t: Tensor) -> bool:
+    """Whether a [b, n, s, d] tensor is laid out as [s, b, n, d] (the model's reshape to [s, b, n * d] a view)."""
+    return t.permute(2, 0, 1, 3).is_contiguous()
+
+
+def check_layout_and_exchanges(c: Ctx, comm: str) -> Pairs:
+    """Forward and backward of one attention call from the model's layout: dq, dk, dv come back in that layout
+    (a [b, n, s, d]-contiguous one costs the model a copy per tensor per layer in the view backward of q, k, v), and
+    so does the a2a's context (the ring's stays [b, n, s, d]-contiguous: it is saved for backward, and the model's
+    copy of it is what the memory model counts); the a2a exchanges q, k, v together: two all-to-alls each way (q, k
+    and v; the context), where one per tensor would be four."""
+    q, k, v = model_layout(S // c.cp, 8), model_layout(S // c.cp, 4), model_layout(S // c.cp, 4)
+    with OpCounter() as ops:
+        out = cp_comm.cp_attention(comm, q, k, v, c.group, "sdpa", 0.3)
+        forward_a2a = ops.calls["c10d.alltoall_base_.default"]
+        out.backward(torch.randn(S // c.cp, B, 8, D).permute(1, 2, 0, 3))
+    pairs = [
+        (f"{name} in the model's layout", torch.tensor(seq_major(t)), torch.tensor(True))
+        for name, t in (("context", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))
+        if name != "context" or comm == "a2a"
+    ]
+    if comm == "a2a":
+        pairs += [
+            ("all-to-alls in forward", torch.tensor(forward_a2a), torch.tensor(2)),
+            ("all-to-alls in forward and backward", torch.tensor(ops.calls["c10d.alltoall_base_.default"]),
+             torch.tensor(4)),
+        ]  # fmt: skip
+    return pairs
 
 
 def check_gather_for_ranks(c: Ctx) -> Pairs:
@@ -208,7 +270,10 @@ for _comm in ("ring", "a2a"):
 for _kernel in ("eager", "sdpa"):
     CHECKS[f"ring-{_kernel}-traffic-and-work"] = partial(check_ring_traffic_and_work, kernel=_kernel)
 CHECKS["ring-sdpa-copies-nothing"] = check_ring_copies_nothing
+CHECKS["ring-sdpa-message-dtypes"] = check_ring_message_dtypes
 CHECKS["a2a-heads-to-seq-one-pass"] = check_heads_to_seq_one_pass
+for _comm in ("ring", "a2a"):
+    CHECKS[f"{_comm}-layout-and-exchanges"] = partial(check_layout_and_exchanges, comm=_comm)
 # packed documents (document ids: parity with each document alone, skipped pairs, bf16), in the same spawn
 CHECKS |= {f"documents-{name}": check for name, check in DOCUMENT_CHECKS.items()}
 
@@ -227,7 +292,7 @@ def _run_rank(group: ProcessGroup | None, rank: int, world: int) -> dict[str, st
 
 
 # cp 1 sends nothing and computes one block: no ring, no all-to-all to check
-CP_ONLY = ("traffic", "copies-nothing", "heads-to-seq")
+CP_ONLY = ("traffic", "copies-nothing", "message-dtypes", "heads-to-seq", "layout-and-exchanges")
 CHECKS_CP1 = {k: f for k, f in CHECKS.items() if not any(word in k for word in CP_ONLY)}
 
 
