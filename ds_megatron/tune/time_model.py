@@ -223,8 +223,8 @@ def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: 
     step's attention (the core's forward / cp: every step is one 2c x c chunk pair's worth); a backward hop carries
     the K/V again and the fp32 dK/dV accumulator (3x the bytes, two messages) against twice a step's compute, and
     the accumulator's last hop home waits after the last step.  What exceeds the compute is exposed:
-    ``ring_pass_s - cp x step``.  a2a: four all-to-alls (q, k, v, the context) per block forward and four in
-    backward, (cp - 1) / cp of each tensor leaving the rank, not overlapped.  The link is NVLink while tp x cp
+    ``ring_pass_s - cp x step``.  a2a: two all-to-alls per block forward (q, k and v in one, the context) and two
+    in backward, (cp - 1) / cp of each tensor leaving the rank, not overlapped.  The link is NVLink while tp x cp
     ranks fit in a node, else the network; a re-run forward (full recompute, or selective core_attn, which
     checkpoints the whole cp_comm call) exchanges again."""
     cp = cand.cp
@@ -238,7 +238,7 @@ def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: 
     forwards = num_blocks + recomputed + (num_blocks if recomputes_core(cand) else 0)
     if cand.cp_comm == "a2a":
         q_bytes = b * model.num_heads / t * rows * d * ACT_BYTES
-        one_way = 4 * latency + (cp - 1) / cp * (2 * q_bytes + kv_bytes) / bandwidth  # q, k, v, context
+        one_way = 2 * latency + (cp - 1) / cp * (2 * q_bytes + kv_bytes) / bandwidth  # q, k, v at once; context
         return (forwards + num_blocks) * one_way
     step = matmul_s(core_attention_matmuls(model, cand), cluster) / cp
     forward = ring_pass_s(step, latency + kv_bytes / bandwidth, cp) - cp * step
