@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -62,6 +64,10 @@ def _pool_worker(rank: int, world: int, init_file: str, conn: Connection) -> Non
     """One rank of a pool: join the gloo group once, then run every job sent until told to stop (``None``)."""
     global _failed
     torch.set_num_threads(1)  # several ranks share few cores; intra-op threads would only oversubscribe them
+    # torch.testing.assert_close imports DTensor on its first call where torch.distributed exists, and with it
+    # torch.fx and sympy: 2-3 s of CPU in every rank.  No check compares DTensors, so that import is skipped; the
+    # comparison itself is unchanged.
+    torch.testing._comparison._HAS_DTENSOR = False
     # A short timeout turns a rank stuck in a collective into an exception (reported) instead of a hung test session.
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -80,6 +86,11 @@ def _pool_worker(rank: int, world: int, init_file: str, conn: Connection) -> Non
                 conn.send(("raised", traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+    # A rank holds nothing that needs the interpreter's finalization, which costs a second or more per rank with
+    # torch loaded (several ranks on few cores end the session seconds later): flush what it printed and end.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _Pool:
@@ -137,9 +148,10 @@ class _Pool:
 
     def close(self, kill: bool = False) -> None:
         """Stop the ranks: asked to leave the group, or killed (``kill``: some rank may be stuck in a job)."""
-        for conn, proc in zip(self.conns, self.procs):
+        for conn in self.conns:  # every rank is told first, so that they leave together
             with contextlib.suppress(OSError):
                 conn.send(None)
+        for proc in self.procs:
             proc.join(timeout=0 if kill else 10)
             if proc.is_alive():
                 proc.kill()
