@@ -16,7 +16,10 @@ for folder in (HERE, HERE / "unit"):
 
 def pytest_collection_modifyitems(config, items):
     """The folder is the tier: every test of ``launcher/`` is marked slow, and a test of ``unit/`` marked slow (it
-    starts the launcher) is an error naming the folder it belongs in."""
+    starts the launcher) is an error naming the folder it belongs in.  The in-process harness's own tests run first:
+    one of them replaces the pool of two ranks, and a replacement made later in the session would import again
+    every test module that the earlier jobs had imported on those ranks."""
+    items.sort(key=lambda item: Path(str(item.fspath)).name != "test_inprocess.py")  # stable: the rest keep order
     for item in items:
         folder = Path(str(item.fspath)).parent.name
         slow = item.get_closest_marker("slow") is not None
