@@ -95,12 +95,15 @@ def _pool_worker(rank: int, world: int, init_file: str, conn: Connection) -> Non
 
 
 def _start_context() -> Any:
-    """How ranks start: forked from one server process that imported torch and this module once for the session
-    (importing torch costs 1.5-2 s of CPU per process, and a session starts eight ranks or more on two cores).  The
-    server does nothing but fork, so no rank inherits threads, a process group or the test process's state, as with
-    spawn; it is started with the first pool, with the environment the test process has then."""
+    """How ranks start: forked from one server process that imported, once for the session, what every rank imports
+    anyway (torch: 1.5-2 s of CPU per process; symbolic_shapes, which the first backward given a gradient imports,
+    with sympy; deepspeed and the model's layers: 1 s and more), instead of every rank importing it (a session starts
+    eight ranks or more on two cores).  The server does nothing but fork, so no rank inherits a process group or
+    the test process's state, as with spawn; it is started with the first pool, with the environment the test
+    process has then."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    preload = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "deepspeed"]
+    ctx.set_forkserver_preload([*preload, "ds_megatron.pipeline", __name__])
     return ctx
 
 
