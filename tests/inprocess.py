@@ -107,12 +107,21 @@ def _start_context() -> Any:
     return ctx
 
 
+def start_fork_server() -> None:
+    """Start the ranks' fork server now, in the background: its imports then run while the caller does other work
+    (the test session's collection leaves one core idle) instead of when the first pool waits for it."""
+    _start_context()
+    multiprocessing.forkserver.ensure_running()
+
+
 class _Pool:
     """``world`` ranks in one gloo group, kept for the test session: the ranks start and import the test modules
     once, instead of once per check."""
 
     def __init__(self, world: int):
+        global _forked
         ctx = _start_context()
+        _forked = True
         self.world = world
         self.dir = tempfile.mkdtemp(prefix=f"inprocess-world{world}-")
         self.conns: list[Connection] = []
@@ -174,6 +183,7 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+_forked = False  # whether this session forked ranks at all
 KEPT = ("report", "failed")  # answers that carry a report
 
 
@@ -182,9 +192,11 @@ def _close_pools() -> None:
     while _POOLS:
         _POOLS.popitem()[1].close()
     # The fork server is this process's child and the ranks were its children: waiting for it here counts their CPU
-    # time in this process's children's (where a timing of the session reads it), as with spawned ranks.
-    with contextlib.suppress(AttributeError, OSError):
-        multiprocessing.forkserver._forkserver._stop()
+    # time in this process's children's (where a timing of the session reads it), as with spawned ranks.  A server
+    # that forked nothing is left to end by itself (it ends when this process does, once its imports are done).
+    if _forked:
+        with contextlib.suppress(AttributeError, OSError):
+            multiprocessing.forkserver._forkserver._stop()
 
 
 def spawn_reports(
