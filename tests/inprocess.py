@@ -1,6 +1,6 @@
 """The in-process tier's harness: run named checks on every rank of a gloo group of ``world`` processes and report
 per check.  A group of one runs in the test process (the topology hands over ``None``); larger groups run on one pool
-of spawned ranks per world size, started at its first use and kept for the test session (starting a rank and
+of ranks per world size, started at its first use and kept for the test session (starting a rank and
 importing torch cost more than most checks).
 
 A check returns (what, actual, expected[, tolerance]) tuples; they are compared only after all of the check's
@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing.forkserver
+import os
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -62,6 +65,10 @@ def _pool_worker(rank: int, world: int, init_file: str, conn: Connection) -> Non
     """One rank of a pool: join the gloo group once, then run every job sent until told to stop (``None``)."""
     global _failed
     torch.set_num_threads(1)  # several ranks share few cores; intra-op threads would only oversubscribe them
+    # torch.testing.assert_close imports DTensor on its first call where torch.distributed exists, and with it
+    # torch.fx and sympy: 2-3 s of CPU in every rank.  No check compares DTensors, so that import is skipped; the
+    # comparison itself is unchanged.
+    torch.testing._comparison._HAS_DTENSOR = False
     # A short timeout turns a rank stuck in a collective into an exception (reported) instead of a hung test session.
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -80,14 +87,41 @@ def _pool_worker(rank: int, world: int, init_file: str, conn: Connection) -> Non
                 conn.send(("raised", traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+    # A rank holds nothing that needs the interpreter's finalization, which costs a second or more per rank with
+    # torch loaded (several ranks on few cores end the session seconds later): flush what it printed and end.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _start_context() -> Any:
+    """How ranks start: forked from one server process that imported, once for the session, what every rank imports
+    anyway (torch: 1.5-2 s of CPU per process; symbolic_shapes, which the first backward given a gradient imports,
+    with sympy; deepspeed and the model's layers: 1 s and more), instead of every rank importing it (a session starts
+    eight ranks or more on two cores).  The server does nothing but fork, so no rank inherits a process group or
+    the test process's state, as with spawn; it is started with the first pool, with the environment the test
+    process has then."""
+    ctx = mp.get_context("forkserver")
+    preload = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "deepspeed"]
+    ctx.set_forkserver_preload([*preload, "ds_megatron.pipeline", __name__])
+    return ctx
+
+
+def start_fork_server() -> None:
+    """Start the ranks' fork server now, in the background: its imports then run while the caller does other work
+    (the test session's collection leaves one core idle) instead of when the first pool waits for it."""
+    _start_context()
+    multiprocessing.forkserver.ensure_running()
 
 
 class _Pool:
-    """``world`` spawned ranks in one gloo group, kept for the test session: the ranks start and import torch and
-    the test modules once, instead of once per check."""
+    """``world`` ranks in one gloo group, kept for the test session: the ranks start and import the test modules
+    once, instead of once per check."""
 
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        global _forked
+        ctx = _start_context()
+        _forked = True
         self.world = world
         self.dir = tempfile.mkdtemp(prefix=f"inprocess-world{world}-")
         self.conns: list[Connection] = []
@@ -137,9 +171,10 @@ class _Pool:
 
     def close(self, kill: bool = False) -> None:
         """Stop the ranks: asked to leave the group, or killed (``kill``: some rank may be stuck in a job)."""
-        for conn, proc in zip(self.conns, self.procs):
+        for conn in self.conns:  # every rank is told first, so that they leave together
             with contextlib.suppress(OSError):
                 conn.send(None)
+        for proc in self.procs:
             proc.join(timeout=0 if kill else 10)
             if proc.is_alive():
                 proc.kill()
@@ -148,6 +183,7 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+_forked = False  # whether this session forked ranks at all
 KEPT = ("report", "failed")  # answers that carry a report
 
 
@@ -155,6 +191,12 @@ KEPT = ("report", "failed")  # answers that carry a report
 def _close_pools() -> None:
     while _POOLS:
         _POOLS.popitem()[1].close()
+    # The fork server is this process's child and the ranks were its children: waiting for it here counts their CPU
+    # time in this process's children's (where a timing of the session reads it), as with spawned ranks.  A server
+    # that forked nothing is left to end by itself (it ends when this process does, once its imports are done).
+    if _forked:
+        with contextlib.suppress(AttributeError, OSError):
+            multiprocessing.forkserver._forkserver._stop()
 
 
 def spawn_reports(

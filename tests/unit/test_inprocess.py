@@ -26,19 +26,37 @@ def _summed(group, rank: int, world: int) -> dict[str, str]:
     return inprocess.run_checks({"summed": check}, None)
 
 
+PRELOADED = ("torch", "torch.fx.experimental.symbolic_shapes", "deepspeed", "ds_megatron.pipeline")
+
+
+def _what_a_fresh_rank_holds(group, rank: int, world: int) -> dict[str, str]:
+    """What a rank has before any job imported anything: the fork server's preloaded modules, and assert_close's
+    DTensor import switched off (every rank would otherwise import those itself, seconds of CPU each)."""
+    import sys
+
+    import torch.testing._comparison as comparison
+
+    missing = [m for m in PRELOADED if m not in sys.modules]
+    return {"preloaded": f"missing {missing}" if missing else "ok", "dtensor": str(comparison._HAS_DTENSOR)}
+
+
 def test_a_rank_that_raises_or_hangs_fails_the_test_with_its_message(monkeypatch):
-    monkeypatch.setattr(inprocess, "JOB_TIMEOUT_S", 5)
+    # A warm pool that has imported this module: rank 1's answer then comes in milliseconds, well inside 2 s.
+    assert inprocess.spawn_reports(_summed, 2) == [{"summed": "ok"}] * 2
+    monkeypatch.setattr(inprocess, "JOB_TIMEOUT_S", 2)
     started = time.monotonic()
     with pytest.raises(RuntimeError) as err:
         inprocess.spawn_reports(_rank1_raises_rank0_hangs, 2)
     assert time.monotonic() - started < 60
     message = str(err.value)
-    assert "rank 0 lost:\nno answer within 5 s" in message, message
+    assert "rank 0 lost:\nno answer within 2 s" in message, message
     assert "rank 1 raised:\n" in message and "ValueError: rank one's own message" in message, message
     assert 2 not in inprocess._POOLS  # the stuck rank was killed with its pool
     monkeypatch.undo()
     assert inprocess.spawn_reports(_summed, 2) == [{"summed": "ok"}] * 2  # a fresh pool serves the next job
     assert 2 in inprocess._POOLS  # and is kept
+    # its ranks, fresh, were forked with what every rank imports already loaded
+    assert inprocess.spawn_reports(_what_a_fresh_rank_holds, 2) == [{"preloaded": "ok", "dtensor": "False"}] * 2
 
 
 def test_a_failed_check_marks_the_rank_so_that_its_pool_is_replaced(monkeypatch):
