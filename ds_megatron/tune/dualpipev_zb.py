@@ -11,6 +11,7 @@ import functools
 
 from ds_megatron.config.dualpipev_order import compute_order
 from ds_megatron.config.schema import pipeline_schedule
+from ds_megatron.tune.schedules import v_pass
 
 NAME = "dualpipev-zb"
 # Chunk F : B : W cost of the simulation: the time model's count (the input gradient and the weight gradient are
@@ -44,13 +45,9 @@ def simulate(p: int, m: int, forward: float, backward: float, weight: float) -> 
                 kind, phase = orders[r][position[r]]
                 start = free[r]
                 if kind != "W":
-                    chunk = r if phase == 0 else 2 * p - 1 - r
                     key = "F" if kind == "F" else "B"
                     mb = counters[r].get((key, phase), 0)
-                    if key == "F":
-                        needs = ("F", chunk - 1, mb) if chunk > 0 else None
-                    else:
-                        needs = ("B", chunk + 1, mb) if chunk < 2 * p - 1 else ("F", chunk, mb)
+                    chunk, needs = v_pass(p, r, phase, key, mb)
                     if needs is not None and needs not in done:
                         break
                     start = max(start, done[needs] if needs is not None else 0.0)

@@ -109,12 +109,8 @@ def simulate_dualpipev(p: int, m: int, forward: float = 1.0, backward: float = 2
         for r in range(p):
             while position[r] < len(orders[r]):
                 kind, phase = orders[r][position[r]]
-                chunk = r if phase == 0 else 2 * p - 1 - r
                 mb = counters[r][(kind, phase)]
-                if kind == "F":
-                    needs = ("F", chunk - 1, mb) if chunk > 0 else None
-                else:
-                    needs = ("B", chunk + 1, mb) if chunk < 2 * p - 1 else ("F", chunk, mb)
+                chunk, needs = v_pass(p, r, phase, kind, mb)
                 if needs is not None and needs not in done:
                     break
                 start = max(free[r], done[needs] if needs is not None else 0.0)
@@ -126,6 +122,16 @@ def simulate_dualpipev(p: int, m: int, forward: float = 1.0, backward: float = 2
         if not progressed:
             raise RuntimeError(f"the DualPipeV order deadlocks at p={p}, m={m}")
     return max(free) + (p - 1) * forward
+
+
+def v_pass(p: int, rank: int, phase: int, kind: str, mb: int) -> tuple[int, tuple[str, int, int] | None]:
+    """The chunk a DualPipeV rank's pass of ``phase`` runs (rank r holds chunks r and 2p-1-r) and the pass it waits
+    for: a forward ("F") of chunk k the forward of chunk k-1 of the same micro-batch (none on chunk 0), a backward
+    ("B") of chunk k the backward of chunk k+1, or on the last chunk its own forward."""
+    chunk = rank if phase == 0 else 2 * p - 1 - rank
+    if kind == "F":
+        return chunk, (("F", chunk - 1, mb) if chunk > 0 else None)
+    return chunk, (("B", chunk + 1, mb) if chunk < 2 * p - 1 else ("F", chunk, mb))
 
 
 def dualpipev_slots(p: int, m: int) -> float:
