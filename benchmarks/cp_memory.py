@@ -12,9 +12,9 @@ excluded), for the blocks alone and for the whole forward.  Saved bytes are dete
 Part 2 (budget): at a fixed small shape, forward + backward of the same layers per probe; a probe fits when the
 peak resident set of every rank, minus its resident set just before the step, stays within the budget.  The peak
 is reset before each probe (``/proc/self/clear_refs`` 5 resets VmHWM) and glibc is told to map every allocation
-above 64 KiB and return it on free (``MALLOC_MMAP_THRESHOLD_``), so one probe's freed memory never hides the next
-probe's.  The search doubles the sequence until a probe does not fit, then bisects twice (a resolution of a quarter
-of the last doubling).
+above 64 KiB and return it on free (``mallopt(M_MMAP_THRESHOLD)``, set by the probe in its own process only), so
+one probe's freed memory never hides the next probe's.  The search doubles the sequence until a probe does not
+fit, then bisects twice (a resolution of a quarter of the last doubling).
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ import socket
 import sys
 import time
 
-os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # before any large allocation: read by glibc at start
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -194,10 +192,23 @@ def _trim():
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+def map_large_allocations() -> None:
+    """From now on glibc maps every allocation above 64 KiB on its own and unmaps it on free, so the resident set
+    follows what is live.  Only this process, and only for the memory probes: it makes every large allocation
+    page-fault afresh (in a speed measurement that is system time spent on both sides alike, ~40% of a CPU step
+    here, which hides the differences being measured), so it is never set where steps are timed."""
+    if not ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 64 * 1024):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) refused")
+
+
 def peak_of(step, params) -> int:
     """Peak resident bytes of ``step()`` (one forward + backward) above the resident set just before it, the largest
     over the ranks; the gradients of ``params`` are dropped before and after (they belong to the step, not to the
     next probe's baseline)."""
+    map_large_allocations()
     for p in params():
         p.grad = None
     _trim()

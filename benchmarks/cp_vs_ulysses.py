@@ -337,6 +337,9 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument(
+        "--launches", type=int, default=1, help="fresh process groups, one after another (ratios per launch)"
+    )
     ap.add_argument("--budget-mib", type=int, help="instead: the longest sequence within this peak memory per process")
     ap.add_argument(
         "--head-limit-mib", type=int, help="instead: the same at 14 heads, where Ulysses' degree stops below --world"
@@ -353,28 +356,15 @@ def main() -> None:
     )
     load = os.getloadavg()
     t0 = time.time()
-    rows = measure(w, {"seq": args.seq, "reps": args.reps, "layouts": layouts})
+    launches = [measure(w, {"seq": args.seq, "reps": args.reps, "layouts": layouts}) for _ in range(args.launches)]
     after = os.getloadavg()
-    base, base_cpu = statistics.median(rows[0][1]), statistics.median(rows[0][2])
-    lines = [
-        "| system | median step s (min-max) | tokens/s | x Ulysses speed | CPU s per step, all ranks (min-max) | "
-        "tokens per CPU s | x Ulysses | saved MiB / rank | x Ulysses saved |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, times, cpu, saved in rows:
-        med, med_cpu = statistics.median(times), statistics.median(cpu)
-        lines.append(
-            f"| {name} | {med:.2f} ({min(times):.2f}-{max(times):.2f}) | {args.seq / med:,.0f} | {base / med:.2f} | "
-            f"{med_cpu:.2f} ({min(cpu):.2f}-{max(cpu):.2f}) | {args.seq / med_cpu:,.0f} | {base_cpu / med_cpu:.2f} | "
-            f"{saved / 2**20:.1f} | {saved / rows[0][3]:.2f} |"
-        )
-    table = "\n".join(lines)
+    table = launch_table(launches, args.seq)
     body = (
         f"{w} processes (gloo, 1 thread each), s {args.seq}, batch 1, Llama h {SHAPE['hidden']}, {SHAPE['heads']} "
         f"heads ({SHAPE['kv_heads']} KV heads), {SHAPE['layers']} layers, MLP {SHAPE['inter']}, vocabulary "
-        f"{SHAPE['vocab']}, bf16, sdpa, no recompute; {args.reps} repetitions after one warm-up, systems "
-        f"interleaved. Load average (1, 5, 15 min) before {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}; after "
-        f"{after[0]:.1f}, {after[1]:.1f}, {after[2]:.1f}; {time.time() - t0:.0f} s.\n\n{table}\n"
+        f"{SHAPE['vocab']}, bf16, sdpa, no recompute; {args.launches} launch(es) of {args.reps} repetitions after "
+        f"one warm-up each, systems interleaved. Load average (1, 5, 15 min) before {load[0]:.1f}, {load[1]:.1f}, "
+        f"{load[2]:.1f}; after {after[0]:.1f}, {after[1]:.1f}, {after[2]:.1f}; {time.time() - t0:.0f} s.\n\n{table}\n"
     )
     print(body)
     if args.markdown:
@@ -387,6 +377,43 @@ def main() -> None:
                 f"\n## {w} processes, s {args.seq}{loaded_note(load)}\n\n`{command_line()}`, code at "
                 f"{code_revision()}\n\n{body}"
             )
+
+
+def launch_table(launches: list, seq: int) -> str:
+    """The markdown table of one or more launches of ``measure``: per system the median step (wall, slowest rank)
+    and CPU seconds (all ranks) over every repetition of every launch, and its speed relative to Ulysses as the
+    median over launches of each launch's own ratio (min-max over launches).  A launch is a fresh set of processes,
+    with its own memory placement and thread scheduling; that luck lasts a process's lifetime and moves a system's
+    speed by a few percent for the whole launch, which repetitions within one launch cannot average out."""
+    rows = []
+    for i, (name, _, _, saved) in enumerate(launches[0]):
+        times = [t for launch in launches for t in launch[i][1]]
+        cpu = [c for launch in launches for c in launch[i][2]]
+        speed = [statistics.median(la[0][1]) / statistics.median(la[i][1]) for la in launches]
+        per_cpu = [statistics.median(la[0][2]) / statistics.median(la[i][2]) for la in launches]
+        rows.append((name, times, cpu, speed, per_cpu, saved))
+    spread = len(launches) > 1
+    lines = [
+        "| system | median step s (min-max) | tokens/s | x Ulysses speed"
+        + (" (median of launches, min-max)" if spread else "")
+        + " | CPU s per step, all ranks (min-max) | tokens per CPU s | x Ulysses"
+        + (" (median of launches, min-max)" if spread else "")
+        + " | saved MiB / rank | x Ulysses saved |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def ratio(values: list[float]) -> str:
+        med = statistics.median(values)
+        return f"{med:.2f} ({min(values):.2f}-{max(values):.2f})" if spread else f"{med:.2f}"
+
+    for name, times, cpu, speed, per_cpu, saved in rows:
+        med, med_cpu = statistics.median(times), statistics.median(cpu)
+        lines.append(
+            f"| {name} | {med:.2f} ({min(times):.2f}-{max(times):.2f}) | {seq / med:,.0f} | {ratio(speed)} | "
+            f"{med_cpu:.2f} ({min(cpu):.2f}-{max(cpu):.2f}) | {seq / med_cpu:,.0f} | {ratio(per_cpu)} | "
+            f"{saved / 2**20:.1f} | {saved / rows[0][5]:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def loaded_note(load: tuple[float, float, float]) -> str:
