@@ -4,6 +4,8 @@ for."""
 
 from __future__ import annotations
 
+from ds_megatron.config.schema import pipeline_schedule
+
 
 def precision(ds_config: dict) -> str:
     """``"bf16"``, ``"fp16"`` or ``"fp32"`` (DeepSpeed's ``bf16.enabled`` / ``fp16.enabled``)."""
@@ -102,13 +104,28 @@ def data_axis(ds_config: dict) -> int:
     return saved_layout(ds_config)[2] * saved_cp(ds_config)
 
 
+def stage_placement(ds_config: dict) -> tuple[tuple[int, ...], ...] | str:
+    """Which of the pipeline's stages each pipeline rank of a resolved config's run holds, rank by rank (its
+    schedule's ``PipelineSchedule.stages_of``; so also how many stages a rank holds): 1F1B, ZB-H1 and ZB-H2 put
+    stage r on rank r, DualPipeV (with or without deferred weight gradients) stages r and 2p-1-r.  A schedule this
+    version does not know is returned by name (equal only to itself)."""
+    name, pp = saved_schedule(ds_config), saved_layout(ds_config)[1]
+    try:
+        schedule = pipeline_schedule(name)
+    except KeyError:
+        return name
+    return tuple(schedule.stages_of(rank, pp) for rank in range(pp))
+
+
 def needs_resharding(saved: dict, now: dict) -> bool:
     """Whether a checkpoint saved with config ``saved`` must be resharded to resume with config ``now``: another
-    tp or pp always; another pipeline schedule (it changes which rank holds which layers, so the optimizer files'
-    contents); another data axis too when either run partitions its optimizer state over it (bf16, fp16 or
-    ZeRO: the flat partitions are cut per rank of DeepSpeed's data axis, which holds dp x cp ranks, so cp 2 x dp 1
-    and cp 1 x dp 2 hold the same partitions)."""
+    tp or pp always; another placement of the pipeline's stages on its ranks (``stage_placement``: 1F1B <-> DualPipeV
+    moves layers between ranks, so the optimizer files' contents, while 1F1B, ZB-H1 and ZB-H2 build the same module
+    with the same layers per rank, as do DualPipeV and its zero-bubble variant, whose files DeepSpeed's own load
+    reads as they are); another data axis too when either run partitions its optimizer state over it (bf16, fp16
+    or ZeRO: the flat partitions are cut per rank of DeepSpeed's data axis, which holds dp x cp ranks, so cp 2 x dp
+    1 and cp 1 x dp 2 hold the same partitions)."""
     (tp0, pp0, _), (tp1, pp1, _) = saved_layout(saved), saved_layout(now)
     partitioned = deepspeed_wraps_optimizer(saved) or deepspeed_wraps_optimizer(now)
-    moved = (tp0, pp0) != (tp1, pp1) or saved_schedule(saved) != saved_schedule(now)
+    moved = (tp0, pp0) != (tp1, pp1) or stage_placement(saved) != stage_placement(now)
     return moved or (partitioned and data_axis(saved) != data_axis(now))

@@ -126,6 +126,30 @@ def test_a_schedule_change_reshards_on_load():
     assert not needs_resharding(legacy, f1)
 
 
+def test_only_a_schedule_that_moves_layers_reshards_on_load():
+    """1F1B, ZB-H1 and ZB-H2 hold stage r on rank r (the same module, the same optimizer files), as DualPipeV and
+    its zero-bubble variant hold stages r and 2p-1-r: a resume between two of a kind is DeepSpeed's own load, and
+    the decision agrees with the layout table the resharding reads, pair by pair, in fp32 and bf16 + ZeRO-1."""
+    bf16 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}
+    names = [s.name for s in PIPELINE_SCHEDULES]
+    for extra in ({}, bf16):
+        runs = {name: resolve({**cfg(schedule=name), **extra}, 2) for name in names}
+        ds = {name: run.ds_config for name, run in runs.items()}
+        layers = {name: stage_param_layers(model_config(run.model), run, 2) for name, run in runs.items()}
+        for a in names:
+            for b in names:
+                assert needs_resharding(ds[a], ds[b]) == (layers[a] != layers[b]), (a, b, extra)
+        for a, b in (("1f1b", "zb-h1"), ("zb-h1", "zb-h2"), ("1f1b", "zb-h2"), ("dualpipev", "dualpipev-zb")):
+            assert not needs_resharding(ds[a], ds[b]) and not needs_resharding(ds[b], ds[a]), (a, b)
+        assert needs_resharding(ds["1f1b"], ds["dualpipev"]) and needs_resharding(ds["zb-h1"], ds["dualpipev-zb"])
+    # Another data axis still reshards a partitioned optimizer's files, whichever schedule of a kind resumes.
+    dp2 = resolve({**cfg(schedule="zb-h1", train_batch_size=16), **bf16}, 4).ds_config
+    assert needs_resharding(ds["1f1b"], dp2)
+    unknown = copy.deepcopy(ds["1f1b"])
+    unknown["ds_megatron"]["parallel"]["pipeline_schedule"] = "gpipe"  # written by another version: not ours to read
+    assert needs_resharding(unknown, ds["1f1b"]) and not needs_resharding(unknown, unknown)
+
+
 @pytest.mark.parametrize(
     "family,expected",
     [
