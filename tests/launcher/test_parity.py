@@ -161,8 +161,9 @@ def test_recompute_replays_dropout_under_dualpipev(results, layout):
 
 def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(results):
     """A DualPipeV checkpoint resumes exactly at its own layout, resharded under 1F1B (and back) with the loss curve
-    continuing within 1e-5, and exports to transformers with the weights the ranks held; greedy decoding (the
-    recipe's end-of-training sample) reads the logits on rank 0 and equals the single-device model's; bf16 + ZeRO-1
+    continuing within 1e-5, without resharding under dualpipev-zb (bit for bit), as a 1F1B one does under ZB-H1,
+    and exports to transformers with the weights the ranks held; greedy decoding (the recipe's end-of-training
+    sample) reads the logits on rank 0 and equals the single-device model's; bf16 + ZeRO-1
     (fp32 masters in DeepSpeed's BF16 optimizer) trains as under 1F1B, and with deferred weight gradients
     (``dualpipev-zb``) as DualPipeV, bit for bit."""
     from safetensors.torch import load_file
@@ -176,6 +177,11 @@ def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(results):
         a = r["A"]
         assert r["B"] == {k: a[k] for k in ("3", "4")}, r  # same schedule and layout: bit for bit
         assert not r["B_resharded"] and r["C_resharded"] and r["D_resharded"]
+        # Another schedule that places the stages alike loads without resharding and continues as the saved one:
+        # ZB-H1 from 1F1B's step 3 (C), dualpipev-zb from DualPipeV's step 2 (A, continued in B), bit for bit.
+        assert not r["E_resharded"] and not r["F_resharded"], r
+        assert r["E"]["4"] == r["C"]["4"], (r["E"], r["C"])  # ZB-H1 computes 1F1B's gradients bit for bit
+        assert r["F"]["3"] == r["B"]["3"], (r["F"], r["B"])
         assert r["generate"]["pipeline"] == r["generate"]["reference"], r["generate"]
         bf16, bf16_dv, bf16_zb = r["bf16-1f1b"], r["bf16-dualpipev"], r["bf16-dualpipev-zb"]
         for step, loss in bf16["losses"].items():

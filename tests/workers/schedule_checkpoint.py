@@ -6,6 +6,8 @@ A: DualPipeV trains 4 steps and saves after step 2 (``DIR/dv``); every rank also
 B: DualPipeV resumes A's step 2 (same layout, DeepSpeed's own load) and trains steps 3-4.
 C: 1F1B resumes A's step 2 (another schedule: resharded on load), trains step 3, saves (``DIR/f1``), trains step 4.
 D: DualPipeV resumes C's step 3 (resharded back) and trains step 4.
+E: ZB-H1 resumes C's step 3 and F: ``dualpipev-zb`` resumes A's step 2 (each schedule places the stages as the
+   saved one did: DeepSpeed's own load, no resharding) and train on (E step 4, F step 3).
 Before A, greedy decoding through the DualPipeV engine at the initial weights; after D, 2 steps of bf16 + ZeRO-1
 under each schedule.
 Writes DIR/losses.rank<r>.json: each run's losses by step, whether the load resharded, the decoded tokens.
@@ -92,6 +94,10 @@ def run_checks(out: str) -> None:
     result["C"] = train(c, [3, 4], save_at=3, save_dir=f1)
     d, result["D_resharded"] = resume("dualpipev", f1, 3)
     result["D"] = train(d, [4])
+    e, result["E_resharded"] = resume("zb-h1", f1, 3)
+    result["E"] = train(e, [4])
+    f, result["F_resharded"] = resume("dualpipev-zb", dv, 2)
+    result["F"] = train(f, [3])
     result["generate"] = {"pipeline": got, "reference": ids[len(prompt) :]}
     # bf16 + ZeRO-1 (DeepSpeed's BF16 optimizer: fp32 masters, gradients accumulated in fp32 copies): each schedule.
     for schedule in ("1f1b", "dualpipev", "dualpipev-zb"):
