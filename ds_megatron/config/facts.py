@@ -1,6 +1,7 @@
 """Facts read off a DeepSpeed config in one place each: its precision, its ZeRO stage, its gradient accumulation
-dtype, which optimizer wrapper DeepSpeed puts around ours, and the (tp, pp, dp) layout a saved config was resolved
-for."""
+dtype, which optimizer wrapper DeepSpeed puts around ours, the (tp, pp, dp) layout a saved config was resolved
+for, which pipeline stages each of its ranks held, and whether a checkpoint must be resharded to resume under
+another config."""
 
 from __future__ import annotations
 
