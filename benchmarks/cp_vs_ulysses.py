@@ -50,7 +50,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _results import write_markdown  # noqa: E402
+from _results import OtherWork, write_markdown  # noqa: E402
 from cp_memory import SHAPE, RankModel, SavedCounter, run_config, window_for  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -355,8 +355,8 @@ def main() -> None:
         w, [(2, w // 2, "ring"), (1, w, "ring")]
     )
     load = os.getloadavg()
-    t0 = time.time()
-    launches = [measure(w, {"seq": args.seq, "reps": args.reps, "layouts": layouts}) for _ in range(args.launches)]
+    with OtherWork() as other:
+        launches = [measure(w, {"seq": args.seq, "reps": args.reps, "layouts": layouts}) for _ in range(args.launches)]
     after = os.getloadavg()
     table = launch_table(launches, args.seq)
     body = (
@@ -364,7 +364,9 @@ def main() -> None:
         f"heads ({SHAPE['kv_heads']} KV heads), {SHAPE['layers']} layers, MLP {SHAPE['inter']}, vocabulary "
         f"{SHAPE['vocab']}, bf16, sdpa, no recompute; {args.launches} launch(es) of {args.reps} repetitions after "
         f"one warm-up each, systems interleaved. Load average (1, 5, 15 min) before {load[0]:.1f}, {load[1]:.1f}, "
-        f"{load[2]:.1f}; after {after[0]:.1f}, {after[1]:.1f}, {after[2]:.1f}; {time.time() - t0:.0f} s.\n\n{table}\n"
+        f"{load[2]:.1f}; after {after[0]:.1f}, {after[1]:.1f}, {after[2]:.1f}; other work on the machine "
+        f"{other.cores:.2f} cores busy on average (its busy CPU time minus this benchmark's); {other.wall:.0f} s."
+        f"\n\n{table}\n"
     )
     print(body)
     if args.markdown:
@@ -374,7 +376,7 @@ def main() -> None:
             )
         with open(args.markdown, "a") as f:
             f.write(
-                f"\n## {w} processes, s {args.seq}{loaded_note(load)}\n\n`{command_line()}`, code at "
+                f"\n## {w} processes, s {args.seq}{loaded_note(other.cores)}\n\n`{command_line()}`, code at "
                 f"{code_revision()}\n\n{body}"
             )
 
@@ -416,11 +418,11 @@ def launch_table(launches: list, seq: int) -> str:
     return "\n".join(lines)
 
 
-def loaded_note(load: tuple[float, float, float]) -> str:
-    """A section title's mark for a run on a machine busy with other work (1-minute load average above half the
-    cores): its tokens/s are a sanity check, not a measurement to compare with a quiet run's."""
-    cores = os.cpu_count() or 1
-    return f" (loaded machine: load average {load[0]:.1f} on {cores} cores)" if load[0] > cores / 2 else ""
+def loaded_note(other_cores: float) -> str:
+    """A section title's mark for a run while other work kept the machine busy (on average more than a fifth of a
+    core besides the benchmark's own processes, by ``OtherWork``): its tokens/s are a sanity check, not a
+    measurement to compare with a quiet run's."""
+    return f" (loaded machine: other work kept {other_cores:.1f} cores busy)" if other_cores > 0.2 else ""
 
 
 def command_line() -> str:
