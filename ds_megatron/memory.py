@@ -29,9 +29,10 @@ output projection saves as its [s, b, h] input (merged in that layout: counted o
 a2a's is its head-sharded core's [b, a/(t cp), s, d], a tensor of its own beside the projection's input (+1 h per
 token, split by TP): :func:`cp_output_is_projection_input`.  Both backward passes recompute the
 probabilities from q, k and lse, so no s x s term is stored with either kernel.  Selective recompute of core_attn
-(eager) checkpoints the whole cp_comm call, exchange included: it keeps only q, k and v, dropping the output and
-the log-sum-exp, and runs the exchange again in backward.  What one layer's exchange holds only while it runs
-(double-buffered K/V, the fp32 dK/dV accumulators, the eager kernel's score blocks) is :func:`cp_transient_bytes`.
+(eager) checkpoints the whole cp_comm call, exchange included: it keeps only q, k and v, dropping the log-sum-exp
+and the a2a's own output (the ring's is still the projection's input), and runs the exchange again in backward.
+What one layer's exchange holds only while it runs (double-buffered K/V, the fp32 dK/dV accumulators, the eager
+kernel's score blocks) is :func:`cp_transient_bytes`.
 The rotary cos/sin tables of a rotary family are one pair per process, shared by its blocks (at any cp):
 :func:`rotary_table_bytes`, counted once per stage, not in the per-layer terms.
 """
