@@ -23,13 +23,16 @@ Context parallelism (``cp`` > 1, ``cp_comm`` "ring" or "a2a", ``ds_megatron.para
 ``s / cp`` tokens (two load-balanced chunks), so every term above is taken at ``s / cp`` (``s / (cp t)`` under SP).
 The attention core is then the cp_comm autograd function, whatever ``attention`` names: it saves q, k, v (the
 family's Q, K, V terms, counted already: the ring keeps its inputs, the a2a its head-sharded copies of the whole
-sequence at ``a / (t cp)`` heads, the same element count), the core's output [b, a/t, s/cp, d] (a tensor of its own:
-the projection's [s, b, h] input is a transposed copy of it, so +1 h per token split by TP) and the fp32
-log-sum-exp [b, a/t, s/cp] (4 a / h per token in units of h, split by TP).  Both backward passes recompute the
+sequence at ``a / (t cp)`` heads, the same element count), the core's output [b, a/t, s/cp, d] and the fp32
+log-sum-exp [b, a/t, s/cp] (4 a / h per token in units of h, split by TP).  The ring's output is the storage the
+output projection saves as its [s, b, h] input (merged in that layout: counted once, among the family's terms); the
+a2a's is its head-sharded core's [b, a/(t cp), s, d], a tensor of its own beside the projection's input (+1 h per
+token, split by TP): :func:`cp_output_is_projection_input`.  Both backward passes recompute the
 probabilities from q, k and lse, so no s x s term is stored with either kernel.  Selective recompute of core_attn
-(eager) checkpoints the whole cp_comm call, exchange included: it keeps only q, k and v, dropping the output and
-the log-sum-exp, and runs the exchange again in backward.  What one layer's exchange holds only while it runs
-(double-buffered K/V, the fp32 dK/dV accumulators, the eager kernel's score blocks) is :func:`cp_transient_bytes`.
+(eager) checkpoints the whole cp_comm call, exchange included: it keeps only q, k and v, dropping the log-sum-exp
+and the a2a's own output (the ring's is still the projection's input), and runs the exchange again in backward.
+What one layer's exchange holds only while it runs (double-buffered K/V, the fp32 dK/dV accumulators, the eager
+kernel's score blocks) is :func:`cp_transient_bytes`.
 The rotary cos/sin tables of a rotary family are one pair per process, shared by its blocks (at any cp):
 :func:`rotary_table_bytes`, counted once per stage, not in the per-layer terms.
 """
@@ -78,7 +81,7 @@ def activation_bytes_per_layer(
     cp_comm: str = "ring",
 ) -> float:
     """Bytes of activations one transformer layer keeps for backward, per TP rank (and CP rank: ``cp`` > 1 takes
-    every term at ``s / cp`` and the cp_comm core's output and log-sum-exp in place of the s^2 terms).
+    every term at ``s / cp`` and the cp_comm core's log-sum-exp, and the a2a's output, in place of the s^2 terms).
 
     ``modules`` (selective recompute only; empty means ``("core_attn",)``): ``core_attn`` drops the s^2 terms,
     ``mlp_act`` the MLP activation's output (GELU's 4h, SwiGLU's F per token, split by TP), ``layernorm`` the two
@@ -119,8 +122,8 @@ def activation_bytes_per_layer(
         split -= terms.mlp_act * act_bytes
     if "core_attn" in modules:
         quadratic = 0.0
-    elif cp > 1:  # the cp_comm core's output and fp32 log-sum-exp; its backward recomputes the probabilities
-        quadratic = act_bytes + LSE_BYTES * a / h
+    elif cp > 1:  # the cp_comm core's fp32 log-sum-exp and output; its backward recomputes the probabilities
+        quadratic = (0 if cp_output_is_projection_input(cp_comm) else act_bytes) + LSE_BYTES * a / h
     elif attention == "sdpa" and sdpa_path == "fused":
         quadratic = LSE_BYTES * a / h  # the log-sum-exp in place of the s^2 terms; split by TP like them
     elif attention == "sdpa":
@@ -140,12 +143,21 @@ def _check_cp(cp: int, cp_comm: str, attention_dropout: float | None) -> None:
         raise ValueError("attention dropout cannot run with cp > 1 (check_cp_attention_dropout refuses it)")
 
 
+def cp_output_is_projection_input(cp_comm: str) -> bool:
+    """Whether the output the cp_comm core saves for backward is the very storage the attention's output projection
+    saves as its input: the ring merges its blocks into a buffer in the model's [s, b, n, d] layout and returns it
+    (``cp_comm._RingAttention``); the a2a saves its head-sharded core's output [b, n/cp, s, d] and returns another
+    tensor, the all-to-all's sequence-sharded result."""
+    return cp_comm == "ring"
+
+
 def cp_core_saved_bytes(
     s: int, b: int, h: int, a: int, t: int = 1, cp: int = 2, *, num_kv_heads: int | None = None, act_bytes: int = 2
 ) -> float:
     """What the cp_comm autograd function of one layer saves for backward on one TP and CP rank (ring and a2a
     alike): q [b, a/t, s/cp, d], k and v at KV-head size, the output like q, all in activation bytes, and the fp32
-    log-sum-exp [b, a/t, s/cp].  The a2a saves its head-sharded copies [b, a/(t cp), s, d]: the same counts."""
+    log-sum-exp [b, a/t, s/cp].  The a2a saves its head-sharded copies [b, a/(t cp), s, d]: the same counts.  (In a
+    block the ring's output is also the projection's input: :func:`cp_output_is_projection_input`.)"""
     d, kv = h // a, a if num_kv_heads is None else num_kv_heads
     rows = b * (s // cp)
     return rows * d * (2 * a + 2 * kv) / t * act_bytes + rows * a / t * LSE_BYTES

@@ -187,8 +187,9 @@ class _RingAttention(torch.autograd.Function):
     in flight is never written).  Partial outputs are merged exactly with their log-sum-exp:
         lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b.
     Saved for backward: q, the local K/V stack (its first hop in backward), the merged output and its lse; no received
-    K/V is kept.  In backward dq, dk, dv are rounded from their fp32 accumulators straight into ``_seq_major``
-    layout.
+    K/V is kept.  The merged output is written in ``_seq_major`` layout and returned: the model's output projection
+    saves the same storage, so the context is stored once.  In backward dq, dk, dv are rounded from their fp32
+    accumulators straight into ``_seq_major`` layout.
     Backward: the K/V travel the ring again together with their gradient: dK/dV of the block in hand are added to
     the accumulator that arrives from the previous rank and sent on (fp32, so the sum over cp ranks rounds once;
     the first hop and the last one home in the K/V's dtype, ``_dkv_message``); after cp steps each accumulator has
@@ -212,7 +213,9 @@ class _RingAttention(torch.autograd.Function):
         # Without document ids step 0 is one block over every row (the diagonal), which is copied into out/lse:
         # nothing to initialise.  With them, rows may see nothing until a later step (zeros, -inf).
         first = doc_ids is None
-        out = (torch.empty if first else torch.zeros)(q.shape, dtype=acc, device=q.device)
+        out = _seq_major(q.shape, acc, q.device)  # merged in the model's layout (see the return below)
+        if not first:
+            out.zero_()
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         own_kv = kv  # saved for backward, whose first hop sends it again (k and v are not saved apart)
         for step in range(cp):
@@ -223,10 +226,12 @@ class _RingAttention(torch.autograd.Function):
             if requests:
                 _wait(requests)
                 kv = recv
-        # [b, n, s/cp, d]-contiguous, not in ``_seq_major`` layout: the model's projection then saves its own copy
-        # of the context beside this one, which is what ``ds_megatron.memory`` counts for the ring (and the tuner
-        # plans with); the model-layout output would share that storage instead.
-        out = out.to(q.dtype)
+        # One storage of the context: the merge ran in ``_seq_major`` layout and the cast keeps its strides, so the
+        # model's reshape to [s, b, n * d] is a view and the output projection saves this same storage as its
+        # input (``ds_megatron.memory`` counts it once).  A consumer cannot write into it in place unnoticed: in fp32
+        # it is a view returned by a custom Function, which autograd refuses to modify; in bf16 it is saved, so the
+        # backward's version check raises.
+        out = out.to(q.dtype)  # fp32: the accumulator itself; bf16: a cast that preserves the layout
         ctx.save_for_backward(q, own_kv, out, lse)
         ctx.first_covers_all = first
         ctx.group, ctx.kernel, ctx.scale, ctx.plans = group, kernel, scale, plans

@@ -35,11 +35,12 @@ def test_cp1_is_unchanged(kernel, sp, t):
 
 @pytest.mark.parametrize("cp_comm", ["ring", "a2a"])
 @pytest.mark.parametrize("sp,t", [(False, 1), (False, 4), (True, 4)])
-def test_cp2_halves_the_sequence_terms_and_adds_the_core_output(cp_comm, sp, t):
-    # The fused sdpa kernel at cp 1 already stores no s^2 term, only the fp32 lse; the cp_comm core adds its own
-    # output tensor ([b, a/t, s/cp, d]: one h per token split by TP, in activation bytes) on top of that.
+def test_cp2_halves_the_sequence_terms_and_counts_the_a2a_core_output(cp_comm, sp, t):
+    # The fused sdpa kernel at cp 1 already stores no s^2 term, only the fp32 lse; the a2a core adds its own
+    # output tensor ([b, a/(t cp), s, d]: one h per token split by TP, in activation bytes) on top of that, while the
+    # ring's output is the output projection's input, counted once.
     half = activation_bytes_per_layer(S // 2, B, H, A, t, sp, attention="sdpa", **LLAMA)
-    out_copy = 2 * (S // 2) * B * H / t
+    out_copy = 0 if cp_comm == "ring" else 2 * (S // 2) * B * H / t
     got = activation_bytes_per_layer(S, B, H, A, t, sp, attention="sdpa", **LLAMA, cp=2, cp_comm=cp_comm)
     assert got == pytest.approx(half + out_copy)
     # Eager at cp 2 stores no s^2 term either (the cp kernels recompute the probabilities): the same bytes.
@@ -54,10 +55,12 @@ def test_cp_refuses_what_cannot_run():
         activation_bytes_per_layer(S, B, H, A, **LLAMA, cp=2, cp_comm="allgather")
     with pytest.raises(ValueError, match="attention dropout"):
         activation_bytes_per_layer(S, B, H, A, **{**LLAMA, "attention_dropout": 0.1}, cp=2)
-    # core_attn at cp > 1 checkpoints the whole cp_comm call: the output and the lse are not kept
-    kept = activation_bytes_per_layer(S, B, H, A, recompute="selective", **LLAMA, cp=2)
-    dropped = activation_bytes_per_layer(S, B, H, A, **LLAMA, cp=2) - kept
-    assert dropped == pytest.approx((2 + LSE_BYTES * A / H) * (S // 2) * B * H)
+    # core_attn at cp > 1 checkpoints the whole cp_comm call: the lse and the a2a's own output are not kept (the
+    # ring's output is still the projection's input)
+    for cp_comm, out_bytes in (("ring", 0), ("a2a", 2)):
+        kept = activation_bytes_per_layer(S, B, H, A, recompute="selective", **LLAMA, cp=2, cp_comm=cp_comm)
+        dropped = activation_bytes_per_layer(S, B, H, A, **LLAMA, cp=2, cp_comm=cp_comm) - kept
+        assert dropped == pytest.approx((out_bytes + LSE_BYTES * A / H) * (S // 2) * B * H)
 
 
 def test_ring_buffers_are_counted():
@@ -144,8 +147,15 @@ def _run_rank(group, rank: int, world: int) -> dict[str, str]:
 
         return run
 
+    def one_storage_check(kernel: str, dtype: str):
+        def run(_):
+            return _ring_context_storage(group, rank, world, kernel, dtypes[dtype])
+
+        return run
+
     checks = {f"{c}-{k}-{t}": check(c, k, t) for c, k, t in CASES}
     checks.update({"block-" + "-".join(case): block_check(*case) for case in BLOCK_CASES})
+    checks.update({f"one-storage-{k}-{t}": one_storage_check(k, t) for k, t in ONE_STORAGE_CASES})
     return run_checks(checks, None)
 
 
@@ -161,10 +171,17 @@ BLOCK_CASES = [
 
 
 def _llama_block(group, rank: int, world: int, comm: str, kernel: str, dtype, recompute: str) -> tuple[int, float]:
-    import torch
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from activation_memory import measure
+
+    block, x, rng, predicted = _cp_llama_block(group, rank, world, comm, kernel, dtype, recompute)
+    return measure(block, x, False, rng), predicted
+
+
+def _cp_llama_block(group, rank: int, world: int, comm: str, kernel: str, dtype, recompute: str):
+    """(block, input, rng, predicted saved bytes) of a LlamaBlock at cp ``world`` built as the CP training builds
+    it; the prediction includes the rotary tables of the rank's positions."""
+    import torch
 
     from ds_megatron.config.schema import RecomputeSection
     from ds_megatron.model.llama.model import LlamaBlock, LlamaConfig, init_llama_module
@@ -194,13 +211,52 @@ def _llama_block(group, rank: int, world: int, comm: str, kernel: str, dtype, re
     init_llama_module(block, config, 1234, prefix="model.layers.0.")
     block = parallelize_block(block, plan).to(dtype).train()
     x = torch.randn(s // world, b, h).to(dtype).requires_grad_()
-    measured = measure(block, x, False, rng)
     predicted = activation_bytes_per_layer(
         s, b, h, a, recompute=recompute, act_bytes=torch.finfo(dtype).bits // 8, attention=kernel,
         family="llama", num_kv_heads=k, intermediate_size=f, attention_dropout=0.0, cp=world, cp_comm=comm,
     )  # fmt: skip
     tables = rotary_table_bytes(s, h, a, world, family="llama", act_bytes=torch.finfo(dtype).bits // 8)
-    return measured, predicted + tables
+    return block, x, rng, predicted + tables
+
+
+# The ring keeps one storage of its merged context: what it saves for its backward ([b, a, s/cp, d]) is a view of
+# the storage the output projection saves as its input, so a block's saved bytes count the context once (a copy in
+# another layout beside it would add b (s/cp) h activation bytes per layer).
+ONE_STORAGE_CASES = [("sdpa", "fp32"), ("sdpa", "bf16"), ("eager", "bf16")]
+
+
+def _ring_context_storage(group, rank: int, world: int, kernel: str, dtype) -> list:
+    import torch
+
+    block, x, rng, predicted = _cp_llama_block(group, rank, world, "ring", kernel, dtype, "none")
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saves: list[tuple[int, int, tuple[int, ...]]] = []  # (storage, its bytes, the saved view's shape) per save
+    proj_inputs: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saves.append((storage.data_ptr(), storage.nbytes(), tuple(t.shape)))
+        return t
+
+    hook = block.self_attn.o_proj.register_forward_pre_hook(lambda _, args: proj_inputs.append(args[0]))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(x)
+    hook.remove()
+    y.float().sum().backward()
+    s_local, b, h = x.shape
+    d = block.self_attn.head_dim
+    context = proj_inputs[0].untyped_storage()
+    views = {shape for ptr, _, shape in saves if ptr == context.data_ptr()}
+    measured = sum({ptr: nbytes for ptr, nbytes, _ in saves}.values())  # each storage once
+    return [
+        ("the ring's saved context is a view of the projection input's storage",
+         torch.tensor(float((b, h // d, s_local, d) in views)), torch.tensor(1.0), 0.0),
+        ("that storage holds the context once", torch.tensor(float(context.nbytes())),
+         torch.tensor(float(s_local * b * h * x.element_size())), 0.0),
+        ("the block's saved bytes, the context counted once", torch.tensor(float(measured)),
+         torch.tensor(predicted), 0.0),
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -224,4 +280,12 @@ def test_a_cp_llama_block_stores_what_the_formula_counts(reports, comm, kernel, 
 
     name = "block-" + "-".join((comm, kernel, dtype, recompute))
     message = failures(reports, name, f"LlamaBlock {comm} {kernel} {dtype} {recompute}")
+    assert not message, message
+
+
+@pytest.mark.parametrize("kernel,dtype", ONE_STORAGE_CASES)
+def test_the_ring_saves_one_storage_of_its_context(reports, kernel, dtype):
+    from inprocess import failures
+
+    message = failures(reports, f"one-storage-{kernel}-{dtype}", f"ring one storage {kernel} {dtype}")
     assert not message, message
