@@ -19,8 +19,8 @@ inputs, and a set of streams runs to the end unless its receives wait on each ot
 refuses those).  ZB-H2's order is made by running the stages against each other under that model: a list schedule
 of the compute (B first, then F within its limit, then a W when nothing else can run, or when the stage holds more
 than its limit of them), each receive placed just before the pass that needs it and each send just after the pass
-that produced it.  Of the orders its W limits give and ZB-H1's own order, :func:`zb_h2_streams` keeps the fastest
-under the costs given: ZB-H2 falls back to ZB-H1's order (1F1B's activations in flight) wherever the list schedule
+that produced it.  Of two such list schedules and ZB-H1's own order, :func:`zb_h2_streams` keeps the fastest under
+the costs given: ZB-H2 falls back to ZB-H1's order (1F1B's activations in flight) wherever the list schedule
 finds nothing faster, so it is never predicted slower than ZB-H1.
 
 An op is a tuple: ("F" | "B" | "LOAD" | "SA" | "RA" | "SG" | "RG", micro-batch) or ("W",).  SA/RA: send and
@@ -58,17 +58,20 @@ def forwards_ahead(p: int, stage: int, m: int, k: int = ZB_H2_FORWARDS_AHEAD) ->
     return min(m, k * (p - stage) - (k - 1))
 
 
-# The most W passes stage s holds before it must run one, as (a, b): a (p - s) + b.  Which is best depends on the
-# costs (the last stage must keep enough W passes to cover the drain, while its B passes, on the critical path, go
-# upstream first; holding more delays nothing but costs memory), so :func:`zb_h2_streams` builds all and keeps the
-# fastest under the costs given (the first of equals: the least memory).
-W_LIMITS = ((1, 0), (1, 1), (2, 0))
+def w_limit(p: int, stage: int) -> int:
+    """The most W passes stage ``stage`` holds in a ZB-H2 list schedule before it must run one: 2p - s, that is
+    2(p - s) (one per forward it may run ahead) plus ZB-H1's s (the cooldown slots its upstream stages leave).
+    Holding W passes delays nothing (a stage runs one whenever it would otherwise wait) but costs memory; of the
+    limits tried (p - s, p - s + 1, 2(p - s), 2p - s, 3p - 2s) over 195 cost sets at pp 2-8 (random, equal and
+    CPU-measured), 2p - s gave the shortest makespan wherever any beat ZB-H1's order, the larger 3p - 2s rarely
+    less."""
+    return 2 * p - stage
 
 
 def max_w_held(p: int, stage: int) -> int:
-    """The most W passes stage ``stage`` can hold in a ZB-H2 order: one more than the largest of :data:`W_LIMITS`
-    (between the B that passes it and the W that follows), or ZB-H1's stage + 1 where ZB-H2 falls back to it."""
-    return max(max(a * (p - stage) + b for a, b in W_LIMITS) + 1, stage + 1)
+    """The most W passes stage ``stage`` can hold in a ZB-H2 order: one more than :func:`w_limit` (between the B
+    that passes it and the W that follows), which also covers ZB-H1's stage + 1 where ZB-H2 falls back to it."""
+    return w_limit(p, stage) + 1
 
 
 def zb_h1_streams(p: int, m: int) -> tuple[tuple[tuple, ...], ...]:
@@ -125,9 +128,10 @@ def _zb_h1_stage(p: int, m: int, s: int) -> tuple[tuple, ...]:
 
 def zb_h2_candidates(p: int, m: int, costs: Costs = BUILD_COSTS) -> list[tuple[tuple[tuple, ...], ...]]:
     """The orders ZB-H2 chooses from: ZB-H1's first (the fallback, and the first of equals: it keeps the fewest
-    activations), then the list schedules of :data:`W_LIMITS` built for ``costs``.  The memory model counts the
-    most any of them keeps (``memory.stage_activations_in_flight``, ``stage_deferred_w_passes``)."""
-    return [zb_h1_streams(p, m)] + [_build(p, m, costs, limit) for limit in W_LIMITS]
+    activations), then the list schedules built for ``costs``, greedy and keeping time for the next gradient (see
+    :func:`_build`).  The memory model counts the most any of them keeps (``memory.stage_activations_in_flight``,
+    ``memory.stage_deferred_w_passes``)."""
+    return [zb_h1_streams(p, m)] + [_build(p, m, costs, wait_for_grad) for wait_for_grad in (False, True)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -137,10 +141,12 @@ def zb_h2_streams(p: int, m: int, costs: Costs = BUILD_COSTS) -> tuple[tuple[tup
     return min(zb_h2_candidates(p, m, costs), key=lambda streams: makespan(streams, costs))
 
 
-def _build(p: int, m: int, costs: Costs, w_limit: tuple[int, int]) -> tuple[tuple[tuple, ...], ...]:
-    """The list schedule of the module docstring, stage s holding at most w_limit[0] (p - s) + w_limit[1] W passes.
-    Time advances from one pass's end to the next; a stage that is free picks what its inputs allow now (an
-    activation or gradient is there once the pass that produced it has ended)."""
+def _build(p: int, m: int, costs: Costs, wait_for_grad: bool) -> tuple[tuple[tuple, ...], ...]:
+    """The list schedule of the module docstring, stage s holding at most :func:`w_limit` W passes.  Time advances
+    from one pass's end to the next; a stage that is free picks what its inputs allow now (an activation or
+    gradient is there once the pass that produced it has ended).  With ``wait_for_grad`` a stage does not start a
+    W that it need not run yet while the gradient of its next B is being computed downstream and would arrive
+    before that W ends: it waits for the gradient instead, so the B chain upstream is not held back by a W."""
     cost = stage_costs(costs, p)
     streams: list[list[tuple]] = [[] for _ in range(p)]
     next_f, next_b, pending_w = [0] * p, [0] * p, [0] * p
@@ -155,9 +161,17 @@ def _build(p: int, m: int, costs: Costs, w_limit: tuple[int, int]) -> tuple[tupl
         f_ready = next_f[s] < m and next_f[s] in act_at[s] and next_f[s] - next_b[s] < forwards_ahead(p, s, m)
         if b_ready:
             return "B"
-        if pending_w[s] > w_limit[0] * (p - s) + w_limit[1]:
+        if pending_w[s] > w_limit(p, s):
             return "W"
-        return "F" if f_ready else "W" if pending_w[s] else None
+        if f_ready:
+            return "F"
+        if not pending_w[s]:
+            return None
+        downstream = running[s + 1] if s < p - 1 else None
+        if wait_for_grad and downstream and downstream[:2] == ("B", next_b[s]) and next_b[s] < next_f[s]:
+            if downstream[2] < now + cost[s]["W"] - EPS:
+                return None
+        return "W"
 
     while left:
         for s in range(p):  # passes that have ended deliver their outputs

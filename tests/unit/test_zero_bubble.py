@@ -281,14 +281,14 @@ def _bubbles(p: int, m: int, costs: tuple) -> tuple[float, float]:
 @pytest.mark.parametrize("m", [4, 8])
 def test_zb_h2_never_behind_zb_h1_when_the_forward_is_cheapest(p, m):
     """T_F 0.8, T_B 1, T_W 0.9: a W no longer fits where a forward would, and ZB-H1's order idles (p - 1) T_B.
-    ZB-H2's is never predicted slower (it falls back to ZB-H1's order where its list schedule finds nothing
-    faster), and at pp 2 its list schedule reaches the (p - 1) T_F floor.  (Its order built under blocking sends
-    left T_F + T_B per stage under the async ones.)"""
+    ZB-H2's is never predicted slower (at m = p, where its extra forwards have no room, it is ZB-H1's order), and
+    from m = 2p its list schedule reaches the (p - 1) T_F floor.  (Its order built under blocking sends left
+    T_F + T_B per stage under the async ones.)"""
     t_f, t_b, _ = SLOW_W_COSTS
     h1, h2 = _bubbles(p, m, SLOW_W_COSTS)
     assert h2 <= h1 + 1e-9
     assert h1 == pytest.approx((p - 1) * t_b)
-    if p == 2:
+    if m >= 2 * p:
         assert h2 == pytest.approx((p - 1) * t_f)
 
 
@@ -298,17 +298,18 @@ def test_zb_h2_reaches_its_floor_at_equal_costs(p, m):
     """The paper's ZB-H2 bubble, (p - 1)(T_F + T_B - 2 T_W), zero at equal costs, is its steady state with the
     optimizer step's synchronisation moved out of the way; DeepSpeed's step synchronises every stage at its end
     and the last stage cannot start before (p - 1) T_F, so within one step the value is (p - 1) T_F (a third of
-    1F1B's): reached at T_F = T_B = T_W = 1, as ZB-H1 does (its order, kept where nothing is faster; the list
-    schedule alone was a slot longer at pp 4)."""
+    1F1B's): reached at T_F = T_B = T_W = 1, as ZB-H1 does (ZB-H2 then runs ZB-H1's order, the first of equals;
+    the order built under blocking sends was a slot longer at pp 4)."""
     h1, h2 = _bubbles(p, m, (1.0, 1.0, 1.0))
     assert h2 == pytest.approx(p - 1) and h1 == pytest.approx(p - 1)
 
 
-@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (2, 16)])
-def test_zb_h2_halves_1f1b_bubble_at_pp2_with_cpu_costs(p, m):
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 8), (2, 16), (4, 8), (4, 16)])
+def test_zb_h2_halves_1f1b_bubble_with_cpu_costs(p, m):
     """With the costs measured on CPU (T_F about T_B + T_W), ZB-H1's bubble is at best half of 1F1B's; ZB-H2, built
-    for those costs, reaches (p - 1) T_F (the floor under DeepSpeed's synchronised step: the last stage waits that
-    long for its first activation).  The tuner's bubbles are these simulated makespans (tune.schedules.bubble_s)."""
+    for those costs, reaches (p - 1) T_F from m = 2p (the floor under DeepSpeed's synchronised step: the last stage
+    waits that long for its first activation).  The tuner's bubbles are these simulated makespans
+    (tune.schedules.bubble_s)."""
     from ds_megatron.tune.schedules import bubble_s
 
     t_f, t_b, t_w = CPU_COSTS
@@ -320,20 +321,18 @@ def test_zb_h2_halves_1f1b_bubble_at_pp2_with_cpu_costs(p, m):
     assert h2 == pytest.approx((p - 1) * t_f) and h2 <= one_f_one_b / 2
 
 
-def test_zb_h2_order_built_per_stage_costs():
-    """The last stage also runs the output layer and the loss: built for each stage's own costs the order reaches
-    the (p - 1) T_F floor at pp 3, m 8 with a last stage some 10% heavier, where the order built for the stages'
-    mean costs idles 0.24 T_B more; the engine's agreed costs are each stage's own means, the same on every rank
-    (one all-reduce)."""
+@pytest.mark.parametrize("p", [2, 3])
+def test_zb_h2_order_built_per_stage_costs(p):
+    """The last stage also runs the output layer and the loss: built for each stage's own costs (the engine's agreed
+    costs), the order still reaches the floor, the first p - 1 stages' forwards, with the CPU's costs and a last
+    stage about 10% heavier; the engine's agreed costs are each stage's own means, the same on every rank (one
+    all-reduce)."""
     from ds_megatron.parallel.zb_order import makespan as zb_makespan
     from ds_megatron.parallel.zb_order import zb_h2_streams
 
-    first = (0.54, 1.0, 0.96)
-    per_stage = (first, first, (0.62, 1.14, 1.02))
-    mean = tuple(sum(row[i] for row in per_stage) / 3 for i in range(3))
-    work = 8 * sum(per_stage[2])
-    assert zb_makespan(zb_h2_streams(3, 8, per_stage), per_stage) - work == pytest.approx(2 * first[0])
-    assert zb_makespan(zb_h2_streams(3, 8, mean), per_stage) - work == pytest.approx(2 * first[0] + 0.24)
+    per_stage = (CPU_COSTS,) * (p - 1) + ((1.67, 1.6, 1.1),)
+    work = 8 * sum(per_stage[-1])
+    assert zb_makespan(zb_h2_streams(p, 8, per_stage), per_stage) - work == pytest.approx((p - 1) * CPU_COSTS[0])
 
 
 def test_agreed_costs_are_each_stages_medians_on_every_rank(monkeypatch):
