@@ -74,6 +74,7 @@ def max_w_held(p: int, stage: int) -> int:
     return w_limit(p, stage) + 1
 
 
+@functools.lru_cache(maxsize=256)
 def zb_h1_streams(p: int, m: int) -> tuple[tuple[tuple, ...], ...]:
     """Every stage's ZB-H1 ops, in order: DeepSpeed's 1F1B order (``TrainSchedule``, checked instruction for
     instruction in tests/unit/test_zero_bubble.py) with the W passes inserted, stage s holding back up to s.
