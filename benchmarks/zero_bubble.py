@@ -41,7 +41,6 @@ from launch import WORKERS, deepspeed_launch  # noqa: E402
 
 from ds_megatron.tune.schedules import bubble_s  # noqa: E402
 
-SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
 BLOCKING = "+blocking"  # the worker's name for a schedule run with DeepSpeed's blocking sends
 PASSES = ("ForwardPass", "BackwardPass", "WeightGradPass")  # T_F, T_B, T_W
 
@@ -143,11 +142,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--shapes", nargs="+", default=["512x64", "256x128"], help="hidden x sequence, one run each")
     ap.add_argument(
-        "--blocking", action="store_true", help="also run each schedule with DeepSpeed's blocking sends (interleaved)"
+        "--blocking",
+        action="store_true",
+        help="also run 1F1B and ZB-H1 with DeepSpeed's blocking sends (interleaved); not ZB-H2, whose order is "
+        "built for async sends",
     )
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
-    names = SCHEDULES + tuple(name + BLOCKING for name in SCHEDULES if args.blocking)
     load_start = os.getloadavg()[0]
     sections = []
     for shape in args.shapes:
@@ -155,6 +156,7 @@ def main() -> None:
         ranks = sorted(
             run(args.micro_batches, args.repeats, hidden, seq, args.pp, args.blocking), key=lambda r: r["pp_rank"]
         )
+        names = tuple(dict.fromkeys(row["schedule"] for row in ranks[0]["rows"]))  # what the worker ran, in order
         body, verdicts = table(ranks, args.micro_batches, names)
         sections.append(f"**h {hidden}, s {seq}**\n\n{body}\n\n" + "\n".join(f"- {v}" for v in verdicts))
     cores = os.cpu_count() or 1

@@ -1,19 +1,27 @@
-"""The instruction order of ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1), pure Python:
-built here, mapped to DeepSpeed instructions by ``parallel.zero_bubble`` and timed by the tuner (``tune.schedules``).
+"""The instruction orders of ZB-H1 and ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1) and
+their timing model, pure Python: built here, mapped to DeepSpeed instructions by ``parallel.zero_bubble`` and timed
+by the tuner (``tune.schedules``) with the same :func:`makespan`.
 
-ZB-H2 lets stage s run up to 2(p - s) - 1 forwards ahead of its backwards (1F1B: p - s), so the first stages keep
-computing where 1F1B waits for the first gradient, and defers the weight gradients (W) into whatever idle time is
-left, above all the cooldown.  The published schedule also moves the optimizer step's synchronisation out of the
-way; DeepSpeed's step (the tied-embedding all-reduce, the gradient norm) synchronises every stage at the end, so
-here the last stage still waits (p - 1) T_F for its first activation and the bubble's floor is (p - 1) T_F
-(1F1B's is (p - 1)(T_F + T_B + T_W)).
+ZB-H1 (:func:`zb_h1_streams`) is DeepSpeed's 1F1B order with each backward split into B (input gradients) and a
+deferred W (weight gradients), stage s holding back up to s W passes.  ZB-H2 (:func:`zb_h2_streams`) lets stage s
+run up to 2(p - s) - 1 forwards ahead of its backwards (1F1B: p - s), so the first stages keep computing where
+1F1B waits for the first gradient, and defers the W passes into whatever idle time is left, above all the cooldown.
+The published schedule also moves the optimizer step's synchronisation out of the way, which makes its bubble
+(p - 1)(T_F + T_B - 2 T_W), zero at equal costs, in the steady state across steps; DeepSpeed's step (the
+tied-embedding all-reduce, the gradient norm) synchronises every stage at the end, and the last stage cannot start
+before its first activation arrives, (p - 1) T_F into the step, so here the bubble's floor is (p - 1) T_F (1F1B's
+is (p - 1)(T_F + T_B + T_W)).
 
-DeepSpeed's sends and receives block until the other stage is there, and a stream of blocking sends either finishes
-or deadlocks whatever the timing.  So the order is made by running the stages against each other: a list schedule
+The timing model is the engines' p2p (``parallel.p2p``): a send is an isend and never waits (its message is there
+from the moment the sender posts it, right after the pass that produced it: transfers are free here), a receive
+waits until the message's producing pass has finished.  So a stage never waits on its own send, only on its
+inputs, and a set of streams runs to the end unless its receives wait on each other in a cycle (:func:`makespan`
+refuses those).  ZB-H2's order is made by running the stages against each other under that model: a list schedule
 of the compute (B first, then F within its limit, then a W when nothing else can run, or when the stage holds more
-than its limit of them) in which a send and its receive happen together, when both stages have stopped for them.
-Every stream thus has one global order of its sends and receives that is valid: it cannot deadlock, and
-:func:`makespan` times it under any costs.
+than its limit of them), each receive placed just before the pass that needs it and each send just after the pass
+that produced it.  Of two such list schedules and ZB-H1's own order, :func:`zb_h2_streams` keeps the fastest under
+the costs given: ZB-H2 falls back to ZB-H1's order (1F1B's activations in flight) wherever the list schedule
+finds nothing faster, so it is never predicted slower than ZB-H1.
 
 An op is a tuple: ("F" | "B" | "LOAD" | "SA" | "RA" | "SG" | "RG", micro-batch) or ("W",).  SA/RA: send and
 receive an activation (downstream), SG/RG: a gradient (upstream); LOAD: the first and last stages' input or labels.
@@ -24,8 +32,8 @@ from __future__ import annotations
 import functools
 
 # The costs the order is built with (T_F, T_B, T_W): equal, the paper's assumption and what a GPU's GEMMs give.
-# Any costs give a valid (deadlock-free) order; these decide only where the Ws land.  Everywhere here ``costs`` is
-# one (T_F, T_B, T_W) for every stage or one per stage (the last stage also runs the output layer and the loss).
+# Any costs give a valid (deadlock-free) order; these decide only where the passes land.  Everywhere here ``costs``
+# is one (T_F, T_B, T_W) for every stage or one per stage (the last stage also runs the output layer and the loss).
 BUILD_COSTS = (1.0, 1.0, 1.0)
 Costs = tuple  # (T_F, T_B, T_W) or ((T_F, T_B, T_W), ...) per stage
 # Times closer than this (relative to the costs, which the callers scale to at most 1) are the same instant, so
@@ -50,115 +58,157 @@ def forwards_ahead(p: int, stage: int, m: int, k: int = ZB_H2_FORWARDS_AHEAD) ->
     return min(m, k * (p - stage) - (k - 1))
 
 
-# The most W passes stage s holds before it must run one, as (a, b): a (p - s) + b.  Which is best depends on the
-# costs (the last stage must keep enough W passes to cover the drain, while its B passes, on the critical path, go
-# upstream first; holding more delays nothing but costs memory), so :func:`zb_h2_streams` builds all and keeps the
-# fastest under the costs given (the first of equals: the least memory).
-W_LIMITS = ((1, 0), (1, 1), (2, 0))
+def w_limit(p: int, stage: int) -> int:
+    """The most W passes stage ``stage`` holds in a ZB-H2 list schedule before it must run one: 2p - s, that is
+    2(p - s) (one per forward it may run ahead) plus ZB-H1's s (the cooldown slots its upstream stages leave).
+    Holding W passes delays nothing (a stage runs one whenever it would otherwise wait) but costs memory; of the
+    limits tried (p - s, p - s + 1, 2(p - s), 2p - s, 3p - 2s) over 195 cost sets at pp 2-8 (random, equal and
+    CPU-measured), 2p - s alone gave nearly all the gain over ZB-H1's order that all of them together gave, and
+    the lower ones nothing beyond it."""
+    return 2 * p - stage
 
 
 def max_w_held(p: int, stage: int) -> int:
-    """The most W passes stage ``stage`` can hold under any of :data:`W_LIMITS`: one more than the limit, between
-    the B that passes it and the W that follows."""
-    return max(a * (p - stage) + b for a, b in W_LIMITS) + 1
+    """The most W passes stage ``stage`` can hold in a ZB-H2 order: one more than :func:`w_limit` (between the B
+    that passes it and the W that follows), which also covers ZB-H1's stage + 1 where ZB-H2 falls back to it."""
+    return w_limit(p, stage) + 1
+
+
+@functools.lru_cache(maxsize=256)
+def zb_h1_streams(p: int, m: int) -> tuple[tuple[tuple, ...], ...]:
+    """Every stage's ZB-H1 ops, in order: DeepSpeed's 1F1B order (``TrainSchedule``, checked instruction for
+    instruction in tests/unit/test_zero_bubble.py) with the W passes inserted, stage s holding back up to s.
+
+    1F1B in 2(m + p - 1) steps: at step t stage s runs the forward of micro-batch (t - s) / 2 when t - s is even,
+    else the backward of (t + s + 1) / 2 - p, where those exist.  A forward step first sends upstream the gradient
+    of the previous step's backward, then receives its activation (and loads, on the first and last stage); a
+    backward step first receives its gradient, then sends downstream the previous step's activation.
+
+    The W passes were placed for DeepSpeed's blocking sends: while the stage still has forwards to run, a due W
+    runs right after its B (before the gradient is sent: the upstream stage is busy with its own forward and W
+    until it asks for it); in the cooldown, once the last forward has run, after the gradient has been sent, while
+    the upstream stage runs that B; what is left runs at the end.  With T_F = T_B = T_W this gives ZB-H1's bubble
+    of (p - 1)(T_F + T_B - T_W) under the engines' async sends too (T_W above T_F or T_B above T_F + T_W make it
+    longer: :func:`makespan` times it as it is)."""
+    return tuple(_zb_h1_stage(p, m, s) for s in range(p))
+
+
+def _zb_h1_stage(p: int, m: int, s: int) -> tuple[tuple, ...]:
+    """Stage ``s``'s ops of :func:`zb_h1_streams`."""
+    ops: list[tuple] = []
+    pending, forwards_left, previous = 0, m, None
+    for t in range(2 * (m + p - 1)):
+        forward = (t - s) % 2 == 0
+        mb = (t - s) // 2 if forward else (t + s + 1) // 2 - p
+        valid = 0 <= mb < m
+        due = False
+        if forward:
+            if previous is not None and s > 0:
+                ops.append(("SG", previous))
+                due = forwards_left == 0
+            if valid and s > 0:
+                ops.append(("RA", mb))
+            if valid and s in (0, p - 1):
+                ops.append(("LOAD", mb))
+        else:
+            if valid and s < p - 1:
+                ops.append(("RG", mb))
+            if previous is not None and s < p - 1:
+                ops.append(("SA", previous))
+        if valid:
+            ops.append(("F" if forward else "B", mb))
+            forwards_left -= forward
+            pending += not forward
+            due = due or (not forward and (forwards_left > 0 or s == 0))
+        if due and pending > s:  # run the W passes beyond the s this stage holds back
+            ops += [("W",)] * (pending - s)
+            pending = s
+        previous = mb if valid else None
+    return tuple(ops + [("W",)] * pending)
+
+
+def zb_h2_candidates(p: int, m: int, costs: Costs = BUILD_COSTS) -> list[tuple[tuple[tuple, ...], ...]]:
+    """The orders ZB-H2 chooses from: ZB-H1's first (the fallback, and the first of equals: it keeps the fewest
+    activations), then the list schedules built for ``costs``, greedy and keeping time for the next gradient (see
+    :func:`_build`).  The memory model counts the most any of them keeps (``memory.stage_activations_in_flight``,
+    ``memory.stage_deferred_w_passes``)."""
+    return [zb_h1_streams(p, m)] + [_build(p, m, costs, wait_for_grad) for wait_for_grad in (False, True)]
 
 
 @functools.lru_cache(maxsize=256)
 def zb_h2_streams(p: int, m: int, costs: Costs = BUILD_COSTS) -> tuple[tuple[tuple, ...], ...]:
-    """Every stage's ZB-H2 ops, in order (see the module docstring): of the orders :data:`W_LIMITS` allows, the
-    one :func:`makespan` finds fastest under ``costs``."""
-    built = [_build(p, m, costs, limit) for limit in W_LIMITS]
-    return min(built, key=lambda streams: makespan(streams, costs))
+    """Every stage's ZB-H2 ops, in order (see the module docstring): of :func:`zb_h2_candidates`, the one
+    :func:`makespan` finds fastest under ``costs`` (ZB-H1's order where the list schedules gain nothing)."""
+    return min(zb_h2_candidates(p, m, costs), key=lambda streams: makespan(streams, costs))
 
 
-def _build(p: int, m: int, costs: Costs, w_limit: tuple[int, int]) -> tuple[tuple[tuple, ...], ...]:
-    """The list schedule of the module docstring, stage s holding at most w_limit[0] (p - s) + w_limit[1] W passes."""
+def _build(p: int, m: int, costs: Costs, wait_for_grad: bool) -> tuple[tuple[tuple, ...], ...]:
+    """The list schedule of the module docstring, stage s holding at most :func:`w_limit` W passes.  Time advances
+    from one pass's end to the next; a stage that is free picks what its inputs allow now (an activation or
+    gradient is there once the pass that produced it has ended).  With ``wait_for_grad`` a stage does not start a
+    W that it need not run yet while the gradient of its next B is being computed downstream and would arrive
+    before that W ends: it waits for the gradient instead, so the B chain upstream is not held back by a W."""
     cost = stage_costs(costs, p)
     streams: list[list[tuple]] = [[] for _ in range(p)]
     next_f, next_b, pending_w = [0] * p, [0] * p, [0] * p
-    acts = [set(range(m))] + [set() for _ in range(p - 1)]  # activations held (stage 0 loads its own)
-    grad_in = [False] * p  # the gradient of next_b received (a single buffer, as DeepSpeed's grad_layer)
-    to_send_act: list[list[int]] = [[] for _ in range(p)]
-    to_send_grad: list[list[int]] = [[] for _ in range(p)]
-    busy = [0.0] * p
-    current = [""] * p  # the op each stage runs until busy[s]
+    act_at = [dict.fromkeys(range(m), 0.0)] + [{} for _ in range(p - 1)]  # micro-batch -> when its activation is there
+    grad_at: list[dict[int, float]] = [{} for _ in range(p)]  # micro-batch -> when its output gradient is there
+    running: list[tuple[str, int, float] | None] = [None] * p  # (kind, micro-batch, end) of the pass each stage runs
+    left = 3 * m * p
     now = 0.0
 
-    def done(s: int) -> bool:
-        return next_b[s] == m and pending_w[s] == 0 and not to_send_act[s] and not to_send_grad[s]
-
-    def match() -> bool:  # one send/receive between two stopped neighbours; True if one happened
-        for s in range(p - 1):
-            if busy[s] > now + EPS or busy[s + 1] > now + EPS:
-                continue
-            if to_send_act[s]:
-                mb = to_send_act[s].pop(0)
-                streams[s].append(("SA", mb))
-                streams[s + 1].append(("RA", mb))
-                acts[s + 1].add(mb)
-                return True
-            if to_send_grad[s + 1] and to_send_grad[s + 1][0] == next_b[s] and not grad_in[s]:
-                mb = to_send_grad[s + 1].pop(0)
-                streams[s + 1].append(("SG", mb))
-                streams[s].append(("RG", mb))
-                grad_in[s] = True
-                return True
-        return False
-
     def pick(s: int) -> str | None:
-        b_ready = next_b[s] < next_f[s] and (grad_in[s] or s == p - 1)
-        f_ready = next_f[s] < m and next_f[s] in acts[s] and next_f[s] - next_b[s] < forwards_ahead(p, s, m)
+        b_ready = next_b[s] < next_f[s] and (s == p - 1 or next_b[s] in grad_at[s])
+        f_ready = next_f[s] < m and next_f[s] in act_at[s] and next_f[s] - next_b[s] < forwards_ahead(p, s, m)
         if b_ready:
             return "B"
-        if pending_w[s] > w_limit[0] * (p - s) + w_limit[1]:
+        if pending_w[s] > w_limit(p, s):
             return "W"
-        kind = "F" if f_ready else "W" if pending_w[s] else None
-        # Blocking p2p: the next stage stops at busy[s + 1] to send this stage a gradient or take an activation
-        # from it, and waits there until this stage stops too; an F or W that would end later makes it wait.
-        meets = s < p - 1 and (current[s + 1] == "B" or (to_send_act[s] and to_send_act[s][0] == next_f[s + 1]))
-        if kind and meets and busy[s + 1] > now + EPS and now + cost[s][kind] > busy[s + 1] + EPS:
+        if f_ready:
+            return "F"
+        if not pending_w[s]:
             return None
-        return kind
+        downstream = running[s + 1] if s < p - 1 else None
+        if wait_for_grad and downstream and downstream[:2] == ("B", next_b[s]) and next_b[s] < next_f[s]:
+            if downstream[2] < now + cost[s]["W"] - EPS:
+                return None
+        return "W"
 
-    while not all(done(s) for s in range(p)):
-        while match():
-            pass
-        started = False
+    while left:
+        for s in range(p):  # passes that have ended deliver their outputs
+            if running[s] is not None and running[s][2] <= now + EPS:
+                kind, mb, end = running[s]
+                if kind == "F" and s < p - 1:
+                    act_at[s + 1][mb] = end
+                elif kind == "B" and s > 0:
+                    grad_at[s - 1][mb] = end
+                running[s] = None
         for s in range(p):
-            if busy[s] > now + EPS:
-                continue
-            kind = pick(s)
+            kind = pick(s) if running[s] is None else None
             if kind is None:
                 continue
+            mb = -1
             if kind == "F":
                 mb = next_f[s]
-                if s in (0, p - 1):
-                    streams[s].append(("LOAD", mb))
-                streams[s].append(("F", mb))
                 next_f[s] += 1
-                if s < p - 1:
-                    to_send_act[s].append(mb)
+                ops = [("RA", mb)] * (s > 0) + [("LOAD", mb)] * (s in (0, p - 1)) + [("F", mb)]
+                streams[s] += ops + [("SA", mb)] * (s < p - 1)
             elif kind == "B":
                 mb = next_b[s]
-                streams[s].append(("B", mb))
                 next_b[s] += 1
-                grad_in[s] = False
                 pending_w[s] += 1
-                if s > 0:
-                    to_send_grad[s].append(mb)
+                streams[s] += [("RG", mb)] * (s < p - 1) + [("B", mb)] + [("SG", mb)] * (s > 0)
             else:
-                streams[s].append(("W",))
                 pending_w[s] -= 1
-            busy[s], current[s] = now + cost[s][kind], kind
-            started = True
-        later = [t for t in busy if t > now + EPS]
-        if not later and not started:
-            raise RuntimeError(f"the ZB-H2 order stalls at p={p}, m={m}")  # unreachable: every stage can progress
-        if later:
-            now = min(later)
-            for s in range(p):
-                if busy[s] <= now + EPS:
-                    current[s] = ""
+                streams[s].append(("W",))
+            running[s] = (kind, mb, now + cost[s][kind])
+            left -= 1
+        ends = [r[2] for r in running if r is not None]
+        if not ends:
+            if left:  # unreachable: with nothing running, the stage furthest behind has its inputs
+                raise RuntimeError(f"the ZB-H2 order stalls at p={p}, m={m}")
+            break
+        now = min(ends)
     return tuple(tuple(stream) for stream in streams)
 
 
@@ -191,40 +241,39 @@ def peak_in_flight(stream: tuple[tuple, ...]) -> tuple[int, int]:
 
 
 LINKS = {"SA": ("act", 0), "RA": ("act", -1), "SG": ("grad", -1), "RG": ("grad", 0)}
+SENDS = ("SA", "SG")
 
 
 def makespan(streams: tuple[tuple[tuple, ...], ...], costs: Costs) -> float:
-    """The finish time of ``streams`` when F, B and W take what ``costs`` says and a send and its receive (the n-th
-    on a link) both wait until the other side is there, as DeepSpeed's blocking p2p does; transfers and loads
-    free."""
+    """The finish time of ``streams`` under the engines' p2p (``parallel.p2p``) when F, B and W take what ``costs``
+    says: a send (the n-th on a link) returns at once and its message is there from then on, a receive waits until
+    the n-th send on its link has been posted; transfers and loads free.  The one timing rule of the zero-bubble
+    orders: the order builder, the tuner's bubble (``tune.schedules.bubble_s``) and the tests all call it."""
     p = len(streams)
     cost = stage_costs(costs, p)
     clock, position = [0.0] * p, [0] * p
-    posted: dict = {}  # (link, upstream stage, n) -> (stage waiting, since when)
+    posted: dict = {}  # (link, upstream stage, n) -> when the n-th send on that link was posted
     count: list[dict] = [{} for _ in range(p)]
-    waiting = [False] * p
     while any(position[s] < len(streams[s]) for s in range(p)):
         progressed = False
         for s in range(p):
-            while position[s] < len(streams[s]) and not waiting[s]:
+            while position[s] < len(streams[s]):
                 op = streams[s][position[s]]
-                progressed = True
                 if op[0] in LINKS:
                     link, offset = LINKS[op[0]]
                     n = count[s].get(op[0], 0)
-                    count[s][op[0]] = n + 1
                     key = (link, s + offset, n)
-                    if key not in posted:
-                        posted[key] = (s, clock[s])
-                        waiting[s] = True
-                        break
-                    other, since = posted.pop(key)
-                    clock[s] = clock[other] = max(clock[s], since)
-                    position[other] += 1
-                    waiting[other] = False
+                    if op[0] in SENDS:
+                        posted[key] = clock[s]
+                    elif key in posted:
+                        clock[s] = max(clock[s], posted.pop(key))
+                    else:
+                        break  # the receive waits for its send
+                    count[s][op[0]] = n + 1
                 else:
                     clock[s] += cost[s].get(op[0], 0.0)
                 position[s] += 1
+                progressed = True
         if not progressed:
-            raise RuntimeError("the streams deadlock")
+            raise RuntimeError("the streams deadlock (receives waiting on each other)")
     return max(clock)

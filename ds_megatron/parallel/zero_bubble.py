@@ -1,17 +1,17 @@
 """ZB-H1 and ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1) on DeepSpeed's pipeline engine.
 
 DeepSpeed's 1F1B (``TrainSchedule``) runs each backward pass whole.  With the layers' weight gradients deferred
-(``ds_megatron.tensor_parallel.weight_grad``), a backward pass is B only (input gradients: what the previous stage
-waits for), and each W pass (weight gradients: nobody waits for them before the step) becomes an instruction of its
-own, :class:`WeightGradPass`.  :class:`ZeroBubbleH1Schedule` yields DeepSpeed's 1F1B order unchanged and inserts the
-W passes: stage s holds back up to s of them (the last stage the most), runs one whenever it holds more, and runs
-the rest at the end of the step, where its upstream stages are still busy with their last B passes (the cooldown
-bubble of 1F1B).  The number of micro-batches in flight is 1F1B's; stage s additionally keeps what at most s W
-passes need whenever it runs a forward (s + 1 in the cooldown, between a backward and the send of its gradient, when
-that backward has just freed its activations): each linear's input and output gradient.  With at most p - s
-micro-batches in flight, that stays below the p micro-batches 1F1B's first stage holds, so the peak over stages is
-1F1B's (the first stage holds none back).  With T_F = T_B = T_W the bubble falls from (p-1)(T_F+T_B+T_W) to
-(p-1)(T_F+T_B-T_W) per step.
+(``ds_megatron.tensor_parallel.weight_grad``), a backward pass is B only (input gradients: what the previous stage waits
+for), and each W pass (weight gradients: nobody waits for them before the step) becomes an instruction of its own,
+:class:`WeightGradPass`.  :class:`ZeroBubbleH1Schedule` yields DeepSpeed's 1F1B order unchanged and inserts the W passes
+(the order ``parallel.zb_order.zb_h1_streams`` builds): stage s holds back up to s of them (the last stage the most),
+runs one whenever it holds more, and runs the rest at the end of the step, where its upstream stages are still busy with
+their last B passes (the cooldown bubble of 1F1B).  The number of micro-batches in flight is 1F1B's; stage s
+additionally keeps what at most s W passes need whenever it runs a forward (s + 1 in the cooldown, between a backward
+and the send of its gradient, when that backward has just freed its activations): each linear's input and output
+gradient.  With at most p - s micro-batches in flight, that stays below the p micro-batches 1F1B's first stage holds, so
+the peak over stages is 1F1B's (the first stage holds none back).  With T_F = T_B = T_W the bubble falls from
+(p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W) per step.
 
 :class:`ZeroBubblePipelineEngine` executes it: each backward pass seals its W pass in the stage's queue; a
 ``WeightGradPass`` runs the oldest one; ``ReduceTiedGrads`` (the first of the step's reduction instructions) runs
@@ -19,8 +19,9 @@ any left first, so the tied, SP-replicated and data-parallel reductions, clippin
 optimizer step all see complete gradients; the optimizer step refuses to run with W passes still queued.
 
 :class:`ZeroBubbleH2Schedule` yields the ZB-H2 order of ``parallel.zb_order`` (up to 2(p - s) - 1 forwards ahead,
-W passes where the stage would wait) and :class:`ZeroBubbleH2PipelineEngine` runs it, rebuilding the order once
-for the pass costs it times in the first step.
+W passes where the stage would wait; ZB-H1's order where that is as fast under the costs) and
+:class:`ZeroBubbleH2PipelineEngine` runs it, rebuilding the order once for the pass costs it times in the first
+step.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from deepspeed.runtime.pipe import schedule
 
 from ds_megatron.parallel.p2p import AsyncSendPipelineEngine
-from ds_megatron.parallel.zb_order import BUILD_COSTS, num_buffers, zb_h2_streams
+from ds_megatron.parallel.zb_order import BUILD_COSTS, num_buffers, zb_h1_streams, zb_h2_streams
 
 PIPELINE_SCHEDULE = "zb-h1"  # the config values of ds_megatron.parallel.pipeline_schedule this module implements
 PIPELINE_SCHEDULE_H2 = "zb-h2"
@@ -42,56 +43,40 @@ class WeightGradPass(schedule.PipeInstruction):
     """Run the oldest deferred W pass of this stage (its weight gradients, accumulated into the gradients)."""
 
 
-class ZeroBubbleH1Schedule(schedule.TrainSchedule):
-    """DeepSpeed's 1F1B with W passes split off the backward passes and delayed by up to ``stage_id`` of them.
+KINDS = {  # zb_order's op kinds -> DeepSpeed's instructions
+    "LOAD": schedule.LoadMicroBatch,
+    "F": schedule.ForwardPass,
+    "B": schedule.BackwardPass,
+    "SA": schedule.SendActivation,
+    "RA": schedule.RecvActivation,
+    "SG": schedule.SendGrad,
+    "RG": schedule.RecvGrad,
+}
 
-    The placement was chosen for DeepSpeed's sends, which block until the other stage is there: while the stage
-    still has forwards to run, a due W pass runs right after its B (before the gradient is sent: the upstream stage
-    is busy with its own forward and W until it asks for it); in the cooldown, once the last forward has run, it
-    runs after the gradient has been sent, while the upstream stage runs that B.  With T_F = T_B = T_W this reaches
-    ZB-H1's bubble of (p-1)(T_F+T_B-T_W) under blocking sends, and the same under the engines' async sends
-    (``parallel.p2p``; tests/unit/test_zero_bubble.py simulates both)."""
+
+def instructions(ops: tuple[tuple, ...], buffers: int):
+    """A stage's ``zb_order`` ops as DeepSpeed steps, one instruction each (micro-batch i in pipe buffer
+    i % ``buffers``), then the step's reductions and optimizer step."""
+    for op in ops:
+        yield [WeightGradPass()] if op[0] == "W" else [KINDS[op[0]](op[1] % buffers)]
+    yield [schedule.ReduceTiedGrads(), schedule.ReduceGrads(), schedule.OptimizerStep()]
+
+
+class ZeroBubbleH1Schedule(schedule.TrainSchedule):
+    """DeepSpeed's 1F1B with W passes split off the backward passes and delayed by up to ``stage_id`` of them: the
+    order of ``zb_order.zb_h1_streams`` (which says where each W goes and why), in 1F1B's pipe buffers.  With
+    T_F = T_B = T_W this reaches ZB-H1's bubble of (p-1)(T_F+T_B-T_W) under the engines' async sends
+    (``parallel.p2p``; tests/unit/test_zero_bubble.py times it)."""
 
     def steps(self):
-        held_back = self.stage_id  # W passes this stage may hold: the cooldown slots its upstream stages leave
-        pending = 0
-        sends_grads = self._valid_stage(self.prev_stage)
-        forwards_left = self.micro_batches
-        for cmds in super().steps():
-            out = []
-            for cmd in cmds:
-                if isinstance(cmd, schedule.ReduceTiedGrads):
-                    out += [WeightGradPass() for _ in range(pending)]
-                    pending = 0
-                out.append(cmd)
-                if isinstance(cmd, schedule.ForwardPass):
-                    forwards_left -= 1
-                if isinstance(cmd, schedule.BackwardPass):
-                    pending += 1
-                due_here = (isinstance(cmd, schedule.BackwardPass) and (forwards_left > 0 or not sends_grads)) or (
-                    isinstance(cmd, schedule.SendGrad) and forwards_left == 0
-                )
-                if due_here:
-                    while pending > held_back:
-                        out.append(WeightGradPass())
-                        pending -= 1
-            yield out
+        ops = zb_h1_streams(self.stages, self.micro_batches)[self.stage_id]
+        yield from instructions(ops, self.num_pipe_buffers())
 
 
 class ZeroBubbleH2Schedule(schedule.PipeSchedule):
     """ZB-H2 (``parallel.zb_order``): up to 2(p - s) - 1 forwards ahead on stage s and the W passes where the
-    stage would wait, built for ``costs`` (T_F, T_B, T_W), as DeepSpeed instructions, one per step; micro-batch i
-    lives in pipe buffer i % :meth:`num_pipe_buffers`."""
-
-    KINDS = {
-        "LOAD": schedule.LoadMicroBatch,
-        "F": schedule.ForwardPass,
-        "B": schedule.BackwardPass,
-        "SA": schedule.SendActivation,
-        "RA": schedule.RecvActivation,
-        "SG": schedule.SendGrad,
-        "RG": schedule.RecvGrad,
-    }
+    stage would wait, built for ``costs`` (T_F, T_B, T_W), or ZB-H1's order where that is as fast under those
+    costs, as DeepSpeed instructions, one per step; micro-batch i lives in pipe buffer i % :meth:`num_pipe_buffers`."""
 
     def __init__(self, micro_batches, stages, stage_id, costs: tuple = BUILD_COSTS):
         super().__init__(micro_batches, stages, stage_id)
@@ -99,9 +84,7 @@ class ZeroBubbleH2Schedule(schedule.PipeSchedule):
         self.buffers = num_buffers(self.ops)
 
     def steps(self):
-        for op in self.ops:
-            yield [WeightGradPass()] if op[0] == "W" else [self.KINDS[op[0]](op[1] % self.buffers)]
-        yield [schedule.ReduceTiedGrads(), schedule.ReduceGrads(), schedule.OptimizerStep()]
+        yield from instructions(self.ops, self.buffers)
 
     def num_pipe_buffers(self):
         return self.buffers

@@ -2,11 +2,14 @@
 one step's critical path lasts, and how many micro-batches each rank keeps in flight.  Pure Python.
 
 - ``1f1b`` (DeepSpeed's TrainSchedule): m + p - 1 slots of t_mb = T_F + T_B + T_W, exact for equal stage costs.
-- ``zb-h1`` (the backward split into B and a deferred W, stage s holding back up to s W passes): the fill and drain
-  shrink from (p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W), W filling the cooldown slots.
+- ``zb-h1`` (the backward split into B and a deferred W, stage s holding back up to s W passes): the makespan of
+  its order (``parallel.zb_order.zb_h1_streams``) under the engines' async sends; at T_F = T_B = T_W (and whenever
+  T_W <= T_F <= T_B) the fill and drain shrink from (p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W), W filling the
+  cooldown slots; a W dearer than a forward fills less (at T_F 0.8, T_B 1, T_W 0.9: (p-1) T_B, not 0.9 (p-1)).
 - ``zb-h2`` (up to 2(p-s)-1 forwards ahead, W wherever a stage would wait; ``parallel.zb_order``): the makespan of
-  its own order, built for the costs given and timed under DeepSpeed's blocking p2p (:func:`bubble_s`); its floor
-  under DeepSpeed's synchronised step is (p-1) T_F.
+  its own order, built for the costs given and timed under the same async sends (:func:`bubble_s`), never longer
+  than ZB-H1's (the order falls back to ZB-H1's where its list schedule finds nothing faster); its floor under
+  DeepSpeed's synchronised step is (p-1) T_F.
 - ``dualpipev`` (DeepSpeed's DualPipeVSchedule): rank r runs chunks r (phase 0) and 2p-1-r (phase 1) of L/(2p)
   blocks each, in the compute order :func:`dualpipev_order` lists; its makespan comes from
   :func:`simulate_dualpipev`, a list scheduling of that order with each chunk's forward and backward waiting for the
@@ -18,7 +21,7 @@ from __future__ import annotations
 import functools
 
 from ds_megatron.config.schema import PIPELINE_SCHEDULES
-from ds_megatron.parallel.zb_order import makespan, zb_h2_streams
+from ds_megatron.parallel.zb_order import makespan, zb_h1_streams, zb_h2_streams
 
 SCHEDULES = tuple(schedule.name for schedule in PIPELINE_SCHEDULES)  # the config's names, one owner
 # Searched unless --schedule says otherwise: ZB-H1 and ZB-H2 have only been measured on CPU (ZB-H1: idle 0.65x at
@@ -48,24 +51,23 @@ def refusal(schedule: str, pp: int, num_micro_batches: int) -> str | None:
 def bubble_s(schedule: str, p: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
     """The part of one step's critical path spent filling and draining the pipeline, for a stage whose forward,
     input-gradient (B) and weight-gradient (W) passes take ``t_f``, ``t_b`` and ``t_w`` seconds per micro-batch
-    (the 1F1B backward is B + W): 1F1B (p-1)(T_F+T_B+T_W), ZB-H1 (p-1)(T_F+T_B-T_W), ZB-H2 its built order's
-    simulated makespan less m (T_F+T_B+T_W).  The one owner of these formulas (the time model and the benchmarks
-    call it)."""
+    (the 1F1B backward is B + W): 1F1B (p-1)(T_F+T_B+T_W); ZB-H1 and ZB-H2 their orders' simulated makespans
+    (``parallel.zb_order.makespan``, the engines' async sends) less m (T_F+T_B+T_W).  The one owner of these
+    bubbles (the time model and the benchmarks call it)."""
     if p == 1:
         return 0.0
-    if schedule == "zb-h1":
-        return (p - 1) * (t_f + t_b - t_w)
-    if schedule == "zb-h2":
+    if schedule in ("zb-h1", "zb-h2"):
         scale = max(t_f, t_b, t_w)
-        return scale * _zb_h2_unit_bubble(p, m, (t_f / scale, t_b / scale, t_w / scale))
+        return scale * _zb_unit_bubble(schedule, p, m, (t_f / scale, t_b / scale, t_w / scale))
     return (p - 1) * (t_f + t_b + t_w)
 
 
 @functools.lru_cache(maxsize=4096)
-def _zb_h2_unit_bubble(p: int, m: int, shares: tuple[float, float, float]) -> float:
-    """ZB-H2's bubble for costs at most 1 (its order and makespan scale with the costs), cached: a build at
-    p 8, m 64 takes about 0.1 s, and the time model rounds its W share so that a search builds a few orders."""
-    streams = zb_h2_streams(p, m, shares)
+def _zb_unit_bubble(schedule: str, p: int, m: int, shares: tuple[float, float, float]) -> float:
+    """ZB-H1's or ZB-H2's bubble for costs at most 1 (the orders and makespans scale with the costs), cached: a
+    ZB-H2 build at p 8, m 64 takes about 0.03 s (ZB-H1's order and three list schedules, each timed), and the time
+    model rounds its W share so that a search builds a few orders."""
+    streams = zb_h1_streams(p, m) if schedule == "zb-h1" else zb_h2_streams(p, m, shares)
     return makespan(streams, shares) - m * sum(shares)
 
 

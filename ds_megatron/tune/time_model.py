@@ -309,15 +309,15 @@ def schedule_slots(cand: Candidate, slowest: StageTime) -> tuple[float, float]:
     spent filling and draining the pipeline, per schedule (``tune.schedules``).
     1F1B: m + p - 1 slots, bubble (p - 1) t_mb.
     ZB-H1 and ZB-H2: ``schedules.bubble_s`` with T_W the W share (``StageTime.weight_grad_s``), T_F = t_mb / 3
-    (ZB-H1: (p-1)(T_F + T_B - T_W) = (p-1)(t_mb - 2 T_W)).
+    (ZB-H1: (p-1)(T_F + T_B - T_W) = (p-1)(t_mb - 2 T_W) at these costs, T_W below T_F).
     DualPipeV: the simulated makespan of its order in t_mb (``schedules.dualpipev_slots``); with its W passes
     deferred, of that order with the backward passes split (``dualpipev_zb.slots``)."""
     m, p, t_mb = cand.num_micro_batches, cand.pp, slowest.total_s
     if cand.schedule in ("zb-h1", "zb-h2") and p > 1:
         # The model's backward is two forwards' GEMMs, W its weight-gradient share: T_F = t_mb / 3.  ZB-H2 builds
-        # and times an order per cost ratio (about 0.1 s at m 64), so its W share is rounded to 0.05 of t_mb: a
-        # search's thousands of candidates then build a few per (p, m), and the bubble moves by at most
-        # (p - 1) x 0.05 t_mb; ZB-H1's formula is linear and needs no rounding.
+        # and times an order per cost ratio (about 0.03 s at p 8, m 64), so its W share is rounded to 0.05 of t_mb:
+        # a search's thousands of candidates then build a few per (p, m), and the bubble moves by at most
+        # (p - 1) x 0.05 t_mb; ZB-H1's order is one per (p, m), timed in about 2 ms, so its W share is exact.
         t_w = slowest.weight_grad_s
         if cand.schedule == "zb-h2":
             t_w = round(t_w / t_mb * 20) / 20 * t_mb

@@ -1,5 +1,5 @@
 """The tuner's pipeline schedules (tune.schedules): each bubble formula against a simulation of the schedule's own
-instruction stream (1F1B and ZB-H1: tests/unit/test_zero_bubble.py's blocking-p2p simulator; DualPipeV: DeepSpeed's
+instruction stream (1F1B and ZB-H1: parallel.zb_order.makespan, the engines' async sends; DualPipeV: DeepSpeed's
 DualPipeVSchedule, instantiated without a process group, simulated here with its batched p2p), the memory terms
 (ZB-H1's queued W passes, DualPipeV's two chunks per rank and its in-flight chunks), the search (1f1b only unless
 --schedule says otherwise) and the refusals of pins no schedule can run.  Fast, in-process."""
@@ -74,7 +74,7 @@ def test_1f1b_and_zb_h1_slots_are_their_simulated_makespans(p, m):
 def test_zb_h2_slots_are_its_simulated_makespan(p, m):
     """The tuner's ZB-H2 bubble is the makespan of the DeepSpeed instructions the engine runs, built for the tuner's
     costs (T_F a third of the micro-batch, W its weight-GEMM share, rounded to 0.05 of it: here exact), under
-    blocking p2p."""
+    the engines' async sends."""
     for t_mb, t_w in ((3.0, 0.75), (3.0, 0.6)):
         costs = (t_mb / 3, 2 * t_mb / 3 - t_w, t_w)
         slots, bubble = schedule_slots(_cand(pp=p, num_micro_batches=m, schedule="zb-h2"), _stage(t_mb, t_w))

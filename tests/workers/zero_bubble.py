@@ -144,7 +144,9 @@ def measure(args) -> None:
         "step": (schedule.ReduceTiedGrads, schedule.ReduceGrads, schedule.OptimizerStep),
     }
     shape = {"layers": 2 * args.pp, "hidden": args.hidden, "heads": 8, "seq": args.seq, "vocab": 1001, "micro": 2}
-    names = SCHEDULES + tuple(name + BLOCKING for name in SCHEDULES if args.blocking)
+    # Not ZB-H2 with blocking sends: its order is built for async sends, and where a stage sends ahead of what its
+    # peer receives next, two blocking sends wait on each other (deadlock).
+    names = SCHEDULES + tuple(name + BLOCKING for name in SCHEDULES if args.blocking and name != "zb-h2")
     engines = {}
     for m in args.micro_batches:
         for name in names:
