@@ -299,7 +299,7 @@ def _dkv_message(
     summed in ``acc`` (fp32 for bf16 K/V, so the sum over cp ranks rounds once).  Two hops travel in the K/V's own
     ``dtype`` instead, bit for bit the same: the ``first`` (step 0 without document ids: one block over every key
     row, its grads already in that dtype, nothing summed yet), and the ``last`` (the hop home, whose owner would
-    only round it to that dtype): at cp 2 both hops, half the bytes of fp32 ones (:func:`ring_dkv_hop_dtypes`).
+    only round it to that dtype): at cp 2 both hops, half the bytes of fp32 ones (``memory.ring_dkv_hop_bytes``).
     The sum is formed in the received buffer itself where it already has the dtype the sum needs, so no copy of it
     exists beside it: in ``acc`` on the middle hops; in ``dtype`` when the last hop receives the first one (cp 2)
     and each key row gets one block's grads (one rounding of the exact sum, as in ``acc``).  Otherwise the one
