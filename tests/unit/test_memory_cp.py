@@ -328,6 +328,12 @@ def _ring_backward_peak_bytes(group, cp: int, dtype, documents: bool) -> int:
         """The storages every op creates, alive while anything (a tensor, a view, a pending send) holds them: a
         storage held only here has a use count of 1.  Skipped: the storages of ``known`` (saved tensors, dout)."""
 
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            # torch otherwise wraps __torch_dispatch__ to keep torch.compile out of it, importing torch._dynamo at
+            # the first op (seconds of CPU per rank); nothing here is compiled, so there is nothing to skip.
+            return False
+
         def __init__(self, known: set[int]):
             super().__init__()
             self.known, self.storages, self.peak, self.paused = known, {}, 0, False
