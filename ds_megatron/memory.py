@@ -31,7 +31,7 @@ token, split by TP): :func:`cp_output_is_projection_input`.  Both backward passe
 probabilities from q, k and lse, so no s x s term is stored with either kernel.  Selective recompute of core_attn
 (eager) checkpoints the whole cp_comm call, exchange included: it keeps only q, k and v, dropping the log-sum-exp
 and the a2a's own output (the ring's is still the projection's input), and runs the exchange again in backward.
-What one layer's exchange holds only while it runs (double-buffered K/V, the fp32 dK/dV accumulators, the eager
+What one layer's exchange holds only while it runs (double-buffered K/V, the dK/dV accumulators, the eager
 kernel's score blocks) is :func:`cp_transient_bytes`.
 The rotary cos/sin tables of a rotary family are one pair per process, shared by its blocks (at any cp):
 :func:`rotary_table_bytes`, counted once per stage, not in the per-layer terms.
@@ -194,7 +194,9 @@ def _ring_backward_peak(q: float, e: float, cp: int, act: int, documents: bool) 
     acc = max(act, 4)
     hop = ring_dkv_hop_bytes(cp, act, documents)
     dq = q * acc
-    if documents:  # chunk pairs: the diagonal's three, then two per step, each pair's dq added before the next
+    # With documents the blocks are chunk pairs: the diagonal's three, then two per step, each pair's dq added
+    # before the next; counted all computed (one document per row: the most; a pair sharing no document is skipped)
+    if documents:
         results = [act * (1.5 * e + q / 2)] + [act * (e + q / 2)] * (cp - 1)
         grads = [act * 1.5 * e] + [act * e] * (cp - 1)
     else:
