@@ -31,7 +31,7 @@ token, split by TP): :func:`cp_output_is_projection_input`.  Both backward passe
 probabilities from q, k and lse, so no s x s term is stored with either kernel.  Selective recompute of core_attn
 (eager) checkpoints the whole cp_comm call, exchange included: it keeps only q, k and v, dropping the log-sum-exp
 and the a2a's own output (the ring's is still the projection's input), and runs the exchange again in backward.
-What one layer's exchange holds only while it runs (double-buffered K/V, the fp32 dK/dV accumulators, the eager
+What one layer's exchange holds only while it runs (double-buffered K/V, the dK/dV accumulators, the eager
 kernel's score blocks) is :func:`cp_transient_bytes`.
 The rotary cos/sin tables of a rotary family are one pair per process, shared by its blocks (at any cp):
 :func:`rotary_table_bytes`, counted once per stage, not in the per-layer terms.
@@ -163,6 +163,68 @@ def cp_core_saved_bytes(
     return rows * d * (2 * a + 2 * kv) / t * act_bytes + rows * a / t * LSE_BYTES
 
 
+def ring_dkv_hop_bytes(cp: int, act_bytes: int = 2, documents: bool = False) -> list[int]:
+    """Bytes per element of the dK/dV accumulator [2, b, a_kv/t, s/cp, d] on each of the ring backward's cp hops
+    (``cp_comm._dkv_message``): fp32 (fp64 for fp64 K/V) so the sum over cp ranks rounds once, except the first
+    (one diagonal block's grads, nothing summed yet) and the last one home (its owner would only round it), which
+    travel in the K/V's own dtype, bit for bit the same; at cp 2 those are the only two hops.  With packed
+    documents (``documents``) the first hop carries an fp32 sum too (the diagonal's chunk pairs add into the same
+    key rows).  The one owner of the hop dtypes: the memory of the messages and the time model's hop bytes."""
+    acc = max(act_bytes, 4)
+    return [act_bytes if (hop == 0 and not documents) or hop == cp - 1 else acc for hop in range(cp)]
+
+
+def _ring_backward_peak(q: float, e: float, cp: int, act: int, documents: bool) -> float:
+    """The most bytes of the ring backward's own buffers alive at once (``cp_comm._RingAttention.backward``), q
+    and e the elements of q and of the K/V stack on one rank; the saved tensors and the block kernel's internals
+    are not counted (the eager score blocks are, apart).  The points where they peak, step by step (step t holds
+    the K/V of rank (rank - t) mod cp; its block kernel's results are dq, dk, dv of one block, or with documents
+    of one chunk pair at a time, the dk, dv kept until the accumulator arrives):
+      the kernel's results, beside the fp32 dq, the K/V received (none at step 0: the rank's own are saved) and
+      the next one arriving (none at the last step), the accumulator this rank sent and the one arriving (each in
+      its hop's dtype, :func:`ring_dkv_hop_bytes`);
+      building the message once the previous send has completed (it is dropped): the received accumulator
+      converted to fp32 beside itself and the block grads (step 1 when the first hop came in the K/V dtype), the
+      first message stacked from the diagonal's grads (step 0), the fp32 zero accumulator (step 0 with
+      documents), the message and the buffer its hop arrives in, the last message rounded to the K/V dtype
+      beside its fp32 sum;
+      the end: the accumulator home and its dk, dv copied to the model's layout, then dq rounded beside fp32 dq.
+    An off-diagonal block is every query row against half the keys (a key chunk of an earlier rank) or half the
+    rows against every key (a later rank's): both occur at every step on some rank, so both are counted."""
+    acc = max(act, 4)
+    hop = ring_dkv_hop_bytes(cp, act, documents)
+    dq = q * acc
+    # With documents the blocks are chunk pairs: the diagonal's three, then two per step, each pair's dq added
+    # before the next; counted all computed (one document per row: the most; a pair sharing no document is skipped)
+    if documents:
+        results = [act * (1.5 * e + q / 2)] + [act * (e + q / 2)] * (cp - 1)
+        grads = [act * 1.5 * e] + [act * e] * (cp - 1)
+    else:
+        results = [act * (e + q)] + [act * max(e / 2 + q, e + q / 2)] * (cp - 1)
+        grads = [act * e] + [act * e] * (cp - 1)
+    points = []
+    for step in range(cp):
+        last = step == cp - 1
+        kv = act * e * ((step > 0) + (not last))  # the K/V received and the K/V arriving
+        sent = received = hop[step - 1] * e if step else 0.0
+        points.append(dq + kv + sent + received + results[step])
+        kv -= act * e if last else 0  # the last K/V is dropped once its blocks ran
+        if step == 0 and not documents:
+            points.append(dq + kv + grads[0] + act * e)  # the diagonal's grads stacked into the first message
+        elif step == 0:
+            points.append(dq + kv + grads[0] + acc * e)  # the zero accumulator
+        # the sum is formed in the received buffer where it has the dtype the sum needs (the K/V dtype when the
+        # last hop receives the first one: one block's grads added, one rounding), else in fp32
+        summed = hop[step - 1] if step and last and hop[step - 1] == act else acc
+        if step and hop[step - 1] != summed:
+            points.append(dq + kv + received + acc * e + grads[step])  # the received accumulator converted
+        if last and summed != act:
+            points.append(dq + kv + acc * e + act * e)  # the fp32 sum rounded to the K/V dtype
+        points.append(dq + kv + 2 * hop[step] * e)  # the message in flight and its hop arriving
+    points += [dq + 2 * act * e, dq + act * e + act * q]  # home: dk, dv copied; dq rounded
+    return max(points)
+
+
 def cp_transient_bytes(
     s: int,
     b: int,
@@ -175,13 +237,18 @@ def cp_transient_bytes(
     *,
     num_kv_heads: int | None = None,
     act_bytes: int = 2,
+    documents: bool = False,
 ) -> float:
     """Bytes one layer's cp_comm core holds only while it runs (its backward, the larger phase), per TP and CP
     rank; one layer at a time, so counted once per stage, not per layer.
-    - ring: the K/V chunk in hand and the one arriving (double buffering: a buffer being sent is never written),
-      [2, b, a_kv/t, s/cp, d] each in activation bytes; the fp32 dK/dV accumulator being sent on and the one
-      arriving (K/V size, 4 bytes); the fp32 dQ accumulator (q size).  The forward holds less (two K/V buffers and
-      the fp32 output accumulator).
+    - ring: the most bytes of its own buffers alive at once in its backward (:func:`_ring_backward_peak`, step by
+      step): the fp32 dQ accumulator; the K/V chunk in hand and the one arriving (double buffering: a buffer
+      being sent is never written), [2, b, a_kv/t, s/cp, d] in activation bytes; the dK/dV accumulator this rank
+      sent and the one arriving, in each hop's dtype (:func:`ring_dkv_hop_bytes`: fp32 on the middle hops, the
+      K/V dtype on the first and last, so at cp 2 every hop without ``documents``, packed documents' ids); the
+      block kernel's dq, dk, dv of the block in hand, and the copies a message or the result is made of.  Measured
+      to the byte off the running ring's backward (every tensor it creates, in-process).  The forward holds less
+      (two K/V buffers and the fp32 output accumulator).
     - a2a: dq, dk, dv of the head-sharded core and one all-to-all's send and receive buffers of q's size, in
       activation bytes.
     - the eager kernel also materialises its score block in fp32, about three [rows, keys] copies alive at once
@@ -191,7 +258,7 @@ def cp_transient_bytes(
     local = b * (s // cp) * d / t  # elements of one head-dim row set per head
     q_elems, kv_elems = local * a, 2 * local * kv  # q; K and V together
     if cp_comm == "ring":
-        held = 2 * kv_elems * act_bytes + 2 * kv_elems * 4 + q_elems * 4
+        held = _ring_backward_peak(q_elems, kv_elems, cp, act_bytes, documents)
         scores = b * a / t * (s // cp) ** 2
     else:
         held = (3 * q_elems + kv_elems) * act_bytes

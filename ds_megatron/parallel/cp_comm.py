@@ -157,6 +157,7 @@ def _backward_pairs(
             dq[:, :, rows].copy_(dq_b)
         else:
             dq[:, :, rows] += dq_b
+        del dq_b  # added: not kept while the next block runs
         dkv.append((cols, dk_b, dv_b))
     return dkv
 
@@ -248,45 +249,71 @@ class _RingAttention(torch.autograd.Function):
         first = ctx.first_covers_all
         alloc = torch.empty if first else torch.zeros
         dq = alloc(q.shape, dtype=acc, device=q.device)
-        dkv_in, dkv_requests = None if first else torch.zeros(kv.shape, dtype=acc, device=q.device), []
+        dtype = kv.dtype
+        # Each buffer is dropped as soon as it is done with, so the backward holds no more than the bytes
+        # ``memory.cp_transient_bytes`` counts: the received accumulator lives only in ``received`` (handed to
+        # ``_dkv_message``, which takes it out and updates it in place), a finished send's message and requests are
+        # dropped before the next message is built, the block grads once added, the last K/V once its blocks ran.
+        received: list[Tensor] = []  # the accumulator of the block in hand as the previous rank sent it on
+        dkv: Tensor | None = None  # the message in flight
+        dkv_requests: list[Any] = []
         for step in range(cp):
+            last = step == cp - 1
             kv_requests: list[Any] = []
-            if step + 1 < cp:
+            if not last:
                 kv_next, kv_requests = _shift(kv, group)
             grads = _backward_pairs(kernel, dout, q, kv, out, lse, plans[step], scale, dq, step == 0 and first)
+            if last:
+                del kv
             # The accumulator of the block in hand (the K/V of rank (rank - step) mod cp) as the previous rank
             # sent it on (nothing at step 0: this rank's own block starts here).  Waiting also completes this
             # rank's previous send, so no buffer in flight is ever written: the received one is complete and is
             # the one updated and sent on.
             _wait(dkv_requests)
-            dkv = _dkv_message(dkv_in, grads, acc, kv.dtype, first=step == 0 and first, last=step == cp - 1)
-            dkv_in, dkv_requests = _shift(dkv, group)
+            dkv, dkv_requests = None, []  # the finished send
+            if step == 0 and not first:  # packed documents: this rank's own block's accumulator starts from zero
+                received.append(torch.zeros(kv.shape, dtype=acc, device=q.device))
+            dkv = _dkv_message(received, grads, acc, dtype, first=step == 0 and first, last=last)
+            recv, dkv_requests = _shift(dkv, group)
+            received.append(recv)
+            del recv
             if kv_requests:
                 _wait(kv_requests)
                 kv = kv_next
+                del kv_next
         _wait(dkv_requests)  # after cp steps the accumulator of this rank's own block has come home
-        dq, dk, dv = (_seq_major(t.shape, dtype, t.device).copy_(t) for t, dtype in
-                      ((dq, q.dtype), (dkv_in[0], kv.dtype), (dkv_in[1], kv.dtype)))  # fmt: skip
+        dkv, dkv_requests = None, []
+        home = received.pop()
+        dk, dv = (_seq_major(t.shape, dtype, t.device).copy_(t) for t in home)
+        del home
+        dq = _seq_major(dq.shape, q.dtype, dq.device).copy_(dq)
         return dq, dk, dv, None, None, None, None
 
 
 def _dkv_message(
-    received: Tensor | None, grads: list[tuple[slice, Tensor, Tensor]], acc: torch.dtype, dtype: torch.dtype,
+    received: list[Tensor], grads: list[tuple[slice, Tensor, Tensor]], acc: torch.dtype, dtype: torch.dtype,
     first: bool, last: bool,
 ) -> Tensor:  # fmt: skip
-    """The dK/dV accumulator [2, b, n_kv, sk, d] a ring step sends on: ``received`` (what the previous rank sent;
-    None when ``first``) plus this step's block grads, summed in ``acc`` (fp32 for bf16 K/V, so the sum over cp
-    ranks rounds once).  Two hops travel in the K/V's own ``dtype`` instead, bit for bit the same: the ``first``
-    (step 0 without document ids: one block over every key row, its grads already in that dtype, nothing summed
-    yet), and the ``last`` (the hop home, whose owner would only round it to that dtype): at cp 2 both hops, half
-    the bytes of fp32 ones."""
+    """The dK/dV accumulator [2, b, n_kv, sk, d] a ring step sends on: what the previous rank sent (taken out of
+    ``received``, one tensor; empty when ``first``) plus this step's block grads (``grads``, emptied once added),
+    summed in ``acc`` (fp32 for bf16 K/V, so the sum over cp ranks rounds once).  Two hops travel in the K/V's own
+    ``dtype`` instead, bit for bit the same: the ``first`` (step 0 without document ids: one block over every key
+    row, its grads already in that dtype, nothing summed yet), and the ``last`` (the hop home, whose owner would
+    only round it to that dtype): at cp 2 both hops, half the bytes of fp32 ones (``memory.ring_dkv_hop_bytes``).
+    The sum is formed in the received buffer itself where it already has the dtype the sum needs, so no copy of it
+    exists beside it: in ``acc`` on the middle hops; in ``dtype`` when the last hop receives the first one (cp 2)
+    and each key row gets one block's grads (one rounding of the exact sum, as in ``acc``).  Otherwise the one
+    conversion is made and the original dropped before the grads are added."""
     if first:
         ((_, dk, dv),) = grads  # the diagonal block: every key row
-        message = torch.stack([dk, dv])
-    else:
-        message = received if received.dtype == acc else received.to(acc)
-        _add_dkv(message, grads)
-    return message.to(dtype) if last else message
+        grads.clear()
+        return torch.stack([dk, dv])
+    message = received.pop()
+    if message.dtype != acc and not (last and message.dtype == dtype and len(grads) == 1):
+        message = message.to(acc)  # the one conversion; the received original is dropped here
+    _add_dkv(message, grads)
+    grads.clear()
+    return message.to(dtype) if last else message  # the last hop: a copy in ``dtype`` unless it already is
 
 
 def _all_docs(doc_ids: Tensor, group: ProcessGroup) -> Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
 from ds_megatron.flops import block_fields, executed_flops_per_step
+from ds_megatron.memory import ring_dkv_hop_bytes
 from ds_megatron.model import FAMILIES
 from ds_megatron.tune import dualpipev_zb
 from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
@@ -220,9 +221,11 @@ def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: 
     """The CP exchange of ``num_blocks`` blocks for one micro-batch that compute does not hide (0 at cp 1).
 
     ring: a forward hop carries this rank's K and V, 2 b (a_kv / t) (s / cp) d bf16 elements, and overlaps one
-    step's attention (the core's forward / cp: every step is one 2c x c chunk pair's worth); a backward hop carries
-    the K/V again and the fp32 dK/dV accumulator (3x the bytes, two messages) against twice a step's compute, and
-    the accumulator's last hop home waits after the last step.  What exceeds the compute is exposed:
+    step's attention (the core's forward / cp: every step is one 2c x c chunk pair's worth); a backward step's hops
+    carry the K/V again and the dK/dV accumulator (two messages) against twice a step's compute, the accumulator in
+    the dtype the ring sends it in at that hop (``memory.ring_dkv_hop_bytes``: bf16 on the first, fp32 on the
+    middle ones, so 3x the K/V's bytes there), and its last hop home (bf16) waits after the last step.  What
+    exceeds the compute is exposed:
     ``ring_pass_s - cp x step``.  a2a: two all-to-alls per block forward (q, k and v in one, the context) and two
     in backward, (cp - 1) / cp of each tensor leaving the rank, not overlapped.  The link is NVLink while tp x cp
     ranks fit in a node, else the network; a re-run forward (full recompute, or selective core_attn, which
@@ -242,8 +245,9 @@ def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: 
         return (forwards + num_blocks) * one_way
     step = matmul_s(core_attention_matmuls(model, cand), cluster) / cp
     forward = ring_pass_s(step, latency + kv_bytes / bandwidth, cp) - cp * step
-    backward_hop = 2 * latency + 3 * kv_bytes / bandwidth
-    backward = ring_pass_s(2 * step, backward_hop, cp) - cp * 2 * step + latency + 2 * kv_bytes / bandwidth
+    dkv_bytes = [kv_bytes * hop / ACT_BYTES for hop in ring_dkv_hop_bytes(cp, ACT_BYTES)]  # per hop, home last
+    hops = sum(max(2 * step, 2 * latency + (kv_bytes + dkv) / bandwidth) for dkv in dkv_bytes[:-1])
+    backward = hops + 2 * step - cp * 2 * step + latency + dkv_bytes[-1] / bandwidth
     return forwards * forward + num_blocks * backward
 
 

@@ -1,6 +1,8 @@
 """The analytic activation memory under context parallelism (``ds_megatron.memory``, ``cp`` > 1): the cp 1 terms
 unchanged, the sequence terms at s / cp, the cp_comm core's saved tensors counted, and that count checked against
-the bytes the real ring and a2a autograd functions save (2 gloo ranks, in-process), in fp32 and bf16."""
+the bytes the real ring and a2a autograd functions save (2 gloo ranks, in-process), in fp32 and bf16; and every
+tensor the real ring's backward creates, alive at once at its peak, against ``cp_transient_bytes`` (4 gloo ranks:
+cp 2 and 4)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from ds_megatron.memory import (
     activation_bytes_per_layer,
     cp_core_saved_bytes,
     cp_transient_bytes,
+    ring_dkv_hop_bytes,
     rotary_table_bytes,
 )
 
@@ -66,15 +69,32 @@ def test_cp_refuses_what_cannot_run():
 def test_ring_buffers_are_counted():
     d, kv, cp, t = H // A, 8, 4, 2
     local = B * S // cp * d / t
-    kv_elems = 2 * local * kv
-    expected = 2 * kv_elems * 2 + 2 * kv_elems * 4 + local * A * 4  # two bf16 K/V, two fp32 dK/dV, fp32 dQ
+    q, e = local * A, 2 * local * kv  # elements of q and of the K/V stack
+    # cp 4, bf16: at step 2 the fp32 dQ, the K/V in hand and arriving (bf16), the fp32 accumulator sent and the
+    # one arriving, and the kernel's dq of every row with dk, dv of half the keys (bf16)
+    expected = 4 * q + 2 * 2 * e + 2 * 4 * e + 2 * (q + e / 2)
     assert cp_transient_bytes(S, B, H, A, t, cp, "ring", num_kv_heads=kv) == pytest.approx(expected)
+    # cp 2, bf16: at the last step the fp32 dQ, the K/V in hand, the accumulator sent and the one arriving (bf16:
+    # both hops), the kernel's dq of every row with dk, dv of half the keys
+    q2, e2 = 2 * q, 2 * e
+    cp2 = 4 * q2 + 3 * 2 * e2 + 2 * (q2 + e2 / 2)
+    assert cp_transient_bytes(S, B, H, A, t, 2, "ring", num_kv_heads=kv) == pytest.approx(cp2)
     eager = cp_transient_bytes(S, B, H, A, t, cp, "ring", "eager", num_kv_heads=kv)
     assert eager - expected == pytest.approx(12 * B * A / t * (S // cp) ** 2)  # the diagonal block in fp32 x 3
     # the a2a's eager score block is the whole sequence at a/(t cp) heads: cp times the ring's diagonal block
     a2a = cp_transient_bytes(S, B, H, A, t, cp, "a2a", "eager", num_kv_heads=kv)
     a2a_fused = cp_transient_bytes(S, B, H, A, t, cp, "a2a", num_kv_heads=kv)
     assert a2a - a2a_fused == pytest.approx(cp * (eager - expected))
+
+
+def test_ring_dkv_hop_bytes():
+    """The accumulator's first hop and its last one home travel in the K/V dtype, the middle ones in fp32; with
+    packed documents the first one in fp32 too; fp32 and fp64 K/V travel in their own dtype every hop."""
+    assert ring_dkv_hop_bytes(2) == [2, 2]
+    assert ring_dkv_hop_bytes(4) == [2, 4, 4, 2]
+    assert ring_dkv_hop_bytes(2, documents=True) == [4, 2]
+    assert ring_dkv_hop_bytes(3, 4) == [4, 4, 4]
+    assert ring_dkv_hop_bytes(2, 8, documents=True) == [8, 8]
 
 
 def test_core_saved_bytes_formula():
@@ -288,4 +308,118 @@ def test_the_ring_saves_one_storage_of_its_context(reports, kernel, dtype):
     from inprocess import failures
 
     message = failures(reports, f"one-storage-{kernel}-{dtype}", f"ring one storage {kernel} {dtype}")
+    assert not message, message
+
+
+# Every tensor the ring's backward creates, alive at once at its peak (4 gloo ranks: cp 4, and cp 2 on two groups
+# of two), the most over the ranks, against cp_transient_bytes to the byte.  The saved tensors are not counted, nor
+# the block kernel's internals (its results are).
+HELD_CASES = [(4, "bf16", False), (4, "fp32", False), (2, "bf16", False), (2, "fp32", False), (2, "bf16", True)]
+
+
+def _ring_backward_peak_bytes(group, cp: int, dtype, documents: bool) -> int:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from ds_megatron.parallel import cp_comm
+
+    class Live(TorchDispatchMode):
+        """The storages every op creates, alive while anything (a tensor, a view, a pending send) holds them: a
+        storage held only here has a use count of 1.  Skipped: the storages of ``known`` (saved tensors, dout)."""
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            # torch otherwise wraps __torch_dispatch__ to keep torch.compile out of it, importing torch._dynamo at
+            # the first op (seconds of CPU per rank); nothing here is compiled, so there is nothing to skip.
+            return False
+
+        def __init__(self, known: set[int]):
+            super().__init__()
+            self.known, self.storages, self.peak, self.paused = known, {}, 0, False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not self.paused:
+                self.note(out)
+            return out
+
+        def note(self, out) -> None:
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() not in self.known:
+                    self.storages.setdefault(leaf.untyped_storage().data_ptr(), leaf.untyped_storage())
+            self.storages = {p: st for p, st in self.storages.items() if torch._C._storage_Use_Count(st._cdata) > 1}
+            self.peak = max(self.peak, sum(st.nbytes() for st in self.storages.values()))
+
+    s, b, a, kv, d = (SHAPE[k] for k in ("s", "b", "a", "kv", "d"))
+    q = torch.randn(b, a, s // cp, d, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, kv, s // cp, d, dtype=dtype, requires_grad=True) for _ in range(2))
+    ids = torch.zeros(b, s // cp, dtype=torch.long) if documents else None  # one document: every pair computed
+    out = cp_comm.ring_attention(q, k, v, group, "sdpa", d**-0.5, ids)
+    real_backward, real_block = cp_comm._RingAttention.backward, cp_comm.block_backward
+    modes: list[Live] = []
+
+    def backward(ctx, dout):
+        modes.append(Live({t.untyped_storage().data_ptr() for t in (*ctx.saved_tensors, dout)}))
+        with modes[0]:
+            return real_backward(ctx, dout)
+
+    def block(*args, **kwargs):  # the kernel's internals are not the ring's: only its results are recorded
+        modes[0].paused = True
+        try:
+            results = real_block(*args, **kwargs)
+        finally:
+            modes[0].paused = False
+        modes[0].note(results)
+        return results
+
+    cp_comm._RingAttention.backward, cp_comm.block_backward = staticmethod(backward), block
+    try:
+        out.backward(torch.ones_like(out))
+    finally:
+        cp_comm._RingAttention.backward, cp_comm.block_backward = real_backward, real_block
+    return modes[0].peak
+
+
+def _held_rank(group, rank: int, world: int) -> dict[str, str]:
+    import torch
+    import torch.distributed as dist
+    from inprocess import run_checks
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    s, b, a, kv, d = (SHAPE[k] for k in ("s", "b", "a", "kv", "d"))
+
+    def check(cp: int, dtype: str, documents: bool):
+        def run(sub_group):
+            peak = torch.tensor([_ring_backward_peak_bytes(sub_group, cp, dtypes[dtype], documents)])
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=sub_group)  # the rank whose blocks hold the most
+            predicted = cp_transient_bytes(s, b, a * d, a, 1, cp, "ring", "sdpa", num_kv_heads=kv,
+                                           act_bytes=dtypes[dtype].itemsize, documents=documents)  # fmt: skip
+            return [(f"ring backward peak bytes cp {cp}", peak.double(), torch.tensor([predicted]).double(), 0.0)]
+
+        return run
+
+    report = {}
+    for cp in (4, 2):
+        groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]  # every rank creates each
+        cases = {f"cp{c}-{t}-{'documents' if docs else 'plain'}": check(c, t, docs) for c, t, docs in HELD_CASES}
+        report |= run_checks({k: f for k, f in cases.items() if k.startswith(f"cp{cp}-")}, groups[rank // cp])
+    return report
+
+
+@pytest.fixture(scope="module")
+def held_reports():
+    from inprocess import spawn_reports
+
+    return spawn_reports(_held_rank, 4)
+
+
+@pytest.mark.parametrize("cp,dtype,documents", HELD_CASES)
+def test_ring_backward_peak_is_cp_transient_bytes(held_reports, cp, dtype, documents):
+    """To the byte, the most bytes the ring's backward holds at once in tensors it creates (tracked op by op, a
+    storage alive while anything holds it, pending sends included) is what cp_transient_bytes counts."""
+    from inprocess import failures
+
+    name = f"cp{cp}-{dtype}-{'documents' if documents else 'plain'}"
+    message = failures(held_reports, name, name)
     assert not message, message

@@ -137,29 +137,45 @@ def _ring_parts(model, cluster, cand):
 def test_ring_hides_behind_compute_or_not():
     model = _llama8b()
     cand = _cand(tp=2, cp=4)  # 8 ranks: one node
-    # Compute-bound (NVLink): only the dK/dV accumulator's last hop home is exposed, per block.
+    # Compute-bound (NVLink): only the dK/dV accumulator's last hop home (bf16) is exposed, per block.
     nvlink = build_cluster("h100-sxm", 8, 8)
     kv_bytes, step, (gbps, latency) = _ring_parts(model, nvlink, cand)
     assert latency + kv_bytes / (gbps * 1e9) < step  # the forward hop is shorter than one chunk pair
-    home = latency + 2 * kv_bytes / (gbps * 1e9)
+    home = latency + kv_bytes / (gbps * 1e9)
     assert cp_comm_s(model, nvlink, cand, 32, 0) == pytest.approx(32 * home)
     # Comm-bound (a slow link): each forward hop exceeds the block in hand by (hop - step), the backward's by
-    # (hop_b - 2 step); ring_pass_s - cp x step is what the compute does not hide.
+    # (hop_b - 2 step); ring_pass_s - cp x step is what the compute does not hide.  A backward step sends the K/V and
+    # the dK/dV accumulator as the ring does: bf16 on the first hop (one block's grads), fp32 on the middle ones
+    # (3x the K/V's bytes), bf16 home.
     slow = dataclasses.replace(nvlink, intra_node_gbps=1.0)
     kv_bytes, step, (gbps, latency) = _ring_parts(model, slow, cand)
     hop = latency + kv_bytes / (gbps * 1e9)
-    hop_b = 2 * latency + 3 * kv_bytes / (gbps * 1e9)
-    assert hop > step and hop_b > 2 * step
+    hop_first, hop_b = (2 * latency + n * kv_bytes / (gbps * 1e9) for n in (2, 3))
+    assert hop > step and hop_first > 2 * step
     forward = 3 * (hop - step)
-    backward = 3 * (hop_b - 2 * step) + latency + 2 * kv_bytes / (gbps * 1e9)
+    home = latency + kv_bytes / (gbps * 1e9)
+    backward = (hop_first - 2 * step) + 2 * (hop_b - 2 * step) + home
     assert cp_comm_s(model, slow, cand, 32, 0) == pytest.approx(32 * (forward + backward))
     # a recomputed forward (full recompute, or core_attn's checkpoint of the whole cp_comm call) runs the ring again
     assert cp_comm_s(model, slow, cand, 32, 32) == pytest.approx(32 * (2 * forward + backward))
     core = dataclasses.replace(cand, recompute="selective", attention="eager", recompute_modules=("core_attn",))
     eager_parts = _ring_parts(model, slow, core)
     eager_forward = 3 * (eager_parts[0] / (gbps * 1e9) + latency - eager_parts[1])
-    eager_backward = 3 * (hop_b - 2 * eager_parts[1]) + latency + 2 * kv_bytes / (gbps * 1e9)
+    eager_backward = (hop_first - 2 * eager_parts[1]) + 2 * (hop_b - 2 * eager_parts[1]) + home
     assert cp_comm_s(model, slow, core, 32, 0) == pytest.approx(32 * (2 * eager_forward + eager_backward))
+
+
+def test_ring_at_cp2_sends_its_accumulator_in_bf16():
+    """At cp 2 the accumulator's two hops are its first and its last one home, both bf16: a backward step's hop
+    carries twice the K/V's bytes (K/V and accumulator), the home hop the K/V's bytes."""
+    model = _llama8b()
+    cand = _cand(tp=4, cp=2)
+    slow = dataclasses.replace(build_cluster("h100-sxm", 8, 8), intra_node_gbps=1.0)
+    kv_bytes, step, (gbps, latency) = _ring_parts(model, slow, cand)
+    hop, hop_b = latency + kv_bytes / (gbps * 1e9), 2 * latency + 2 * kv_bytes / (gbps * 1e9)
+    assert hop > step and hop_b > 2 * step
+    expected = (hop - step) + (hop_b - 2 * step) + latency + kv_bytes / (gbps * 1e9)
+    assert cp_comm_s(model, slow, cand, 32, 0) == pytest.approx(32 * expected)
 
 
 def test_ring_crosses_the_network_when_tp_x_cp_exceeds_a_node():
