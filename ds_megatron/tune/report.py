@@ -9,7 +9,7 @@ from ds_megatron.config import ModelShape
 from ds_megatron.model import family_of
 from ds_megatron.tune import memory_model
 from ds_megatron.tune.memory_model import GIB, StageMemory, total_param_count
-from ds_megatron.tune.search import Evaluation, SearchResult
+from ds_megatron.tune.search import Evaluation, SearchResult, ranked_step
 from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Candidate, Cluster
 
 COLUMNS = (
@@ -220,7 +220,8 @@ def why_ahead(a: Evaluation, b: Evaluation, rank_a: int, rank_b: int) -> list[st
         if abs(getattr(ta, field) - getattr(tb, field)) > PART_SHOWN * tb.step_s
     ]
     tie_break = "smaller cp" if a.candidate.cp < b.candidate.cp else "memory"  # search._rank_key's order
-    verdict = f"{gap / tb.step_s:.1%} faster" if gap > 0 else f"as fast (ranked ahead on {tie_break})"
+    ahead = ranked_step(tb.step_s) > ranked_step(ta.step_s)
+    verdict = f"{gap / tb.step_s:.1%} faster" if ahead else f"as fast (ranked ahead on {tie_break})"
     return [
         f"why rank {rank_a} is ahead of rank {rank_b} (which differs in: {'; '.join(differs) or 'nothing'}):",
         f"  time: {seconds_text(ta.step_s)} vs {seconds_text(tb.step_s)} s/step, {verdict}"

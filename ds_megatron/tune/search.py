@@ -94,11 +94,17 @@ def evaluate(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch_
     return Evaluation(cand, first, last, step_time(model, cluster, cand, global_batch_size), fits, reason)
 
 
+def ranked_step(step_s: float) -> float:
+    """A predicted step time as the ranking compares it: to the nanosecond.  Two layouts whose time terms are the
+    same numbers summed in another order differ in the last bits of a float; they are the same prediction."""
+    return round(step_s, 9)
+
+
 def _rank_key(e: Evaluation) -> tuple:
     # Layouts with equal predicted steps (cp 8 x micro-batch 1 against cp 16 x micro-batch 2 hold the same tokens per
     # rank) rank the smaller cp first: the time model counts a ring's exchange as hidden behind compute, which
     # holds less surely the more, shorter chunks it cuts the sequence into.  Then the smaller memory.
-    return (not e.fits, e.time.step_s if e.fits else e.required_bytes, e.candidate.cp, e.required_bytes)
+    return (not e.fits, ranked_step(e.time.step_s) if e.fits else e.required_bytes, e.candidate.cp, e.required_bytes)
 
 
 def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:

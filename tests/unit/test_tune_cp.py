@@ -16,6 +16,8 @@ from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, 
 from ds_megatron.tune.__main__ import main
 from ds_megatron.tune.matmuls import core_attention_matmuls, matmul_s
 from ds_megatron.tune.memory_model import ACT_BYTES, stage_activation_bytes, stage_memory
+from ds_megatron.tune.report import why_ahead
+from ds_megatron.tune.search import ranked_step
 from ds_megatron.tune.space import CP_MIN_SEQ_LENGTH, enumerate_candidates
 from ds_megatron.tune.time_model import cp_comm_s, dp_comm_s, link, ring_pass_s
 from ds_megatron.tune.written import ds_config
@@ -115,6 +117,10 @@ def test_a_tie_in_time_ranks_the_smaller_cp_first():
     assert cp8.time.step_s == pytest.approx(cp16.time.step_s, rel=1e-12)
     assert cp16.required_bytes < cp8.required_bytes
     assert result.ranked.index(cp8) < result.ranked.index(cp16)
+    # The two sums differ in their last bits; the report calls them a tie, as the ranking does.
+    why = why_ahead(cp8, cp16, 1, 2)
+    assert "as fast (ranked ahead on smaller cp)" in why[1], why[1]
+    assert ranked_step(41.38) == ranked_step(41.38 * (1 + 1e-15))
 
 
 def test_gradients_are_averaged_over_dp_x_cp_like_dp():
