@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import write_markdown  # noqa: E402
+from _results import OtherWork, write_markdown  # noqa: E402
 from launch import WORKERS, deepspeed_launch  # noqa: E402
 
 from ds_megatron.tune.schedules import bubble_s  # noqa: E402
@@ -151,15 +151,21 @@ def main() -> None:
     args = ap.parse_args()
     load_start = os.getloadavg()[0]
     sections = []
-    for shape in args.shapes:
-        hidden, seq = (int(v) for v in shape.split("x"))
-        ranks = sorted(
-            run(args.micro_batches, args.repeats, hidden, seq, args.pp, args.blocking), key=lambda r: r["pp_rank"]
-        )
-        names = tuple(dict.fromkeys(row["schedule"] for row in ranks[0]["rows"]))  # what the worker ran, in order
-        body, verdicts = table(ranks, args.micro_batches, names)
-        sections.append(f"**h {hidden}, s {seq}**\n\n{body}\n\n" + "\n".join(f"- {v}" for v in verdicts))
+    with OtherWork() as other:
+        for shape in args.shapes:
+            hidden, seq = (int(v) for v in shape.split("x"))
+            ranks = sorted(
+                run(args.micro_batches, args.repeats, hidden, seq, args.pp, args.blocking), key=lambda r: r["pp_rank"]
+            )
+            names = tuple(dict.fromkeys(row["schedule"] for row in ranks[0]["rows"]))  # what the worker ran, in order
+            body, verdicts = table(ranks, args.micro_batches, names)
+            sections.append(f"**h {hidden}, s {seq}**\n\n{body}\n\n" + "\n".join(f"- {v}" for v in verdicts))
     cores = os.cpu_count() or 1
+    noisy = (
+        " (the schedules, interleaved, saw the same noise)"
+        if other.cores <= 0.2
+        else ": other jobs shared the cores and the times are noisy (the schedules, interleaved, saw the same noise)"
+    )
     crowded = f" (oversubscribed: {args.pp} processes on {cores} cores)" if args.pp > cores else ""
     text = (
         f"pp {args.pp} on {args.pp} CPU processes{crowded} (gloo, 1 thread each), GPT-2 (tied embeddings) "
@@ -168,9 +174,9 @@ def main() -> None:
         f"interleaved in each repeat.  Compute = forward, B, W and loading; idle = blocked in the pipeline's receives "
         f"and (async) sends, in the wait for those sends to complete and in the tied-embedding all-reduce that ends "
         f"the step (where the stage done first waits).  "
-        f"Load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {cores} cores: "
-        f"above {args.pp} other jobs shared the cores and the times are noisy (the schedules, interleaved, saw the "
-        f"same noise).\n\n" + "\n\n".join(sections)
+        f"Load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {cores} cores; other "
+        f"work on the machine kept {other.cores:.2f} cores busy on average (its busy CPU time minus this "
+        f"benchmark's){noisy}.\n\n" + "\n\n".join(sections)
     )
     print(text)
     if args.markdown:
