@@ -18,8 +18,10 @@ shards, so tp skips it); no optimizer step.  Systems run in turn within each rep
 first, not counted), so load from other processes on the machine falls on all of them alike.  Reported: the median
 and min-max over repetitions of the slowest rank's wall time, and of the CPU seconds of all ranks per step
 (``time.process_time``: on a shared, oversubscribed machine the work a step costs, where wall time also counts
-other processes' turns).  Saved bytes: every storage saved for backward during one forward, counted once,
-parameters excluded.
+other processes' turns).  With ``--launches K`` the whole measurement runs K times in fresh processes and each
+system's ratio to Ulysses is the median of the K launches' own ratios (with their range).  Steps are timed at
+glibc's default allocator (the memory probes set their mmap threshold in their own process only).  Saved bytes:
+every storage saved for backward during one forward, counted once, parameters excluded.
 
 ``--budget-mib M`` measures instead the longest sequence within M MiB of peak resident memory per process for
 Ulysses and for ds_megatron's cp and tp (``benchmarks/cp_memory.py``'s search and probe, its budget shape, fp32).
