@@ -211,10 +211,12 @@ def recompute_passes_s(model: ModelShape, cluster: Cluster, cand: Candidate, num
     return num_blocks * memory_bound_s(moved, cluster)
 
 
-def ring_pass_s(step_s: float, hop_s: float, cp: int) -> float:
+def ring_pass_s(step_s: float, hop_s: float | list[float], cp: int) -> float:
     """One pass of the ring over cp steps: each of the first cp - 1 steps computes the block in hand while the next
-    K/V chunk travels (posted before the compute), so it lasts the longer of the two; the last step computes only."""
-    return (cp - 1) * max(step_s, hop_s) + step_s
+    message travels (posted before the compute), so it lasts the longer of the two; the last step computes only.
+    ``hop_s``: one time for every hop, or the cp - 1 hops' own times (messages of different sizes)."""
+    hops = [hop_s] * (cp - 1) if isinstance(hop_s, float | int) else hop_s
+    return sum(max(step_s, hop) for hop in hops) + step_s
 
 
 def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int, recomputed: int) -> float:
@@ -246,8 +248,8 @@ def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: 
     step = matmul_s(core_attention_matmuls(model, cand), cluster) / cp
     forward = ring_pass_s(step, latency + kv_bytes / bandwidth, cp) - cp * step
     dkv_bytes = [kv_bytes * hop / ACT_BYTES for hop in ring_dkv_hop_bytes(cp, ACT_BYTES)]  # per hop, home last
-    hops = sum(max(2 * step, 2 * latency + (kv_bytes + dkv) / bandwidth) for dkv in dkv_bytes[:-1])
-    backward = hops + 2 * step - cp * 2 * step + latency + dkv_bytes[-1] / bandwidth
+    hops = [2 * latency + (kv_bytes + dkv) / bandwidth for dkv in dkv_bytes[:-1]]
+    backward = ring_pass_s(2 * step, hops, cp) - cp * 2 * step + latency + dkv_bytes[-1] / bandwidth
     return forwards * forward + num_blocks * backward
 
 
