@@ -4,7 +4,7 @@ Each new rank takes, for every parameter it holds (by the full names each save r
 and cuts its own with the new one.  fp32: Adam state per parameter from the old ``mp_rank_XX_model_states.pt``; bf16
 and DeepSpeed's ZeRO optimizer: masters and moments from the flat partitions (``masters.py``), written into the new
 engine's at each fragment's address, the 16-bit copy set to the master rounded.  What carries over and what cannot
-(dropout's RNG streams), and what is refused: README, "Resuming at another layout".
+(dropout's RNG streams), and what is refused: docs/checkpoints.md, "Resuming at another layout".
 """
 
 from __future__ import annotations

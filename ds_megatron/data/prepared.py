@@ -1,5 +1,5 @@
 """A prepared data directory: what ``python -m ds_megatron.data prepare`` writes and training reads (its files,
-``manifest.json``, ``shard_NNNNN.bin`` / ``.idx`` and ``tokenizer/``: README, "Real corpora: prepare them once").
+``manifest.json``, ``shard_NNNNN.bin`` / ``.idx`` and ``tokenizer/``: docs/data.md, "Real corpora: prepare them once").
 
 The token stream is the shards concatenated in order, the same stream the in-launch path packs for the same corpus
 and tokenizer.  A shard counts only once the manifest names it: its files are written under temporary names, synced
