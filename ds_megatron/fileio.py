@@ -36,18 +36,39 @@ def first_missing_ancestor(path: str | Path) -> Path | None:
     return missing
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back: the only portable way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: str | Path) -> None:
+    """Give ``root`` and everything under it the modes a plain ``mkdir``/``open`` would have (0o777 / 0o666 less the
+    umask).  ``tempfile.mkdtemp`` makes its directory 0700 and safetensors writes its files 0600 whatever the umask,
+    so without this a model written for a teammate or a serving account could be read by its owner only."""
+    mask = current_umask()
+    root = Path(root)
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 @contextlib.contextmanager
 def staged_directory(out: str | Path, tmp_infix: str) -> Iterator[Path]:
     """A new directory ``<out><tmp_infix><random>`` beside ``out`` (its parents created as needed) for the block to
     fill.  When the block ends normally it becomes ``out`` in one rename (an empty ``out`` is replaced; one with
     anything in it fails the rename instead of being lost).  When the block raises, the temporary directory and the
-    parents created for it are removed: a failed writer leaves the filesystem as it found it."""
+    parents created for it are removed: a failed writer leaves the filesystem as it found it.  What it holds gets the
+    modes the umask gives (:func:`apply_umask`), as files written in place would."""
     out = Path(out)
     created = first_missing_ancestor(out.parent)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}{tmp_infix}", dir=out.parent))
     try:
         yield tmp
+        apply_umask(tmp)
         if out.exists():
             out.rmdir()  # only an empty directory: anything in it raises here and stays
         os.rename(tmp, out)

@@ -240,3 +240,28 @@ def test_a_failure_while_writing_leaves_nothing(tmp_path, monkeypatch, gpt2_dir)
     with pytest.raises(OSError, match="no space left"):
         checkpoint_main(_argv(hf, config) + ["--out", str(out)])
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_directories_follow_the_umask(tmp_path, gpt2_dir, umask):
+    """import (and export and reshard, which share fileio.staged_directory) leave files and directories with the
+    modes the umask gives, as training does: mkdtemp's 0700 and safetensors' 0600 would lock out a teammate or a
+    serving account."""
+    import os
+    import stat
+
+    from ds_megatron.fileio import staged_directory
+
+    hf, config = gpt2_dir
+    old = os.umask(umask)
+    try:
+        out = tmp_path / "ck"
+        assert checkpoint_main(_argv(hf, config) + ["--out", str(out)]) == 0
+        with staged_directory(tmp_path / "export", ".tmp-") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+    finally:
+        os.umask(old)
+    written = [out, *out.rglob("*"), tmp_path / "export", tmp_path / "export" / "model.safetensors"]
+    modes = {str(p): stat.S_IMODE(p.stat().st_mode) for p in written}
+    want = {str(p): (0o777 if p.is_dir() else 0o666) & ~umask for p in written}
+    assert modes == want
