@@ -19,7 +19,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
 
 from ds_megatron.checkpoint.run_state import read_weights_only
-from ds_megatron.config import RunConfig
+from ds_megatron.config import RunConfig, unused_settings
 from ds_megatron.config.facts import deepspeed_wraps_optimizer, precision
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.model import ModelConfig, model_config
@@ -149,8 +149,7 @@ def deepspeed_config_for(run: RunConfig, notes: list[str] | None = None) -> dict
             notes.append(f"{schedule_of(run).name}: pipeline.pipe_partitioned and grad_partitioned turned off")
         pipe["pipe_partitioned"] = False
         pipe["grad_partitioned"] = False
-    if run.section.parallel.sequence_parallel and run.tp == 1:
-        notes.append("warning: sequence_parallel with tp 1 does nothing (there is no TP group to shard over)")
+    notes.extend(unused_settings(run))
     return ds
 
 

@@ -1,9 +1,9 @@
 """``python -m ds_megatron.checkpoint reshard``: rewrite a checkpoint at another tp x cp x pp x dp, offline, as the
 files a run at the new layout would have saved at the same step, which ``--load`` resumes without resharding.  What is
-written, what carries over exactly and what is refused: docs/checkpoints.md, "Resuming at another layout".  Context parallelism
-adds no weights: a cp change only changes the number of optimizer partitions, one per rank of DeepSpeed's data axis
-(dp x cp, data coordinate ``d = dp_rank x cp + cp_rank``).  The values are those
-the on-load path (``reshard.py``) puts into a new engine, by the same shard rules; no RNG files are written.
+written, what carries over exactly and what is refused: docs/checkpoints.md, "Resuming at another layout".
+Context parallelism adds no weights: a cp change only changes the number of optimizer partitions, one per rank of
+DeepSpeed's data axis (dp x cp, data coordinate ``d = dp_rank x cp + cp_rank``).  The values are those the on-load
+path (``reshard.py``) puts into a new engine, by the same shard rules; no RNG files are written.
 
 The BF16 optimizer's flat partition files this writes, the streaming that keeps memory near one parameter and what
 differs from a run's own save: docs/design.md, "Offline resharding writes DeepSpeed's own files".  Everything is

@@ -10,6 +10,7 @@ from ds_megatron.config.loader import (
     parse_section,
     resolve,
     resolve_batch,
+    unused_settings,
 )
 from ds_megatron.config.schema import DsMegatronConfig, ModelSection, ParallelSection, RecomputeSection, TrainSection
 from ds_megatron.config.shape import ModelShape, resolve_shape
@@ -31,4 +32,5 @@ __all__ = [
     "resolve",
     "resolve_batch",
     "resolve_shape",
+    "unused_settings",
 ]

@@ -35,6 +35,7 @@ from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
     BLOCK_LAYER_CLASS,
     DOCUMENT_POSITIONS,
+    PIPELINE_SCHEDULES,
     RECOMPUTE_METHODS,
     RECOMPUTE_MODULES,
     RECOMPUTE_POLICIES,
@@ -112,6 +113,24 @@ def _check_type(cls: type, name: str, value: Any, path: str) -> Any:
     if base == "tuple":
         return tuple(value)
     return float(value) if base == "float" else value
+
+
+def unused_settings(run: RunConfig) -> list[str]:
+    """One warning per setting the user gave that nothing reads in this layout (a setting left at its default is
+    not named): it is accepted, since a config shared between layouts may carry it, but never silently."""
+    raw = run.ds_config.get(SECTION) or {}
+    given = {(part, key) for part, body in raw.items() if isinstance(body, dict) for key in body}
+    par, data = run.section.parallel, run.section.data
+    unused = []
+    if par.sequence_parallel and run.tp == 1:
+        unused.append(("parallel.sequence_parallel", "with tp 1 there is no TP group to shard over"))
+    if ("parallel", "cp_comm") in given and run.cp == 1:
+        unused.append(("parallel.cp_comm", f"{par.cp_comm!r} with cp 1: no attention is exchanged between CP ranks"))
+    if ("data", "document_positions") in given and not data.document_mask:
+        unused.append(
+            ("data.document_positions", f"{data.document_positions!r} applies with data.document_mask true only")
+        )
+    return [f"warning: {SECTION}.{name} does nothing here: {why}" for name, why in unused]
 
 
 def parse_section(section: dict | None) -> DsMegatronConfig:
@@ -237,12 +256,21 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
     schedule = check_schedule_name(par.pipeline_schedule, pp)
     if shape.num_layers < pp * schedule.stages_per_rank:
         per_rank = schedule.stages_per_rank
+        largest_pp = shape.num_layers // per_rank
+        # Schedules other than 1F1B need pp >= 2 (check_schedule_name): never suggest a pp they refuse.
+        if largest_pp >= (1 if schedule.name == PIPELINE_SCHEDULES[0].name else 2):
+            fix = f"set pp <= {largest_pp}"
+        else:
+            fix = (
+                f"use at least {2 * per_rank} layers for {schedule.name}, or "
+                f'pipeline_schedule "{PIPELINE_SCHEDULES[0].name}" with pp <= {shape.num_layers}'
+            )
         raise ConfigError(
             "ds_megatron.parallel.pp",
             "fewer layers than pipeline stages",
             f"num_layers={shape.num_layers}, pp={pp}"
             + (f", {schedule.name}: {per_rank} stages per rank" if per_rank > 1 else ""),
-            f"set pp <= {shape.num_layers // per_rank}",
+            fix,
         )
     cp = _positive("ds_megatron.parallel.cp", par.cp)
     if par.cp_comm not in CP_COMMS:

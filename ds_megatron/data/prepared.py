@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,12 +86,24 @@ def shard_problem(directory: Path, shard: dict, itemsize: int, checksums: bool) 
     return None
 
 
+def _rerun_command(manifest: dict, directory: Path) -> str:
+    """The recorded prepare command with ``--out`` set to ``directory``: a copy or a moved directory is remade where
+    it is, not into the place the original was written to (which may hold a sound directory, or none)."""
+    command = manifest.get("command")
+    if not command:
+        return "python -m ds_megatron.data prepare ... --out " + shlex.quote(str(directory))
+    argv = shlex.split(command)
+    if "--out" in argv and argv.index("--out") + 1 < len(argv):
+        argv[argv.index("--out") + 1] = str(directory)
+    return shlex.join(argv)
+
+
 def check_prepared(directory: str | Path, checksums: bool = False) -> tuple[str, str, str] | None:
     """(problem, values, fix) when the directory is not a complete prepared directory matching its manifest; None
     when it is.  Sizes are always checked; sha256 only with ``checksums`` (it reads every byte)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    rerun = manifest.get("command", "python -m ds_megatron.data prepare ...") if manifest else ""
+    rerun = _rerun_command(manifest, directory) if manifest else ""
     if manifest is None:
         return "not a prepared directory", f"{directory} has no {MANIFEST}", "run python -m ds_megatron.data prepare"
     if manifest.get("version") != VERSION:

@@ -260,3 +260,48 @@ def test_which_optimizer_wrapper_deepspeed_builds():
     assert optimizer_wrapper(cfg("bf16", 1, "fp32", offload="cpu")) == "ZeRO"
     assert optimizer_wrapper(cfg("bf16", 0)) == "BF16"
     assert optimizer_wrapper(cfg("fp16", 0)) == "FP16" and optimizer_wrapper(cfg("fp16", 1)) == "ZeRO"
+
+
+@pytest.mark.parametrize(
+    "changes,warned",
+    [
+        (
+            {"ds_megatron__parallel__cp_comm": "a2a"},
+            ["ds_megatron.parallel.cp_comm does nothing here: 'a2a' with cp 1"],
+        ),
+        (
+            {"ds_megatron__data__document_positions": "global"},
+            ["ds_megatron.data.document_positions does nothing here: 'global' applies with data.document_mask"],
+        ),
+        (
+            {"ds_megatron__parallel__tp": 1, "ds_megatron__parallel__sequence_parallel": True, "train_batch_size": 16},
+            ["ds_megatron.parallel.sequence_parallel does nothing here: with tp 1"],
+        ),
+        # read in these layouts, or left at their defaults: nothing to say
+        (
+            {
+                "ds_megatron__parallel__cp": 2,
+                "ds_megatron__parallel__cp_comm": "a2a",
+                "ds_megatron__model__dropout": 0,
+                "train_batch_size": 4,
+            },
+            [],
+        ),
+        ({"ds_megatron__data__document_mask": True, "ds_megatron__data__document_positions": "global"}, []),
+        ({}, []),
+    ],
+)
+def test_settings_nothing_reads_are_named(changes, warned):
+    """A setting the user gave that this layout never reads is accepted (a config may be shared between layouts) but
+    named in one warning line; the engine prints these lines at start."""
+    from ds_megatron.config import unused_settings
+    from ds_megatron.engine import deepspeed_config_for
+
+    run = resolve(*with_changes(**changes))
+    lines = unused_settings(run)
+    assert len(lines) == len(warned) and all(
+        line.startswith(f"warning: {w}") for line, w in zip(lines, warned, strict=True)
+    ), lines
+    notes: list[str] = []
+    deepspeed_config_for(run, notes)
+    assert [n for n in notes if n.startswith("warning:")] == lines

@@ -180,6 +180,14 @@ def test_cli_prepare_then_verify(tmp_path, tok_dir, capsys):
     capsys.readouterr()
     assert main(["verify", str(out)]) == 2
     assert "shard_00000.bin fails its sha256" in capsys.readouterr().err
+    # A damaged copy is remade where it lies, never by a command writing into the sound original.
+    import shutil
+
+    copy = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(out, copy)
+    assert main(["verify", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {copy} " in err and f"--out {out} " not in err, err
 
 
 def _bad_inputs(tmp: Path, tok_dir: Path) -> list[tuple[list[str], str]]:

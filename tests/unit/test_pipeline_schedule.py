@@ -70,7 +70,7 @@ REFUSED = [
         "fewer blocks than stages",
         cfg(ds_megatron__model__num_layers=3),
         "error: ds_megatron.parallel.pp: fewer layers than pipeline stages (num_layers=3, pp=2, dualpipev: 2 stages "
-        "per rank); set pp <= 1",
+        'per rank); use at least 4 layers for dualpipev, or pipeline_schedule "1f1b" with pp <= 3',
     ),
     (
         "full recompute of more blocks than a stage holds",
