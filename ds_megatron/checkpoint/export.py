@@ -23,7 +23,7 @@ import torch
 
 from ds_megatron.checkpoint import safe_load
 from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_context
-from ds_megatron.checkpoint.manifest import complete_tags, is_complete, newest_complete_tag, verify_tag
+from ds_megatron.checkpoint.manifest import complete_tags, source_tag, verify_tag
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import saved_layout, saved_world
@@ -45,13 +45,9 @@ def parse_size(text: str) -> int:
 
 
 def read_checkpoint_config(ckpt_dir: Path, tag: str | None, trust: bool = False) -> tuple[str, dict]:
-    tag = tag or newest_complete_tag(ckpt_dir)
-    if tag is None:
-        raise ConfigError(
-            "--checkpoint", "no complete checkpoint", str(ckpt_dir), "pass a directory written by --save (or --tag)"
-        )
+    tag = source_tag(ckpt_dir, tag)  # a --tag that is not there is named with the tags that are
     states = ckpt_dir / tag / "mp_rank_00_model_states.pt"
-    if not states.exists() or not is_complete(ckpt_dir / tag):
+    if not states.exists():
         raise ConfigError("--checkpoint", "incomplete checkpoint", f"{states} is missing", "use a complete tag")
     # Every file against its sha256 before any is read (one pass over the tag's bytes).
     verify_tag(ckpt_dir / tag, "--checkpoint", f"export another tag (--tag; complete ones: {complete_tags(ckpt_dir)})")

@@ -137,3 +137,43 @@ def newest_complete_tag(save_dir: str | Path) -> str | None:
 def tag_config(save_dir: str | Path, tag: str) -> dict | None:
     f = Path(save_dir) / tag / TAG_CONFIG
     return json.loads(f.read_text()) if f.is_file() else None
+
+
+def source_tag(src: Path, tag: str | None) -> str:
+    """The complete ds_megatron tag of ``src`` to read (``tag``, or the newest complete one when None), or the
+    one-line reason there is none: what every offline command reading a checkpoint (export, reshard) asks first."""
+    if not src.is_dir():
+        raise ConfigError("--checkpoint", "no such directory", str(src), "pass a directory written by --save")
+    tags = sorted(p for p in src.iterdir() if p.is_dir() and p.name != "tokenizer")
+    if tag is None:
+        tag = newest_complete_tag(src)
+        if not tags:
+            raise ConfigError("--checkpoint", "no checkpoint in it", str(src), "pass a directory written by --save")
+        if tag is None and not any((p / TAG_CONFIG).is_file() or (p / MANIFEST).is_file() for p in tags):
+            raise ConfigError(
+                "--checkpoint",
+                "not a ds_megatron checkpoint (no tag has the config.json and manifest.json train_gpt.py writes)",
+                str(src),
+                "pass a directory written by recipes/train_gpt.py --save",
+            )
+        if tag is None:
+            raise ConfigError(
+                "--checkpoint", "no complete checkpoint", incompleteness(tags[-1]), "pass a directory written by --save"
+            )
+    elif not (src / tag).is_dir():
+        raise ConfigError("--tag", "no such tag", f"{src}/{tag}", f"use one of {complete_tags(src)}")
+    problem = incompleteness(src / tag)
+    if problem is not None:
+        raise ConfigError("--checkpoint", "incomplete checkpoint", problem, "use a complete tag")
+    try:
+        cfg = tag_config(src, tag)
+    except ValueError:
+        cfg = None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("ds_megatron"), dict):
+        raise ConfigError(
+            "--checkpoint",
+            "not a ds_megatron checkpoint",
+            f"{tag}/{TAG_CONFIG} is missing or has no ds_megatron section",
+            "pass a directory written by recipes/train_gpt.py --save",
+        )
+    return tag

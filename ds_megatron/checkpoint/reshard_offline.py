@@ -25,12 +25,10 @@ from torch import nn
 from ds_megatron.checkpoint import safe_load
 from ds_megatron.checkpoint.layout import layout_ranks, run_model_config, shard_context, stage_param_layers
 from ds_megatron.checkpoint.manifest import (
-    MANIFEST,
     TAG_CONFIG,
     complete_tags,
     file_record,
-    incompleteness,
-    newest_complete_tag,
+    source_tag,
     tag_config,
     verify_tag,
     write_manifest,
@@ -81,7 +79,7 @@ def reshard_checkpoint(
     for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--cp", 1 if cp is None else cp)):
         if value < 1:
             raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
-    tag = _source_tag(src, tag)
+    tag = source_tag(src, tag)
     old_cfg = tag_config(src, tag)
     # An imported tag (weights alone) stays one: resharded, it still loads with a fresh optimizer.
     imported = src / tag / IMPORTED
@@ -104,45 +102,6 @@ def reshard_checkpoint(
         if out.exists():
             raise ConfigError("--out", "appeared while resharding", str(out), "choose a new directory")
     return out
-
-
-def _source_tag(src: Path, tag: str | None) -> str:
-    """The complete ds_megatron tag to read, or the one-line reason there is none."""
-    if not src.is_dir():
-        raise ConfigError("--checkpoint", "no such directory", str(src), "pass a directory written by --save")
-    tags = sorted(p for p in src.iterdir() if p.is_dir() and p.name != "tokenizer")
-    if tag is None:
-        tag = newest_complete_tag(src)
-        if not tags:
-            raise ConfigError("--checkpoint", "no checkpoint in it", str(src), "pass a directory written by --save")
-        if tag is None and not any((p / TAG_CONFIG).is_file() or (p / MANIFEST).is_file() for p in tags):
-            raise ConfigError(
-                "--checkpoint",
-                "not a ds_megatron checkpoint (no tag has the config.json and manifest.json train_gpt.py writes)",
-                str(src),
-                "pass a directory written by recipes/train_gpt.py --save",
-            )
-        if tag is None:
-            raise ConfigError(
-                "--checkpoint", "no complete checkpoint", incompleteness(tags[-1]), "pass a directory written by --save"
-            )
-    elif not (src / tag).is_dir():
-        raise ConfigError("--tag", "no such tag", f"{src}/{tag}", f"use one of {complete_tags(src)}")
-    problem = incompleteness(src / tag)
-    if problem is not None:
-        raise ConfigError("--checkpoint", "incomplete checkpoint", problem, "use a complete tag")
-    try:
-        cfg = tag_config(src, tag)
-    except ValueError:
-        cfg = None
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("ds_megatron"), dict):
-        raise ConfigError(
-            "--checkpoint",
-            "not a ds_megatron checkpoint",
-            f"{tag}/{TAG_CONFIG} is missing or has no ds_megatron section",
-            "pass a directory written by recipes/train_gpt.py --save",
-        )
-    return tag
 
 
 def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:

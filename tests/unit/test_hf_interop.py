@@ -25,15 +25,19 @@ def test_export_refuses_bad_input_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "out"
     assert checkpoint_main(["export", "--checkpoint", str(tmp_path / "missing"), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --checkpoint: no complete checkpoint")
+    assert len(err) == 1 and err[0].startswith("error: --checkpoint: no such directory")
     assert not out.exists() and not (tmp_path / "out.partial").exists()
     partial = tmp_path / "partial"
     (partial / "step00000001").mkdir(parents=True)
+    (partial / "step00000001" / "config.json").write_text("{}")  # a save cut short before its manifest
     (partial / "latest").write_text("step00000001")
     assert checkpoint_main(["export", "--checkpoint", str(partial), "--out", str(out)]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
     assert checkpoint_main(["export", "--checkpoint", str(partial), "--tag", "step00000001", "--out", str(out)]) == 2
     assert "incomplete checkpoint" in capsys.readouterr().err
+    # A tag that is not there is the --tag's fault, named with the complete tags there are (export and reshard alike)
+    assert checkpoint_main(["export", "--checkpoint", str(partial), "--tag", "step00000099", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("error: --tag: no such tag (")
     assert not out.exists()
 
 
