@@ -67,7 +67,9 @@ def check_data(run: RunConfig) -> None:
 
         spec = tokenizer_spec(data.tokenizer, None, "ds_megatron.data.tokenizer")
         vocab = check_tokenizer_files(run)  # and data.valid_fraction, which cuts this data as it cuts text
-        check_megatron_ids(run, check_megatron_files(run, megatron, "ds_megatron.data.path"), vocab, spec)
+        ds = check_megatron_files(run, megatron, "ds_megatron.data.path")
+        check_megatron_ids(run, ds, vocab, spec)
+        check_megatron_documents(run, ds, spec)
         return
     if is_local(data.path):
         files = resolve_files(data.path)
@@ -213,6 +215,27 @@ def check_megatron_ids(run: RunConfig, ds, vocab: int, spec: str) -> None:
         record_ids(ds, cache_dir, max_id)
 
 
+def check_megatron_documents(run: RunConfig, ds, spec: str, tok=None) -> None:
+    """With ``data.document_mask``, the pair's documents end in the tokenizer's EOS, which is how a packed window's
+    documents are found: a pair written without EOS would train with nothing masked, silently.  Refused when fewer
+    than half of a sample of its documents (``documents_ending_in``) end in EOS."""
+    if not run.section.data.document_mask:
+        return
+    from ds_megatron.data.corpus import eos_id
+    from ds_megatron.data.megatron_indexed import documents_ending_in
+
+    eos = eos_id(tok if tok is not None else load_fitting_tokenizer(run, spec))
+    ended, looked = documents_ending_in(ds, eos)
+    if looked and 2 * ended < looked:
+        raise ConfigError(
+            "ds_megatron.data.document_mask",
+            "the Megatron data's documents do not end in EOS, which is how packed documents are told apart",
+            f"{ended} of {looked} documents sampled from {ds.prefix}.idx end in EOS id {eos}",
+            "rewrite the pair with an EOS after every document (Megatron's preprocess_data.py --append-eod) "
+            "or set data.document_mask false",
+        )
+
+
 def check_blend(run: RunConfig) -> None:
     """Every blended prepared directory passes ``check_prepared_dir`` and every Megatron prefix
     ``check_megatron_files``; all were made with one tokenizer (the prepared directories' fingerprints agree, and a
@@ -263,6 +286,7 @@ def check_blend(run: RunConfig) -> None:
             )
     for ds in megatron:
         check_megatron_ids(run, ds, len(tok), spec)
+        check_megatron_documents(run, ds, spec, tok)
 
 
 def check_tokenizer_files(run: RunConfig) -> int:

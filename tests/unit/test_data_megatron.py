@@ -197,6 +197,29 @@ def test_preflight_checks_the_tokenizer_against_the_ids(tmp_path, tok, monkeypat
         check_data(run_config(tmp_path, path=prefix, tokenizer=str(tok), valid_fraction=0.6))
 
 
+def test_document_masking_refuses_a_pair_whose_documents_do_not_end_in_eos(tmp_path, tok):
+    """Packed documents are told apart by their EOS: masking a pair written without EOS would mask nothing, so it
+    is refused before launch (alone and in a blend); with EOS after every document, or without masking, it trains."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(tok).eos_token_id
+    docs = [[np.asarray(s) % eos if eos else s for s in doc] for doc in random_docs(5, num_docs=60, high=300)]
+    no_eos = str(write_indexed(tmp_path / "no_eos", docs))
+    with_eos = str(write_indexed(tmp_path / "with_eos", [[*doc[:-1], np.append(doc[-1], eos)] for doc in docs]))
+    mask = {"tokenizer": str(tok), "document_mask": True}
+    with pytest.raises(ConfigError) as err:
+        check_data(run_config(tmp_path, path=no_eos, **mask))
+    assert str(err.value).startswith(
+        "error: ds_megatron.data.document_mask: the Megatron data's documents do not end in EOS, which is how packed "
+        f"documents are told apart (0 of 60 documents sampled from {no_eos}.idx end in EOS id {eos}); rewrite the "
+    )
+    with pytest.raises(ConfigError, match="documents do not end in EOS"):
+        check_data(run_config(tmp_path, blend=[[with_eos, 0.5], [no_eos, 0.5]], **mask))
+    check_data(run_config(tmp_path, path=with_eos, **mask))
+    check_data(run_config(tmp_path, path=no_eos, tokenizer=str(tok)))
+    assert mi.documents_ending_in(open_indexed(with_eos), eos, sample=7) == (7, 7)
+
+
 def test_the_recipe_refuses_megatron_data_without_a_tokenizer_in_one_line(tmp_path):
     prefix = write_indexed(tmp_path / "corpus", random_docs(5, num_docs=200))
     proc = recipe(["--data", str(prefix), "--save", str(tmp_path / "save")])
