@@ -22,7 +22,8 @@ from ds_megatron.tensor_parallel import shard
 
 def tensor_files(hf_dir: Path, setting: str = "--init-from-hf") -> dict[str, Path]:
     """{tensor name: the safetensors file holding it} of a transformers directory (one file, or the shards its
-    ``model.safetensors.index.json`` names); a missing file is one ConfigError naming ``setting``."""
+    ``model.safetensors.index.json`` names); a missing file, or one whose header does not read (damaged, cut short,
+    not safetensors), is one ConfigError naming ``setting`` and the file: every reader calls this before launch."""
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -32,14 +33,32 @@ def tensor_files(hf_dir: Path, setting: str = "--init-from-hf") -> dict[str, Pat
             raise ConfigError(
                 setting, "a shard named by model.safetensors.index.json is missing", f"{hf_dir}/{missing[0]}", "copy it"
             )
+        for path in sorted(set(files.values())):
+            _tensor_names(path, setting)  # every shard's header, before anything is read or launched
         return files
     single = hf_dir / "model.safetensors"
     if not single.exists():
         raise ConfigError(setting, "no model.safetensors", str(hf_dir), "pass an exported directory")
+    return {name: single for name in _tensor_names(single, setting)}
+
+
+def _tensor_names(path: Path, setting: str) -> list[str]:
+    """The tensor names in one safetensors file.  Opening it reads and checks its header: its length against the
+    file's, the JSON, and that the data it describes covers the file exactly, so a truncated or overwritten file
+    fails here."""
     from safetensors import safe_open
 
-    with safe_open(str(single), "pt") as f:
-        return {name: single for name in f.keys()}
+    try:
+        with safe_open(str(path), "pt") as f:
+            return list(f.keys())
+    except Exception as err:  # SafetensorError (not importable by name in every release), OSError
+        problem = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            setting,
+            "not a readable safetensors file (damaged, cut short or another format)",
+            f"{path}: {problem}",
+            "copy the file again from its source",
+        ) from None
 
 
 def check_hf_config(hf_dir: Path, config: ModelConfig, setting: str = "--init-from-hf") -> None:

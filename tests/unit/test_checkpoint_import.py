@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from ds_megatron.checkpoint.__main__ import main as checkpoint_main
 from ds_megatron.checkpoint.manifest import newest_complete_tag, tag_problem
-from ds_megatron.config import resolve
+from ds_megatron.config import ConfigError, resolve
 
 VOCAB = 1001  # padded to 1024 at tp 2: the padding rows must not reach the export
 TAG = "step00000000"
@@ -265,3 +265,31 @@ def test_written_directories_follow_the_umask(tmp_path, gpt2_dir, umask):
     modes = {str(p): stat.S_IMODE(p.stat().st_mode) for p in written}
     want = {str(p): (0o777 if p.is_dir() else 0o666) & ~umask for p in written}
     assert modes == want
+
+
+@pytest.mark.parametrize("damage", ["header length 10^12", "header JSON overwritten", "cut short"])
+def test_a_damaged_safetensors_file_is_one_line_naming_it_before_anything(tmp_path, capsys, gpt2_dir, damage):
+    """import and --init-from-hf (its pre-flight, before any process group) read every safetensors header first:
+    a damaged file is one line naming it, not a SafetensorError traceback from inside the run."""
+    import struct
+
+    from ds_megatron.config.facts import saved_world
+    from ds_megatron.preflight import check_init_from_hf
+
+    hf, config = gpt2_dir
+    file = hf / "model.safetensors"
+    raw = file.read_bytes()
+    header = struct.unpack("<Q", raw[:8])[0]
+    file.write_bytes(
+        {
+            "header length 10^12": struct.pack("<Q", 10**12) + raw[8:],
+            "header JSON overwritten": raw[:8] + b"#" * header + raw[8 + header :],
+            "cut short": raw[: len(raw) - 100],
+        }[damage]
+    )
+    want = "not a readable safetensors file (damaged, cut short or another format) (" + str(file)
+    _refused(tmp_path, capsys, _argv(hf, config), want)
+    with pytest.raises(ConfigError) as err:
+        cfg = json.loads(pathlib.Path(config).read_text())
+        check_init_from_hf(resolve(cfg, saved_world(cfg)), hf)
+    assert str(err.value).startswith(f"error: ds_megatron.checkpoint.init_from_hf: {want}: ")
