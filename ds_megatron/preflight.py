@@ -317,11 +317,12 @@ def check_init_from_hf(run: RunConfig, init: Path) -> None:
             f"{init} has no config.json",
             "pass a directory written by `python -m ds_megatron.checkpoint export` or save_pretrained",
         )
-    from ds_megatron.checkpoint.hf_import import check_hf_config, tensor_files
+    from ds_megatron.checkpoint.hf_import import check_hf_config, check_hf_tensors
     from ds_megatron.model import model_config
 
-    check_hf_config(init, model_config(run.model), setting)
-    tensor_files(init, setting)  # every safetensors file readable, before any process group
+    config = model_config(run.model)
+    check_hf_config(init, config, setting)
+    check_hf_tensors(init, config, setting)  # every file readable, every parameter there: before any process group
 
 
 def check_resume(run: RunConfig, load: Path) -> None:

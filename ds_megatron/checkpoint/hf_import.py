@@ -10,36 +10,93 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from ds_megatron.config import ConfigError
 from ds_megatron.model import ModelConfig, family_of
+from ds_megatron.model.family import Family
 from ds_megatron.parallelize import ParallelContext, shard_rule
 from ds_megatron.pipeline import pipeline_param_name
 from ds_megatron.tensor_parallel import shard
 
 
-def tensor_files(hf_dir: Path, setting: str = "--init-from-hf") -> dict[str, Path]:
-    """{tensor name: the safetensors file holding it} of a transformers directory (one file, or the shards its
-    ``model.safetensors.index.json`` names); a missing file, or one whose header does not read (damaged, cut short,
-    not safetensors), is one ConfigError naming ``setting`` and the file: every reader calls this before launch."""
+class HFTensor(NamedTuple):
+    path: Path  # the safetensors file holding it
+    key: str  # its name in that file (a base model's file stores names without transformers' base prefix)
+
+
+def tensor_files(hf_dir: Path, family: Family, setting: str = "--init-from-hf") -> dict[str, HFTensor]:
+    """{our full name: where the tensor is stored} of a transformers directory of ``family`` (one file, or the
+    shards its ``model.safetensors.index.json`` names), with names mapped as transformers maps them on load
+    (``Family.our_hf_name``: the Hub's own GPT-2 files store ``GPT2Model`` names and causal-mask buffers).  A missing
+    file, or one whose header does not read (damaged, cut short, not safetensors), is one ConfigError naming
+    ``setting`` and the file: every reader calls this before launch."""
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
-        files = {name: hf_dir / f for name, f in weight_map.items()}
-        missing = sorted({f.name for f in files.values() if not f.is_file()})
+        paths = sorted({hf_dir / f for f in weight_map.values()})
+        missing = [p.name for p in paths if not p.is_file()]
         if missing:
             raise ConfigError(
                 setting, "a shard named by model.safetensors.index.json is missing", f"{hf_dir}/{missing[0]}", "copy it"
             )
-        for path in sorted(set(files.values())):
-            _tensor_names(path, setting)  # every shard's header, before anything is read or launched
-        return files
-    single = hf_dir / "model.safetensors"
-    if not single.exists():
-        raise ConfigError(setting, "no model.safetensors", str(hf_dir), "pass an exported directory")
-    return {name: single for name in _tensor_names(single, setting)}
+    else:
+        paths = [hf_dir / "model.safetensors"]
+        if not paths[0].exists():
+            raise ConfigError(setting, "no model.safetensors", str(hf_dir), "pass an exported directory")
+    found: dict[str, HFTensor] = {}
+    for path in paths:  # every file's header, before anything is read or launched
+        for key in _tensor_names(path, setting):
+            name = family.our_hf_name(key)
+            if name is None:
+                continue
+            if name in found:
+                raise ConfigError(
+                    setting,
+                    "two stored tensors are the same parameter",
+                    f"{found[name].key} in {found[name].path.name} and {key} in {path.name}",
+                    "keep one of them",
+                )
+            found[name] = HFTensor(path, key)
+    return found
+
+
+FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")  # safetensors' names of the floating-point dtypes
+
+
+def check_hf_tensors(
+    hf_dir: Path, config: ModelConfig, setting: str
+) -> tuple[dict[str, HFTensor], dict[str, tuple[int, ...]]]:
+    """(where each tensor is stored, every parameter's full shape): refused in one line, from the files' headers
+    alone, unless every parameter of ``config``'s model is there, floating point, of its shape (in transformers'
+    orientation)."""
+    from safetensors import safe_open
+
+    from ds_megatron.checkpoint.export import expected_shapes
+
+    family = family_of(config)
+    files, shapes = tensor_files(hf_dir, family, setting), expected_shapes(config)
+    missing = [n for n in shapes if n not in files]
+    if missing:
+        raise ConfigError(
+            setting, f"{len(missing)} tensor(s) of the model missing", f"first {missing[0]}", "pass a full model"
+        )
+    for name, want in shapes.items():
+        with safe_open(str(files[name].path), "pt") as f:
+            meta = f.get_slice(files[name].key)
+            dtype, shape = meta.get_dtype(), tuple(meta.get_shape())
+        if family.is_hf_transposed(name):
+            shape = shape[::-1]
+        if dtype not in FLOAT_DTYPES or shape != want:
+            raise ConfigError(
+                setting,
+                "a tensor disagrees with the config's model",
+                f"{name}: {dtype} {shape}, the config's model has {want}",
+                "pass the model the config describes (or a config of this model's shape)",
+            )
+    return files, shapes
 
 
 def _tensor_names(path: Path, setting: str) -> list[str]:
@@ -98,20 +155,20 @@ def load_hf_into_pipeline(module, parallel: ParallelContext, hf_dir: str | Path)
 
     hf_dir = Path(hf_dir)
     check_hf_config(hf_dir, parallel.config)
-    files = tensor_files(hf_dir)
+    family = family_of(parallel.config)
+    files = tensor_files(hf_dir, family)
     handles: dict[Path, object] = {}
     loaded = 0
-    family = family_of(parallel.config)
     for local_name, param in module.named_parameters():
         full = pipeline_param_name(local_name, module)
         if full is None or full not in files:
             raise ConfigError(
                 "--init-from-hf", "missing tensor", f"{hf_dir} has none for {full or local_name}", "re-export"
             )
-        path = files[full]
+        path, key = files[full]
         if path not in handles:
             handles[path] = safe_open(str(path), "pt")
-        tensor = handles[path].get_tensor(full).float()
+        tensor = handles[path].get_tensor(key).float()
         if family.is_hf_transposed(full):
             tensor = tensor.t()
         part = shard(tensor, shard_rule(full, parallel), parallel.tp.rank, parallel.tp.size)

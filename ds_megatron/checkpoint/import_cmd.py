@@ -29,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ds_megatron.checkpoint.export import expected_shapes
-from ds_megatron.checkpoint.hf_import import check_hf_config, tensor_files
+from ds_megatron.checkpoint.hf_import import check_hf_config, check_hf_tensors
 from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config
 from ds_megatron.checkpoint.reshard_offline import FRESH, _Writer
 from ds_megatron.checkpoint.run_state import IMPORTED, tag_for
@@ -38,8 +37,6 @@ from ds_megatron.config import ConfigError, RunConfig, load_json, resolve
 from ds_megatron.config.facts import precision, saved_world
 from ds_megatron.fileio import atomic_write_text, staged_directory
 from ds_megatron.model import FAMILIES, ModelConfig, family_of
-
-FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")  # safetensors' names of the floating-point dtypes
 
 
 def import_checkpoint(
@@ -119,29 +116,8 @@ class HFSource:
     parameter for is a copy of one it keeps (transformers' tied ``lm_head``): nothing is silently dropped."""
 
     def __init__(self, hf_dir: Path, run: RunConfig, config: ModelConfig):
-        from safetensors import safe_open
-
         self.run, self.layout, self.family = run, pipeline_layout(config), family_of(config)
-        self.files = tensor_files(hf_dir, "--hf")
-        self.shapes = expected_shapes(config)
-        missing = [n for n in self.shapes if n not in self.files]
-        if missing:
-            raise ConfigError(
-                "--hf", f"{len(missing)} tensor(s) of the model missing", f"first {missing[0]}", "pass a full model"
-            )
-        for name, want in self.shapes.items():
-            with safe_open(str(self.files[name]), "pt") as f:
-                meta = f.get_slice(name)
-                dtype, shape = meta.get_dtype(), tuple(meta.get_shape())
-            if self.family.is_hf_transposed(name):
-                shape = shape[::-1]
-            if dtype not in FLOAT_DTYPES or shape != want:
-                raise ConfigError(
-                    "--hf",
-                    "a tensor disagrees with the config's model",
-                    f"{name}: {dtype} {shape}, the config's model has {want}",
-                    "pass the model the config describes (or a config of this model's shape)",
-                )
+        self.files, self.shapes = check_hf_tensors(hf_dir, config, "--hf")
         for extra in sorted(set(self.files) - set(self.shapes)):
             self._check_copy(extra)
         self.keys: dict[int, list[str]] = {}
@@ -177,8 +153,9 @@ class HFSource:
     def _read(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        with safe_open(str(self.files[name]), "pt") as f:  # closed at once: the file's mapping goes with it
-            return f.get_tensor(name)
+        path, key = self.files[name]
+        with safe_open(str(path), "pt") as f:  # closed at once: the file's mapping goes with it
+            return f.get_tensor(key)
 
     # ---- what the writer reads -------------------------------------------------------------------------------------
     def layer_file(self, idx: int, tp_rank: int) -> dict[str, None]:

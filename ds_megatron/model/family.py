@@ -118,6 +118,12 @@ class Family:
     # kv = h, F = 4h, the config refuses KV heads and MLP width); else both are the family's to choose.
     fixed_kv_and_width: bool = False
     hf_transposed: tuple[str, ...] = ()  # name suffixes transformers stores [in, out] (GPT-2's Conv1D)
+    # transformers' ``base_model_prefix``: a file of the base model (``GPT2Model``, ``LlamaModel``; the Hub's own GPT-2
+    # files) stores its names without it, and transformers adds it on load into the causal-LM class.
+    hf_base_prefix: str = ""
+    # Name suffixes of buffers some files store and transformers ignores on load (not parameters: causal masks,
+    # rotary frequencies, recomputed from the config).
+    hf_ignored: tuple[str, ...] = ()
     # Why DeepSpeed's automatic tensor parallelism for inference (init_inference without kernel injection) cannot
     # shard the exported model, or None when it can.
     no_autotp_inference: str | None = None
@@ -158,6 +164,16 @@ class Family:
             for f in (f.name for f in fields(self.config))
             if f != "attention"
         }
+
+    def our_hf_name(self, stored: str) -> str | None:
+        """The causal-LM name (ours) of a tensor stored as ``stored`` in a transformers file, as transformers maps it
+        on load: the base-model prefix added where a base model's file lacks it; None for an ignored buffer."""
+        if stored.endswith(self.hf_ignored) and self.hf_ignored:
+            return None
+        prefix = self.hf_base_prefix + "."
+        if not self.hf_base_prefix or stored.startswith(prefix) or stored.startswith("lm_head."):
+            return stored
+        return prefix + stored
 
     def is_hf_transposed(self, name: str) -> bool:
         """Whether transformers stores this weight [in, out] where ours is ``nn.Linear``'s [out, in]."""

@@ -293,3 +293,61 @@ def test_a_damaged_safetensors_file_is_one_line_naming_it_before_anything(tmp_pa
         cfg = json.loads(pathlib.Path(config).read_text())
         check_init_from_hf(resolve(cfg, saved_world(cfg)), hf)
     assert str(err.value).startswith(f"error: ds_megatron.checkpoint.init_from_hf: {want}: ")
+
+
+def _hub_layouts(hf: pathlib.Path, tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The two other layouts GPT-2 files come in on the Hub, written from ``hf``'s tensors: the published GPT-2
+    files (``GPT2Model`` names without ``transformer.``, no ``lm_head``, a causal-mask buffer per block) and the
+    DialoGPT style (prefixed names, ``lm_head`` dropped, ``attn.bias`` and ``attn.masked_bias`` buffers)."""
+    import shutil
+
+    tensors = load_file(hf / "model.safetensors")
+    blocks = sorted({k.split(".")[2] for k in tensors if k.startswith("transformer.h.")}, key=int)
+    mask = torch.tril(torch.ones(16, 16, dtype=torch.uint8)).view(1, 1, 16, 16)
+    hub = {k.removeprefix("transformer."): v for k, v in tensors.items() if k != "lm_head.weight"}
+    hub |= {f"h.{i}.attn.bias": mask.clone() for i in blocks}
+    dialo = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    dialo |= {
+        f"transformer.h.{i}.attn.{b}": t
+        for i in blocks
+        for b, t in (("bias", mask.clone()), ("masked_bias", mask[0].clone()))
+    }
+    out = {}
+    for name, stored in (("hub", hub), ("dialogpt", dialo)):
+        out[name] = tmp_path / name
+        shutil.copytree(hf, out[name])
+        save_file(stored, str(out[name] / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_gpt2_files_in_the_hubs_own_layouts_import_as_transformers_loads_them(tmp_path, gpt2_dir):
+    """Names mapped as transformers maps them on load (base-model prefix added, mask buffers ignored, the tied
+    output layer taken from the embedding): both layouts import to the very files the canonical layout gives, and
+    --init-from-hf's pre-flight accepts them (and still refuses a file missing a parameter, before launch)."""
+    import transformers
+
+    from ds_megatron.config.facts import saved_world
+    from ds_megatron.preflight import check_init_from_hf
+
+    hf, config = gpt2_dir
+    layouts = _hub_layouts(hf, tmp_path)
+    reference = transformers.GPT2LMHeadModel.from_pretrained(hf).eval()
+    ids = torch.arange(12).view(2, 6)
+    assert checkpoint_main(_argv(hf, config) + ["--out", str(tmp_path / "ck_ref")]) == 0
+    cfg = json.loads(pathlib.Path(config).read_text())
+    run = resolve(cfg, saved_world(cfg))
+    for name, directory in layouts.items():
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(directory).eval()  # the layouts are real ones
+        torch.testing.assert_close(loaded(ids).logits, reference(ids).logits, rtol=0, atol=0)
+        assert checkpoint_main(_argv(directory, config) + ["--out", str(tmp_path / f"ck_{name}")]) == 0, name
+        ref_files = sorted((tmp_path / "ck_ref").rglob("layer_*.pt"))
+        assert ref_files, "the import wrote no layer files"
+        for ref in ref_files:
+            ours = tmp_path / f"ck_{name}" / ref.relative_to(tmp_path / "ck_ref")
+            a, b = torch.load(ref, weights_only=True), torch.load(ours, weights_only=True)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (name, ref.name)
+        check_init_from_hf(run, directory)
+    stored = load_file(layouts["hub"] / "model.safetensors")
+    save_file({k: v for k, v in stored.items() if k != "ln_f.weight"}, str(layouts["hub"] / "model.safetensors"))
+    with pytest.raises(ConfigError, match="init_from_hf: 1 tensor.s. of the model missing .first transformer.ln_f"):
+        check_init_from_hf(run, layouts["hub"])

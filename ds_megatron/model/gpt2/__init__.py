@@ -214,6 +214,8 @@ FAMILY = Family(
     hf_renamed=HF_RENAMED,
     fixed_kv_and_width=True,
     hf_transposed=CONV1D_SUFFIXES,
+    hf_base_prefix="transformer",
+    hf_ignored=(".attn.bias", ".attn.masked_bias"),  # the causal-mask buffers of older GPT-2 files
     sp_dropouts=("attn.resid_dropout", "mlp.dropout"),
     model_sp_dropouts=("transformer.drop",),
 )

@@ -240,6 +240,8 @@ FAMILY = Family(
         output=("lm_head", "lm_head"),
         tied_key="embed_tokens",
     ),
+    hf_base_prefix="model",
+    hf_ignored=(".rotary_emb.inv_freq",),  # stored by transformers before 4.31
     hf_model_type="llama",
     hf_architecture="LlamaForCausalLM",
     sizes=SIZES,
