@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_megatron.checkpoint.run_state import load_run, save_run, verified_load_tag
+from ds_megatron.checkpoint.run_state import disk_full_line, load_run, save_run, verified_load_tag
 from ds_megatron.config import ConfigError, RunConfig
 from ds_megatron.data import MicroBatchStream
 from ds_megatron.data.prepare import RunData, prepare_data
@@ -34,6 +34,7 @@ from ds_megatron.stop import StopFlag
 
 EXIT_BAD_DATA = 2
 EXIT_NUMERICS = 3  # stopped by the numerical guard
+EXIT_DISK_FULL = 4  # a save found no space left (the newest complete checkpoint is intact)
 
 
 def peak_memory_gb() -> float:
@@ -228,7 +229,15 @@ class Trainer:
         if not ck.save:
             return
         client = {"step": step, "config": self.run.ds_config, "wandb_run_id": self.wandb_id, "skipped": self.skipped}
-        tag = save_run(self.built.engine, ck.save, step, client, self.built.rng, ck.keep_last, self.built.topology)
+        try:
+            tag = save_run(self.built.engine, ck.save, step, client, self.built.rng, ck.keep_last, self.built.topology)
+        except (OSError, RuntimeError) as err:
+            line = disk_full_line(err, ck.save, step)
+            if line is None:
+                raise
+            # This rank stops; the launcher ends the others (waiting for it in the save's barrier).
+            print(line, file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_DISK_FULL) from None
         self.last_saved = step
         self.logger.say(f"saved checkpoint {ck.save}/{tag}")
 

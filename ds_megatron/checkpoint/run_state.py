@@ -220,3 +220,35 @@ def read_weights_only(engine) -> None:
     """Make DeepSpeed read this engine's checkpoint files weights-only (``safe_load.WeightsOnlyReads``); a file that
     needs more is refused with the same line as pre-flight's."""
     engine.checkpoint_engine = safe_load.WeightsOnlyReads(engine.checkpoint_engine, LOAD_SETTING, UNSAFE_FIX)
+
+
+# Free space below which a failed save is taken for a full disk: a write that ran out of space has used what was left
+# (torch's writer reports it as "unexpected pos ..." or "file write failed", with no errno to read).
+DISK_FULL_BYTES = 64 << 20
+
+
+def disk_full_line(err: BaseException, save_dir: str | Path, step: int) -> str | None:
+    """The one line that says a save failed for want of space (None when ``err`` is something else): the directory
+    and its free space, the tag that was not written, the newest complete one (a resume starts there: the partial
+    tag has no manifest, so it is never read), and what to do."""
+    import errno
+
+    root = Path(save_dir)
+    try:
+        free = shutil.disk_usage(root if root.exists() else root.parent).free
+    except OSError:
+        free = None
+    enospc = isinstance(err, OSError) and err.errno == errno.ENOSPC
+    if not enospc and (free is None or free >= DISK_FULL_BYTES):
+        return None
+    last = newest_complete_tag(root)
+    values = f"{root}: {free / 2**20:.0f} MiB free" if free is not None else str(root)
+    kept = f"the last complete checkpoint is {root / last}" if last else "no complete checkpoint was written yet"
+    return str(
+        ConfigError(
+            "ds_megatron.checkpoint.save",
+            f"no space left on the device while writing {tag_for(step)} (left incomplete, never resumed from)",
+            values,
+            f"{kept}; free space or set --save to a larger disk, then resume with --load",
+        )
+    )

@@ -222,3 +222,56 @@ def test_a_signal_to_a_worker_asks_for_a_stop():
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+def test_a_save_that_finds_the_disk_full_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    """Disk full during a save: torch's writer fails with a C++ stream error and no errno (what torch.save to a full
+    device raises is reproduced here by writing to /dev/full), or Python's with ENOSPC.  The trainer stops with one
+    line naming the directory, the unwritten tag and the newest complete one (kept: the partial tag has no manifest),
+    and exit status EXIT_DISK_FULL; any other save error keeps its traceback."""
+    import errno
+    import shutil
+    import types
+
+    import torch
+
+    from ds_megatron import trainer as trainer_mod
+    from ds_megatron.checkpoint import run_state
+
+    try:
+        torch.save({"w": torch.zeros(1 << 16)}, "/dev/full")
+    except RuntimeError as err:
+        torch_error = err
+    else:
+        pytest.fail("writing to /dev/full succeeded")
+    save = tmp_path / "ck"
+    (save / "step00000002").mkdir(parents=True)
+    (save / "step00000002" / "manifest.json").write_text('{"step": 2, "files": {}}')
+    (save / "step00000004").mkdir()  # the save that ran out of space
+    stub = types.SimpleNamespace(
+        run=types.SimpleNamespace(
+            section=types.SimpleNamespace(checkpoint=types.SimpleNamespace(save=str(save), keep_last=0)),
+            ds_config={},
+        ),
+        built=types.SimpleNamespace(engine=None, rng=None, topology=None),
+        wandb_id=None,
+        skipped=0,
+    )
+    usage = shutil.disk_usage(tmp_path)
+    full = types.SimpleNamespace(total=usage.total, used=usage.total, free=4096)
+    for err, disk in ((torch_error, full), (OSError(errno.ENOSPC, "No space left on device"), usage)):
+        monkeypatch.setattr(trainer_mod, "save_run", lambda *a, err=err, **k: (_ for _ in ()).throw(err))
+        monkeypatch.setattr(run_state.shutil, "disk_usage", lambda path, disk=disk: disk)
+        with pytest.raises(SystemExit) as stop:
+            trainer_mod.Trainer.save(stub, 4)
+        assert stop.value.code == trainer_mod.EXIT_DISK_FULL
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            "error: ds_megatron.checkpoint.save: no space left on the device while writing step00000004 (left "
+            f"incomplete, never resumed from) ({save}: "
+        ), lines
+        assert f"the last complete checkpoint is {save / 'step00000002'}; free space or set --save" in lines[0]
+    monkeypatch.setattr(run_state.shutil, "disk_usage", lambda path: usage)  # space left: not a full disk
+    monkeypatch.setattr(trainer_mod, "save_run", lambda *a, **k: (_ for _ in ()).throw(torch_error))
+    with pytest.raises(RuntimeError, match="enforce fail"):
+        trainer_mod.Trainer.save(stub, 4)
