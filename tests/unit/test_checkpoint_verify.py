@@ -201,41 +201,20 @@ def test_a_file_swapped_after_the_checks_is_refused_by_deepspeeds_own_load(tmp_p
     A per-layer file replaced in between is refused by DeepSpeed's load itself (the engine ``build_engine`` made
     reads weights-only), and its payload never runs.  A one-process engine of the tiny GPT (``build_engine``, as the
     recipe builds it), here in the test process: save, swap a per-layer file for one with a payload, resume."""
-    import importlib
-    import os
-    import socket
-
-    import deepspeed.comm.comm as ds_comm
+    from engine_here import one_process_engine
 
     from ds_megatron.checkpoint.run_state import load_run, save_run
-    from ds_megatron.engine import build_engine
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # DeepSpeed's CPU backend compiles its shared-memory all-reduce kernel (used by init_inference's all-reduce, never
-    # by one process) with the JIT build cache of torch extensions: that took 44 s instead of 5 whenever the cache
-    # was last built with other flags or another process held its lock.  Without it the backend is plain gloo.
-    monkeypatch.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
-    monkeypatch.setattr(ds_comm, "cdb", ds_comm.cdb)  # DeepSpeed's backend, set by build_engine: restored after
-    environ = dict(os.environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    try:
-        cfg = load_json(TINY)
-        cfg["ds_megatron"]["parallel"].update(tp=1, pp=1)
-        run = resolve(cfg, 1)
-        built = build_engine(run)
+    cfg = load_json(TINY)
+    cfg["ds_megatron"]["parallel"].update(tp=1, pp=1)
+    run = resolve(cfg, 1)
+    with one_process_engine(run, monkeypatch) as built:
         ck = tmp_path / "ck"
         tag = save_run(built.engine, ck, 1, {"step": 1, "config": run.ds_config}, built.rng)
         marker = tmp_path / "marker"
         torch.save({"payload": _WritesMarker(marker)}, ck / tag / FLIPPED)
         with pytest.raises(ConfigError) as err:
             load_run(built.engine, ck, built.rng, tag=tag)  # the tag verified before the swap
-    finally:  # the test process goes on with other tests: no process group, the environment as it was
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
     assert not marker.exists()
     assert str(err.value).startswith("error: ds_megatron.checkpoint.load: a checkpoint file needs more"), err.value
     assert f"{FLIPPED} asks for GLOBAL " in str(err.value), err.value

@@ -57,6 +57,7 @@ def reference(run, batches, documents=None):
         lr=opt_cfg["lr"],
         betas=tuple(opt_cfg["betas"]),
         eps=opt_cfg["eps"],
+        fused=True,  # as the engine's (optim.adamw_kwargs)
     )
     losses, norms, grads = [], [], None
     for step, tokens in enumerate(batches):

@@ -1,0 +1,45 @@
+"""The optimizer every training path hands its parameters to is torch's fused AdamW: fp32 (ds_megatron's clipping
+AdamW on the parameters), bf16 + ZeRO-1 with fp32 accumulation (DeepSpeed's BF16 optimizer over fp32 master
+partitions) and bf16 without it (DeepSpeed's ZeRO optimizer).  fp16 is refused by DeepSpeed's CPU accelerator; it
+takes the same ``adamw_kwargs``.  Each engine is the recipe's (``build_engine``), one process, here in the test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_here import one_process_engine
+from test_data_training import TINY
+
+from ds_megatron.config import load_json, resolve
+
+
+def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside DeepSpeed's wrappers (each holds the one it wraps as ``.optimizer``)."""
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [
+        {},
+        {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}},
+        {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+    ],
+    ids=["fp32", "bf16-zero1-fp32-accumulation", "bf16-zero1"],
+)
+def test_every_path_steps_with_fused_adamw(monkeypatch, precision):
+    cfg = load_json(TINY)
+    cfg["ds_megatron"]["parallel"].update(tp=1, pp=1)
+    cfg.update(precision)
+    with one_process_engine(resolve(cfg, 1), monkeypatch) as built:
+        inner = _torch_optimizer(built.engine.optimizer)
+        assert all(group["fused"] for group in inner.param_groups), type(built.engine.optimizer)
+        params = [p for group in inner.param_groups for p in group["params"]]
+        assert params and all(p.dtype == torch.float32 for p in params)  # the fp32 masters (or parameters)
+        before = [p.detach().clone() for p in params]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        inner.step()  # the fused kernel takes what this path hands it
+        assert all(not torch.equal(a, p) for a, p in zip(before, params, strict=True))
