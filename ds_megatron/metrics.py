@@ -124,6 +124,7 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        note = keep_own_history(run_dir / "metrics.jsonl", start_step)
         self.file = open(run_dir / "metrics.jsonl", "a")
         try:
             from tqdm.auto import tqdm
@@ -140,6 +141,8 @@ class MetricsLogger:
             )
         except ImportError:
             self.bar = None
+        if note is not None:
+            self.say(note)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
@@ -169,6 +172,37 @@ class MetricsLogger:
             self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def keep_own_history(path: Path, start_step: int) -> str | None:
+    """Make ``metrics.jsonl`` (and so ``loss.png``, drawn from it) hold this run's records only, before it appends
+    to it: a run from step 0 moves an earlier run's file aside to ``metrics.previous-<k>.jsonl``; a run resumed at
+    ``start_step`` keeps the records up to that step and drops later ones (steps trained after the checkpoint, which
+    it trains again).  Returns the line saying what it did, None when there was nothing to do."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    if start_step == 0:
+        k = 1
+        while (aside := path.with_name(f"metrics.previous-{k}.jsonl")).exists():
+            k += 1
+        os.replace(path, aside)
+        return f"{path} held an earlier run's records: moved to {aside.name} (this run starts at step 1)"
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if _step(line) <= start_step]
+    if len(kept) == len(lines):
+        return None
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return f"{path}: dropped {len(lines) - len(kept)} record(s) after step {start_step} (trained again from there)"
+
+
+def _step(line: str) -> float:
+    """A record's step; a line cut short by a crash counts as after every step (it is dropped)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except (ValueError, AttributeError):
+        return float("inf")
 
 
 def format_record(r: dict, total_steps: int) -> str:

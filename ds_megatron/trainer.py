@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ds_megatron.checkpoint.run_state import disk_full_line, load_run, save_run, verified_load_tag
+from ds_megatron.checkpoint.tokenizer import check_run_tokenizer
 from ds_megatron.config import ConfigError, RunConfig
 from ds_megatron.data import MicroBatchStream
 from ds_megatron.data.prepare import RunData, prepare_data
@@ -43,9 +45,24 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
-def run_dir_for(run: RunConfig, config_name: str) -> Path:
+def run_dir_for(run: RunConfig, config_name: str) -> Path | None:
+    """The run directory the configuration names: ``logging.run_dir``, else the checkpoint directory (a run resumed
+    with the same ``--save`` continues its own records there); None: a new one for this run (:func:`new_run_dir`)."""
     sec = run.section
-    return Path(sec.logging.run_dir or sec.checkpoint.save or f"runs/{config_name}")
+    value = sec.logging.run_dir or sec.checkpoint.save
+    return Path(value) if value else None
+
+
+def new_run_dir(config_name: str) -> Path:
+    """``runs/<config name>/<start time>-<pid>``: a directory of its own for a run that names none, so that no two
+    runs' metrics, loss curve or tokenizer ever share one."""
+    root = Path("runs") / config_name
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir, n = root / f"{stamp}-{os.getpid()}", 1
+    while run_dir.exists():
+        n += 1
+        run_dir = root / f"{stamp}-{os.getpid()}-{n}"
+    return run_dir
 
 
 @dataclass
@@ -229,8 +246,9 @@ class Trainer:
         if not ck.save:
             return
         client = {"step": step, "config": self.run.ds_config, "wandb_run_id": self.wandb_id, "skipped": self.skipped}
+        built, tok = self.built, self.data.tokenizer
         try:
-            tag = save_run(self.built.engine, ck.save, step, client, self.built.rng, ck.keep_last, self.built.topology)
+            tag = save_run(built.engine, ck.save, step, client, built.rng, ck.keep_last, built.topology, tok)
         except (OSError, RuntimeError) as err:
             line = disk_full_line(err, ck.save, step)
             if line is None:
@@ -351,11 +369,17 @@ def _shown(tok, ids: list[int], is_blank) -> str:
 
 
 def start_run_dir(run: RunConfig, config_name: str, rank: int) -> Path:
-    """The run directory, with the resolved configuration in it (written, and printed, by rank 0)."""
+    """Collective when the configuration names no run directory (rank 0 makes a new one and tells the others).  The
+    run directory, with the resolved configuration in it (written, and printed, by rank 0)."""
     run_dir = run_dir_for(run, config_name)
+    if run_dir is None:
+        box = [str(new_run_dir(config_name)) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        run_dir = Path(box[0])
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         print("resolved configuration:\n" + json.dumps(run.ds_config, indent=2), flush=True)
+        print(f"run directory: {run_dir} (metrics.jsonl, loss.png, tokenizer, config.json)", flush=True)
         (run_dir / "config.json").write_text(json.dumps(run.ds_config, indent=2))
     return run_dir
 
@@ -364,8 +388,9 @@ def train(run: RunConfig, config_name: str = "run") -> int:
     """Train ``run``; the exit status of the recipe.
 
     A ConfigError out of the data phase is a problem pre-flight could not see, found while reading the data inside the
-    launch (a text field missing in the third file, a corpus without tokens): every rank stops with EXIT_BAD_DATA and
-    rank 0 prints the line.  So does one out of the verification of a ``--load`` tag (a file that fails its sha256),
+    launch (a text field missing in the third file, a corpus without tokens, a tokenizer that is not the one the
+    ``--load`` or ``--init-from-hf`` weights were trained with): every rank stops with EXIT_BAD_DATA and rank 0 prints
+    the line.  So does one out of the verification of a ``--load`` tag (a file that fails its sha256),
     which runs before the engine is built and needs the process group only to spread the reading over the ranks.
     Only those phases are caught: a ConfigError from building the engine or resuming keeps its traceback."""
     init_distributed()
@@ -380,6 +405,7 @@ def train(run: RunConfig, config_name: str = "run") -> int:
     run_dir = start_run_dir(run, config_name, rank)
     try:
         data = prepare_data(run, rank, run_dir if rank == 0 else None)
+        check_run_tokenizer(run, data.tokenizer, load_tag)  # the weights' tokenizer, if they bring one
     except ConfigError as err:
         if rank == 0:
             print(str(err), file=sys.stderr, flush=True)

@@ -1,8 +1,9 @@
 """``python -m ds_megatron.checkpoint``: offline work on the checkpoints of ``recipes/train_gpt.py --save``.
 
-``export --checkpoint DIR [--tag T] --out HF_DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB] [--tokenizer DIR]``:
-a DeepSpeed checkpoint of any tp/pp/dp -> a transformers directory (import into training:
-``recipes/train_gpt.py --init-from-hf HF_DIR``).
+``export --checkpoint DIR [--tag T] --out HF_DIR [--dtype fp32|bf16|fp16] [--max-shard-size 5GB] [--tokenizer DIR |
+--no-tokenizer]``:
+a DeepSpeed checkpoint of any tp/pp/dp -> a transformers directory, with the tokenizer saved in the tag (import into
+training: ``recipes/train_gpt.py --init-from-hf HF_DIR``).
 
 ``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D [--cp C] --out DIR2``: the same checkpoint at another
 layout (cp: the saved one unless given), ready for ``--load DIR2`` on N x C x M x D processes (resharding on load
@@ -12,7 +13,7 @@ Both read files weights-only and refuse one that needs more, unless ``--trust-ch
 
 ``import --hf HF_DIR --config CONFIG.json --tp N --pp M --out DIR``: a transformers directory of a ds_megatron
 family -> a step-0 DeepSpeed checkpoint of that run at tp N x pp M (weights in the run's precision, no optimizer
-state: ``--load DIR`` starts training from it with a fresh optimizer)."""
+state: ``--load DIR`` starts training from it with a fresh optimizer), with HF_DIR's tokenizer when it has one."""
 
 from __future__ import annotations
 
@@ -33,7 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--out", required=True, help="new output directory")
     ex.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     ex.add_argument("--max-shard-size", default="5GB")
-    ex.add_argument("--tokenizer", help="tokenizer directory (default: the one saved with the run)")
+    ex.add_argument(
+        "--tokenizer",
+        help="tokenizer directory (default: the one saved in the tag; needed for a tag without one, and must be the "
+        "same tokenizer as a tag's own)",
+    )
+    ex.add_argument("--no-tokenizer", action="store_true", help="write the weights alone, without a tokenizer")
     rs = sub.add_parser("reshard", help="checkpoint -> the same checkpoint at another tp x cp x pp x dp")
     rs.add_argument("--checkpoint", required=True, help="directory written by train_gpt.py --save")
     rs.add_argument("--tag", help="checkpoint tag (default: the newest complete one)")
@@ -65,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.max_shard_size,
                 args.tokenizer,
                 trust_checkpoint=args.trust_checkpoint,
+                weights_only=args.no_tokenizer,
             )
             done = f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
         elif args.command == "import":

@@ -6,8 +6,9 @@ Reads the pipeline's per-layer files (``layer_<i>-model_<tp>-model_states.pt``, 
 column-parallel on the output dim, row-parallel on the input dim, vocabulary blocks with the padding stripped),
 checks that replicated parameters agree across TP ranks, transposes the weights transformers stores [in, out] (the
 family's ``hf_transposed``) and writes safetensors shards (plus ``model.safetensors.index.json`` when there is more
-than one), ``config.json``, ``generation_config.json`` and the tokenizer.  It streams layer by layer: at most one
-output shard and one layer's TP shards are in memory at a time.  Every file of the tag is checked against its
+than one), ``config.json``, ``generation_config.json`` and the tokenizer the weights were trained with (the one
+saved in the tag, ``checkpoint/tokenizer.py``).  It streams layer by layer: at most one output shard and one layer's
+TP shards are in memory at a time.  Every file of the tag is checked against its
 manifest's sha256 before any is read.  Everything is written to a temporary directory (``<out>.partial-*``) renamed
 at the end and removed on any failure, so a failed export leaves nothing.
 """
@@ -25,6 +26,7 @@ from ds_megatron.checkpoint import safe_load
 from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_context
 from ds_megatron.checkpoint.manifest import complete_tags, source_tag, verify_tag
 from ds_megatron.checkpoint.masters import MasterWeights
+from ds_megatron.checkpoint.tokenizer import check_fits, check_same, load_tokenizer, tag_tokenizer
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import saved_layout, saved_world
 from ds_megatron.fileio import staged_directory
@@ -135,7 +137,9 @@ def export(
     tokenizer_dir: str | Path | None = None,
     progress: bool = True,
     trust_checkpoint: bool = False,
+    weights_only: bool = False,
 ) -> Path:
+    """``weights_only``: write no tokenizer (``--no-tokenizer``; BOS/EOS then unset)."""
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     if dtype not in DTYPES:
         raise ConfigError("--dtype", "unknown dtype", dtype, f"use one of {sorted(DTYPES)}")
@@ -147,22 +151,19 @@ def export(
     config = run_model_config(run)
     parallel = shard_context(config, run, tp)
     limit = parse_size(max_shard_size)
+    tok = None if weights_only else export_tokenizer(ckpt_dir / tag, tokenizer_dir, config.vocab_size)
     bar = _bar(len(pipeline_layout(config).saved_layers()), progress)
     try:
         # A failed export leaves nothing: not its temporary directory, not the parents it created.
         with staged_directory(out, ".partial-") as tmp:
-            _write_hf_dir(
-                tmp, ckpt_dir, tag, config, parallel, tp, run, dtype, limit, tokenizer_dir, trust_checkpoint, bar
-            )
+            _write_hf_dir(tmp, ckpt_dir, tag, config, parallel, tp, dtype, limit, tok, trust_checkpoint, bar)
     finally:
         if bar is not None:
             bar.close()  # ends the bar's line, so that an error printed next starts on a line of its own
     return out
 
 
-def _write_hf_dir(
-    tmp: Path, ckpt_dir: Path, tag: str, config, parallel, tp: int, run, dtype, limit, tokenizer_dir, trust, bar
-):
+def _write_hf_dir(tmp: Path, ckpt_dir: Path, tag: str, config, parallel, tp: int, dtype, limit, tok, trust, bar):
     """Everything ``export`` writes, into ``tmp``."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
@@ -210,12 +211,8 @@ def _write_hf_dir(
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     hf_config = config.to_hf()
     hf_config.dtype = str(DTYPES[dtype]).removeprefix("torch.")
-    tok_dir = Path(tokenizer_dir) if tokenizer_dir else _find_tokenizer(ckpt_dir, run)
     eos = None
-    if tok_dir is not None:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(tok_dir)
+    if tok is not None:
         tok.save_pretrained(tmp)
         eos = tok.eos_token_id
     hf_config.bos_token_id = hf_config.eos_token_id = eos
@@ -224,12 +221,25 @@ def _write_hf_dir(
     GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
 
 
-def _find_tokenizer(ckpt_dir: Path, run) -> Path | None:
-    """The tokenizer the run saved: <run dir>/tokenizer, which is the checkpoint directory by default."""
-    candidates = [ckpt_dir / "tokenizer"]
-    if run.section.logging.run_dir:
-        candidates.append(Path(run.section.logging.run_dir) / "tokenizer")
-    return next((c for c in candidates if (c / "tokenizer_config.json").exists()), None)
+def export_tokenizer(tag_dir: Path, tokenizer_dir: str | Path | None, vocab_size: int):
+    """The tokenizer to ship with the tag's weights: the one saved in the tag (``checkpoint/tokenizer.py``; its files
+    were verified with the tag's), or ``--tokenizer``, which must then be the same tokenizer.  A tag without one
+    needs ``--tokenizer``; whichever is shipped must fit the model's vocabulary."""
+    saved = tag_tokenizer(tag_dir)
+    if tokenizer_dir is None and saved is None:
+        raise ConfigError(
+            "--tokenizer",
+            "the checkpoint holds no tokenizer (written before checkpoints kept theirs, or imported without one)",
+            str(tag_dir),
+            "pass --tokenizer DIR, the tokenizer its weights were trained with (--no-tokenizer: the weights alone)",
+        )
+    source = Path(tokenizer_dir) if tokenizer_dir is not None else saved
+    tok = load_tokenizer(source, "--tokenizer")
+    if tokenizer_dir is not None and saved is not None:
+        fix = f"leave out --tokenizer (the checkpoint's own is shipped) or pass {saved}"
+        check_same(tok, saved, "--tokenizer", f"{tag_dir} was trained with", fix)
+    check_fits(tok, vocab_size, "--tokenizer", source)
+    return tok
 
 
 def _bar(total: int, enabled: bool):

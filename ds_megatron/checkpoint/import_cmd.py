@@ -3,9 +3,11 @@
 The output is the step-0 tag a run of ``--config`` at that layout would load: DeepSpeed's per-layer files
 (``layer_<i>-model_<tp>-model_states.pt``) in the run's precision (bf16 or fp32), one
 ``mp_rank_<pp*tp+tp>_model_states.pt`` per model-parallel rank (counters at 0, the resolved config), ``config.json``,
-``imported.json`` (where the weights came from), ``manifest.json`` with every file's sha256, and ``latest``, written
-last and atomically.  The files are written by the offline reshard's writer (``reshard_offline._Writer``, kind
-FRESH) with the same shard rules as every other path (fused QKV by heads, vocabulary rows padded for tp).
+``imported.json`` (where the weights came from), the transformers directory's tokenizer in ``tokenizer/`` when it
+has one (refused when its ids reach past the config's vocabulary), ``manifest.json`` with every file's sha256, and
+``latest``, written last and atomically.  The files are written by the offline reshard's writer
+(``reshard_offline._Writer``, kind FRESH) with the same shard rules as every other path (fused QKV by heads,
+vocabulary rows padded for tp).
 
 Optimizer state: none is written.  A fresh DeepSpeed optimizer is a function of the weights (the BF16 optimizer's
 fp32 masters are the weights, the Adam moments zero, the step 0), so files holding it would only repeat the weights;
@@ -33,6 +35,7 @@ from ds_megatron.checkpoint.hf_import import check_hf_config, check_hf_tensors
 from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config
 from ds_megatron.checkpoint.reshard_offline import FRESH, _Writer
 from ds_megatron.checkpoint.run_state import IMPORTED, tag_for
+from ds_megatron.checkpoint.tokenizer import check_fits, has_tokenizer, load_tokenizer, save_tokenizer
 from ds_megatron.config import ConfigError, RunConfig, load_json, resolve
 from ds_megatron.config.facts import precision, saved_world
 from ds_megatron.fileio import atomic_write_text, staged_directory
@@ -62,11 +65,17 @@ def import_checkpoint(
         )
     check_hf_config(hf_dir, config, "--hf")
     source = HFSource(hf_dir, run, config)
+    tok = None
+    if has_tokenizer(hf_dir):  # the weights' tokenizer goes with them (``checkpoint/tokenizer.py``)
+        tok = load_tokenizer(hf_dir, "--hf")
+        check_fits(tok, config.vocab_size, "--hf", hf_dir)
     tag = tag_for(0)
     with staged_directory(out, ".tmp-") as tmp:  # a failure leaves no <out> and no temporary directory
         writer = _Writer(source, run, FRESH, tmp, tag, progress)
         record = {"hf_dir": str(hf_dir.resolve()), "model_type": model_type, "optimizer": "fresh", "step": 0}
         atomic_write_text(writer.dir / IMPORTED, json.dumps(record, indent=1))
+        if tok is not None:
+            save_tokenizer(tok, writer.dir)
         writer.write()  # the layer files, the mp_rank files, config.json, then the manifest listing them all
         atomic_write_text(tmp / "latest", tag)
         if out.exists():

@@ -18,6 +18,9 @@ from ds_megatron.fileio import atomic_write_text, sha256_file
 
 MANIFEST = "manifest.json"
 TAG_CONFIG = "config.json"
+# The tag's sub-directory holding the tokenizer its weights were trained with (``checkpoint/tokenizer.py``); its files
+# are listed in the manifest as ``tokenizer/<name>``, hashed and checked like the others.
+TOKENIZER_DIR = "tokenizer"
 # What the readers of a tag open: DeepSpeed's and ds_megatron's torch files, ds_megatron's JSON records.
 READ_SUFFIXES = (".pt", ".json")
 
@@ -76,13 +79,23 @@ def checksum_mismatch(tag_dir: Path, names: list[str]) -> str | None:
     return None
 
 
+def tag_files(tag_dir: Path) -> list[str]:
+    """Every file of the tag the manifest lists, by its name in the manifest: the tag's own files and its
+    tokenizer's (``tokenizer/<name>``)."""
+    names = [p.name for p in tag_dir.iterdir() if p.is_file() and p.name != MANIFEST]
+    tok = tag_dir / TOKENIZER_DIR
+    if tok.is_dir():
+        names += [f"{TOKENIZER_DIR}/{p.name}" for p in tok.iterdir() if p.is_file()]
+    return sorted(names)
+
+
 def unlisted(tag_dir: Path) -> str | None:
-    """A file a reader would open (``READ_SUFFIXES``) that the manifest does not list, or None.  Every file a save
-    writes is listed (the manifest is written after all of them), so such a file was added afterwards."""
+    """A file a reader would open (``READ_SUFFIXES`` in the tag, anything in its tokenizer directory) that the
+    manifest does not list, or None.  Every file a save writes is listed (the manifest is written after all of them),
+    so such a file was added afterwards."""
     listed = set(manifest_records(tag_dir) or {})
-    extra = sorted(
-        p.name for p in tag_dir.iterdir() if p.suffix in READ_SUFFIXES and p.name != MANIFEST and p.name not in listed
-    )
+    read = [n for n in tag_files(tag_dir) if n.startswith(f"{TOKENIZER_DIR}/") or Path(n).suffix in READ_SUFFIXES]
+    extra = [n for n in read if n not in listed]
     return f"{tag_dir.name}/{extra[0]} is not in {MANIFEST}" if extra else None
 
 

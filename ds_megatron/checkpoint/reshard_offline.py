@@ -30,12 +30,14 @@ from ds_megatron.checkpoint.manifest import (
     file_record,
     source_tag,
     tag_config,
+    tag_files,
     verify_tag,
     write_manifest,
 )
 from ds_megatron.checkpoint.masters import optimizer_files
 from ds_megatron.checkpoint.reshard import OldCheckpoint
 from ds_megatron.checkpoint.run_state import IMPORTED
+from ds_megatron.checkpoint.tokenizer import copy_tokenizer
 from ds_megatron.config import ConfigError, RunConfig, resolve
 from ds_megatron.config.facts import (
     BF16_OPTIMIZER,
@@ -95,9 +97,8 @@ def reshard_checkpoint(
         writer = _Writer(old, target, kind, tmp, tag, progress)
         if kind == FRESH:
             shutil.copy2(imported, writer.dir / IMPORTED)
+        copy_tokenizer(src / tag, writer.dir)  # the weights' tokenizer stays with them, listed in the new manifest
         writer.write()
-        if (src / "tokenizer").is_dir():  # export finds the run's tokenizer beside the tags
-            shutil.copytree(src / "tokenizer", tmp / "tokenizer")
         atomic_write_text(tmp / "latest", tag)
         if out.exists():
             raise ConfigError("--out", "appeared while resharding", str(out), "choose a new directory")
@@ -386,5 +387,5 @@ class _Writer:
             record = {**ranks, "groups": self.groups[s]}
             atomic_write_text(self.dir / f"params_rank{rank:05d}.json", json.dumps(record))
         atomic_write_text(self.dir / TAG_CONFIG, json.dumps(self.run.ds_config, indent=1))
-        files = {p.name: file_record(p) for p in sorted(self.dir.iterdir()) if p.is_file()}
+        files = {name: file_record(self.dir / name) for name in tag_files(self.dir)}
         write_manifest(self.dir, self.client.get("step", self.client.get("global_steps", 0)), files)

@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from ds_megatron.checkpoint import safe_load
 from ds_megatron.checkpoint.manifest import (
-    MANIFEST,
     TAG_CONFIG,
     complete_tags,
     corrupt_checkpoint,
@@ -39,9 +38,11 @@ from ds_megatron.checkpoint.manifest import (
     newest_complete_tag,
     shares,
     tag_config,
+    tag_files,
     tag_problem,
     write_manifest,
 )
+from ds_megatron.checkpoint.tokenizer import save_tokenizer
 from ds_megatron.config import ConfigError
 from ds_megatron.config.facts import layout_text, needs_resharding, precision, saved_cp, saved_layout
 from ds_megatron.fileio import atomic_write_text
@@ -57,10 +58,18 @@ def tag_for(step: int) -> str:
 
 
 def save_run(
-    engine, save_dir: str | Path, step: int, client_state: dict, rng: RNGTracker, keep_last: int = 0, topology=None
+    engine,
+    save_dir: str | Path,
+    step: int,
+    client_state: dict,
+    rng: RNGTracker,
+    keep_last: int = 0,
+    topology=None,
+    tokenizer=None,
 ) -> str:
     """Collective.  Writes tag ``step<N>``, its manifest, then moves ``latest`` to it.  With ``topology``, each rank
-    also records its optimizer's parameter order by name, which lets the checkpoint resume at another layout."""
+    also records its optimizer's parameter order by name, which lets the checkpoint resume at another layout; with
+    ``tokenizer`` (the run's), rank 0 writes it into the tag (``checkpoint/tokenizer.py``)."""
     root = Path(save_dir)
     tag = tag_for(step)
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
@@ -73,6 +82,8 @@ def save_run(
         atomic_write_text(root / tag / f"params_rank{rank:05d}.json", json.dumps(record))
     if rank == 0 and "config" in client_state:
         atomic_write_text(root / tag / TAG_CONFIG, json.dumps(client_state["config"], indent=1))
+    if rank == 0 and tokenizer is not None:
+        save_tokenizer(tokenizer, root / tag)
     dist.barrier()  # every rank has written its files
     seal_tag(root, tag, step, keep_last)
     return tag
@@ -82,7 +93,7 @@ def seal_tag(root: Path, tag: str, step: int, keep_last: int) -> None:
     """Collective, after every rank has written its files: the manifest, then ``latest``, then old tags go.
     Until the manifest exists the tag does not count as a checkpoint (a crash before this leaves it ignored)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    sizes = {p.name: {"bytes": p.stat().st_size} for p in (root / tag).iterdir() if p.is_file() and p.name != MANIFEST}
+    sizes = {name: {"bytes": (root / tag / name).stat().st_size} for name in tag_files(root / tag)}
     mine = {n: file_record(root / tag / n) for n in shares(sizes, world)[rank]}
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine)

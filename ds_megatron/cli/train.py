@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from ds_megatron.checkpoint.run_lock import hold_run_lock
 from ds_megatron.config import ConfigError, DsMegatronConfig, load_json, resolve
 from ds_megatron.config.deepspeed_keys import is_known_top_level, nearest_top_level, unknown_top_level_warnings
 from ds_megatron.preflight import check_run
@@ -173,6 +174,8 @@ def validate(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     try:
         args, run = validate(argv)
+        # One training per --save directory, for the run's life; refused before any process group or file exists.
+        lock = hold_run_lock(run, holder=os.environ.get("RANK", "0") == "0")
     except ConfigError as err:
         if "--debug" in (argv if argv is not None else sys.argv):
             raise
@@ -185,4 +188,5 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr, flush=True)
     from ds_megatron.trainer import train
 
-    return train(run, config_name=os.path.splitext(os.path.basename(args.deepspeed_config))[0])
+    with lock:
+        return train(run, config_name=os.path.splitext(os.path.basename(args.deepspeed_config))[0])

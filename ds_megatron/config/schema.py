@@ -191,9 +191,8 @@ class DataSection:
 class LoggingSection:
     """Console, metrics.jsonl and wandb."""
 
-    run_dir: str | None = (
-        None  # metrics.jsonl, tokenizer and resolved config go here (default: --save, else runs/<name>)
-    )
+    run_dir: str | None = None  # metrics.jsonl, loss.png, tokenizer and resolved config go here (default: --save,
+    # else a new runs/<config name>/<start time>-<pid> per run: docs/runs.md)
     wandb_project: str | None = None  # None: wandb off
     wandb_run_name: str | None = None
     wandb_tags: tuple = ()

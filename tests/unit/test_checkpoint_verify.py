@@ -175,7 +175,7 @@ def test_a_failed_export_leaves_nothing_and_prints_its_error_on_a_line_of_its_ow
     marker = tmp_path / "marker"
     ck = _tag(tmp_path / "ck", layer_payload=_WritesMarker(marker))
     out = tmp_path / "new" / "out"
-    assert checkpoint_main(["export", "--checkpoint", str(ck), "--out", str(out)]) == 2
+    assert checkpoint_main(["export", "--checkpoint", str(ck), "--out", str(out), "--no-tokenizer"]) == 2
     err = capsys.readouterr().err
     assert "exporting" in err  # the bar was on the screen
     lines = [line for line in err.split("\n") if "error:" in line]
@@ -192,7 +192,7 @@ def test_a_failed_export_leaves_nothing_and_prints_its_error_on_a_line_of_its_ow
     ck_ok = _tag(tmp_path / "ck_ok")
     monkeypatch.setattr(export, "iter_full_parameters", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        checkpoint_main(["export", "--checkpoint", str(ck_ok), "--out", str(out)])
+        checkpoint_main(["export", "--checkpoint", str(ck_ok), "--out", str(out), "--no-tokenizer"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck_ok"]
 
 

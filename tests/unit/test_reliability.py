@@ -254,6 +254,7 @@ def test_a_save_that_finds_the_disk_full_is_one_line_and_keeps_the_last_checkpoi
             ds_config={},
         ),
         built=types.SimpleNamespace(engine=None, rng=None, topology=None),
+        data=types.SimpleNamespace(tokenizer=None),
         wandb_id=None,
         skipped=0,
     )
