@@ -104,3 +104,18 @@ def test_bf16_gradients_are_reduced_in_fp32_unless_the_config_says_otherwise():
     tiny = ROOT / "ds_configs" / "gpt_tiny.json"  # fp32: DeepSpeed already reduces in fp32
     ds = deepspeed_config_for(resolve(json.loads(tiny.read_text()), intended_world_size(tiny)))
     assert "communication_data_type" not in ds
+
+
+def test_every_shipped_config_names_its_attention_kernel():
+    """The default kernel (sdpa) never decides a shipped run: the paper variant and the tiny CPU demos (selective
+    recompute of the core, the paper's, which needs the materialised softmax) name eager, the sized GPT-3 and Llama
+    configs sdpa."""
+    kernels = {
+        c.relative_to(ROOT / "ds_configs").as_posix(): json.loads(c.read_text())["ds_megatron"]["model"].get(
+            "attention"
+        )
+        for c in [*CONFIGS, PAPER_175B]
+    }
+    eager = {"paper/gpt3_175b_a100.json", "gpt_tiny.json", "llama_tiny.json"}
+    assert {name for name, kernel in kernels.items() if kernel == "eager"} == eager
+    assert all(kernel == "sdpa" for name, kernel in kernels.items() if name not in eager), kernels
