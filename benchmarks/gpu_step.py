@@ -29,8 +29,8 @@ from ds_megatron.data import MicroBatchStream, PackedSamples  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
 from ds_megatron.flops import executed_flops_per_step, model_flops_per_step  # noqa: E402
 from ds_megatron.memory import activation_bytes_per_layer  # noqa: E402
+from ds_megatron.metrics import lookup_peak_tflops  # noqa: E402
 
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
 # (attention kernel, recompute policy, selective recompute modules)
 CONFIGS = (
     ("eager", "none", ()),
@@ -47,8 +47,7 @@ def peak_tflops(override: float | None) -> float | None:
         return override
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return lookup_peak_tflops(torch.cuda.get_device_name())
 
 
 def ds_config(args, policy: str, kernel: str, modules: tuple = ()) -> dict:
@@ -104,9 +103,7 @@ def measure(args, policy: str, kernel: str, modules: tuple, peak: float | None) 
     step = statistics.median(times)
     b, s, h, a, n, v = args.micro_batch, args.seq, args.hidden, args.heads, args.layers, args.vocab
     model_flops = model_flops_per_step(b, s, n, h, v)
-    # Only core_attn re-runs matmuls; the other modules recompute elementwise functions.
-    executed = "none" if policy == "selective" and "core_attn" not in modules else policy
-    hw_flops = executed_flops_per_step(b, s, n, h, v, executed)
+    hw_flops = executed_flops_per_step(b, s, n, h, v, policy, recompute_modules=modules)
     result = {
         "step_ms": 1000 * step,
         "tokens_s": b * s / step,

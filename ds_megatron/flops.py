@@ -1,8 +1,8 @@
 """L3: analytic FLOPs (Narayanan et al. 2021; Korthikanti et al. 2022), for every model family.  Pure Python.
 
-Matmul FLOPs only (2 per multiply-add; norms, rotary embedding, softmax and activation functions are left out);
-backward costs twice the forward.  Per layer forward, with kv = k d the width of K and V (k KV heads of d = h / a;
-kv = h without grouped-query attention) and F the MLP width:
+Matmul FLOPs only (2 per multiply-add; norms, rotary embedding, softmax and activation functions are left out, so
+recomputing the MLP activation or the norms adds none); backward costs twice the forward.  Per layer forward, with
+kv = k d the width of K and V (k KV heads of d = h / a; kv = h without grouped-query attention) and F the MLP width:
 - GPT (``family="gpt2"``, kv = h, F = 4h): QKV 6bsh^2 + QK^T 2bs^2h + xV 2bs^2h + projection 2bsh^2 + MLP (fc1 and
   fc2) 16bsh^2 = 24bsh^2 + 4bs^2h (Narayanan et al. 2021, sec. 5.1).
 - Llama (``family="llama"``): q 2bsh^2, k and v 2 x 2bsh kv, o_proj 2bsh^2, QK^T and xV 4bs^2h (grouped-query
@@ -14,6 +14,7 @@ whether the output layer is tied to the embedding or not.  A family gives its ML
 
 from __future__ import annotations
 
+from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, RECOMPUTE_MODULES
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
 
 
@@ -75,6 +76,17 @@ def model_flops_per_step(
     return 3.0 * (layers * layer_forward_flops(batch, s, h, **block) + logits_forward_flops(batch, s, h, vocab))
 
 
+def recomputed_module_forward_flops(module: str, b: int, s: int, h: int) -> float:
+    """Matmul FLOPs one block spends re-running one selective-recompute module (``config.RECOMPUTE_MODULES``):
+    ``core_attn`` its QK^T and x V; ``mlp_act`` (GELU or SwiGLU's gate) and ``layernorm`` (the norms) are elementwise,
+    a few FLOPs per element (about b s F and b s h), no matmul: 0 here, as the model FLOPs leave them out too."""
+    if module == "core_attn":
+        return core_attention_forward_flops(b, s, h)
+    if module in ("mlp_act", "layernorm"):
+        return 0.0
+    raise ValueError(f"unknown recompute module {module!r}; use one of {RECOMPUTE_MODULES}")
+
+
 def executed_flops_per_step(
     batch: int,
     s: int,
@@ -84,20 +96,23 @@ def executed_flops_per_step(
     recompute: str = "none",
     recomputed_layers: int | None = None,
     *,
+    recompute_modules: tuple[str, ...] = (),
     family: str = DEFAULT_FAMILY,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     intermediate_size: int | None = None,
 ) -> float:
     """Model FLOPs plus recomputation: full re-runs the forward of ``recomputed_layers`` layers (all by default),
-    selective re-runs the core attention of every layer.  The numerator of HFU."""
+    selective re-runs the ``recompute_modules`` of every layer (empty: ``DEFAULT_SELECTIVE_MODULES``, the core
+    attention), each at its own matmul FLOPs (``recomputed_module_forward_flops``).  The numerator of HFU."""
     block = dict(family=family, num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size)
     flops = model_flops_per_step(batch, s, layers, h, vocab, **block)
     if recompute == "full":
         n = layers if recomputed_layers is None else recomputed_layers
         flops += n * layer_forward_flops(batch, s, h, **block)
     elif recompute == "selective":
-        flops += layers * core_attention_forward_flops(batch, s, h)
+        modules = tuple(recompute_modules) or DEFAULT_SELECTIVE_MODULES
+        flops += layers * sum(recomputed_module_forward_flops(m, batch, s, h) for m in modules)
     elif recompute != "none":
         raise ValueError(f"unknown recompute policy {recompute!r}")
     return flops

@@ -14,16 +14,39 @@ import os
 import sys
 from pathlib import Path
 
+from ds_megatron import gpus
+from ds_megatron.config.schema import RecomputeSection
 from ds_megatron.flops import executed_flops_per_step, model_flops_per_step
 
-# Dense bf16 peak TFLOP/s per GPU (vendor datasheets).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
+_UNKNOWN_GPUS_TOLD: set[str] = set()  # device names the user was already told have no peak (one message each)
 
 
 def lookup_peak_tflops(device_name: str | None) -> float | None:
-    if not device_name:
-        return None
-    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+    """The dense bf16 peak of ``device_name`` (``ds_megatron.gpus``), or None: on CPU (no name) silently, for a GPU the
+    table does not know with a one-time message naming the setting that supplies it."""
+    peak = gpus.peak_tflops(device_name)
+    if peak is None and device_name and device_name not in _UNKNOWN_GPUS_TOLD:
+        _UNKNOWN_GPUS_TOLD.add(device_name)
+        print(
+            f"ds_megatron: no dense bf16 peak known for GPU {device_name!r}: MFU and HFU are not reported; pass "
+            "--peak-tflops (ds_megatron.logging.peak_tflops) with its dense bf16 TFLOP/s to get them",
+            file=sys.stderr,
+            flush=True,
+        )
+    return peak
+
+
+def recompute_fields(recompute: RecomputeSection, pp: int, num_layers: int) -> dict:
+    """What ``throughput`` needs to know of a run's recompute: the policy, the layers full recompute re-runs (all,
+    or with method ``block`` its first ``num_layers`` per stage) and the modules selective recompute re-runs."""
+    recomputed_layers = None
+    if recompute.policy == "full" and recompute.method == "block":
+        recomputed_layers = min(recompute.num_layers * pp, num_layers)
+    return {
+        "recompute": recompute.policy,
+        "recomputed_layers": recomputed_layers,
+        "recompute_modules": recompute.selective_modules,
+    }
 
 
 def throughput(
@@ -37,12 +60,24 @@ def throughput(
     recompute: str,
     recomputed_layers: int | None,
     peak_tflops: float | None,
+    recompute_modules: tuple[str, ...] = (),
     **block: str | int | None,
 ) -> dict:
-    """tokens/s, model TFLOP/s per GPU, MFU and HFU (None without a peak).  ``block``: the family's shape fields
+    """tokens/s, model TFLOP/s per GPU, MFU and HFU (None without a peak).  ``recompute_modules``: what selective
+    recompute re-runs (empty: the default, core_attn); ``block``: the family's shape fields
     (``ds_megatron.flops.block_fields(run.model)``; none for GPT)."""
     model = model_flops_per_step(global_batch, seq, layers, hidden, vocab, **block)
-    executed = executed_flops_per_step(global_batch, seq, layers, hidden, vocab, recompute, recomputed_layers, **block)
+    executed = executed_flops_per_step(
+        global_batch,
+        seq,
+        layers,
+        hidden,
+        vocab,
+        recompute,
+        recomputed_layers,
+        recompute_modules=recompute_modules,
+        **block,
+    )
     tflops = model / step_seconds / num_gpus / 1e12
     return {
         "tokens_per_s": global_batch * seq / step_seconds,

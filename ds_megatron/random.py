@@ -11,7 +11,8 @@ coincide: additive offsets (seed + 100 pp + 1009 dp, + 2718 + tp) made the tenso
 dp 0) equal the default stream of (pp 7, dp 2) at tp 8 pp 8 dp 16.
 
 ``fork(name)`` swaps a state in for a ``with`` block and saves its advance on exit.  Recompute replays a region by
-restoring the states captured before it (``get_states`` / ``set_states``).
+restoring the states captured before it (``get_states`` / ``set_states``; without a tracker, the global generators
+of ``global_rng_states``: the CPU's and the current CUDA device's).
 """
 
 from __future__ import annotations
@@ -85,6 +86,23 @@ class RNGTracker:
 
     def load_state_dict(self, states: dict[str, torch.Tensor]) -> None:
         self.set_states(states)
+
+
+def global_rng_states() -> dict[str, torch.Tensor]:
+    """The global generators a region run without a tracker may draw from: the CPU's and, once CUDA is in use
+    (initialised), the current device's, which every dropout on a CUDA tensor draws from (the CPU's alone would
+    leave a recompute's CUDA masks unreplayed)."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        states["cuda"] = _get_global("cuda")
+    return states
+
+
+def set_global_rng_states(states: dict[str, torch.Tensor]) -> None:
+    """Restore what ``global_rng_states`` captured."""
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        _set_global("cuda", states["cuda"])
 
 
 def _seed_device(device_type: str, seed: int) -> None:

@@ -17,8 +17,8 @@ Policies (``recompute`` in the config):
 
 The checkpoint is a reentrant autograd Function: forward runs without a graph and saves only the inputs (so memory
 accounting with saved-tensor hooks sees exactly what is kept); backward restores every RNG state captured before
-the forward (default and tensor-parallel), recomputes, and backpropagates.  Dropout masks are therefore replayed
-bit for bit.
+the forward (default and tensor-parallel; without a tracker the CPU's and the current CUDA device's generators),
+recomputes, and backpropagates.  Dropout masks are therefore replayed bit for bit.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from collections.abc import Callable
 
 import torch
 
-from ds_megatron.random import RNGTracker
+from ds_megatron.random import RNGTracker, global_rng_states, set_global_rng_states
 
 
 class _Recompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_fn, rng, *inputs):
         ctx.run_fn, ctx.rng = run_fn, rng
-        ctx.rng_states = rng.get_states() if rng is not None else {"cpu": torch.get_rng_state()}
+        ctx.rng_states = rng.get_states() if rng is not None else global_rng_states()
         ctx.save_for_backward(*inputs)
         with torch.no_grad():
             return run_fn(*inputs)
@@ -43,7 +43,7 @@ class _Recompute(torch.autograd.Function):
     def backward(ctx, *grads):
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         rng = ctx.rng
-        current = rng.get_states() if rng is not None else {"cpu": torch.get_rng_state()}
+        current = rng.get_states() if rng is not None else global_rng_states()
         _restore(rng, ctx.rng_states)
         try:
             with torch.enable_grad():
@@ -60,7 +60,7 @@ def _restore(rng: RNGTracker | None, states: dict) -> None:
     if rng is not None:
         rng.set_states(states)
     else:
-        torch.set_rng_state(states["cpu"])
+        set_global_rng_states(states)
 
 
 def checkpoint(run_fn: Callable[..., torch.Tensor], *inputs: torch.Tensor, rng: RNGTracker | None) -> torch.Tensor:

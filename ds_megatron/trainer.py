@@ -29,7 +29,14 @@ from ds_megatron.data.prepare import RunData, prepare_data
 from ds_megatron.engine import Built, build_engine, init_distributed
 from ds_megatron.flops import block_fields
 from ds_megatron.generate import Decoder
-from ds_megatron.metrics import MetricsLogger, WandbRun, format_record, lookup_peak_tflops, throughput
+from ds_megatron.metrics import (
+    MetricsLogger,
+    WandbRun,
+    format_record,
+    lookup_peak_tflops,
+    recompute_fields,
+    throughput,
+)
 from ds_megatron.pipeline_schedule import schedule_of
 from ds_megatron.plot import read_records, write_loss_plot
 from ds_megatron.stop import StopFlag
@@ -188,10 +195,7 @@ class Trainer:
         return record
 
     def metrics(self, step: int, lr: float, norm: float, window: LogWindow) -> dict:
-        run, recompute = self.run, self.run.section.recompute
-        recomputed_layers = None
-        if recompute.policy == "full" and recompute.method == "block":
-            recomputed_layers = min(recompute.num_layers * run.pp, run.model.num_layers)
+        run = self.run
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
         peak = run.section.logging.peak_tflops or lookup_peak_tflops(device_name)
         seconds = window.seconds_per_step()
@@ -211,9 +215,8 @@ class Trainer:
                 run.model.hidden_size,
                 run.model.vocab_size,
                 run.world_size,
-                recompute.policy,
-                recomputed_layers,
-                peak,
+                peak_tflops=peak,
+                **recompute_fields(run.section.recompute, run.pp, run.model.num_layers),
                 **block_fields(run.model),
             ),
         }

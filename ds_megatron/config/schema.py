@@ -91,7 +91,9 @@ class ModelSection:
     seq_length: int | None = None  # training sequence length (s); also the position table size by default
     max_position_embeddings: int | None = None  # rows of the learned position table (>= seq_length)
     dropout: float = 0.1  # every dropout of the family's block (a Llama has only the attention's)
-    attention: str = "eager"  # "eager" (materialised softmax, the paper's setting) or "sdpa"
+    # "sdpa" (torch's fused kernels: on a GPU flash or memory-efficient attention, no s x s tensor) or "eager" (the
+    # materialised softmax of the paper's tables, whose s x s scores a GPU holds per head and micro-batch)
+    attention: str = "sdpa"
     layer_norm_epsilon: float = 1e-5  # the norms' epsilon (LayerNorm's or RMSNorm's rms_norm_eps)
     init_std: float = 0.02  # std of the normal init; residual projections use init_std / sqrt(2 L)
     # chosen by a family without fixed_kv_and_width (config.shape.CHOSEN; refused for the others):

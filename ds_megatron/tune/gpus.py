@@ -1,11 +1,13 @@
 """GPU presets for ``python -m ds_megatron.tune --gpu NAME``, from NVIDIA's datasheets: memory in GiB as the device
-reports it, the dense bf16 Tensor Core peak (half the datasheets' 2:4-sparse figure), bandwidths in GB/s per GPU and
-per direction, one NIC per GPU as in NVIDIA's reference systems.  The figures' sources are in docs/tuner.md, "GPU
-presets".  Standard library only, so that anything in the package can import the table."""
+reports it, the dense bf16 Tensor Core peak (``ds_megatron.gpus``, the one table MFU reads too), bandwidths in GB/s
+per GPU and per direction, one NIC per GPU as in NVIDIA's reference systems.  The figures' sources are in
+docs/tuner.md, "GPU presets".  Standard library only, so that anything in the package can import the table."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ds_megatron.gpus import DENSE_BF16_TFLOPS as PEAK
 
 
 @dataclass(frozen=True)
@@ -23,11 +25,11 @@ class GpuPreset:
 GPUS: dict[str, GpuPreset] = {
     p.name: p
     for p in (
-        GpuPreset("a100-40gb", 40, 312, 1555, 300, 25),  # A100 SXM4 40GB, NVLink 3
-        GpuPreset("a100-80gb", 80, 312, 2039, 300, 25),  # A100 SXM4 80GB, NVLink 3
-        GpuPreset("h100-sxm", 80, 989, 3350, 450, 50),  # H100 SXM5 80GB, NVLink 4
-        GpuPreset("h100-pcie", 80, 756, 2000, 64, 25),  # H100 PCIe 80GB, PCIe Gen5 in the node
-        GpuPreset("h200", 140, 989, 4800, 450, 50),  # H200 SXM 141 GB (decimal) = 140 GiB, NVLink 4
+        GpuPreset("a100-40gb", 40, PEAK["a100"], 1555, 300, 25),  # A100 SXM4 40GB, NVLink 3
+        GpuPreset("a100-80gb", 80, PEAK["a100"], 2039, 300, 25),  # A100 SXM4 80GB, NVLink 3
+        GpuPreset("h100-sxm", 80, PEAK["h100-sxm"], 3350, 450, 50),  # H100 SXM5 80GB, NVLink 4
+        GpuPreset("h100-pcie", 80, PEAK["h100-pcie"], 2000, 64, 25),  # H100 PCIe 80GB, PCIe Gen5 in the node
+        GpuPreset("h200", 140, PEAK["h200"], 4800, 450, 50),  # H200 SXM 141 GB (decimal) = 140 GiB, NVLink 4
     )
 }
 DEFAULT_GPU = "a100-80gb"  # the tuner's defaults when neither --gpu nor the explicit flags are given

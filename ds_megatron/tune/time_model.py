@@ -358,15 +358,15 @@ def dp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate) -> float:
 
 def job_flops(model: ModelShape, global_batch_size: int, cand: Candidate | None = None) -> float:
     """FLOPs the whole job runs per step: the model's (for MFU), or with ``cand`` its recomputation included (HFU)."""
-    policy, recomputed = "none", None
+    policy, recomputed, modules = "none", None, ()
     if cand is not None and cand.recompute == "full":
         n = stage_blocks(model, cand)
         policy, recomputed = "full", min(model.num_layers, _recomputed_blocks(cand, n) * cand.pp)
-    elif cand is not None and recomputes_core(cand):  # selective's other modules are elementwise: no matmul FLOPs
-        policy = "selective"
+    elif cand is not None and cand.recompute == "selective":  # each module at its own FLOPs (flops.py)
+        policy, modules = "selective", cand.recompute_modules
     m = model
     args = (global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size, policy, recomputed)
-    return executed_flops_per_step(*args, **block_fields(m))
+    return executed_flops_per_step(*args, recompute_modules=modules, **block_fields(m))
 
 
 def step_time(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch_size: int) -> StepTime:

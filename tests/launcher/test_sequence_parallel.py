@@ -22,14 +22,16 @@ LAYOUTS = {2: "2,1,1", 4: "2,2,1"}
 
 
 def _runs(nprocs: int):
-    """At 2 processes the SP parity run at tp 2 and the bf16 runs, at 4 the SP parity run at tp 2 x pp 2 and the
-    collective count."""
+    """At 2 processes the SP parity run at tp 2 and the bf16 runs (SP at tp 2, then the gradient reduction at dp 2),
+    at 4 the SP parity run at tp 2 x pp 2 and the collective count."""
 
     def runs(out) -> list[str]:
         sub = out / ("bf16" if nprocs == 2 else "collectives")
         sub.mkdir()
         other = (
-            f"bf16_sp.py --out {sub} --sp-grad-sync step,micro_batch" if nprocs == 2 else f"collectives.py --out {sub}"
+            f"bf16_sp.py --out {sub} --sp-grad-sync step,micro_batch --dp-reduction"
+            if nprocs == 2
+            else f"collectives.py --out {sub}"
         )
         return [f"parity.py --out {out} --layouts {LAYOUTS[nprocs]} --sequence-parallel --steps 5", other]
 
@@ -119,6 +121,18 @@ def test_bf16_zero1_path_keeps_sp_replicated_weights_identical(launches):
     for name, values in step["replicated"].items():
         diff = max(abs(x - y) for x, y in zip(values, micro["replicated"][name]))
         assert diff <= 0.02, (name, diff)  # a few bf16 ulps of weights near 1 after 5 updates
+
+
+def test_bf16_data_parallel_gradients_are_summed_in_fp32():
+    """bf16 + ZeRO-1 with fp32 gradient accumulation at dp 2: DeepSpeed's one gradient all-reduce over its
+    data-parallel group carries every parameter's gradient in fp32 (left to DeepSpeed's default it copies them to
+    bf16 and sums those); the only other all-reduce there is the step's fp32 loss."""
+    out = LAUNCHES[0]()  # the 2-process launch alone
+    for rank in (0, 1):
+        r = json.loads((out / "bf16" / f"bf16-dp-reduce.rank{rank}.json").read_text())
+        assert r["dp"] == 2
+        grads = [(dtype, n) for dtype, n in r["all_reduces"] if n > 1]
+        assert grads == [("float32", r["params"])], r["all_reduces"]
 
 
 def test_tp_collectives_per_step_are_the_stated_count(launches):

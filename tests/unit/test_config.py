@@ -166,6 +166,20 @@ def test_good_config_resolves():
     assert (run.micro_batch_size, run.grad_accum_steps, run.global_batch_size) == (2, 2, 8)
 
 
+def test_attention_kernel_defaults_to_sdpa():
+    """A config that names no kernel runs sdpa (on a GPU flash or memory-efficient attention: no s x s scores held
+    per head and micro-batch, as eager holds them); eager stays one setting away.  Selective recompute with its
+    default module, core_attn, then needs eager and says so."""
+    assert resolve(copy.deepcopy(BASE), 8).model.attention == "sdpa"
+    cfg, world = with_changes(ds_megatron__model__attention="eager")
+    assert resolve(cfg, world).model.attention == "eager"
+    cfg, world = with_changes(ds_megatron__recompute={"policy": "selective"})
+    with pytest.raises(ConfigError, match=r"modules=\['core_attn'\] \(the default\), attention=sdpa"):
+        resolve(cfg, world)
+    cfg, world = with_changes(ds_megatron__recompute={"policy": "selective", "modules": ["mlp_act"]})
+    assert resolve(cfg, world).section.recompute.selective_modules == ("mlp_act",)
+
+
 def test_batch_arithmetic_fills_the_missing_key():
     cfg = copy.deepcopy(BASE)
     del cfg["gradient_accumulation_steps"]

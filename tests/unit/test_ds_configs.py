@@ -81,3 +81,41 @@ def test_paper_variant_resolves_for_its_1024_a100s():
     assert (run.tp, run.pp, run.dp, run.micro_batch_size, run.grad_accum_steps) == (8, 8, 16, 1, 96)
     assert run.section.parallel.sequence_parallel and run.section.recompute.policy == "selective"
     assert run.model.attention == "eager" and run.model.num_layers == 96 and run.model.hidden_size == 12288
+
+
+def test_bf16_gradients_are_reduced_in_fp32_unless_the_config_says_otherwise():
+    """DeepSpeed all-reduces the BF16 optimizer's fp32-accumulated gradients over dp x cp in
+    communication_data_type, the model's dtype when unset (bf16); the DeepSpeed config ds_megatron hands it sets fp32
+    for every shipped bf16 config, keeps a user's own value, and leaves runs without the BF16 optimizer alone."""
+    from ds_megatron.engine import deepspeed_config_for
+
+    bf16 = [c for c in [*CONFIGS, PAPER_175B] if (json.loads(c.read_text()).get("bf16") or {}).get("enabled")]
+    assert len(bf16) >= 13
+    for config in bf16:
+        cfg = json.loads(config.read_text())
+        assert "communication_data_type" not in cfg, config.name
+        notes: list[str] = []
+        ds = deepspeed_config_for(resolve(cfg, intended_world_size(config)), notes)
+        assert ds["communication_data_type"] == "fp32", config.name
+        assert any("communication_data_type fp32" in n for n in notes), notes
+        for own in ("bf16", "fp32"):
+            mine = deepspeed_config_for(resolve({**cfg, "communication_data_type": own}, intended_world_size(config)))
+            assert mine["communication_data_type"] == own
+    tiny = ROOT / "ds_configs" / "gpt_tiny.json"  # fp32: DeepSpeed already reduces in fp32
+    ds = deepspeed_config_for(resolve(json.loads(tiny.read_text()), intended_world_size(tiny)))
+    assert "communication_data_type" not in ds
+
+
+def test_every_shipped_config_names_its_attention_kernel():
+    """The default kernel (sdpa) never decides a shipped run: the paper variant and the tiny CPU demos (selective
+    recompute of the core, the paper's, which needs the materialised softmax) name eager, the sized GPT-3 and Llama
+    configs sdpa."""
+    kernels = {
+        c.relative_to(ROOT / "ds_configs").as_posix(): json.loads(c.read_text())["ds_megatron"]["model"].get(
+            "attention"
+        )
+        for c in [*CONFIGS, PAPER_175B]
+    }
+    eager = {"paper/gpt3_175b_a100.json", "gpt_tiny.json", "llama_tiny.json"}
+    assert {name for name, kernel in kernels.items() if kernel == "eager"} == eager
+    assert all(kernel == "sdpa" for name, kernel in kernels.items() if name not in eager), kernels

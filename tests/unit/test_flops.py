@@ -62,6 +62,8 @@ def test_llama_recompute_and_the_gpt_default():
     assert full - model == pytest.approx(L * layer_forward_flops(B, s, h, **llama))
     selective = executed_flops_per_step(B, s, L, h, V, "selective", **llama)
     assert selective - model == pytest.approx(4 * B * s**2 * h * L)  # the same core: every query head is scored
+    explicit = executed_flops_per_step(B, s, L, h, V, "selective", recompute_modules=("core_attn",), **llama)
+    assert explicit == selective  # no modules named: the default, core_attn
     # A GPT block is the default; stating its fixed fields changes nothing, bit for bit.
     gpt = dict(family="gpt2", num_heads=16, num_kv_heads=16, intermediate_size=4 * h)
     assert model_flops_per_step(B, s, L, h, V, **gpt) == model_flops_per_step(B, s, L, h, V)
@@ -80,3 +82,25 @@ def test_mfu_inputs_follow_the_resolved_shape():
     assert block_fields(shape) == LLAMA_8B
     t = throughput(2.0, 8, 8192, 32, 4096, 128256, 4, "none", None, 989.0, **block_fields(shape))
     assert t["tflops_per_gpu"] == pytest.approx(model_flops_per_step(8, 8192, 32, 4096, 128256, **LLAMA_8B) / 8e12)
+
+
+def test_selective_counts_only_the_modules_it_recomputes():
+    """HFU counts each recomputed module at its own matmul FLOPs: the shipped Llama 3 8B configs recompute the MLP
+    activation (8k) or the norms (128k), elementwise functions with no matmul, so their HFU equals their MFU; the
+    core attention, counted whatever the modules, overstated it by 35.2 of 474.4 TFLOP per sequence at 8k (7.4%)
+    and 9.0 of 32.9 PFLOP at 128k (27.4%)."""
+    L, h, V = 32, 4096, 128256
+    for s, shipped in ((8192, ("mlp_act",)), (131072, ("layernorm",))):
+        model = model_flops_per_step(1, s, L, h, V, **LLAMA_8B)
+        for modules in (shipped, ("mlp_act", "layernorm")):
+            got = executed_flops_per_step(1, s, L, h, V, "selective", recompute_modules=modules, **LLAMA_8B)
+            assert got == model, (s, modules)
+    core_8k = 32 * 4 * 8192**2 * 4096  # 32 layers x QK^T and x V: 35,184,372,088,832
+    model_8k = model_flops_per_step(1, 8192, L, h, V, **LLAMA_8B)
+    with_core = executed_flops_per_step(
+        1, 8192, L, h, V, "selective", recompute_modules=("core_attn", "mlp_act"), **LLAMA_8B
+    )
+    assert with_core - model_8k == core_8k == 35_184_372_088_832
+    assert round(core_8k / model_8k, 3) == 0.074
+    with pytest.raises(ValueError, match="unknown recompute module 'attn'"):
+        executed_flops_per_step(1, 8192, L, h, V, "selective", recompute_modules=("attn",), **LLAMA_8B)

@@ -16,6 +16,7 @@ LEVELS = {
     "families": 0,
     "config": 0.2,
     "fileio": 0.5,
+    "gpus": 0.5,
     "topology": 1,
     "random": 1,
     "model": 1.5,
@@ -40,7 +41,7 @@ LEVELS = {
     "trainer": 4.5,
     "cli": 5,
 }
-STDLIB_ONLY = {"config", "fileio"}  # the family records: test_the_family_registry_and_records_import_no_torch
+STDLIB_ONLY = {"config", "fileio", "gpus"}  # the family records: test_the_family_registry_and_records_import_no_torch
 NO_DISTRIBUTED = {"model"}
 # The model package's files that the config, the tuner and the analytic formulas import without torch: the registry,
 # the family record type, and each family's record (its config, sizes, plan, layout and terms).

@@ -132,3 +132,31 @@ def test_recompute_modules_compose_with_sdpa():
     cfg = {"train_micro_batch_size_per_gpu": 1, "ds_megatron": {"model": model}}
     cfg["ds_megatron"]["recompute"] = {"policy": "selective", "modules": ["mlp_act", "layernorm"]}
     assert resolve(cfg, 1).section.recompute.modules == ("mlp_act", "layernorm")
+
+
+def test_recompute_without_a_tracker_replays_the_cuda_generator(monkeypatch):
+    """Without a tracker (rng=None) the checkpoint captures the global generators, the current CUDA device's too
+    once CUDA is in use: every dropout on a CUDA tensor draws from it, so capturing the CPU's alone would draw a new
+    mask in the recompute.  Here torch.cuda's RNG is a stand-in generator and CUDA reports itself initialised; the
+    region draws its "CUDA dropout" mask from it: backward must see the forward's mask and leave the generator where
+    the forward left it."""
+    import torch
+
+    from ds_megatron.recompute import checkpoint
+
+    fake_cuda = torch.Generator().manual_seed(5)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": fake_cuda.get_state())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": fake_cuda.set_state(state))
+
+    def region(x):  # dropout as CUDA runs it: the mask comes from the device's generator
+        return x * (torch.rand(x.shape, generator=fake_cuda) > 0.5)
+
+    x = torch.ones(64, requires_grad=True)
+    y = checkpoint(region, x, rng=None)
+    after_forward = fake_cuda.get_state()
+    mask = y.detach()  # the forward's mask (x is ones)
+    assert 0 < mask.sum() < 64
+    y.sum().backward()
+    assert torch.equal(x.grad, mask)
+    assert torch.equal(fake_cuda.get_state(), after_forward)
