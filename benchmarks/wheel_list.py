@@ -1,6 +1,6 @@
 """Names for benchmarks/gpu_wheels.sh (standard library only, so it runs before anything is installed).
 
-    python benchmarks/wheel_list.py requires WHEEL   # the wheel's runtime requirements, one a line (no extras, no torch)
+    python benchmarks/wheel_list.py requires WHEEL   # its runtime requirements, one a line (less extras and torch)
     python benchmarks/wheel_list.py pins WHEEL...    # name==version of each wheel file, one a line
 
 ``requires`` reads deepspeed's own Requires-Dist, so the wheels fetched for it follow its release instead of a copied

@@ -41,7 +41,8 @@ LEVELS = {
     "trainer": 4.5,
     "cli": 5,
 }
-STDLIB_ONLY = {"config", "fileio", "versions"}  # the family records: test_the_family_registry_and_records_import_no_torch
+# the family records (test_the_family_registry_and_records_import_no_torch) and the version check
+STDLIB_ONLY = {"config", "fileio", "versions"}
 NO_DISTRIBUTED = {"model"}
 # The model package's files that the config, the tuner and the analytic formulas import without torch: the registry,
 # the family record type, and each family's record (its config, sizes, plan, layout and terms).
