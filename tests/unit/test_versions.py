@@ -32,7 +32,7 @@ def fake_versions(**installed):
 def test_pyproject_declares_the_bounds_of_versions_py():
     # the quoted requirement lines of [project] dependencies (tomllib is Python 3.11+, the package supports 3.10)
     text = (ROOT / "pyproject.toml").read_text()
-    by_name = {m[1]: m[1] + m[2] for m in re.findall(r'^\s*"([a-z]+)([<>=!~][^"]*)",', text, re.M)}
+    by_name = {name: name + bounds for name, bounds in re.findall(r'^\s*"([a-z]+)([<>=!~][^"]*)",', text, re.M)}
     for name, requirement in versions.REQUIREMENTS.items():
         assert by_name[name] == requirement, (name, by_name[name], requirement)
 
