@@ -10,7 +10,9 @@ What sets each bound (read in the code and the packages' documentation, not run 
   ``torch._C._autograd._top_saved_tensors_default_hooks``, which torch 2.8 added (older releases have no way to read
   the hook stack, as compatibility layers of other projects record); ``F.scaled_dot_product_attention(enable_gqa=)``
   and ``torch.serialization.safe_globals`` (the weights-only checkpoint reader) need 2.5.  The flash kernels that
-  ``parallel.cp_kernels`` calls (``aten._scaled_dot_product_flash_attention[_for_cpu][_backward]``) exist from 2.3.
+  ``parallel.cp_kernels`` calls (``aten._scaled_dot_product_flash_attention[_for_cpu][_backward]``) and the
+  collectives used (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``get_global_rank``,
+  ``batch_isend_irecv``) are older than 2.5; nothing uses ``torch._grouped_mm`` or ``torch.nn.attention``.
 - deepspeed 0.19.x (>= 0.19.3): the pipeline engine is driven through about 70 private names (``_INSTRUCTION_MAP``,
   ``_exec_*`` methods, ``_hp_grad``, ``DualPipeVEngine``), checked on 0.19.8 only; older 0.19 releases mis-scale
   pipeline gradients under gradient accumulation.  0.20 and later are refused until tested.
