@@ -1,6 +1,8 @@
 """One-GPU step benchmark behind benchmarks/gpu_check.sh (also runs on CPU with --tiny, as a smoke test).
 
     deepspeed --num_gpus 1 benchmarks/gpu_step.py [--layers 8] [--micro-batch 2] [--markdown OUT.md] [--tiny]
+    python benchmarks/gpu_step.py --config sdpa:full --rows ROWS.jsonl      (one configuration per process)
+    python benchmarks/gpu_step.py --rows ROWS.jsonl --markdown OUT.md      (the table of those processes' results)
 
 A GPT-3 1.3B-shaped model (h 2048, 16 heads, s 2048, V 50257; fewer layers than 24 to fit the time) in bf16 with
 ZeRO-1 and fp32 gradient accumulation, trained through the real ds_megatron pipeline engine for each attention
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import statistics
 import sys
@@ -128,6 +131,30 @@ def fmt(x, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def label(policy: str, modules: tuple) -> str:
+    return f"{policy}[{','.join(modules)}]" if modules and modules != ("core_attn",) else policy
+
+
+def config_name(kernel: str, policy: str) -> str:
+    """The name ``--config`` takes (kernel:policy), one per CONFIGS entry."""
+    return f"{kernel}:{policy}"
+
+
+def table_row(kernel: str, policy: str, modules: tuple, r: dict | None) -> str:
+    if r is None:
+        return (
+            f"| {kernel} | {label(policy, modules)} | no result: the run failed or ran out of time (see its log) |"
+            + (" |" * 6)
+        )
+    if "refused" in r:
+        return f"| {kernel} | {label(policy, modules)} | refused: {r['refused']} | | | | | | |"
+    return (
+        f"| {kernel} | {label(policy, modules)} | {r['step_ms']:.1f} | {r['tokens_s']:,.0f} | {fmt(r['mfu'], '.1%')} | "
+        f"{fmt(r['hfu'], '.1%')} | {fmt(r['peak_gib'], '.2f')} | {fmt(r['step_growth_gib'], '.2f')} | "
+        f"{r['predicted_act_gib']:.2f} |"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -140,6 +167,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--peak-tflops", type=float, help="device peak (bf16 dense); known GPUs are looked up")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: a tiny shape, one measured step")
+    names = [config_name(kernel, policy) for kernel, policy, _ in CONFIGS]
+    ap.add_argument("--config", choices=names, help="measure this configuration only and append it to --rows")
+    ap.add_argument(
+        "--rows",
+        help="with --config: the JSON-lines file its result is appended to; alone: the "
+        "file whose results make the table (a configuration without one is reported as failed)",
+    )
     ap.add_argument("--markdown")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
@@ -147,7 +181,24 @@ def main() -> None:
         args.layers, args.hidden, args.heads, args.seq, args.vocab = 2, 64, 4, 32, 300
         args.micro_batch, args.warmup, args.steps = 2, 1, 1
     peak = peak_tflops(args.peak_tflops)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if args.config:  # one configuration in this process (gpu_check.sh: peak memory of one engine alone)
+        kernel, policy, modules = CONFIGS[names.index(args.config)]
+        r = measure(args, policy, kernel, modules, peak)
+        if rank0 and args.rows:
+            with open(args.rows, "a") as f:
+                f.write(json.dumps({"config": args.config, "result": r, "device": device_name(), "peak": peak}) + "\n")
+        return
+    if args.rows:  # the table of the per-process results
+        rows = [json.loads(line) for line in open(args.rows)] if os.path.exists(args.rows) else []
+        results = {row["config"]: row["result"] for row in rows}
+        device, peak = (rows[0]["device"], rows[0]["peak"]) if rows else ("unknown", None)
+    else:
+        results = {
+            name: measure(args, policy, kernel, modules, peak)
+            for name, (kernel, policy, modules) in zip(names, CONFIGS)
+        }
+        device = device_name()
     lines = [
         f"GPT-3 1.3B shape with {args.layers} layers: h={args.hidden} a={args.heads} s={args.seq} V={args.vocab} "
         f"b={args.micro_batch}, bf16, ZeRO-1, dropout 0.1; {device}, peak {fmt(peak, '.0f')} TFLOP/s; median of "
@@ -157,17 +208,7 @@ def main() -> None:
         "predicted layer activations (GiB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for kernel, policy, modules in CONFIGS:
-        label = f"{policy}[{','.join(modules)}]" if modules and modules != ("core_attn",) else policy
-        r = measure(args, policy, kernel, modules, peak)
-        if "refused" in r:
-            lines.append(f"| {kernel} | {label} | refused: {r['refused']} | | | | | | |")
-            continue
-        lines.append(
-            f"| {kernel} | {label} | {r['step_ms']:.1f} | {r['tokens_s']:,.0f} | {fmt(r['mfu'], '.1%')} | "
-            f"{fmt(r['hfu'], '.1%')} | {fmt(r['peak_gib'], '.2f')} | {fmt(r['step_growth_gib'], '.2f')} | "
-            f"{r['predicted_act_gib']:.2f} |"
-        )
+    lines += [table_row(k, p, m, results.get(name)) for name, (k, p, m) in zip(names, CONFIGS)]
     lines += [
         "",
         "Step growth = peak during the measured steps minus memory held between steps (weights, gradients, optimizer "
@@ -175,12 +216,18 @@ def main() -> None:
         "and kernel workspace, which the per-layer prediction leaves out.",
     ]
     table = "\n".join(lines)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank0:
         print(table, flush=True)
         if args.markdown:
             with open(args.markdown, "w") as f:
                 f.write(f"# GPU check\n\n{datetime.date.today().isoformat()}, `bash benchmarks/gpu_check.sh`\n\n")
                 f.write(table + "\n")
+    if len(results) < len(CONFIGS):
+        raise SystemExit(1)
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ PKG = Path(__file__).resolve().parents[2] / "ds_megatron"
 # the model package's standard-library part (FAMILY_RECORD_FILES), below the config that reads its names and rules;
 # "model" is the rest of the package (the torch side).
 LEVELS = {
+    "versions": 0,  # the supported versions, checked by the package's __init__ (standard library only)
     "families": 0,
     "config": 0.2,
     "fileio": 0.5,
@@ -41,7 +42,8 @@ LEVELS = {
     "trainer": 4.5,
     "cli": 5,
 }
-STDLIB_ONLY = {"config", "fileio", "gpus"}  # the family records: test_the_family_registry_and_records_import_no_torch
+# the family records (test_the_family_registry_and_records_import_no_torch), the GPU peaks and the version check
+STDLIB_ONLY = {"config", "fileio", "gpus", "versions"}
 NO_DISTRIBUTED = {"model"}
 # The model package's files that the config, the tuner and the analytic formulas import without torch: the registry,
 # the family record type, and each family's record (its config, sizes, plan, layout and terms).
