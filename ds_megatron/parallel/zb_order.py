@@ -132,7 +132,11 @@ def zb_h2_candidates(p: int, m: int, costs: Costs = BUILD_COSTS) -> list[tuple[t
     activations), then the list schedules built for ``costs``, greedy and keeping time for the next gradient (see
     :func:`_build`).  The memory model counts the most any of them keeps (``memory.stage_activations_in_flight``,
     ``memory.stage_deferred_w_passes``)."""
-    return [zb_h1_streams(p, m)] + [_build(p, m, costs, wait_for_grad) for wait_for_grad in (False, True)]
+    return [zb_h1_streams(p, m)] + [
+        pair_links(_build(p, m, costs, wait_for_grad), early)
+        for wait_for_grad in (False, True)
+        for early in (False, True)
+    ]
 
 
 @functools.lru_cache(maxsize=256)
@@ -210,6 +214,51 @@ def _build(p: int, m: int, costs: Costs, wait_for_grad: bool) -> tuple[tuple[tup
             break
         now = min(ends)
     return tuple(tuple(stream) for stream in streams)
+
+
+def pair_links(streams: tuple[tuple[tuple, ...], ...], receive_early: bool) -> tuple[tuple[tuple, ...], ...]:
+    """``streams`` with each stage's gradient sends and activation receives ordered as NCCL's p2p can take them
+    (``parallel.p2p_rendezvous``); the compute order and the upstream stages' p2p order unchanged.
+
+    NCCL runs the sends and receives between two ranks in posting order on one stream, and a send of a real
+    activation or gradient completes only when the peer posts its receive; so both ranks of a link must post its
+    messages in one order.  The list schedule places each send right after the pass that produced it, which gloo
+    runs but NCCL may not: stage s runs F(k) (sending activation k) before B(j) (receiving gradient j) while stage
+    s + 1 runs B(j) (sending gradient j) before F(k) (receiving activation k): both sends wait for receives queued
+    behind the other's send, and neither rank moves.  The upstream stage's order is the link's order here: stage
+    s + 1 receives every activation that stage s sends before asking for gradient j before it sends gradient j,
+    either by sending gradient j later, after the receive where the order has it (``receive_early`` False: the
+    stage computes on, but stage s may wait for the gradient), or by receiving those activations earlier, right
+    after B(j) (True: stage s gets the gradient as soon as both are there, but stage s + 1 waits for the
+    activation before it computes on).  Neither is a cycle: stage s sent those activations before it asks for
+    gradient j, and an isend holds back neither the compute nor the other link.  Which costs less depends on the
+    costs: :func:`zb_h2_streams` times both."""
+    out = list(streams)
+    for s in range(len(streams) - 1):
+        acts_sent = 0  # activations stage s sent so far; they go in micro-batch order
+        acts_before = []  # [j]: activations stage s sends before asking for gradient j
+        for op in streams[s]:
+            acts_sent += op[0] == "SA"
+            if op[0] == "RG":
+                acts_before.append(acts_sent)
+        ops = [op for op in streams[s + 1] if op[0] != "SG" and not (receive_early and op[0] == "RA")]
+        stream: list[tuple] = []
+        received = backward = sent = 0  # activations received, B passes run, gradients sent by stage s + 1
+        for op in ops:
+            while receive_early and op[0] in ("LOAD", "F") and received <= op[1]:
+                stream.append(("RA", received))  # where the list schedule receives it, unless received earlier
+                received += 1
+            stream.append(op)
+            received += op[0] == "RA"
+            backward += op[0] == "B"
+            while sent < backward and (receive_early or acts_before[sent] <= received):
+                while received < acts_before[sent]:
+                    stream.append(("RA", received))
+                    received += 1
+                stream.append(("SG", sent))
+                sent += 1
+        out[s + 1] = tuple(stream)
+    return tuple(out)
 
 
 def num_buffers(stream: tuple[tuple, ...]) -> int:
