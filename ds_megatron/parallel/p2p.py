@@ -6,7 +6,9 @@ peer sleeps 0.5 s before its receive blocks the whole 0.5 s).  A stage that runs
 warm-up forwards, ZB-H1's W passes while the peer computes, DualPipeV's two phases) then stalls in each send
 instead of moving on to its next pass.  DeepSpeed's DualPipeV batches its sends and receives
 (``batch_isend_irecv``) but waits for the whole batch at each ``CommitP2P``: its sends block the same way.  (NCCL's
-send does not block the host; Megatron-LM issues isend/irecv.)
+send does not block the host; Megatron-LM issues isend/irecv.  It does hold back, until the peer receives it, every
+later operation between the two ranks: ``parallel.p2p_rendezvous`` checks every schedule's order against that, as
+:meth:`AsyncSendSteps.p2p_posts` derives it from the instructions the engine runs.)
 
 :class:`PendingSends` is the one owner of an async send and of its wait.  Each send is an ``isend`` whose handle is
 kept with a second reference to the tensor's storage (``detach()``: DeepSpeed's receive of the gradient of a
