@@ -6,7 +6,9 @@ peer sleeps 0.5 s before its receive blocks the whole 0.5 s).  A stage that runs
 warm-up forwards, ZB-H1's W passes while the peer computes, DualPipeV's two phases) then stalls in each send
 instead of moving on to its next pass.  DeepSpeed's DualPipeV batches its sends and receives
 (``batch_isend_irecv``) but waits for the whole batch at each ``CommitP2P``: its sends block the same way.  (NCCL's
-send does not block the host; Megatron-LM issues isend/irecv.)
+send does not block the host; Megatron-LM issues isend/irecv.  It does hold back, until the peer receives it, every
+later operation between the two ranks: ``parallel.p2p_rendezvous`` checks every schedule's order against that, as
+:meth:`AsyncSendSteps.p2p_posts` derives it from the instructions the engine runs.)
 
 :class:`PendingSends` is the one owner of an async send and of its wait.  Each send is an ``isend`` whose handle is
 kept with a second reference to the tensor's storage (``detach()``: DeepSpeed's receive of the gradient of a
@@ -43,6 +45,8 @@ from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ds_megatron.parallel import p2p_rendezvous as rendezvous
 
 
 class PendingSends:
@@ -146,6 +150,56 @@ class AsyncSendSteps:
         schedule.SendGrad: _exec_send_grads,
         schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
     }
+
+    # DeepSpeed's p2p instructions: (send or receive, the peer's stage offset in phase 0, what they carry).
+    # Phase 1 (DualPipeV's way back) flows the other way.
+    P2P_INSTRUCTIONS = {
+        schedule.SendActivation: (rendezvous.SEND, +1, "act"),
+        schedule.RecvActivation: (rendezvous.RECV, -1, "act"),
+        schedule.SendGrad: (rendezvous.SEND, -1, "grad"),
+        schedule.RecvGrad: (rendezvous.RECV, +1, "grad"),
+    }
+
+    @classmethod
+    def p2p_posts(cls, pipe_schedule) -> list[rendezvous.Batch]:
+        """The p2p operations an engine of this class posts while it runs ``pipe_schedule`` (its instructions, in
+        order), peers as stage ids, for ``parallel.p2p_rendezvous``.  Each send is an isend nobody waits for until
+        the step's end; the first activation sent on each link carries the shape metadata first (an isend too; its
+        receive blocks).  1F1B's engine receives with a blocking ``recv`` at each receive instruction;
+        DualPipeV's queues every send and receive until the next commit and posts them as one
+        ``batch_isend_irecv``, which NCCL returns as one handle, so :meth:`PendingSends.commit` waits for all of
+        it.  A message is (kind, micro-batch count on its link) under 1F1B, (kind, pipe buffer) under DualPipeV,
+        whose buffers (phase * m + micro-batch) are numbered alike on every rank."""
+        batched = issubclass(cls, DualPipeVEngine)
+        stage, posts, queued, counts, meta_sent, meta_received = pipe_schedule.stage_id, [], [], {}, set(), set()
+        for cmds in pipe_schedule.steps():
+            for cmd in cmds:
+                if isinstance(cmd, schedule.CommitP2P) and queued:
+                    posts.append(rendezvous.Batch(tuple(queued), wait="all", batched=True))
+                    queued = []
+                if type(cmd) not in cls.P2P_INSTRUCTIONS:
+                    continue
+                kind, offset, carries = cls.P2P_INSTRUCTIONS[type(cmd)]
+                phase = getattr(cmd, "phase", 0)
+                peer = stage + (offset if phase == 0 else -offset)
+                if batched:
+                    message = (carries, cmd.buffer_id)
+                else:
+                    message = (carries, counts.setdefault((kind, carries), 0))
+                    counts[(kind, carries)] += 1
+                if carries == "act" and kind == rendezvous.SEND and (peer not in meta_sent):
+                    meta_sent.add(peer)
+                    posts.append(rendezvous.send(peer, ("meta", phase)))
+                if carries == "act" and kind == rendezvous.RECV and (peer not in meta_received):
+                    meta_received.add(peer)
+                    posts.append(rendezvous.recv(peer, ("meta", phase)))
+                if batched:
+                    queued.append(rendezvous.Op(kind, peer, message))
+                elif kind == rendezvous.SEND:
+                    posts.append(rendezvous.send(peer, message))
+                else:
+                    posts.append(rendezvous.recv(peer, message))
+        return posts
 
     @classmethod
     def install(cls, engine, *args) -> None:

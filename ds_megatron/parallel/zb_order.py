@@ -19,9 +19,12 @@ inputs, and a set of streams runs to the end unless its receives wait on each ot
 refuses those).  ZB-H2's order is made by running the stages against each other under that model: a list schedule
 of the compute (B first, then F within its limit, then a W when nothing else can run, or when the stage holds more
 than its limit of them), each receive placed just before the pass that needs it and each send just after the pass
-that produced it.  Of two such list schedules and ZB-H1's own order, :func:`zb_h2_streams` keeps the fastest under
-the costs given: ZB-H2 falls back to ZB-H1's order (1F1B's activations in flight) wherever the list schedule
-finds nothing faster, so it is never predicted slower than ZB-H1.
+that produced it, then each link's messages put in one order on both its stages (:func:`pair_links`: NCCL runs a
+pair's sends and receives in posting order and a send waits for its receive, ``parallel.p2p_rendezvous``; in such an
+order a receive waits only for its send, so :func:`makespan` times NCCL's p2p too).  Of four such list schedules
+and ZB-H1's own order, :func:`zb_h2_streams` keeps the fastest under the costs given: ZB-H2 falls back to ZB-H1's
+order (1F1B's activations in flight) wherever the list schedules find nothing faster, so it is never predicted
+slower than ZB-H1.
 
 An op is a tuple: ("F" | "B" | "LOAD" | "SA" | "RA" | "SG" | "RG", micro-batch) or ("W",).  SA/RA: send and
 receive an activation (downstream), SG/RG: a gradient (upstream); LOAD: the first and last stages' input or labels.
@@ -130,9 +133,11 @@ def _zb_h1_stage(p: int, m: int, s: int) -> tuple[tuple, ...]:
 def zb_h2_candidates(p: int, m: int, costs: Costs = BUILD_COSTS) -> list[tuple[tuple[tuple, ...], ...]]:
     """The orders ZB-H2 chooses from: ZB-H1's first (the fallback, and the first of equals: it keeps the fewest
     activations), then the list schedules built for ``costs``, greedy and keeping time for the next gradient (see
-    :func:`_build`).  The memory model counts the most any of them keeps (``memory.stage_activations_in_flight``,
+    :func:`_build`), each with its links paired both ways (:func:`pair_links`).  The memory model counts the most
+    any of them keeps (``memory.stage_activations_in_flight``,
     ``memory.stage_deferred_w_passes``)."""
-    return [zb_h1_streams(p, m)] + [_build(p, m, costs, wait_for_grad) for wait_for_grad in (False, True)]
+    builds = [_build(p, m, costs, wait_for_grad) for wait_for_grad in (False, True)]
+    return [zb_h1_streams(p, m)] + [pair_links(streams, early) for streams in builds for early in (False, True)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -210,6 +215,55 @@ def _build(p: int, m: int, costs: Costs, wait_for_grad: bool) -> tuple[tuple[tup
             break
         now = min(ends)
     return tuple(tuple(stream) for stream in streams)
+
+
+def pair_links(streams: tuple[tuple[tuple, ...], ...], receive_early: bool) -> tuple[tuple[tuple, ...], ...]:
+    """``streams`` with each stage's gradient sends and activation receives ordered as NCCL's p2p can take them
+    (``parallel.p2p_rendezvous``); the compute order and the upstream stages' p2p order unchanged.
+
+    NCCL runs the sends and receives between two ranks in posting order on one stream, and a send of a real
+    activation or gradient completes only when the peer posts its receive; so both ranks of a link must post its
+    messages in one order.  The list schedule places each send right after the pass that produced it, which gloo
+    runs but NCCL may not: stage s runs F(k) (sending activation k) before B(j) (receiving gradient j) while stage
+    s + 1 runs B(j) (sending gradient j) before F(k) (receiving activation k): both sends wait for receives queued
+    behind the other's send, and neither rank moves.  The upstream stage's order is the link's order here: stage
+    s + 1 receives every activation that stage s sends before asking for gradient j before it sends gradient j,
+    either by sending gradient j later, after the receive where the order has it (``receive_early`` False: the
+    stage computes on, but stage s may wait for the gradient), or by receiving those activations earlier, right
+    after B(j) (True: stage s gets the gradient as soon as both are there, but stage s + 1 waits for the
+    activation before it computes on).  Neither is a cycle: stage s sent those activations before it asks for
+    gradient j, and an isend holds back neither the compute nor the other link.  Which costs less depends on the
+    costs: :func:`zb_h2_streams` times both (the third way, stage s sending activation k after the gradients that
+    stage s + 1 sends before receiving it, won no case over 728 cost sets and shapes at pp 2-8, m 4-32).  Neither
+    always matches the unpaired order's time under free transfers: with F 1, B 0.875, W 0.625 at pp 2, m 4, stage
+    1 sends gradient 0 while stage 0 still runs F(2) with activation 1 sent, and that gradient cannot leave before
+    stage 0 asks for it, so activation 1 (queued behind it) arrives late: 11.125 against 11.0."""
+    out = list(streams)
+    for s in range(len(streams) - 1):
+        acts_sent = 0  # activations stage s sent so far; they go in micro-batch order
+        acts_before = []  # [j]: activations stage s sends before asking for gradient j
+        for op in streams[s]:
+            acts_sent += op[0] == "SA"
+            if op[0] == "RG":
+                acts_before.append(acts_sent)
+        ops = [op for op in streams[s + 1] if op[0] != "SG" and not (receive_early and op[0] == "RA")]
+        stream: list[tuple] = []
+        received = backward = sent = 0  # activations received, B passes run, gradients sent by stage s + 1
+        for op in ops:
+            while receive_early and op[0] in ("LOAD", "F") and received <= op[1]:
+                stream.append(("RA", received))  # where the list schedule receives it, unless received earlier
+                received += 1
+            stream.append(op)
+            received += op[0] == "RA"
+            backward += op[0] == "B"
+            while sent < backward and (receive_early or acts_before[sent] <= received):
+                while received < acts_before[sent]:
+                    stream.append(("RA", received))
+                    received += 1
+                stream.append(("SG", sent))
+                sent += 1
+        out[s + 1] = tuple(stream)
+    return tuple(out)
 
 
 def num_buffers(stream: tuple[tuple, ...]) -> int:

@@ -217,22 +217,25 @@ class ZeroBubbleH2PipelineEngine(ZeroBubblePipelineEngine):
     def _exec_optimizer_step(self, lr_kwargs=None):
         super()._exec_optimizer_step(lr_kwargs)
         if self._zb_timing is not None:
-            self.zb_costs = agreed_costs(self._zb_timing, self.stage_id, self.num_stages)
+            self.zb_costs = agreed_costs(self._zb_timing, self.stage_id, self.num_stages, self.device)
             self._zb_timing = None
 
 
-def agreed_costs(timing: dict, stage: int, num_stages: int) -> tuple:
+def agreed_costs(timing: dict, stage: int, num_stages: int, device: torch.device | str = "cpu") -> tuple:
     """Per stage (T_F, T_B, T_W): the median seconds of each kind of pass (robust to a pass the machine delayed),
     averaged over the stage's ranks (every rank adds its own to its stage's row of one all-reduce over all ranks, so
     every rank gets the same numbers and builds the same order), relative to the largest and rounded to 3
-    significant digits; equal costs where a stage timed nothing."""
+    significant digits; equal costs where a stage timed nothing.  The all-reduce runs on ``device``, the engine's
+    (NCCL has no CPU tensors: "No backend type associated with device type cpu")."""
     table = torch.zeros(num_stages, 6, dtype=torch.float64)
     for i, kind in enumerate(("F", "B", "W")):
         if timing[kind]:
             table[stage, 2 * i] = statistics.median(timing[kind])
             table[stage, 2 * i + 1] = 1.0
     if torch.distributed.is_initialized():
+        table = table.to(device)
         torch.distributed.all_reduce(table)
+        table = table.cpu()
     means = table[:, 0::2] / table[:, 1::2].clamp(min=1.0)
     if not bool((means > 0).all()):
         return BUILD_COSTS

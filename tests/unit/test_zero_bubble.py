@@ -349,6 +349,35 @@ def test_agreed_costs_are_each_stages_medians_on_every_rank(monkeypatch):
     assert zero_bubble.agreed_costs(mine, 0, 2) == ((0.5, 0.5, 0.25), (1.0, 0.75, 0.5))
 
 
+def test_agreed_costs_all_reduce_runs_on_the_engines_device(monkeypatch):
+    """NCCL has no CPU tensors ("No backend type associated with device type cpu"): the table the engine hands to
+    the all-reduce after step 1 lives on the device the engine declares (``meta`` stands in for a GPU here)."""
+    import torch
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from ds_megatron.parallel.zero_bubble import ZeroBubbleH2PipelineEngine
+
+    class Reached(Exception):
+        pass
+
+    devices = []
+
+    def all_reduce(table, *args, **kwargs):
+        devices.append(table.device)
+        raise Reached  # a meta tensor cannot come back; the device is what is checked
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(PipelineEngine, "_exec_optimizer_step", lambda self, lr_kwargs=None: None)
+    engine = ZeroBubbleH2PipelineEngine.__new__(ZeroBubbleH2PipelineEngine)
+    engine.weight_grad_queue, engine.stage_id, engine.num_stages = [], 0, 2
+    engine.device = torch.device("meta")
+    engine._zb_timing = {"F": [1.0], "B": [1.0], "W": [0.5]}
+    with pytest.raises(Reached):
+        engine._exec_optimizer_step()
+    assert devices == [torch.device("meta")]
+
+
 def test_received_gradients_are_not_overwritten_by_the_next_receive(monkeypatch):
     """DeepSpeed receives every gradient into one buffer; a W pass queued across the next receive (ZB-H2, and ZB-H1
     at pp > 2) keeps the gradient it was given, so the engine hands DeepSpeed its own buffer back, never the copy."""
