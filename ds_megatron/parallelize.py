@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.overrides import TorchFunctionMode
 
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, RecomputeSection
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, Family, ModelConfig, family_of
 from ds_megatron.model.family import COLUMN, OUTPUT, POSITION, ROW, VOCAB, PlanRow
-from ds_megatron.model.layers import BlockHooks, RMSNorm, compose, contiguous_positions, project_each, run_core
+from ds_megatron.model.layers import BlockHooks, RMSNorm, Slices, compose, contiguous_positions, project_each, run_core
 from ds_megatron.parallel.cp import position_ranges
 from ds_megatron.parallel.cp_comm import cp_attention
 from ds_megatron.random import TENSOR_PARALLEL, RNGTracker
@@ -39,6 +40,7 @@ from ds_megatron.tensor_parallel import (
     VocabParallelOutput,
     grouped_column_linear,
     padded_vocab_size,
+    shard,
 )
 
 
@@ -62,6 +64,7 @@ class ParallelContext:
     cp_rank: int = 0
     cp_size: int = 1
     cp_comm: str = "ring"  # "ring" or "a2a" (ds_megatron.parallel.cp_comm)
+    init_weights: bool = True  # False: the weights are loaded next (--init-from-hf), so none is drawn (zeros)
 
     def positions(self, seq_len: int) -> tuple[tuple[int, int], ...]:
         """The global positions of this rank's ``seq_len`` local tokens ([start, stop) ranges): the load-balanced
@@ -90,16 +93,95 @@ class ParallelContext:
 def shard_rule(name: str, ctx: ParallelContext) -> ShardRule:
     """The shard rule of one full parameter (its Hugging Face name), read off the family's plan table; used by the
     layers' construction, checkpoints (export, resharding, HF import) and tests."""
-    row = ctx.family.row(name)
-    if row is None:
+    dim = ctx.family.split_dim(name)
+    if dim is None:
         return REPLICATED
-    if row.style == COLUMN:
-        return ShardRule(dim=0, fused=row.fused)
-    if row.style == ROW and name.endswith(".weight"):
-        return ShardRule(dim=1)
+    row = ctx.family.row(name)
     if row.style in (VOCAB, OUTPUT):
         return ShardRule(dim=0, padded_size=ctx.padded_vocab_size, unpadded_size=ctx.config.vocab_size)
-    return REPLICATED
+    return ShardRule(dim=dim, fused=row.fused)
+
+
+def shard_slices(ctx: ParallelContext) -> Slices:
+    """This rank's slices of every full parameter (``model.layers.Slices``): along the TP split dim, the global
+    indices of the rows (or columns) its shard holds, cut by the parameter's own rule (:func:`shard` of the indices,
+    so fused q|k|v blocks and vocabulary padding come out as they do for the weights); replicated ones whole."""
+
+    def slices(name: str, param: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        rule = shard_rule(name, ctx)
+        if rule.replicated:
+            return 0, None
+        full = rule.unpadded_size or param.shape[rule.dim] * ctx.tp.size
+        ids = torch.arange(1, full + 1)  # shifted by one: the padding shard() appends is 0, so -1 below
+        return rule.dim, shard(ids, ShardRule(0, rule.fused, rule.padded_size), ctx.tp.rank, ctx.tp.size) - 1
+
+    return slices
+
+
+# The random fills a module's default initialisation runs (nn.Linear's kaiming uniform, nn.Embedding's N(0, 1)).
+DEFAULT_INIT_DRAWS = {
+    torch.Tensor.normal_,
+    torch.Tensor.uniform_,
+    *(getattr(nn.init, f) for f in ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_")),
+    *(getattr(nn.init, f) for f in ("xavier_uniform_", "xavier_normal_")),
+}
+
+
+class _WithoutDefaultInit(TorchFunctionMode):
+    """Modules built inside keep their parameters' storage as allocated: every default random fill is skipped
+    (each parameter is initialised by name afterwards, so the default draws were thrown away)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in DEFAULT_INIT_DRAWS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
+def _replace_parameters(module: nn.Module, make) -> None:
+    """Swap every parameter ``p`` of ``module`` for ``make(p)`` (None: keep), keeping the attributes set on it."""
+    for sub in module.modules():
+        for key, param in sub._parameters.items():
+            new = make(param) if param is not None else None
+            if new is not None:
+                new.__dict__.update(param.__dict__)  # the TP / SP marks the parallel layers set
+                sub._parameters[key] = new
+
+
+def _shape_only(param: nn.Parameter) -> nn.Parameter:
+    """A parameter of ``param``'s shape whose elements all share one value's storage: cutting it costs only the
+    shard's copy, reading no memory (an untouched full tensor's pages would each be faulted in)."""
+    return nn.Parameter(param.new_empty(1).expand(param.shape), param.requires_grad)
+
+
+def _owned(param: nn.Parameter) -> nn.Parameter | None:
+    """Storage of its own for a parameter still on a :func:`_shape_only` one (a module the plan keeps whole)."""
+    if param.untyped_storage().nbytes() >= param.numel() * param.element_size():
+        return None
+    return nn.Parameter(torch.empty(param.shape, dtype=param.dtype), param.requires_grad)
+
+
+def build_shard(path: str, build_full, parallelize, ctx: ParallelContext, seed: int) -> nn.Module:
+    """This rank's parallel module of the full module ``build_full()`` at ``path`` (``parallelize(full)``), holding
+    the single-device model's initial values of its parameters, without drawing the full module: it is built without
+    its default initialisation and cut by the plan as shapes only (:func:`_shape_only`), then each parameter of the
+    shard draws only its own slices (:func:`shard_slices`), the values the full tensor has there.  Drawing every
+    full tensor on every rank (twice: the default init, then by name) and slicing cost each rank the whole model's
+    draws (t times its shard's; ~11 billion at 175B, pp 16).  With ``ctx.init_weights`` False (weights loaded next)
+    the parameters are zeros and nothing is drawn."""
+    with _WithoutDefaultInit():
+        full = build_full()
+    _replace_parameters(full, _shape_only)
+    module = parallelize(full)
+    _replace_parameters(module, _owned)
+    if ctx.init_weights:
+        prefix = f"{path}." if path else ""
+        ctx.family.torch_side().init(module, ctx.config, seed, prefix, shard_slices(ctx))
+    else:
+        with torch.no_grad():
+            for param in module.parameters():
+                param.zero_()
+    return module
 
 
 def sp_dropout(drop: nn.Dropout, ctx: ParallelContext) -> nn.Module:

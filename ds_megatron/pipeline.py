@@ -1,7 +1,7 @@
 """L3.5: the model as a ``deepspeed.pipe.PipelineModule``, for every model family.
 
-Layers, in order (each built only on the stage that owns it, from full single-device weights initialised by name,
-then sharded by the family's plan), for GPT-2 / Llama:
+Layers, in order (each built only on the stage that owns it, as this rank's shard of the family's plan, holding the
+single-device model's initial values there: ``parallelize.build_shard``), for GPT-2 / Llama:
 
     embedding        wte (tied) / embed_tokens (tied when the model ties)   ids [b, s] -> [s, b, h] ([s/t, b, h] SP)
     positions        learned positions + embedding dropout (wpe; none with rotary positions)
@@ -19,6 +19,7 @@ module path each layer holds is the family's ``layout``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from ds_megatron.config.schema import RecomputeSection
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, ModelConfig, family_of
 from ds_megatron.model.family import LayoutTable
 from ds_megatron.model.layers import TiedEmbedding, positions_tensor
-from ds_megatron.parallelize import ParallelContext, parallelize_block, parallelize_module, sp_dropout
+from ds_megatron.parallelize import ParallelContext, build_shard, parallelize_block, parallelize_module, sp_dropout
 from ds_megatron.random import RNGTracker
 from ds_megatron.recompute import checkpoint
 from ds_megatron.tensor_parallel import vocab_parallel_cross_entropy
@@ -156,12 +157,12 @@ def join_boundary(hidden: torch.Tensor, documents: tuple[torch.Tensor, ...]):
     return (hidden, *documents) if documents else hidden
 
 
-def keep_slot(layer: nn.Module, slot: tuple[str, str], full: nn.Module, config: ModelConfig, seed, ctx) -> None:
-    """Initialise the full module at ``slot`` (its path in the model, the attribute the layer keeps it under) by
-    name, shard it by the plan and keep it as ``layer.<attr>``, so checkpoint keys read like the model's."""
+def keep_slot(layer: nn.Module, slot: tuple[str, str], build_full, seed: int, ctx: ParallelContext) -> None:
+    """Keep this rank's shard of the module ``build_full()`` at ``slot`` (its path in the model, the attribute the
+    layer keeps it under), cut by the plan and initialised by name (``build_shard``: only the shard is drawn), as
+    ``layer.<attr>``, so checkpoint keys read like the model's."""
     path, layer.attr = slot
-    family_of(config).torch_side().init(full, config, seed, prefix=path + ".")
-    setattr(layer, layer.attr, parallelize_module(path, full, ctx))
+    setattr(layer, layer.attr, build_shard(path, build_full, lambda m: parallelize_module(path, m, ctx), ctx, seed))
 
 
 class EmbeddingPipe(nn.Module):
@@ -169,8 +170,8 @@ class EmbeddingPipe(nn.Module):
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
-        full = TiedEmbedding(config.vocab_size, config.n_embd)
-        keep_slot(self, family_of(config).layout.embedding, full, config, seed, ctx)
+        full = functools.partial(TiedEmbedding, config.vocab_size, config.n_embd)
+        keep_slot(self, family_of(config).layout.embedding, full, seed, ctx)
 
     def forward(self, inputs):
         """ids [b, s] -> [s, b, h] (SP: [s/t, b, h]); with packed documents (ids, doc_ids, positions) -> (hidden,
@@ -189,8 +190,8 @@ class OutputPipe(nn.Module):
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
-        full = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        keep_slot(self, family_of(config).layout.output, full, config, seed, ctx)
+        full = functools.partial(nn.Linear, config.n_embd, config.vocab_size, bias=False)
+        keep_slot(self, family_of(config).layout.output, full, seed, ctx)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.attr)(hidden)
@@ -201,8 +202,8 @@ class PositionEmbeddingPipe(nn.Module):
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
-        full = nn.Embedding(config.n_positions, config.n_embd)
-        keep_slot(self, family_of(config).layout.positions, full, config, seed, ctx)
+        full = functools.partial(nn.Embedding, config.n_positions, config.n_embd)
+        keep_slot(self, family_of(config).layout.positions, full, seed, ctx)
         self.drop = sp_dropout(nn.Dropout(config.embd_pdrop), ctx)
         self.seq_factor = ctx.tp.size if ctx.sp else 1
         self.positions = ctx.positions
@@ -226,10 +227,9 @@ class BlockPipe(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_idx: int):
         super().__init__()
         family = family_of(config)
-        modeling = family.torch_side()
-        block = modeling.block(config)
-        modeling.init(block, config, seed, prefix=f"{family.block_prefix}{layer_idx}.")
-        self.block = parallelize_block(block, ctx)
+        block = functools.partial(family.torch_side().block, config)
+        path = f"{family.block_prefix}{layer_idx}"
+        self.block = build_shard(path, block, lambda b: parallelize_block(b, ctx), ctx, seed)
         self.layer_idx = layer_idx
 
     def forward(self, inputs):
@@ -243,7 +243,8 @@ class FinalNormPipe(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
         super().__init__()
         family = family_of(config)
-        keep_slot(self, family.layout.final_norm, family.torch_side().final_norm(config), config, seed, ctx)
+        norm = functools.partial(family.torch_side().final_norm, config)
+        keep_slot(self, family.layout.final_norm, norm, seed, ctx)
 
     def forward(self, inputs) -> torch.Tensor:
         return getattr(self, self.attr)(split_boundary(inputs)[0])  # nothing after it needs the documents

@@ -149,7 +149,10 @@ def load_run(
         raise ConfigError("--load", "checkpoint could not be loaded", f"{root}/{tag}", "check the directory")
     rng_file = root / tag / f"rng_rank{dist.get_rank():05d}.pt"
     if rng_file.exists():
-        rng.load_state_dict(safe_load.load(rng_file, setting="--load", fix=UNSAFE_FIX))
+        states = safe_load.load(rng_file, setting="--load", fix=UNSAFE_FIX)
+        reseeded = rng.load_state_dict(states, step=(client_state or {}).get("step", 0))
+        if reseeded and dist.get_rank() == 0:
+            print(f"warning: {reseeded}", file=sys.stderr, flush=True)
     elif imported:
         if dist.get_rank() == 0:
             print(f"{root}/{tag} was imported from transformers: the optimizer starts afresh at step 0", flush=True)

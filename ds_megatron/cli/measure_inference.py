@@ -159,7 +159,9 @@ def one_request(model, plan: dict, batch: int, request: int, collective: bool, c
         result = model(**inputs, use_cache=True)
         if cuda:
             torch.cuda.synchronize()
-        seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        # on the model's device: NCCL reduces CUDA tensors only (a CPU one fails "No backend type associated with
+        # device type cpu"); on CPU the model's device is the CPU, as gloo wants
+        seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
         if collective:
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         return result, float(seconds)

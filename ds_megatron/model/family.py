@@ -157,6 +157,17 @@ class Family:
             module = module[len(self.block_prefix) :].split(".", 1)[-1]
         return next((r for r in self.plan if r.path == module), None)
 
+    def split_dim(self, name: str) -> int | None:
+        """The dim along which TP splits the full parameter ``name``: 0 for column-parallel weights and biases and
+        the vocabulary tables (output rows), 1 for a row-parallel weight (input columns); None when replicated.
+        Initialisation draws along it too (``model.layers.seeded_normal_``), so a shard draws only its own slices."""
+        row = self.row(name)
+        if row is None:
+            return None
+        if row.style in (COLUMN, VOCAB, OUTPUT):
+            return 0
+        return 1 if row.style == ROW and name.endswith(".weight") else None
+
     def hf_shape_fields(self) -> dict[str, str]:
         """transformers' config.json keys -> ``config.ModelShape`` fields, through the family's config fields."""
         return {

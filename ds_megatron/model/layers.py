@@ -75,7 +75,9 @@ class Modeling(NamedTuple):
     model: type  # the single-device model: Model(config, seed)
     block: type  # one transformer block: Block(config, hooks=BlockHooks())
     final_norm: Callable[[Any], nn.Module]  # final_norm(config): the norm after the blocks
-    init: Callable[..., None]  # init(module, config, seed, prefix): parameters initialised by full name
+    # init(module, config, seed, prefix, slices=None): parameters initialised by full name (``slices``: which of the
+    # full parameter's slices the module holds; None: all, the single-device model)
+    init: Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -189,17 +191,40 @@ class TiedEmbedding(nn.Embedding):
         return F.linear(x, self.weight)
 
 
+# Where a parameter's initial values come from, given its full name and the tensor to fill: (the dim its slices run
+# along, the global indices of its slices along that dim, -1 for a padding slice left zero; None: all, 0..n-1).
+Slices = Callable[[str, torch.Tensor], tuple[int, torch.Tensor | None]]
+
+
+def whole(family: Any) -> Slices:
+    """The single-device model's slices: all of them, along the dim TP splits the parameter (``Family.split_dim``;
+    0 for a replicated one), so that a shard's slices are the same slices."""
+    return lambda name, param: (family.split_dim(name) or 0, None)
+
+
 @torch.no_grad()
-def seeded_normal_(param: torch.Tensor, name: str, std: float, seed: int) -> None:
-    """Fill ``param`` with N(0, std) from a generator seeded by (seed, its full name): the values depend only on the
-    name and the seed, never on which stage or rank builds the module, which is what makes a tp=2, pp=2 model start
-    from exactly the weights of the single-device one (for every model family).  Meta tensors (shapes only) are
-    left alone."""
+def seeded_normal_(
+    param: torch.Tensor, name: str, std: float, seed: int, dim: int = 0, index: torch.Tensor | None = None
+) -> None:
+    """Fill ``param`` with N(0, std) slice by slice along ``dim`` (rows for 0, columns for 1): the slice at global
+    index g is drawn from a generator seeded by (seed, the full name, g).  The values depend only on the name, the
+    seed and the global index, never on which stage or rank builds the module, which is what makes a tp=2, pp=2
+    model start from exactly the weights of the single-device one (for every model family); and a TP shard
+    (``index``: the global indices of its slices, -1 for a padding slice, left zero) draws only its own slices
+    instead of the whole tensor.  torch's CPU generator keeps 32 bits of a seed: the slices of one parameter get
+    consecutive seeds, so they never share one.  Meta tensors (shapes only) are left alone."""
     if param.is_meta:
         return
-    gen = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-    param.copy_(values)
+    base = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**32
+    values = torch.empty(param.movedim(dim, 0).shape, dtype=torch.float32)  # [slices, ...]
+    gen = torch.Generator(device="cpu")
+    for j, g in enumerate(range(len(values)) if index is None else index.tolist()):
+        if g < 0:
+            values[j].zero_()
+        else:
+            gen.manual_seed((base + g) % 2**32)
+            values[j].normal_(0.0, std, generator=gen)
+    param.copy_(values.movedim(0, dim))
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -247,13 +272,16 @@ class RMSNorm(nn.Module):
 
 
 @torch.no_grad()
-def init_by_name(module: nn.Module, prefix: str, seed: int, std_of: Callable[[str], float | None]) -> None:
+def init_by_name(
+    module: nn.Module, prefix: str, seed: int, std_of: Callable[[str], float | None], slices: Slices
+) -> None:
     """Initialise every parameter of ``module`` whose full name is ``prefix + local name``: N(0, ``std_of(name)``)
-    by :func:`seeded_normal_`, or where that is None ones for a weight (norms) and zeros for a bias."""
+    by :func:`seeded_normal_` over the ``slices`` it holds, or where that is None ones for a weight (norms) and
+    zeros for a bias."""
     for local_name, param in module.named_parameters():
         name = prefix + local_name
         std = std_of(name)
         if std is None:
             param.fill_(1.0 if name.endswith(".weight") else 0.0)
         else:
-            seeded_normal_(param, name, std, seed)
+            seeded_normal_(param, name, std, seed, *slices(name, param))

@@ -136,3 +136,58 @@ def test_every_sp_replicated_parameter_is_held_by_a_layer_the_engine_can_switch(
         assert holders and all(isinstance(m, SPReplicatedGrads) and m.sync_grads_in_backward for m in holders)
         defer_sp_grad_sync(model)
         assert not any(getattr(m, "sync_grads_in_backward", False) for m in model.modules())
+
+
+def _drawn_elements(monkeypatch) -> list[int]:
+    """A running count of the elements random initialisation fills on real tensors (normal_ and uniform_)."""
+    count = [0]
+    for method in ("normal_", "uniform_"):
+        plain = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _plain=plain, **kwargs):
+            if not self.is_meta:
+                count[0] += self.numel()
+            return _plain(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    return count
+
+
+def test_pipeline_layers_start_from_the_single_device_weights_and_draw_only_their_shard(monkeypatch):
+    """Each rank's pipeline layers hold the single-device model's initial weights, cut by the plan (at tp 1, 2 and
+    4, with fused q|k|v, grouped KV heads, vocabulary padding and an untied output layer), and a rank draws only
+    the values its shards hold: at most its own parameters' count (drawing every full tensor and slicing drew
+    the whole model on every rank).  Without drawing (weights loaded next, ``init_weights=False``) all are zero."""
+    from ds_megatron.model import LlamaConfig, build_model
+    from ds_megatron.pipeline import PipelineLayout, layer_specs
+
+    configs = (
+        GPTConfig(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=4),
+        LlamaConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48),
+    )
+    drawn = _drawn_elements(monkeypatch)
+    for config in configs:
+        reference = dict(build_model(config, seed=5).named_parameters())
+        layout = PipelineLayout.of(config)
+        for tp in (1, 2, 4):
+            shards: dict[str, list[torch.Tensor]] = {}
+            for rank in range(tp):
+                ctx = ParallelContext(config, TPGroup(None, rank, tp), False, None)
+                drawn[0] = 0
+                layers = [spec.build() for spec in layer_specs(config, ctx, 5)[:-1]]  # the last: tied or lm_head
+                if not layout.tied:
+                    layers.append(layer_specs(config, ctx, 5)[-1].build())
+                params = {
+                    layout.full_name(f"{i}.{k}"): p for i, m in enumerate(layers) for k, p in m.named_parameters()
+                }
+                assert 0 < drawn[0] <= sum(p.numel() for p in params.values()), (config.family, tp, rank)
+                for name, p in params.items():
+                    shards.setdefault(name, []).append(p.detach())
+            assert set(shards) == set(reference)
+            for name, parts in shards.items():
+                rule = shard_rule(name, ParallelContext(config, TPGroup(None, 0, tp), False, None))
+                assert torch.equal(unshard(parts, rule), reference[name].detach()), (config.family, tp, name)
+        skipped = ParallelContext(config, TPGroup(None, 1, 2), False, None, init_weights=False)
+        drawn[0] = 0
+        layers = [spec.build() for spec in layer_specs(config, skipped, 5)]
+        assert drawn[0] == 0 and all(not p.any() for m in layers for p in m.parameters())

@@ -16,7 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_megatron.model.gpt2 import FAMILY, GPTConfig
-from ds_megatron.model.layers import SINGLE_DEVICE, BlockHooks, CoreAttention, Modeling, TiedEmbedding, init_by_name
+from ds_megatron.model.layers import (
+    SINGLE_DEVICE,
+    BlockHooks,
+    CoreAttention,
+    Modeling,
+    Slices,
+    TiedEmbedding,
+    init_by_name,
+    whole,
+)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -111,9 +120,12 @@ class GPT(nn.Module):
         return t.wte.logits(t.ln_f(x)).transpose(0, 1)
 
 
-def init_module(module: nn.Module, config: GPTConfig, seed: int, prefix: str = "") -> None:
+def init_module(
+    module: nn.Module, config: GPTConfig, seed: int, prefix: str = "", slices: Slices | None = None
+) -> None:
     """GPT-2 initialisation of every parameter of ``module`` by its full name ``prefix + local name``: N(0, std) for
-    weights, std / sqrt(2 L) for the residual projections, ones and zeros for the LayerNorms and biases."""
+    weights, std / sqrt(2 L) for the residual projections, ones and zeros for the LayerNorms and biases
+    (``slices``: the part of each full parameter the module holds, ``model.layers.Slices``; None: all)."""
 
     def std_of(name: str) -> float | None:
         if name.endswith("c_proj.weight"):
@@ -121,7 +133,7 @@ def init_module(module: nn.Module, config: GPTConfig, seed: int, prefix: str = "
         leaf = name.split(".")[-2] if "." in name else name
         return config.initializer_range if name.endswith(".weight") and not leaf.startswith("ln_") else None
 
-    init_by_name(module, prefix, seed, std_of)
+    init_by_name(module, prefix, seed, std_of, slices or whole(FAMILY))
 
 
 def final_norm(config: GPTConfig) -> nn.Module:

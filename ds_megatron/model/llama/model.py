@@ -25,11 +25,13 @@ from ds_megatron.model.layers import (
     CoreAttention,
     Modeling,
     RMSNorm,
+    Slices,
     TiedEmbedding,
     init_by_name,
     positions_tensor,
+    whole,
 )
-from ds_megatron.model.llama import LlamaConfig
+from ds_megatron.model.llama import FAMILY, LlamaConfig
 
 # ---------------------------------------------------------------------------------------------------------------
 # Rotary position embedding (Su et al. 2021), with Llama 3's frequency scaling.
@@ -228,10 +230,13 @@ class Llama(nn.Module):
         return logits.transpose(0, 1)
 
 
-def init_llama_module(module: nn.Module, config: LlamaConfig, seed: int, prefix: str = "") -> None:
+def init_llama_module(
+    module: nn.Module, config: LlamaConfig, seed: int, prefix: str = "", slices: Slices | None = None
+) -> None:
     """Initialise every parameter of ``module`` by its full name ``prefix + local name``: N(0, std) for every linear
     and embedding weight, std / sqrt(2 L) for the two residual projections (o_proj, down_proj; GPT-2's depth
-    scaling), ones for the RMSNorm weights."""
+    scaling), ones for the RMSNorm weights (``slices``: the part of each full parameter the module holds,
+    ``model.layers.Slices``; None: all)."""
 
     def std_of(name: str) -> float | None:
         if name.endswith("norm.weight"):
@@ -240,7 +245,7 @@ def init_llama_module(module: nn.Module, config: LlamaConfig, seed: int, prefix:
             return config.initializer_range / math.sqrt(2 * config.num_layers)
         return config.initializer_range
 
-    init_by_name(module, prefix, seed, std_of)
+    init_by_name(module, prefix, seed, std_of, slices or whole(FAMILY))
 
 
 MODELING = Modeling(Llama, LlamaBlock, lambda c: RMSNorm(c.hidden_size, c.rms_norm_eps), init_llama_module)
