@@ -3,7 +3,9 @@
     deepspeed [--num_gpus N | --hostfile H] recipes/train_gpt.py --deepspeed_config ds_configs/<size>.json [flags]
 
 The JSON holds the whole run; flags override single values.  Everything is validated before the process group
-exists: a bad setting prints one ``error: ...`` line and exits with status 2.
+exists: a bad setting prints one ``error: ...`` line and exits with status 2.  The same command runs under srun
+(``deepspeed --launcher slurm``) and mpirun (``--launcher openmpi``): their rank variables are adopted first
+(``launch_env``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any
 
 from ds_megatron.config import ConfigError, DsMegatronConfig, load_json, resolve
 from ds_megatron.config.deepspeed_keys import is_known_top_level, nearest_top_level, unknown_top_level_warnings
+from ds_megatron.launch_env import adopt_launcher_env, order_cuda_connections
 from ds_megatron.preflight import check_run
+from ds_megatron.stop import StopFlag
 
 EXIT_CONFIG_ERROR = 2
 
@@ -171,8 +175,12 @@ def validate(argv: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First, before anything slow: a stop sent during start-up is kept (stop.py), not lost.
+    stop = StopFlag()
     try:
+        adopt_launcher_env()
         args, run = validate(argv)
+        order_cuda_connections(run.tp)  # before anything imports torch, let alone starts CUDA
     except ConfigError as err:
         if "--debug" in (argv if argv is not None else sys.argv):
             raise
@@ -185,4 +193,4 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr, flush=True)
     from ds_megatron.trainer import train
 
-    return train(run, config_name=os.path.splitext(os.path.basename(args.deepspeed_config))[0])
+    return train(run, config_name=os.path.splitext(os.path.basename(args.deepspeed_config))[0], stop=stop)

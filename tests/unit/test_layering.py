@@ -16,6 +16,7 @@ LEVELS = {
     "families": 0,
     "config": 0.2,
     "fileio": 0.5,
+    "launch_env": 0.5,
     "topology": 1,
     "random": 1,
     "model": 1.5,
@@ -40,7 +41,8 @@ LEVELS = {
     "trainer": 4.5,
     "cli": 5,
 }
-STDLIB_ONLY = {"config", "fileio"}  # the family records: test_the_family_registry_and_records_import_no_torch
+# the family records: test_the_family_registry_and_records_import_no_torch; launch_env runs before torch is imported
+STDLIB_ONLY = {"config", "fileio", "launch_env"}
 NO_DISTRIBUTED = {"model"}
 # The model package's files that the config, the tuner and the analytic formulas import without torch: the registry,
 # the family record type, and each family's record (its config, sizes, plan, layout and terms).
