@@ -3,9 +3,10 @@ training to finish the current step, save and exit 0 (before the first step: to 
 start-up phase, saving nothing).  SIGUSR1 is what Slurm sends ahead of a job's time limit (``--signal=USR1@600``);
 its default action would kill the process at once, losing every step since the last save.
 
-The flag is made first thing in the worker (``cli.train.main``), before the imports, the ``--load`` checksum pass,
-the engine build and the tokenising that take the seconds to minutes of start-up: a stop sent then is kept, not lost
-to a process without a handler or to a launcher chain recorded after it was already broken.
+The flag is made first thing in the worker (``cli.train.main``), before torch and deepspeed are imported and before
+the ``--load`` checksum pass, the engine build and the tokenising that take the seconds to minutes of start-up: a
+stop sent then is kept (the training agrees on it after each phase), not lost to a process without a handler or to a
+launcher chain recorded after it was already broken.
 
 Why the launchers are watched: a signal sent to the ``deepspeed`` command a user typed (their ``kill``, a batch
 scheduler's time limit) reaches only DeepSpeed's runner.  On a single node (and on every node of a ``--no_ssh``
