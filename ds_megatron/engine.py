@@ -19,7 +19,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
 
 from ds_megatron.checkpoint.run_state import read_weights_only
-from ds_megatron.config import RunConfig, unused_settings
+from ds_megatron.config import ConfigError, RunConfig, unused_settings
 from ds_megatron.config.facts import BF16_OPTIMIZER, deepspeed_wraps_optimizer, optimizer_wrapper, precision
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.model import ModelConfig, model_config
@@ -60,12 +60,40 @@ def init_distributed(inference_all_reduce: bool = False) -> None:
     rank's 66 MB buffer in /dev/shm is not needed."""
     if dist.is_initialized():
         return
+    set_local_device()
     if inference_all_reduce or device_type() != "cpu":
         deepspeed.init_distributed(verbose=False)
     else:
         with _without_shm_all_reduce():
             deepspeed.init_distributed(verbose=False)
     release_shm_buffer_name()
+
+
+def set_local_device() -> None:
+    """On CUDA, make ``cuda:LOCAL_RANK`` this process's device before the process group exists.  NCCL stages every
+    collective, object collectives included (the ``--load`` tag's agreement), on the current device, which is cuda:0
+    until set: every rank of a node would then use GPU 0 and NCCL refuses (DeepSpeed sets the device only inside
+    ``deepspeed.initialize``).  Seeding the CUDA generators also acts on the current device."""
+    if device_type() != "cuda":
+        return
+    local_rank, visible = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local_rank >= visible:  # DeepSpeed's engine would pick the same device later, and fail less clearly
+        raise ConfigError(
+            "LOCAL_RANK",
+            "this process's local rank names a GPU it cannot see",
+            f"LOCAL_RANK={local_rank}, {visible} visible GPU(s), "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}",
+            "let every process of a node see all of the node's GPUs (srun --gpus-per-node=N, without "
+            "--gpus-per-task or --gpu-bind)",
+        )
+    torch.cuda.set_device(local_rank)
+
+
+def local_device() -> torch.device:
+    """The device this rank's collectives run on (``set_local_device``'s on CUDA)."""
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from ds_megatron.checkpoint.tokenizer import check_run_tokenizer
 from ds_megatron.config import ConfigError, RunConfig
 from ds_megatron.data import MicroBatchStream
 from ds_megatron.data.prepare import RunData, prepare_data
-from ds_megatron.engine import Built, build_engine, init_distributed
+from ds_megatron.engine import Built, build_engine, init_distributed, local_device
 from ds_megatron.flops import block_fields
 from ds_megatron.generate import Decoder
 from ds_megatron.metrics import (
@@ -107,9 +107,17 @@ class Trainer:
 
     # ---- setup -------------------------------------------------------------------------------------------------
     @classmethod
-    def setup(cls, run: RunConfig, built: Built, run_dir: Path, data: RunData, load_tag: str | None = None) -> Trainer:
+    def setup(
+        cls,
+        run: RunConfig,
+        built: Built,
+        run_dir: Path,
+        data: RunData,
+        load_tag: str | None = None,
+        stop: StopFlag | None = None,
+    ) -> Trainer:
         """Resume from ``checkpoint.load`` (tag ``load_tag``, the one verified), start the logger and the micro-batch
-        stream."""
+        stream; ``stop`` is the flag made at the worker's start (a new one without)."""
         sec = run.section
         topo = built.topology
         start_step, wandb_id, skipped = 0, None, 0
@@ -144,7 +152,7 @@ class Trainer:
             topo.cp,
             data.documents,
         )
-        return cls(run, built, data, logger, stream, start_step, id_box[0], skipped)
+        return cls(run, built, data, logger, stream, start_step, id_box[0], skipped, stop=stop or StopFlag())
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def fit(self) -> int:
@@ -387,8 +395,23 @@ def start_run_dir(run: RunConfig, config_name: str, rank: int) -> Path:
     return run_dir
 
 
-def train(run: RunConfig, config_name: str = "run") -> int:
-    """Train ``run``; the exit status of the recipe.
+def stopped_in_start_up(stop: StopFlag, phase: str) -> bool:
+    """Collective, at the end of a start-up phase: whether any rank was asked to stop.  Then every rank exits 0 before
+    training, with nothing saved: a phase is never cut off half-way (a token cache or a checkpoint half-written),
+    and one rank leaving alone would leave the others waiting in the next collective."""
+    if not stop.agreed(local_device()):
+        return False
+    if dist.get_rank() == 0:
+        why = stop.reason or "by another rank"
+        line = f"stop requested during start-up ({why}): exiting after {phase}, before training; nothing saved"
+        print(line, flush=True)
+    return True
+
+
+def train(run: RunConfig, config_name: str = "run", stop: StopFlag | None = None) -> int:
+    """Train ``run``; the exit status of the recipe.  ``stop``: the flag made at the worker's start (``cli.train``),
+    agreed on after each start-up phase (:func:`stopped_in_start_up`) and after each step; without it, a flag that
+    only another rank's stop sets (the caller owns this process's signals).
 
     A ConfigError out of the data phase is a problem pre-flight could not see, found while reading the data inside the
     launch (a text field missing in the third file, a corpus without tokens, a tokenizer that is not the one the
@@ -396,14 +419,21 @@ def train(run: RunConfig, config_name: str = "run") -> int:
     the line.  So does one out of the verification of a ``--load`` tag (a file that fails its sha256),
     which runs before the engine is built and needs the process group only to spread the reading over the ranks.
     Only those phases are caught: a ConfigError from building the engine or resuming keeps its traceback."""
+    stop = stop or StopFlag(watch_launcher=False, handle_signals=False)
     init_distributed()
+    if stopped_in_start_up(stop, "starting the process group"):
+        return 0
     try:
         load_tag = verified_load_tag(run.section.checkpoint.load)
     except ConfigError as err:
         if dist.get_rank() == 0:
             print(str(err), file=sys.stderr, flush=True)
         return EXIT_BAD_DATA
+    if stopped_in_start_up(stop, "verifying the --load checkpoint"):
+        return 0
     built = build_engine(run)
+    if stopped_in_start_up(stop, "building the engine"):
+        return 0
     rank = built.topology.rank
     run_dir = start_run_dir(run, config_name, rank)
     try:
@@ -413,4 +443,10 @@ def train(run: RunConfig, config_name: str = "run") -> int:
         if rank == 0:
             print(str(err), file=sys.stderr, flush=True)
         return EXIT_BAD_DATA
-    return Trainer.setup(run, built, run_dir, data, load_tag).fit()
+    if stopped_in_start_up(stop, "preparing the data"):
+        return 0
+    trainer = Trainer.setup(run, built, run_dir, data, load_tag, stop)
+    if stopped_in_start_up(stop, "resuming"):
+        trainer.logger.close()
+        return 0
+    return trainer.fit()

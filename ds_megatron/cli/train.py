@@ -3,7 +3,9 @@
     deepspeed [--num_gpus N | --hostfile H] recipes/train_gpt.py --deepspeed_config ds_configs/<size>.json [flags]
 
 The JSON holds the whole run; flags override single values.  Everything is validated before the process group
-exists: a bad setting prints one ``error: ...`` line and exits with status 2.
+exists: a bad setting prints one ``error: ...`` line and exits with status 2.  The same command runs under srun
+(``deepspeed --launcher slurm``) and mpirun (``--launcher openmpi``): their rank variables are adopted first
+(``launch_env``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 from ds_megatron.checkpoint.run_lock import hold_run_lock
 from ds_megatron.config import ConfigError, DsMegatronConfig, load_json, resolve
 from ds_megatron.config.deepspeed_keys import is_known_top_level, nearest_top_level, unknown_top_level_warnings
+from ds_megatron.launch_env import adopt_launcher_env, order_cuda_connections
 from ds_megatron.preflight import check_run
+from ds_megatron.stop import StopFlag
 
 EXIT_CONFIG_ERROR = 2
 
@@ -172,8 +176,12 @@ def validate(argv: list[str] | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First, before anything slow: a stop sent during start-up is kept (stop.py), not lost.
+    stop = StopFlag()
     try:
+        adopt_launcher_env()
         args, run = validate(argv)
+        order_cuda_connections(run.tp)  # before anything imports torch, let alone starts CUDA
         # One training per --save directory, for the run's life; refused before any process group or file exists.
         lock = hold_run_lock(run, holder=os.environ.get("RANK", "0") == "0")
     except ConfigError as err:
@@ -189,4 +197,4 @@ def main(argv: list[str] | None = None) -> int:
     from ds_megatron.trainer import train
 
     with lock:
-        return train(run, config_name=os.path.splitext(os.path.basename(args.deepspeed_config))[0])
+        return train(run, config_name=os.path.splitext(os.path.basename(args.deepspeed_config))[0], stop=stop)

@@ -223,3 +223,106 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
     assert "error: training: 3 steps in a row with a non-finite loss" in out
     assert proc.returncode != 0
     assert (ck / "latest").read_text() == "step00000006" and (ck / "step00000006" / "manifest.json").exists()
+
+
+START_UP_STOPS = {  # phase paused in (workers/faulty_train.py --pause-in) -> the phase the run stops after
+    "group": "starting the process group",
+    "checksum": "verifying the --load checkpoint",
+    "tokenise": "preparing the data",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", list(START_UP_STOPS))
+def test_sigterm_to_the_deepspeed_command_during_start_up_ends_the_run(tmp_path, phase):
+    """SIGTERM to the `deepspeed` command while the workers are still starting (imports done, before the process
+    group; in the ``--load`` checksum pass, before the engine; while the token cache is built): the workers finish
+    that phase, agree, and exit 0 before training.  No process is left, no checkpoint is written, the checkpoint
+    loaded from and the token cache are whole.  (Before, the flag and the launcher watch began only once training
+    did, and took the already orphaned launcher's new parent for the command: the run trained to its end.)"""
+    from test_reliability import _fake_checkpoint
+
+    ck, run_dir, markers = tmp_path / "ck", tmp_path / "run", tmp_path / "markers"
+    markers.mkdir()
+    args = ["--train-iters", "3", "--save", str(ck), *_common(tmp_path, "run")]
+    if phase == "checksum":
+        load = _fake_checkpoint(tmp_path / "load")
+        before = {p.name: p.read_bytes() for p in (load / "step00000002").iterdir()}
+        args += ["--load", str(load)]
+    if phase == "tokenise":  # a cache of its own, so that this launch tokenises
+        args += ["--set", f"ds_megatron.data.cache_dir={tmp_path / 'cache'}"]
+    proc = _launch_recipe(args, ["--pause-in", f"{phase}:{markers}"])
+    try:
+        _wait_for(lambda: any(markers.iterdir()), proc)
+        tree = _tree(proc.pid)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        import psutil
+
+        gone, alive = psutil.wait_procs(tree, timeout=60)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert f"exiting after {START_UP_STOPS[phase]}, before training; nothing saved" in out, out[-3000:]
+    assert "(the deepspeed command" in out and "exits with return code" not in out, out[-3000:]
+    assert not ck.exists(), sorted(ck.iterdir())
+    assert not (run_dir / "metrics.jsonl").exists() or not read_losses(run_dir)
+    if phase == "checksum":
+        assert {p.name: p.read_bytes() for p in (load / "step00000002").iterdir()} == before
+    if phase == "tokenise":  # built to the end, then found by the record written last
+        (record,) = (tmp_path / "cache").glob("launch-*.json")
+        assert Path(json.loads(record.read_text())["cache_file"]).is_file()
+
+
+@pytest.mark.slow
+def test_workers_started_as_srun_starts_them_train_and_stop_at_sigusr1(tmp_path):
+    """Two workers started by hand with only the variables srun gives a task (no RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR or MASTER_PORT): they find their ranks and the rendezvous (the node list's first host, a port from
+    the job id), train, and at SIGUSR1 to every task (what ``--signal=USR1@...`` makes Slurm send to a job step's
+    tasks ahead of the time limit) save after the current step and exit 0."""
+    import random
+    import socket
+
+    from ds_megatron.launch_env import SLURM_PORT_BASE
+
+    for job in random.sample(range(10_000), 100):  # a job id whose port nobody uses now
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", SLURM_PORT_BASE + job))
+            break
+    ck, run_dir = tmp_path / "ck", tmp_path / "run"
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE")}
+    base = {k: v for k, v in base.items() if not k.startswith(("MASTER_", "SLURM_", "OMPI_"))}
+    base.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore", WANDB_MODE="offline")
+    base.update(SLURM_JOB_ID=str(4_000_000 + job), SLURM_JOB_NODELIST="localhost", SLURM_NTASKS="2")
+    args = ["--deepspeed_config", TINY, "--train-iters", "500", "--save", str(ck), *_common(tmp_path, "run")]
+    logs, procs = [tmp_path / f"task{i}.log" for i in range(2)], []
+    for i, log in enumerate(logs):
+        task = {"SLURM_PROCID": str(i), "SLURM_LOCALID": str(i), "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "0"}
+        with open(log, "w") as f:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-u", "recipes/train_gpt.py", *args],
+                    cwd=ROOT,
+                    env={**base, **task},
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    try:
+        trained = lambda: (run_dir / "metrics.jsonl").exists() and len(read_losses(run_dir)) >= 2  # noqa: E731
+        _wait_for(trained, procs[0], log=logs[0])
+        for p in procs:
+            os.kill(p.pid, signal.SIGUSR1)
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    out = logs[0].read_text()
+    assert codes == [0, 0], (codes, out[-3000:], logs[1].read_text()[-3000:])
+    assert out.count("stop requested: saving at step") == 1 and "(received SIGUSR1)" in out, out[-3000:]
+    tag = (ck / "latest").read_text()
+    assert (ck / tag / "manifest.json").exists() and max(read_losses(run_dir)) == int(tag.removeprefix("step"))
+    assert len(list((ck / tag).glob("rng_rank*.pt"))) == 2  # both ranks wrote their part of one checkpoint

@@ -257,6 +257,7 @@ def test_a_data_problem_inside_the_launch_exits_2_in_one_line(tmp_path, monkeypa
         raise problem
 
     monkeypatch.setattr(trainer, "init_distributed", lambda: None)  # no process group in this test
+    monkeypatch.setattr(trainer, "stopped_in_start_up", lambda stop, phase: False)  # nor a stop to agree on
     monkeypatch.setattr(trainer, "build_engine", lambda run: built)
     monkeypatch.setattr(trainer, "prepare_data", no_tokens)
     monkeypatch.setattr(trainer, "run_dir_for", lambda run, name: tmp_path / "run")

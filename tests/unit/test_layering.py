@@ -18,6 +18,7 @@ LEVELS = {
     "config": 0.2,
     "fileio": 0.5,
     "gpus": 0.5,
+    "launch_env": 0.5,
     "topology": 1,
     "random": 1,
     "model": 1.5,
@@ -42,8 +43,9 @@ LEVELS = {
     "trainer": 4.5,
     "cli": 5,
 }
-# the family records (test_the_family_registry_and_records_import_no_torch), the GPU peaks and the version check
-STDLIB_ONLY = {"config", "fileio", "gpus", "versions"}
+# the family records (test_the_family_registry_and_records_import_no_torch), the GPU peaks, the version check, and
+# launch_env, which runs before torch is imported
+STDLIB_ONLY = {"config", "fileio", "gpus", "launch_env", "versions"}
 NO_DISTRIBUTED = {"model"}
 # The model package's files that the config, the tuner and the analytic formulas import without torch: the registry,
 # the family record type, and each family's record (its config, sizes, plan, layout and terms).

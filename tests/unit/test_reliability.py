@@ -209,16 +209,20 @@ def test_load_of_a_file_whose_unpickling_would_run_code_is_refused_before_launch
         check_resume_files(damaged, "step00000002")
 
 
-def test_a_signal_to_a_worker_asks_for_a_stop():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_to_a_worker_asks_for_a_stop(sig):
+    """SIGTERM (a kill, a container stop) and SIGUSR1 (Slurm's warning ahead of the time limit, whose default action
+    would end the process at once) both ask for a save after the current step."""
     from ds_megatron.stop import StopFlag
 
-    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
         flag = StopFlag(watch_launcher=False)
         assert not flag.requested
-        os.kill(os.getpid(), signal.SIGTERM)
+        assert signal.getsignal(sig) == flag._handle  # checked first: without a handler the signal ends pytest
+        os.kill(os.getpid(), sig)
         time.sleep(0.1)
-        assert flag.requested and flag.reason == "received SIGTERM"
+        assert flag.requested and flag.reason == f"received {sig.name}"
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
@@ -276,3 +280,77 @@ def test_a_save_that_finds_the_disk_full_is_one_line_and_keeps_the_last_checkpoi
     monkeypatch.setattr(trainer_mod, "save_run", lambda *a, **k: (_ for _ in ()).throw(torch_error))
     with pytest.raises(RuntimeError, match="enforce fail"):
         trainer_mod.Trainer.save(stub, 4)
+
+
+def test_a_launcher_orphaned_before_the_worker_looked_is_a_stop(monkeypatch):
+    """The ``deepspeed`` command killed before a worker made its flag: the launcher's parent is already init, which
+    would otherwise be watched as if it were the command.  Init as the real starter (a container's first process,
+    the group's leader alive) is not a stop."""
+    from types import SimpleNamespace
+
+    from ds_megatron import stop
+
+    parent = {"ppid": 1}
+    monkeypatch.setattr(stop.psutil, "Process", lambda pid: SimpleNamespace(ppid=lambda: parent["ppid"]))
+    monkeypatch.setattr(stop.os, "getpgid", lambda pid: 4242)
+    monkeypatch.setattr(stop.psutil, "pid_exists", lambda pid: False)
+    assert stop.orphaned_at_start(100) == "the deepspeed command (pid 4242) exited before this worker started"
+    monkeypatch.setattr(stop.psutil, "pid_exists", lambda pid: pid == 4242)
+    assert stop.orphaned_at_start(100) is None
+    monkeypatch.setattr(stop.psutil, "pid_exists", lambda pid: False)
+    parent["ppid"] = 77  # the command is still there
+    assert stop.orphaned_at_start(100) is None
+
+
+def test_the_cuda_device_is_set_before_any_collective_or_seed(monkeypatch):
+    """On a node with several GPUs every rank's NCCL collectives (the ``--load`` tag's object all-gather first) run
+    on the current device, cuda:0 until set: ``cuda:LOCAL_RANK`` must be set before the process group exists, on
+    both ways into it (the trainer, and build_engine before its topology groups and RNG seeding)."""
+    from ds_megatron import engine, trainer
+    from ds_megatron.config import ConfigError, load_json, resolve
+
+    calls: list = []
+    group = {"up": False}
+
+    class Reached(Exception):
+        pass
+
+    def init_process_group(**kwargs):
+        calls.append("process group")
+        group["up"] = True
+
+    def collective(name):
+        def record(*args, **kwargs):
+            calls.append(name)
+            raise Reached
+
+        return record
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(engine, "device_type", lambda: "cuda")
+    monkeypatch.setattr(engine.torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
+    monkeypatch.setattr(engine.torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(engine.dist, "is_initialized", lambda: group["up"])
+    monkeypatch.setattr(engine.deepspeed, "init_distributed", init_process_group)
+    agree = lambda stop, phase: calls.append("all_reduce") is not None  # noqa: E731
+    monkeypatch.setattr(trainer, "stopped_in_start_up", agree, raising=False)
+    monkeypatch.setattr(trainer, "verified_load_tag", collective("all_gather_object"))
+    run = resolve(load_json(TINY), 4)
+    with pytest.raises(Reached):
+        trainer.train(run)
+    assert calls == [("set_device", 3), "process group", "all_reduce", "all_gather_object"]
+
+    calls.clear()
+    group["up"] = False
+    monkeypatch.setattr(engine.ParallelTopology, "build", collective("new_group"))
+    monkeypatch.setattr(engine.torch, "manual_seed", collective("manual_seed"))
+    with pytest.raises(Reached):
+        engine.build_engine(run)
+    assert calls == [("set_device", 3), "process group", "new_group"]
+
+    calls.clear()
+    group["up"] = False
+    monkeypatch.setattr(engine.torch.cuda, "device_count", lambda: 1)  # srun --gpus-per-task=1: one GPU per task
+    with pytest.raises(ConfigError, match=r"^error: LOCAL_RANK: .*LOCAL_RANK=3, 1 visible GPU.*--gpus-per-node=N"):
+        engine.build_engine(run)
+    assert calls == []

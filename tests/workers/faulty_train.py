@@ -1,27 +1,40 @@
 """The recipe with faults injected, for the reliability tests (production code carries no test hooks).
 
-    faulty_train.py [--nan-steps 2,4] [--pause-before-manifest STEP:SECONDS] <train_gpt.py flags>
+    faulty_train.py [--nan-steps 2,4] [--pause-before-manifest STEP:SECONDS] [--pause-in PHASE:DIR]
+                    <train_gpt.py flags>
 
 ``--nan-steps``: the loss of those optimizer steps is made NaN (its gradients become NaN too).
 ``--pause-before-manifest``: when saving that step, every rank sleeps after the checkpoint files are written and
-before the manifest (so a test can kill the job in the middle of a save)."""
+before the manifest (so a test can kill the job in the middle of a save).
+``--pause-in``: in that start-up phase (``group``: just before the process group starts, the imports done;
+``checksum``: the ``--load`` checksum pass; ``tokenise``: the in-launch tokenising, in the process that builds the
+token cache) the process
+writes ``DIR/PHASE.rank<R>``, then waits until its launcher has lost the ``deepspeed`` command (at most 60 s) and two
+of the launcher watch's polls more, then goes on: a stop sent to the command lands in that phase."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ds_megatron import pipeline, trainer  # noqa: E402
+STARTER = psutil.Process(os.getppid()).ppid()  # the launcher's parent: the deepspeed command
+
+from ds_megatron import pipeline, stop, trainer  # noqa: E402
 from ds_megatron.checkpoint import run_state  # noqa: E402
 from ds_megatron.cli.train import main  # noqa: E402
+from ds_megatron.data import prepare  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--nan-steps", default="")
 ap.add_argument("--pause-before-manifest", default="")
+ap.add_argument("--pause-in", default="")
 faults, rest = ap.parse_known_args()
 nan_steps = {int(x) for x in faults.nan_steps.split(",") if x}
 state = {"nan": False}
@@ -50,5 +63,22 @@ if faults.pause_before_manifest:
         return seal(root, tag, step, keep_last)
 
     run_state.seal_tag = slow_seal
+
+if faults.pause_in:
+    phase, marker_dir = faults.pause_in.split(":", 1)
+    owner, name = {"checksum": (run_state, "_share_problem"), "group": (trainer, "init_distributed")}.get(
+        phase, (prepare, "_build")
+    )
+    real = getattr(owner, name)
+
+    def paused(*args, **kwargs):
+        (Path(marker_dir) / f"{phase}.rank{os.environ.get('RANK', '0')}").touch()
+        deadline = time.time() + 60
+        while psutil.Process(os.getppid()).ppid() == STARTER and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(2 * stop.POLL_SECONDS)
+        return real(*args, **kwargs)
+
+    setattr(owner, name, paused)
 
 sys.exit(main(rest))
