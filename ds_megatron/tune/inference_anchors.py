@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
+from ds_megatron.config.sizes import named
 from ds_megatron.tune.gpus import GPUS
 from ds_megatron.tune.inference import KV_PRECISIONS, PRECISION_BYTES, Serving, Workload, inference_time
 from ds_megatron.tune.spec import Cluster, build_cluster, build_model_shape
@@ -64,10 +65,15 @@ SOURCES = {
 }
 
 # The models, as their config.json files give them (Llama 2: 32,000 vocabulary, 4,096 positions, 7B without
-# grouped-query attention; Llama 3.1 8B and 3.3 70B have the shapes of Llama 3 8B and 70B).
+# grouped-query attention, the family of the named shape it is ``like``; Llama 3.1 8B and 3.3 70B have the shapes of
+# Llama 3 8B and 70B).
 MODELS = {
-    "llama2-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, context=4096),
-    "llama2-70b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, context=4096),
+    "llama2-7b": dict(
+        like="llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000, context=4096
+    ),
+    "llama2-70b": dict(
+        like="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, context=4096
+    ),
     "llama3.1-8b": dict(size="llama3-8b"),
     "llama3-70b": dict(size="llama3-70b"),
     "llama3.3-70b": dict(size="llama3-70b"),
@@ -123,7 +129,7 @@ class Anchor:
         if "size" in m:
             return build_model_shape(m["size"], None, None, None, None, None)
         return build_model_shape(
-            None, m["layers"], m["hidden"], m["heads"], m["vocab"], m["context"], family="llama",
+            None, m["layers"], m["hidden"], m["heads"], m["vocab"], m["context"], family=named(m["like"]).family,
             kv_heads=m["kv_heads"], intermediate_size=m["ffn"], tie_word_embeddings=False,
         )  # fmt: skip
 

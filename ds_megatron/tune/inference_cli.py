@@ -219,7 +219,7 @@ def _run(args: argparse.Namespace, start: float) -> int:
         )
         validate_options(result, options, args.hf_dir)
         options = dataclasses.replace(options, device=resolve_device(options.device, cluster.num_gpus))
-    print(format_inference(result, top=max(1, args.top)), flush=True)
+    print(format_inference(result, top=max(1, args.top), engine=args.engine), flush=True)
     emp = None
     if options is not None and not result.evaluations:
         print("empirical: skipped, no candidate fits")
@@ -303,17 +303,17 @@ def why_ahead(a: InferenceEvaluation, b: InferenceEvaluation) -> str:
     return "; ".join(parts)
 
 
-def model_line(c: Cluster) -> str:
+def model_line(c: Cluster, engine: str | None) -> str:
     """The constants the prediction rests on and what it is accurate to (docs/tuner.md, "Inference model")."""
     (tm, tw), (pm, pw) = EXPECTED_ERROR["ttft"], EXPECTED_ERROR["tpot"]
     return (
-        f"model: matmuls at {c.efficiency:.1%} of peak, reads at {c.bandwidth_efficiency:.1%} of HBM, "
-        f"{c.step_overhead_s * 1e3:.2f} ms per forward; expected error TTFT ±{tm:.0%} (worst {tw:.0%}), TPOT "
-        f"±{pm:.0%} (worst {pw:.0%}), held out by source against published measurements"
+        f"model: {f'engine {engine}, ' if engine else ''}{c.step_overhead_s * 1e3:.2f} ms per forward, matmuls at "
+        f"{c.efficiency:.1%} of peak, reads at {c.bandwidth_efficiency:.1%} of HBM; expected error TTFT ±{tm:.0%} "
+        f"(worst {tw:.0%}), TPOT ±{pm:.0%} (worst {pw:.0%}), held out by source against published measurements"
     )
 
 
-def format_inference(result: InferenceResult, top: int = 10) -> str:
+def format_inference(result: InferenceResult, top: int = 10, engine: str | None = None) -> str:
     m, c, w = result.model, result.cluster, result.workload
     limits = [f"{name} <= {ms(limit)}" for name, limit in (("TTFT", w.max_ttft_s), ("TPOT", w.max_tpot_s)) if limit]
     lines = [
@@ -322,7 +322,7 @@ def format_inference(result: InferenceResult, top: int = 10) -> str:
         f"({c.gpus_per_node} per node)",
         f"requests: prompt {w.prompt_length}, output {w.output_length} tokens; weights {w.weight_dtype}, KV cache "
         f"{w.kv_dtype}; limits: {', '.join(limits) or 'none'}",
-        model_line(c),
+        model_line(c, engine),
     ]
     if not result.evaluations:
         lines.append(f"nothing fits: {smallest_fit_note(m, c, w)}")

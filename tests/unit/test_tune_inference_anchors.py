@@ -163,7 +163,7 @@ def test_the_report_states_the_constants_and_the_expected_error(capsys):
     args = ["--model", "llama3-8b", "--gpu", "h200", "--gpus", "1", "--prompt-length", "32", "--output-length"]
     assert main([*args, "128", "--batch-sizes", "8", "--engine", "vllm"]) == 0
     out = capsys.readouterr().out
-    assert "model: matmuls at 71.1% of peak, reads at 78.2% of HBM, 2.38 ms per forward" in out
+    assert "model: engine vllm, 2.38 ms per forward, matmuls at 71.1% of peak, reads at 78.2% of HBM" in out
     assert "expected error TTFT ±9% (worst 19%), TPOT ±12% (worst 26%)" in out
     assert re.search(r"TTFT [0-9.]+ ms ±9%, TPOT [0-9.]+ ms ±12%", out)
     assert main([*args, "128", "--engine", "sglang"]) == 2
