@@ -41,6 +41,7 @@ from ds_megatron.tune.inference_engines import (
     DEFAULT_ENGINE,
     ENGINES,
     EXPECTED_ERROR,
+    INFERENCE_EFFICIENCY,
     expected_error_text,
     inference_cluster,
 )
@@ -86,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # The inference model's own defaults (tune.inference_engines), not the training model's: None until given.
     p.set_defaults(efficiency=None, step_overhead_s=None)
+    for action in p._actions:
+        if action.dest == "efficiency":
+            action.help = f"fraction of the peak matmuls reach (default {INFERENCE_EFFICIENCY}, fitted)"
+        elif action.dest == "step_overhead_s":
+            action.help = "fixed seconds per forward (default: the --engine preset's)"
     work = p.add_argument_group("requests")
     work.add_argument("--prompt-length", type=int, required=True, help="tokens per prompt")
     work.add_argument("--output-length", type=int, required=True, help="tokens generated per request")

@@ -168,3 +168,39 @@ def test_the_report_states_the_constants_and_the_expected_error(capsys):
     assert re.search(r"TTFT [0-9.]+ ms ±9%, TPOT [0-9.]+ ms ±12%", out)
     assert main([*args, "128", "--engine", "sglang"]) == 2
     assert "--engine" in capsys.readouterr().err
+
+
+def test_the_empirical_refit_starts_from_the_fitted_defaults():
+    """The measuring runs refit one scale of both efficiencies (their fitted ratio kept) and an overhead on top of
+    the engine's: runs 'measured' at half the defaults' efficiencies and 3 ms more per forward give back exactly
+    that, and the flags the report prints rank with it."""
+    from ds_megatron.tune import inference_empirical as ie
+    from ds_megatron.tune.inference import search_inference
+    from ds_megatron.tune.inference_probe import InferenceRun, measured_figures
+
+    model = build_model_shape("llama3-8b", None, None, None, None, None)
+    start = inference_cluster(build_cluster("h100-sxm", 2, 2), "deepspeed")
+    result = search_inference(model, start, Workload(512, 64, batch_sizes=(1, 8, 32)))
+    truth = dataclasses.replace(
+        ie.with_efficiency(start, INFERENCE_EFFICIENCY / 2),
+        step_overhead_s=start.step_overhead_s + 3e-3,
+        intra_node_latency_s=50e-6,
+    )
+    assert truth.bandwidth_efficiency == pytest.approx(BANDWIDTH_EFFICIENCY / 2)
+    runs = [InferenceRun(i + 1, i + 1, e) for i, e in enumerate(ie.top_candidates(result, 6))]
+    for r in runs:
+        t = inference_time(model, truth, r.evaluation.serving, result.workload)
+        r.status, r.measured = "ok", measured_figures(r.evaluation.serving, result.workload, t.ttft_s, t.tpot_s)
+    cal = ie.fit_inference_model(result, runs)
+    assert cal.efficiency == pytest.approx(INFERENCE_EFFICIENCY / 2, rel=1e-6)
+    assert cal.step_overhead_s == pytest.approx(3e-3, rel=1e-6)  # on top of the preset's 2.52 ms
+    fitted = ie.calibrated_cluster(start, cal)
+    assert fitted.bandwidth_efficiency == pytest.approx(BANDWIDTH_EFFICIENCY / 2, rel=1e-6)
+    assert fitted.step_overhead_s == pytest.approx(ENGINES["deepspeed"].step_overhead_s + 3e-3, rel=1e-6)
+
+
+def test_cli_refuses_an_efficiency_above_1_in_one_line(capsys):
+    args = ["--model", "llama3-8b", "--gpu", "h200", "--gpus", "1", "--prompt-length", "32", "--output-length", "8"]
+    assert main([*args, "--efficiency", "1.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--efficiency" in err and "1.5" in err and "\n" not in err
