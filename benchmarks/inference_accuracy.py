@@ -99,6 +99,14 @@ def tune_args(hf_dir, args, tflops: float, gbps: float) -> list[str]:
         f"{tflops:.4g}",
         "--memory-gbps",
         f"{gbps:.4g}",
+        # The core's measured figures as they are, without a GPU engine's fitted efficiencies and overhead: the
+        # refit learns this machine's from there.
+        "--efficiency",
+        "1",
+        "--bandwidth-efficiency",
+        "1",
+        "--step-overhead-s",
+        "0",
         "--prompt-length",
         str(args.prompt),
         "--output-length",

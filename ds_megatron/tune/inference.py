@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.rules import tp_misfit
 from ds_megatron.model import family_of
-from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, gemm, matmul_s
+from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls
 from ds_megatron.tune.memory_model import (
     ACT_BYTES,
     GIB,
@@ -26,9 +26,8 @@ from ds_megatron.tune.memory_model import (
 from ds_megatron.tune.spec import Candidate, Cluster, check_positive
 from ds_megatron.tune.time_model import link, ring_s
 
-# Bytes per weight or KV-cache element of each storage precision.  Quantized weights (fp8, int8, int4) are modelled
-# as weight-only: they are read at their size and multiplied at the bf16 peak, so the prediction stays conservative
-# where a kernel runs fp8 matmuls at twice the rate.
+# Bytes per weight or KV-cache element of each storage precision.  Weights are read at their size; fp8 and int8
+# weights are multiplied at the GPU's fp8 / int8 peak where it has one (Cluster.matmul_peak_flops), int4 at bf16.
 PRECISION_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 KV_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8")
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -194,43 +193,52 @@ def _as_candidate(serving: Serving, batch_tokens: int) -> Candidate:
 
 
 def inference_time(model: ModelShape, cluster: Cluster, serving: Serving, work: Workload) -> InferenceTime:
-    """TTFT and TPOT of one batch on one replica (derived in docs/tuner.md, "Inference model")."""
+    """TTFT and TPOT of one batch on one replica (derived in docs/tuner.md, "Inference model"): every matmul's FLOPs
+    at ``cluster.efficiency`` of the peak of its precision, every byte read at ``cluster.bandwidth_efficiency`` of the
+    HBM bandwidth, the TP collectives, and the engine's fixed time per forward (``cluster.step_overhead_s``)."""
     t, b, layers = serving.tp, serving.batch, model.num_layers
     gbps, latency = link(cluster, inter_node=False)  # tp and pp stay inside a node (searched so)
     h, vocab = model.hidden_size, padded_vocab_size(model.vocab_size, t) // t
     hbm = cluster.memory_gbps * 1e9
     weight_bytes = PRECISION_BYTES[work.weight_dtype]
+    block_params = block_param_count(model, t)
+    weight_read = (layers * block_params + h * vocab) * weight_bytes  # this rank's weights, one vocabulary table
+    weight_peak, attn_peak = cluster.matmul_peak_flops(work.weight_dtype), cluster.peak_flops
 
-    # Prefill: the training model's forward at s = prompt length, b = the batch (compute-bound matmuls and fused
-    # attention), two all-reduces of [s, b, h] per layer, one send per stage boundary, the last position's logits.
+    # Prefill: the training model's block matmuls and fused attention at s = prompt length, b = the batch (their
+    # bf16 weight bytes replaced by the weights' own), two all-reduces of [s, b, h] per layer, one send per stage
+    # boundary, the last position's logits.
     prompt = dataclasses.replace(model, seq_length=work.prompt_length)
     cand = _as_candidate(serving, b)
-    per_layer = matmul_s(block_matmuls(prompt, cand) + core_attention_matmuls(prompt, cand), cluster)
+    mm, attn = block_matmuls(prompt, cand), core_attention_matmuls(prompt, cand)
+    mm_flops = layers * sum(op.flops for op in mm) + 2.0 * b * h * vocab
+    attn_flops = layers * sum(op.flops for op in attn)
+    activation_bytes = layers * (sum(op.bytes for op in mm + attn) - block_params * ACT_BYTES)
+    prefill_bytes = weight_read + max(activation_bytes, 0.0) + b * (h + vocab) * ACT_BYTES
     prefill_comm = layers * 2 * ring_s(b * work.prompt_length * h * ACT_BYTES, t, gbps, latency)
     sends = (serving.pp - 1) * (latency + b * work.prompt_length * h * ACT_BYTES / (gbps * 1e9))
-    logits = matmul_s((gemm("logits", b, h, vocab),), cluster)
-    # A fixed time per forward outside the model's terms (Python, kernel launches, the framework's bookkeeping): 0
-    # unless fitted by the empirical mode or passed as --step-overhead-s; prefill and each decode step are one forward.
+    # A fixed time per forward outside the terms above (the engine's scheduler, sampler, kernel launches, Python):
+    # the engine preset's (tune.inference_engines), fitted by the empirical mode or passed as --step-overhead-s;
+    # prefill and each decode step are one forward.
     overhead = cluster.step_overhead_s
-    ttft = layers * per_layer + prefill_comm + sends + logits + overhead
-    prefill_flops = sum(op.flops for op in block_matmuls(prompt, cand) + core_attention_matmuls(prompt, cand))
-    prefill_floor = (layers * prefill_flops + 2.0 * b * h * vocab) / cluster.peak_flops
+    compute = (mm_flops / weight_peak + attn_flops / attn_peak) / cluster.efficiency
+    ttft = compute + prefill_bytes / (hbm * cluster.bandwidth_efficiency) + prefill_comm + sends + overhead
+    prefill_floor = mm_flops / weight_peak + attn_flops / attn_peak
 
     # Decode: per token every weight of this rank is read once and multiplied with b rows; attention reads the
     # batch's cached K and V and multiplies them with one query row per head.
     context = work.mean_decode_context
-    block_params = block_param_count(model, t)
     kv_read = b * context * kv_cache_bytes_per_token(model, work.kv_dtype, t, layers)
-    attn_flops = 4.0 * b * model.num_heads // t * context * model.head_dim
-    flops = layers * (2.0 * b * block_params + attn_flops) + 2.0 * b * h * vocab
-    weight_read = (layers * block_params + h * vocab) * weight_bytes
+    decode_mm = layers * 2.0 * b * block_params + 2.0 * b * h * vocab
+    decode_attn = layers * 4.0 * b * model.num_heads // t * context * model.head_dim
     activations = layers * b * h * ACT_BYTES * 8  # the block's few [b, h] inputs and outputs, read and written
     bytes_moved = weight_read + kv_read + activations
     decode_comm = layers * 2 * ring_s(b * h * ACT_BYTES, t, gbps, latency)
     decode_comm += ring_s(b * LOGIT_BYTES, t, gbps, latency, passes=1)  # the vocabulary shards' best tokens
     decode_sends = (serving.pp - 1) * (latency + b * h * ACT_BYTES / (gbps * 1e9))
     decode_floor = (weight_read + kv_read) / hbm
-    tpot = (flops / cluster.peak_flops + bytes_moved / hbm) / cluster.efficiency + decode_comm + decode_sends + overhead
+    decode_compute = (decode_mm / weight_peak + decode_attn / attn_peak) / cluster.efficiency
+    tpot = decode_compute + bytes_moved / (hbm * cluster.bandwidth_efficiency) + decode_comm + decode_sends + overhead
     return InferenceTime(
         ttft_s=max(ttft, prefill_floor),
         tpot_s=max(tpot, decode_floor),

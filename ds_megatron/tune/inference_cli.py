@@ -37,10 +37,18 @@ from ds_megatron.tune.inference import (
 )
 from ds_megatron.tune.inference_empirical import run_inference_empirical, validate_options
 from ds_megatron.tune.inference_empirical_report import format_inference_empirical
+from ds_megatron.tune.inference_engines import (
+    DEFAULT_ENGINE,
+    ENGINES,
+    EXPECTED_ERROR,
+    INFERENCE_EFFICIENCY,
+    expected_error_text,
+    inference_cluster,
+)
 from ds_megatron.tune.inference_probe import InferenceEmpiricalOptions
 from ds_megatron.tune.memory_model import GIB, total_param_count
 from ds_megatron.tune.spec import FLAGS as SHAPE_FLAGS
-from ds_megatron.tune.spec import build_model_shape, cluster_from_flags
+from ds_megatron.tune.spec import Cluster, build_model_shape, cluster_from_flags
 from ds_megatron.tune.written import check_output, write_output
 
 EXIT_NO_FIT = 1
@@ -66,6 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, options, text in FLAGS["cluster"]:
         if flag not in TRAINING_ONLY_FLAGS:
             cluster.add_argument(flag, **options, help=text)
+    cluster.add_argument(
+        "--engine",
+        choices=list(ENGINES),
+        default=DEFAULT_ENGINE,
+        help=f"serving engine whose fitted overhead per forward is charged (default {DEFAULT_ENGINE})",
+    )
+    cluster.add_argument(
+        "--bandwidth-efficiency",
+        type=finite_float,
+        help="fraction of the HBM bandwidth decode's reads reach (default: fitted on published measurements)",
+    )
+    # The inference model's own defaults (tune.inference_engines), not the training model's: None until given.
+    p.set_defaults(efficiency=None, step_overhead_s=None)
+    for action in p._actions:
+        if action.dest == "efficiency":
+            action.help = f"fraction of the peak matmuls reach (default {INFERENCE_EFFICIENCY}, fitted)"
+        elif action.dest == "step_overhead_s":
+            action.help = "fixed seconds per forward (default: the --engine preset's)"
     work = p.add_argument_group("requests")
     work.add_argument("--prompt-length", type=int, required=True, help="tokens per prompt")
     work.add_argument("--output-length", type=int, required=True, help="tokens generated per request")
@@ -174,7 +200,9 @@ def _run(args: argparse.Namespace, start: float) -> int:
         raise ConfigError("--max-minutes", "required with --empirical", "not set", "pass e.g. --max-minutes 10")
     check_output("--json", args.json, args.force)
     model = model_shape(args)
-    cluster = cluster_from_flags(args)
+    cluster = inference_cluster(
+        cluster_from_flags(args), args.engine, args.efficiency, args.bandwidth_efficiency, args.step_overhead_s
+    )
     work = Workload(
         prompt_length=args.prompt_length,
         output_length=args.output_length,
@@ -197,7 +225,7 @@ def _run(args: argparse.Namespace, start: float) -> int:
         )
         validate_options(result, options, args.hf_dir)
         options = dataclasses.replace(options, device=resolve_device(options.device, cluster.num_gpus))
-    print(format_inference(result, top=max(1, args.top)), flush=True)
+    print(format_inference(result, top=max(1, args.top), engine=args.engine), flush=True)
     emp = None
     if options is not None and not result.evaluations:
         print("empirical: skipped, no candidate fits")
@@ -210,6 +238,8 @@ def _run(args: argparse.Namespace, start: float) -> int:
             "model": vars(model) | {"parameters": total_param_count(model)},
             "cluster": vars(cluster),
             "workload": vars(work),
+            "engine": args.engine,
+            "expected_error": {k: {"median": m, "worst": w} for k, (m, w) in EXPECTED_ERROR.items()},
             "winner": result.winner.as_dict() if result.winner else None,
             "pareto_front": [e.as_dict() for e in result.pareto_front()],
             "candidates": [e.as_dict() for e in result.evaluations],
@@ -253,8 +283,9 @@ def describe(e: InferenceEvaluation) -> str:
     s = e.serving
     return (
         f"tp {s.tp} x pp {s.pp}, batch {s.batch}, {s.replicas} replica{'s' if s.replicas > 1 else ''}: "
-        f"{e.tokens_per_s:,.0f} output tokens/s ({e.tokens_per_s_per_gpu:,.0f} per GPU), TTFT {ms(e.time.ttft_s)}, "
-        f"TPOT {ms(e.time.tpot_s)}, {e.memory.required_bytes / GIB:.1f} GiB per GPU"
+        f"{e.tokens_per_s:,.0f} output tokens/s ({e.tokens_per_s_per_gpu:,.0f} per GPU), TTFT {ms(e.time.ttft_s)} "
+        f"{expected_error_text('ttft')}, TPOT {ms(e.time.tpot_s)} {expected_error_text('tpot')}, "
+        f"{e.memory.required_bytes / GIB:.1f} GiB per GPU"
     )
 
 
@@ -278,7 +309,17 @@ def why_ahead(a: InferenceEvaluation, b: InferenceEvaluation) -> str:
     return "; ".join(parts)
 
 
-def format_inference(result: InferenceResult, top: int = 10) -> str:
+def model_line(c: Cluster, engine: str | None) -> str:
+    """The constants the prediction rests on and what it is accurate to (docs/tuner.md, "Inference model")."""
+    (tm, tw), (pm, pw) = EXPECTED_ERROR["ttft"], EXPECTED_ERROR["tpot"]
+    return (
+        f"model: {f'engine {engine}, ' if engine else ''}{c.step_overhead_s * 1e3:.2f} ms per forward, matmuls at "
+        f"{c.efficiency:.1%} of peak, reads at {c.bandwidth_efficiency:.1%} of HBM; expected error TTFT ±{tm:.0%} "
+        f"(worst {tw:.0%}), TPOT ±{pm:.0%} (worst {pw:.0%}), held out by source against published measurements"
+    )
+
+
+def format_inference(result: InferenceResult, top: int = 10, engine: str | None = None) -> str:
     m, c, w = result.model, result.cluster, result.workload
     limits = [f"{name} <= {ms(limit)}" for name, limit in (("TTFT", w.max_ttft_s), ("TPOT", w.max_tpot_s)) if limit]
     lines = [
@@ -287,6 +328,7 @@ def format_inference(result: InferenceResult, top: int = 10) -> str:
         f"({c.gpus_per_node} per node)",
         f"requests: prompt {w.prompt_length}, output {w.output_length} tokens; weights {w.weight_dtype}, KV cache "
         f"{w.kv_dtype}; limits: {', '.join(limits) or 'none'}",
+        model_line(c, engine),
     ]
     if not result.evaluations:
         lines.append(f"nothing fits: {smallest_fit_note(m, c, w)}")

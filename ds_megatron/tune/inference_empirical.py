@@ -217,13 +217,27 @@ def _outcome_text(r: InferenceRun) -> str:
     return f"TTFT {m.ttft * 1e3:.1f} ms (predicted {p.ttft * 1e3:.1f}), TPOT {m.tpot * 1e3:.2f} ms ({p.tpot * 1e3:.2f})"
 
 
+def with_efficiency(cluster: Cluster, efficiency: float) -> Cluster:
+    """``cluster`` with the compute efficiency ``efficiency`` and the bandwidth efficiency in the ratio of the two
+    in ``cluster`` (the fitted defaults, or the flags'): the measuring runs fit one scale for both."""
+    ratio = cluster.bandwidth_efficiency / cluster.efficiency
+    return dataclasses.replace(cluster, efficiency=efficiency, bandwidth_efficiency=efficiency * ratio)
+
+
+def _ceiling(cluster: Cluster) -> float:
+    """The compute efficiency at which the larger of the two efficiencies is 1: the fit's bound."""
+    return cluster.efficiency / max(cluster.efficiency, cluster.bandwidth_efficiency)
+
+
 def inference_parts(result: InferenceResult, serving: Serving) -> dict[str, tuple[float, float, float]]:
-    """TTFT's and TPOT's (C, N, B), predicted = C / efficiency + N x intra-node latency + B + overhead: both are
-    linear in the three constants (inference_time), so three evaluations separate them.  The physical floors do not
-    bind at an efficiency of at most 1 (each is the matmul or memory term at a ceiling of 1)."""
-    base = dataclasses.replace(result.cluster, efficiency=1.0, intra_node_latency_s=0.0, step_overhead_s=0.0)
+    """TTFT's and TPOT's (C, N, B), predicted = C / scale + N x intra-node latency + B + overhead, where the
+    efficiencies are ``scale`` times their largest values in the cluster's ratio (``with_efficiency``) and B holds
+    the cluster's own overhead per forward (the engine preset's): both are linear in the three constants
+    (inference_time), so three evaluations separate them.  The physical floors do not bind at a scale of at most 1."""
+    top = _ceiling(result.cluster)
+    base = dataclasses.replace(with_efficiency(result.cluster, top), intra_node_latency_s=0.0)
     t1 = inference_time(result.model, base, serving, result.workload)
-    half = inference_time(result.model, dataclasses.replace(base, efficiency=0.5), serving, result.workload)
+    half = inference_time(result.model, with_efficiency(base, top / 2), serving, result.workload)
     unit = inference_time(result.model, dataclasses.replace(base, intra_node_latency_s=1.0), serving, result.workload)
     parts = {}
     for name in ("ttft", "tpot"):
@@ -234,9 +248,10 @@ def inference_parts(result: InferenceResult, serving: Serving) -> dict[str, tupl
 
 
 def fit_inference_model(result: InferenceResult, runs: list[InferenceRun], extra_terms=FIT_TERMS) -> Calibration:
-    """Fit the matmul ceiling, and each of ``extra_terms`` (collective latency, a fixed per-forward overhead) that
-    clearly helps, to the measured TTFTs and TPOTs together (calibration.fit_parts: every figure's relative error
-    counts the same)."""
+    """Fit the efficiencies (one scale for both, in the cluster's ratio), and each of ``extra_terms`` (collective
+    latency, a fixed per-forward overhead on top of the engine's) that clearly helps, to the measured TTFTs and TPOTs
+    together (calibration.fit_parts: every figure's relative error counts the same).  The result's efficiency is
+    the compute efficiency (``--efficiency``); ``with_efficiency`` gives the bandwidth efficiency beside it."""
     points = []
     for r in runs:
         parts = inference_parts(result, r.evaluation.serving)
@@ -245,7 +260,15 @@ def fit_inference_model(result: InferenceResult, runs: list[InferenceRun], extra
             if not measured > 0:
                 raise ValueError(f"calibrate: measured {name.upper()} must be positive, got {measured}")
             points.append((*parts[name], result.cluster.intra_node_latency_s, measured))
-    return fit_parts(points, extra_terms, unit="measured TTFTs and TPOTs")
+    cal = fit_parts(points, extra_terms, unit="measured TTFTs and TPOTs")
+    return dataclasses.replace(cal, efficiency=cal.efficiency * _ceiling(result.cluster))
+
+
+def calibrated_cluster(cluster: Cluster, cal: Calibration) -> Cluster:
+    """``cluster`` with the fitted constants: both efficiencies, the latency, the engine's overhead plus the fitted
+    one."""
+    fitted = cal.apply(with_efficiency(cluster, cal.efficiency))
+    return dataclasses.replace(fitted, step_overhead_s=cluster.step_overhead_s + cal.step_overhead_s)
 
 
 def recalibrate(result: InferenceResult, emp: InferenceEmpiricalResult) -> None:
@@ -258,7 +281,7 @@ def recalibrate(result: InferenceResult, emp: InferenceEmpiricalResult) -> None:
             emp.calibration = fit_inference_model(result, ok)
         except ValueError as err:
             emp.calibration_note = f"calibration failed, the analytic model is kept: {err}"
-    cluster: Cluster = emp.calibration.apply(result.cluster) if emp.calibration else result.cluster
+    cluster = calibrated_cluster(result.cluster, emp.calibration) if emp.calibration else result.cluster
     emp.recalibrated = search_inference(result.model, cluster, result.workload)
     again = {e.serving: e for e in emp.recalibrated.evaluations}
     for r in emp.runs:

@@ -3,6 +3,8 @@ and measured, the calibration, the rank correlations and the final ranking (meas
 
 from __future__ import annotations
 
+import dataclasses
+
 from ds_megatron.tune.empirical_report import calibration_text
 from ds_megatron.tune.inference_empirical import REPLICAS_NOTE, FinalEntry, InferenceEmpiricalResult
 from ds_megatron.tune.inference_probe import Figures
@@ -71,7 +73,13 @@ def _calibration_lines(emp: InferenceEmpiricalResult) -> list[str]:
     if cal is None:
         lines = [f"calibration: {emp.calibration_note}"]
     else:
-        parts, flags, error = calibration_text(cal, f"{ms(cal.step_overhead_s)} ms per forward")
+        # The flags rank with the recalibrated cluster: its bandwidth efficiency (the compute one's ratio kept) and
+        # its whole overhead per forward (the engine's plus the fitted one).
+        fitted = emp.recalibrated.cluster
+        total = dataclasses.replace(cal, step_overhead_s=fitted.step_overhead_s if cal.step_overhead_s else 0.0)
+        parts, flags, error = calibration_text(total, f"{ms(total.step_overhead_s)} ms per forward")
+        parts += f", bandwidth efficiency {fitted.bandwidth_efficiency:.3g} (in the defaults' ratio)"
+        flags += f" --bandwidth-efficiency {fitted.bandwidth_efficiency:.4g}"
         lines = [
             f"calibration from {cal.num_measurements} figures (TTFT and TPOT of {len(emp.ok)} run(s)): "
             f"{parts}; {error}",

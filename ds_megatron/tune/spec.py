@@ -47,10 +47,23 @@ class Cluster:
     # Fixed time per optimizer step outside the model (optimizer update, Python and launch overheads); 0 unless
     # fitted by calibration.fit_time_model from short runs (tune --empirical) or passed as --step-overhead-s.
     step_overhead_s: float = 0.0
+    # The inference model's decode reads (weights, KV cache) run at this fraction of memory_gbps; its matmuls at
+    # ``efficiency`` of the peak of their precision.  1 here (the raw bandwidth); the inference command line applies
+    # the fitted value (tune.inference_engines.inference_cluster).
+    bandwidth_efficiency: float = 1.0
+    fp8_peak_tflops: float | None = None  # dense fp8 Tensor Core peak (None: none, fp8 matmuls run at the bf16 peak)
+    int8_peak_tflops: float | None = None  # dense int8 Tensor Core peak in TOPS (None: none)
 
     @property
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
+
+    def matmul_peak_flops(self, dtype: str) -> float:
+        """The peak a weight matmul runs at with weights (and activations) in ``dtype``: fp8 and int8 at their own
+        Tensor Core peaks where the GPU has them (W8A8, as serving engines run such checkpoints), anything else
+        (int4 is weight-only, dequantized to bf16) at the bf16 peak."""
+        own = {"fp8": self.fp8_peak_tflops, "int8": self.int8_peak_tflops}.get(dtype)
+        return max(own or 0.0, self.peak_tflops) * 1e12
 
 
 @dataclass(frozen=True)
@@ -231,8 +244,12 @@ def build_cluster(gpu: str | None, num_gpus: int, gpus_per_node: int, **values: 
         if value is not None and value != getattr(preset, column):
             changed.append(f"{flag} {value:g}")
     rest = {k: v for k, v in values.items() if v is not None}
+    # The fp8 and int8 peaks scale with the bf16 peak a flag may have replaced (the datasheets' ratio, 2 on Hopper).
+    scale = fields["peak_tflops"] / preset.peak_tflops
+    low = {"fp8_peak_tflops": preset.fp8_tflops, "int8_peak_tflops": preset.int8_tops}
+    low = {k: v * scale for k, v in low.items() if v is not None and k not in rest}
     label = None if gpu is None else gpu + (f" with {', '.join(changed)}" if changed else "")
-    return Cluster(num_gpus=num_gpus, gpus_per_node=gpus_per_node, gpu=label, **fields, **rest)
+    return Cluster(num_gpus=num_gpus, gpus_per_node=gpus_per_node, gpu=label, **fields, **low, **rest)
 
 
 def cluster_from_flags(args) -> Cluster:
