@@ -156,6 +156,8 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------------------
     def fit(self) -> int:
+        if self.run.section.train.eval_only:
+            return self.evaluate_only()
         iters = self.run.section.train.train_iters
         step = self.start_step
         while step < iters:
@@ -298,6 +300,21 @@ class Trainer:
         losses = [float(engine.eval_batch(stream)) for _ in range(run.section.train.eval_iters)]
         engine.module.train()
         return sum(losses) / len(losses)
+
+    def evaluate_only(self) -> int:
+        """The validation loss and perplexity of exactly the weights loaded (``--load``'s tag, or ``--init-from-hf``),
+        over ``eval_iters`` validation batches, logged at the loaded step; nothing is trained or saved."""
+        ck, step = self.run.section.checkpoint, self.start_step
+        what = f"{ck.load} (step {step})" if ck.load else f"{ck.init_from_hf} (transformers)"
+        val = self.evaluate()
+        self.logger.log({"step": step, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
+        self.logger.say(
+            f"evaluation only: {what} | validation loss {val:.6f} | perplexity {math.exp(min(val, 50)):.4f} "
+            f"({self.run.section.train.eval_iters} batches of {self.run.global_batch_size} sequences)"
+        )
+        self.logger.close()
+        dist.barrier()
+        return 0
 
     def finish(self, step: int) -> None:
         val = self.evaluate()

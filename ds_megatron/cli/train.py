@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="ds_megatron.parallel.sequence_parallel",
     )
     p.add_argument(
+        "--eval-only",
+        action="store_true",
+        default=None,
+        help="ds_megatron.train.eval_only: report the validation loss of what --load or --init-from-hf loads, train "
+        "nothing",
+    )
+    p.add_argument(
         "--recompute",
         help="ds_megatron.recompute: none | selective | full[:K[:uniform|block]] (e.g. full:2:block)",
     )
@@ -106,6 +113,7 @@ def _set_path(cfg: dict, dotted: str, value: Any) -> None:
 def apply_overrides(cfg: dict, args: argparse.Namespace) -> dict:
     flags = {path: getattr(args, _dest(flag)) for flag, path, _, _ in VALUE_FLAGS}
     flags["ds_megatron.parallel.sequence_parallel"] = args.sequence_parallel
+    flags["ds_megatron.train.eval_only"] = args.eval_only
     if args.recompute is not None:
         parts = args.recompute.split(":")
         _set_path(cfg, "ds_megatron.recompute.policy", parts[0])

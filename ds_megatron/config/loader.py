@@ -222,6 +222,7 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
     check_recompute(section.recompute, shape, pp, schedule)
     check_deepspeed_keys(ds_config, pp)
     check_train(section.train)
+    check_eval_only(section)
     check_counts(section)
     # data.tokenizer and data.valid_fraction apply to text tokenised in the launch only: pre-flight checks them
     # (check_text_settings) once it knows the data is not a prepared directory, which brings its own.
@@ -397,7 +398,14 @@ def check_deepspeed_keys(ds_config: dict, pp: int) -> None:
 
 
 def check_train(train: TrainSection) -> None:
-    for name in ("train_iters", "log_interval", "eval_iters", "sample_top_k"):
+    if train.train_iters == 0 and not train.eval_only:
+        raise ConfigError(
+            "ds_megatron.train.train_iters",
+            "must be a positive integer",
+            "got 0",
+            "set a positive integer, or pass --eval-only to evaluate a checkpoint without training",
+        )
+    for name in ("log_interval", "eval_iters", "sample_top_k") + (() if train.eval_only else ("train_iters",)):
         _positive(f"ds_megatron.train.{name}", getattr(train, name))
     if not (0.0 < train.sample_temperature < float("inf")):
         raise ConfigError(
@@ -405,6 +413,19 @@ def check_train(train: TrainSection) -> None:
             "must be a positive number",
             f"got {train.sample_temperature!r}",
             "set e.g. 0.8",
+        )
+
+
+def check_eval_only(section: DsMegatronConfig) -> None:
+    """An evaluation-only run reports the validation loss of weights it loads: without any, there is nothing to
+    evaluate."""
+    ck = section.checkpoint
+    if section.train.eval_only and not (ck.load or ck.init_from_hf):
+        raise ConfigError(
+            "ds_megatron.train.eval_only",
+            "nothing to evaluate: no checkpoint or transformers model is loaded",
+            "checkpoint.load and checkpoint.init_from_hf unset",
+            "pass --load DIR (a checkpoint) or --init-from-hf DIR (a transformers model)",
         )
 
 

@@ -166,6 +166,7 @@ class TrainSection:
     generate_tokens: int = 48  # tokens of that continuation (0: none)
     sample_top_k: int = 40  # the sampled continuation printed beside it draws from this many most likely tokens
     sample_temperature: float = 0.8  # that sample divides its logits by this (< 1 sharper, > 1 flatter)
+    eval_only: bool = False  # evaluate what checkpoint.load or init_from_hf loaded on the validation split; no training
 
 
 @dataclass(frozen=True)

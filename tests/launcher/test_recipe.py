@@ -138,3 +138,35 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
             batch_losses.append(float(torch.stack(micro).mean()))
     recipe_val = [r["val_loss"] for r in records if "val_loss" in r][-1]
     assert abs(np.mean(batch_losses) - recipe_val) <= 1e-4, (np.mean(batch_losses), recipe_val)
+
+
+def test_eval_only_reports_the_validation_loss_of_what_it_loads(demo, tmp_path):
+    """``--eval-only --load``: the demo's last checkpoint, loaded at another layout (1 process: resharded on load),
+    reports the validation loss the training run logged at that step, trains nothing and saves nothing."""
+    demo_dir, run_dir, _ = demo
+    eval_dir = tmp_path / "eval"
+    out = deepspeed_launch(
+        RECIPE,
+        1,
+        [
+            "--deepspeed_config",
+            TINY,
+            "--tp",
+            "1",
+            "--pp",
+            "1",
+            "--eval-only",
+            "--load",
+            str(demo_dir / "ck"),
+            "--set",
+            f"ds_megatron.logging.run_dir={eval_dir}",
+            "--set",
+            f"ds_megatron.data.cache_dir={demo_dir / 'cache'}",
+        ],
+    )
+    trained = [r for r in read_records(run_dir) if "val_loss" in r][-1]
+    (evaluated,) = read_records(eval_dir)
+    assert evaluated["step"] == trained["step"] == 40
+    assert abs(evaluated["val_loss"] - trained["val_loss"]) <= 1e-5, (evaluated, trained)
+    assert f"evaluation only: {demo_dir / 'ck'} (step 40) | validation loss" in out
+    assert sorted(p.name for p in (demo_dir / "ck").iterdir() if p.name.startswith("step")) == ["step00000040"]

@@ -319,3 +319,19 @@ def test_settings_nothing_reads_are_named(changes, warned):
     notes: list[str] = []
     deepspeed_config_for(run, notes)
     assert [n for n in notes if n.startswith("warning:")] == lines
+
+
+def test_eval_only_needs_weights_to_evaluate_and_lifts_train_iters():
+    """``--eval-only`` evaluates what --load or --init-from-hf loads: without either it is refused; with it
+    train_iters 0 is accepted; and train_iters 0 alone names --eval-only in its fix."""
+    cfg, world = with_changes(ds_megatron__train__eval_only=True)
+    with pytest.raises(ConfigError, match="^error: ds_megatron.train.eval_only: nothing to evaluate"):
+        resolve(cfg, world)
+    resolve(*with_changes(ds_megatron__train__eval_only=True, ds_megatron__checkpoint__load="ck"))
+    resolve(
+        *with_changes(
+            ds_megatron__train__eval_only=True, ds_megatron__train__train_iters=0, ds_megatron__checkpoint__load="ck"
+        )
+    )
+    with pytest.raises(ConfigError, match="train_iters: must be a positive integer .got 0.; .* pass --eval-only"):
+        resolve(*with_changes(ds_megatron__train__train_iters=0))
