@@ -74,6 +74,8 @@ class NamedShape:
     rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3 scaling, as sorted (key, value) pairs
     tie_word_embeddings: bool | None = None
     learning_rate: float | None = None  # the published peak learning rate, where one is published
+    # Fields only the family's own config has (head_dim, the experts' layout), as sorted (field, value) pairs.
+    family_fields: tuple[tuple[str, Any], ...] = ()
 
 
 Gemm = tuple[str, int, int, int, int]  # a block's matmul for the tuner: (name, m, k, n, count) m x k by k x n
