@@ -158,6 +158,9 @@ def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShap
     family = shape.family
     if family not in MODEL_FAMILIES:
         raise ConfigError(setting("family"), "unknown family", f"{family!r}", f"use one of {MODEL_FAMILIES}")
+    if FAMILIES[family].no_training:
+        trained = ", ".join(name for name, f in FAMILIES.items() if not f.no_training)
+        raise ConfigError(setting("family"), FAMILIES[family].no_training, f"family={family!r}", f"use {trained}")
     for name, value in (
         ("num_layers", layers),
         ("hidden_size", hidden),

@@ -129,6 +129,9 @@ class Family:
     # Why DeepSpeed's automatic tensor parallelism for inference (init_inference without kernel injection) cannot
     # shard the exported model, or None when it can.
     no_autotp_inference: str | None = None
+    # Why the training path (config, pipeline, tuner) does not take this family yet, or None when it does: the model
+    # itself builds and runs (``model.build_model``).
+    no_training: str | None = None
     sp_dropouts: tuple[str, ...] = ()  # dropouts inside a block acting on the sequence-sharded stream under SP
     model_sp_dropouts: tuple[str, ...] = ()  # the same outside the blocks (paths from the model root)
 

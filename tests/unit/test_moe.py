@@ -227,3 +227,17 @@ def test_named_sizes_build_their_configs():
             assert cfg.num_experts == fields["num_experts"] and cfg.head_dim == fields["head_dim"], size
             with pytest.raises(ValueError, match="needs model.size"):
                 FAMILIES[family].config.from_shape(SimpleNamespace(**{**vars(m), "size": None}))
+
+
+@pytest.mark.parametrize("size", ["moe-tiny", "qwen3-30b-a3b", "mixtral-8x7b"])
+def test_the_training_path_refuses_the_moe_families_in_one_line(size):
+    from ds_megatron.config import ConfigError, resolve_shape
+    from ds_megatron.config.schema import ModelSection
+
+    with pytest.raises(ConfigError) as err:
+        resolve_shape(ModelSection(size=size, vocab_size=500, seq_length=32))
+    message = str(err.value)
+    assert (
+        message.startswith("error: ds_megatron.model.family: not trained by the pipeline yet") and "\n" not in message
+    )
+    assert "use gpt2, llama" in message

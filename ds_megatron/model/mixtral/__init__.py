@@ -14,6 +14,7 @@ from ds_megatron.model.qwen3_moe import (
 )
 from ds_megatron.model.qwen3_moe import (
     LAYOUT,
+    NO_TRAINING,
     PLAN,
     SHAPE_RENAMED,
     Qwen3MoeConfig,
@@ -152,4 +153,5 @@ FAMILY = Family(
     mlp_matrices=3,
     block_terms=not_modelled,
     tuner=tuner_facts(MIXTRAL_VOCAB_SIZE, MIXTRAL_SEQ_LENGTH),
+    no_training=NO_TRAINING,
 )
