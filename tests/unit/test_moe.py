@@ -21,8 +21,7 @@ SMALL = dict(vocab_size=V, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim
 
 
 def qwen3(**kw) -> Qwen3MoeConfig:
-    # head_dim 16 with 4 heads: q_proj is 64 -> 64 but d is not h / a's ... it is; the sparse step and the dense
-    # layer make layer 0 dense (mlp_only_layers) and layer 2 dense (off the step of 2)
+    # layer 0 dense by mlp_only_layers (and layers 0 and 2 off a decoder_sparse_step of 2 where one is given)
     base = dict(SMALL, num_layers=4, intermediate_size=96, moe_intermediate_size=32, num_experts=4)
     base.update(num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=(0,))
     base.update(router_aux_loss_coef=0.1)
