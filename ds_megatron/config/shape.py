@@ -158,6 +158,9 @@ def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShap
     family = shape.family
     if family not in MODEL_FAMILIES:
         raise ConfigError(setting("family"), "unknown family", f"{family!r}", f"use one of {MODEL_FAMILIES}")
+    if FAMILIES[family].no_training:
+        trained = ", ".join(name for name, f in FAMILIES.items() if not f.no_training)
+        raise ConfigError(setting("family"), FAMILIES[family].no_training, f"family={family!r}", f"use {trained}")
     for name, value in (
         ("num_layers", layers),
         ("hidden_size", hidden),
@@ -213,12 +216,12 @@ def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShap
     if FAMILIES[family].fixed_kv_and_width:
         given = [k for k in CHOSEN if getattr(m, k) is not None]
         if given:
-            choosing = " or ".join(f.name for f in FAMILIES.values() if not f.fixed_kv_and_width)
+            choices = [f.name for f in FAMILIES.values() if not f.fixed_kv_and_width]
             raise ConfigError(
                 setting(given[0]),
-                f"applies to the {choosing} family only",
+                f"applies to the {', '.join(choices)} families only",
                 f"family={family}, {', '.join(given)} set",
-                f'remove it or set {ref("family")} to "{choosing}"',
+                f"remove it or set {ref('family')} to one of {', '.join(choices)}",
             )
         resolved = ModelShape(**common, **fixed_fields(hidden, heads))
     else:

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds_megatron.model import gpt2, llama
+from ds_megatron.model import gpt2, llama, mixtral, qwen3_moe
 from ds_megatron.model.family import Family
 from ds_megatron.model.gpt2 import GPTConfig
 from ds_megatron.model.llama import LlamaConfig
+from ds_megatron.model.mixtral import MixtralConfig
+from ds_megatron.model.qwen3_moe import Qwen3MoeConfig
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)}
 DEFAULT_FAMILY = gpt2.FAMILY.name  # a shape without a family is a GPT
 
-ModelConfig = GPTConfig | LlamaConfig
+ModelConfig = GPTConfig | LlamaConfig | Qwen3MoeConfig | MixtralConfig
 
 
 def family_of(config: Any) -> Family:
@@ -41,7 +43,9 @@ __all__ = [
     "Family",
     "GPTConfig",
     "LlamaConfig",
+    "MixtralConfig",
     "ModelConfig",
+    "Qwen3MoeConfig",
     "build_model",
     "family_of",
 ]

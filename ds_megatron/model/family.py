@@ -74,6 +74,8 @@ class NamedShape:
     rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3 scaling, as sorted (key, value) pairs
     tie_word_embeddings: bool | None = None
     learning_rate: float | None = None  # the published peak learning rate, where one is published
+    # Fields only the family's own config has (head_dim, the experts' layout), as sorted (field, value) pairs.
+    family_fields: tuple[tuple[str, Any], ...] = ()
 
 
 Gemm = tuple[str, int, int, int, int]  # a block's matmul for the tuner: (name, m, k, n, count) m x k by k x n
@@ -127,6 +129,9 @@ class Family:
     # Why DeepSpeed's automatic tensor parallelism for inference (init_inference without kernel injection) cannot
     # shard the exported model, or None when it can.
     no_autotp_inference: str | None = None
+    # Why the training path (config, pipeline, tuner) does not take this family yet, or None when it does: the model
+    # itself builds and runs (``model.build_model``).
+    no_training: str | None = None
     sp_dropouts: tuple[str, ...] = ()  # dropouts inside a block acting on the sequence-sharded stream under SP
     model_sp_dropouts: tuple[str, ...] = ()  # the same outside the blocks (paths from the model root)
 

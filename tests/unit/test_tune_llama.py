@@ -163,7 +163,7 @@ def test_tp_16_is_refused_for_8_kv_heads(capsys):
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["--model", "gpt3-1.3b", "--kv-heads", "4"], "error: --kv-heads: applies to the llama family only"),
+        (["--model", "gpt3-1.3b", "--kv-heads", "4"], "error: --kv-heads: applies to the llama, qwen3_moe"),
         (["--model", "llama3-8b", "--family", "gpt2"], "error: --family: differs from the named size's family"),
         (["--family", "llama", "--layers", "2", "--hidden", "256", "--heads", "8"], "error: --intermediate-size: not"),
         (["--model", "llama3-8b", "--kv-heads", "3"], "error: --kv-heads: must divide the number of heads"),

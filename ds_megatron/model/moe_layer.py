@@ -1,0 +1,177 @@
+"""The routed mixture-of-experts MLP of the MoE families, single device (the expert-parallel dispatch builds on it
+later, in ``expert_parallel/``).  Torch only, no torch.distributed.
+
+Layout (transformers 5's ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``, so the HF key map is the identity):
+``gate.weight`` [E, h], the router; ``experts.gate_up_proj`` [E, 2F, h] (each expert's gate rows, then its up rows)
+and ``experts.down_proj`` [E, h, F].  The published checkpoints store one linear per expert instead (Qwen3-MoE:
+``mlp.experts.<e>.{gate,up,down}_proj.weight``; Mixtral: ``block_sparse_moe.experts.<e>.{w1,w3,w2}.weight`` with the
+router at ``block_sparse_moe.gate.weight``): transformers stacks them on load (gate_up = cat(gate, up) per expert).
+
+Routing (Shazeer et al. 2017; Mixtral; Qwen3): logits = x W_r^T in fp32 (the router always runs in fp32, whatever
+the activations' dtype: a bf16 router flips top-k choices between near-tied experts), p = softmax(logits), the k
+largest p_e per token, renormalised to sum 1 when ``norm_topk_prob``.  Dropless: every token reaches its k experts.
+The n k (token, expert) pairs are sorted by expert (stable, so each expert sees its tokens in order), run through
+each expert's SwiGLU MLP as one grouped GEMM per projection, scaled by their routing weight and summed back per token.
+An expert that gets no token is an empty group: its slice of the gradient is zero, and present, because the experts
+are two stacked tensors.
+
+Grouped GEMM vs a loop of per-expert GEMMs (forward + backward of one layer, CPU time, one thread, median of 5;
+``benchmarks/moe_gemm.py``, table in ``benchmarks/results/moe_gemm.md``): see :data:`GEMM_DEFAULT`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# "grouped" (torch._grouped_mm, one kernel per projection over all experts) or "loop" (one GEMM per expert with
+# tokens; needs each expert's token count on the host).  Measured, forward + backward, 1 CPU thread, median of 5:
+#   tiny (n 512 tokens, h 128, F 64, E 8, k 2):     fp32 grouped 7.0 ms, loop 8.0 ms; bf16 grouped 8.2 ms, loop 8.5 ms
+#   mid  (n 4096 tokens, h 1024, F 512, E 16, k 4): fp32 grouped 2740 ms, loop 3829 ms; bf16 grouped 1453, loop 1648 ms
+# The grouped GEMM wins at both shapes and dtypes (1.04-1.40x) and needs no host sync of the per-expert counts; the
+# loop stays for operands torch._grouped_mm refuses (rows not a multiple of 16 bytes).  On CUDA (read, not run here)
+# torch._grouped_mm's CUTLASS kernel takes bf16 on compute capability 9.0 and later; other dtypes and GPUs take
+# torch's fallback, itself a loop after copying the offsets to the host.
+GEMM_DEFAULT = "grouped"
+GEMM_KINDS = ("grouped", "loop")
+GROUPED_ALIGN_BYTES = 16  # torch._grouped_mm's stride rule (CUDA's, enforced on CPU too): rows of 16-byte multiples
+
+
+class RouterStats(NamedTuple):
+    """One layer's (or several layers' summed) routing statistics, what the auxiliary losses need.  Additive: the
+    statistics of all MoE layers are summed before the losses, as transformers' ``load_balancing_loss_func`` sums
+    over layers before normalising (so the loss is not a mean of per-layer losses).
+
+    counts     [E] fp32, no gradient: (token, expert) assignments per expert (k per token)
+    probs      [E] fp32: the router probabilities summed over tokens (the loss's gradient flows through these)
+    rows       [] fp32: tokens routed (summed over layers, as transformers' ``total_rows``)
+    z          [] fp32: sum over tokens of logsumexp(logits)^2 (the router z-loss, Zoph et al. 2022, eq. 5)
+    """
+
+    counts: torch.Tensor
+    probs: torch.Tensor
+    rows: torch.Tensor
+    z: torch.Tensor
+
+    def __add__(self, other: RouterStats) -> RouterStats:  # type: ignore[override]
+        return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
+
+
+def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4-6) as transformers computes it over the layers:
+    E * sum_e f_e P_e, f_e = counts_e / rows (fraction of assignments; sums to k), P_e = probs_e / rows."""
+    num_experts = stats.counts.numel()
+    return num_experts * torch.sum((stats.counts / stats.rows) * (stats.probs / stats.rows))
+
+
+def router_z_loss(stats: RouterStats) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over routed tokens (and layers) of logsumexp(logits)^2."""
+    return stats.z / stats.rows
+
+
+class TopKRouter(nn.Module):
+    """logits = x W^T in fp32 -> softmax -> top k, renormalised when ``norm_topk_prob``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
+        """x [n, h] -> routing weights [n, k] fp32, experts [n, k] int64, this layer's statistics."""
+        logits = F.linear(x.float(), self.weight.float())  # [n, E] fp32
+        probs = torch.softmax(logits, dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        num_experts = logits.shape[-1]
+        counts = torch.bincount(experts.reshape(-1), minlength=num_experts).float()
+        rows = torch.tensor(float(x.shape[0]), device=x.device)
+        z = torch.logsumexp(logits, dim=-1).square().sum()
+        return weights, experts, RouterStats(counts, probs.sum(0), rows, z)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: torch._grouped_mm's backward refuses the expanded
+    (stride 0) gradients that e.g. ``sum()`` produces."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None):
+    """x [m, in] (rows sorted by group), weight [G, out, in], ``offsets`` [G] int32 end row of each group ->
+    [m, out], group g's rows times weight[g]^T.  ``counts`` (host ints) selects the loop of per-group GEMMs."""
+    if counts is None:
+        return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets))
+    parts = [F.linear(rows, weight[g]) for g, rows in enumerate(x.split(counts)) if counts[g]]
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+
+
+def grouped_mm_fits(*tensors: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes these operands: each row a multiple of 16 bytes."""
+    return all(t.shape[-1] * t.element_size() % GROUPED_ALIGN_BYTES == 0 for t in tensors)
+
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs stored as two stacked tensors (transformers' names and layout)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, gemm: str = GEMM_DEFAULT):
+        super().__init__()
+        if gemm not in GEMM_KINDS:
+            raise ValueError(f"error: moe gemm={gemm!r} is not one of {GEMM_KINDS}; use one of them")
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gemm = gemm
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [n, h], routing weights [n, k] fp32 and experts [n, k] -> [n, h]: sum_j weights[t, j] MLP_e(x_t)."""
+        n, k = experts.shape
+        num_experts = self.gate_up_proj.shape[0]
+        flat = experts.reshape(-1)  # [n k] pair i is token i // k's j = i % k choice
+        order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+        token = order // k
+        per_expert = torch.bincount(flat, minlength=num_experts)
+        grouped = self.gemm == "grouped" and grouped_mm_fits(x, self.gate_up_proj, self.down_proj)
+        counts = None if grouped else per_expert.tolist()
+        offsets = torch.cumsum(per_expert, 0).to(torch.int32)
+        routed = x[token]  # [n k, h], grouped by expert
+        gate, up = grouped_linear(routed, self.gate_up_proj, offsets, counts).chunk(2, dim=-1)
+        out = grouped_linear((F.silu(gate) * up).contiguous(), self.down_proj, offsets, counts)  # [n k, h]
+        out = out.float() * weights.reshape(-1)[order, None]
+        combined = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device).index_add(0, token, out)
+        return combined.to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """The routed MLP: ``gate`` (the router) and ``experts``.  Returns its output and the layer's router stats."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        gemm: str = GEMM_DEFAULT,
+    ):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"error: num_experts_per_tok={top_k} with num_experts={num_experts}; use 1..{num_experts}")
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.experts = Experts(hidden_size, intermediate_size, num_experts, gemm)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        """x [..., h] -> [..., h] and the layer's statistics (over all tokens of x)."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts, stats = self.gate(flat)
+        return self.experts(flat, weights, experts).view_as(x), stats

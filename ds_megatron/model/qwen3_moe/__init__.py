@@ -1,0 +1,292 @@
+"""The Qwen3-MoE family (Qwen3 technical report, 2025): Llama's decoder (RMSNorm, rotary positions, grouped-query
+attention, no biases) with an RMSNorm over each query and key head before the rotation, a head width of its own
+(``head_dim``, not h / a), and routed MLPs: E SwiGLU experts, top-k of a softmax router, renormalised when
+``norm_topk_prob``; a layer is dense (a SwiGLU of ``intermediate_size``) when it is in ``mlp_only_layers`` or off the
+``decoder_sparse_step``.  The Mixtral family (``model/mixtral``) is this config with Llama's attention and all layers
+sparse; both share the torch side (``model.py`` here, the routed MLP in ``model/moe_layer.py``).
+
+Config, plan, pipeline layout and transformers names (stdlib only).  What the analytic tuner, the FLOPs and the
+memory model count for a routed block is not written yet: they refuse these families (``not_modelled``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ds_megatron.model.family import (
+    COLUMN,
+    NORM,
+    OUTPUT,
+    ROW,
+    VOCAB,
+    Family,
+    LayoutTable,
+    NamedShape,
+    PlanRow,
+    TunerFacts,
+    hf_fields,
+    read_fields,
+)
+
+NAME = "qwen3_moe"  # the config's model.family
+SHAPE_RENAMED = {"rms_norm_eps": "layer_norm_epsilon", "attention_dropout": "dropout", "initializer_range": "init_std"}
+HF_RENAMED = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads", num_kv_heads="num_key_value_heads")
+# Fields a ModelShape does not carry: read off the named size (NamedShape.family_fields).
+MOE_FIELDS = (
+    "head_dim",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
+    "router_z_loss_coef",
+)
+QWEN3_VOCAB_SIZE = 151936
+QWEN3_SEQ_LENGTH = 4096  # the report's general pretraining stage
+
+
+def moe_size(family: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, **moe: Any) -> NamedShape:
+    """A named size with its family fields (``moe``: MOE_FIELDS and the rest of NamedShape's keywords)."""
+    shape_keys = {"vocab_size", "seq_length", "max_position_embeddings", "rope_theta", "tie_word_embeddings"}
+    shape = {k: moe.pop(k) for k in list(moe) if k in shape_keys}
+    return NamedShape(family, layers, hidden, heads, kv, ffn, **shape, family_fields=tuple(sorted(moe.items())))
+
+
+def _qwen3(layers: int, hidden: int, heads: int, ffn: int, moe_ffn: int) -> NamedShape:
+    """The published Qwen3-MoE config.json: 4 KV heads of width 128, 128 experts, top 8 renormalised."""
+    return moe_size(
+        NAME,
+        layers,
+        hidden,
+        heads,
+        4,
+        ffn,
+        head_dim=128,
+        moe_intermediate_size=moe_ffn,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+        router_aux_loss_coef=0.001,
+        vocab_size=QWEN3_VOCAB_SIZE,
+        seq_length=QWEN3_SEQ_LENGTH,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    )
+
+
+SIZES = {
+    "qwen3-30b-a3b": _qwen3(48, 2048, 32, 6144, 768),
+    "qwen3-235b-a22b": _qwen3(94, 4096, 64, 12288, 1536),
+    # for laptops and tests: 8 experts of width 64, top 2, one dense layer (vocabulary from the tokenizer)
+    "moe-tiny": moe_size(
+        NAME,
+        4,
+        128,
+        4,
+        2,
+        352,
+        head_dim=32,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(0,),
+        router_aux_loss_coef=0.01,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Qwen3MoeConfig:
+    """Qwen3-MoE architecture, convertible to and from ``transformers.Qwen3MoeConfig``."""
+
+    vocab_size: int = QWEN3_VOCAB_SIZE
+    hidden_size: int = 2048  # h
+    num_layers: int = 48  # L
+    num_heads: int = 32  # a
+    num_kv_heads: int = 4
+    head_dim: int = 128  # d: q_proj is h -> a d
+    intermediate_size: int = 6144  # the dense layers' SwiGLU width
+    moe_intermediate_size: int = 768  # each expert's SwiGLU width
+    num_experts: int = 128  # E
+    num_experts_per_tok: int = 8  # k
+    norm_topk_prob: bool = True  # renormalise the k routing weights to sum 1
+    decoder_sparse_step: int = 1  # layer i is routed when (i + 1) % step == 0 (and not in mlp_only_layers)
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight in the training loss
+    router_z_loss_coef: float = 0.0  # the router z-loss's weight (0: off; transformers has none)
+    max_position_embeddings: int = 40960
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    attention: str = "eager"  # "eager" or "sdpa"
+
+    family = NAME
+    qk_norm = True  # an RMSNorm over each query and key head (Qwen3); Mixtral has none
+    rope_scaling = None  # no rope scaling in the published models (the rotary tables take it as an argument)
+    named_sizes = SIZES  # the family's named sizes (what from_shape reads the experts' layout off)
+
+    def __post_init__(self) -> None:
+        e, k, step = self.num_experts, self.num_experts_per_tok, self.decoder_sparse_step
+        if not 1 <= k <= e:
+            raise ValueError(f"error: num_experts_per_tok ({k}) must be 1..num_experts ({e}); lower it")
+        if step < 1:
+            raise ValueError(f"error: decoder_sparse_step ({step}) must be >= 1; use 1 for every layer routed")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"error: num_heads ({self.num_heads}) is not divisible by num_kv_heads ({self.num_kv_heads})"
+            )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block ``layer`` has the routed MLP (transformers' rule)."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    attn_pdrop = property(lambda self: self.attention_dropout)
+    n_layer = property(lambda self: self.num_layers)
+    n_embd = property(lambda self: self.hidden_size)
+
+    def to_hf(self) -> Any:
+        """The equivalent ``transformers.Qwen3MoeConfig`` (imported lazily)."""
+        from transformers import Qwen3MoeConfig as HFConfig
+
+        return HFConfig(
+            **hf_fields(self, HF_RENAMED, skip=("rope_theta", "mlp_only_layers", "router_z_loss_coef")),
+            mlp_only_layers=list(self.mlp_only_layers),
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            hidden_act="silu",
+            attention_bias=False,
+            use_sliding_window=False,
+            attn_implementation=self.attention,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+
+    @classmethod
+    def from_shape(cls, m: Any) -> Qwen3MoeConfig:
+        """From a resolved model shape (``ds_megatron.config.ModelShape``); the experts' layout and the head width
+        come from its named size until the config section carries them."""
+        size = cls.named_sizes.get(getattr(m, "size", None) or "")
+        if size is None:
+            raise ValueError(
+                f"error: model.family={cls.family} needs model.size (one of {sorted(cls.named_sizes)}): the "
+                "experts' layout is read off a named size"
+            )
+        moe = {"router_z_loss_coef": 0.0, **dict(size.family_fields)}
+        return cls(**read_fields(cls, m, SHAPE_RENAMED, attention=m.attention, **moe))
+
+    @classmethod
+    def from_hf(cls, hf: Any, attention: str = "eager") -> Qwen3MoeConfig:
+        """From a ``transformers.Qwen3MoeConfig``; refuses settings this model does not implement."""
+        unsupported = [f"{flag}=True" for flag in ("attention_bias", "use_sliding_window") if getattr(hf, flag, False)]
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            unsupported.append(f"hidden_act={hf.hidden_act}")
+        kind = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
+        if kind != "default":
+            unsupported.append(f"rope_type={kind}")
+        if unsupported:
+            raise ValueError(f"error: {cls.__name__}: unsupported settings ({', '.join(unsupported)})")
+        return cls(**read_fields(cls, hf, HF_RENAMED, **_common_from_hf(hf, attention)))
+
+
+def _common_from_hf(hf: Any, attention: str) -> dict[str, Any]:
+    """The fields both MoE families read off a transformers config the same way."""
+    theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    return dict(
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+        mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()),
+        rope_theta=float(theta),
+        router_z_loss_coef=0.0,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+        attention_dropout=float(getattr(hf, "attention_dropout", 0.0)),
+        attention=attention,
+    )
+
+
+# The routed block returns its router statistics beside its output; the pipeline's block layer, the loss and the
+# tuner's terms do not carry them yet.
+NO_TRAINING = "not trained by the pipeline yet (its router statistics do not cross stages, the tuner has no MoE terms)"
+
+
+def not_modelled(*_: Any) -> Any:
+    """The analytic tuner's, FLOPs' and memory model's terms of a routed block: not written yet."""
+    raise NotImplementedError(
+        "the tuner, FLOPs and memory model do not count mixture-of-experts blocks yet; use a dense family there"
+    )
+
+
+# Attention as Llama's (q, k, v column-parallel by heads, o_proj row-parallel); q_norm and k_norm act on one head's
+# width and are replicated (each TP rank's heads contribute to their gradients: summed over TP); the dense layers'
+# MLP as Llama's.  The routed MLP (mlp.gate, mlp.experts) has no row yet: tensor and expert parallelism of the
+# experts are not written (these families run at tp 1 until they are).
+PLAN: tuple[PlanRow, ...] = (
+    PlanRow("self_attn.q_proj", COLUMN, group="qkv"),
+    PlanRow("self_attn.k_proj", COLUMN, group="qkv"),
+    PlanRow("self_attn.v_proj", COLUMN, group="qkv"),
+    PlanRow("self_attn.o_proj", ROW),
+    PlanRow("self_attn.q_norm", NORM),
+    PlanRow("self_attn.k_norm", NORM),
+    PlanRow("mlp.gate_proj", COLUMN, group="gate_up"),
+    PlanRow("mlp.up_proj", COLUMN, group="gate_up"),
+    PlanRow("mlp.down_proj", ROW),
+    PlanRow("input_layernorm", NORM),
+    PlanRow("post_attention_layernorm", NORM),
+    PlanRow("model.embed_tokens", VOCAB),
+    PlanRow("model.norm", NORM),
+    PlanRow("lm_head", OUTPUT),
+)
+
+LAYOUT = LayoutTable(
+    embedding=("model.embed_tokens", "embed_tokens"),
+    positions=None,
+    final_norm=("model.norm", "norm"),
+    output=("lm_head", "lm_head"),
+    tied_key="embed_tokens",
+)
+
+
+def tuner_facts(vocab: int, seq_length: int) -> TunerFacts:
+    """The MoE families' tuner record: what is known (no dropout, RMSNorm); the block terms refuse."""
+    return TunerFacts(
+        default_vocab=vocab,
+        default_seq_length=seq_length,
+        dropout=0.0,
+        attention_dropout_only=True,
+        norm_params=1,
+        norm_stat_bytes=4,
+        block_params=not_modelled,
+        block_gemms=not_modelled,
+        recomputed_passes={},
+    )
+
+
+FAMILY = Family(
+    name=NAME,
+    config=Qwen3MoeConfig,
+    modeling="ds_megatron.model.qwen3_moe.model",
+    blocks="model.layers",
+    plan=PLAN,
+    attention="self_attn",
+    layout=LAYOUT,
+    hf_base_prefix="model",
+    hf_model_type="qwen3_moe",
+    hf_architecture="Qwen3MoeForCausalLM",
+    sizes=SIZES,
+    shape_renamed=SHAPE_RENAMED,
+    hf_renamed=HF_RENAMED,
+    mlp_matrices=3,
+    block_terms=not_modelled,
+    tuner=tuner_facts(QWEN3_VOCAB_SIZE, QWEN3_SEQ_LENGTH),
+    no_training=NO_TRAINING,
+)

@@ -1,0 +1,189 @@
+"""The single-device MoE decoder of the Qwen3-MoE and Mixtral families.  Torch only.
+
+Parameter names are exactly transformers 5's ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM`` names
+(``model.layers.0.self_attn.q_norm.weight``, ``model.layers.1.mlp.gate.weight``,
+``model.layers.1.mlp.experts.gate_up_proj``), so the HF key map is the identity.  Rotary positions, SwiGLU and the
+attention core are Llama's (``model/llama/model.py``, ``model/layers.py``); the routed MLP is
+``model.moe_layer.SparseMoeBlock``.  Activations inside the stack are ``[s, b, h]``.
+
+The model returns logits and, on request, the routing statistics of all its routed layers summed
+(``moe_layer.RouterStats``); :func:`training_loss` adds ``router_aux_loss_coef`` times the load-balancing loss (and
+``router_z_loss_coef`` times the z-loss) to the LM loss, as transformers' ``loss += router_aux_loss_coef * aux_loss``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ds_megatron.model.layers import (
+    SINGLE_DEVICE,
+    BlockHooks,
+    CoreAttention,
+    Modeling,
+    RMSNorm,
+    TiedEmbedding,
+    init_by_name,
+)
+from ds_megatron.model.llama.model import LlamaMLP, apply_rotary, rotary_rows, rotary_tables
+from ds_megatron.model.moe_layer import RouterStats, SparseMoeBlock, load_balancing_loss, router_z_loss
+from ds_megatron.model.qwen3_moe import Qwen3MoeConfig
+
+
+class MoeAttention(nn.Module):
+    """Llama's attention with Qwen3's per-head RMSNorm of q and k before the rotation (``config.qk_norm``)."""
+
+    def __init__(self, config: Qwen3MoeConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.config = config
+        self.head_dim = d
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.core_attention = CoreAttention(config)
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        hooks: BlockHooks,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: [s, b, h] -> [s, b, h] (``LlamaAttention.forward``, with the q/k norms)."""
+        q, k, v = hooks.project(x, (self.q_proj, self.k_proj, self.v_proj))
+        s, b, _ = q.shape
+        d, c = self.head_dim, self.config
+        q, k = q.view(s, b, -1, d), k.view(s, b, -1, d)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if positions is None:
+            cos, sin = rotary_tables(hooks.positions(s), d, c.rope_theta, c.rope_scaling, q.device, q.dtype)
+        else:
+            cos, sin = rotary_rows(positions, d, c.rope_theta, c.rope_scaling, q.dtype)
+        q = apply_rotary(q, cos, sin).permute(1, 2, 0, 3)  # [b, n_local, s, d]
+        k = apply_rotary(k, cos, sin).permute(1, 2, 0, 3)
+        v = v.view(s, b, -1, d).permute(1, 2, 0, 3)
+        ctx = hooks.core_attention(self.core_attention, q, k, v, doc_ids)
+        return self.o_proj(ctx.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class MoeBlock(nn.Module):
+    """Pre-norm decoder block; its MLP is routed (``SparseMoeBlock``) or dense (``LlamaMLP``) by
+    ``config.is_sparse(layer)``.  ``forward`` returns the output and the layer's router statistics (None if dense)."""
+
+    def __init__(self, config: Qwen3MoeConfig, hooks: BlockHooks = SINGLE_DEVICE, layer: int = 0):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MoeAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.sparse = config.is_sparse(layer)
+        if self.sparse:
+            self.mlp = SparseMoeBlock(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+            )
+        else:
+            self.mlp = LlamaMLP(config)  # reads hidden_size and the dense intermediate_size
+        self.hooks = hooks
+
+    def forward(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, RouterStats | None]:
+        """x [s, b, h] -> (x + attn(norm(x)), then + mlp(norm(.)); the routed layer's statistics)."""
+        hooks = self.hooks
+        stats: list[RouterStats] = []
+
+        def mlp(y: torch.Tensor) -> torch.Tensor:
+            if not self.sparse:
+                return self.mlp(y, hooks)
+            out, layer_stats = self.mlp(y)
+            stats.append(layer_stats)
+            return out
+
+        attn = lambda y: self.self_attn(y, hooks, doc_ids, positions)  # noqa: E731
+        x = x + hooks.around_norm(self.input_layernorm, (x,), attn)
+        x = x + hooks.around_norm(self.post_attention_layernorm, (x,), mlp)
+        return x, (stats[0] if stats else None)
+
+
+class MoeDecoder(nn.Module):
+    """Causal LM with transformers' ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM`` parameter names."""
+
+    def __init__(self, config: Qwen3MoeConfig, seed: int = 1234):
+        super().__init__()
+        self.config = config
+        self.model = nn.ModuleDict(
+            dict(
+                embed_tokens=TiedEmbedding(config.vocab_size, config.hidden_size),
+                layers=nn.ModuleList(MoeBlock(config, layer=i) for i in range(config.num_layers)),
+                norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
+            )
+        )
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        init_moe_module(self, config, seed)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        return_router_stats: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, RouterStats | None]:
+        """input_ids [b, s] -> logits [b, s, V]; with ``return_router_stats`` also the routed layers' statistics
+        summed (None when no layer is routed)."""
+        m = self.model
+        x = m.embed_tokens(input_ids.t())  # [s, b, h]
+        total: RouterStats | None = None
+        for block in m.layers:
+            x, stats = block(x, doc_ids, positions)
+            if stats is not None:
+                total = stats if total is None else total + stats
+        x = m.norm(x)
+        logits = (m.embed_tokens.logits(x) if self.config.tie_word_embeddings else self.lm_head(x)).transpose(0, 1)
+        return (logits, total) if return_router_stats else logits
+
+
+def router_losses(stats: RouterStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(load-balancing loss, z-loss) of the summed statistics; zeros when no layer is routed."""
+    if stats is None:
+        zero = torch.zeros(())
+        return zero, zero
+    return load_balancing_loss(stats), router_z_loss(stats)
+
+
+def training_loss(lm_loss: torch.Tensor, stats: RouterStats | None, config: Qwen3MoeConfig) -> torch.Tensor:
+    """lm_loss + router_aux_loss_coef * aux (+ router_z_loss_coef * z): what the optimizer minimises.  The parts
+    are logged apart (``router_losses``)."""
+    aux, z = router_losses(stats)
+    loss = lm_loss + config.router_aux_loss_coef * aux.to(lm_loss.device)
+    if config.router_z_loss_coef:
+        loss = loss + config.router_z_loss_coef * z.to(lm_loss.device)
+    return loss
+
+
+def init_moe_module(module: nn.Module, config: Qwen3MoeConfig, seed: int, prefix: str = "") -> None:
+    """Every parameter by its full name: N(0, std) for the linears, the router and the experts, std / sqrt(2 L) for
+    the residual projections (o_proj, down_proj, the experts' down_proj), ones for the RMSNorm weights."""
+
+    def std_of(name: str) -> float | None:
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            return config.initializer_range / math.sqrt(2 * config.num_layers)
+        return config.initializer_range
+
+    init_by_name(module, prefix, seed, std_of)
+
+
+MODELING = Modeling(MoeDecoder, MoeBlock, lambda c: RMSNorm(c.hidden_size, c.rms_norm_eps), init_moe_module)

@@ -1,0 +1,242 @@
+"""The MoE families (Qwen3-MoE, Mixtral) against transformers' ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM``.
+
+Same weights (our state dict loads into transformers with no key map), fp32, dropless: logits, the LM loss, the
+load-balancing loss and every gradient of ``lm + router_aux_loss_coef * aux`` within 1e-5, through the grouped GEMM
+and the per-expert loop; a router that sends most tokens to one expert and none to another (whose gradient is then
+present and zero); dense layers by ``mlp_only_layers`` and ``decoder_sparse_step``; the z-loss; the configs' rules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_megatron.model import FAMILIES, MixtralConfig, Qwen3MoeConfig, build_model, family_of
+from ds_megatron.model.moe_layer import RouterStats, SparseMoeBlock, load_balancing_loss
+from ds_megatron.model.qwen3_moe.model import router_losses, training_loss
+
+V, B, S = 128, 2, 16
+SMALL = dict(vocab_size=V, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+
+
+def qwen3(**kw) -> Qwen3MoeConfig:
+    # layer 0 dense by mlp_only_layers (and layers 0 and 2 off a decoder_sparse_step of 2 where one is given)
+    base = dict(SMALL, num_layers=4, intermediate_size=96, moe_intermediate_size=32, num_experts=4)
+    base.update(num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=(0,))
+    base.update(router_aux_loss_coef=0.1)
+    return Qwen3MoeConfig(**{**base, **kw})
+
+
+def mixtral(**kw) -> MixtralConfig:
+    base = dict(SMALL, num_layers=2, intermediate_size=32, moe_intermediate_size=32, num_experts=4)
+    return MixtralConfig(**{**base, "router_aux_loss_coef": 0.1, **kw})
+
+
+CONFIGS = {
+    "qwen3": lambda: qwen3(),
+    "qwen3-normalised-head32": lambda: qwen3(norm_topk_prob=True, head_dim=32, num_experts_per_tok=3),
+    "qwen3-step2": lambda: qwen3(decoder_sparse_step=2, mlp_only_layers=()),
+    "mixtral": lambda: mixtral(),
+}
+
+
+def pair(cfg, gemm: str):
+    import transformers
+
+    ours = build_model(cfg, seed=5)
+    for module in ours.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.experts.gemm = gemm
+    hf = getattr(transformers, family_of(cfg).hf_architecture)(cfg.to_hf())
+    hf.load_state_dict(ours.state_dict(), strict=True)  # the identity key map
+    return ours, hf
+
+
+def skew_router(model, constant: float = 3.0) -> None:
+    """Hidden coordinate 0 large and positive for every token (a constant embedding column), and every router's
+    expert 0 weighted on it, the last expert against it: most tokens' first choice is expert 0, none picks the
+    last expert (its softmax probability underflows to 0)."""
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = constant
+        for block in model.model.layers:
+            if block.sparse:
+                block.mlp.gate.weight[:, 0] = 0.0
+                block.mlp.gate.weight[0, 0] = 5.0
+                block.mlp.gate.weight[-1, 0] = -50.0
+
+
+def run_both(ours, hf, cfg, ids):
+    logits, stats = ours(ids, return_router_stats=True)
+    lm = F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+    loss = training_loss(lm, stats, cfg)
+    loss.backward()
+    out = hf(input_ids=ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    return logits, lm, loss, stats, out
+
+
+def assert_same(ours, hf, cfg, ids):
+    logits, lm, loss, stats, out = run_both(ours, hf, cfg, ids)
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, out.logits, **close)
+    aux, _ = router_losses(stats)
+    torch.testing.assert_close(aux, out.aux_loss, **close)
+    torch.testing.assert_close(loss, out.loss, **close)
+    torch.testing.assert_close(lm, out.loss - cfg.router_aux_loss_coef * out.aux_loss, **close)
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert p.grad is not None and theirs[name].grad is not None, name
+        torch.testing.assert_close(p.grad, theirs[name].grad, **close, msg=name)
+    return stats
+
+
+@pytest.mark.parametrize("gemm", ["grouped", "loop"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_losses_and_gradients_equal_transformers(name, gemm):
+    torch.manual_seed(0)
+    cfg = CONFIGS[name]()
+    ours, hf = pair(cfg, gemm)
+    ids = torch.randint(0, V, (B, S))
+    stats = assert_same(ours, hf, cfg, ids)
+    sparse = [i for i in range(cfg.num_layers) if cfg.is_sparse(i)]
+    assert stats.rows.item() == len(sparse) * B * S  # the dense layers route nothing
+    assert [b.sparse for b in ours.model.layers] == [cfg.is_sparse(i) for i in range(cfg.num_layers)]
+    assert 0 < len(sparse) < cfg.num_layers or name == "mixtral"
+
+
+@pytest.mark.parametrize("gemm", ["grouped", "loop"])
+@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
+def test_uneven_router_and_an_expert_without_tokens(name, gemm):
+    torch.manual_seed(0)
+    cfg = CONFIGS[name]()
+    ours, _ = pair(cfg, gemm)
+    skew_router(ours)
+    hf = getattr(__import__("transformers"), family_of(cfg).hf_architecture)(cfg.to_hf())
+    hf.load_state_dict(ours.state_dict(), strict=True)
+    stats = assert_same(ours, hf, cfg, torch.randint(0, V, (B, S)))
+    counts = stats.counts.tolist()
+    assert counts[0] == stats.rows.item() and counts[-1] == 0, counts  # every token's first choice, and nobody's
+    for block in ours.model.layers:
+        if block.sparse:
+            grad = block.mlp.experts.gate_up_proj.grad
+            assert grad[-1].abs().max().item() == 0.0 and grad[0].abs().max().item() > 0.0
+            assert block.mlp.experts.down_proj.grad[-1].abs().max().item() == 0.0
+
+
+def test_grouped_gemm_equals_the_loop_in_bf16():
+    torch.manual_seed(0)
+    block = SparseMoeBlock(64, 32, 8, 2, norm_topk_prob=True)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.1)
+    block = block.to(torch.bfloat16)
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    results = []
+    for kind in ("grouped", "loop"):
+        block.experts.gemm = kind
+        xi = x.clone().requires_grad_()
+        out, _ = block(xi)
+        out.sum().backward()  # an expanded gradient: grouped_mm's backward needs it made contiguous
+        results.append((out, xi.grad, block.experts.gate_up_proj.grad.clone()))
+        block.zero_grad()
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_router_runs_in_fp32_for_bf16_activations():
+    torch.manual_seed(0)
+    block = SparseMoeBlock(64, 32, 8, 2, norm_topk_prob=True).to(torch.bfloat16)
+    with torch.no_grad():
+        block.gate.weight.normal_(0.0, 0.1)
+    weights, experts, stats = block.gate(torch.randn(10, 64, dtype=torch.bfloat16))
+    assert weights.dtype == stats.probs.dtype == torch.float32
+    torch.testing.assert_close(weights.sum(-1), torch.ones(10))
+
+
+def test_z_loss_and_its_coefficient():
+    torch.manual_seed(0)
+    cfg = qwen3(router_z_loss_coef=0.01)
+    model = build_model(cfg, seed=5)
+    ids = torch.randint(0, V, (B, S))
+    logits, stats = model(ids, return_router_stats=True)
+    lm = F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+    aux, z = router_losses(stats)
+    # the z-loss by its definition: logsumexp of each routed layer's logits, squared, averaged over tokens and layers
+    expected, rows = 0.0, 0
+    x_per_layer = []
+    for block in model.model.layers:
+        if block.sparse:
+            block.mlp.gate.register_forward_hook(lambda m, i, o: x_per_layer.append(i[0]))
+    model(ids)
+    for block, x in zip([b for b in model.model.layers if b.sparse], x_per_layer, strict=True):
+        lse = torch.logsumexp(F.linear(x.float(), block.mlp.gate.weight), -1)
+        expected, rows = expected + lse.square().sum(), rows + lse.numel()
+    torch.testing.assert_close(z, expected / rows)
+    torch.testing.assert_close(training_loss(lm, stats, cfg), lm + 0.1 * aux + 0.01 * z)
+
+
+def test_load_balancing_loss_sums_layers_before_the_product():
+    one = RouterStats(torch.tensor([2.0, 0.0]), torch.tensor([0.75, 0.25]), torch.tensor(1.0), torch.tensor(0.0))
+    two = RouterStats(torch.tensor([0.0, 2.0]), torch.tensor([0.25, 0.75]), torch.tensor(1.0), torch.tensor(0.0))
+    # per layer 2 * (2 * 0.75) = 3 each; over both layers' sums 2 * (1 * 0.5 + 1 * 0.5) = 2 (transformers' rule)
+    assert load_balancing_loss(one).item() == 3.0
+    assert load_balancing_loss(one + two).item() == 2.0
+
+
+def test_hf_config_round_trip_and_refusals():
+    from transformers import MixtralConfig as HFMixtral
+    from transformers import Qwen3MoeConfig as HFQwen3
+
+    for cfg in (qwen3(), qwen3(decoder_sparse_step=2, mlp_only_layers=(1, 3)), mixtral()):
+        assert type(cfg).from_hf(cfg.to_hf()) == cfg
+    with pytest.raises(ValueError, match="sliding_window"):
+        MixtralConfig.from_hf(HFMixtral(sliding_window=4096))
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        Qwen3MoeConfig.from_hf(HFQwen3(use_sliding_window=True))
+    with pytest.raises(ValueError, match="mixtral fixes"):
+        mixtral(norm_topk_prob=False)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        qwen3(num_experts_per_tok=5)
+
+
+def test_named_sizes_build_their_configs():
+    from types import SimpleNamespace
+
+    for family in ("qwen3_moe", "mixtral"):
+        for size, shape in FAMILIES[family].sizes.items():
+            fields = dict(shape.family_fields)
+            m = SimpleNamespace(
+                num_layers=shape.num_layers,
+                hidden_size=shape.hidden_size,
+                num_heads=shape.num_heads,
+                num_kv_heads=shape.num_kv_heads,
+                intermediate_size=shape.intermediate_size,
+                vocab_size=shape.vocab_size or 512,
+                max_position_embeddings=shape.max_position_embeddings or 256,
+                rope_theta=shape.rope_theta,
+                layer_norm_epsilon=1e-6,
+                tie_word_embeddings=shape.tie_word_embeddings,
+                dropout=0.0,
+                init_std=0.02,
+                attention="sdpa",
+                size=size,
+            )
+            cfg = FAMILIES[family].config.from_shape(m)
+            assert cfg.num_experts == fields["num_experts"] and cfg.head_dim == fields["head_dim"], size
+            with pytest.raises(ValueError, match="needs model.size"):
+                FAMILIES[family].config.from_shape(SimpleNamespace(**{**vars(m), "size": None}))
+
+
+@pytest.mark.parametrize("size", ["moe-tiny", "qwen3-30b-a3b", "mixtral-8x7b"])
+def test_the_training_path_refuses_the_moe_families_in_one_line(size):
+    from ds_megatron.config import ConfigError, resolve_shape
+    from ds_megatron.config.schema import ModelSection
+
+    with pytest.raises(ConfigError) as err:
+        resolve_shape(ModelSection(size=size, vocab_size=500, seq_length=32))
+    message = str(err.value)
+    assert (
+        message.startswith("error: ds_megatron.model.family: not trained by the pipeline yet") and "\n" not in message
+    )
+    assert "use gpt2, llama" in message
