@@ -24,8 +24,10 @@ from ds_megatron.model.layers import (
     CoreAttention,
     Modeling,
     RMSNorm,
+    Slices,
     TiedEmbedding,
     init_by_name,
+    whole,
 )
 from ds_megatron.model.llama.model import LlamaMLP, apply_rotary, rotary_rows, rotary_tables
 from ds_megatron.model.moe_layer import RouterStats, SparseMoeBlock, load_balancing_loss, router_z_loss
@@ -172,9 +174,13 @@ def training_loss(lm_loss: torch.Tensor, stats: RouterStats | None, config: Qwen
     return loss
 
 
-def init_moe_module(module: nn.Module, config: Qwen3MoeConfig, seed: int, prefix: str = "") -> None:
+def init_moe_module(
+    module: nn.Module, config: Qwen3MoeConfig, seed: int, prefix: str = "", slices: Slices | None = None
+) -> None:
     """Every parameter by its full name: N(0, std) for the linears, the router and the experts, std / sqrt(2 L) for
-    the residual projections (o_proj, down_proj, the experts' down_proj), ones for the RMSNorm weights."""
+    the residual projections (o_proj, down_proj, the experts' down_proj), ones for the RMSNorm weights (``slices``:
+    the part of each full parameter the module holds, ``model.layers.Slices``; None: all)."""
+    from ds_megatron.model import FAMILIES  # the record of this config's family (Qwen3-MoE or Mixtral)
 
     def std_of(name: str) -> float | None:
         if name.endswith("norm.weight"):
@@ -183,7 +189,7 @@ def init_moe_module(module: nn.Module, config: Qwen3MoeConfig, seed: int, prefix
             return config.initializer_range / math.sqrt(2 * config.num_layers)
         return config.initializer_range
 
-    init_by_name(module, prefix, seed, std_of)
+    init_by_name(module, prefix, seed, std_of, slices or whole(FAMILIES[config.family]))
 
 
 MODELING = Modeling(MoeDecoder, MoeBlock, lambda c: RMSNorm(c.hidden_size, c.rms_norm_eps), init_moe_module)
