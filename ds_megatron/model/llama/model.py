@@ -128,6 +128,9 @@ class SwiGLUFunction(torch.autograd.Function):
 
 
 class LlamaAttention(nn.Module):
+    """Llama's attention; with a config whose ``qk_norm`` is set (Qwen3's), a per-head RMSNorm of q and of k before
+    the rotation (``q_norm``, ``k_norm``, transformers' names)."""
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
@@ -136,6 +139,10 @@ class LlamaAttention(nn.Module):
         self.q_proj = nn.Linear(h, config.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        self.qk_norm = bool(getattr(config, "qk_norm", False))
+        if self.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.core_attention = CoreAttention(config)
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
 
@@ -156,8 +163,11 @@ class LlamaAttention(nn.Module):
             cos, sin = rotary_tables(hooks.positions(s), d, c.rope_theta, c.rope_scaling, q.device, q.dtype)
         else:
             cos, sin = rotary_rows(positions, d, c.rope_theta, c.rope_scaling, q.dtype)
-        q = apply_rotary(q.view(s, b, -1, d), cos, sin).permute(1, 2, 0, 3)  # [b, n_local, s, d]
-        k = apply_rotary(k.view(s, b, -1, d), cos, sin).permute(1, 2, 0, 3)  # [b, kv_local, s, d]
+        q, k = q.view(s, b, -1, d), k.view(s, b, -1, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin).permute(1, 2, 0, 3)  # [b, n_local, s, d]
+        k = apply_rotary(k, cos, sin).permute(1, 2, 0, 3)  # [b, kv_local, s, d]
         v = v.view(s, b, -1, d).permute(1, 2, 0, 3)
         ctx = hooks.core_attention(self.core_attention, q, k, v, doc_ids)  # [b, n_local, s, d]
         return self.o_proj(ctx.permute(2, 0, 1, 3).reshape(s, b, -1))

@@ -21,7 +21,6 @@ from torch import nn
 from ds_megatron.model.layers import (
     SINGLE_DEVICE,
     BlockHooks,
-    CoreAttention,
     Modeling,
     RMSNorm,
     Slices,
@@ -29,51 +28,9 @@ from ds_megatron.model.layers import (
     init_by_name,
     whole,
 )
-from ds_megatron.model.llama.model import LlamaMLP, apply_rotary, rotary_rows, rotary_tables
+from ds_megatron.model.llama.model import LlamaAttention, LlamaMLP
 from ds_megatron.model.moe_layer import RouterStats, SparseMoeBlock, load_balancing_loss, router_z_loss
 from ds_megatron.model.qwen3_moe import Qwen3MoeConfig
-
-
-class MoeAttention(nn.Module):
-    """Llama's attention with Qwen3's per-head RMSNorm of q and k before the rotation (``config.qk_norm``)."""
-
-    def __init__(self, config: Qwen3MoeConfig):
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.config = config
-        self.head_dim = d
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(d, config.rms_norm_eps)
-        self.core_attention = CoreAttention(config)
-        self.o_proj = nn.Linear(config.num_heads * d, h, bias=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        hooks: BlockHooks,
-        doc_ids: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """x: [s, b, h] -> [s, b, h] (``LlamaAttention.forward``, with the q/k norms)."""
-        q, k, v = hooks.project(x, (self.q_proj, self.k_proj, self.v_proj))
-        s, b, _ = q.shape
-        d, c = self.head_dim, self.config
-        q, k = q.view(s, b, -1, d), k.view(s, b, -1, d)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if positions is None:
-            cos, sin = rotary_tables(hooks.positions(s), d, c.rope_theta, c.rope_scaling, q.device, q.dtype)
-        else:
-            cos, sin = rotary_rows(positions, d, c.rope_theta, c.rope_scaling, q.dtype)
-        q = apply_rotary(q, cos, sin).permute(1, 2, 0, 3)  # [b, n_local, s, d]
-        k = apply_rotary(k, cos, sin).permute(1, 2, 0, 3)
-        v = v.view(s, b, -1, d).permute(1, 2, 0, 3)
-        ctx = hooks.core_attention(self.core_attention, q, k, v, doc_ids)
-        return self.o_proj(ctx.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
 class MoeBlock(nn.Module):
@@ -83,7 +40,7 @@ class MoeBlock(nn.Module):
     def __init__(self, config: Qwen3MoeConfig, hooks: BlockHooks = SINGLE_DEVICE, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MoeAttention(config)
+        self.self_attn = LlamaAttention(config)  # with Qwen3's q/k norms when config.qk_norm
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.sparse = config.is_sparse(layer)
         if self.sparse:
