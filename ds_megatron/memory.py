@@ -273,7 +273,8 @@ def rotary_table_bytes(
     bytes, built once per process for the rank's positions and shared by every block (q * cos and rotate(q) * sin
     save them), so counted once per stage, not per layer; whole under TP and SP (rotary runs on q and k after
     SP's all-gather).  0 for a family with a learned position table (no rotary).  Packed documents with per-token
-    positions build [s/cp, b, 1, d] tables per block call instead (not counted here)."""
+    positions build [s/cp, b, 1, d] tables once per micro-batch and stage instead, shared by its blocks (not
+    counted here)."""
     if FAMILIES[family].layout.positions is not None:  # learned positions: an embedding row, no tables
         return 0.0
     return 2.0 * (s // cp) * (h // a) * act_bytes

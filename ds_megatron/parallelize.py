@@ -21,7 +21,16 @@ from torch.overrides import TorchFunctionMode
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, RecomputeSection
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, Family, ModelConfig, family_of
 from ds_megatron.model.family import COLUMN, OUTPUT, POSITION, ROW, VOCAB, PlanRow
-from ds_megatron.model.layers import BlockHooks, RMSNorm, Slices, compose, contiguous_positions, project_each, run_core
+from ds_megatron.model.layers import (
+    BlockHooks,
+    RMSNorm,
+    Slices,
+    TensorCache,
+    compose,
+    contiguous_positions,
+    project_each,
+    run_core,
+)
 from ds_megatron.parallel.cp import position_ranges
 from ds_megatron.parallel.cp_comm import cp_attention
 from ds_megatron.random import TENSOR_PARALLEL, RNGTracker
@@ -65,6 +74,8 @@ class ParallelContext:
     cp_size: int = 1
     cp_comm: str = "ring"  # "ring" or "a2a" (ds_megatron.parallel.cp_comm)
     init_weights: bool = True  # False: the weights are loaded next (--init-from-hf), so none is drawn (zeros)
+    # packed documents' attention plans, one per micro-batch's ids tensor, shared by the blocks of this process
+    document_plans: TensorCache = field(default_factory=TensorCache, repr=False, compare=False)
 
     def positions(self, seq_len: int) -> tuple[tuple[int, int], ...]:
         """The global positions of this rank's ``seq_len`` local tokens ([start, stop) ranges): the load-balanced
@@ -224,8 +235,9 @@ def block_hooks(ctx: ParallelContext) -> BlockHooks:
     def cp_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None) -> torch.Tensor:
         # Causal attention of this rank's chunks over the whole sequence, across the CP group; the core's kernel and
         # scale, no dropout (attention dropout with cp > 1 is refused by the loader).  ``doc_ids``: this rank's
-        # tokens' documents (packed documents), sliced like its tokens.
-        return cp_attention(ctx.cp_comm, q, k, v, ctx.cp_group, core.kernel, core.scale, doc_ids)
+        # tokens' documents (packed documents), sliced like its tokens: planned once per micro-batch and stage, the
+        # plan shared by every block through the context's cache.
+        return cp_attention(ctx.cp_comm, q, k, v, ctx.cp_group, core.kernel, core.scale, doc_ids, ctx.document_plans)
 
     local_core = cp_core if cp else run_core
 

@@ -41,7 +41,9 @@ class _Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        # Integer inputs (packed documents' ids and positions) carry no graph and stay the same objects, so what was
+        # derived from them once per micro-batch (attention plans, rotary rows) serves the recompute too.
+        inputs = [x.detach().requires_grad_(x.requires_grad) if x.is_floating_point() else x for x in ctx.saved_tensors]
         rng = ctx.rng
         current = rng.get_states() if rng is not None else global_rng_states()
         _restore(rng, ctx.rng_states)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 # Runs a module's several linear layers on one input (q|k|v, gate|up).
 Projection = Callable[[torch.Tensor, tuple[nn.Module, ...]], tuple[torch.Tensor, ...]]
@@ -60,6 +61,26 @@ def contiguous_positions(seq_len: int) -> tuple[tuple[int, int], ...]:
 def positions_tensor(ranges: tuple[tuple[int, int], ...], device: torch.device | None = None) -> torch.Tensor:
     """[s] int64: the positions of ``ranges`` ([start, stop) pairs) in order."""
     return torch.cat([torch.arange(a, b, device=device) for a, b in ranges])
+
+
+class TensorCache:
+    """Values derived from a tensor, kept while that tensor object lives unmodified, so what every block of a stage
+    derives from the same micro-batch input is made once per micro-batch: packed documents' ids and positions reach
+    each block as one object (the pipeline passes its boundary tuple on; recompute keeps integer inputs as they
+    are).  Keyed by identity, weakly (an entry goes with its tensor), and checked against the tensor's version
+    counter and the caller's ``extra`` key: an in-place write or a new tensor (the next micro-batch, a stage's
+    received boundary) makes the value again."""
+
+    def __init__(self) -> None:
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def get(self, key: torch.Tensor, make: Callable[[], Any], *extra: Any) -> Any:
+        tag = (key._version, *extra)
+        entry = self._entries.get(key)
+        if entry is None or entry[0] != tag:
+            entry = (tag, make())
+            self._entries[key] = entry
+        return entry[1]
 
 
 def run_core(

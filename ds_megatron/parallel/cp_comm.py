@@ -9,7 +9,10 @@ the CP group (None or one rank: plain causal attention).  Kernels are those of `
 Packed documents: ``doc_ids`` [b, s/cp] (this rank's tokens' document ids, ``data.document_mask``) keeps attention
 inside each document as well.  The work is then cut into chunk pairs (query chunk, key chunk) of c = s/(2cp)
 tokens; a pair whose keys share no document with its queries (:func:`shares_document`) is skipped, neither computed
-nor masked; the others run the masked block kernel.  Without ``doc_ids`` nothing changes.
+nor masked; the others run the masked block kernel.  Without ``doc_ids`` nothing changes.  The pairs are planned
+by :func:`plan_documents` (one all-gather of the ids over the CP group, one copy to the host); with ``plans`` (a
+``TensorCache``, one per model) every layer that receives the same ids tensor reuses the plan, so a micro-batch
+is planned once per pipeline stage, not once per layer (forward and recompute).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from ds_megatron.model.layers import TensorCache
 from ds_megatron.parallel.cp import gather_for_ranks, slice_for_rank, unslice
 from ds_megatron.parallel.cp_kernels import Docs, block_backward, block_forward
 
@@ -196,24 +200,24 @@ class _RingAttention(torch.autograd.Function):
     the first hop and the last one home in the K/V's dtype, ``_dkv_message``); after cp steps each accumulator has
     visited every rank and takes one last hop home to its owner.
 
-    With document ids every rank's ids are all-gathered once before the ring starts (b x s integers, one
-    collective): the blocks of every step are planned then, before any K/V arrive, and the plan is kept for
-    backward, which sends no ids.  K/V still travel every hop (the next rank may need them)."""
+    With document ids the blocks of every step come planned (``plan_documents``: every rank's ids all-gathered
+    once, before any K/V arrive), and the plan is kept for backward, which sends no ids.  K/V still travel every
+    hop (the next rank may need them)."""
 
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, kernel: str, scale: float,
-        doc_ids: Tensor | None,
+        doc_plan: list[list[Planned]] | None,
     ) -> Tensor:  # fmt: skip
         cp, rank = _size_rank(group)
         c = q.shape[2] // 2
-        all_docs = None if doc_ids is None else _all_docs(doc_ids, group)  # [cp, b, 2c]
-        plans = _ring_plans(rank, cp, c, all_docs)  # per step; backward computes the same blocks
+        # per step; backward computes the same blocks
+        plans = _ring_plans(rank, cp, c, None) if doc_plan is None else doc_plan
         kv = torch.stack([k, v])  # [2, b, n_kv, 2c, d]: one message per hop, at KV-head size
         acc = torch.float32 if q.dtype != torch.float64 else q.dtype
         # Without document ids step 0 is one block over every row (the diagonal), which is copied into out/lse:
         # nothing to initialise.  With them, rows may see nothing until a later step (zeros, -inf).
-        first = doc_ids is None
+        first = doc_plan is None
         out = _seq_major(q.shape, acc, q.device)  # merged in the model's layout (see the return below)
         if not first:
             out.zero_()
@@ -335,26 +339,23 @@ def _ring_plans(rank: int, cp: int, c: int, all_docs: Tensor | None) -> list[lis
 
 class _LocalAttention(torch.autograd.Function):
     """Causal attention of a whole local sequence with the same kernels (cp 1, and a2a's head-sharded core).  With
-    document ids [b, s] the sequence is cut into ``num_chunks`` chunks and only the pairs (query chunk, earlier or
-    same key chunk) that share a document are computed."""
+    packed documents, ``plan`` (``plan_documents``): the pairs (query chunk, earlier or same key chunk) of the
+    sequence cut into chunks that share a document, the only ones computed."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, kernel: str, scale: float, doc_ids: Tensor | None,
-        num_chunks: int,
-    ) -> Tensor:  # fmt: skip
-        if doc_ids is None:
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, kernel: str, scale: float, plan: list[Planned] | None
+    ) -> Tensor:
+        if plan is None:
             out, lse = block_forward(kernel, q, k, v, True, scale)
         else:
             acc = torch.float32 if q.dtype != torch.float64 else q.dtype
             out = torch.zeros(q.shape, dtype=acc, device=q.device)
             lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-            host = doc_ids.cpu()
-            plan = _plan(_local_pairs(q.shape[2], num_chunks), (doc_ids, doc_ids), (host, host))
             _forward_pairs(kernel, q, torch.stack([k, v]), plan, out, lse, scale, first=False)
             out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.scale, ctx.plan = kernel, scale, None if doc_ids is None else plan
+        ctx.kernel, ctx.scale, ctx.plan = kernel, scale, plan
         return out
 
     @staticmethod
@@ -362,14 +363,14 @@ class _LocalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if ctx.plan is None:
             dq, dk, dv = block_backward(ctx.kernel, dout, q, k, v, out, lse, True, ctx.scale)
-            return dq, dk, dv, None, None, None, None
+            return dq, dk, dv, None, None, None
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         grads = _backward_pairs(ctx.kernel, dout.contiguous(), q, kv, out, lse, ctx.plan, ctx.scale, dq)
         _add_dkv(dkv, grads)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def _local_pairs(s: int, num_chunks: int) -> list[Pair]:
@@ -380,15 +381,44 @@ def _local_pairs(s: int, num_chunks: int) -> list[Pair]:
     return [(chunks[i], chunks[j], i == j) for i in range(num_chunks) for j in range(i + 1)]
 
 
+def plan_documents(cp_comm: str, doc_ids: Tensor, group: ProcessGroup | None) -> list[list[Planned]]:
+    """The blocks one attention layer computes with this rank's document ids [b, s/cp], the same for every layer
+    of a micro-batch: one all-gather of the ids over the CP group (cp > 1) and one copy to the host (a device sync)
+    decide them all.  The ring (cp > 1): the chunk pairs of each ring step.  Otherwise one list, the local
+    attention's pairs: cp 1 over the rank's 2 chunks, a2a's head-sharded core over the whole sequence's 2cp.
+    Each block's mask is still built from the plan's ids where the block runs (b c^2 comparisons beside the masked
+    block's own n b c^2 fp32 scores): kept for the micro-batch, the masks would hold b (2cp + 1) c^2 bytes on the
+    ring and b cp (2cp + 1) c^2 on a2a (at s 128k, cp 8: 1.1 and 9.1 GB per micro-batch in flight)."""
+    cp, rank = _size_rank(group)
+    if cp > 1 and cp_comm == "ring":
+        return _ring_plans(rank, cp, doc_ids.shape[1] // 2, _all_docs(doc_ids, group))
+    full = doc_ids if cp == 1 else gather_for_ranks(doc_ids, 1, group)  # [b, s]
+    host = full.cpu()
+    return [_plan(_local_pairs(full.shape[1], 2 * cp), (full, full), (host, host))]
+
+
+def _document_plan(
+    cp_comm: str, doc_ids: Tensor | None, group: ProcessGroup | None, plans: TensorCache | None
+) -> list[list[Planned]] | None:
+    """``plan_documents`` of ``doc_ids``, from ``plans`` when these ids were planned already (a cache serves one
+    CP group and ``cp_comm``: the model's)."""
+    if doc_ids is None:
+        return None
+    if plans is None:
+        return plan_documents(cp_comm, doc_ids, group)
+    return plans.get(doc_ids, lambda: plan_documents(cp_comm, doc_ids, group))
+
+
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: str, scale: float,
-    doc_ids: Tensor | None = None,
+    doc_ids: Tensor | None = None, plans: TensorCache | None = None,
 ) -> Tensor:  # fmt: skip
     """Causal ring attention over the CP group (see ``_RingAttention``); ``doc_ids`` [b, s/cp] this rank's tokens'
-    document ids (None: no document masking)."""
+    document ids (None: no document masking), planned once per ids tensor with ``plans``."""
+    plan = _document_plan("ring", doc_ids, group, plans)
     if _size_rank(group)[0] == 1:
-        return _LocalAttention.apply(q, k, v, kernel, scale, doc_ids, 2)
-    return _RingAttention.apply(q, k, v, group, kernel, scale, doc_ids)
+        return _LocalAttention.apply(q, k, v, kernel, scale, None if plan is None else plan[0])
+    return _RingAttention.apply(q, k, v, group, kernel, scale, plan)
 
 
 def _seq_to_heads(xs: tuple[Tensor, ...], group: ProcessGroup) -> tuple[Tensor, ...]:
@@ -469,7 +499,7 @@ class _HeadsToSeq(torch.autograd.Function):
 
 def a2a_attention(
     q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: str, scale: float,
-    doc_ids: Tensor | None = None,
+    doc_ids: Tensor | None = None, plans: TensorCache | None = None,
 ) -> Tensor:  # fmt: skip
     """Ulysses attention: q, k, v all-to-all'd to n/cp (n_kv/cp) heads of the whole sequence, causal attention
     there, the context all-to-all'd back.  Query head group r meets KV head group r: head i uses KV head
@@ -483,13 +513,14 @@ def a2a_attention(
     copy the all-to-all needs anyway.
 
     ``doc_ids`` [b, s/cp]: every rank's ids are all-gathered into the whole sequence's [b, s] (integers, no
-    autograd) and the head-sharded core skips the pairs of its 2cp chunks that share no document."""
-    cp = _size_rank(group)[0]
-    if cp == 1:
-        return _LocalAttention.apply(q, k, v, kernel, scale, doc_ids, 2)
-    full_docs = None if doc_ids is None else gather_for_ranks(doc_ids, 1, group)
+    autograd; once per ids tensor with ``plans``) and the head-sharded core skips the pairs of its 2cp chunks that
+    share no document."""
+    plan = _document_plan("a2a", doc_ids, group, plans)
+    local = None if plan is None else plan[0]
+    if _size_rank(group)[0] == 1:
+        return _LocalAttention.apply(q, k, v, kernel, scale, local)
     q, k, v = _SeqToHeads.apply(group, q, k, v)
-    return _HeadsToSeq.apply(_LocalAttention.apply(q, k, v, kernel, scale, full_docs, 2 * cp), group)
+    return _HeadsToSeq.apply(_LocalAttention.apply(q, k, v, kernel, scale, local), group)
 
 
 CP_ATTENTION = {"ring": ring_attention, "a2a": a2a_attention}
@@ -497,8 +528,9 @@ CP_ATTENTION = {"ring": ring_attention, "a2a": a2a_attention}
 
 def cp_attention(
     cp_comm: str, q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup | None, kernel: str, scale: float,
-    doc_ids: Tensor | None = None,
+    doc_ids: Tensor | None = None, plans: TensorCache | None = None,
 ) -> Tensor:  # fmt: skip
     """Causal attention of this rank's chunks over the CP group with ``cp_comm`` in ("ring", "a2a"); with
-    ``doc_ids`` [b, s/cp] (this rank's tokens' document ids) also only within each document."""
-    return CP_ATTENTION[cp_comm](q, k, v, group, kernel, scale, doc_ids)
+    ``doc_ids`` [b, s/cp] (this rank's tokens' document ids) also only within each document, the blocks planned
+    once per ids tensor with ``plans`` (the model's cache for this group and ``cp_comm``)."""
+    return CP_ATTENTION[cp_comm](q, k, v, group, kernel, scale, doc_ids, plans)

@@ -16,7 +16,9 @@ recomputing P from saved q, k, v and lse (nothing of size s x s is kept between 
 Kernels: ``eager`` materialises the block's scores and computes the softmax with its log-sum-exp itself; ``sdpa`` is
 torch's fused flash kernel, which returns the log-sum-exp and takes it back in its backward: on CPU
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (any float dtype, native GQA), on CUDA
-``aten._scaled_dot_product_flash_attention`` (fp16/bf16 only, native GQA).
+``aten._scaled_dot_product_flash_attention`` (fp16/bf16 only, head dim a multiple of 8 up to 256, native GQA;
+:func:`on_cuda` picks the branch).  The CUDA backward takes q, k, v, out and dout through their strides (last dim
+stride 1) and the lse as a contiguous fp32 [b, n, sq].
 
 Document masking (``docs``: the query rows' and the keys' document ids, [b, sq] and [b, sk]): a query attends only
 keys of its own document (and not its future on a causal block), by ``model.layers.blocked_by_document``.  The flash
@@ -107,24 +109,45 @@ def _eager_backward(
     return dq, dk, dv
 
 
+def on_cuda(x: Tensor) -> bool:
+    """Whether the ``sdpa`` kernel runs torch's CUDA flash ops on ``x`` (else the CPU flash kernel): the one place
+    the choice is made, so a test can run the CUDA branch's own argument construction against a CPU stand-in of
+    those ops."""
+    return x.is_cuda
+
+
 def _flash_cuda_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Block:
-    if q.dtype not in (torch.float16, torch.bfloat16):
+    d = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
         raise ValueError(
-            f"cp attention sdpa on CUDA runs flash attention, which needs fp16 or bf16 (got {q.dtype}); "
-            'train in bf16 or use attention "eager"'
+            f"cp attention sdpa on CUDA runs flash attention, which needs fp16 or bf16 and a head dim that is a "
+            f"multiple of 8 and at most 256 (got {q.dtype}, head dim {d}); train in bf16 with such a head dim or use "
+            'attention "eager"'
         )
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     return Block(out, lse)
+
+
+def _last_dim_dense(x: Tensor) -> Tensor:
+    """``x`` itself when its last dim has stride 1 (all flash's CUDA kernels ask of q, k, v, out and dout: rows
+    and heads are read through their strides), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _flash_cuda_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     sq, sk = q.shape[2], k.shape[2]
-    # No cumulative lengths (a dense batch) and no RNG state: the kernel reads the philox seed only with dropout.
-    empty = torch.empty(0, device=q.device)
+    dout, q, k, v, out = (_last_dim_dense(t) for t in (dout, q, k, v, out))
+    # The kernel reads softmax_lse by its data pointer as a contiguous fp32 [b, n, sq]: a query-row slice of the
+    # merged lse (the ring's second-chunk rows) is strided, and read raw it gives every head after the first the
+    # wrong rows' lse, so wrong dq, dk, dv without an error.  A copy only when strided ([b, n, rows] fp32: small).
+    lse = lse.contiguous()
+    # Undefined cumulative lengths (None) select the dense kernel: any defined tensor there, even an empty one,
+    # takes the variable-length path, which refuses it ("cu_seqlens_q must have dtype int32").  The philox seed and
+    # offset are read only with dropout (none here): undefined as well.
     grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale
+        dout, q, k, v, out, lse, None, None, sq, sk, 0.0, causal, None, None, scale=scale
     )
     return grads[0], grads[1], grads[2]
 
@@ -136,7 +159,7 @@ def block_forward(
     the rows and of the keys) only within each document, by the eager computation whatever the kernel."""
     if kernel == "eager" or docs is not None:
         return _eager_forward(q, k, v, causal, scale, docs)
-    if q.is_cuda:
+    if on_cuda(q):
         return _flash_cuda_forward(q, k, v, causal, scale)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return Block(out, lse)
@@ -157,14 +180,14 @@ def block_backward(
     """(dq, dk, dv) of this block's part of a softmax whose final output and log-sum-exp over every key block are
     ``out`` [b, n, sq, d] (q's dtype) and ``lse`` [b, n, sq]; dk and dv at KV-head size.  ``docs`` as in
     :func:`block_forward` (the same ids as its forward)."""
-    if kernel == "sdpa" and docs is None and not q.is_cuda:
+    if kernel == "sdpa" and docs is None and not on_cuda(q):
         # The CPU kernel reads every operand through its strides (a query-row slice of a [b, n, s, d] tensor, the
         # [s, b, n, d] memory of a block's projections) with the same result bit for bit: no copies (each
         # .contiguous() here was a [b, n, rows, d] copy per operand per ring step).
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
+    if kernel == "sdpa" and docs is None:
+        return _flash_cuda_backward(dout, q, k, v, out, lse, causal, scale)
     dout, q, k, v, out = (t.contiguous() for t in (dout, q, k, v, out))
-    if kernel == "eager" or docs is not None:
-        return _eager_backward(dout, q, k, v, out, lse, causal, scale, docs)
-    return _flash_cuda_backward(dout, q, k, v, out, lse, causal, scale)
+    return _eager_backward(dout, q, k, v, out, lse, causal, scale, docs)

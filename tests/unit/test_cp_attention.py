@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from flash_cuda_standin import CALLS, cuda_flash_on_cpu
 from inprocess import Pairs, failures, run_checks, spawn_reports
 from test_document_mask import CHECKS as DOCUMENT_CHECKS
 from torch import Tensor
@@ -259,6 +260,47 @@ def check_layout_and_exchanges(c: Ctx, comm: str) -> Pairs:
     return pairs
 
 
+def check_cuda_branch(c: Ctx, comm: str) -> Pairs:
+    """The sdpa kernel's CUDA branch (torch's CUDA flash ops with their preconditions, stood in for on CPU by
+    tests/unit/flash_cuda_standin.py: undefined cum_seq_q/k, an lse read as contiguous [b, n, sq], ...), in bf16
+    from the model's layout with 8 query heads on 4 KV heads: the context and dq, dk, dv equal the CPU branch's and
+    match whole-sequence attention within bf16 rounding; no operand is copied but a strided lse.  The stand-in must
+    have run forward and backward."""
+    n, n_kv = 8, 4
+    q, gout = (torch.randn(B, n, S, D).bfloat16() for _ in range(2))
+    k, v = (torch.randn(B, n_kv, S, D).bfloat16() for _ in range(2))
+    out_ref, *grads_ref = reference(q.float(), k.float(), v.float(), gout.float())
+    idx = expected_indices(S, c.rank, c.cp) if c.cp > 1 else torch.arange(S)
+
+    # [b, n, s/cp, d] views of [s/cp, b, n, d] memory, as the model hands them over
+    inputs = [t[:, :, idx].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for t in (q, k, v)]
+    dout = gout[:, :, idx].clone()
+
+    def run() -> list[Tensor]:
+        local = [t.detach().requires_grad_() for t in inputs]
+        out = cp_comm.cp_attention(comm, *local, c.group, "sdpa", 1 / math.sqrt(D))
+        out.backward(dout)
+        return [out.detach(), *(t.grad for t in local)]
+
+    cpu_branch = run()
+    CALLS.clear()
+    with cuda_flash_on_cpu(), OpCounter() as ops:  # counts the ops around the stand-in's, not inside it
+        cuda_branch = run()
+    # The one copy: the lse of the second chunk's rows (ring steps holding a later rank's K/V), which the kernel
+    # reads as contiguous; q, k, v, out and dout go in through their strides.
+    lse_slices = sum((c.rank - t) % c.cp > c.rank for t in range(1, c.cp)) if comm == "ring" else 0
+    copies = torch.tensor(ops.calls["aten.clone.default"])
+    pairs: Pairs = [
+        ("stand-in ran forward and backward", torch.tensor([CALLS["forward"] > 0, CALLS["backward"] > 0]),
+         torch.tensor([True, True])),
+        ("copies: the strided lse slices only", copies, torch.tensor(lse_slices)),
+    ]  # fmt: skip
+    for name, got, cpu, ref in zip(("output", "dq", "dk", "dv"), cuda_branch, cpu_branch, (out_ref, *grads_ref)):
+        pairs.append((f"{name}: CUDA branch = CPU branch", got, cpu, 0.0))
+        pairs.append((f"{name}: CUDA branch = whole sequence", got.float(), ref[:, :, idx], BF16_TOLERANCE))
+    return pairs
+
+
 def check_gather_for_ranks(c: Ctx) -> Pairs:
     x = torch.randn(S, B, 3)  # [s, b, h]: the sequence along dim 0
     return [("gather_for_ranks", gather_for_ranks(slice_for_rank(x, 0, c.rank, c.cp), 0, c.group), x)]
@@ -278,6 +320,8 @@ for _kernel in ("eager", "sdpa"):
 CHECKS["ring-sdpa-copies-nothing"] = check_ring_copies_nothing
 CHECKS["ring-sdpa-message-dtypes"] = check_ring_message_dtypes
 CHECKS["a2a-heads-to-seq-one-pass"] = check_heads_to_seq_one_pass
+for _comm in ("ring", "a2a"):
+    CHECKS[f"{_comm}-sdpa-cuda-branch"] = partial(check_cuda_branch, comm=_comm)
 for _comm in ("ring", "a2a"):
     CHECKS[f"{_comm}-layout-and-exchanges"] = partial(check_layout_and_exchanges, comm=_comm)
 # packed documents (document ids: parity with each document alone, skipped pairs, bf16), in the same spawn
@@ -395,6 +439,20 @@ def test_a2a_heads_rule():
     message = _refused(check_cp_heads, 8, 2, tp=2, cp=2)
     assert "num_kv_heads=2, tp=2, num_kv_heads/tp=1, cp=2" in message and "cp_comm" in message
     assert "num_heads=6" in _refused(check_cp_heads, 6, 6, tp=1, cp=4)
+
+
+def test_cuda_flash_refuses_what_it_cannot_run():
+    """On CUDA the sdpa kernel is torch's flash attention: fp32 and head dims that are not a multiple of 8 (or above
+    256) get a one-line error naming both fixes, before the op is called."""
+    from ds_megatron.parallel.cp_kernels import block_forward
+
+    with cuda_flash_on_cpu():
+        for dtype, d in ((torch.float32, 8), (torch.bfloat16, 12), (torch.bfloat16, 264)):
+            q = torch.randn(1, 2, 4, d, dtype=dtype)
+            with pytest.raises(ValueError, match=f"got {dtype}, head dim {d}.*bf16.*eager"):
+                block_forward("sdpa", q, q, q, True, 1.0)
+        q = torch.randn(1, 2, 4, 16, dtype=torch.bfloat16)
+        assert block_forward("sdpa", q, q, q, True, 1.0).lse.is_contiguous()
 
 
 def test_attention_dropout_refused_with_cp():

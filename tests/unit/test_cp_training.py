@@ -20,7 +20,10 @@ for floating ones only; backward of the floating outputs only).  The DeepSpeed e
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections import Counter
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
@@ -267,6 +270,40 @@ def through_boundary(x):
     return got if isinstance(x, tuple) else got[0]
 
 
+@contextlib.contextmanager
+def document_work(cp_group) -> Iterator[Counter[str]]:
+    """Counts what packed documents cost besides attention itself: attention plans made (``plan_documents``),
+    all-gathers over the CP group, ``.cpu()`` copies (each a device sync on a GPU) and per-token rotary tables."""
+    from ds_megatron.model.llama import model as llama_model
+    from ds_megatron.parallel import cp_comm
+
+    counts: Counter[str] = Counter()
+    patched = [
+        (cp_comm, "plan_documents", "plans", None),
+        (dist, "all_gather", "all-gathers over the CP group", lambda *a, group=None, **k: group is cp_group),
+        (torch.Tensor, "cpu", ".cpu() copies", None),
+        (llama_model, "_rotary_rows", "rotary rows built", None),
+    ]
+    saved = []
+    for owner, attr, name, counted_if in patched:
+        real = getattr(owner, attr, None)
+        saved.append((owner, attr, real))
+        if real is None:  # nothing to count under that name
+            continue
+
+        def counting(*args, _real=real, _name=name, _if=counted_if, **kwargs):
+            counts[_name] += _if is None or _if(*args, **kwargs)
+            return _real(*args, **kwargs)
+
+        setattr(owner, attr, counting)
+    try:
+        yield counts
+    finally:
+        for owner, attr, real in saved:
+            if real is not None:
+                setattr(owner, attr, real)
+
+
 def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     from ds_megatron.data.document_mask import document_layout
     from ds_megatron.data.stream import DocumentMasking, split_batch
@@ -313,18 +350,27 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     x, labels = split_batch(mine, topo.cp_rank, topo.cp, documents)
     cut = blocks[1] if "stages" in layout.options else None  # the second stage starts at the second block
     sent = received = None
-    for i, layer in enumerate(layers):
-        if i == cut:
-            sent, received = x, through_boundary(x)
-            x = received
-        x = checkpoint_segment(layer, x, None) if "full" in layout.options and i in blocks else layer(x)
-    logits = x if not tied else lm_head_forward(layers[0], x)
-    loss = VocabParallelLoss(ctx)(logits, labels)
-    loss.backward()
+    with document_work(topo.cp_group if topo.cp > 1 else object()) as work:
+        for i, layer in enumerate(layers):
+            if i == cut:
+                sent, received = x, through_boundary(x)
+                x = received
+            x = checkpoint_segment(layer, x, None) if "full" in layout.options and i in blocks else layer(x)
+        logits = x if not tied else lm_head_forward(layers[0], x)
+        loss = VocabParallelLoss(ctx)(logits, labels)
+        loss.backward()
+        if cut is not None:  # the first stage's backward, from the gradients of the floating tensors it sent
+            floats = [(s, r) for s, r in zip(sent, received) if s.is_floating_point()]
+            torch.autograd.backward([s for s, _ in floats], [r.grad for _, r in floats])
     pairs: Pairs = []
-    if cut is not None:  # the first stage's backward, from the gradients of the floating tensors it sent
-        floats = [(s, r) for s, r in zip(sent, received) if s.is_floating_point()]
-        torch.autograd.backward([s for s, _ in floats], [r.grad for _, r in floats])
+    if documents is not None:  # one micro-batch, forward and backward (recompute included), on every layer
+        stages = 1 + (cut is not None)
+        per_stage = stages if topo.cp > 1 else 0  # cp 1: the single-device core builds its mask from the ids
+        want = {"plans": per_stage, "all-gathers over the CP group": per_stage, ".cpu() copies": per_stage,
+                "rotary rows built": stages if cfg.family == "llama" else 0}  # fmt: skip
+        for name, n in want.items():
+            pairs.append((f"{name} per micro-batch", torch.tensor(work[name]), torch.tensor(n)))
+    if cut is not None:
         local_s, b = run.model.seq_length // run.cp, run.micro_batch_size
         hidden_s = local_s // run.tp if run.section.parallel.sequence_parallel else local_s
         shapes = [(str(t.dtype), tuple(t.shape)) for t in received]

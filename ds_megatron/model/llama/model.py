@@ -26,6 +26,7 @@ from ds_megatron.model.layers import (
     Modeling,
     RMSNorm,
     Slices,
+    TensorCache,
     TiedEmbedding,
     init_by_name,
     positions_tensor,
@@ -81,7 +82,19 @@ def rotary_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [s, b, 1, d] for per-token positions [b, s] (packed documents: each row has its own positions, so
     one [s] table cannot serve the batch).  The same fp32 angles as ``rotary_tables``, then cast like the
-    activations; built per call (b s d values, against the table's s d cached once)."""
+    activations; made once per positions tensor (a micro-batch's, which every block of a stage receives) and shared
+    by the blocks, as ``rotary_tables`` is."""
+    return _ROTARY_ROWS.get(
+        positions, lambda: _rotary_rows(positions, head_dim, theta, scaling, dtype), head_dim, theta, scaling, dtype
+    )
+
+
+_ROTARY_ROWS = TensorCache()
+
+
+def _rotary_rows(
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: tuple | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv = _frequencies_on(head_dim, theta, scaling, positions.device)
     angles = positions.t().to(torch.float32)[:, :, None] * inv  # [s, b, d/2]
     angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
