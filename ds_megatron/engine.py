@@ -217,7 +217,13 @@ def build_engine(run: RunConfig) -> Built:
         cp_comm=run.section.parallel.cp_comm,
     )
     module = build_pipeline_module(
-        config, parallel, topology, seed, run.section.parallel.partition_method, module_class(schedule_of(run).name)
+        config,
+        parallel,
+        topology,
+        seed,
+        run.section.parallel.partition_method,
+        module_class(schedule_of(run).name),
+        fused_loss=run.section.model.fused_loss,
     )
     ckpt = run.section.checkpoint
     if ckpt.init_from_hf and not ckpt.load:

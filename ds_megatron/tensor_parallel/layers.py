@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ds_megatron.model.layers import RMSNorm, rms_norm
+from ds_megatron.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_loss
 from ds_megatron.tensor_parallel.mappings import (
     _all_gather_dim0,
     all_gather_dim0_async,
@@ -345,6 +346,22 @@ class VocabParallelEmbedding(DeferrableWeightGrads, nn.Module):
             self.tp.group,
             self.sequence_parallel,
             self.weight_grad_queue,
+        )
+
+    def fused_loss(self, x: torch.Tensor, target: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """Tied output layer and the mean cross entropy together, in chunks of tokens: [s(/t), b, h] and target
+        [s, b] -> fp32 scalar, equal to the mean of the vocab-parallel cross entropy of :meth:`logits` without ever
+        holding the logits [s, b, V_pad/t] (``tensor_parallel.fused_cross_entropy``)."""
+        return fused_vocab_parallel_loss(
+            x,
+            self.weight,
+            target,
+            self.tp.group,
+            self.vocab_start,
+            self.vocab_size,
+            self.sequence_parallel,
+            self.weight_grad_queue,
+            chunk,
         )
 
     def extra_repr(self) -> str:
