@@ -130,10 +130,10 @@ def predicted(n: int, h: int, v: int, c: int, act: int, t: int = 1) -> tuple[int
     """(saved unfused, saved fused, peak unfused, peak fused) in bytes for N tokens, this rank's V rows, chunks of
     ``c`` tokens and activations of ``act`` bytes; the weight and its gradient are counted on neither side.
     Unfused: saved the fp32 softmax [N, V] and the hidden states; at peak the logits, their fp32 copy (none in
-    fp32), the fp32 softmax and the logits' gradient in their dtype.  Fused: saved dh [N/t, h] (SP) and dW [V, h]; at peak
-    besides, the fp32 accumulator of dW (the saved dW itself in fp32), one chunk's product D^T h [V, h], one chunk's fp32 logits with the bf16
-    ones or with their bf16 gradient (6 bytes each; 4 in fp32, where the copy and the cast are the same buffer)
-    and, at tp > 1, dh [N, h] before its reduction."""
+    fp32), the fp32 softmax and the logits' gradient in their dtype.  Fused: saved dh [N/t, h] (SP) and dW [V, h];
+    at peak besides, the fp32 accumulator of dW (the saved dW itself in fp32), one chunk's product D^T h [V, h],
+    one chunk's fp32 logits with the bf16 ones or with their bf16 gradient (6 bytes each; 4 in fp32, where the
+    copy and the cast are the same buffer) and, at tp > 1, dh [N, h] before its reduction."""
     saved_u = 4 * n * v + act * n * h
     saved_f = act * n * h // t + act * v * h
     wide = act != 4  # fp32 models: the fp32 copy of the logits and the fp32 dW accumulator are the same buffers
@@ -144,12 +144,18 @@ def predicted(n: int, h: int, v: int, c: int, act: int, t: int = 1) -> tuple[int
 
 
 def extrapolation(s: int, h: int, v: int) -> str:
-    """Both paths at the target shape, bf16, tp 1 and tp 2 with SP (this rank's V/2 rows)."""
+    """Both paths at the target shape, bf16: tp 1, tp 2 with SP (this rank's V/2 rows), and the 128k recipe's shard
+    (ds_configs/llama3_8b_128k.json: 131,072 tokens over cp 8 = 16,384 per rank, tp 2 with SP, h 4,096)."""
     rows = []
-    for label, vloc, t in ((f"V {v:,}, tp 1", v, 1), (f"V/t {v // 2:,} (tp 2, SP)", v // 2, 2)):
+    shapes = (
+        (f"V {v:,}, tp 1, s {s:,}", s, v, 1),
+        (f"V/t {v // 2:,} (tp 2, SP), s {s:,}", s, v // 2, 2),
+        (f"128k recipe: V/t {v // 2:,} (tp 2, SP), 16,384 tokens per CP rank", 16_384, v // 2, 2),
+    )
+    for label, n, vloc, t in shapes:
         c = chunk_tokens(vloc)
-        su, sf, pu, pf = predicted(s, h, vloc, c, 2, t)
-        rows.append(f"| {label}, s {s:,}, h {h:,}, bf16 | {gb(su)} | {gb(sf)} | {gb(pu)} | {gb(pf)} | {c} |")
+        su, sf, pu, pf = predicted(n, h, vloc, c, 2, t)
+        rows.append(f"| {label}, h {h:,}, bf16 | {gb(su)} | {gb(sf)} | {gb(pu)} | {gb(pf)} | {c} |")
     return "\n".join(rows)
 
 

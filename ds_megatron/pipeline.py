@@ -10,8 +10,8 @@ then sharded by the family's plan), for GPT-2 / Llama:
     output layer     the tied embedding again (no file of its own), or Llama's untied lm_head  -> [s, b, V_pad/t]
     loss: vocab-parallel cross entropy against labels [b, s]
 
-With the fused loss (``model.fused_loss``, the default) the output layer hands its input [s(/t), b, h] to the loss,
-which computes the logits chunk by chunk together with the cross entropy and its gradients
+With the fused loss (``model.fused_loss``, the default) the output layer hands its input [s(/t), b, h] and a view of
+its weight to the loss, which computes the logits chunk by chunk together with the cross entropy and its gradients
 (``tensor_parallel.fused_cross_entropy``): the logits [s, b, V_pad/t] are never held whole.
 
 Only fixed-shape hidden states cross stage boundaries; positions, rotary tables and the causal mask are made
@@ -187,21 +187,21 @@ class EmbeddingPipe(nn.Module):
         return join_boundary(getattr(self, self.attr)(input_ids.t().contiguous()), documents)
 
 
-def head_output(head: nn.Module, hidden: torch.Tensor, loss: VocabParallelLoss | None) -> torch.Tensor:
+def head_output(head: nn.Module, hidden: torch.Tensor, loss: VocabParallelLoss | None):
     """What an output layer ``head`` returns: this rank's vocabulary block of logits [s, b, V_pad/t], or, for a
-    fused ``loss``, its input [s(/t), b, h]."""
+    fused ``loss``, (its input [s(/t), b, h], a view of its weight)."""
     return loss.head_output(head, hidden) if loss is not None else head.logits(hidden)
 
 
 def lm_head_forward(module: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
-    """Tied output layer: hidden [s(/t), b, h] -> this rank's vocabulary block of logits [s, b, V_pad/t] (the
-    hidden states themselves for a fused loss)."""
+    """Tied output layer: hidden [s(/t), b, h] -> this rank's vocabulary block of logits [s, b, V_pad/t] (for a
+    fused loss: the hidden states and a view of the weight)."""
     return head_output(getattr(module, module.attr), hidden, module.loss)
 
 
 class OutputPipe(nn.Module):
-    """An untied output layer (Llama's ``lm_head``), vocabulary-parallel: [s(/t), b, h] -> [s, b, V_pad/t] (its
-    input for a fused ``loss``)."""
+    """An untied output layer (Llama's ``lm_head``), vocabulary-parallel: [s(/t), b, h] -> [s, b, V_pad/t] (for a
+    fused ``loss``: its input and a view of its weight)."""
 
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, loss: VocabParallelLoss | None = None):
         super().__init__()
@@ -269,10 +269,15 @@ class FinalNormPipe(nn.Module):
 class VocabParallelLoss:
     """Mean next-token loss over a micro-batch from vocabulary-parallel logits (full logits never gathered).
 
-    ``fused``: the output layer hands over its input and itself (:meth:`head_output`), and the loss runs the output
-    matmul and the cross entropy together in chunks of tokens (``VocabParallelEmbedding.fused_loss``), so the logits
-    are never held whole; while :meth:`emitting_logits` is active (generation reads logits) the output layer
-    returns its logits as without it."""
+    ``fused``: the output layer hands over its input and its weight (:meth:`head_output`), and the loss runs the
+    output matmul and the cross entropy together in chunks of tokens (``VocabParallelEmbedding.fused_loss``), so the
+    logits are never held whole; while :meth:`emitting_logits` is active (generation reads logits) the output layer
+    returns its logits as without it.
+
+    The weight travels as a view made inside the output layer, among the module's outputs: DeepSpeed runs its
+    backward prologue (the BF16 optimizer clears the 16-bit gradients there) when the gradient of a module output
+    arrives, so a parameter used only after the module (in the loss) would have its gradient accumulated before
+    the prologue and cleared by it (measured: the tied embedding's output-layer gradient lost under bf16)."""
 
     def __init__(self, ctx: ParallelContext, fused: bool = False):
         self.tp_group = ctx.tp.group
@@ -281,13 +286,13 @@ class VocabParallelLoss:
         self.fused, self.emit_logits = fused, False
         self.head: nn.Module | None = None  # fused: the vocab-parallel output module, handed over by its forward
 
-    def head_output(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """The output layer's result: logits [s, b, V_pad/t], or for the fused loss ``hidden`` [s(/t), b, h]
-        itself, with ``head`` kept for :meth:`__call__`."""
+    def head_output(self, head: nn.Module, hidden: torch.Tensor):
+        """The output layer's result: logits [s, b, V_pad/t], or for the fused loss (``hidden`` [s(/t), b, h], a
+        view of the weight), with ``head`` kept for :meth:`__call__`."""
         if not self.fused or self.emit_logits:
             return head.logits(hidden)
         self.head = head
-        return hidden
+        return hidden, head.weight.view_as(head.weight)
 
     @contextlib.contextmanager
     def emitting_logits(self) -> Iterator[None]:
@@ -298,12 +303,14 @@ class VocabParallelLoss:
         finally:
             self.emit_logits = False
 
-    def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """outputs: logits [s, b, V_pad/t], or for the fused loss the hidden states [s(/t), b, h]; labels [b, s]."""
+    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        """outputs: logits [s, b, V_pad/t], or for the fused loss (hidden states [s(/t), b, h], weight view);
+        labels [b, s]."""
         if self.fused:
             if self.emit_logits:
                 raise RuntimeError("the fused loss got logits: compute no loss inside emitting_logits()")
-            return self.head.fused_loss(outputs, labels.t())
+            hidden, weight = outputs
+            return self.head.fused_loss(hidden, labels.t(), weight=weight)
         return vocab_parallel_cross_entropy(outputs, labels.t(), self.tp_group, self.vocab_start).mean()
 
 

@@ -65,9 +65,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Mean over tokens of cross entropy(h W^T, target), computed chunk by chunk with its gradients (module doc)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, group, vocab_start, vocab_size, sp, chunk, need_grad, queue):
+    def forward(ctx, hidden, weight, target, group, vocab_start, vocab_size, sp, chunk, need_grad, queue, param):
         ctx.queue, ctx.dtypes = queue, (hidden.dtype, weight.dtype)
-        ctx.weight = weight if queue is not None else None  # W accumulates into it
+        ctx.param = param if queue is not None else None  # W accumulates into it
         full = _all_gather_dim0(hidden, group) if sp and group_size(group) > 1 else hidden
         h2 = full.reshape(-1, full.shape[-1])  # [N, h], N = s b
         t2 = target.reshape(-1)
@@ -105,6 +105,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             else:
                 torch.matmul(grad, weight, out=grad_h2[start : start + chunk])
             grad_w.add_(grad.t().matmul(h_c))
+            del logits, exp, grad  # before the next chunk's logits: one chunk's buffers alive at a time
         if need_grad:
             grad_full = grad_h2.view(full.shape)
             if group_size(group) > 1:
@@ -119,9 +120,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = grad_hidden.mul(grad_loss.to(grad_hidden.dtype)).to(hidden_dtype)
         grad_weight = grad_weight.mul(grad_loss.to(grad_weight.dtype)).to(weight_dtype)
         if ctx.queue is not None:  # the weight's gradient is already computed: W only adds it
-            ctx.queue.defer((ctx.weight,), lambda done=grad_weight: (done,))
-            return grad_hidden, None, None, None, None, None, None, None, None, None
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+            ctx.queue.defer((ctx.param,), lambda done=grad_weight: (done,))
+            return grad_hidden, None, None, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def fused_vocab_parallel_loss(
@@ -134,13 +135,25 @@ def fused_vocab_parallel_loss(
     sequence_parallel: bool,
     queue: WeightGradQueue | None = None,
     chunk: int | None = None,
+    param: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean next-token loss (fp32 scalar) of the output layer ``weight`` (this rank's rows [V_pad/t, h], starting at
     vocabulary id ``vocab_start``; ids >= ``vocab_size`` are padding) on ``hidden`` [s, b, h] (under SP the
     sequence shard [s/t, b, h]) against ``target`` [s, b].  ``chunk``: tokens per chunk (default
-    :func:`chunk_tokens`).  With a ``queue`` (deferred weight gradients) the weight's gradient reaches it in W."""
+    :func:`chunk_tokens`).  With a ``queue`` (deferred weight gradients) the weight's gradient reaches ``param`` (the
+    parameter itself when ``weight`` is a view of it; default ``weight``) in W."""
     chunk = chunk or chunk_tokens(weight.shape[0])
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _FusedLinearCrossEntropy.apply(
-        hidden, weight, target, group, vocab_start, vocab_size, sequence_parallel, chunk, need_grad, queue
+        hidden,
+        weight,
+        target,
+        group,
+        vocab_start,
+        vocab_size,
+        sequence_parallel,
+        chunk,
+        need_grad,
+        queue,
+        weight if param is None else param,
     )

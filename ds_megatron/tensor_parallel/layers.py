@@ -348,13 +348,16 @@ class VocabParallelEmbedding(DeferrableWeightGrads, nn.Module):
             self.weight_grad_queue,
         )
 
-    def fused_loss(self, x: torch.Tensor, target: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    def fused_loss(
+        self, x: torch.Tensor, target: torch.Tensor, chunk: int | None = None, weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Tied output layer and the mean cross entropy together, in chunks of tokens: [s(/t), b, h] and target
         [s, b] -> fp32 scalar, equal to the mean of the vocab-parallel cross entropy of :meth:`logits` without ever
-        holding the logits [s, b, V_pad/t] (``tensor_parallel.fused_cross_entropy``)."""
+        holding the logits [s, b, V_pad/t] (``tensor_parallel.fused_cross_entropy``).  ``weight``: a view of this
+        layer's weight to compute with (default the weight itself); its gradient reaches the weight through it."""
         return fused_vocab_parallel_loss(
             x,
-            self.weight,
+            self.weight if weight is None else weight,
             target,
             self.tp.group,
             self.vocab_start,
@@ -362,6 +365,7 @@ class VocabParallelEmbedding(DeferrableWeightGrads, nn.Module):
             self.sequence_parallel,
             self.weight_grad_queue,
             chunk,
+            self.weight,
         )
 
     def extra_repr(self) -> str:

@@ -10,7 +10,8 @@ unsharded reference is tests/unit/test_layers_inprocess.py's; padding rows must 
 ``WeightGradQueue`` (zero bubble) the weight's gradient is missing after backward and equal bit for bit after the flush.
 
 Pipeline checks: both families' output layer as the pipeline builds it (``layer_specs``: GPT-2's tied embedding,
-Llama's untied ``lm_head``) with ``VocabParallelLoss`` fused and unfused, and generation's ``emitting_logits``.
+Llama's untied ``lm_head``) with ``VocabParallelLoss`` fused and unfused, under DeepSpeed's backward prologue (which
+clears gradients when a module output's gradient arrives), and generation's ``emitting_logits``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
+from deepspeed.runtime.utils import register_output_backward_hooks
 from inprocess import Pairs, failures, run_checks, spawn_reports
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -108,12 +110,11 @@ def check_layer(vocab: int, sp: bool, tied: bool, dtype: torch.dtype):
             ("weight grad", got[2], ref[2], tol),
             ("padding rows' grad (exactly 0)", got[2][real:], torch.zeros_like(got[2][real:]), 0.0),
         ]
-        if not tied or dtype == torch.float32:  # zero bubble: the weight gradient deferred, then the same bits
-            queue = WeightGradQueue()
-            deferred = loss_and_grads(layer, ids, target, c, sp, fused=True, queue=queue)
-            pairs.append(("deferred: no weight grad before W", torch.tensor(deferred[3]), torch.tensor(True), 0.0))
-            pairs.append(("deferred weight grad after flush", deferred[2], got[2], 0.0))
-            pairs.append(("deferred hidden grad", deferred[1], got[1], 0.0))
+        # zero bubble: the weight gradient deferred to W, then the same bits
+        deferred = loss_and_grads(layer, ids, target, c, sp, fused=True, queue=WeightGradQueue())
+        pairs.append(("deferred: no weight grad before W", torch.tensor(deferred[3]), torch.tensor(True), 0.0))
+        pairs.append(("deferred weight grad after flush", deferred[2], got[2], 0.0))
+        pairs.append(("deferred hidden grad", deferred[1], got[1], 0.0))
         return pairs
 
     return run
@@ -127,8 +128,19 @@ FAMILIES = {
 }
 
 
+def prologue_clears_grads(layer: nn.Module, outputs) -> object:
+    """DeepSpeed's engine runs its backward prologue when the gradient of a module output arrives
+    (``register_output_backward_hooks`` on what the module returned); the BF16 optimizer clears the 16-bit
+    gradients there, in place.  The gradients are filled with ones first (an earlier micro-batch's, already moved
+    to fp32), which the prologue must clear before this backward accumulates anything."""
+    for p in layer.parameters():
+        p.grad = torch.ones_like(p)
+    return register_output_backward_hooks(outputs, lambda: [p.grad.zero_() for p in layer.parameters()])
+
+
 def check_pipeline(family: str, sp: bool):
-    """The output layer as the pipeline builds it (GPT-2: the tied embedding; Llama: lm_head) and its loss."""
+    """The output layer as the pipeline builds it (GPT-2: the tied embedding; Llama: lm_head) and its loss, under
+    DeepSpeed's backward prologue."""
 
     def run(c: Ctx) -> Pairs:
         config = FAMILIES[family]
@@ -143,18 +155,25 @@ def check_pipeline(family: str, sp: bool):
             layer = specs[0].build() if tied else specs[-1].build()
             x = seq_part(hidden, c, sp).clone().requires_grad_()
             out = lm_head_forward(layer, x) if tied else layer(x)
+            hooks = prologue_clears_grads(layer, out)  # noqa: F841 - the hooks live as long as this reference
             loss = loss_fn(out, labels)
             loss.backward()
             weight = next(p for p in layer.parameters())
             with loss_fn.emitting_logits():
                 logits = lm_head_forward(layer, x) if tied else layer(x)
-            results.append((loss, x.grad, weight.grad, out.shape, logits))
+            results.append((loss, x.grad, weight.grad, out[0].shape if fused else out.shape, logits))
         (ref_loss, ref_gx, ref_gw, ref_shape, ref_logits), (loss, gx, gw, shape, logits) = results
         return [
             ("loss", loss, ref_loss, TOL[torch.float32]),
             ("hidden grad", gx, ref_gx, TOL[torch.float32]),
             ("output weight grad", gw, ref_gw, TOL[torch.float32]),
             ("fused: the output layer hands over its input", torch.tensor(shape), torch.tensor(x.shape), 0.0),
+            (
+                "weight grad not cleared by the prologue",
+                torch.tensor(bool(gw.abs().max() > 0)),
+                torch.tensor(True),
+                0.0,
+            ),
             ("unfused: logits", torch.tensor(ref_shape), torch.tensor(ref_logits.shape), 0.0),
             ("emitting_logits: the same logits", logits, ref_logits, 0.0),
         ]
