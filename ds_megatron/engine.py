@@ -247,7 +247,13 @@ def build_engine(run: RunConfig) -> Built:
         init_weights=not (run.section.checkpoint.init_from_hf and not run.section.checkpoint.load),
     )
     module = build_pipeline_module(
-        config, parallel, topology, seed, run.section.parallel.partition_method, module_class(schedule_of(run).name)
+        config,
+        parallel,
+        topology,
+        seed,
+        run.section.parallel.partition_method,
+        module_class(schedule_of(run).name),
+        fused_loss=run.section.model.fused_loss,
     )
     ckpt = run.section.checkpoint
     if ckpt.init_from_hf and not ckpt.load:

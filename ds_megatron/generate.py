@@ -10,6 +10,7 @@ costs one forward of s positions, fine for a sample of a few dozen tokens.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -105,13 +106,15 @@ class Decoder:
             # eval_batch accumulates into total_loss without resetting it (only train_batch does); with
             # compute_loss=False the "loss" is the logits, so a scalar left by an earlier evaluation would not add up.
             self.engine.total_loss = None
-            _, logits = self.engine.eval_batch(
-                iter([(x, torch.zeros_like(x))] * count),
-                return_logits=True,
-                compute_loss=False,
-                reduce_output=None,
-                num_micro_batches=count,
-            )
+            # A fused loss has the output layer hand its input to the loss; here the output layer's logits are read.
+            with getattr(self.engine.module.loss_fn, "emitting_logits", contextlib.nullcontext)():
+                _, logits = self.engine.eval_batch(
+                    iter([(x, torch.zeros_like(x))] * count),
+                    return_logits=True,
+                    compute_loss=False,
+                    reduce_output=None,
+                    num_micro_batches=count,
+                )
             message = torch.zeros(2, dtype=torch.long)  # [token, index in STOPS + 1 of why to stop, 0 to go on]
             if self.topology.pp_rank == loss_rank:
                 local = logits[n - 1, 0].float().unsqueeze(0)  # [1, V_pad/t] at the last context position

@@ -10,6 +10,10 @@ single-device model's initial values there: ``parallelize.build_shard``), for GP
     output layer     the tied embedding again (no file of its own), or Llama's untied lm_head  -> [s, b, V_pad/t]
     loss: vocab-parallel cross entropy against labels [b, s]
 
+With the fused loss (``model.fused_loss``, the default) the output layer hands its input [s(/t), b, h] and a view of
+its weight to the loss, which computes the logits chunk by chunk together with the cross entropy and its gradients
+(``tensor_parallel.fused_cross_entropy``): the logits [s, b, V_pad/t] are never held whole.
+
 Only fixed-shape hidden states cross stage boundaries; positions, rotary tables and the causal mask are made
 locally.  With packed documents (``data.document_mask``) the boundary is the tuple (hidden, doc_ids, positions),
 the two [b, s/cp] int64 tensors read with the batch (``split_boundary``); masks are still built per call.
@@ -19,7 +23,9 @@ module path each layer holds is the family's ``layout``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -166,12 +172,14 @@ def keep_slot(layer: nn.Module, slot: tuple[str, str], build_full, seed: int, ct
 
 
 class EmbeddingPipe(nn.Module):
-    """Token embedding on the first stage; when tied, the same table is the output layer on the last stage."""
+    """Token embedding on the first stage; when tied, the same table is the output layer on the last stage, whose
+    output ``loss`` decides (:meth:`VocabParallelLoss.head_output`; logits without one)."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, loss: VocabParallelLoss | None = None):
         super().__init__()
         full = functools.partial(TiedEmbedding, config.vocab_size, config.n_embd)
         keep_slot(self, family_of(config).layout.embedding, full, seed, ctx)
+        self.loss = loss
 
     def forward(self, inputs):
         """ids [b, s] -> [s, b, h] (SP: [s/t, b, h]); with packed documents (ids, doc_ids, positions) -> (hidden,
@@ -180,21 +188,30 @@ class EmbeddingPipe(nn.Module):
         return join_boundary(getattr(self, self.attr)(input_ids.t().contiguous()), documents)
 
 
+def head_output(head: nn.Module, hidden: torch.Tensor, loss: VocabParallelLoss | None):
+    """What an output layer ``head`` returns: this rank's vocabulary block of logits [s, b, V_pad/t], or, for a
+    fused ``loss``, (its input [s(/t), b, h], a view of its weight)."""
+    return loss.head_output(head, hidden) if loss is not None else head.logits(hidden)
+
+
 def lm_head_forward(module: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
-    """Tied output layer: hidden [s(/t), b, h] -> this rank's vocabulary block of logits [s, b, V_pad/t]."""
-    return getattr(module, module.attr).logits(hidden)
+    """Tied output layer: hidden [s(/t), b, h] -> this rank's vocabulary block of logits [s, b, V_pad/t] (for a
+    fused loss: the hidden states and a view of the weight)."""
+    return head_output(getattr(module, module.attr), hidden, module.loss)
 
 
 class OutputPipe(nn.Module):
-    """An untied output layer (Llama's ``lm_head``), vocabulary-parallel: [s(/t), b, h] -> [s, b, V_pad/t]."""
+    """An untied output layer (Llama's ``lm_head``), vocabulary-parallel: [s(/t), b, h] -> [s, b, V_pad/t] (for a
+    fused ``loss``: its input and a view of its weight)."""
 
-    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int):
+    def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, loss: VocabParallelLoss | None = None):
         super().__init__()
         full = functools.partial(nn.Linear, config.n_embd, config.vocab_size, bias=False)
         keep_slot(self, family_of(config).layout.output, full, seed, ctx)
+        self.loss = loss
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return getattr(self, self.attr)(hidden)
+        return head_output(getattr(self, self.attr), hidden, self.loss)
 
 
 class PositionEmbeddingPipe(nn.Module):
@@ -251,24 +268,60 @@ class FinalNormPipe(nn.Module):
 
 
 class VocabParallelLoss:
-    """Mean next-token loss over a micro-batch from vocabulary-parallel logits (full logits never gathered)."""
+    """Mean next-token loss over a micro-batch from vocabulary-parallel logits (full logits never gathered).
 
-    def __init__(self, ctx: ParallelContext):
+    ``fused``: the output layer hands over its input and its weight (:meth:`head_output`), and the loss runs the
+    output matmul and the cross entropy together in chunks of tokens (``VocabParallelEmbedding.fused_loss``), so the
+    logits are never held whole; while :meth:`emitting_logits` is active (generation reads logits) the output layer
+    returns its logits as without it.
+
+    The weight travels as a view made inside the output layer, among the module's outputs: DeepSpeed runs its
+    backward prologue (the BF16 optimizer clears the 16-bit gradients there) when the gradient of a module output
+    arrives, so a parameter used only after the module (in the loss) would have its gradient accumulated before
+    the prologue and cleared by it (measured: the tied embedding's output-layer gradient lost under bf16)."""
+
+    def __init__(self, ctx: ParallelContext, fused: bool = False):
         self.tp_group = ctx.tp.group
         self.vocab_start = ctx.tp.rank * (ctx.padded_vocab_size // ctx.tp.size)
         self.__name__ = "vocab_parallel_cross_entropy"
+        self.fused, self.emit_logits = fused, False
+        self.head: nn.Module | None = None  # fused: the vocab-parallel output module, handed over by its forward
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """logits [s, b, V_pad/t], labels [b, s]."""
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_start).mean()
+    def head_output(self, head: nn.Module, hidden: torch.Tensor):
+        """The output layer's result: logits [s, b, V_pad/t], or for the fused loss (``hidden`` [s(/t), b, h], a
+        view of the weight), with ``head`` kept for :meth:`__call__`."""
+        if not self.fused or self.emit_logits:
+            return head.logits(hidden)
+        self.head = head
+        return hidden, head.weight.view_as(head.weight)
+
+    @contextlib.contextmanager
+    def emitting_logits(self) -> Iterator[None]:
+        """The output layer returns logits inside (the loss is then not computed: generation)."""
+        self.emit_logits = True
+        try:
+            yield
+        finally:
+            self.emit_logits = False
+
+    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        """outputs: logits [s, b, V_pad/t], or for the fused loss (hidden states [s(/t), b, h], weight view);
+        labels [b, s]."""
+        if self.fused:
+            if self.emit_logits:
+                raise RuntimeError("the fused loss got logits: compute no loss inside emitting_logits()")
+            hidden, weight = outputs
+            return self.head.fused_loss(hidden, labels.t(), weight=weight)
+        return vocab_parallel_cross_entropy(outputs, labels.t(), self.tp_group, self.vocab_start).mean()
 
 
-def layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int) -> list:
-    """The layers in the order of :class:`PipelineLayout`."""
+def layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, loss: VocabParallelLoss | None = None) -> list:
+    """The layers in the order of :class:`PipelineLayout`; the output layer's result is for ``loss`` (logits
+    without one)."""
     layout = PipelineLayout.of(config)
     key, attr = layout.table.tied_key, layout.table.embedding[1]
     if layout.tied:
-        specs: list = [TiedLayerSpec(key, EmbeddingPipe, config, ctx, seed, tied_weight_attr=[f"{attr}.weight"])]
+        specs: list = [TiedLayerSpec(key, EmbeddingPipe, config, ctx, seed, loss, tied_weight_attr=[f"{attr}.weight"])]
     else:
         specs = [LayerSpec(EmbeddingPipe, config, ctx, seed)]
     specs += [LayerSpec(PositionEmbeddingPipe, config, ctx, seed) for _ in layout.pre]
@@ -277,11 +330,18 @@ def layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int) -> list:
     if layout.tied:
         specs.append(
             TiedLayerSpec(
-                key, EmbeddingPipe, config, ctx, seed, forward_fn=lm_head_forward, tied_weight_attr=[f"{attr}.weight"]
+                key,
+                EmbeddingPipe,
+                config,
+                ctx,
+                seed,
+                loss,
+                forward_fn=lm_head_forward,
+                tied_weight_attr=[f"{attr}.weight"],
             )
         )
     else:
-        specs.append(LayerSpec(OutputPipe, config, ctx, seed))
+        specs.append(LayerSpec(OutputPipe, config, ctx, seed, loss))
     assert len(specs) == layout.num_layers
     return specs
 
@@ -356,13 +416,16 @@ def build_pipeline_module(
     seed: int,
     partition_method: str = "type:BlockPipe",
     module_class: type[PipelineModel] = PipelineModel,
+    fused_loss: bool = True,
 ) -> PipelineModel:
     """The model as a PipelineModule over ``topology`` (layers balanced by block count across stages);
-    ``module_class`` is the pipeline schedule's (``ds_megatron.pipeline_schedule``)."""
+    ``module_class`` is the pipeline schedule's (``ds_megatron.pipeline_schedule``); ``fused_loss``: the output
+    layer and the loss computed together in chunks of tokens (:class:`VocabParallelLoss`)."""
+    loss = VocabParallelLoss(ctx, fused_loss)
     return module_class(
-        layers=layer_specs(config, ctx, seed),
+        layers=layer_specs(config, ctx, seed, loss),
         topology=topology.ds_topology,
-        loss_fn=VocabParallelLoss(ctx),
+        loss_fn=loss,
         partition_method=partition_method,
         activation_checkpoint_interval=0,
         layout=PipelineLayout.of(config),

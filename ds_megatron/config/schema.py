@@ -102,6 +102,9 @@ class ModelSection:
     rope_theta: float | None = None  # rotary embedding base (None: the named size's, else 10000)
     rope_scaling: dict | None = None  # Llama 3's {"rope_type": "llama3", "factor", "low_freq_factor", ...} or None
     tie_word_embeddings: bool | None = None  # output layer shares the embedding (None: the size's, else False)
+    # the output layer and the cross entropy computed together in chunks of tokens, never holding the logits
+    # [s, b, V/t] whole (ds_megatron.tensor_parallel.fused_cross_entropy); false: logits, then the loss
+    fused_loss: bool = True
 
 
 # The class name of the pipeline layer that holds one transformer block (ds_megatron.pipeline.BlockPipe): DeepSpeed's

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ds_megatron.model.layers import RMSNorm, rms_norm
+from ds_megatron.tensor_parallel.fused_cross_entropy import fused_vocab_parallel_loss
 from ds_megatron.tensor_parallel.mappings import (
     _all_gather_dim0,
     all_gather_dim0_async,
@@ -345,6 +346,26 @@ class VocabParallelEmbedding(DeferrableWeightGrads, nn.Module):
             self.tp.group,
             self.sequence_parallel,
             self.weight_grad_queue,
+        )
+
+    def fused_loss(
+        self, x: torch.Tensor, target: torch.Tensor, chunk: int | None = None, weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Tied output layer and the mean cross entropy together, in chunks of tokens: [s(/t), b, h] and target
+        [s, b] -> fp32 scalar, equal to the mean of the vocab-parallel cross entropy of :meth:`logits` without ever
+        holding the logits [s, b, V_pad/t] (``tensor_parallel.fused_cross_entropy``).  ``weight``: a view of this
+        layer's weight to compute with (default the weight itself); its gradient reaches the weight through it."""
+        return fused_vocab_parallel_loss(
+            x,
+            self.weight if weight is None else weight,
+            target,
+            self.tp.group,
+            self.vocab_start,
+            self.vocab_size,
+            self.sequence_parallel,
+            self.weight_grad_queue,
+            chunk,
+            self.weight,
         )
 
     def extra_repr(self) -> str:

@@ -139,12 +139,14 @@ def test_tp_collectives_per_step_are_the_stated_count(launches):
     """tp 2 x pp 2 with SP, 4 micro-batches, 2 blocks per stage: per block and micro-batch 6 all-gathers (2 forward,
     4 backward: the saved sequence shards are gathered again, and the row-parallel gradients) and 4 reduce-scatters
     (gloo: all-reduces); the first stage adds the vocabulary embedding's reduce-scatter and its backward all-gather,
-    the last stage the output layer's 2 all-gathers and 1 reduce-scatter and the cross entropy's 2 all-reduces per
-    micro-batch; and each stage sums its SP-replicated gradients with one all-reduce per step."""
+    the last stage the fused output layer + loss's, all in forward: 1 all-gather of the hidden states, 1 all-gather
+    of the [max, sum, target] statistics per chunk of tokens (one chunk at this size) and 1 reduce-scatter of the
+    hidden states' gradient per micro-batch (unfused it was 2 all-gathers, 1 reduce-scatter and the cross entropy's
+    2 all-reduces); and each stage sums its SP-replicated gradients with one all-reduce per step."""
     for rank in range(4):
         r = json.loads((launches / "collectives" / f"collectives.rank{rank}.json").read_text())
         m, blocks, first = r["micro_batches"], r["blocks"], r["pp_rank"] == 0
         assert (m, blocks) == (4, 2)
         all_gathers = m * (6 * blocks + (1 if first else 2))
-        all_reduces = m * (4 * blocks + (1 if first else 1 + 2)) + 1
+        all_reduces = m * (4 * blocks + 1) + 1
         assert r["counts"] == {"all_gather": all_gathers, "all_reduce": all_reduces}, (rank, r)
