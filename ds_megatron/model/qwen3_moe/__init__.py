@@ -27,10 +27,12 @@ from ds_megatron.model.family import (
     hf_fields,
     read_fields,
 )
+from ds_megatron.model.llama import HF_RENAMED as LLAMA_HF_RENAMED
+from ds_megatron.model.llama import SHAPE_RENAMED as LLAMA_SHAPE_RENAMED
 
 NAME = "qwen3_moe"  # the config's model.family
-SHAPE_RENAMED = {"rms_norm_eps": "layer_norm_epsilon", "attention_dropout": "dropout", "initializer_range": "init_std"}
-HF_RENAMED = dict(num_layers="num_hidden_layers", num_heads="num_attention_heads", num_kv_heads="num_key_value_heads")
+# Llama's decoder: its config fields are spelt as Llama's are, in ModelShape and in transformers' config
+SHAPE_RENAMED, HF_RENAMED = LLAMA_SHAPE_RENAMED, LLAMA_HF_RENAMED
 # Fields a ModelShape does not carry: read off the named size (NamedShape.family_fields).
 MOE_FIELDS = (
     "head_dim",
