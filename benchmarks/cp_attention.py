@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _results import write_markdown  # noqa: E402
 
-from ds_megatron.parallel.cp_comm import ring_attention  # noqa: E402
+from ds_megatron.context_parallel.attention import ring_attention  # noqa: E402
 
 B, N, D = 1, 4, 32  # h = 128
 EAGER_MAX = 8192  # eager materialises [b, n, s, s] scores: 1 GiB of fp32 at 8192, 4 GiB at 16384

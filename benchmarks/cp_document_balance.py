@@ -16,9 +16,9 @@ import argparse
 import torch
 from _results import write_markdown  # noqa: E402
 
+from ds_megatron.context_parallel.attention import ring_scores_computed  # noqa: E402
+from ds_megatron.context_parallel.layout import slice_for_rank  # noqa: E402
 from ds_megatron.data.document_mask import document_positions  # noqa: E402
-from ds_megatron.parallel.cp import slice_for_rank  # noqa: E402
-from ds_megatron.parallel.cp_comm import ring_scores_computed  # noqa: E402
 
 
 def ids_from_lengths(lengths: list[int], s: int) -> torch.Tensor:

@@ -83,7 +83,7 @@ class RankModel:
 
         from ds_megatron.model import model_config
         from ds_megatron.parallelize import ParallelContext
-        from ds_megatron.pipeline import PipelineLayout, VocabParallelLoss, layer_specs
+        from ds_megatron.pipeline_parallel.module import PipelineLayout, VocabParallelLoss, layer_specs
         from ds_megatron.tensor_parallel import TPGroup
         from ds_megatron.topology import ParallelTopology
 
@@ -110,7 +110,7 @@ class RankModel:
         self.vocab = cfg.vocab_size
 
     def split(self, window):
-        from ds_megatron.parallel.cp import split_window
+        from ds_megatron.context_parallel.layout import split_window
 
         return split_window(window, self.topo.cp_rank, self.topo.cp)
 

@@ -7,7 +7,7 @@ change, interleaved in one run.
 Systems: transformers' Llama (world 1) or DeepSpeed Ulysses sp = world, and ds_megatron at cp = world (1: its
 single process) with each ``--comms``, built and stepped exactly as ``cp_vs_ulysses.py`` does (forward, backward,
 the gradient all-reduce).  ``--before REF`` adds, for each ds_megatron system, the same system running the code of
-git revision REF for CP attention (``parallel/cp_comm.py`` with its ``cp_kernels.py``); everything else is the
+git revision REF for CP attention (``context_parallel/attention.py`` with its ``kernels.py``); everything else is the
 working tree's.  Systems run in turn within each repetition
 (one warm-up first), so load from other processes falls on all of them alike.
 
@@ -65,12 +65,12 @@ def before_patches(ref: str) -> list[tuple[object, str, object]]:
     """(module, attribute, value at ``ref``) for every function this benchmark compares before and after."""
     import ds_megatron.parallelize as parallelize
 
-    _module_at(ref, "ds_megatron/parallel/cp_kernels.py", "_before_cp_kernels")
+    _module_at(ref, "ds_megatron/context_parallel/kernels.py", "_before_cp_kernels")
     old_comm = _module_at(
         ref,
-        "ds_megatron/parallel/cp_comm.py",
+        "ds_megatron/context_parallel/attention.py",
         "_before_cp_comm",
-        {"from ds_megatron.parallel.cp_kernels import": "from _before_cp_kernels import"},
+        {"from ds_megatron.context_parallel.kernels import": "from _before_cp_kernels import"},
     )
     return [(parallelize, "cp_attention", old_comm.cp_attention)]
 

@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _results import write_markdown  # noqa: E402
 
-from ds_megatron.parallel.cp import slice_for_rank, token_indices, unslice  # noqa: E402
-from ds_megatron.parallel.cp_comm import _merge, _ring_block  # noqa: E402
-from ds_megatron.parallel.cp_kernels import block_backward, block_forward  # noqa: E402
+from ds_megatron.context_parallel.attention import _merge, _ring_block  # noqa: E402
+from ds_megatron.context_parallel.kernels import block_backward, block_forward  # noqa: E402
+from ds_megatron.context_parallel.layout import slice_for_rank, token_indices, unslice  # noqa: E402
 
 
 def sync(device):

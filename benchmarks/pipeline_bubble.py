@@ -76,7 +76,7 @@ def instrument(engine) -> dict[str, float]:
     totals = {"compute": 0.0, "local": 0.0, "other": 0.0}
     from deepspeed.runtime.pipe import schedule as s
 
-    from ds_megatron.parallel.zero_bubble import WeightGradPass
+    from ds_megatron.pipeline_parallel.zero_bubble import WeightGradPass
 
     kinds = {s.ForwardPass: "compute", s.BackwardPass: "compute", WeightGradPass: "compute"}
     kinds.update({s.LoadMicroBatch: "local", s.ReduceGrads: "local", s.OptimizerStep: "local"})
@@ -100,7 +100,7 @@ def worker(out: str, repeats: int, names: tuple[str, ...]) -> None:
 
     from ds_megatron.config import resolve
     from ds_megatron.engine import build_engine
-    from ds_megatron.parallel.p2p import BlockingSends
+    from ds_megatron.pipeline_parallel.p2p import BlockingSends
 
     engines = {}
     for m in MICRO_BATCHES:

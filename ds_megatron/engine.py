@@ -24,13 +24,13 @@ from ds_megatron.config.facts import BF16_OPTIMIZER, deepspeed_wraps_optimizer, 
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
-from ds_megatron.parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZERO_BUBBLE
-from ds_megatron.parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
-from ds_megatron.parallel.p2p import ENGINES as ASYNC_SEND_ENGINES
-from ds_megatron.parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
 from ds_megatron.parallelize import ParallelContext
-from ds_megatron.pipeline import build_pipeline_module
-from ds_megatron.pipeline_schedule import module_class, schedule_of
+from ds_megatron.pipeline_parallel.dualpipev import module_class, schedule_of
+from ds_megatron.pipeline_parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZERO_BUBBLE
+from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
+from ds_megatron.pipeline_parallel.module import build_pipeline_module
+from ds_megatron.pipeline_parallel.p2p import ENGINES as ASYNC_SEND_ENGINES
+from ds_megatron.pipeline_parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
 from ds_megatron.random import RNGTracker, build_rng
 from ds_megatron.tensor_parallel import TPGroup, defer_sp_grad_sync, sum_sp_replicated_grads
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue, defer_weight_grads

@@ -19,7 +19,7 @@ terms and is refused with sdpa (the config loader refuses it too: the fused kern
 TP) and ``layernorm`` the two norm outputs (the first linears' inputs: 2h, split by SP), with any kernel.  Full
 recompute keeps the block input whatever the kernel.
 
-Context parallelism (``cp`` > 1, ``cp_comm`` "ring" or "a2a", ``ds_megatron.parallel.cp_comm``): each rank holds
+Context parallelism (``cp`` > 1, ``cp_comm`` "ring" or "a2a", ``context_parallel.attention``): each rank holds
 ``s / cp`` tokens (two load-balanced chunks), so every term above is taken at ``s / cp`` (``s / (cp t)`` under SP).
 The attention core is then the cp_comm autograd function, whatever ``attention`` names: it saves q, k, v (the
 family's Q, K, V terms, counted already: the ring keeps its inputs, the a2a its head-sharded copies of the whole
@@ -49,7 +49,7 @@ from ds_megatron.config.schema import (
     PipelineSchedule,
 )
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
-from ds_megatron.parallel.zb_order import forwards_ahead, max_w_held
+from ds_megatron.pipeline_parallel.zb_order import forwards_ahead, max_w_held
 
 MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
 KERNELS = ATTENTION_KERNELS  # "eager", "sdpa"

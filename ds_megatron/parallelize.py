@@ -19,6 +19,8 @@ from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, RecomputeSection
+from ds_megatron.context_parallel.attention import cp_attention
+from ds_megatron.context_parallel.layout import position_ranges
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, Family, ModelConfig, family_of
 from ds_megatron.model.family import COLUMN, OUTPUT, POSITION, ROW, VOCAB, PlanRow
 from ds_megatron.model.layers import (
@@ -31,8 +33,6 @@ from ds_megatron.model.layers import (
     project_each,
     run_core,
 )
-from ds_megatron.parallel.cp import position_ranges
-from ds_megatron.parallel.cp_comm import cp_attention
 from ds_megatron.random import TENSOR_PARALLEL, RNGTracker
 from ds_megatron.recompute import checkpoint, discard_output
 from ds_megatron.tensor_parallel import (
@@ -72,7 +72,7 @@ class ParallelContext:
     cp_group: ProcessGroup | None = None  # the CP ranks of this replica (None: cp 1)
     cp_rank: int = 0
     cp_size: int = 1
-    cp_comm: str = "ring"  # "ring" or "a2a" (ds_megatron.parallel.cp_comm)
+    cp_comm: str = "ring"  # "ring" or "a2a" (ds_megatron.context_parallel.attention)
     init_weights: bool = True  # False: the weights are loaded next (--init-from-hf), so none is drawn (zeros)
     # packed documents' attention plans, one per micro-batch's ids tensor, shared by the blocks of this process
     document_plans: TensorCache = field(default_factory=TensorCache, repr=False, compare=False)

@@ -103,7 +103,7 @@ def _start_context() -> Any:
     process has then."""
     ctx = mp.get_context("forkserver")
     preload = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes", "deepspeed"]
-    ctx.set_forkserver_preload([*preload, "ds_megatron.pipeline", __name__])
+    ctx.set_forkserver_preload([*preload, "ds_megatron.pipeline_parallel.module", __name__])
     return ctx
 
 

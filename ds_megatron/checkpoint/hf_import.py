@@ -18,7 +18,7 @@ from ds_megatron.config import ConfigError
 from ds_megatron.model import ModelConfig, family_of
 from ds_megatron.model.family import Family
 from ds_megatron.parallelize import ParallelContext, shard_rule
-from ds_megatron.pipeline import pipeline_param_name
+from ds_megatron.pipeline_parallel.module import pipeline_param_name
 from ds_megatron.tensor_parallel import shard
 
 

@@ -14,7 +14,7 @@ from ds_megatron.config import ConfigError, RunConfig
 from ds_megatron.config.schema import pipeline_schedule
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.parallelize import ParallelContext
-from ds_megatron.pipeline import PipelineLayout, layer_specs
+from ds_megatron.pipeline_parallel.module import PipelineLayout, layer_specs
 from ds_megatron.tensor_parallel import TPGroup
 
 

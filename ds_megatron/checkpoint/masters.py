@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ds_megatron.checkpoint import safe_load
-from ds_megatron.pipeline import PipelineLayout
+from ds_megatron.pipeline_parallel.module import PipelineLayout
 
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 

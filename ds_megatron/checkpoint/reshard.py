@@ -22,7 +22,7 @@ from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import data_axis, precision, saved_cp, saved_layout, saved_world
 from ds_megatron.parallelize import ParallelContext, shard_rule
-from ds_megatron.pipeline import pipeline_param_name
+from ds_megatron.pipeline_parallel.module import pipeline_param_name
 from ds_megatron.tensor_parallel import shard, unshard
 
 

@@ -1,6 +1,6 @@
 """The context-parallel (CP) rules that refuse a layout before any process group exists: plain integers in, one
 ``ConfigError`` line out.  The load-balanced layout they protect (rank i holds chunks i and 2 cp - 1 - i of 2 cp) is
-``ds_megatron.parallel.cp``, which re-exports these.  Standard library only, so the loader calls them."""
+``ds_megatron.context_parallel.layout``, which re-exports these.  Standard library only, so the loader calls them."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ class PipelineSchedule:
     loss_on_first_rank: bool  # the loss (and the output layer) lives on pipeline rank 0, not on rank pp - 1
     forwards_ahead: int = 1  # rank r runs up to k (p - r) - (k - 1) forwards ahead of its backwards (1F1B: 1)
     deferred_weight_grads: bool = (
-        False  # the backward runs B only; W passes run later (ds_megatron.parallel.zero_bubble)
+        False  # the backward runs B only; W passes run later (ds_megatron.pipeline_parallel.zero_bubble)
     )
 
     def stages_of(self, rank: int, pp: int) -> tuple[int, ...]:
@@ -54,11 +54,11 @@ class PipelineSchedule:
 PIPELINE_SCHEDULES = (
     PipelineSchedule("1f1b", stages_per_rank=1, micro_batches_per_rank=0, loss_on_first_rank=False),
     PipelineSchedule("dualpipev", stages_per_rank=2, micro_batches_per_rank=2, loss_on_first_rank=True),
-    # ZB-H1: DeepSpeed's 1F1B, weight-gradient passes deferred into its bubbles (ds_megatron.parallel.zero_bubble)
+    # ZB-H1: DeepSpeed's 1F1B, weight-gradient passes deferred into its bubbles (pipeline_parallel.zero_bubble)
     PipelineSchedule("zb-h1", 1, 0, loss_on_first_rank=False, deferred_weight_grads=True),
     # ZB-H2: twice 1F1B's forwards ahead (about twice its peak activations), W passes wherever a stage would wait
     PipelineSchedule("zb-h2", 1, 0, loss_on_first_rank=False, forwards_ahead=2, deferred_weight_grads=True),
-    # DualPipeV with weight-gradient passes deferred into its drain (ds_megatron.parallel.dualpipev_zb)
+    # DualPipeV with weight-gradient passes deferred into its drain (ds_megatron.pipeline_parallel.dualpipev_zb)
     PipelineSchedule("dualpipev-zb", 2, 2, loss_on_first_rank=True, deferred_weight_grads=True),
 )
 
@@ -107,8 +107,8 @@ class ModelSection:
     fused_loss: bool = True
 
 
-# The class name of the pipeline layer that holds one transformer block (ds_megatron.pipeline.BlockPipe): DeepSpeed's
-# "type:<regex>" partitioning balances the layers whose class name matches, so the default names it.
+# The class name of the pipeline layer that holds one transformer block (pipeline_parallel.module.BlockPipe):
+# DeepSpeed's "type:<regex>" partitioning balances the layers whose class name matches, so the default names it.
 BLOCK_LAYER_CLASS = "BlockPipe"
 
 

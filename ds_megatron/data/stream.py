@@ -22,8 +22,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ds_megatron.context_parallel.layout import slice_for_rank, split_window
 from ds_megatron.data.document_mask import document_layout
-from ds_megatron.parallel.cp import slice_for_rank, split_window
 
 
 class DocumentMasking(NamedTuple):

@@ -1,5 +1,5 @@
 """The tuner's model of ``dualpipev-zb`` (DualPipeV with its weight gradients deferred into the drain,
-``ds_megatron.parallel.dualpipev_zb``): the step's critical path and the most a rank holds.  Pure Python.
+``ds_megatron.pipeline_parallel.dualpipev_zb``): the step's critical path and the most a rank holds.  Pure Python.
 
 Both read the rank's compute passes from ``config.dualpipev_order.compute_order``, the rule the schedule itself
 uses: forwards, whole backward passes, B-only backward passes and the W passes deferred from them.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 
 from ds_megatron.config.schema import PIPELINE_SCHEDULES
-from ds_megatron.parallel.zb_order import makespan, zb_h1_streams, zb_h2_streams
+from ds_megatron.pipeline_parallel.zb_order import makespan, zb_h1_streams, zb_h2_streams
 
 SCHEDULES = tuple(schedule.name for schedule in PIPELINE_SCHEDULES)  # the config's names, one owner
 # Searched unless --schedule says otherwise: ZB-H1 and ZB-H2 have only been measured on CPU (ZB-H1: idle 0.65x at

@@ -17,7 +17,7 @@ from ds_megatron.config import resolve
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.model import FAMILIES, model_config
 from ds_megatron.model.family import NORM
-from ds_megatron.pipeline import PipelineLayout
+from ds_megatron.pipeline_parallel.module import PipelineLayout
 
 
 def miniature_procs(cfg: dict) -> int:

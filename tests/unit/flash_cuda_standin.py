@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from ds_megatron.parallel import cp_kernels
+from ds_megatron.context_parallel import kernels as cp_kernels
 
 CALLS: Counter[str] = Counter()  # stand-in calls, so a test can check the CUDA branch ran
 

@@ -28,8 +28,8 @@ from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ds_megatron.config import ConfigError
-from ds_megatron.parallel import cp_comm
-from ds_megatron.parallel.cp import (
+from ds_megatron.context_parallel import attention as cp_comm
+from ds_megatron.context_parallel.layout import (
     check_cp_attention_dropout,
     check_cp_heads,
     check_cp_seq_length,
@@ -444,7 +444,7 @@ def test_a2a_heads_rule():
 def test_cuda_flash_refuses_what_it_cannot_run():
     """On CUDA the sdpa kernel is torch's flash attention: fp32 and head dims that are not a multiple of 8 (or above
     256) get a one-line error naming both fixes, before the op is called."""
-    from ds_megatron.parallel.cp_kernels import block_forward
+    from ds_megatron.context_parallel.kernels import block_forward
 
     with cuda_flash_on_cpu():
         for dtype, d in ((torch.float32, 8), (torch.bfloat16, 12), (torch.bfloat16, 264)):

@@ -34,9 +34,9 @@ from inprocess import Pairs, failures, run_checks, spawn_reports
 from torch import nn
 
 from ds_megatron.config import ConfigError, resolve
+from ds_megatron.context_parallel.layout import unslice
 from ds_megatron.data.stream import MicroBatchStream
 from ds_megatron.model import build_model, model_config
-from ds_megatron.parallel.cp import unslice
 
 SEQ = 24  # not a power of two; divisible by 2 cp (cp 2, 4) and by cp tp (cp 2, tp 2: sequence parallel)
 LLAMA = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 48, "rope_theta": 10000.0}
@@ -151,8 +151,8 @@ def test_resharding_counts_deepspeeds_data_axis_and_takes_cp(monkeypatch, tmp_pa
 
 
 def test_positions_are_the_chunks_global_indices():
+    from ds_megatron.context_parallel.layout import token_indices
     from ds_megatron.model.layers import positions_tensor
-    from ds_megatron.parallel.cp import token_indices
     from ds_megatron.parallelize import ParallelContext, parallelize_model
     from ds_megatron.tensor_parallel import TPGroup
 
@@ -274,8 +274,8 @@ def through_boundary(x):
 def document_work(cp_group) -> Iterator[Counter[str]]:
     """Counts what packed documents cost besides attention itself: attention plans made (``plan_documents``),
     all-gathers over the CP group, ``.cpu()`` copies (each a device sync on a GPU) and per-token rotary tables."""
+    from ds_megatron.context_parallel import attention as cp_comm
     from ds_megatron.model.llama import model as llama_model
-    from ds_megatron.parallel import cp_comm
 
     counts: Counter[str] = Counter()
     patched = [
@@ -309,7 +309,13 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     from ds_megatron.data.stream import DocumentMasking, split_batch
     from ds_megatron.optim import global_grad_norm
     from ds_megatron.parallelize import ParallelContext, shard_rule
-    from ds_megatron.pipeline import PipelineLayout, VocabParallelLoss, checkpoint_segment, layer_specs, lm_head_forward
+    from ds_megatron.pipeline_parallel.module import (
+        PipelineLayout,
+        VocabParallelLoss,
+        checkpoint_segment,
+        layer_specs,
+        lm_head_forward,
+    )
     from ds_megatron.tensor_parallel import TPGroup, shard
     from ds_megatron.topology import ParallelTopology
 

@@ -23,10 +23,10 @@ from torch import Tensor
 from ds_megatron.config import ConfigError
 from ds_megatron.config.loader import check_data_section, parse_section
 from ds_megatron.config.schema import DataSection
+from ds_megatron.context_parallel import attention as cp_comm
+from ds_megatron.context_parallel.layout import slice_for_rank
 from ds_megatron.data.document_mask import document_ids, document_layout, document_positions
 from ds_megatron.model.layers import CoreAttention, blocked_by_document
-from ds_megatron.parallel import cp_comm
-from ds_megatron.parallel.cp import slice_for_rank
 
 EOS = 0
 B, S, D = 2, 24, 8  # cp 4: chunks of 3 tokens, cp 2: chunks of 6
@@ -354,9 +354,9 @@ def test_training_data_marks_documents_with_the_tokenizers_eos(tmp_path, prepare
     doc_ids, positions): each CP rank's slice of the whole window's layout.  Off, nothing changes: a tensor."""
     from test_data_training import run_config
 
+    from ds_megatron.context_parallel.layout import unslice
     from ds_megatron.data import MicroBatchStream, open_prepared
     from ds_megatron.data import prepare as run_data
-    from ds_megatron.parallel.cp import unslice
 
     prepared = str(prepared_dir)
     assert run_data.prepare_data(run_config(tmp_path, path=prepared), 0).documents is None

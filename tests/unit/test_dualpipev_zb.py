@@ -23,8 +23,8 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds
 from test_tune_schedule import P2P, _channel
 
-from ds_megatron.parallel.dualpipev_zb import DualPipeVZeroBubbleSchedule
-from ds_megatron.parallel.zero_bubble import WeightGradPass
+from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleSchedule
+from ds_megatron.pipeline_parallel.zero_bubble import WeightGradPass
 
 CASES = [(p, m) for p in (2, 3, 4, 8) for m in (2 * p, 2 * p + 1, 3 * p)]
 
@@ -166,7 +166,7 @@ def test_a_changed_deepspeed_schedule_is_refused():
 def test_the_optimizer_step_refuses_queued_w_passes():
     import torch
 
-    from ds_megatron.parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
+    from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
     from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue
 
     engine = DualPipeVZeroBubbleEngine.__new__(DualPipeVZeroBubbleEngine)  # no DeepSpeed initialisation needed
@@ -184,7 +184,7 @@ def test_the_optimizer_step_refuses_queued_w_passes():
 
 def test_the_schedule_is_a_config_value():
     from ds_megatron.config import ConfigError, resolve
-    from ds_megatron.pipeline_schedule import DualPipeVModel, module_class
+    from ds_megatron.pipeline_parallel.dualpipev import DualPipeVModel, module_class
 
     model = {"size": "gpt-tiny", "vocab_size": 1000, "seq_length": 32}
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "train_batch_size": 4}

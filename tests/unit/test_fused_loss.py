@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 import ds_megatron.tensor_parallel as tpl
 from ds_megatron.model import GPTConfig, LlamaConfig
 from ds_megatron.parallelize import ParallelContext
-from ds_megatron.pipeline import PipelineLayout, VocabParallelLoss, layer_specs, lm_head_forward
+from ds_megatron.pipeline_parallel.module import PipelineLayout, VocabParallelLoss, layer_specs, lm_head_forward
 from ds_megatron.tensor_parallel.fused_cross_entropy import chunk_tokens
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue, defer_weight_grads
 

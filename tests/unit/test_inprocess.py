@@ -26,7 +26,7 @@ def _summed(group, rank: int, world: int) -> dict[str, str]:
     return inprocess.run_checks({"summed": check}, None)
 
 
-PRELOADED = ("torch", "torch.fx.experimental.symbolic_shapes", "deepspeed", "ds_megatron.pipeline")
+PRELOADED = ("torch", "torch.fx.experimental.symbolic_shapes", "deepspeed", "ds_megatron.pipeline_parallel.module")
 
 
 def _what_a_fresh_rank_holds(group, rank: int, world: int) -> dict[str, str]:

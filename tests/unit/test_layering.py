@@ -15,6 +15,7 @@ PKG = Path(__file__).resolve().parents[2] / "ds_megatron"
 LEVELS = {
     "versions": 0,  # the supported versions, checked by the package's __init__ (standard library only)
     "families": 0,
+    "schedules": 0.1,  # the pipeline schedules' pure parts (SCHEDULE_RECORD_FILES), read by the config and the tuner
     "config": 0.2,
     "fileio": 0.5,
     "gpus": 0.5,
@@ -23,7 +24,7 @@ LEVELS = {
     "random": 1,
     "model": 1.5,
     "tensor_parallel": 2,
-    "parallel": 2,
+    "context_parallel": 2,
     "recompute": 2.5,
     "parallelize": 3,
     "optim": 3,
@@ -32,8 +33,7 @@ LEVELS = {
     "metrics": 3.2,
     "plot": 3,
     "data": 3,
-    "pipeline": 3.5,
-    "pipeline_schedule": 3.6,
+    "pipeline_parallel": 3.5,
     "checkpoint": 3.7,
     "tune": 3.8,
     "preflight": 3.9,
@@ -45,16 +45,20 @@ LEVELS = {
 }
 # the family records (test_the_family_registry_and_records_import_no_torch), the GPU peaks, the version check, and
 # launch_env, which runs before torch is imported
-STDLIB_ONLY = {"config", "fileio", "gpus", "launch_env", "versions"}
+STDLIB_ONLY = {"config", "fileio", "gpus", "launch_env", "schedules", "versions"}
 NO_DISTRIBUTED = {"model"}
 # The model package's files that the config, the tuner and the analytic formulas import without torch: the registry,
 # the family record type, and each family's record (its config, sizes, plan, layout and terms).
 FAMILY_RECORD_FILES = ("model/__init__.py", "model/family.py", "model/*/__init__.py")
+# The pipeline package's files that import no torch: the zero-bubble orders and the NCCL rendezvous model.
+SCHEDULE_RECORD_FILES = ("pipeline_parallel/zb_order.py", "pipeline_parallel/rendezvous.py")
 
 
 def _unit(path: Path) -> str:
     if any(path.match(str(PKG / pattern)) for pattern in FAMILY_RECORD_FILES):
         return "families"
+    if any(path.match(str(PKG / pattern)) for pattern in SCHEDULE_RECORD_FILES):
+        return "schedules"
     rel = path.relative_to(PKG).parts
     return rel[0].removesuffix(".py")
 
@@ -63,6 +67,10 @@ def _target(name: str) -> str:
     """The unit an import ``ds_megatron.<...>`` reaches: the registry, the record type and a family's record are
     "families"; ``model.layers`` and a family's ``model`` module the torch side, "model"."""
     parts = name.split(".")[1:]
+    if parts[0] == "pipeline_parallel" and any(
+        "/".join(parts) + ".py" == pattern or "/".join(parts[:2]) + "/*" == pattern for pattern in SCHEDULE_RECORD_FILES
+    ):
+        return "schedules"
     if parts[0] != "model":
         return parts[0]
     return "model" if parts[1:2] == ["layers"] or parts[2:] == ["model"] else "families"
@@ -182,7 +190,7 @@ def test_the_partition_default_names_the_pipelines_block_class():
     """The config (standard library only) names the pipeline's block layer class so that a ``type:`` partition
     pattern matching no block is refused before launch; the name must be the class's."""
     from ds_megatron.config.schema import BLOCK_LAYER_CLASS, ParallelSection
-    from ds_megatron.pipeline import BlockPipe
+    from ds_megatron.pipeline_parallel.module import BlockPipe
 
     assert BlockPipe.__name__ == BLOCK_LAYER_CLASS
     assert ParallelSection().partition_method == f"type:{BlockPipe.__name__}"

@@ -141,7 +141,7 @@ def _run_rank(group, rank: int, world: int) -> dict[str, str]:
     import torch
     from inprocess import run_checks
 
-    from ds_megatron.parallel.cp_comm import cp_attention
+    from ds_megatron.context_parallel.attention import cp_attention
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     s, b, a, kv, d = (SHAPE[k] for k in ("s", "b", "a", "kv", "d"))
@@ -322,7 +322,7 @@ def _ring_backward_peak_bytes(group, cp: int, dtype, documents: bool) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from ds_megatron.parallel import cp_comm
+    from ds_megatron.context_parallel import attention as cp_comm
 
     class Live(TorchDispatchMode):
         """The storages every op creates, alive while anything (a tensor, a view, a pending send) holds them: a

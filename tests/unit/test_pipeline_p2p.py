@@ -1,4 +1,4 @@
-"""Fast tier: the engines' pipeline sends do not wait for the receiver (``ds_megatron.parallel.p2p``).
+"""Fast tier: the engines' pipeline sends do not wait for the receiver (``ds_megatron.pipeline_parallel.p2p``).
 
 Two gloo ranks, no timing.  Rank 0 sends through the engine's own send instructions (DeepSpeed's code, with its
 shape metadata) or DualPipeV's batched commit, then sends a flag with a plain blocking ``dist.send`` on another
@@ -24,10 +24,15 @@ from deepspeed.runtime.pipe.engine import TENSOR_META_SIZE, PipelineEngine
 from inprocess import failures, run_checks, spawn_reports
 
 from ds_megatron.config.schema import PIPELINE_SCHEDULES
-from ds_megatron.parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
-from ds_megatron.parallel.p2p import ENGINES as PLAIN_ENGINES
-from ds_megatron.parallel.p2p import AsyncSendDualPipeVEngine, AsyncSendPipelineEngine, AsyncSendSteps, PendingSends
-from ds_megatron.parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
+from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
+from ds_megatron.pipeline_parallel.p2p import ENGINES as PLAIN_ENGINES
+from ds_megatron.pipeline_parallel.p2p import (
+    AsyncSendDualPipeVEngine,
+    AsyncSendPipelineEngine,
+    AsyncSendSteps,
+    PendingSends,
+)
+from ds_megatron.pipeline_parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue
 
 ENGINES = {**PLAIN_ENGINES, **ZERO_BUBBLE_ENGINES, "dualpipev-zb": DualPipeVZeroBubbleEngine}  # as build_engine

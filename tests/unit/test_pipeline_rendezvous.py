@@ -19,13 +19,13 @@ import types
 import pytest
 
 from ds_megatron.config.schema import PIPELINE_SCHEDULES
-from ds_megatron.parallel import p2p_rendezvous as rv
-from ds_megatron.parallel import zb_order
-from ds_megatron.parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZB
-from ds_megatron.parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
-from ds_megatron.parallel.p2p import ENGINES as ASYNC_SEND_ENGINES
-from ds_megatron.parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
-from ds_megatron.parallel.zero_bubble import ZeroBubbleH2Schedule
+from ds_megatron.pipeline_parallel import rendezvous as rv
+from ds_megatron.pipeline_parallel import zb_order
+from ds_megatron.pipeline_parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZB
+from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
+from ds_megatron.pipeline_parallel.p2p import ENGINES as ASYNC_SEND_ENGINES
+from ds_megatron.pipeline_parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
+from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubbleH2Schedule
 
 ENGINE_CLASSES = {**ASYNC_SEND_ENGINES, **ZERO_BUBBLE_ENGINES, DUALPIPEV_ZB: DualPipeVZeroBubbleEngine}
 MICRO_BATCHES = (2, 3, 4, 8, 13, 32)

@@ -159,7 +159,7 @@ def test_pipeline_layers_start_from_the_single_device_weights_and_draw_only_thei
     the values its shards hold: at most its own parameters' count (drawing every full tensor and slicing drew
     the whole model on every rank).  Without drawing (weights loaded next, ``init_weights=False``) all are zero."""
     from ds_megatron.model import LlamaConfig, build_model
-    from ds_megatron.pipeline import PipelineLayout, layer_specs
+    from ds_megatron.pipeline_parallel.module import PipelineLayout, layer_specs
 
     configs = (
         GPTConfig(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=4),

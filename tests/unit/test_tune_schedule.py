@@ -14,7 +14,7 @@ from deepspeed.runtime.pipe import schedule as ds
 from test_zero_bubble import makespan, streams
 
 from ds_megatron.memory import deferred_weight_grad_bytes_per_layer
-from ds_megatron.parallel.zero_bubble import ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
+from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
 from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search
 from ds_megatron.tune.__main__ import main
 from ds_megatron.tune.memory_model import (
@@ -191,7 +191,7 @@ def test_zb_h1_memory_adds_p_minus_1_w_passes_on_the_last_stage_only():
 
 def test_zb_h2_memory_twice_the_forwards_and_its_w_passes():
     """ZB-H2's first stage keeps 2p - 1 micro-batches (1F1B: p) and up to memory.stage_deferred_w_passes W passes."""
-    from ds_megatron.parallel.zb_order import max_w_held
+    from ds_megatron.pipeline_parallel.zb_order import max_w_held
 
     model = _model()
     base, zb = _cand(), _cand(schedule="zb-h2")

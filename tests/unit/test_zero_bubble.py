@@ -29,8 +29,8 @@ from __future__ import annotations
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
-from ds_megatron.parallel.zb_order import makespan as zb_makespan
-from ds_megatron.parallel.zero_bubble import KINDS, WeightGradPass, ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
+from ds_megatron.pipeline_parallel.zb_order import makespan as zb_makespan
+from ds_megatron.pipeline_parallel.zero_bubble import KINDS, WeightGradPass, ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
 
 
 def streams(cls, m: int, p: int, **kw) -> list[list]:
@@ -140,7 +140,7 @@ class _FakeBF16Optimizer:
 def _fake_engine(calls: list, queue, bf16: bool):
     from types import SimpleNamespace
 
-    from ds_megatron.parallel.zero_bubble import ZeroBubblePipelineEngine
+    from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubblePipelineEngine
 
     engine = ZeroBubblePipelineEngine.__new__(ZeroBubblePipelineEngine)  # no DeepSpeed initialisation needed here
     engine.weight_grad_queue = queue
@@ -156,7 +156,7 @@ def test_w_pass_moves_bf16_gradients_once_and_the_step_refuses_leftovers():
     finds W passes queued raises instead of stepping on partial gradients."""
     import torch
 
-    from ds_megatron.parallel.zero_bubble import ZeroBubblePipelineEngine
+    from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubblePipelineEngine
     from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue
 
     calls: list = []
@@ -327,8 +327,8 @@ def test_zb_h2_order_built_per_stage_costs(p):
     costs), the order still reaches the floor, the first p - 1 stages' forwards, with the CPU's costs and a last
     stage about 10% heavier; the engine's agreed costs are each stage's own means, the same on every rank (one
     all-reduce)."""
-    from ds_megatron.parallel.zb_order import makespan as zb_makespan
-    from ds_megatron.parallel.zb_order import zb_h2_streams
+    from ds_megatron.pipeline_parallel.zb_order import makespan as zb_makespan
+    from ds_megatron.pipeline_parallel.zb_order import zb_h2_streams
 
     per_stage = (CPU_COSTS,) * (p - 1) + ((1.67, 1.6, 1.1),)
     work = 8 * sum(per_stage[-1])
@@ -338,7 +338,7 @@ def test_zb_h2_order_built_per_stage_costs(p):
 def test_agreed_costs_are_each_stages_medians_on_every_rank(monkeypatch):
     import torch
 
-    from ds_megatron.parallel import zero_bubble
+    from ds_megatron.pipeline_parallel import zero_bubble
 
     other = torch.zeros(2, 6, dtype=torch.float64)
     other[1] = torch.tensor([2.0, 1, 1.5, 1, 1.0, 1], dtype=torch.float64)  # stage 1's rank: F 2, B 1.5, W 1 s
@@ -355,7 +355,7 @@ def test_agreed_costs_all_reduce_runs_on_the_engines_device(monkeypatch):
     import torch
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from ds_megatron.parallel.zero_bubble import ZeroBubbleH2PipelineEngine
+    from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubbleH2PipelineEngine
 
     class Reached(Exception):
         pass
@@ -384,7 +384,7 @@ def test_received_gradients_are_not_overwritten_by_the_next_receive(monkeypatch)
     import torch
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from ds_megatron.parallel.zero_bubble import ZeroBubblePipelineEngine
+    from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubblePipelineEngine
 
     def receive(self, buffer_id):  # DeepSpeed's: allocate once, then receive in place into grad_layer
         if self.grad_layer is None:

@@ -19,7 +19,7 @@ from common import micro_batches, tiny_ds_config, token_batches, write_result  #
 
 from ds_megatron.config import resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
-from ds_megatron.pipeline import BlockPipe  # noqa: E402
+from ds_megatron.pipeline_parallel.module import BlockPipe  # noqa: E402
 
 COUNTS, BYTES = Counter(), Counter()
 STATE = {"group": None, "on": False}

@@ -66,7 +66,7 @@ def token_batches(num_steps: int, global_batch: int, seq: int, vocab: int, seed:
 def micro_batches(step_tokens: torch.Tensor, micro: int, dp: int, dp_rank: int, cp_rank: int = 0, cp: int = 1):
     """This DP rank's micro-batches of one step, as the pipeline engine wants them: (ids, labels); under context
     parallelism this CP rank's chunks of each (labels shifted over the whole sequence)."""
-    from ds_megatron.parallel.cp import split_window
+    from ds_megatron.context_parallel.layout import split_window
 
     gas = step_tokens.shape[0] // (micro * dp)
     mine = step_tokens.view(dp, gas, micro, -1)[dp_rank]

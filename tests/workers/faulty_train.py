@@ -26,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 STARTER = psutil.Process(os.getppid()).ppid()  # the launcher's parent: the deepspeed command
 
-from ds_megatron import pipeline, stop, trainer  # noqa: E402
+from ds_megatron import stop, trainer  # noqa: E402
 from ds_megatron.checkpoint import run_state  # noqa: E402
 from ds_megatron.cli.train import main  # noqa: E402
 from ds_megatron.data import prepare  # noqa: E402
+from ds_megatron.pipeline_parallel import module as pipeline  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--nan-steps", default="")

@@ -36,7 +36,7 @@ from ds_megatron.engine import build_engine  # noqa: E402
 from ds_megatron.model import build_model, model_config  # noqa: E402
 from ds_megatron.optim import param_groups  # noqa: E402
 from ds_megatron.parallelize import shard_rule  # noqa: E402
-from ds_megatron.pipeline import pipeline_param_name  # noqa: E402
+from ds_megatron.pipeline_parallel.module import pipeline_param_name  # noqa: E402
 from ds_megatron.tensor_parallel import shard  # noqa: E402
 
 EOS = 0

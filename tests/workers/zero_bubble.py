@@ -31,8 +31,8 @@ from deepspeed.runtime.pipe import schedule  # noqa: E402
 
 from ds_megatron.config import resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
-from ds_megatron.parallel.p2p import BlockingSends  # noqa: E402
-from ds_megatron.parallel.zero_bubble import WeightGradPass  # noqa: E402
+from ds_megatron.pipeline_parallel.p2p import BlockingSends  # noqa: E402
+from ds_megatron.pipeline_parallel.zero_bubble import WeightGradPass  # noqa: E402
 
 LLAMA_FIELDS = {"family": "llama", "num_kv_heads": 2, "intermediate_size": 96, "rope_theta": 10000.0}
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2")

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from ds_megatron.context_parallel.kernels import Docs, block_backward, block_forward
+from ds_megatron.context_parallel.layout import gather_for_ranks, slice_for_rank, unslice
 from ds_megatron.model.layers import TensorCache
-from ds_megatron.parallel.cp import gather_for_ranks, slice_for_rank, unslice
-from ds_megatron.parallel.cp_kernels import Docs, block_backward, block_forward
 
 Pair = tuple[slice, slice, bool]  # (query rows, key rows, causal) of one block
 Planned = tuple[slice, slice, bool, Docs | None]  # a block to compute and its (query, key) document ids, if masked

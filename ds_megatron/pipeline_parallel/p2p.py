@@ -46,7 +46,7 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from ds_megatron.parallel import p2p_rendezvous as rendezvous
+from ds_megatron.pipeline_parallel import rendezvous
 
 
 class PendingSends:

@@ -1,17 +1,17 @@
-"""L3.6: the model and engine classes of each pipeline schedule (``ds_megatron.parallel.pipeline_schedule``; what
+"""L3.5: the model and engine classes of each pipeline schedule (``ds_megatron.parallel.pipeline_schedule``; what
 the rest must know of each is its row in ``config.schema.PIPELINE_SCHEDULES``).
 
-- ``1f1b``: DeepSpeed's ``PipelineModule`` / ``PipelineEngine`` (``TrainSchedule``), as :mod:`ds_megatron.pipeline`
-  builds it; its sends async, as every schedule's (:mod:`ds_megatron.parallel.p2p`).
+- ``1f1b``: DeepSpeed's ``PipelineModule`` / ``PipelineEngine`` (``TrainSchedule``), as :mod:`.module`
+  builds it; its sends async, as every schedule's (:mod:`ds_megatron.pipeline_parallel.p2p`).
 - ``dualpipev``: DeepSpeed's ``DualPipeVModule`` / ``DualPipeVEngine`` (``DualPipeVSchedule``; ``dualpipev-zb``: the
-  same module, the engine and schedule of :mod:`ds_megatron.parallel.dualpipev_zb`).  The layers are cut
+  same module, the engine and schedule of :mod:`ds_megatron.pipeline_parallel.dualpipev_zb`).  The layers are cut
   into 2p stages; rank r builds stage r (phase 0, activations flow towards rank p-1) and stage 2p-1-r (phase 1, back
   towards rank 0), so rank 0 holds the embedding, the output layer and the loss, and a tied embedding is one module
   there (no tied-gradient exchange).  ``deepspeed.initialize`` picks ``DualPipeVEngine`` for such a module.
 
 What DeepSpeed's DualPipeV needs from ds_megatron (subclassed or configured, nothing forked; gloo and the CPU
 accelerator run it as is, its p2p going through ``batch_isend_irecv``, whose commit ds_megatron makes wait for its
-receives only, :mod:`ds_megatron.parallel.p2p`):
+receives only, :mod:`ds_megatron.pipeline_parallel.p2p`):
 - ``PipelineModel``'s forward runs its recompute segments over ``forward_funcs``, and DualPipeV swaps
   ``forward_funcs`` per phase (``activate_phase``), so the segments are computed per phase and swapped with them;
 - the once-per-step SP gradient sum replaces ``ReduceTiedGrads`` in the engine's own class's instruction table
@@ -22,7 +22,7 @@ receives only, :mod:`ds_megatron.parallel.p2p`):
 What upstream would need for less of that: an inference forward of fewer than 2p micro-batches, fp16 loss scaling
 checked with two stages per rank, a hook after ``ReduceTiedGrads`` instead of a replaced instruction table, and the
 weight-gradient split of zero-bubble schedules (DeepSpeed's DualPipeV keeps each weight gradient in its backward;
-``dualpipev-zb``, :mod:`ds_megatron.parallel.dualpipev_zb`, splits it on DualPipeV's module).
+``dualpipev-zb``, :mod:`ds_megatron.pipeline_parallel.dualpipev_zb`, splits it on DualPipeV's module).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
 from ds_megatron.config.schema import PipelineSchedule, pipeline_schedule
-from ds_megatron.pipeline import PipelineModel
+from ds_megatron.pipeline_parallel.module import PipelineModel
 
 
 class DualPipeVModel(PipelineModel, DualPipeVModule):
@@ -54,7 +54,7 @@ class DualPipeVModel(PipelineModel, DualPipeVModule):
 
 
 # zb-h1 and zb-h2 run the 1F1B module; their engine is swapped in after deepspeed.initialize
-# (ds_megatron.parallel.zero_bubble).
+# (ds_megatron.pipeline_parallel.zero_bubble).
 MODULE_CLASSES: dict[str, type[PipelineModel]] = {
     "1f1b": PipelineModel,
     "dualpipev": DualPipeVModel,

@@ -32,8 +32,8 @@ import time
 import torch
 from deepspeed.runtime.pipe import schedule
 
-from ds_megatron.parallel.p2p import AsyncSendPipelineEngine
-from ds_megatron.parallel.zb_order import BUILD_COSTS, num_buffers, zb_h1_streams, zb_h2_streams
+from ds_megatron.pipeline_parallel.p2p import AsyncSendPipelineEngine
+from ds_megatron.pipeline_parallel.zb_order import BUILD_COSTS, num_buffers, zb_h1_streams, zb_h2_streams
 
 PIPELINE_SCHEDULE = "zb-h1"  # the config values of ds_megatron.parallel.pipeline_schedule this module implements
 PIPELINE_SCHEDULE_H2 = "zb-h2"

@@ -419,7 +419,7 @@ def build_pipeline_module(
     fused_loss: bool = True,
 ) -> PipelineModel:
     """The model as a PipelineModule over ``topology`` (layers balanced by block count across stages);
-    ``module_class`` is the pipeline schedule's (``ds_megatron.pipeline_schedule``); ``fused_loss``: the output
+    ``module_class`` is the pipeline schedule's (``pipeline_parallel.dualpipev``); ``fused_loss``: the output
     layer and the loss computed together in chunks of tokens (:class:`VocabParallelLoss`)."""
     loss = VocabParallelLoss(ctx, fused_loss)
     return module_class(

@@ -28,8 +28,8 @@ from __future__ import annotations
 from deepspeed.runtime.pipe import schedule
 
 from ds_megatron.config import dualpipev_order as order
-from ds_megatron.parallel.p2p import AsyncSendDualPipeVEngine
-from ds_megatron.parallel.zero_bubble import DeferredWeightGradSteps, WeightGradPass
+from ds_megatron.pipeline_parallel.p2p import AsyncSendDualPipeVEngine
+from ds_megatron.pipeline_parallel.zero_bubble import DeferredWeightGradSteps, WeightGradPass
 
 PIPELINE_SCHEDULE = "dualpipev-zb"  # the config value of ds_megatron.parallel.pipeline_schedule this module implements
 
