@@ -28,13 +28,10 @@ from transformers import GPT2LMHeadModel  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from ds_megatron.checkpoint.adapter import StateDictAdapter  # noqa: E402
 from ds_megatron.config import resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
-from ds_megatron.model.gpt2.model import (  # noqa: E402
-    GPT,
-    GPTConfig,
-    to_hf_state_dict,  # noqa: E402
-)
+from ds_megatron.model.gpt2.model import GPT, GPTConfig  # noqa: E402
 
 
 def ds_config(args, kernel: str) -> dict:
@@ -61,7 +58,7 @@ def build_hf(run, seed: int):
     """transformers' GPT-2 with exactly ds_megatron's initial weights, under a plain DeepSpeed engine."""
     cfg = GPTConfig.from_shape(run.model)
     model = GPT2LMHeadModel(cfg.to_hf())
-    model.load_state_dict(to_hf_state_dict(GPT(cfg, seed=seed).state_dict()))
+    model.load_state_dict(StateDictAdapter.of(cfg).to_hf_state_dict(GPT(cfg, seed=seed).state_dict()))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     engine, *_ = deepspeed.initialize(
         model=model,

@@ -1,11 +1,11 @@
 """Export a ds_megatron DeepSpeed checkpoint (any tp / cp / pp / dp) to a Hugging Face directory of the run's family
-(``GPT2LMHeadModel`` or ``LlamaForCausalLM``).
+(``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...).
 
 Reads the pipeline's per-layer files (``layer_<i>-model_<tp>-model_states.pt``, written once per TP rank by DP rank
-0), merges each parameter's TP shards with its shard rule from ``parallelize.shard_rule`` (fused QKV by heads,
-column-parallel on the output dim, row-parallel on the input dim, vocabulary blocks with the padding stripped),
-checks that replicated parameters agree across TP ranks, transposes the weights transformers stores [in, out] (the
-family's ``hf_transposed``) and writes safetensors shards (plus ``model.safetensors.index.json`` when there is more
+0), merges each parameter's TP shards and turns it into transformers' tensors through the family's state-dict
+adapter (``checkpoint/adapter.py``: fused QKV by heads, vocabulary padding stripped, GPT-2's Conv1D weights
+transposed, stacked experts one linear per expert), checks that replicated parameters agree across TP ranks and
+writes safetensors shards (plus ``model.safetensors.index.json`` when there is more
 than one), ``config.json``, ``generation_config.json`` and the tokenizer the weights were trained with (the one
 saved in the tag, ``checkpoint/tokenizer.py``).  It streams layer by layer: at most one output shard and one layer's
 TP shards are in memory at a time.  Every file of the tag is checked against its
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ds_megatron.checkpoint import safe_load
+from ds_megatron.checkpoint.adapter import StateDictAdapter, expected_shapes
 from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_context
 from ds_megatron.checkpoint.manifest import complete_tags, source_tag, verify_tag
 from ds_megatron.checkpoint.masters import MasterWeights
@@ -30,9 +31,8 @@ from ds_megatron.checkpoint.tokenizer import check_fits, check_same, load_tokeni
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import saved_layout, saved_world
 from ds_megatron.fileio import staged_directory
-from ds_megatron.model import ModelConfig, build_model, family_of
-from ds_megatron.parallelize import ParallelContext, shard_rule
-from ds_megatron.tensor_parallel import unshard
+from ds_megatron.model import ModelConfig, family_of
+from ds_megatron.parallelize import ParallelContext
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,6 +70,7 @@ def iter_full_parameters(
     per-layer files: those are the weights training continues from, and a 16-bit export is a rounding of them.
     Files are read weights-only unless ``trust`` (``safe_load``)."""
     masters = MasterWeights.open(ckpt, tp, pipeline_layout(config), trust=trust)
+    adapter = StateDictAdapter(parallel)
     stage = 0
     for idx, prefix in pipeline_layout(config).saved_layers():
         shards = []
@@ -88,8 +89,7 @@ def iter_full_parameters(
         for local in shards[0]:
             name = prefix + local.removeprefix("block.")
             parts = [s[local] for s in shards]
-            rule = shard_rule(name, parallel)
-            if rule.replicated:
+            if adapter.rule(name).replicated:
                 for r, p in enumerate(parts[1:], start=1):
                     if not torch.equal(p, parts[0]):
                         raise ConfigError(
@@ -100,7 +100,7 @@ def iter_full_parameters(
                         )
                 yield name, parts[0]
             else:
-                yield name, unshard(parts, rule)  # the rule strips vocabulary padding
+                yield name, adapter.merge(name, parts)  # the vocabulary padding stripped
 
 
 def _stage_holding(masters: MasterWeights, idx: int, key: str, start: int, layer_file: Path) -> int:
@@ -119,13 +119,6 @@ def _stage_holding(masters: MasterWeights, idx: int, key: str, start: int, layer
             "use a complete checkpoint written by train_gpt.py",
         )
     return stage
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's full shape, read off the single-device model built on the meta device (no memory)."""
-    with torch.device("meta"):
-        model = build_model(config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def export(
@@ -171,7 +164,7 @@ def _write_hf_dir(tmp: Path, ckpt_dir: Path, tag: str, config, parallel, tp: int
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, files, weight_map = 0, [], {}
     shapes = expected_shapes(config)
-    family = family_of(config)
+    adapter = StateDictAdapter(parallel)
 
     def flush():
         nonlocal shard, shard_bytes
@@ -196,12 +189,13 @@ def _write_hf_dir(tmp: Path, ckpt_dir: Path, tag: str, config, parallel, tp: int
         if prefix != last_prefix and bar is not None:
             bar.update(1)
         last_prefix = prefix
-        hf = (tensor.t() if family.is_hf_transposed(name) else tensor).to(DTYPES[dtype]).contiguous()
-        size = hf.numel() * hf.element_size()
-        if shard and shard_bytes + size > limit:
-            flush()
-        shard[name] = hf
-        shard_bytes += size
+        for key, stored in adapter.to_hf(name, tensor).items():
+            hf = stored.to(DTYPES[dtype]).contiguous()
+            size = hf.numel() * hf.element_size()
+            if shard and shard_bytes + size > limit:
+                flush()
+            shard[key] = hf
+            shard_bytes += size
     flush()
     if len(files) == 1:
         os.replace(tmp / files[0], tmp / "model.safetensors")
@@ -216,7 +210,7 @@ def _write_hf_dir(tmp: Path, ckpt_dir: Path, tag: str, config, parallel, tp: int
         tok.save_pretrained(tmp)
         eos = tok.eos_token_id
     hf_config.bos_token_id = hf_config.eos_token_id = eos
-    hf_config.architectures = [family.hf_architecture]
+    hf_config.architectures = [family_of(config).hf_architecture]
     hf_config.save_pretrained(tmp)
     GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(tmp)
 

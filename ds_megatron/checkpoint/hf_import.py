@@ -1,8 +1,9 @@
 """Initialise a pipeline module from a Hugging Face directory of the run's family (``GPT2LMHeadModel`` or
 ``LlamaForCausalLM``; ``train_gpt.py --init-from-hf HF_DIR``).
 
-Each rank reads, lazily from the safetensors files, only the tensors its stage holds, converts them with the key map
-and keeps its TP shard (the same shard rules the layers were built with).  The pipeline-tied embedding copies are
+Each rank reads, lazily from the safetensors files, only the tensors its stage holds, converts them and keeps its TP
+shard through the family's state-dict adapter (``checkpoint/adapter.py``: the same shard rules the layers were built
+with).  The pipeline-tied embedding copies are
 both loaded, so they start identical.
 """
 
@@ -14,12 +15,11 @@ from typing import NamedTuple
 
 import torch
 
+from ds_megatron.checkpoint.adapter import StateDictAdapter, expected_shapes
 from ds_megatron.config import ConfigError
 from ds_megatron.model import ModelConfig, family_of
-from ds_megatron.model.family import Family
-from ds_megatron.parallelize import ParallelContext, shard_rule
+from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline_parallel.module import pipeline_param_name
-from ds_megatron.tensor_parallel import shard
 
 
 class HFTensor(NamedTuple):
@@ -27,12 +27,15 @@ class HFTensor(NamedTuple):
     key: str  # its name in that file (a base model's file stores names without transformers' base prefix)
 
 
-def tensor_files(hf_dir: Path, family: Family, setting: str = "--init-from-hf") -> dict[str, HFTensor]:
-    """{our full name: where the tensor is stored} of a transformers directory of ``family`` (one file, or the
-    shards its ``model.safetensors.index.json`` names), with names mapped as transformers maps them on load
-    (``Family.our_hf_name``: the Hub's own GPT-2 files store ``GPT2Model`` names and causal-mask buffers).  A missing
-    file, or one whose header does not read (damaged, cut short, not safetensors), is one ConfigError naming
-    ``setting`` and the file: every reader calls this before launch."""
+Stored = dict[str, dict[str, HFTensor]]  # our full name -> {canonical stored name: where it is} (experts: several)
+
+
+def tensor_files(hf_dir: Path, adapter: StateDictAdapter, setting: str = "--init-from-hf") -> Stored:
+    """Where each of our parameters is stored in a transformers directory (one file, or the shards its
+    ``model.safetensors.index.json`` names), with names mapped as transformers maps them on load (the adapter's
+    ``our_name``: the Hub's own GPT-2 files store ``GPT2Model`` names and causal-mask buffers; one expert's linear is
+    a part of our stacked tensor).  A missing file, or one whose header does not read (damaged, cut short, not
+    safetensors), is one ConfigError naming ``setting`` and the file: every reader calls this before launch."""
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -46,54 +49,62 @@ def tensor_files(hf_dir: Path, family: Family, setting: str = "--init-from-hf") 
         paths = [hf_dir / "model.safetensors"]
         if not paths[0].exists():
             raise ConfigError(setting, "no model.safetensors", str(hf_dir), "pass an exported directory")
-    found: dict[str, HFTensor] = {}
+    found: Stored = {}
     for path in paths:  # every file's header, before anything is read or launched
         for key in _tensor_names(path, setting):
-            name = family.our_hf_name(key)
+            name = adapter.our_name(key)
             if name is None:
                 continue
-            if name in found:
+            canonical, group = adapter.canonical(key), found.setdefault(name, {})
+            if canonical in group:
                 raise ConfigError(
                     setting,
                     "two stored tensors are the same parameter",
-                    f"{found[name].key} in {found[name].path.name} and {key} in {path.name}",
+                    f"{group[canonical].key} in {group[canonical].path.name} and {key} in {path.name}",
                     "keep one of them",
                 )
-            found[name] = HFTensor(path, key)
+            group[canonical] = HFTensor(path, key)
     return found
+
+
+def read_stored(adapter: StateDictAdapter, name: str, where: dict[str, HFTensor], read) -> torch.Tensor:
+    """Our full tensor ``name`` (fp32) from the tensors stored for it; ``read(HFTensor)`` reads one."""
+    return adapter.from_hf(name, {canonical: read(t).float() for canonical, t in where.items()})
 
 
 FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")  # safetensors' names of the floating-point dtypes
 
 
-def check_hf_tensors(
-    hf_dir: Path, config: ModelConfig, setting: str
-) -> tuple[dict[str, HFTensor], dict[str, tuple[int, ...]]]:
+def check_hf_tensors(hf_dir: Path, config: ModelConfig, setting: str) -> tuple[Stored, dict[str, tuple[int, ...]]]:
     """(where each tensor is stored, every parameter's full shape): refused in one line, from the files' headers
-    alone, unless every parameter of ``config``'s model is there, floating point, of its shape (in transformers'
-    orientation)."""
+    alone, unless every parameter of ``config``'s model is there, floating point, of its shape (once the family's
+    adapter has turned the stored shapes into ours)."""
     from safetensors import safe_open
 
-    from ds_megatron.checkpoint.export import expected_shapes
-
-    family = family_of(config)
-    files, shapes = tensor_files(hf_dir, family, setting), expected_shapes(config)
+    adapter = StateDictAdapter.of(config)
+    files, shapes = tensor_files(hf_dir, adapter, setting), expected_shapes(config)
     missing = [n for n in shapes if n not in files]
     if missing:
         raise ConfigError(
             setting, f"{len(missing)} tensor(s) of the model missing", f"first {missing[0]}", "pass a full model"
         )
     for name, want in shapes.items():
-        with safe_open(str(files[name].path), "pt") as f:
-            meta = f.get_slice(files[name].key)
-            dtype, shape = meta.get_dtype(), tuple(meta.get_shape())
-        if family.is_hf_transposed(name):
-            shape = shape[::-1]
-        if dtype not in FLOAT_DTYPES or shape != want:
+        headers = {}
+        for canonical, where in files[name].items():
+            with safe_open(str(where.path), "pt") as f:
+                meta = f.get_slice(where.key)
+                headers[canonical] = (meta.get_dtype(), tuple(meta.get_shape()))
+        dtypes = sorted({d for d, _ in headers.values()}, key=lambda d: d in FLOAT_DTYPES)
+        metas = {c: torch.empty(shape, device="meta") for c, (_, shape) in headers.items()}
+        try:
+            got: object = tuple(adapter.from_hf(name, metas).shape)
+        except (ValueError, RuntimeError) as err:  # experts incomplete or of unequal shapes, a name stored twice
+            got = str(err).strip().splitlines()[0]
+        if dtypes[0] not in FLOAT_DTYPES or got != want:
             raise ConfigError(
                 setting,
                 "a tensor disagrees with the config's model",
-                f"{name}: {dtype} {shape}, the config's model has {want}",
+                f"{name}: {dtypes[0]} {got}, the config's model has {want}",
                 "pass the model the config describes (or a config of this model's shape)",
             )
     return files, shapes
@@ -155,9 +166,15 @@ def load_hf_into_pipeline(module, parallel: ParallelContext, hf_dir: str | Path)
 
     hf_dir = Path(hf_dir)
     check_hf_config(hf_dir, parallel.config)
-    family = family_of(parallel.config)
-    files = tensor_files(hf_dir, family)
+    adapter = StateDictAdapter(parallel)
+    files = tensor_files(hf_dir, adapter)
     handles: dict[Path, object] = {}
+
+    def read(where: HFTensor) -> torch.Tensor:
+        if where.path not in handles:
+            handles[where.path] = safe_open(str(where.path), "pt")
+        return handles[where.path].get_tensor(where.key)
+
     loaded = 0
     for local_name, param in module.named_parameters():
         full = pipeline_param_name(local_name, module)
@@ -165,13 +182,7 @@ def load_hf_into_pipeline(module, parallel: ParallelContext, hf_dir: str | Path)
             raise ConfigError(
                 "--init-from-hf", "missing tensor", f"{hf_dir} has none for {full or local_name}", "re-export"
             )
-        path, key = files[full]
-        if path not in handles:
-            handles[path] = safe_open(str(path), "pt")
-        tensor = handles[path].get_tensor(key).float()
-        if family.is_hf_transposed(full):
-            tensor = tensor.t()
-        part = shard(tensor, shard_rule(full, parallel), parallel.tp.rank, parallel.tp.size)
+        part = adapter.shard(full, read_stored(adapter, full, files[full], read))
         if part.shape != param.shape:
             raise ConfigError(
                 "--init-from-hf", "shape mismatch", f"{full}: {tuple(part.shape)} != {tuple(param.shape)}", "re-export"

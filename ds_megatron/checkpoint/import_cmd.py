@@ -7,7 +7,8 @@ The output is the step-0 tag a run of ``--config`` at that layout would load: De
 has one (refused when its ids reach past the config's vocabulary), ``manifest.json`` with every file's sha256, and
 ``latest``, written last and atomically.  The files are written by the offline reshard's writer
 (``reshard_offline._Writer``, kind FRESH) with the same shard rules as every other path (fused QKV by heads,
-vocabulary rows padded for tp).
+vocabulary rows padded for tp); the transformers tensors become ours through the family's state-dict adapter
+(``checkpoint/adapter.py``).
 
 Optimizer state: none is written.  A fresh DeepSpeed optimizer is a function of the weights (the BF16 optimizer's
 fp32 masters are the weights, the Adam moments zero, the step 0), so files holding it would only repeat the weights;
@@ -31,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from ds_megatron.checkpoint.hf_import import check_hf_config, check_hf_tensors
+from ds_megatron.checkpoint.adapter import StateDictAdapter, is_copy
+from ds_megatron.checkpoint.hf_import import HFTensor, check_hf_config, check_hf_tensors, read_stored
 from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config
 from ds_megatron.checkpoint.reshard_offline import FRESH, _Writer
 from ds_megatron.checkpoint.run_state import IMPORTED, tag_for
@@ -125,7 +127,7 @@ class HFSource:
     parameter for is a copy of one it keeps (transformers' tied ``lm_head``): nothing is silently dropped."""
 
     def __init__(self, hf_dir: Path, run: RunConfig, config: ModelConfig):
-        self.run, self.layout, self.family = run, pipeline_layout(config), family_of(config)
+        self.run, self.layout, self.adapter = run, pipeline_layout(config), StateDictAdapter.of(config)
         self.files, self.shapes = check_hf_tensors(hf_dir, config, "--hf")
         for extra in sorted(set(self.files) - set(self.shapes)):
             self._check_copy(extra)
@@ -149,22 +151,17 @@ class HFSource:
     def _check_copy(self, extra: str) -> None:
         """Refuse ``extra`` (a tensor without a parameter) unless it equals a kept tensor of its shape."""
         tensor = self._read(extra)
-        for name, shape in self.shapes.items():
-            if tuple(tensor.shape) == shape and torch.equal(self._read(name), tensor):
-                return
-        raise ConfigError(
-            "--hf",
-            "a tensor the model has no parameter for (it would be lost)",
-            f"{extra} {tuple(tensor.shape)}",
-            "import a model of the config's family and shape",
-        )
+        if not is_copy(tensor, self.shapes, self._read):
+            raise ConfigError(
+                "--hf",
+                "a tensor the model has no parameter for (it would be lost)",
+                f"{extra} {tuple(tensor.shape)}",
+                "import a model of the config's family and shape",
+            )
 
     def _read(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        path, key = self.files[name]
-        with safe_open(str(path), "pt") as f:  # closed at once: the file's mapping goes with it
-            return f.get_tensor(key)
+        """The full fp32 tensor in ds_megatron's names and orientation, read from its files."""
+        return read_stored(self.adapter, name, self.files[name], _read_one)
 
     # ---- what the writer reads -------------------------------------------------------------------------------------
     def layer_file(self, idx: int, tp_rank: int) -> dict[str, None]:
@@ -175,15 +172,20 @@ class HFSource:
         return torch.Size(self.shapes[name])
 
     def full_weight(self, name: str) -> torch.Tensor:
-        """The full fp32 tensor in ds_megatron's orientation (GPT-2's Conv1D weights transposed)."""
-        tensor = self._read(name).float()
-        return tensor.t().contiguous() if self.family.is_hf_transposed(name) else tensor
+        return self._read(name).contiguous()
 
     def full_optimizer_state(self, name: str) -> None:
         return None
 
     def client(self, mp_index: int = 0) -> dict:
         return self._client
+
+
+def _read_one(where: HFTensor) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(where.path), "pt") as f:  # closed at once: the file's mapping goes with it
+        return f.get_tensor(where.key)
 
 
 __all__ = ["import_checkpoint"]

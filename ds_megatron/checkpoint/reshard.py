@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from ds_megatron.checkpoint import safe_load
+from ds_megatron.checkpoint.adapter import StateDictAdapter
 from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config, shard_context
 from ds_megatron.checkpoint.manifest import tag_config
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import data_axis, precision, saved_cp, saved_layout, saved_world
-from ds_megatron.parallelize import ParallelContext, shard_rule
+from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline_parallel.module import pipeline_param_name
-from ds_megatron.tensor_parallel import shard, unshard
 
 
 def model_param_groups(optimizer) -> list[list[torch.Tensor]]:
@@ -69,6 +69,7 @@ class OldCheckpoint:
         self.model_config = run_model_config(self.run)
         self.layout = pipeline_layout(self.model_config)
         self.parallel = shard_context(self.model_config, self.run, self.tp)
+        self.adapter = StateDictAdapter(self.parallel)
         self.masters = MasterWeights.open(root / tag, self.tp, self.layout, trust=trust)  # None on the fp32 path
         self.where: dict[str, dict[int, tuple[int, int]]] = {}  # name -> {old tp rank: (mp file index, position)}
         for f in sorted((root / tag).glob("params_rank*.json")):
@@ -150,22 +151,21 @@ class OldCheckpoint:
     def _merge(self, name: str, parts: list[torch.Tensor]) -> torch.Tensor:
         """The full fp32 tensor of ``name`` from its old TP shards; the old shard rule strips any vocabulary padding
         (whose size depends on the old tp), so the new layout's rule pads it afresh."""
-        return unshard([p.float() for p in parts], shard_rule(name, self.parallel))
+        return self.adapter.merge(name, [p.float() for p in parts])
 
 
 def _fill_fp32_optimizer(engine, parallel: ParallelContext, old: OldCheckpoint) -> None:
     """ds_megatron's AdamW: the model's parameters are the optimizer's, with per-parameter state."""
-    optimizer = engine.optimizer
+    optimizer, adapter = engine.optimizer, StateDictAdapter(parallel)
     for local, param in engine.module.named_parameters():
         name = pipeline_param_name(local, engine.module)
-        rule = shard_rule(name, parallel)
-        param.copy_(shard(old.full_weight(name), rule, parallel.tp.rank, parallel.tp.size))
+        param.copy_(adapter.shard(name, old.full_weight(name)))
         state = old.full_optimizer_state(name)
         if state is not None:
             optimizer.state[param] = {
                 "step": state["step"].clone(),
-                "exp_avg": shard(state["exp_avg"], rule, parallel.tp.rank, parallel.tp.size),
-                "exp_avg_sq": shard(state["exp_avg_sq"], rule, parallel.tp.rank, parallel.tp.size),
+                "exp_avg": adapter.shard(name, state["exp_avg"]),
+                "exp_avg_sq": adapter.shard(name, state["exp_avg_sq"]),
             }
 
 
@@ -173,7 +173,7 @@ def _fill_partitioned_optimizer(engine, parallel: ParallelContext, old: OldCheck
     """DeepSpeed's BF16 (or ZeRO-1) optimizer: each model parameter owns a fragment (``_hp_mapping``: where it
     starts in the parameter and in this data-parallel rank's flat fp32 partition) of its group's partition; the Adam
     moments are flat tensors laid out like the partition.  Every rank also sets its full 16-bit model copy."""
-    optimizer = engine.optimizer
+    optimizer, adapter = engine.optimizer, StateDictAdapter(parallel)
     names = {id(p): pipeline_param_name(n, engine.module) for n, p in engine.module.named_parameters()}
     partitions = getattr(optimizer, "fp32_groups_flat_partition", None) or optimizer.single_partition_of_fp32_groups
     for group, hp in zip(model_param_groups(optimizer), partitions):
@@ -181,8 +181,7 @@ def _fill_partitioned_optimizer(engine, parallel: ParallelContext, old: OldCheck
         step = None
         for lp in group:
             name = names[id(lp)]
-            rule = shard_rule(name, parallel)
-            weight = shard(old.full_weight(name), rule, parallel.tp.rank, parallel.tp.size)
+            weight = adapter.shard(name, old.full_weight(name))
             lp.data.copy_(weight.to(lp.dtype))
             state = old.full_optimizer_state(name)
             mapping = getattr(lp, "_hp_mapping", None)
@@ -194,7 +193,7 @@ def _fill_partitioned_optimizer(engine, parallel: ParallelContext, old: OldCheck
             if state is not None:
                 step = state["step"]
                 for k, flat in moments.items():
-                    part = shard(state[k], rule, parallel.tp.rank, parallel.tp.size).reshape(-1)
+                    part = adapter.shard(name, state[k]).reshape(-1)
                     flat.narrow(0, hp_at, n).copy_(part.narrow(0, lp_at, n))
         if step is not None:
             optimizer.optimizer.state[hp] = {"step": step.clone(), **moments}

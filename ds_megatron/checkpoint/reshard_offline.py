@@ -23,6 +23,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from torch import nn
 
 from ds_megatron.checkpoint import safe_load
+from ds_megatron.checkpoint.adapter import StateDictAdapter
 from ds_megatron.checkpoint.layout import layout_ranks, run_model_config, shard_context, stage_param_layers
 from ds_megatron.checkpoint.manifest import (
     TAG_CONFIG,
@@ -51,8 +52,6 @@ from ds_megatron.config.facts import (
 )
 from ds_megatron.fileio import atomic_write_text, staged_directory
 from ds_megatron.optim import param_groups
-from ds_megatron.parallelize import shard_rule
-from ds_megatron.tensor_parallel import shard
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 BF16_ALIGNMENT = 2  # DeepSpeed's BF16 optimizer pads each flat group to a multiple of this x dp elements
@@ -184,7 +183,7 @@ class _Writer:
         self.dir.mkdir()
         self.scratch = _Scratch(tmp / ".scratch")
         self.model_config = run_model_config(target)
-        self.parallel = shard_context(self.model_config, target, self.tp)
+        self.adapter = StateDictAdapter(shard_context(self.model_config, target, self.tp))
         layout = old.layout
         self.saved = layout.saved_layers()
         self.keys = {idx: list(old.layer_file(idx, 0)) for idx, _ in self.saved}
@@ -220,7 +219,7 @@ class _Writer:
 
     def _new_shape(self, name: str) -> torch.Size:
         meta = torch.empty(self.old.full_shape(name), device="meta")
-        return shard(meta, shard_rule(name, self.parallel), 0, self.tp).shape
+        return self.adapter.shard(name, meta, 0).shape
 
     def _optimizer_groups(self, names: list[str]) -> list[list[str]]:
         """The optimizer's groups of one stage, in its order: ``optim.param_groups`` (the one owner of that rule)
@@ -290,12 +289,11 @@ class _Writer:
                 f._metadata = copy.deepcopy(template._metadata)  # module versions, as load_state_dict expects
         for key in self.keys[idx]:
             name = self.name[(idx, key)]
-            rule = shard_rule(name, self.parallel)
             weight, state = self.old.full_weight(name), self.old.full_optimizer_state(name)
             for t in range(self.tp):
-                w = shard(weight, rule, t, self.tp)
+                w = self.adapter.shard(name, weight, t)
                 files[t][key] = w.to(dtype)
-                moments = None if state is None else {k: shard(state[k], rule, t, self.tp) for k in MOMENTS}
+                moments = None if state is None else {k: self.adapter.shard(name, state[k], t) for k in MOMENTS}
                 for s in self.stage_of[idx]:
                     if self.kind == "bf16":
                         self._scatter(s, t, name, {"master": w, **(moments or {})})

@@ -126,6 +126,7 @@ class Family:
     # Name suffixes of buffers some files store and transformers ignores on load (not parameters: causal masks,
     # rotary frequencies, recomputed from the config).
     hf_ignored: tuple[str, ...] = ()
+    hf_experts: HFExperts | None = None  # how published files store the routed MLP's experts (MoE families)
     # Why DeepSpeed's automatic tensor parallelism for inference (init_inference without kernel injection) cannot
     # shard the exported model, or None when it can.
     no_autotp_inference: str | None = None
@@ -181,19 +182,80 @@ class Family:
             if f != "attention"
         }
 
-    def our_hf_name(self, stored: str) -> str | None:
-        """The causal-LM name (ours) of a tensor stored as ``stored`` in a transformers file, as transformers maps it
-        on load: the base-model prefix added where a base model's file lacks it; None for an ignored buffer."""
-        if stored.endswith(self.hf_ignored) and self.hf_ignored:
+    # Everything below names a tensor of a transformers file; the tensors themselves (transposes, the experts'
+    # stacking, TP shards) are ``checkpoint/adapter.py``'s, the one reader of these names.
+    def hf_canonical(self, stored: str) -> str | None:
+        """A stored tensor's name as transformers' causal-LM class holds it on load: the base-model prefix added
+        where a base model's file lacks it; None for an ignored buffer."""
+        if self.hf_ignored and stored.endswith(self.hf_ignored):
             return None
         prefix = self.hf_base_prefix + "."
-        if not self.hf_base_prefix or stored.startswith(prefix) or stored.startswith("lm_head."):
+        if not self.hf_base_prefix or stored.startswith(prefix) or stored.startswith(HF_OUTPUT):
             return stored
         return prefix + stored
+
+    def our_hf_name(self, stored: str) -> str | None:
+        """The parameter of ours a tensor stored as ``stored`` in a transformers file is (or, one expert's linear,
+        a part of); None for an ignored buffer."""
+        key = self.hf_canonical(stored)
+        return key if key is None or self.hf_experts is None else self.hf_experts.ours(key)
+
+    def hf_name(self, name: str) -> str:
+        """The name a transformers file stores our parameter ``name`` under (a stacked expert tensor: see
+        ``HFExperts.stored``)."""
+        return name if self.hf_experts is None else self.hf_experts.theirs(name)
 
     def is_hf_transposed(self, name: str) -> bool:
         """Whether transformers stores this weight [in, out] where ours is ``nn.Linear``'s [out, in]."""
         return bool(self.hf_transposed) and name.endswith(self.hf_transposed)
+
+
+HF_OUTPUT = "lm_head."  # transformers' output layer: never under the base-model prefix (tied copies included)
+EXPERT_PARTS = ("gate", "up", "down")  # one expert's SwiGLU linears; ours stacks gate|up as ``gate_up_proj``
+STACKED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # ours (``model.moe_layer.Experts``)
+
+
+@dataclass(frozen=True)
+class HFExperts:
+    """How transformers' published files (the Hub's, and what ``save_pretrained`` writes by default) store the
+    routed MLP that ds_megatron keeps stacked, as transformers 5 does in memory.
+
+    ours      ``<block>.mlp.gate.weight`` [E, h] (the router), ``<block>.mlp.experts.gate_up_proj`` [E, 2F, h]
+              (each expert's gate rows, then its up rows), ``<block>.mlp.experts.down_proj`` [E, h, F]
+    theirs    ``<block>.<module>.gate.weight`` [E, h], ``<block>.<module>.experts.<e>.<gate|up>.weight`` [F, h],
+              ``<block>.<module>.experts.<e>.<down>.weight`` [h, F]
+    A file written with ``save_pretrained(save_original_format=False)`` holds our names (and is read as such)."""
+
+    module: str = "mlp"  # the routed MLP's module in a stored block (Mixtral's files: block_sparse_moe)
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+    def theirs(self, name: str) -> str:
+        """The stored name of a parameter of ours that is not a stacked expert tensor."""
+        return name.replace(".mlp.gate.", f".{self.module}.gate.") if name.endswith(".mlp.gate.weight") else name
+
+    def stored(self, name: str, expert: int, part: str) -> str:
+        """The stored name of one expert's ``part`` (``EXPERT_PARTS``) of our stacked tensor ``name``."""
+        block = name.removesuffix(STACKED_EXPERTS[1 if part == "down" else 0])
+        return f"{block}.{self.module}.experts.{expert}.{getattr(self, part)}.weight"
+
+    def expert_of(self, key: str) -> tuple[str, int, str] | None:
+        """(our stacked name, expert, part) of one expert's stored linear; None for any other key."""
+        block, sep, rest = key.partition(f".{self.module}.experts.")
+        expert, _, leaf = rest.partition(".")
+        part = next((p for p in EXPERT_PARTS if leaf == getattr(self, p) + ".weight"), None)
+        if not sep or not expert.isdigit() or part is None:
+            return None
+        return block + STACKED_EXPERTS[1 if part == "down" else 0], int(expert), part
+
+    def ours(self, key: str) -> str:
+        """Our name of a canonical stored key (one expert's linear: the stacked tensor it is a part of)."""
+        piece = self.expert_of(key)
+        if piece is not None:
+            return piece[0]
+        router = f".{self.module}.gate.weight"
+        return key.removesuffix(router) + ".mlp.gate.weight" if key.endswith(router) else key
 
 
 def hf_fields(config: Any, renamed: dict[str, str], skip: tuple[str, ...] = ()) -> dict[str, Any]:

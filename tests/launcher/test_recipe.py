@@ -100,7 +100,8 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
 
     from ds_megatron.checkpoint.__main__ import main as checkpoint_main
     from ds_megatron.data import MicroBatchStream, PackedSamples, open_packed, split_train_valid
-    from ds_megatron.model.gpt2.model import GPT, GPTConfig, from_hf_state_dict
+    from ds_megatron.checkpoint.adapter import StateDictAdapter
+    from ds_megatron.model.gpt2.model import GPT, GPTConfig
 
     demo_dir, run_dir, _ = demo
     ck, cache = demo_dir / "ck", demo_dir / "cache"
@@ -117,7 +118,7 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
     assert generated[0, prompt.shape[1] :].tolist() == sample["sample_ids"]
 
     ours = GPT(GPTConfig.from_hf(model.config)).eval()
-    ours.load_state_dict(from_hf_state_dict(model.state_dict()))
+    ours.load_state_dict(StateDictAdapter.of(ours.config).from_hf_state_dict(model.state_dict()))
     ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(ids) - model(ids).logits).abs().max() <= 1e-5

@@ -6,7 +6,16 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from ds_megatron.model.gpt2.model import GPT, GPTConfig, from_hf_state_dict, to_hf_state_dict
+from ds_megatron.checkpoint.adapter import StateDictAdapter
+from ds_megatron.model.gpt2.model import GPT, GPTConfig
+
+
+def to_hf_state_dict(state, cfg):
+    return StateDictAdapter.of(cfg).to_hf_state_dict(state)
+
+
+def from_hf_state_dict(hf_state, cfg):
+    return StateDictAdapter.of(cfg).from_hf_state_dict(hf_state)
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
@@ -14,7 +23,7 @@ def test_logits_equal_transformers(attention):
     cfg = GPTConfig(vocab_size=1001, n_positions=64, n_embd=64, n_layer=3, n_head=4, attention=attention)
     ours = GPT(cfg, seed=3).eval()
     hf = GPT2LMHeadModel(cfg.to_hf()).eval()
-    hf.load_state_dict(to_hf_state_dict(ours.state_dict()))
+    hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg))
     assert hf.config._attn_implementation == attention
     ids = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -26,8 +35,8 @@ def test_hf_weights_load_back_bitwise():
     cfg = GPTConfig(vocab_size=1001, n_positions=32, n_embd=32, n_layer=2, n_head=4)
     hf = GPT2LMHeadModel(cfg.to_hf())
     ours = GPT(GPTConfig.from_hf(hf.config))
-    ours.load_state_dict(from_hf_state_dict(hf.state_dict()))
-    back = to_hf_state_dict(ours.state_dict())
+    ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
+    back = to_hf_state_dict(ours.state_dict(), cfg)
     for name, tensor in hf.state_dict().items():
         if name in back:
             assert torch.equal(back[name], tensor), name

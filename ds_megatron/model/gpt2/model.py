@@ -140,23 +140,4 @@ def final_norm(config: GPTConfig) -> nn.Module:
     return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
 
-# The state-dict adapter to and from transformers' GPT2LMHeadModel: the names are identical; the Conv1D weights are
-# transposed; lm_head.weight, tied to transformer.wte.weight, is written for transformers' sake and never read back.
-
-
-def to_hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our full (unsharded, unpadded) state dict -> GPT2LMHeadModel's."""
-    out = {name: (t.t().contiguous() if FAMILY.is_hf_transposed(name) else t) for name, t in state.items()}
-    out["lm_head.weight"] = out["transformer.wte.weight"]
-    return out
-
-
-def from_hf_state_dict(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """GPT2LMHeadModel's state dict -> ours (drops the tied head and non-parameter buffers)."""
-    skip = ("lm_head.weight", ".attn.bias", ".attn.masked_bias")
-    return {
-        n: t.t().contiguous() if FAMILY.is_hf_transposed(n) else t for n, t in hf_state.items() if not n.endswith(skip)
-    }
-
-
 MODELING = Modeling(GPT, GPTBlock, final_norm, init_module)

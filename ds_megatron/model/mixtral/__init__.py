@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ds_megatron.model.family import Family, read_fields
+from ds_megatron.model.family import Family, HFExperts, read_fields
 from ds_megatron.model.qwen3_moe import (
     HF_RENAMED as QWEN3_HF_RENAMED,
 )
@@ -145,6 +145,9 @@ FAMILY = Family(
     attention="self_attn",
     layout=LAYOUT,
     hf_base_prefix="model",
+    # Mixtral's published files: block_sparse_moe.experts.<e>.{w1,w3,w2}.weight (gate, up, down), the router at
+    # block_sparse_moe.gate.weight
+    hf_experts=HFExperts(module="block_sparse_moe", gate="w1", up="w3", down="w2"),
     hf_model_type="mixtral",
     hf_architecture="MixtralForCausalLM",
     sizes=SIZES,

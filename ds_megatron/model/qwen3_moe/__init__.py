@@ -20,6 +20,7 @@ from ds_megatron.model.family import (
     ROW,
     VOCAB,
     Family,
+    HFExperts,
     LayoutTable,
     NamedShape,
     PlanRow,
@@ -282,6 +283,7 @@ FAMILY = Family(
     attention="self_attn",
     layout=LAYOUT,
     hf_base_prefix="model",
+    hf_experts=HFExperts(),  # mlp.experts.<e>.{gate,up,down}_proj.weight, the router at mlp.gate.weight
     hf_model_type="qwen3_moe",
     hf_architecture="Qwen3MoeForCausalLM",
     sizes=SIZES,
