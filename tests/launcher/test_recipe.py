@@ -99,8 +99,8 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ds_megatron.checkpoint.__main__ import main as checkpoint_main
-    from ds_megatron.data import MicroBatchStream, PackedSamples, open_packed, split_train_valid
     from ds_megatron.checkpoint.adapter import StateDictAdapter
+    from ds_megatron.data import MicroBatchStream, PackedSamples, open_packed, split_train_valid
     from ds_megatron.model.gpt2.model import GPT, GPTConfig
 
     demo_dir, run_dir, _ = demo

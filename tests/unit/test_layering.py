@@ -205,3 +205,30 @@ def test_docstring_levels_are_the_tables():
         if match and _unit(path) != "__init__" and float(match.group(1)) != LEVELS[_unit(path)]:
             bad.append(f"{path.relative_to(PKG)}: L{match.group(1)}, the table says {LEVELS[_unit(path)]}")
     assert not bad, "\n".join(bad)
+
+
+# The family record's transformers names (model/family.py, model/<family>/__init__.py) and the one module that turns
+# tensors with them: the state-dict adapter.  Every checkpoint path (export, import, --init-from-hf, resharding) goes
+# through the adapter, so no other file reads the names or cuts a parameter into TP shards itself.
+ADAPTER = "checkpoint/adapter.py"
+HF_NAME_READERS = ("is_hf_transposed", "hf_transposed", "hf_base_prefix", "hf_ignored", "hf_experts", "our_hf_name")
+HF_NAME_READERS += ("hf_canonical", "hf_name", "CONV1D_SUFFIXES", "HFExperts", "STACKED_EXPERTS", "EXPERT_PARTS")
+TP_CUTS = ("shard_rule", "shard", "unshard")
+
+
+def test_only_the_state_dict_adapter_reads_the_hf_names_and_cuts_checkpoints():
+    root = PKG.parent
+    found = []
+    for path in [*PKG.rglob("*.py"), *(root / "tests").rglob("*.py"), *(root / "benchmarks").rglob("*.py")]:
+        rel = path.relative_to(PKG).as_posix() if path.is_relative_to(PKG) else path.relative_to(root).as_posix()
+        if rel in (ADAPTER, "model/family.py") or (rel.startswith("model/") and rel.endswith("/__init__.py")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in HF_NAME_READERS:
+                found.append(f"{rel}: .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ds_megatron"):
+                names = {a.name for a in node.names}
+                found += [f"{rel} imports {n}" for n in names & set(HF_NAME_READERS)]
+                if rel.startswith("checkpoint/"):  # the package's checkpoint paths shard through the adapter
+                    found += [f"{rel} imports {n}" for n in names & set(TP_CUTS)]
+    assert not found, found

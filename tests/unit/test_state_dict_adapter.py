@@ -1,0 +1,103 @@
+"""The family's state-dict adapter (``checkpoint/adapter.py``) on the mixture-of-experts families, at the state-dict
+level: our model's state dict -> transformers' published names (one linear per expert; Mixtral's
+``block_sparse_moe.experts.<e>.w1/w3/w2``) -> a directory transformers loads into weights equal to ours -> back,
+from the layout transformers writes by default and from its stacked one; the pre-flight's header check and the
+import readers take those files; an incomplete set of experts is refused in one line.  The dense families' paths
+(GPT-2's Conv1D transposes, base-model prefixes, ignored buffers, TP shards) are tested by the import, export and
+reshard tests that run through the same adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ds_megatron.checkpoint.adapter import StateDictAdapter
+from ds_megatron.checkpoint.hf_import import check_hf_tensors, read_stored, tensor_files
+from ds_megatron.config import ConfigError
+from ds_megatron.model import MixtralConfig, Qwen3MoeConfig, build_model, family_of
+
+SMALL = dict(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, num_experts_per_tok=2)
+CONFIGS = {
+    # layer 0 dense (its MLP keeps Llama's names), layer 1 routed
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **SMALL, num_layers=2, intermediate_size=48, moe_intermediate_size=16, num_experts=3, mlp_only_layers=(0,)
+    ),
+    "mixtral": lambda: MixtralConfig(
+        **SMALL, num_layers=2, intermediate_size=16, moe_intermediate_size=16, num_experts=3
+    ),
+}
+# One routed layer's stored names, as transformers' save_pretrained writes them (read in transformers 5.24's
+# conversion_mapping.py and checked below against what it writes): the router and expert 2's three linears.
+PUBLISHED = {
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.2.gate_proj.weight", "mlp.experts.2.up_proj.weight"),
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.2.w1.weight"),
+}
+
+
+def _model_and_dir(name: str, tmp_path):
+    """Our model (random weights) and a transformers directory of its state dict in the published layout."""
+    cfg = CONFIGS[name]()
+    ours = build_model(cfg, seed=7)
+    with torch.no_grad():  # the experts start as zeros until initialised by name: make every expert distinct
+        for p in ours.parameters():
+            p.copy_(torch.randn_like(p))
+    adapter = StateDictAdapter.of(cfg)
+    hf_dir = tmp_path / "ours"
+    hf_dir.mkdir()
+    save_file(adapter.to_hf_state_dict(ours.state_dict()), str(hf_dir / "model.safetensors"))
+    cfg.to_hf().save_pretrained(hf_dir)
+    return cfg, ours, adapter, hf_dir
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_moe_state_dict_round_trip_through_transformers(name, tmp_path):
+    import transformers
+
+    cfg, ours, adapter, hf_dir = _model_and_dir(name, tmp_path)
+    state = ours.state_dict()
+    written = load_file(hf_dir / "model.safetensors")
+    block = "model.layers.1."
+    assert all(block + key in written for key in PUBLISHED[name]), sorted(written)
+    assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in written)  # one linear per expert
+    # transformers loads the published layout into its stacked experts: weights equal to ours, name for name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+    assert type(loaded).__name__ == family_of(cfg).hf_architecture
+    theirs = loaded.state_dict()
+    assert theirs.keys() == state.keys()
+    assert all(torch.equal(theirs[k], state[k]) for k in state), [
+        k for k in state if not torch.equal(theirs[k], state[k])
+    ]
+    # what transformers writes by default is what the adapter writes; both it and the stacked layout read back
+    for fmt, original in (("published", True), ("stacked", False)):
+        out = tmp_path / fmt
+        loaded.save_pretrained(out, save_original_format=original)
+        files = load_file(out / "model.safetensors")
+        if original:
+            assert files.keys() == written.keys() and all(torch.equal(files[k], written[k]) for k in files)
+        back = adapter.from_hf_state_dict(files)
+        assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state), fmt
+        # the readers of import and --init-from-hf: the pre-flight's header check, then each tensor from its files
+        where, shapes = check_hf_tensors(out, cfg, "--hf")
+        assert shapes.keys() == state.keys()
+        read = {n: read_stored(adapter, n, where[n], lambda t: load_file(t.path)[t.key]) for n in shapes}
+        assert all(torch.equal(read[k], state[k]) for k in state), fmt
+
+
+def test_an_incomplete_set_of_experts_is_refused_before_anything(tmp_path):
+    cfg, _, adapter, hf_dir = _model_and_dir("mixtral", tmp_path)
+    tensors = load_file(hf_dir / "model.safetensors")
+    lost = "model.layers.1.block_sparse_moe.experts.1.w3.weight"
+    del tensors[lost]
+    save_file(tensors, str(hf_dir / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"--hf: a tensor disagrees .*experts\.gate_up_proj: .* \(.*experts\.1\.w3"):
+        check_hf_tensors(hf_dir, cfg, "--hf")
+    with pytest.raises(ValueError, match="not one per expert and part of 3"):
+        adapter.from_hf_state_dict(tensors)
+    # a stacked tensor and one expert's linears for the same parameter: two layouts in one file
+    tensors[lost] = torch.zeros(16, 32)
+    tensors["model.layers.1.mlp.experts.gate_up_proj"] = torch.zeros(3, 32, 32)
+    save_file(tensors, str(hf_dir / "model.safetensors"))
+    with pytest.raises(ConfigError, match="a tensor disagrees"):
+        check_hf_tensors(hf_dir, cfg, "--hf")
+    assert "model.layers.1.mlp.experts.gate_up_proj" in tensor_files(hf_dir, adapter)
