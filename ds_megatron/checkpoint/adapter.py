@@ -16,7 +16,6 @@ tensors through it, and nothing else reads the family's transformers names.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -98,7 +97,7 @@ class StateDictAdapter:
     def to_hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Our full state dict -> the transformers causal-LM class's (``load_state_dict``), including the output
         layer's key where it is tied to the embedding (transformers' state dict holds the tied copy)."""
-        out: dict[str, Any] = {}
+        out: dict[str, torch.Tensor] = {}
         for name, tensor in state.items():
             out.update({k: v.contiguous() for k, v in self.to_hf(name, tensor).items()})
         out.setdefault(HF_OUTPUT + "weight", out[self.family.layout.embedding[0] + ".weight"])
@@ -114,8 +113,9 @@ class StateDictAdapter:
                 grouped.setdefault(name, {})[self.canonical(key)] = tensor
         shapes = expected_shapes(self.config)
         ours = {name: self.from_hf(name, group) for name, group in grouped.items() if name in shapes}
+        kept = {name: shape for name, shape in shapes.items() if name in ours}
         for name in set(grouped) - set(shapes):
-            if not is_copy(self.from_hf(name, grouped[name]), shapes, ours.__getitem__):
+            if not is_copy(self.from_hf(name, grouped[name]), kept, ours.__getitem__):
                 raise ValueError(f"{name}: a tensor the model has no parameter for (it would be lost)")
         return ours
 
