@@ -3,15 +3,15 @@
 
 Each rank reads, lazily from the safetensors files, only the tensors its stage holds, converts them and keeps its TP
 shard through the family's state-dict adapter (``checkpoint/adapter.py``: the same shard rules the layers were built
-with).  The pipeline-tied embedding copies are
-both loaded, so they start identical.
+with).  The pipeline-tied embedding copies are both loaded, so they start identical.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -67,7 +67,9 @@ def tensor_files(hf_dir: Path, adapter: StateDictAdapter, setting: str = "--init
     return found
 
 
-def read_stored(adapter: StateDictAdapter, name: str, where: dict[str, HFTensor], read) -> torch.Tensor:
+def read_stored(
+    adapter: StateDictAdapter, name: str, where: dict[str, HFTensor], read: Callable[[HFTensor], torch.Tensor]
+) -> torch.Tensor:
     """Our full tensor ``name`` (fp32) from the tensors stored for it; ``read(HFTensor)`` reads one."""
     return adapter.from_hf(name, {canonical: read(t).float() for canonical, t in where.items()})
 
@@ -88,12 +90,14 @@ def check_hf_tensors(hf_dir: Path, config: ModelConfig, setting: str) -> tuple[S
         raise ConfigError(
             setting, f"{len(missing)} tensor(s) of the model missing", f"first {missing[0]}", "pass a full model"
         )
+    handles: dict[Path, Any] = {}  # each file's header read once (a routed layer stores 3 E tensors)
     for name, want in shapes.items():
         headers = {}
         for canonical, where in files[name].items():
-            with safe_open(str(where.path), "pt") as f:
-                meta = f.get_slice(where.key)
-                headers[canonical] = (meta.get_dtype(), tuple(meta.get_shape()))
+            if where.path not in handles:
+                handles[where.path] = safe_open(str(where.path), "pt")
+            meta = handles[where.path].get_slice(where.key)
+            headers[canonical] = (meta.get_dtype(), tuple(meta.get_shape()))
         dtypes = sorted({d for d, _ in headers.values()}, key=lambda d: d in FLOAT_DTYPES)
         metas = {c: torch.empty(shape, device="meta") for c, (_, shape) in headers.items()}
         try:
@@ -168,7 +172,7 @@ def load_hf_into_pipeline(module, parallel: ParallelContext, hf_dir: str | Path)
     check_hf_config(hf_dir, parallel.config)
     adapter = StateDictAdapter(parallel)
     files = tensor_files(hf_dir, adapter)
-    handles: dict[Path, object] = {}
+    handles: dict[Path, Any] = {}
 
     def read(where: HFTensor) -> torch.Tensor:
         if where.path not in handles:
