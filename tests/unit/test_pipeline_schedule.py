@@ -222,7 +222,7 @@ def test_activations_in_flight_count_deepspeeds_schedules(pp, m):
 
     from ds_megatron.memory import stage_activations_in_flight
     from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleSchedule
-    from ds_megatron.pipeline_parallel.zb_order import peak_in_flight, zb_h2_candidates
+    from ds_megatron.pipeline_parallel.schedules.zb_order import peak_in_flight, zb_h2_candidates
 
     for rank in range(pp):
         # ZB-H2 runs whichever of its candidate orders is fastest at the costs a run measures: the most any keeps
