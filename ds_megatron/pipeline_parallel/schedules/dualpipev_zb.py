@@ -27,24 +27,11 @@ def simulate(p: int, m: int, forward: float, backward: float, weight: float) -> 
 
 
 def slots(p: int, m: int) -> float:
-    """The step's critical path in units of t_mb (one micro-batch's two chunks, F, B and W, on a rank)."""
-    return simulate(p, m, *COSTS) / (2 * sum(COSTS))
-
-
-def critical_path(p: int, m: int, t_mb: float, t_w: float) -> tuple[float, float]:
-    n = slots(p, m)
-    return n, (n - m) * t_mb
+    return v_order.slots(p, m, True, COSTS)
 
 
 def peak_bytes(p: int, m: int, rank: int, phase_bytes: tuple[float, float], w_bytes: tuple[float, float]) -> float:
-    """The most rank ``rank`` keeps (``v_order.peak_bytes``): ``phase_bytes[phase]`` per chunk in flight and
-    ``w_bytes[phase]`` per queued W pass."""
     return v_order.peak_bytes(p, m, rank, True, phase_bytes, w_bytes)
-
-
-def bubble(p: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
-    """The step's fill and drain for a rank whose two chunks take ``t_f``, ``t_b`` and ``t_w`` per micro-batch."""
-    return simulate(p, m, t_f / 2, t_b / 2, t_w / 2) - m * (t_f + t_b + t_w)
 
 
 SCHEDULE = Schedule(
@@ -55,8 +42,8 @@ SCHEDULE = Schedule(
     module="ds_megatron.pipeline_parallel.dualpipev:DualPipeVModel",
     engine="ds_megatron.pipeline_parallel.dualpipev_zb:DualPipeVZeroBubbleEngine",
     order=lambda p, m, rank: v_order.passes(p, m, rank, split=True),
-    bubble=bubble,
-    critical_path=critical_path,
+    bubble=lambda p, m, t_f, t_b, t_w: v_order.bubble(p, m, True, t_f, t_b, t_w),
+    critical_path=lambda p, m, t_mb, t_w: (slots(p, m), (slots(p, m) - m) * t_mb),
     in_flight=lambda p, rank, m: (2 * p + 1) / 2,
     activation_peaks=lambda p, m, t: v_order.peaks(p, m, True, t),
     deferred_weight_grads=True,

@@ -5,7 +5,7 @@ backward in the steady state, p - r micro-batches in flight on rank r), with asy
 from __future__ import annotations
 
 from ds_megatron.pipeline_parallel.schedules import zb_order
-from ds_megatron.pipeline_parallel.schedules.record import Schedule, forwards_ahead, loop_bubble, loop_peaks, loop_slots
+from ds_megatron.pipeline_parallel.schedules.record import Schedule, loop_bubble, loop_in_flight, loop_peaks, loop_slots
 
 NAME = "1f1b"
 
@@ -19,7 +19,7 @@ SCHEDULE = Schedule(
     order=zb_order.one_f_one_b_order,
     bubble=loop_bubble,
     critical_path=loop_slots,
-    in_flight=lambda p, rank, m: float(forwards_ahead(p, rank, m)),
+    in_flight=loop_in_flight,
     activation_peaks=loop_peaks,
     searched=True,
 )

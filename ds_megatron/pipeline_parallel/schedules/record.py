@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ds_megatron.pipeline_parallel.schedules.zb_order import forwards_ahead
+
 SETTING = "ds_megatron.parallel.pipeline_schedule"
 LOOP, V = "loop", "v"  # placements: stage r + k p on rank r (k < stages per rank), or DualPipeV's r and 2p-1-r
 
@@ -70,6 +72,14 @@ class Schedule:
     pipeline_reason: str | None = None  # why pp 1 is refused (the tuner's words); None: runs at pp 1
     searched: bool = False  # the tuner ranks it unless --schedule says otherwise
     refusals: tuple[Callable[[Schedule, RunFacts], Refusal | None], ...] = ()
+
+    def per_rank(self, settings: Any = None) -> int:
+        """Stages each pipeline rank holds: the value of ``stages_setting`` in ``settings`` (the run's
+        ``ParallelSection``) for a schedule that lets the user choose it (interleaved 1F1B's virtual stages), else
+        ``stages_per_rank``."""
+        if self.stages_setting is None or settings is None:
+            return self.stages_per_rank
+        return getattr(settings, self.stages_setting)
 
     def stages_of(self, rank: int, pp: int, per_rank: int | None = None) -> tuple[int, ...]:
         """The stages (of ``pp * per_rank``, in model order) pipeline rank ``rank`` builds, in the order it registers
@@ -163,10 +173,9 @@ def fp16_two_stages(schedule: Schedule, f: RunFacts) -> Refusal | None:
 # The tuner's and the memory formulas' terms shared by the one-stage-per-rank schedules.
 
 
-def forwards_ahead(p: int, stage: int, m: int, k: int = 1) -> int:
-    """The most micro-batches stage ``stage`` keeps forwarded and not yet backward: k (p - s) - (k - 1), at most m
-    (1F1B, k 1: p - s; ZB-H2, k 2: 2(p - s) - 1)."""
-    return min(m, k * (p - stage) - (k - 1))
+def loop_in_flight(p: int, rank: int, m: int) -> float:
+    """1F1B's micro-batches in flight on rank ``rank``: min(p - rank, m)."""
+    return float(forwards_ahead(p, rank, m, 1))
 
 
 def loop_slots(p: int, m: int, t_mb: float, t_w: float) -> tuple[float, float]:

@@ -130,6 +130,18 @@ def _makespan(p: int, m: int, split: bool, forward: float, backward: float, weig
     return simulate.makespan(streams, (forward, backward, weight)) + (p - 1) * forward
 
 
+def slots(p: int, m: int, split: bool, costs: tuple[float, ...]) -> float:
+    """The step's critical path in units of t_mb (one micro-batch's two chunks, all their passes, on a rank) when the
+    chunk passes cost ``costs`` (forward, backward[, weight])."""
+    return makespan(p, m, split, *costs) / (2 * sum(costs))
+
+
+def bubble(p: int, m: int, split: bool, t_f: float, t_b: float, t_w: float) -> float:
+    """The step's fill and drain for a rank whose two chunks take ``t_f``, ``t_b`` and ``t_w`` per micro-batch."""
+    chunk = (t_f / 2, t_b / 2, t_w / 2) if split else (t_f / 2, (t_b + t_w) / 2)
+    return makespan(p, m, split, *chunk) - m * (t_f + t_b + t_w)
+
+
 def peak_bytes(
     p: int, m: int, rank: int, split: bool, phase_bytes: tuple[float, float], w_bytes: tuple[float, float] = (0, 0)
 ) -> float:

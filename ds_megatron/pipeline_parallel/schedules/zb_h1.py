@@ -14,8 +14,8 @@ from ds_megatron.pipeline_parallel.schedules import zb_order
 from ds_megatron.pipeline_parallel.schedules.record import (
     ActivationTerms,
     Schedule,
-    forwards_ahead,
     fp16_deferred,
+    loop_in_flight,
     loop_peaks,
     loop_slots,
 )
@@ -57,7 +57,7 @@ SCHEDULE = Schedule(
     order=order,
     bubble=functools.partial(zb_order.bubble, False),
     critical_path=critical_path,
-    in_flight=lambda p, rank, m: float(forwards_ahead(p, rank, m)),
+    in_flight=loop_in_flight,
     activation_peaks=activation_peaks,
     deferred_weight_grads=True,
     w_held=lambda p, rank: rank + 1,  # rank while it runs forwards, one more in the cooldown

@@ -13,7 +13,6 @@ from ds_megatron.pipeline_parallel.schedules import zb_order
 from ds_megatron.pipeline_parallel.schedules.record import (
     ActivationTerms,
     Schedule,
-    forwards_ahead,
     fp16_deferred,
     loop_peaks,
     loop_slots,
@@ -40,7 +39,7 @@ def critical_path(p: int, m: int, t_mb: float, t_w: float) -> tuple[float, float
 
 
 def in_flight(p: int, rank: int, m: int) -> float:
-    return float(forwards_ahead(p, rank, m, K))
+    return float(zb_order.forwards_ahead(p, rank, m, K))
 
 
 def w_held(p: int, rank: int) -> int:
