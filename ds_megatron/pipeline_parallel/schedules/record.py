@@ -64,7 +64,6 @@ class Schedule:
     critical_path: Callable[..., tuple[float, float]]  # (p, m, t_mb, t_w) -> the tuner's (slots of t_mb, bubble s)
     in_flight: Callable[[int, int, int], float]  # (p, rank, m) -> micro-batches' activations held, in 1F1B stages
     activation_peaks: Callable[[int, int, ActivationTerms], tuple[float, float]]  # (p, m, terms) -> (first, last)
-    forwards_ahead: int = 1  # rank r runs up to k (p - r) - (k - 1) forwards ahead of its backwards (1F1B: 1)
     deferred_weight_grads: bool = False  # the backward runs B only; W passes run later (pipeline_parallel.zero_bubble)
     w_held: Callable[[int, int], int] = lambda p, rank: 0  # (p, rank) -> the most deferred W passes the rank holds
     placement: str = LOOP  # LOOP or V (see stages_of)

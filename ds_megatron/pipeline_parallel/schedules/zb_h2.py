@@ -71,7 +71,6 @@ SCHEDULE = Schedule(
     critical_path=critical_path,
     in_flight=in_flight,
     activation_peaks=activation_peaks,
-    forwards_ahead=K,
     deferred_weight_grads=True,
     w_held=w_held,
     pipeline_reason="with one stage there is no bubble for the W passes to fill",
