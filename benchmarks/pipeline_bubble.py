@@ -12,7 +12,7 @@ Runs itself under the deepspeed launcher.  The 9 engines are built once; each re
 barrier.  Idle fraction = blocked / (computing + blocked); the data load, gradient reduction and optimizer step (the
 same under every schedule) are left out.  Next to each measured idle fraction: the tuner's prediction for p equal
 stages (``tune.schedules``: 1F1B's bubble (p-1)/(m+p-1) of the step, DualPipeV's simulated makespan, and
-``tune.dualpipev_zb``'s with its W passes deferred).
+``pipeline_parallel.schedules.dualpipev_zb``'s with its W passes deferred).
 
 The model keeps its stages balanced, as the formula assumes: 8 blocks of width 256 and a 1024-token vocabulary
 (the output layer costs about a third of a block), so each 1F1B stage holds 4 blocks and the embedding or the
@@ -34,8 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ds_megatron.tune import dualpipev_zb  # noqa: E402
-from ds_megatron.tune.schedules import DUALPIPEV_COSTS, bubble_s, dualpipev_slots  # noqa: E402
+from ds_megatron.pipeline_parallel.schedules import dualpipev_zb  # noqa: E402
+from ds_megatron.pipeline_parallel.schedules.dualpipev import COSTS as DUALPIPEV_COSTS  # noqa: E402
+from ds_megatron.pipeline_parallel.schedules.dualpipev import slots as dualpipev_slots  # noqa: E402
+from ds_megatron.tune.schedules import bubble_s  # noqa: E402
 
 MICRO_BATCHES = (4, 8, 16)
 SCHEDULES = ("1f1b", "dualpipev", "dualpipev-zb")
@@ -154,7 +156,7 @@ def summarise(rows_by_rank: dict[int, list[dict]], names: tuple[str, ...]) -> st
     lines += [
         "",
         "Mean over the two ranks of the median idle fraction (and of the median step, ms), and the tuner's for equal "
-        "stages (tune.schedules, tune.dualpipev_zb):",
+        "stages (pipeline_parallel.schedules):",
         "",
         "| m | 1f1b measured | 1f1b predicted | dualpipev measured | dualpipev predicted | dualpipev-zb measured "
         "| dualpipev-zb predicted |",

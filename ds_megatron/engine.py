@@ -25,12 +25,8 @@ from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
 from ds_megatron.parallelize import ParallelContext
-from ds_megatron.pipeline_parallel.dualpipev import module_class, schedule_of
-from ds_megatron.pipeline_parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZERO_BUBBLE
-from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
 from ds_megatron.pipeline_parallel.module import build_pipeline_module
-from ds_megatron.pipeline_parallel.p2p import ENGINES as ASYNC_SEND_ENGINES
-from ds_megatron.pipeline_parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
+from ds_megatron.pipeline_parallel.schedules import schedule_of
 from ds_megatron.random import RNGTracker, build_rng
 from ds_megatron.tensor_parallel import TPGroup, defer_sp_grad_sync, sum_sp_replicated_grads
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue, defer_weight_grads
@@ -252,7 +248,7 @@ def build_engine(run: RunConfig) -> Built:
         topology,
         seed,
         run.section.parallel.partition_method,
-        module_class(schedule_of(run).name),
+        schedule_of(run).module_class(),
         fused_loss=run.section.model.fused_loss,
     )
     ckpt = run.section.checkpoint
@@ -280,16 +276,15 @@ def build_engine(run: RunConfig) -> Built:
     scheduler = None if schedule is None else functools.partial(WarmupCosineScheduler, schedule=schedule)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler)
     read_weights_only(engine)  # DeepSpeed's own checkpoint reads unpickle weights-only too
-    if run.section.parallel.pipeline_schedule in ZERO_BUBBLE_ENGINES:
+    # The schedule's engine replaces DeepSpeed's (every engine's pipeline sends are async, pipeline_parallel.p2p, so
+    # that the schedules compare alike); with deferred weight gradients, every stage of the rank defers to one queue.
+    pipeline = schedule_of(run)
+    if pipeline.deferred_weight_grads:
         queue = WeightGradQueue()
         defer_weight_grads(engine.module, queue)
-        ZERO_BUBBLE_ENGINES[run.section.parallel.pipeline_schedule].install(engine, queue)
-    elif run.section.parallel.pipeline_schedule == DUALPIPEV_ZERO_BUBBLE:
-        queue = WeightGradQueue()
-        defer_weight_grads(engine.module, queue)  # both of the rank's stages defer to one queue
-        DualPipeVZeroBubbleEngine.install(engine, queue)
-    else:  # every engine's pipeline sends are async (parallel.p2p), so that the schedules compare alike
-        ASYNC_SEND_ENGINES[run.section.parallel.pipeline_schedule].install(engine)
+        pipeline.engine_class().install(engine, queue)
+    else:
+        pipeline.engine_class().install(engine)
     if install_step_sp_grad_sync(engine, topology, run) and topology.rank == 0:
         print("ds_megatron: SP-replicated gradients summed over TP once per step (fp32)", flush=True)
     return Built(engine, topology, parallel, rng, config, run)

@@ -49,7 +49,6 @@ from ds_megatron.config.schema import (
     PipelineSchedule,
 )
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
-from ds_megatron.pipeline_parallel.zb_order import forwards_ahead, max_w_held
 
 MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
 KERNELS = ATTENTION_KERNELS  # "eager", "sdpa"
@@ -293,27 +292,15 @@ def paper_units(s: int, h: int, a: int, t: int = 1, sequence_parallel: bool = Fa
 def stage_activations_in_flight(schedule: PipelineSchedule, pp: int, rank: int, num_micro_batches: int) -> float:
     """The most micro-batches' activations pipeline rank ``rank`` holds at once, in units of one micro-batch's
     activations of a 1F1B stage (L/p blocks), as counted off DeepSpeed's schedules (forward passes not yet
-    backward): 1F1B (and ZB-H1) holds min(p - rank, m) on rank ``rank``, ZB-H2 min(2(p - rank) - 1, m) (about
-    twice: its extra forwards fill 1F1B's warm-up bubble); DualPipeV (m >= 2p) holds 2p + 1 micro-batches of a
-    half stage (L/2p blocks) on every rank, p + 1/2 stages' worth: half a stage more than 1F1B's rank 0, and p - 1/2
-    more on the last rank.  Weights: every rank holds L/p blocks under all; DualPipeV's rank 0 holds the embedding
-    and the output layer (two vocabulary matrices when untied), 1F1B splits them between the first and last rank."""
-    if schedule.stages_per_rank == 1:
-        return float(forwards_ahead(pp, rank, num_micro_batches, schedule.forwards_ahead))
-    return (2 * pp + 1) / schedule.stages_per_rank
+    backward): the schedule's record says (``Schedule.in_flight``; 1F1B min(p - rank, m), DualPipeV p + 1/2)."""
+    return schedule.in_flight(pp, rank, num_micro_batches)
 
 
 def stage_deferred_w_passes(schedule: PipelineSchedule, pp: int, rank: int) -> int:
     """The most queued W passes (each :func:`deferred_weight_grad_bytes_per_layer` per block) pipeline rank
-    ``rank`` holds beside its activations in flight: none without deferred weight gradients; ZB-H1 up to rank + 1
-    (``rank`` while it runs forwards, one more in the cooldown), and DualPipeV's with W deferred the same (rank r
-    holds at most r + 1, none while a forward runs: ``parallel.dualpipev_zb``); ZB-H2 one more than the largest
-    limit its order builder may pick (``parallel.zb_order.max_w_held``)."""
-    if not schedule.deferred_weight_grads:
-        return 0
-    if schedule.forwards_ahead == 1:
-        return rank + 1
-    return max_w_held(pp, rank)
+    ``rank`` holds beside its activations in flight (``Schedule.w_held``; none without deferred weight
+    gradients)."""
+    return schedule.w_held(pp, rank)
 
 
 def deferred_weight_grad_bytes_per_layer(

@@ -37,7 +37,7 @@ from ds_megatron.metrics import (
     recompute_fields,
     throughput,
 )
-from ds_megatron.pipeline_parallel.dualpipev import schedule_of
+from ds_megatron.pipeline_parallel.schedules import schedule_of
 from ds_megatron.plot import read_records, write_loss_plot
 from ds_megatron.stop import StopFlag
 

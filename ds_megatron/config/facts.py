@@ -6,6 +6,7 @@ another config."""
 from __future__ import annotations
 
 from ds_megatron.config.schema import pipeline_schedule
+from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 
 
 def precision(ds_config: dict) -> str:
@@ -88,7 +89,7 @@ def saved_cp(ds_config: dict) -> int:
 
 def saved_schedule(ds_config: dict) -> str:
     """The pipeline schedule a config ran (``ds_megatron.parallel.pipeline_schedule``; before the key, 1F1B)."""
-    return ((ds_config.get("ds_megatron") or {}).get("parallel") or {}).get("pipeline_schedule", "1f1b")
+    return ((ds_config.get("ds_megatron") or {}).get("parallel") or {}).get("pipeline_schedule", DEFAULT_SCHEDULE.name)
 
 
 def saved_world(ds_config: dict) -> int:

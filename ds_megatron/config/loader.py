@@ -255,11 +255,11 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
             "ds_megatron.parallel.tp", f"{misfit} not divisible by tp", values, f"choose tp dividing {misfit}"
         )
     schedule = check_schedule_name(par.pipeline_schedule, pp)
-    if shape.num_layers < pp * schedule.stages_per_rank:
-        per_rank = schedule.stages_per_rank
+    if shape.num_layers < pp * schedule.per_rank(par):
+        per_rank = schedule.per_rank(par)
         largest_pp = shape.num_layers // per_rank
-        # Schedules other than 1F1B need pp >= 2 (check_schedule_name): never suggest a pp they refuse.
-        if largest_pp >= (1 if schedule.name == PIPELINE_SCHEDULES[0].name else 2):
+        # A schedule that needs a pipeline refuses pp 1 (check_schedule_name): never suggest a pp it refuses.
+        if largest_pp >= (1 if schedule.pipeline_reason is None else 2):
             fix = f"set pp <= {largest_pp}"
         else:
             fix = (

@@ -1,32 +1,33 @@
 """Pre-launch checks of ``ds_megatron.parallel.pipeline_schedule`` (standard library only): what each schedule needs
-of the layout, the batch and the rest of the config, refused in one line before any process exists."""
+of the layout, the batch and the rest of the config (its record's refusals, ``pipeline_parallel.schedules``), refused
+in one line before any process exists."""
 
 from __future__ import annotations
 
 from ds_megatron.config.errors import ConfigError
 from ds_megatron.config.facts import precision
-from ds_megatron.config.schema import PIPELINE_SCHEDULES, PipelineSchedule, pipeline_schedule
+from ds_megatron.pipeline_parallel.schedules import DEFAULT, SCHEDULES, RunFacts, Schedule, schedule_named
+from ds_megatron.pipeline_parallel.schedules.record import SETTING
 
-SETTING = "ds_megatron.parallel.pipeline_schedule"
 
-
-def check_schedule_name(name: str, pp: int) -> PipelineSchedule:
-    """The schedule called ``name``; refused when unknown, or other than 1F1B without a pipeline."""
-    names = [s.name for s in PIPELINE_SCHEDULES]
+def check_schedule_name(name: str, pp: int) -> Schedule:
+    """The schedule called ``name``; refused when unknown, or when it needs a pipeline and pp is 1."""
+    names = [s.name for s in SCHEDULES]
     if name not in names:
         raise ConfigError(SETTING, "unknown schedule", f"got {name!r}", f"use one of {names}")
-    if name != PIPELINE_SCHEDULES[0].name and pp == 1:
+    schedule = schedule_named(name)
+    if schedule.pipeline_reason is not None and pp == 1:
         raise ConfigError(
             SETTING,
-            "schedules other than 1f1b reorder pipeline stages, and pp 1 has one stage",
+            f"schedules other than {DEFAULT.name} reorder pipeline stages, and pp 1 has one stage",
             f"pipeline_schedule={name!r}, pp=1",
-            f'set pp >= 2 or pipeline_schedule "{PIPELINE_SCHEDULES[0].name}"',
+            f'set pp >= 2 or pipeline_schedule "{DEFAULT.name}"',
         )
-    return pipeline_schedule(name)
+    return schedule
 
 
-def check_schedule_run(schedule: PipelineSchedule, ds_config: dict, tp: int, pp: int, grad_accum: int) -> None:
-    """What DeepSpeed's engine for ``schedule`` cannot run (checked on deepspeed 0.19.8's DualPipeVEngine)."""
+def check_schedule_run(schedule: Schedule, ds_config: dict, tp: int, pp: int, grad_accum: int) -> None:
+    """What the engine of ``schedule`` cannot run: too few micro-batches, then the record's own refusals."""
     need = schedule.micro_batches_per_rank * pp
     if grad_accum < need:
         raise ConfigError(
@@ -36,42 +37,7 @@ def check_schedule_run(schedule: PipelineSchedule, ds_config: dict, tp: int, pp:
             f"gradient_accumulation_steps={grad_accum}, pp={pp}, pipeline_schedule={schedule.name!r}",
             f"set gradient_accumulation_steps >= {need} (raise train_batch_size or lower the micro-batch size)",
         )
-    if schedule.name == PIPELINE_SCHEDULES[0].name:
-        return
-    if schedule.stages_per_rank == 1:  # zb-h1, zb-h2: DeepSpeed's own engine, deferred weight gradients
-        if precision(ds_config) == "fp16":
-            # fp16's wrappers scale and accumulate 16-bit gradients in backward; deferred weight gradients bypass that
-            raise ConfigError(
-                SETTING,
-                f"{schedule.name} is not supported with fp16",
-                f"pipeline_schedule={schedule.name!r}, fp16.enabled=true",
-                f'use bf16 or fp32, or pipeline_schedule "{PIPELINE_SCHEDULES[0].name}"',
-            )
-        return
-    pipe = ds_config.get("pipeline") or {}
-    for key in ("pipe_partitioned", "grad_partitioned"):
-        if tp > 1 and pipe.get(key):
-            raise ConfigError(
-                f"pipeline.{key}",
-                f"DeepSpeed's {schedule.name} engine sends whole stage-boundary tensors (no TP partitioning)",
-                f"{key}=true, tp={tp}, pipeline_schedule={schedule.name!r}",
-                f"remove pipeline.{key} (ds_megatron turns it off)",
-            )
-    if pipe.get("dynamic_shape"):
-        raise ConfigError(
-            "pipeline.dynamic_shape",
-            f"DeepSpeed's {schedule.name} engine exchanges the boundary tensors' shapes once",
-            f"dynamic_shape=true, pipeline_schedule={schedule.name!r}",
-            "remove pipeline.dynamic_shape (ds_megatron's boundary tensors have fixed shapes)",
-        )
-    if precision(ds_config) == "fp16":
-        # Measured on deepspeed 0.19.8, tiny GPT-2 at pp 2: the third step's gradient norm was 1.647 under
-        # DualPipeV and 1.832 under 1F1B with the same weights and data (bf16 and fp32 agree to the last digit):
-        # the fp16 wrapper's loss scaling meets the two phases' backward passes in a way DeepSpeed does not test.
-        raise ConfigError(
-            "fp16.enabled",
-            f"fp16 under the {schedule.name} schedule gives other gradients than 1f1b (its loss scaling is not "
-            "verified with two stages per rank)",
-            f"fp16=true, pipeline_schedule={schedule.name!r}",
-            'use bf16 (with "data_types": {"grad_accum_dtype": "fp32"}) or pipeline_schedule "1f1b"',
-        )
+    facts = RunFacts(tp, pp, grad_accum, precision(ds_config), ds_config.get("pipeline") or {}, DEFAULT.name)
+    refusal = schedule.refuse(facts)
+    if refusal is not None:
+        raise ConfigError(*refusal)

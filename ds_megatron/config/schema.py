@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ds_megatron.model import FAMILIES
+from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
+from ds_megatron.pipeline_parallel.schedules import SCHEDULES, Schedule, schedule_named
 
 ATTENTION_KERNELS = ("eager", "sdpa")
 MODEL_FAMILIES = tuple(FAMILIES)  # the registry's families (model/<family>/: each one's config, shapes and rules)
@@ -25,50 +27,10 @@ DOCUMENT_POSITIONS = ("restart", "global")
 DEFAULT_VOCAB_MULTIPLE = 128  # vocabulary padded to a multiple of this x tp (fast matmul shapes on GPUs)
 
 
-@dataclass(frozen=True)
-class PipelineSchedule:
-    """What the rest of ds_megatron must know of a pipeline schedule (the engine class lives in
-    ``ds_megatron.parallel.pipeline_schedule``)."""
-
-    name: str
-    stages_per_rank: int  # pipeline stages (model chunks) each pipeline rank holds
-    micro_batches_per_rank: int  # gradient_accumulation_steps must be >= this x pp (0: any count)
-    loss_on_first_rank: bool  # the loss (and the output layer) lives on pipeline rank 0, not on rank pp - 1
-    forwards_ahead: int = 1  # rank r runs up to k (p - r) - (k - 1) forwards ahead of its backwards (1F1B: 1)
-    deferred_weight_grads: bool = (
-        False  # the backward runs B only; W passes run later (ds_megatron.pipeline_parallel.zero_bubble)
-    )
-
-    def stages_of(self, rank: int, pp: int) -> tuple[int, ...]:
-        """The stages (of ``pp * stages_per_rank``, in model order) pipeline rank ``rank`` builds, in the order it
-        registers their parameters: stage r, or with two per rank the V's r and 2p-1-r."""
-        return (rank,) if self.stages_per_rank == 1 else (rank, 2 * pp - 1 - rank)
-
-    def loss_rank(self, pp: int) -> int:
-        """The pipeline rank that computes the loss (holds the output layer)."""
-        return 0 if self.loss_on_first_rank else pp - 1
-
-
-# DualPipeV: rank r holds stages r and 2p-1-r, so rank 0 holds both the embedding and the loss, and its schedule
-# needs 2p micro-batches in flight to fill the pipeline from both ends.
-PIPELINE_SCHEDULES = (
-    PipelineSchedule("1f1b", stages_per_rank=1, micro_batches_per_rank=0, loss_on_first_rank=False),
-    PipelineSchedule("dualpipev", stages_per_rank=2, micro_batches_per_rank=2, loss_on_first_rank=True),
-    # ZB-H1: DeepSpeed's 1F1B, weight-gradient passes deferred into its bubbles (pipeline_parallel.zero_bubble)
-    PipelineSchedule("zb-h1", 1, 0, loss_on_first_rank=False, deferred_weight_grads=True),
-    # ZB-H2: twice 1F1B's forwards ahead (about twice its peak activations), W passes wherever a stage would wait
-    PipelineSchedule("zb-h2", 1, 0, loss_on_first_rank=False, forwards_ahead=2, deferred_weight_grads=True),
-    # DualPipeV with weight-gradient passes deferred into its drain (ds_megatron.pipeline_parallel.dualpipev_zb)
-    PipelineSchedule("dualpipev-zb", 2, 2, loss_on_first_rank=True, deferred_weight_grads=True),
-)
-
-
-def pipeline_schedule(name: str) -> PipelineSchedule:
-    """The schedule called ``name`` (KeyError for an unknown one: the config loader refuses those first)."""
-    for schedule in PIPELINE_SCHEDULES:
-        if schedule.name == name:
-            return schedule
-    raise KeyError(name)
+# The pipeline schedules (ds_megatron.pipeline_parallel.schedules: one record each, standard library only).
+PipelineSchedule = Schedule
+PIPELINE_SCHEDULES = SCHEDULES
+pipeline_schedule = schedule_named
 
 
 def padded_vocab_size(vocab_size: int, tp: int, multiple: int = DEFAULT_VOCAB_MULTIPLE) -> int:
@@ -124,7 +86,7 @@ class ParallelSection:
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
-    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES' names (1f1b, dualpipev, zb-h1, zb-h2, dualpipev-zb)
+    pipeline_schedule: str = DEFAULT_SCHEDULE.name  # one of PIPELINE_SCHEDULES' names
 
 
 @dataclass(frozen=True)

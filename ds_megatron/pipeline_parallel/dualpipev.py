@@ -1,9 +1,7 @@
-"""L3.5: the model and engine classes of each pipeline schedule (``ds_megatron.parallel.pipeline_schedule``; what
-the rest must know of each is its row in ``config.schema.PIPELINE_SCHEDULES``).
+"""L3.5: DualPipeV's pipeline module (what the rest must know of each schedule is its record,
+``pipeline_parallel.schedules``, which names the module and engine classes that run it).
 
-- ``1f1b``: DeepSpeed's ``PipelineModule`` / ``PipelineEngine`` (``TrainSchedule``), as :mod:`.module`
-  builds it; its sends async, as every schedule's (:mod:`ds_megatron.pipeline_parallel.p2p`).
-- ``dualpipev``: DeepSpeed's ``DualPipeVModule`` / ``DualPipeVEngine`` (``DualPipeVSchedule``; ``dualpipev-zb``: the
+- DeepSpeed's ``DualPipeVModule`` / ``DualPipeVEngine`` (``DualPipeVSchedule``; with deferred weight gradients: the
   same module, the engine and schedule of :mod:`ds_megatron.pipeline_parallel.dualpipev_zb`).  The layers are cut
   into 2p stages; rank r builds stage r (phase 0, activations flow towards rank p-1) and stage 2p-1-r (phase 1, back
   towards rank 0), so rank 0 holds the embedding, the output layer and the loss, and a tied embedding is one module
@@ -29,7 +27,6 @@ from __future__ import annotations
 
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
-from ds_megatron.config.schema import PipelineSchedule, pipeline_schedule
 from ds_megatron.pipeline_parallel.module import PipelineModel
 
 
@@ -51,25 +48,3 @@ class DualPipeVModel(PipelineModel, DualPipeVModule):
         super().activate_phase(phase)
         if getattr(self, "phase_segments", None) is not None:  # None while DeepSpeed builds the two stages
             self.segments = self.phase_segments[phase]
-
-
-# zb-h1 and zb-h2 run the 1F1B module; their engine is swapped in after deepspeed.initialize
-# (ds_megatron.pipeline_parallel.zero_bubble).
-MODULE_CLASSES: dict[str, type[PipelineModel]] = {
-    "1f1b": PipelineModel,
-    "dualpipev": DualPipeVModel,
-    "zb-h1": PipelineModel,
-    "zb-h2": PipelineModel,
-    "dualpipev-zb": DualPipeVModel,  # its engine swapped in after deepspeed.initialize (parallel.dualpipev_zb)
-}
-
-
-def module_class(name: str) -> type[PipelineModel]:
-    """The pipeline module class of schedule ``name`` (its engine follows: ``deepspeed.initialize`` chooses
-    ``DualPipeVEngine`` for a ``DualPipeVModule``)."""
-    return MODULE_CLASSES[name]
-
-
-def schedule_of(run) -> PipelineSchedule:
-    """The pipeline schedule of a resolved run."""
-    return pipeline_schedule(run.section.parallel.pipeline_schedule)

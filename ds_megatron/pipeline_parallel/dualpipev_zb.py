@@ -15,7 +15,7 @@ their way and the rank computes while its peers do.
 Memory: no W pass is queued when a forward runs, so the micro-batches in flight are DualPipeV's; in the drain rank
 r queues up to r + 1, each keeping its linears' inputs and output gradients
 (``memory.deferred_weight_grad_bytes_per_layer``) while its backward passes free chunks: the peak stays DualPipeV's
-while a queued W pass keeps at most two chunks' activations (``tune.dualpipev_zb.peak_bytes`` counts both).
+while a queued W pass keeps at most two chunks' activations (``schedules.dualpipev_zb.peak_bytes`` counts both).
 
 :class:`DualPipeVZeroBubbleEngine` executes it on top of DeepSpeed's ``DualPipeVEngine``: each backward pass seals
 its W pass in the rank's queue, ``WeightGradPass`` runs the oldest one with ZB-H1's framing for DeepSpeed's BF16
@@ -27,11 +27,9 @@ from __future__ import annotations
 
 from deepspeed.runtime.pipe import schedule
 
-from ds_megatron.config import dualpipev_order as order
 from ds_megatron.pipeline_parallel.p2p import AsyncSendDualPipeVEngine
+from ds_megatron.pipeline_parallel.schedules import v_order as order
 from ds_megatron.pipeline_parallel.zero_bubble import DeferredWeightGradSteps, WeightGradPass
-
-PIPELINE_SCHEDULE = "dualpipev-zb"  # the config value of ds_megatron.parallel.pipeline_schedule this module implements
 
 
 class DualPipeVZeroBubbleSchedule(schedule.DualPipeVSchedule):
@@ -82,9 +80,9 @@ class DualPipeVZeroBubbleSchedule(schedule.DualPipeVSchedule):
 
 
 class DualPipeVZeroBubbleEngine(DeferredWeightGradSteps, AsyncSendDualPipeVEngine):
-    """DeepSpeed's DualPipeV engine running :class:`DualPipeVZeroBubbleSchedule`, with ``dualpipev``'s async sends
-    (``parallel.p2p``).  Never constructed: ``install(engine, queue)`` turns a built ``DualPipeVEngine`` into one
-    (deepspeed.initialize builds the engine itself) and attaches the queue that the layers defer their weight
+    """DeepSpeed's DualPipeV engine running :class:`DualPipeVZeroBubbleSchedule`, with DualPipeV's async sends
+    (``pipeline_parallel.p2p``).  Never constructed: ``install(engine, queue)`` turns a built ``DualPipeVEngine``
+    into one (deepspeed.initialize builds the engine itself) and attaches the queue that the layers defer their weight
     gradients to (one queue for both of the rank's stages)."""
 
     def _train_schedule(self):

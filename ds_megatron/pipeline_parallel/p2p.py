@@ -7,7 +7,7 @@ warm-up forwards, ZB-H1's W passes while the peer computes, DualPipeV's two phas
 instead of moving on to its next pass.  DeepSpeed's DualPipeV batches its sends and receives
 (``batch_isend_irecv``) but waits for the whole batch at each ``CommitP2P``: its sends block the same way.  (NCCL's
 send does not block the host; Megatron-LM issues isend/irecv.  It does hold back, until the peer receives it, every
-later operation between the two ranks: ``parallel.p2p_rendezvous`` checks every schedule's order against that, as
+later operation between the two ranks: ``pipeline_parallel.rendezvous`` checks every schedule's order against that, as
 :meth:`AsyncSendSteps.p2p_posts` derives it from the instructions the engine runs.)
 
 :class:`PendingSends` is the one owner of an async send and of its wait.  Each send is an ``isend`` whose handle is
@@ -30,9 +30,10 @@ queue, before the tensors it describes.
 :class:`AsyncSendSteps` puts it into DeepSpeed's engines without forking their send code: each send instruction runs
 DeepSpeed's own (shape metadata, partitioned tensors, the bool-mask cast) with its module function ``p2p.send`` bound
 to :meth:`PendingSends.isend` for the duration of the instruction (the engine has no other hook: its send code
-calls that module function), and DualPipeV's commit waits for its receives only.  ``1f1b`` and ``dualpipev`` install
-:data:`ENGINES`' classes; the zero-bubble engines (``parallel.zero_bubble``, ``parallel.dualpipev_zb``) derive from
-them, so every schedule is compared with the same p2p.
+calls that module function), and DualPipeV's commit waits for its receives only.  1F1B and DualPipeV install
+:class:`AsyncSendPipelineEngine` and :class:`AsyncSendDualPipeVEngine` (their records name them); the zero-bubble
+engines (``pipeline_parallel.zero_bubble``, ``pipeline_parallel.dualpipev_zb``) derive from them, so every schedule
+is compared with the same p2p.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ class AsyncSendSteps:
     @classmethod
     def p2p_posts(cls, pipe_schedule) -> list[rendezvous.Batch]:
         """The p2p operations an engine of this class posts while it runs ``pipe_schedule`` (its instructions, in
-        order), peers as stage ids, for ``parallel.p2p_rendezvous``.  Each send is an isend nobody waits for until
+        order), peers as stage ids, for ``pipeline_parallel.rendezvous``.  Each send is an isend nobody waits for until
         the step's end; the first activation sent on each link carries the shape metadata first (an isend too; its
         receive blocks).  1F1B's engine receives with a blocking ``recv`` at each receive instruction;
         DualPipeV's queues every send and receive until the next commit and posts them as one
@@ -218,7 +219,7 @@ class AsyncSendSteps:
 
 
 class AsyncSendPipelineEngine(AsyncSendSteps, PipelineEngine):
-    """DeepSpeed's 1F1B engine with async sends (``1f1b``).  Never constructed: ``install`` turns a built one into
+    """DeepSpeed's 1F1B engine with async sends.  Never constructed: ``install`` turns a built one into
     it."""
 
     DEEPSPEED_ENGINE = PipelineEngine
@@ -226,7 +227,7 @@ class AsyncSendPipelineEngine(AsyncSendSteps, PipelineEngine):
 
 
 class AsyncSendDualPipeVEngine(AsyncSendSteps, DualPipeVEngine):
-    """DeepSpeed's DualPipeV engine with async sends (``dualpipev``): each commit waits for its receives only."""
+    """DeepSpeed's DualPipeV engine with async sends: each commit waits for its receives only."""
 
     DEEPSPEED_ENGINE = DualPipeVEngine
     _INSTRUCTION_MAP = {
@@ -234,8 +235,3 @@ class AsyncSendDualPipeVEngine(AsyncSendSteps, DualPipeVEngine):
         **AsyncSendSteps.INSTRUCTIONS,
         schedule.CommitP2P: AsyncSendSteps._exec_commit_p2p,
     }
-
-
-# The engine each schedule (its ds_megatron.parallel.pipeline_schedule value) without deferred weight gradients
-# swaps in after deepspeed.initialize.
-ENGINES = {"1f1b": AsyncSendPipelineEngine, "dualpipev": AsyncSendDualPipeVEngine}

@@ -1,5 +1,5 @@
 """Whether every rank's sequence of pipeline sends and receives completes under NCCL's point-to-point semantics, pure
-Python (the schedules' tests, the zero-bubble order builder ``parallel.zb_order`` and the tuner use it).
+Python (the schedules' tests, the zero-bubble order builder ``schedules.zb_order`` and the tuner use it).
 
 gloo runs an order as long as no receive waits, through a chain of receives, on itself: a send never waits (the
 engines' sends are ``isend``, ``parallel.p2p``).  NCCL is stricter, and an order that gloo runs can hang there:

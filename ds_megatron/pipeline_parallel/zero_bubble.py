@@ -4,7 +4,7 @@ DeepSpeed's 1F1B (``TrainSchedule``) runs each backward pass whole.  With the la
 (``ds_megatron.tensor_parallel.weight_grad``), a backward pass is B only (input gradients: what the previous stage waits
 for), and each W pass (weight gradients: nobody waits for them before the step) becomes an instruction of its own,
 :class:`WeightGradPass`.  :class:`ZeroBubbleH1Schedule` yields DeepSpeed's 1F1B order unchanged and inserts the W passes
-(the order ``parallel.zb_order.zb_h1_streams`` builds): stage s holds back up to s of them (the last stage the most),
+(the order ``schedules.zb_order.zb_h1_streams`` builds): stage s holds back up to s of them (the last stage the most),
 runs one whenever it holds more, and runs the rest at the end of the step, where its upstream stages are still busy with
 their last B passes (the cooldown bubble of 1F1B).  The number of micro-batches in flight is 1F1B's; stage s
 additionally keeps what at most s W passes need whenever it runs a forward (s + 1 in the cooldown, between a backward
@@ -18,7 +18,7 @@ the peak over stages is 1F1B's (the first stage holds none back).  With T_F = T_
 any left first, so the tied, SP-replicated and data-parallel reductions, clipping, the skipped-step guard and the
 optimizer step all see complete gradients; the optimizer step refuses to run with W passes still queued.
 
-:class:`ZeroBubbleH2Schedule` yields the ZB-H2 order of ``parallel.zb_order`` (up to 2(p - s) - 1 forwards ahead,
+:class:`ZeroBubbleH2Schedule` yields the ZB-H2 order of ``schedules.zb_order`` (up to 2(p - s) - 1 forwards ahead,
 W passes where the stage would wait; ZB-H1's order where that is as fast under the costs) and
 :class:`ZeroBubbleH2PipelineEngine` runs it, rebuilding the order once for the pass costs it times in the first
 step.
@@ -33,10 +33,7 @@ import torch
 from deepspeed.runtime.pipe import schedule
 
 from ds_megatron.pipeline_parallel.p2p import AsyncSendPipelineEngine
-from ds_megatron.pipeline_parallel.zb_order import BUILD_COSTS, num_buffers, zb_h1_streams, zb_h2_streams
-
-PIPELINE_SCHEDULE = "zb-h1"  # the config values of ds_megatron.parallel.pipeline_schedule this module implements
-PIPELINE_SCHEDULE_H2 = "zb-h2"
+from ds_megatron.pipeline_parallel.schedules.zb_order import BUILD_COSTS, num_buffers, zb_h1_streams, zb_h2_streams
 
 
 class WeightGradPass(schedule.PipeInstruction):
@@ -66,7 +63,7 @@ class ZeroBubbleH1Schedule(schedule.TrainSchedule):
     """DeepSpeed's 1F1B with W passes split off the backward passes and delayed by up to ``stage_id`` of them: the
     order of ``zb_order.zb_h1_streams`` (which says where each W goes and why), in 1F1B's pipe buffers.  With
     T_F = T_B = T_W this reaches ZB-H1's bubble of (p-1)(T_F+T_B-T_W) under the engines' async sends
-    (``parallel.p2p``; tests/unit/test_zero_bubble.py times it)."""
+    (``pipeline_parallel.p2p``; tests/unit/test_zero_bubble.py times it)."""
 
     def steps(self):
         ops = zb_h1_streams(self.stages, self.micro_batches)[self.stage_id]
@@ -74,7 +71,7 @@ class ZeroBubbleH1Schedule(schedule.TrainSchedule):
 
 
 class ZeroBubbleH2Schedule(schedule.PipeSchedule):
-    """ZB-H2 (``parallel.zb_order``): up to 2(p - s) - 1 forwards ahead on stage s and the W passes where the
+    """ZB-H2 (``schedules.zb_order``): up to 2(p - s) - 1 forwards ahead on stage s and the W passes where the
     stage would wait, built for ``costs`` (T_F, T_B, T_W), or ZB-H1's order where that is as fast under those
     costs, as DeepSpeed instructions, one per step; micro-batch i lives in pipe buffer i % :meth:`num_pipe_buffers`."""
 
@@ -92,8 +89,8 @@ class ZeroBubbleH2Schedule(schedule.PipeSchedule):
 
 class DeferredWeightGradSteps:
     """The instructions every engine with deferred weight gradients runs the same way (ZB-H1, ZB-H2 and DualPipeV's
-    ``parallel.dualpipev_zb``), mixed in before DeepSpeed's engine class: a W pass runs the oldest queued one, the
-    step's first reduction (``ReduceTiedGrads``) runs every one left first, so the tied, SP-replicated and
+    ``pipeline_parallel.dualpipev_zb``), mixed in before DeepSpeed's engine class: a W pass runs the oldest queued
+    one, the step's first reduction (``ReduceTiedGrads``) runs every one left first, so the tied, SP-replicated and
     data-parallel reductions, clipping, the skipped-step guard and the optimizer see complete gradients, and an
     optimizer step with W passes still queued is an error."""
 
@@ -142,8 +139,8 @@ class DeferredWeightGradSteps:
 
 class ZeroBubblePipelineEngine(DeferredWeightGradSteps, AsyncSendPipelineEngine):
     """DeepSpeed's pipeline engine running :class:`ZeroBubbleH1Schedule`, with 1F1B's async sends
-    (``parallel.p2p``).  Never constructed: ``install(engine, queue)`` turns a built ``PipelineEngine`` into one
-    (deepspeed.initialize builds the engine itself) and attaches the queue that the layers defer their weight
+    (``pipeline_parallel.p2p``).  Never constructed: ``install(engine, queue)`` turns a built ``PipelineEngine``
+    into one (deepspeed.initialize builds the engine itself) and attaches the queue that the layers defer their weight
     gradients to."""
 
     def _train_schedule(self):
@@ -250,6 +247,3 @@ ZeroBubbleH2PipelineEngine._INSTRUCTION_MAP = {
     schedule.OptimizerStep: ZeroBubbleH2PipelineEngine._exec_optimizer_step,
     WeightGradPass: ZeroBubbleH2PipelineEngine._exec_weight_grad_pass,
 }
-
-# The engine each zero-bubble schedule (its ds_megatron.parallel.pipeline_schedule value) swaps in.
-ENGINES = {PIPELINE_SCHEDULE: ZeroBubblePipelineEngine, PIPELINE_SCHEDULE_H2: ZeroBubbleH2PipelineEngine}

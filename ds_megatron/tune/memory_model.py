@@ -15,12 +15,9 @@ from ds_megatron.memory import (
     cp_transient_bytes,
     deferred_weight_grad_bytes_per_layer,
     rotary_table_bytes,
-    stage_activations_in_flight,
-    stage_deferred_w_passes,
 )
 from ds_megatron.model import family_of
-from ds_megatron.tune import dualpipev_zb
-from ds_megatron.tune.schedules import dualpipev_peak_bytes
+from ds_megatron.pipeline_parallel.schedules import ActivationTerms
 from ds_megatron.tune.spec import Candidate
 
 GIB = 2**30
@@ -79,7 +76,7 @@ def rank_param_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
     """(first, last) pipeline rank's parameters per TP rank under the candidate's schedule.  DualPipeV: rank 0 holds
     chunks 0 and 2p-1 (the embedding, the final norm and the output layer, a tied one sharing the embedding's
     module), the last rank two chunks of the middle, each chunk ceil(L/(2p)) blocks: the same total as 1F1B."""
-    if not dualpipev_zb.two_stages_per_rank(cand.schedule):
+    if not pipeline_schedule(cand.schedule).loss_on_first_rank:
         return stage_param_counts(model, cand.tp, cand.pp)
     whole = stage_param_counts(model, cand.tp, 1)[0]
     blocks = 2 * layers_per_stage(model.num_layers, 2 * cand.pp) * block_param_count(model, cand.tp)
@@ -227,56 +224,20 @@ def deferred_weight_grad_bytes(model: ModelShape, cand: Candidate, num_blocks: i
 
 
 def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, float]:
-    """(first, last) pipeline rank's activation bytes at their peak under the candidate's schedule.
-    1F1B: the first stage keeps min(p, m) micro-batches in flight, the last one.
-    ZB-H1: 1F1B's micro-batches in flight, and stage s holds back up to s W passes: none on the first stage; the last
-    keeps p - 1 of them beside its one micro-batch in flight, and p (none in flight) in the cooldown, between a B and
-    the W it makes due (``deferred_weight_grad_bytes``).  Between the two ends a stage's peak is linear in s, so the
-    ends are the peaks.
-    ZB-H2: ``memory.stage_activations_in_flight`` micro-batches (2p - 1 on the first stage, 1 on the last) and
-    ``memory.stage_deferred_w_passes`` W passes beside them, both at once (an upper bound).
-    DualPipeV: each rank's two chunks (ceil(L/(2p)) blocks each) in flight at the peak of its schedule order
-    (``schedules.dualpipev_peak_bytes``); rank 0 adds the embedding's masks to its phase-0 chunks and the output
-    layer's activations to its phase-1 chunks, the loss being computed there."""
-    if cand.schedule == "dualpipev":
-        chunk = layers_per_stage(model.num_layers, 2 * cand.pp)
-        stored = stored_activation_bytes(model, cand, chunk)
-        transient = recompute_transient_bytes(model, cand, chunk)
-        p, m = cand.pp, cand.num_micro_batches
-        ends = (embedding_activation_bytes(model, cand), output_activation_bytes(model, cand))
-        first = dualpipev_peak_bytes(p, m, 0, (stored + ends[0], stored + ends[1])) + transient
-        last = dualpipev_peak_bytes(p, m, p - 1, (stored, stored)) + transient
-        return first, last
-    if cand.schedule == dualpipev_zb.NAME:  # DualPipeV's chunks, and the W passes queued in its drain
-        chunk = layers_per_stage(model.num_layers, 2 * cand.pp)
-        stored = stored_activation_bytes(model, cand, chunk)
-        transient = recompute_transient_bytes(model, cand, chunk)
-        p, m = cand.pp, cand.num_micro_batches
-        ends = (embedding_activation_bytes(model, cand), output_activation_bytes(model, cand))
-        w = deferred_weight_grad_bytes(model, cand, chunk, last=False)
-        w_loss = deferred_weight_grad_bytes(model, cand, chunk, last=True)  # rank 0's phase 1: the output layer
-        first = dualpipev_zb.peak_bytes(p, m, 0, (stored + ends[0], stored + ends[1]), (w, w_loss)) + transient
-        last = dualpipev_zb.peak_bytes(p, m, p - 1, (stored, stored), (w, w)) + transient
-        return first, last
-    n = layers_per_stage(model.num_layers, cand.pp)
-    stored = stored_activation_bytes(model, cand, n)
-    transient = recompute_transient_bytes(model, cand, n)
-    first = min(cand.pp, cand.num_micro_batches) * (stored + embedding_activation_bytes(model, cand)) + transient
-    last = stored + output_activation_bytes(model, cand) + transient
-    if cand.pp == 1:
-        first = last = first + output_activation_bytes(model, cand)
-    elif cand.schedule == "zb-h1":
-        held = deferred_weight_grad_bytes(model, cand, n, last=True)
-        last = max(last - transient, held) + (cand.pp - 1) * held + transient
-    elif cand.schedule == "zb-h2":
-        # twice 1F1B's forwards ahead, and beside them the W passes each stage may hold (memory's own counts)
-        schedule, p, m = pipeline_schedule("zb-h2"), cand.pp, cand.num_micro_batches
-        ahead = (stage_activations_in_flight(schedule, p, 0, m), stage_activations_in_flight(schedule, p, p - 1, m))
-        first = ahead[0] * (stored + embedding_activation_bytes(model, cand)) + transient
-        first += stage_deferred_w_passes(schedule, p, 0) * deferred_weight_grad_bytes(model, cand, n, last=False)
-        last = ahead[1] * stored + output_activation_bytes(model, cand) + transient
-        last += stage_deferred_w_passes(schedule, p, p - 1) * deferred_weight_grad_bytes(model, cand, n, last=True)
-    return first, last
+    """(first, last) pipeline rank's activation bytes at their peak under the candidate's schedule: one
+    micro-batch's terms on a stage (a chunk under two stages per rank), combined by the schedule's record
+    (``Schedule.activation_peaks``: 1F1B min(p, m) micro-batches on the first stage, one on the last; the others'
+    in their own modules, ``pipeline_parallel/schedules/``)."""
+    schedule = pipeline_schedule(cand.schedule)
+    n = layers_per_stage(model.num_layers, schedule.stages_per_rank * cand.pp)  # a stage's (a chunk's) blocks
+    terms = ActivationTerms(
+        stored_activation_bytes(model, cand, n),
+        recompute_transient_bytes(model, cand, n),
+        embedding_activation_bytes(model, cand),
+        output_activation_bytes(model, cand),
+        lambda last: deferred_weight_grad_bytes(model, cand, n, last=last),
+    )
+    return schedule.activation_peaks(cand.pp, cand.num_micro_batches, terms)
 
 
 def stage_memory(model: ModelShape, cand: Candidate) -> tuple[StageMemory, StageMemory]:

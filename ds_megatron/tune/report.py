@@ -7,6 +7,7 @@ import math
 
 from ds_megatron.config import ModelShape
 from ds_megatron.model import family_of
+from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ds_megatron.tune import memory_model
 from ds_megatron.tune.memory_model import GIB, StageMemory, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult, ranked_step
@@ -89,7 +90,7 @@ def with_cp_column(columns: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int
 
 def shows_schedule(shown: list[Evaluation]) -> bool:
     """Whether a table of ``shown`` needs the schedule column (a 1f1b table stays as it was before schedules)."""
-    return any(e.candidate.schedule != "1f1b" for e in shown)
+    return any(e.candidate.schedule != DEFAULT_SCHEDULE.name for e in shown)
 
 
 def _row(rank: int, e: Evaluation, with_cp: bool = False, with_schedule: bool = False) -> list[str]:
@@ -120,7 +121,7 @@ def settings_text(c: Candidate) -> str:
     return (
         "tp {tp}, " + ("cp {cp}, " if c.cp > 1 else "") + "pp {pp}, dp {dp}, SP {sp}, micro-batch {b} x {m}, "
         "recompute {recompute}, attention {attn}, ZeRO-{zero}"
-    ).format(**cells(c)) + (f", schedule {c.schedule}" if c.schedule != "1f1b" else "")
+    ).format(**cells(c)) + (f", schedule {c.schedule}" if c.schedule != DEFAULT_SCHEDULE.name else "")
 
 
 def describe(e: Evaluation) -> str:

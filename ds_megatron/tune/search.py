@@ -9,6 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ds_megatron.config import ModelShape
+from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ds_megatron.tune.memory_model import GIB, MARGIN_BYTES, MARGIN_FRACTION, StageMemory, stage_memory
 from ds_megatron.tune.space import Rejection, enumerate_candidates, layout_candidates, tp_sizes
 from ds_megatron.tune.spec import Candidate, Cluster, Pins
@@ -121,7 +122,7 @@ def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:
         family = {"tp": tp, "pp": pp, "dp": dp, "sequence_parallel": sp, "recompute": policy, "attention": kernel}
         if cp > 1:  # a cp 1 family is named as before the tuner knew cp
             family.update(cp=cp, cp_comm=comm)
-        if schedule != "1f1b":  # a 1f1b family is named as before the tuner knew schedules
+        if schedule != DEFAULT_SCHEDULE.name:  # a 1f1b family is named as before the tuner knew schedules
             family["pipeline_schedule"] = schedule
         best = closest.candidate
         reason = f"{closest.reason}; closest member b={best.micro_batch_size} {best.recompute_label()}"

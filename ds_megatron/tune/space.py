@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from ds_megatron.config import ModelShape
 from ds_megatron.config.rules import TP_SPLITS, core_attn_saves_nothing
 from ds_megatron.config.schema import ATTENTION_KERNELS
+from ds_megatron.pipeline_parallel.schedules import schedule_named
 from ds_megatron.tune import cp_rules, schedules
-from ds_megatron.tune.dualpipev_zb import two_stages_per_rank
 from ds_megatron.tune.memory_model import layers_per_stage
 from ds_megatron.tune.spec import (
     SDPA_CORE_ATTN_REASON,
@@ -188,8 +188,8 @@ def layout_candidates(
         runs[schedule] = [b for b in micro if schedules.refusal(schedule, pp, per_replica // b) is None]
 
     recompute = {}
-    for schedule in runs:  # full recompute's k counts blocks of one stage: a DualPipeV chunk of ceil(L/(2p))
-        num_blocks = layers_per_stage(model.num_layers, 2 * pp if two_stages_per_rank(schedule) else pp)
+    for schedule in runs:  # full recompute's k counts blocks of one stage: with v stages per rank, ceil(L/(v p))
+        num_blocks = layers_per_stage(model.num_layers, schedule_named(schedule).stages_per_rank * pp)
         recompute[schedule] = {k: recompute_options(num_blocks, k, pins) for k in attention_options(pins)}
     candidates = [
         Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm, schedule)

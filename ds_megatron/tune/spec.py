@@ -13,6 +13,7 @@ from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, RECOMPUTE_MODUL
 from ds_megatron.config.shape import ModelShape, Vocabulary, resolve_shape
 from ds_megatron.config.sizes import named
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
+from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
 
 SDPA_CORE_ATTN_REASON = (
@@ -112,7 +113,7 @@ class Candidate:
     cp: int = 1
     cp_comm: str = "ring"
     # The pipeline schedule (ds_megatron.parallel.pipeline_schedule; tune.schedules models each).
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE.name
 
     def __post_init__(self) -> None:
         modules = tuple(self.recompute_modules)
@@ -146,7 +147,7 @@ class Candidate:
             # only with cp > 1: a cp 1 record is what it was before the tuner knew cp
             **({"cp": self.cp, "cp_comm": self.cp_comm} if self.cp > 1 else {}),
             # only off 1f1b: a 1f1b record is what it was before the tuner knew schedules
-            **({"pipeline_schedule": self.schedule} if self.schedule != "1f1b" else {}),
+            **({"pipeline_schedule": self.schedule} if self.schedule != DEFAULT_SCHEDULE.name else {}),
         }
 
 

@@ -15,10 +15,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
+from ds_megatron.config.schema import pipeline_schedule
 from ds_megatron.flops import block_fields, executed_flops_per_step
 from ds_megatron.memory import ring_dkv_hop_bytes
 from ds_megatron.model import FAMILIES
-from ds_megatron.tune import dualpipev_zb
+from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
 from ds_megatron.tune.memory_model import (
     ACT_BYTES,
@@ -28,7 +29,6 @@ from ds_megatron.tune.memory_model import (
     padded_vocab_size,
     rank_param_counts,
 )
-from ds_megatron.tune.schedules import bubble_s, dualpipev_slots
 from ds_megatron.tune.spec import Candidate, Cluster
 
 GRAD_REDUCE_BYTES = 4  # DeepSpeed's BF16 optimizer reduces the fp32 gradient copies (grad_accum_dtype fp32)
@@ -153,11 +153,11 @@ class StepTime:
     cp_comm_s: float = dataclasses.field(default=0.0, repr=False)
 
     # The schedule's name, left out of the repr and of a 1f1b record (which stays what it was before schedules).
-    schedule: str = dataclasses.field(default="1f1b", repr=False)
+    schedule: str = dataclasses.field(default=DEFAULT_SCHEDULE.name, repr=False)
 
     def as_dict(self) -> dict:
         record = dataclasses.asdict(self)
-        if self.schedule == "1f1b":
+        if self.schedule == DEFAULT_SCHEDULE.name:
             del record["schedule"]
         if not self.cp_comm_s:  # absent at cp 1, so that a cp 1 record is what it was before the tuner knew cp
             del record["cp_comm_s"]
@@ -170,8 +170,9 @@ def _recomputed_blocks(cand: Candidate, num_blocks: int) -> int:
         return 0
     if cand.recompute_method == "uniform":
         return num_blocks
-    if dualpipev_zb.two_stages_per_rank(cand.schedule):  # k blocks of each of the rank's two chunks
-        return 2 * min(cand.recompute_layers, num_blocks // 2)
+    per_rank = pipeline_schedule(cand.schedule).stages_per_rank
+    if per_rank > 1:  # k blocks of each of the rank's chunks
+        return per_rank * min(cand.recompute_layers, num_blocks // per_rank)
     return min(cand.recompute_layers, num_blocks)
 
 
@@ -284,8 +285,7 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
         gbps, latency = link(cluster, cand.tp * cand.cp * cand.dp * cand.pp > cluster.gpus_per_node)
         sent = boundary / (t if cand.sequence_parallel else 1)
         p2p = 2 * (latency + sent / (gbps * 1e9))  # activation forward, its gradient backward
-        if dualpipev_zb.two_stages_per_rank(cand.schedule):  # each of the rank's two chunks receives and sends its own
-            p2p *= 2
+        p2p *= pipeline_schedule(cand.schedule).stages_per_rank  # each of a rank's chunks receives and sends its own
 
     scores = eager_score_s(model, cluster, cand, n, recomputed)
     passes = recompute_passes_s(model, cluster, cand, n)
@@ -304,38 +304,19 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
 
 
 def stage_blocks(model: ModelShape, cand: Candidate) -> int:
-    """Blocks one pipeline rank runs per micro-batch: ceil(L/p), under DualPipeV two chunks of ceil(L/(2p))."""
-    if dualpipev_zb.two_stages_per_rank(cand.schedule):
-        return 2 * layers_per_stage(model.num_layers, 2 * cand.pp)
-    return layers_per_stage(model.num_layers, cand.pp)
+    """Blocks one pipeline rank runs per micro-batch: ceil(L/p), under v stages per rank (DualPipeV: 2) v chunks of
+    ceil(L/(v p))."""
+    per_rank = pipeline_schedule(cand.schedule).stages_per_rank
+    return per_rank * layers_per_stage(model.num_layers, per_rank * cand.pp)
 
 
 def schedule_slots(cand: Candidate, slowest: StageTime) -> tuple[float, float]:
     """(slots, bubble in s): the step's critical path in micro-batches of ``slowest.total_s`` and the part of it
-    spent filling and draining the pipeline, per schedule (``tune.schedules``).
-    1F1B: m + p - 1 slots, bubble (p - 1) t_mb.
-    ZB-H1 and ZB-H2: ``schedules.bubble_s`` with T_W the W share (``StageTime.weight_grad_s``), T_F = t_mb / 3
-    (ZB-H1: (p-1)(T_F + T_B - T_W) = (p-1)(t_mb - 2 T_W) at these costs, T_W below T_F).
-    DualPipeV: the simulated makespan of its order in t_mb (``schedules.dualpipev_slots``); with its W passes
-    deferred, of that order with the backward passes split (``dualpipev_zb.slots``)."""
-    m, p, t_mb = cand.num_micro_batches, cand.pp, slowest.total_s
-    if cand.schedule in ("zb-h1", "zb-h2") and p > 1:
-        # The model's backward is two forwards' GEMMs, W its weight-gradient share: T_F = t_mb / 3.  ZB-H2 builds
-        # and times an order per cost ratio (about 0.03 s at p 8, m 64), so its W share is rounded to 0.05 of t_mb:
-        # a search's thousands of candidates then build a few per (p, m), and the bubble moves by at most
-        # (p - 1) x 0.05 t_mb; ZB-H1's order is one per (p, m), timed in about 2 ms, so its W share is exact.
-        t_w = slowest.weight_grad_s
-        if cand.schedule == "zb-h2":
-            t_w = round(t_w / t_mb * 20) / 20 * t_mb
-        bubble = bubble_s(cand.schedule, p, m, t_mb / 3, 2 * t_mb / 3 - t_w, t_w)
-        return m + bubble / t_mb, bubble
-    if cand.schedule == "dualpipev":
-        slots = dualpipev_slots(p, m)
-        return slots, (slots - m) * t_mb
-    if cand.schedule == dualpipev_zb.NAME:
-        slots = dualpipev_zb.slots(p, m)
-        return slots, (slots - m) * t_mb
-    return m + p - 1, (p - 1) * t_mb
+    spent filling and draining the pipeline, from the schedule's record (``Schedule.slots``, with T_W the W share,
+    ``StageTime.weight_grad_s``): 1F1B m + p - 1 slots, bubble (p - 1) t_mb; the others simulated
+    (``pipeline_parallel/schedules/``)."""
+    m, p = cand.num_micro_batches, cand.pp
+    return pipeline_schedule(cand.schedule).critical_path(p, m, slowest.total_s, slowest.weight_grad_s)
 
 
 def dp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate) -> float:
@@ -350,7 +331,7 @@ def dp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate) -> float:
         total += ring_s(WEIGHT_BYTES * params, ranks, gbps, latency, passes=1)
     total *= 1.0 - DP_OVERLAP
     # DualPipeV's rank 0 holds both ends: a tied embedding is one module there, with nothing to all-reduce.
-    if cand.pp > 1 and model.tie_word_embeddings and not dualpipev_zb.two_stages_per_rank(cand.schedule):
+    if cand.pp > 1 and model.tie_word_embeddings and not pipeline_schedule(cand.schedule).loss_on_first_rank:
         embedding = padded_vocab_size(model.vocab_size, cand.tp) * model.hidden_size / cand.tp
         total += ring_s(GRAD_REDUCE_BYTES * embedding, 2, *link(cluster, cluster.num_gpus > cluster.gpus_per_node))
     return total

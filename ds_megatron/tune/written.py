@@ -13,6 +13,7 @@ from ds_megatron.config import ConfigError
 from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.config.shape import DEFAULT_ROPE_THETA, SHAPE_FIELDS
 from ds_megatron.model import family_of
+from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ds_megatron.tune import memory_model, time_model
 from ds_megatron.tune.memory_model import total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult
@@ -103,7 +104,7 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
                 "pp": c.pp,
                 "sequence_parallel": c.sequence_parallel,
                 # a 1f1b config is written as before the tuner knew schedules (1f1b is the loader's default)
-                **({"pipeline_schedule": c.schedule} if c.schedule != "1f1b" else {}),
+                **({"pipeline_schedule": c.schedule} if c.schedule != DEFAULT_SCHEDULE.name else {}),
             },
             "recompute": recompute,
         },

@@ -184,7 +184,8 @@ def test_the_optimizer_step_refuses_queued_w_passes():
 
 def test_the_schedule_is_a_config_value():
     from ds_megatron.config import ConfigError, resolve
-    from ds_megatron.pipeline_parallel.dualpipev import DualPipeVModel, module_class
+    from ds_megatron.pipeline_parallel.dualpipev import DualPipeVModel
+    from ds_megatron.pipeline_parallel.schedules import module_class
 
     model = {"size": "gpt-tiny", "vocab_size": 1000, "seq_length": 32}
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "train_batch_size": 4}
@@ -208,9 +209,9 @@ def test_the_tuners_order_and_makespan_are_the_schedules(p, m):
     """The tuner's pass order is the schedule's stream, and its list scheduling gives the batched-p2p makespan of
     DeepSpeed's streams at the time model's F : B : W = 1 : 1 : 1 (at other ratios it is a model, within a chunk
     forward of the streams' here)."""
-    from ds_megatron.config.dualpipev_order import compute_order
-    from ds_megatron.tune import dualpipev_zb
-    from ds_megatron.tune.schedules import dualpipev_slots
+    from ds_megatron.pipeline_parallel.schedules import dualpipev_zb
+    from ds_megatron.pipeline_parallel.schedules.dualpipev import slots as dualpipev_slots
+    from ds_megatron.pipeline_parallel.schedules.v_order import compute_order
 
     for rank, stream in enumerate(streams(DualPipeVZeroBubbleSchedule, p, m)):
         passes, queued = [], []
@@ -238,10 +239,11 @@ def test_the_tuner_models_dualpipev_zb_as_the_v_with_its_drain():
     DualPipeV plus what the drain's queued W passes keep beyond the chunks their backward passes freed."""
     import dataclasses
 
+    from ds_megatron.pipeline_parallel.schedules.dualpipev import peak_bytes as dualpipev_peak_bytes
+    from ds_megatron.pipeline_parallel.schedules.dualpipev_zb import peak_bytes
     from ds_megatron.tune import Candidate, build_model_shape
-    from ds_megatron.tune.dualpipev_zb import peak_bytes
     from ds_megatron.tune.memory_model import rank_param_counts, stage_activation_bytes
-    from ds_megatron.tune.schedules import dualpipev_peak_bytes, refusal
+    from ds_megatron.tune.schedules import refusal
     from ds_megatron.tune.time_model import StageTime, schedule_slots, stage_blocks
 
     model = build_model_shape("gpt3-1.3b", None, None, None, None, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 PKG = Path(__file__).resolve().parents[2] / "ds_megatron"
 
@@ -50,8 +50,9 @@ NO_DISTRIBUTED = {"model"}
 # The model package's files that the config, the tuner and the analytic formulas import without torch: the registry,
 # the family record type, and each family's record (its config, sizes, plan, layout and terms).
 FAMILY_RECORD_FILES = ("model/__init__.py", "model/family.py", "model/*/__init__.py")
-# The pipeline package's files that import no torch: the zero-bubble orders and the NCCL rendezvous model.
-SCHEDULE_RECORD_FILES = ("pipeline_parallel/zb_order.py", "pipeline_parallel/rendezvous.py")
+# The pipeline package's files that import no torch: the schedules' records, orders and timing model, and the NCCL
+# rendezvous model.
+SCHEDULE_RECORD_FILES = ("pipeline_parallel/schedules/*.py", "pipeline_parallel/rendezvous.py")
 
 
 def _unit(path: Path) -> str:
@@ -67,9 +68,8 @@ def _target(name: str) -> str:
     """The unit an import ``ds_megatron.<...>`` reaches: the registry, the record type and a family's record are
     "families"; ``model.layers`` and a family's ``model`` module the torch side, "model"."""
     parts = name.split(".")[1:]
-    if parts[0] == "pipeline_parallel" and any(
-        "/".join(parts) + ".py" == pattern or "/".join(parts[:2]) + "/*" == pattern for pattern in SCHEDULE_RECORD_FILES
-    ):
+    files = (PurePosixPath("/".join(parts) + ".py"), PurePosixPath("/".join(parts), "__init__.py"))
+    if parts[0] == "pipeline_parallel" and any(f.match(p) for f in files for p in SCHEDULE_RECORD_FILES):
         return "schedules"
     if parts[0] != "model":
         return parts[0]
@@ -232,3 +232,51 @@ def test_only_the_state_dict_adapter_reads_the_hf_names_and_cuts_checkpoints():
                 if rel.startswith("checkpoint/"):  # the package's checkpoint paths shard through the adapter
                     found += [f"{rel} imports {n}" for n in names & set(TP_CUTS)]
     assert not found, found
+
+
+def _schedule_names() -> dict[str, str]:
+    """The registered schedules' names, read off each record module (``NAME = "..."``) without importing: name ->
+    the record's module."""
+    names = {}
+    for record in PKG.glob("pipeline_parallel/schedules/*.py"):
+        for node in ast.walk(ast.parse(record.read_text())):
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NAME" for t in node.targets):
+                names[node.value.value] = record.stem
+    return names
+
+
+def test_no_schedule_is_named_outside_its_record():
+    """Outside the schedules' folder no string is a schedule's name (so no branch compares with one; an f-string's
+    literal parts that quote one count too) and no module imports one schedule's record: a new schedule adds its
+    record and a registry line there, its engine, and a test."""
+    names = _schedule_names()
+    assert set(names) == {"1f1b", "dualpipev", "zb-h1", "zb-h2", "dualpipev-zb"}, names
+    quoted = re.compile("|".join(rf"(?<![\w-]){re.escape(n)}(?![\w-])" for n in sorted(names, key=len, reverse=True)))
+    found = []
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG).as_posix()
+        if rel.startswith("pipeline_parallel/schedules/"):
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        found += [
+            f"{rel}:{node.lineno}: {node.value!r}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and (node.value in names or re.search(rf"[\"']({quoted.pattern})[\"']", node.value))
+        ]
+        modules = {f"ds_megatron.pipeline_parallel.schedules.{m}" for m in names.values()}
+        found += [f"{rel} imports {n}" for n in _imports(path) if n in modules]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "ds_megatron.pipeline_parallel.schedules":
+                found += [f"{rel} imports {a.name}" for a in node.names if a.name in names.values()]
+    assert not found, "\n".join(found)

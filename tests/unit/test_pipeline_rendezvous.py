@@ -20,14 +20,10 @@ import pytest
 
 from ds_megatron.config.schema import PIPELINE_SCHEDULES
 from ds_megatron.pipeline_parallel import rendezvous as rv
-from ds_megatron.pipeline_parallel import zb_order
-from ds_megatron.pipeline_parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZB
-from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
-from ds_megatron.pipeline_parallel.p2p import ENGINES as ASYNC_SEND_ENGINES
-from ds_megatron.pipeline_parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
+from ds_megatron.pipeline_parallel.schedules import zb_order
 from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubbleH2Schedule
 
-ENGINE_CLASSES = {**ASYNC_SEND_ENGINES, **ZERO_BUBBLE_ENGINES, DUALPIPEV_ZB: DualPipeVZeroBubbleEngine}
+ENGINE_CLASSES = {s.name: s.engine_class() for s in PIPELINE_SCHEDULES}
 MICRO_BATCHES = (2, 3, 4, 8, 13, 32)
 COSTS = (  # (T_F, T_B, T_W) as agreed_costs hands them over (the largest 1), or one row per stage
     (1.0, 1.0, 1.0),

@@ -222,7 +222,7 @@ def test_activations_in_flight_count_deepspeeds_schedules(pp, m):
 
     from ds_megatron.memory import stage_activations_in_flight
     from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleSchedule
-    from ds_megatron.pipeline_parallel.zb_order import peak_in_flight, zb_h2_candidates
+    from ds_megatron.pipeline_parallel.schedules.zb_order import peak_in_flight, zb_h2_candidates
 
     for rank in range(pp):
         # ZB-H2 runs whichever of its candidate orders is fastest at the costs a run measures: the most any keeps
@@ -239,3 +239,30 @@ def test_activations_in_flight_count_deepspeeds_schedules(pp, m):
                     live += isinstance(cmd, ForwardPass) - isinstance(cmd, BackwardPass)
                     peak = max(peak, live)
             assert stage_activations_in_flight(pipeline_schedule(name), pp, rank, m) == peak * depth, (name, rank)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_every_records_order_runs_each_micro_batch_on_the_stages_its_placement_gives(p):
+    """Each record's per-rank order (``Schedule.order``) holds exactly the stages its placement puts on the rank,
+    runs every micro-batch's forward before its backward (whole, or B before its W) on each, and the one timing model
+    runs all ranks' orders to the end with every pass costing 1 (a pass waiting on a later one would deadlock) no
+    sooner than the busiest rank's work.  A looping placement of v stages per rank (interleaved 1F1B) is r + k p."""
+    import dataclasses
+
+    from ds_megatron.pipeline_parallel.schedules import DEFAULT, simulate
+
+    for schedule in PIPELINE_SCHEDULES:
+        m = max(5, schedule.micro_batches_per_rank * p)
+        orders = [schedule.order(p, m, rank) for rank in range(p)]
+        for rank, order in enumerate(orders):
+            assert {stage for _, stage, _ in order} == set(schedule.stages_of(rank, p)), (schedule.name, rank)
+            for stage in schedule.stages_of(rank, p):
+                for mb in range(m):
+                    kinds = [kind for kind, s, b in order if (s, b) == (stage, mb)]
+                    assert kinds in (["F", "BW"], ["F", "B", "W"]), (schedule.name, rank, stage, mb, kinds)
+        streams = simulate.pass_streams(orders, p * schedule.stages_per_rank)
+        assert simulate.makespan(streams, (1.0, 1.0, 1.0)) >= 3 * m * schedule.stages_per_rank, schedule.name
+    interleaved = dataclasses.replace(DEFAULT, stages_per_rank=2, stages_setting="virtual_stages")
+    assert [interleaved.stages_of(r, 4) for r in range(4)] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert interleaved.per_rank(type("Parallel", (), {"virtual_stages": 3})()) == 3
+    assert interleaved.stages_of(1, 4, per_rank=3) == (1, 5, 9)

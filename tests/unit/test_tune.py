@@ -380,10 +380,11 @@ def test_cli_runs_without_torch_or_deepspeed():
 def test_tune_imports_only_config_memory_flops_and_the_stdlib():
     # and the checkpoint manifest (standard library only: which tag of a run is complete, and its config), which the
     # inference half reads a trained model's shape from, and the family registry and records (standard library only:
-    # tests/unit/test_layering.py), which hold each family's terms, and the ZB-H2 order builder (standard library only:
-    # the tuner times the very order the engine runs), and the GPU peaks (standard library only: MFU reads them too)
+    # tests/unit/test_layering.py), which hold each family's terms, and the pipeline schedules' records (standard
+    # library only: the tuner times the very order the engine runs), and the GPU peaks (standard library only: MFU
+    # reads them too)
     allowed = {"ds_megatron.config", "ds_megatron.memory", "ds_megatron.flops", "ds_megatron.tune"}
-    allowed |= {"ds_megatron.checkpoint.manifest", "ds_megatron.model", "ds_megatron.pipeline_parallel.zb_order"}
+    allowed |= {"ds_megatron.checkpoint.manifest", "ds_megatron.model", "ds_megatron.pipeline_parallel.schedules"}
     allowed |= {"ds_megatron.gpus"}
     for path in (ROOT / "ds_megatron" / "tune").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

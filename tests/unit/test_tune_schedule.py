@@ -14,6 +14,10 @@ from deepspeed.runtime.pipe import schedule as ds
 from test_zero_bubble import makespan, streams
 
 from ds_megatron.memory import deferred_weight_grad_bytes_per_layer
+from ds_megatron.pipeline_parallel.schedules.dualpipev import peak_bytes as dualpipev_peak_bytes
+from ds_megatron.pipeline_parallel.schedules.dualpipev import simulate as simulate_dualpipev
+from ds_megatron.pipeline_parallel.schedules.dualpipev import slots as dualpipev_slots
+from ds_megatron.pipeline_parallel.schedules.v_order import dualpipev_order
 from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
 from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search
 from ds_megatron.tune.__main__ import main
@@ -27,14 +31,7 @@ from ds_megatron.tune.memory_model import (
     stage_param_counts,
     stored_activation_bytes,
 )
-from ds_megatron.tune.schedules import (
-    DEFAULT_SCHEDULES,
-    SCHEDULES,
-    dualpipev_order,
-    dualpipev_peak_bytes,
-    dualpipev_slots,
-    simulate_dualpipev,
-)
+from ds_megatron.tune.schedules import DEFAULT_SCHEDULES, SCHEDULES
 from ds_megatron.tune.time_model import StageTime, schedule_slots, stage_times, step_time
 from ds_megatron.tune.written import ds_config
 
@@ -191,7 +188,7 @@ def test_zb_h1_memory_adds_p_minus_1_w_passes_on_the_last_stage_only():
 
 def test_zb_h2_memory_twice_the_forwards_and_its_w_passes():
     """ZB-H2's first stage keeps 2p - 1 micro-batches (1F1B: p) and up to memory.stage_deferred_w_passes W passes."""
-    from ds_megatron.pipeline_parallel.zb_order import max_w_held
+    from ds_megatron.pipeline_parallel.schedules.zb_order import max_w_held
 
     model = _model()
     base, zb = _cand(), _cand(schedule="zb-h2")

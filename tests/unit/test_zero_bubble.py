@@ -29,7 +29,7 @@ from __future__ import annotations
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
-from ds_megatron.pipeline_parallel.zb_order import makespan as zb_makespan
+from ds_megatron.pipeline_parallel.schedules.simulate import makespan as zb_makespan
 from ds_megatron.pipeline_parallel.zero_bubble import KINDS, WeightGradPass, ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
 
 
@@ -327,8 +327,8 @@ def test_zb_h2_order_built_per_stage_costs(p):
     costs), the order still reaches the floor, the first p - 1 stages' forwards, with the CPU's costs and a last
     stage about 10% heavier; the engine's agreed costs are each stage's own means, the same on every rank (one
     all-reduce)."""
-    from ds_megatron.pipeline_parallel.zb_order import makespan as zb_makespan
-    from ds_megatron.pipeline_parallel.zb_order import zb_h2_streams
+    from ds_megatron.pipeline_parallel.schedules.simulate import makespan as zb_makespan
+    from ds_megatron.pipeline_parallel.schedules.zb_order import zb_h2_streams
 
     per_stage = (CPU_COSTS,) * (p - 1) + ((1.67, 1.6, 1.1),)
     work = 8 * sum(per_stage[-1])

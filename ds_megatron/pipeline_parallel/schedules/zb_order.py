@@ -1,6 +1,6 @@
-"""The instruction orders of ZB-H1 and ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1) and
-their timing model, pure Python: built here, mapped to DeepSpeed instructions by ``parallel.zero_bubble`` and timed
-by the tuner (``tune.schedules``) with the same :func:`makespan`.
+"""The instruction orders of ZB-H1 and ZB-H2 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", sec. 3.1), pure
+Python: built here, mapped to DeepSpeed instructions by ``pipeline_parallel.zero_bubble`` and timed by their records
+(``schedules.zb_h1``, ``schedules.zb_h2``) with the one timing model, ``schedules.simulate.makespan``.
 
 ZB-H1 (:func:`zb_h1_streams`) is DeepSpeed's 1F1B order with each backward split into B (input gradients) and a
 deferred W (weight gradients), stage s holding back up to s W passes.  ZB-H2 (:func:`zb_h2_streams`) lets stage s
@@ -12,16 +12,16 @@ tied-embedding all-reduce, the gradient norm) synchronises every stage at the en
 before its first activation arrives, (p - 1) T_F into the step, so here the bubble's floor is (p - 1) T_F (1F1B's
 is (p - 1)(T_F + T_B + T_W)).
 
-The timing model is the engines' p2p (``parallel.p2p``): a send is an isend and never waits (its message is there
-from the moment the sender posts it, right after the pass that produced it: transfers are free here), a receive
+The timing model is the engines' p2p (``pipeline_parallel.p2p``): a send is an isend and never waits (its message is
+there from the moment the sender posts it, right after the pass that produced it: transfers are free here), a receive
 waits until the message's producing pass has finished.  So a stage never waits on its own send, only on its
 inputs, and a set of streams runs to the end unless its receives wait on each other in a cycle (:func:`makespan`
 refuses those).  ZB-H2's order is made by running the stages against each other under that model: a list schedule
 of the compute (B first, then F within its limit, then a W when nothing else can run, or when the stage holds more
 than its limit of them), each receive placed just before the pass that needs it and each send just after the pass
 that produced it, then each link's messages put in one order on both its stages (:func:`pair_links`: NCCL runs a
-pair's sends and receives in posting order and a send waits for its receive, ``parallel.p2p_rendezvous``; in such an
-order a receive waits only for its send, so :func:`makespan` times NCCL's p2p too).  Of four such list schedules
+pair's sends and receives in posting order and a send waits for its receive, ``pipeline_parallel.rendezvous``; in
+such an order a receive waits only for its send, so :func:`makespan` times NCCL's p2p too).  Of four such list schedules
 and ZB-H1's own order, :func:`zb_h2_streams` keeps the fastest under the costs given: ZB-H2 falls back to ZB-H1's
 order (1F1B's activations in flight) wherever the list schedules find nothing faster, so it is never predicted
 slower than ZB-H1.
@@ -34,25 +34,18 @@ from __future__ import annotations
 
 import functools
 
+from ds_megatron.pipeline_parallel.schedules.simulate import Costs, makespan, rank_costs
+
 # The costs the order is built with (T_F, T_B, T_W): equal, the paper's assumption and what a GPU's GEMMs give.
 # Any costs give a valid (deadlock-free) order; these decide only where the passes land.  Everywhere here ``costs``
 # is one (T_F, T_B, T_W) for every stage or one per stage (the last stage also runs the output layer and the loss).
 BUILD_COSTS = (1.0, 1.0, 1.0)
-Costs = tuple  # (T_F, T_B, T_W) or ((T_F, T_B, T_W), ...) per stage
 # Times closer than this (relative to the costs, which the callers scale to at most 1) are the same instant, so
 # that float sums of equal costs (0.1 + 0.2 against 0.3) do not decide the order.
 EPS = 1e-9
 
 
-def stage_costs(costs: Costs, p: int) -> list[dict[str, float]]:
-    """``costs`` as one {"F": T_F, "B": T_B, "W": T_W} per stage."""
-    rows = costs if isinstance(costs[0], tuple | list) else (costs,) * p
-    if len(rows) != p:
-        raise ValueError(f"{len(rows)} stages' costs for {p} stages")
-    return [dict(zip("FBW", map(float, row))) for row in rows]
-
-
-ZB_H2_FORWARDS_AHEAD = 2  # ZB-H2's factor k of forwards_ahead (config.schema's zb-h2 row carries the same)
+ZB_H2_FORWARDS_AHEAD = 2  # ZB-H2's factor k of forwards_ahead (its record, schedules.zb_h2, reads it)
 
 
 def forwards_ahead(p: int, stage: int, m: int, k: int = ZB_H2_FORWARDS_AHEAD) -> int:
@@ -153,7 +146,7 @@ def _build(p: int, m: int, costs: Costs, wait_for_grad: bool) -> tuple[tuple[tup
     gradient is there once the pass that produced it has ended).  With ``wait_for_grad`` a stage does not start a
     W that it need not run yet while the gradient of its next B is being computed downstream and would arrive
     before that W ends: it waits for the gradient instead, so the B chain upstream is not held back by a W."""
-    cost = stage_costs(costs, p)
+    cost = rank_costs(costs, p)
     streams: list[list[tuple]] = [[] for _ in range(p)]
     next_f, next_b, pending_w = [0] * p, [0] * p, [0] * p
     act_at = [dict.fromkeys(range(m), 0.0)] + [{} for _ in range(p - 1)]  # micro-batch -> when its activation is there
@@ -219,7 +212,7 @@ def _build(p: int, m: int, costs: Costs, wait_for_grad: bool) -> tuple[tuple[tup
 
 def pair_links(streams: tuple[tuple[tuple, ...], ...], receive_early: bool) -> tuple[tuple[tuple, ...], ...]:
     """``streams`` with each stage's gradient sends and activation receives ordered as NCCL's p2p can take them
-    (``parallel.p2p_rendezvous``); the compute order and the upstream stages' p2p order unchanged.
+    (``pipeline_parallel.rendezvous``); the compute order and the upstream stages' p2p order unchanged.
 
     NCCL runs the sends and receives between two ranks in posting order on one stream, and a send of a real
     activation or gradient completes only when the peer posts its receive; so both ranks of a link must post its
@@ -294,40 +287,45 @@ def peak_in_flight(stream: tuple[tuple, ...]) -> tuple[int, int]:
     return peak_f, peak_w
 
 
-LINKS = {"SA": ("act", 0), "RA": ("act", -1), "SG": ("grad", -1), "RG": ("grad", 0)}
-SENDS = ("SA", "SG")
+def one_f_one_b_order(p: int, m: int, s: int) -> tuple[tuple, ...]:
+    """Stage ``s``'s passes under DeepSpeed's 1F1B (``TrainSchedule``, the step rule of :func:`zb_h1_streams`):
+    ("F" | "BW", stage, micro-batch), each backward whole."""
+    order = []
+    for t in range(2 * (m + p - 1)):
+        forward = (t - s) % 2 == 0
+        mb = (t - s) // 2 if forward else (t + s + 1) // 2 - p
+        if 0 <= mb < m:
+            order.append(("F" if forward else "BW", s, mb))
+    return tuple(order)
 
 
-def makespan(streams: tuple[tuple[tuple, ...], ...], costs: Costs) -> float:
-    """The finish time of ``streams`` under the engines' p2p (``parallel.p2p``) when F, B and W take what ``costs``
-    says: a send (the n-th on a link) returns at once and its message is there from then on, a receive waits until
-    the n-th send on its link has been posted; transfers and loads free.  The one timing rule of the zero-bubble
-    orders: the order builder, the tuner's bubble (``tune.schedules.bubble_s``) and the tests all call it."""
-    p = len(streams)
-    cost = stage_costs(costs, p)
-    clock, position = [0.0] * p, [0] * p
-    posted: dict = {}  # (link, upstream stage, n) -> when the n-th send on that link was posted
-    count: list[dict] = [{} for _ in range(p)]
-    while any(position[s] < len(streams[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while position[s] < len(streams[s]):
-                op = streams[s][position[s]]
-                if op[0] in LINKS:
-                    link, offset = LINKS[op[0]]
-                    n = count[s].get(op[0], 0)
-                    key = (link, s + offset, n)
-                    if op[0] in SENDS:
-                        posted[key] = clock[s]
-                    elif key in posted:
-                        clock[s] = max(clock[s], posted.pop(key))
-                    else:
-                        break  # the receive waits for its send
-                    count[s][op[0]] = n + 1
-                else:
-                    clock[s] += cost[s].get(op[0], 0.0)
-                position[s] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("the streams deadlock (receives waiting on each other)")
-    return max(clock)
+def stream_passes(stream: tuple[tuple, ...], s: int) -> tuple[tuple, ...]:
+    """The compute passes of stage ``s``'s ``stream``: ("F" | "B" | "W", stage, micro-batch), a W pass that of the
+    oldest B whose W has not run."""
+    order, queued = [], []
+    for op in stream:
+        if op[0] in ("F", "B"):
+            order.append((op[0], s, op[1]))
+            queued += [op[1]] * (op[0] == "B")
+        elif op[0] == "W":
+            order.append(("W", s, queued.pop(0)))
+    return tuple(order)
+
+
+def bubble(h2: bool, p: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+    """ZB-H1's (or with ``h2`` ZB-H2's) part of one step's critical path spent filling and draining the pipeline,
+    for a stage whose F, B and W passes take ``t_f``, ``t_b`` and ``t_w`` seconds per micro-batch: its order's
+    :func:`makespan` (the engines' async sends) less m (T_F + T_B + T_W)."""
+    if p == 1:
+        return 0.0
+    scale = max(t_f, t_b, t_w)
+    return scale * _unit_bubble(h2, p, m, (t_f / scale, t_b / scale, t_w / scale))
+
+
+@functools.lru_cache(maxsize=4096)
+def _unit_bubble(h2: bool, p: int, m: int, shares: tuple[float, float, float]) -> float:
+    """:func:`bubble` for costs at most 1 (the orders and makespans scale with the costs), cached: a ZB-H2 build at
+    p 8, m 64 takes about 0.03 s (ZB-H1's order and three list schedules, each timed), and the time model rounds
+    its W share so that a search builds a few orders."""
+    streams = zb_h2_streams(p, m, shares) if h2 else zb_h1_streams(p, m)
+    return makespan(streams, shares) - m * sum(shares)
