@@ -123,5 +123,5 @@ class ExpertParallelMoE(nn.Module):
         return weighted_sum(out, weights.reshape(-1)[order], token, n).view_as(x), stats
 
     def extra_repr(self) -> str:
-        per_rank = self.num_experts // self.ep
-        return f"ep {self.ep_rank}/{self.ep}: experts {self.local_experts().start}..{self.local_experts().stop - 1} of {self.num_experts} ({per_rank} here)"
+        local = self.local_experts()
+        return f"ep {self.ep_rank}/{self.ep}: experts {local.start}..{local.stop - 1} of {self.num_experts}"

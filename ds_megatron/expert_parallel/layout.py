@@ -56,7 +56,7 @@ def check_ep(ep: int, tp: int, cp: int, dp: int, sequence_parallel: bool, num_ex
     if num_experts is not None:
         values += f", num_experts={num_experts}"
     if ep > 1 and tp > 1 and not sequence_parallel:
-        problem = "an EP group spans ranks holding distinct tokens; without sequence parallelism the tp ranks hold the same ones"
+        problem = "an EP group spans ranks holding distinct tokens; without sequence parallelism tp ranks share theirs"
         fix = f"turn on sequence_parallel, or use ep in {valid}"
     else:
         problem = "ep must divide the ranks of a stage holding distinct tokens (tp x cp x dp under SP, cp x dp without)"
