@@ -1,5 +1,5 @@
-"""The routed mixture-of-experts MLP of the MoE families, single device (the expert-parallel dispatch builds on it
-later, in ``expert_parallel/``).  Torch only, no torch.distributed.
+"""The routed mixture-of-experts MLP of the MoE families, single device (``expert_parallel.layer`` splits its experts
+over ranks and reuses :meth:`Experts.grouped_mlp` and :func:`weighted_sum`).  Torch only, no torch.distributed.
 
 Layout (transformers 5's ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``, so the HF key map is the identity):
 ``gate.weight`` [E, h], the router; ``experts.gate_up_proj`` [E, 2F, h] (each expert's gate rows, then its up rows)

@@ -92,62 +92,82 @@ def scaled(what: str, actual: Tensor | None, expected: Tensor, tol: float) -> tu
     return what, None if actual is None else actual.detach().float() / scale, expected.detach().float() / scale, tol
 
 
-def check_parity(c: Ctx, ep: int, dtype: torch.dtype, tol: float) -> Pairs:
-    layout = ep_layout(tp=1, cp=1, dp=c.world, pp=1, ep=ep, sequence_parallel=False, num_experts=E)
+class Dims(NamedTuple):
+    """A stage's layout: the ranks the EP groups fold over."""
+
+    tp: int
+    cp: int
+    dp: int
+    sp: bool
+
+
+# Every layout runs on the pool's 4 ranks: dp 4 (EP over the data ranks); tp 2 with SP x dp 2 (EP folded over the tp
+# ranks, which then share one loss per replica); cp 2 x dp 2
+DIMS = {"dp4": Dims(1, 1, 4, False), "tp2sp-dp2": Dims(2, 1, 2, True), "cp2-dp2": Dims(1, 2, 2, False)}
+
+
+def check_parity(c: Ctx, dims: Dims, ep: int, dtype: torch.dtype, tol: float, gemm: str = "grouped") -> Pairs:
+    """The layer on this rank's tokens against the block on every rank's.  The objective is the mean over the data
+    replicas (dp x cp of them) of each replica's loss, the sum of out * gout over its tokens (under SP its tp ranks
+    hold disjoint shares of them); DeepSpeed averages each rank's gradients over dp x cp, the SP rule sums the
+    router's over tp, and the expert-DP rule reduces the experts'."""
+    layout = ep_layout(dims.tp, dims.cp, dims.dp, pp=1, ep=ep, sequence_parallel=dims.sp, num_experts=E)
     ep_group, expert_dp_group = build_ep_groups(layout, c.rank)
+    replicas = dims.dp * dims.cp
     block = reference_block(dtype)
+    block.experts.gemm = gemm
     counts = TOKENS[: c.world]
     xs = [tokens(n, dtype) for n in counts]
     gouts = [torch.randn(n, H).to(dtype) for n in counts]
     start = sum(counts[: c.rank])
     mine = slice(start, start + counts[c.rank])
 
-    # the reference: one device, every rank's tokens; the objective is the mean of the ranks' losses
+    # the reference: one device, every rank's tokens
     layer = ExpertParallelMoE.from_block(block, ep_group)
     x_all = torch.cat(xs).requires_grad_()
     out_all, stats_all = block(x_all)
-    ((out_all * torch.cat(gouts)).float().sum() / c.world).backward()
+    ((out_all * torch.cat(gouts)).float().sum() / replicas).backward()
 
-    # this rank: its own tokens and loss; then the gradient rule
+    # this rank: its own tokens and share of the loss; then the gradient rules
     x = xs[c.rank].clone().requires_grad_()
     out, stats = layer(x)
     (out * gouts[c.rank]).float().sum().backward()
     router_grad = layer.gate.weight.grad.clone()
-    if c.group is not None:  # non-expert: averaged over the data ranks (dp x cp), as DeepSpeed does
+    if c.group is not None:  # summed over tp (SP) and over the data replicas, then their mean
         dist.all_reduce(router_grad, group=c.group)
-    router_grad /= c.world
+    router_grad /= replicas
     reduce_expert_grads(layer, expert_dp_group, layout.expert_grad_divisor)
     total = summed(stats, c.group)
     local = layer.local_experts()
     received = exchange_counts(torch.bincount(layer.gate(x)[1].reshape(-1), minlength=E), ep_group).sum()
     compared = [
         ("output", out, out_all[mine], tol),
-        ("input grad (this rank's loss: x world)", x.grad / c.world, x_all.grad[mine], tol),
+        ("input grad (of the replica mean)", x.grad / replicas, x_all.grad[mine], tol),
         ("router grad", router_grad, block.gate.weight.grad, tol),
-        (
-            "gate_up_proj grad",
-            gathered(layer.experts.gate_up_proj.grad, ep_group),
-            block.experts.gate_up_proj.grad,
-            tol,
+        *(
+            (
+                f"{name} grad",
+                gathered(getattr(layer.experts, name).grad, ep_group),
+                getattr(block.experts, name).grad,
+                tol,
+            )
+            for name in ("gate_up_proj", "down_proj")
         ),
-        ("down_proj grad", gathered(layer.experts.down_proj.grad, ep_group), block.experts.down_proj.grad, tol),
         ("aux loss over the summed stats", load_balancing_loss(total), load_balancing_loss(stats_all), tol),
         ("z loss over the summed stats", router_z_loss(total), router_z_loss(stats_all), tol),
     ]
     if dtype != torch.float32:
         compared = [scaled(*pair) for pair in compared]
-    at_ep4_rank3 = [("ep 4: rank 3 receives no row", received, torch.tensor(0))] if ep == 4 and c.rank == 3 else []
-    return (
-        compared
-        + at_ep4_rank3
-        + [
-            ("weights held: the block's slice", layer.experts.down_proj, block.experts.down_proj[local], 0.0),
-            # the cases the test is for do occur: experts 6 and 7 get no token (zero and present gradients), and at
-            # ep 4 the last rank receives no row at all
-            ("no token for experts 6, 7", stats_all.counts[-2:], torch.zeros(2)),
-            ("expert 0 gets the most", stats_all.counts.argmax(), torch.tensor(0)),
-        ]
-    )
+    last_rank = ep == 4 and c.rank == 3
+    return [
+        *compared,
+        ("weights held: the block's slice", layer.experts.down_proj, block.experts.down_proj[local], 0.0),
+        # the cases the test is for do occur: experts 6 and 7 get no token (zero and present gradients), and at
+        # ep 4 the last rank receives no row at all
+        ("no token for experts 6, 7", stats_all.counts[-2:], torch.zeros(2)),
+        ("expert 0 gets the most", stats_all.counts.argmax(), torch.tensor(0)),
+        *([("ep 4: rank 3 receives no row", received, torch.tensor(0))] if last_rank else []),
+    ]
 
 
 def check_refusals(c: Ctx) -> Pairs:
@@ -159,12 +179,19 @@ def check_refusals(c: Ctx) -> Pairs:
 
 
 def checks(world: int) -> dict[str, Callable[[Ctx], Pairs]]:
+    fp32 = dict(dtype=torch.float32, tol=1e-5)
+    bf16 = dict(dtype=torch.bfloat16, tol=BF16_TOLERANCE)
+    if world == 1:
+        one = Dims(1, 1, 1, False)
+        return {"ep1/fp32": partial(check_parity, dims=one, ep=1, **fp32)}
     found: dict[str, Callable[[Ctx], Pairs]] = {}
-    for ep in (4, 2) if world > 1 else (1,):
-        found[f"ep{ep}/fp32"] = partial(check_parity, ep=ep, dtype=torch.float32, tol=1e-5)
-        found[f"ep{ep}/bf16"] = partial(check_parity, ep=ep, dtype=torch.bfloat16, tol=BF16_TOLERANCE)
-    if world > 1:
-        found["refusals"] = check_refusals
+    for ep in (4, 2):
+        found[f"dp4/ep{ep}/fp32"] = partial(check_parity, dims=DIMS["dp4"], ep=ep, **fp32)
+        found[f"dp4/ep{ep}/bf16"] = partial(check_parity, dims=DIMS["dp4"], ep=ep, **bf16)
+        found[f"tp2sp-dp2/ep{ep}/fp32"] = partial(check_parity, dims=DIMS["tp2sp-dp2"], ep=ep, **fp32)
+    found["cp2-dp2/ep2/fp32"] = partial(check_parity, dims=DIMS["cp2-dp2"], ep=2, **fp32)
+    found["dp4/ep2/fp32-loop"] = partial(check_parity, dims=DIMS["dp4"], ep=2, gemm="loop", **fp32)
+    found["refusals"] = check_refusals
     return found
 
 
