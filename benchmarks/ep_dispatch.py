@@ -12,6 +12,7 @@ rank's, median of ``--repeats`` after one warm-up.  The router is random-normal,
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import tempfile
@@ -30,6 +31,15 @@ from ds_megatron.model.moe_layer import SparseMoeBlock
 # (name, tokens per rank, h, F, E, k): moe-tiny's layer at s 256, b 2 per rank; a wider one with more experts
 SHAPES = (("tiny", 512, 128, 64, 8, 2), ("small", 2048, 512, 256, 16, 4))
 EPS = (2, 4)
+CONDITIONS = (
+    "One gloo process per EP rank, one thread each, all on this machine's cores (ep 4 puts two processes on a core "
+    "of a 2-core machine); {trials} runs of each row, median of {repeats} repeats each, the slowest rank's. "
+    "Dispatch + combine: the count exchange with its device-to-host copy, the forward and backward all-to-alls and "
+    "the permutations, the experts replaced by the identity. Experts: the local experts' grouped GEMMs on the rows "
+    "received, forward + backward. Layer: the whole layer (router, both, weighted sum). CPU time is the measure: wall "
+    "time counts waiting for a core the other processes (this benchmark's and other work, last column) hold, and "
+    "here exceeds CPU time several-fold."
+)
 
 
 def _timed(fn, repeats: int) -> tuple[float, float]:
@@ -106,6 +116,7 @@ def measure(shape: tuple, ep: int, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--trials", type=int, default=2, help="runs of each row (the spread is the noise)")
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="comma-separated shape names")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
@@ -117,7 +128,7 @@ def main() -> None:
     rows = [header, "|---" * 11 + "|"]
     for shape in (s for s in SHAPES if s[0] in args.shapes.split(",")):
         name, n, h, f, e, k = shape
-        for ep in EPS:
+        for ep, _ in itertools.product(EPS, range(args.trials)):
             with OtherWork() as other:
                 r = measure(shape, ep, args.repeats)
             (comm_wall, comm_cpu), (exp_wall, exp_cpu) = r["comm"], r["experts"]
@@ -129,8 +140,8 @@ def main() -> None:
             print(rows[-1], flush=True)
     if args.markdown:
         cmd = "OMP_NUM_THREADS=1 python benchmarks/ep_dispatch.py"
-        write_markdown(args.markdown, "Expert parallelism: dispatch + combine vs expert compute (CPU, gloo)", cmd,
-                       "\n".join(rows))  # fmt: skip
+        body = "\n".join(rows) + "\n\n" + CONDITIONS.format(trials=args.trials, repeats=args.repeats)
+        write_markdown(args.markdown, "Expert parallelism: dispatch + combine vs expert compute (CPU, gloo)", cmd, body)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,8 @@ def plan_dispatch(per_expert: Tensor, group: ProcessGroup | None) -> DispatchPla
     # received rows arrive grouped by source, each source's rows sorted by local expert: label each row with its
     # local expert and sort stably, so that each expert's rows are consecutive, in source order
     labels = torch.arange(local_experts, device=per_expert.device).repeat(ep)
-    to_experts = torch.argsort(labels.repeat_interleave(received.reshape(-1)), stable=True)
+    received_labels = labels.repeat_interleave(received.reshape(-1), output_size=sum(recv_splits))  # no 2nd sync
+    to_experts = torch.argsort(received_labels, stable=True)
     from_experts = torch.empty_like(to_experts)
     from_experts[to_experts] = torch.arange(to_experts.numel(), device=to_experts.device)
     return DispatchPlan(send_splits, recv_splits, received.sum(0), to_experts, from_experts)
