@@ -1,5 +1,5 @@
-"""The routed mixture-of-experts MLP of the MoE families, single device (the expert-parallel dispatch builds on it
-later, in ``expert_parallel/``).  Torch only, no torch.distributed.
+"""The routed mixture-of-experts MLP of the MoE families, single device (``expert_parallel.layer`` splits its experts
+over ranks and reuses :meth:`Experts.grouped_mlp` and :func:`weighted_sum`).  Torch only, no torch.distributed.
 
 Layout (transformers 5's ``Qwen3MoeSparseMoeBlock`` / ``MixtralSparseMoeBlock``, so the HF key map is the identity):
 ``gate.weight`` [E, h], the router; ``experts.gate_up_proj`` [E, 2F, h] (each expert's gate rows, then its up rows)
@@ -141,15 +141,25 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)  # pairs sorted by expert
         token = order // k
         per_expert = torch.bincount(flat, minlength=num_experts)
-        grouped = self.gemm == "grouped" and grouped_mm_fits(x, self.gate_up_proj, self.down_proj)
+        out = self.grouped_mlp(x[token], per_expert)  # [n k, h], grouped by expert
+        return weighted_sum(out, weights.reshape(-1)[order], token, n)
+
+    def grouped_mlp(self, routed: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        """routed [m, h], rows grouped by expert (``per_expert`` [E] int64 rows each) -> [m, h], each row through
+        its expert's SwiGLU MLP."""
+        grouped = self.gemm == "grouped" and grouped_mm_fits(routed, self.gate_up_proj, self.down_proj)
         counts = None if grouped else per_expert.tolist()
         offsets = torch.cumsum(per_expert, 0).to(torch.int32)
-        routed = x[token]  # [n k, h], grouped by expert
         gate, up = grouped_linear(routed, self.gate_up_proj, offsets, counts).chunk(2, dim=-1)
-        out = grouped_linear((F.silu(gate) * up).contiguous(), self.down_proj, offsets, counts)  # [n k, h]
-        out = out.float() * weights.reshape(-1)[order, None]
-        combined = torch.zeros(n, x.shape[-1], dtype=torch.float32, device=x.device).index_add(0, token, out)
-        return combined.to(x.dtype)
+        return grouped_linear((F.silu(gate) * up).contiguous(), self.down_proj, offsets, counts)
+
+
+def weighted_sum(out: torch.Tensor, weights: torch.Tensor, token: torch.Tensor, n: int) -> torch.Tensor:
+    """Expert outputs [n k, h] (pair i belongs to token ``token[i]``), routing weights [n k] fp32 -> [n, h]: each
+    token's weighted sum over its k experts, accumulated in fp32 and returned in ``out``'s dtype."""
+    scaled = out.float() * weights[:, None]
+    combined = torch.zeros(n, out.shape[-1], dtype=torch.float32, device=out.device).index_add(0, token, scaled)
+    return combined.to(out.dtype)
 
 
 class SparseMoeBlock(nn.Module):

@@ -25,6 +25,7 @@ LEVELS = {
     "model": 1.5,
     "tensor_parallel": 2,
     "context_parallel": 2,
+    "expert_parallel": 2,
     "recompute": 2.5,
     "parallelize": 3,
     "optim": 3,

@@ -1,0 +1,127 @@
+"""The expert-parallel routed MLP, and the gradient rule of its expert parameters.
+
+:class:`ExpertParallelMoE` is ``model.moe_layer.SparseMoeBlock`` with its experts split over an EP group: same
+parameter names, same router, same per-expert SwiGLU and grouped GEMM, same fp32 weighting of the outputs, so it
+computes what the single-device block computes on the union of the EP ranks' tokens.  Parameters on EP rank i:
+
+    gate.weight             [E, h]        the whole router, on every EP rank (a non-expert parameter)
+    experts.gate_up_proj    [E/ep, 2F, h] global experts i E/ep .. (i + 1) E/ep - 1: the single-device tensor's
+    experts.down_proj       [E/ep, h, F]  slice along dim 0 (the shard rule: dim 0 split over ep)
+
+Each rank routes its own tokens, dispatches the (token, expert) pairs to the experts' owners
+(``expert_parallel.dispatch``), runs its local experts on what it received and combines the outputs back.  The
+forward returns the output and this rank's ``RouterStats`` (its own tokens only, as the single-device block returns
+them for the tokens it sees): the auxiliary losses equal the single-device ones once the statistics are summed over
+the ranks whose tokens make the batch.
+
+Expert parameters are marked the way DeepSpeed marks its own (``allreduce = False`` and ``group_name``), so that
+``deepspeed.moe.utils.is_moe_param`` and everything DeepSpeed keys on it (its engine's gradient reduction over the
+expert-DP group, ZeRO's and the bf16 optimizer's expert parameter groups, the gradient norm summed over the EP
+group) treat them as experts.  :func:`reduce_expert_grads` is the rule itself: a sum over the expert-DP group divided
+by dp x cp (``expert_parallel.layout``: why).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.utils import is_moe_param
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ds_megatron.expert_parallel.dispatch import combine, dispatch, group_size, plan_dispatch
+from ds_megatron.expert_parallel.layout import check_num_experts
+from ds_megatron.model.moe_layer import GEMM_DEFAULT, Experts, RouterStats, SparseMoeBlock, TopKRouter, weighted_sum
+
+
+def expert_group_name(ep: int) -> str:
+    """The name DeepSpeed gives the expert group of size ``ep`` (``deepspeed.moe.layer.MoE``), kept so that its
+    per-group tables (expert-DP groups, optimizer parameter groups) find ours under the same key."""
+    return f"ep_size_{ep}"
+
+
+def mark_expert_params(module: nn.Module, group_name: str) -> None:
+    """Mark every parameter of ``module`` as an expert parameter of ``group_name`` (DeepSpeed's attributes)."""
+    for param in module.parameters():
+        param.allreduce = False
+        param.group_name = group_name
+
+
+@torch.no_grad()
+def reduce_expert_grads(module: nn.Module, expert_dp_group: ProcessGroup | None, divisor: int) -> None:
+    """The expert gradients of ``module`` summed over ``expert_dp_group`` and divided by ``divisor`` (dp x cp), in
+    place; an expert parameter without a gradient gets zeros first (every rank of the group must send one)."""
+    params = [p for p in module.parameters() if is_moe_param(p)]
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [p.grad for p in params]
+    if group_size(expert_dp_group) > 1 and grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce for the layer
+        dist.all_reduce(flat, group=expert_dp_group)
+        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(part.view_as(grad))
+    for grad in grads:
+        grad.div_(divisor)
+
+
+class ExpertParallelMoE(nn.Module):
+    """The routed MLP with E / ep experts on each rank of ``ep_group`` (``None``: ep 1, all experts here)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        ep_group: ProcessGroup | None,
+        gemm: str = GEMM_DEFAULT,
+    ):
+        super().__init__()
+        self.ep = group_size(ep_group)
+        check_num_experts(num_experts, self.ep)
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"error: num_experts_per_tok={top_k} with num_experts={num_experts}; use 1..{num_experts}")
+        self.ep_group = ep_group
+        self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        self.num_experts = num_experts
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.experts = Experts(hidden_size, intermediate_size, num_experts // self.ep, gemm)
+        mark_expert_params(self.experts, expert_group_name(self.ep))
+
+    @classmethod
+    def from_block(cls, block: SparseMoeBlock, ep_group: ProcessGroup | None) -> ExpertParallelMoE:
+        """This EP rank's layer holding ``block``'s router and its slice of ``block``'s experts (copies)."""
+        num_experts, two_f, hidden_size = block.experts.gate_up_proj.shape
+        gate = block.gate
+        layer = cls(hidden_size, two_f // 2, num_experts, gate.top_k, gate.norm_topk_prob, ep_group, block.experts.gemm)
+        layer.to(device=gate.weight.device, dtype=block.experts.gate_up_proj.dtype)
+        local = layer.local_experts()
+        with torch.no_grad():
+            layer.gate.weight.copy_(gate.weight)
+            layer.experts.gate_up_proj.copy_(block.experts.gate_up_proj[local])
+            layer.experts.down_proj.copy_(block.experts.down_proj[local])
+        return layer
+
+    def local_experts(self) -> slice:
+        """The global experts this rank holds."""
+        per_rank = self.num_experts // self.ep
+        return slice(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        """x [..., h] (this rank's tokens) -> [..., h] and this rank's router statistics."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts, stats = self.gate(flat)  # [n, k] fp32, [n, k] global expert ids
+        n, k = experts.shape
+        pairs = experts.reshape(-1)
+        order = torch.argsort(pairs, stable=True)  # pairs sorted by global expert, so by owner
+        token = order // k
+        plan = plan_dispatch(torch.bincount(pairs, minlength=self.num_experts), self.ep_group)
+        received = dispatch(flat[token], plan, self.ep_group)  # [m, h], grouped by local expert
+        out = combine(self.experts.grouped_mlp(received, plan.local_counts), plan, self.ep_group)  # [n k, h]
+        return weighted_sum(out, weights.reshape(-1)[order], token, n).view_as(x), stats
+
+    def extra_repr(self) -> str:
+        local = self.local_experts()
+        return f"ep {self.ep_rank}/{self.ep}: experts {local.start}..{local.stop - 1} of {self.num_experts}"
