@@ -201,42 +201,84 @@ def test_hf_config_round_trip_and_refusals():
 
 
 def test_named_sizes_build_their_configs():
-    from types import SimpleNamespace
+    from ds_megatron.config import resolve_shape
+    from ds_megatron.config.schema import ModelSection
+    from ds_megatron.model import model_config
 
     for family in ("qwen3_moe", "mixtral"):
         for size, shape in FAMILIES[family].sizes.items():
             fields = dict(shape.family_fields)
-            m = SimpleNamespace(
-                num_layers=shape.num_layers,
-                hidden_size=shape.hidden_size,
-                num_heads=shape.num_heads,
-                num_kv_heads=shape.num_kv_heads,
-                intermediate_size=shape.intermediate_size,
-                vocab_size=shape.vocab_size or 512,
-                max_position_embeddings=shape.max_position_embeddings or 256,
-                rope_theta=shape.rope_theta,
-                layer_norm_epsilon=1e-6,
-                tie_word_embeddings=shape.tie_word_embeddings,
-                dropout=0.0,
-                init_std=0.02,
-                attention="sdpa",
-                size=size,
-            )
-            cfg = FAMILIES[family].config.from_shape(m)
+            resolved = resolve_shape(ModelSection(size=size, vocab_size=500, seq_length=32))
+            cfg = model_config(resolved)
+            assert resolved.size == size and type(cfg) is FAMILIES[family].config, size
             assert cfg.num_experts == fields["num_experts"] and cfg.head_dim == fields["head_dim"], size
-            with pytest.raises(ValueError, match="needs model.size"):
-                FAMILIES[family].config.from_shape(SimpleNamespace(**{**vars(m), "size": None}))
+            assert cfg.num_experts_per_tok == fields["num_experts_per_tok"], size
+            assert cfg.mlp_only_layers == tuple(fields["mlp_only_layers"]), size
 
 
-@pytest.mark.parametrize("size", ["moe-tiny", "qwen3-30b-a3b", "mixtral-8x7b"])
-def test_the_training_path_refuses_the_moe_families_in_one_line(size):
+def test_expert_fields_override_the_named_size_and_drop_it():
+    from ds_megatron.config import resolve_shape
+    from ds_megatron.config.schema import ModelSection
+
+    base = dict(size="moe-tiny", vocab_size=500, seq_length=32)
+    shape = resolve_shape(ModelSection(**base, num_experts=16, experts_per_token=4, router_z_loss_coef=0.001))
+    assert (shape.num_experts, shape.experts_per_token, shape.router_z_loss_coef) == (16, 4, 0.001)
+    assert shape.size is None  # another architecture than the named size's
+    # the losses' weights are not the architecture: the size is kept
+    assert resolve_shape(ModelSection(**base, router_aux_loss_coef=0.1)).size == "moe-tiny"
+    # no size: the layout from the fields, the rest from their defaults
+    explicit = dict(family="qwen3_moe", num_layers=2, hidden_size=64, num_heads=4, intermediate_size=96)
+    layout = dict(num_experts=4, experts_per_token=2, moe_intermediate_size=32)
+    shape = resolve_shape(ModelSection(**explicit, vocab_size=100, seq_length=16, **layout))
+    assert (shape.head_dim, shape.norm_topk_prob, shape.decoder_sparse_step, shape.mlp_only_layers) == (16, True, 1, ())
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            dict(size="llama-tiny", num_experts=8),
+            "error: ds_megatron.model.num_experts: applies to the mixture-of-experts families (qwen3_moe, mixtral) "
+            "only (family=llama, num_experts set); remove it or set model.family to one of qwen3_moe, mixtral",
+        ),
+        (
+            dict(size="moe-tiny", experts_per_token=9),
+            "error: ds_megatron.model.experts_per_token: must be 1..num_experts (experts_per_token=9, num_experts=8); "
+            "use 1..8",
+        ),
+        (dict(size="moe-tiny", num_experts=0), "error: ds_megatron.model.num_experts: must be a positive integer"),
+        (dict(size="moe-tiny", mlp_only_layers=(4,)), "layer indices out of range (got [4], num_layers=4)"),
+        (dict(size="moe-tiny", router_aux_loss_coef=-1.0), "error: ds_megatron.model.router_aux_loss_coef: must be"),
+        (dict(size="moe-tiny", head_dim=33), "error: ds_megatron.model.head_dim: must be positive and even"),
+        (
+            dict(size="mixtral-8x7b", norm_topk_prob=False),
+            "error: ds_megatron.model.norm_topk_prob: the mixtral family fixes it (norm_topk_prob=False, mixtral has "
+            "True)",
+        ),
+        (
+            dict(family="qwen3_moe", num_layers=2, hidden_size=64, num_heads=4, intermediate_size=96),
+            "error: ds_megatron.model.num_experts: not set (family=qwen3_moe, no size gives it)",
+        ),
+    ],
+)
+def test_expert_field_refusals(fields, message):
     from ds_megatron.config import ConfigError, resolve_shape
     from ds_megatron.config.schema import ModelSection
 
     with pytest.raises(ConfigError) as err:
-        resolve_shape(ModelSection(size=size, vocab_size=500, seq_length=32))
-    message = str(err.value)
-    assert (
-        message.startswith("error: ds_megatron.model.family: not trained by the pipeline yet") and "\n" not in message
-    )
-    assert "use gpt2, llama" in message
+        resolve_shape(ModelSection(vocab_size=500, seq_length=32, **fields))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_training_layout_refusals():
+    from ds_megatron.config import ConfigError, resolve
+
+    def run(tp=1, **section):
+        model = {"size": "moe-tiny", "vocab_size": 500, "seq_length": 32, **section.pop("model", {})}
+        return {"train_batch_size": 2, "ds_megatron": {"model": model, "parallel": {"tp": tp}, **section}}
+
+    with pytest.raises(ConfigError, match="moe_intermediate_size not divisible by tp"):
+        resolve(run(tp=2, model={"moe_intermediate_size": 63, "num_kv_heads": 2}), 2)
+    with pytest.raises(ConfigError, match="moe recomputes the routed experts' activations, and this model has none"):
+        resolve(run(model={"size": "llama-tiny"}, recompute={"policy": "selective", "modules": ["moe"]}), 1)
+    assert resolve(run(recompute={"policy": "selective", "modules": ["moe"]}), 1).section.recompute.modules == ("moe",)
