@@ -282,3 +282,65 @@ def test_training_layout_refusals():
     with pytest.raises(ConfigError, match="moe recomputes the routed experts' activations, and this model has none"):
         resolve(run(model={"size": "llama-tiny"}, recompute={"policy": "selective", "modules": ["moe"]}), 1)
     assert resolve(run(recompute={"policy": "selective", "modules": ["moe"]}), 1).section.recompute.modules == ("moe",)
+
+
+def test_moe_recompute_keeps_only_the_experts_inputs_and_replays_them_exactly():
+    """Selective recompute of ``moe``: the experts' activations (the routed copies of the tokens, gate and up,
+    SwiGLU's output, the expert outputs) are not stored; backward recomputes them and the gradients are the
+    stored run's, bit for bit."""
+    import functools
+
+    from ds_megatron.recompute import checkpoint
+    from ds_megatron.tensor_parallel import TPGroup
+    from ds_megatron.tensor_parallel.experts import TensorParallelExperts
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(64, 32, 4, 2, True)
+    torch.nn.init.normal_(block.experts.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(block.experts.down_proj, std=0.1)
+    torch.nn.init.normal_(block.gate.weight, std=0.1)
+    x = torch.randn(48, 64)
+
+    def run(recompute):
+        experts = TensorParallelExperts(block.experts, TPGroup(), recompute=recompute)
+        inp = x.clone().requires_grad_()
+        weights, chosen, _ = block.gate(inp)
+        saved = []
+        pack = lambda t: saved.append(t.numel() * t.element_size()) or t  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = experts(inp, weights, chosen)
+        out.square().sum().backward()
+        return sum(saved), inp.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+
+    stored, *grads = run(None)
+    kept, *again = run(functools.partial(checkpoint, rng=None))
+    assert kept < stored / 4, (kept, stored)  # the inputs (tokens [n, h], weights [n, k]) against every activation
+    for a, b in zip(grads, again, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "size, published",
+    [("qwen3-30b-a3b", 3.3e9), ("qwen3-235b-a22b", 22e9), ("mixtral-8x7b", 12.9e9)],  # the model cards' "active"
+)
+def test_model_flops_count_the_published_active_parameters(size, published):
+    """MFU of a mixture of experts is on active parameters: at one token (no s^2 term to speak of) the model FLOPs
+    are 6 x the active parameters less the embedding table, which the model cards count in."""
+    from ds_megatron.config import resolve_shape
+    from ds_megatron.config.schema import ModelSection
+    from ds_megatron.flops import block_fields, model_flops_per_step
+
+    shape = resolve_shape(ModelSection(size=size))
+    flops = model_flops_per_step(1, 1, shape.num_layers, shape.hidden_size, shape.vocab_size, **block_fields(shape))
+    active = flops / 6 + shape.vocab_size * shape.hidden_size
+    assert abs(active - published) / published < 0.02, (size, active)
+
+
+def test_log_line_shows_the_router_losses_and_loads():
+    from ds_megatron.metrics import format_record
+
+    record = dict(step=3, loss=6.9, lr=1e-3, grad_norm=1.0, tokens_per_s=100.0, tflops_per_gpu=0.1, step_ms=10.0)
+    record.update(mfu=0.4, hfu=0.5, lm_loss=6.88, aux_loss=2.0053, expert_load_min=0.84, expert_load_max=1.15)
+    line = format_record(record, 10)
+    assert "| lm 6.8800 aux 2.0053 | expert load 0.84-1.15 |" in line
+    assert "MFU 40.0% HFU 50.0% (active parameters)" in line
