@@ -344,3 +344,21 @@ def test_log_line_shows_the_router_losses_and_loads():
     line = format_record(record, 10)
     assert "| lm 6.8800 aux 2.0053 | expert load 0.84-1.15 |" in line
     assert "MFU 40.0% HFU 50.0% (active parameters)" in line
+
+
+def test_boundary_tensor_partitioning_is_off_at_tp_above_1():
+    """The routing statistics cross stage boundaries with a gradient, which DeepSpeed's TP partitioning of boundary
+    tensors refuses (it allows one such tensor): off for a routed family at tp > 1, SP or not."""
+    from ds_megatron.config import resolve
+    from ds_megatron.engine import deepspeed_config_for
+
+    def ds(tp, size="moe-tiny"):
+        model = {"size": size, "vocab_size": 500, "seq_length": 32}
+        cfg = {"train_batch_size": 2, "ds_megatron": {"model": model, "parallel": {"tp": tp, "pp": 2}}}
+        notes: list[str] = []
+        return deepspeed_config_for(resolve(cfg, 2 * tp), notes).get("pipeline", {}), notes
+
+    pipe, notes = ds(2)
+    assert pipe == {"pipe_partitioned": False, "grad_partitioned": False}
+    assert "mixture of experts: pipeline.pipe_partitioned and grad_partitioned turned off" in notes
+    assert ds(1)[0] == {} and ds(2, "llama-tiny")[0] == {}
