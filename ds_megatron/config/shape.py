@@ -268,8 +268,7 @@ def _experts(m: ModelSection, shape: NamedShape, resolved: ModelShape, words: Vo
     """The routed MLP's fields of a family with ``routed``: the config's, else the named size's, else
     EXPERT_FIELDS' defaults; checked against each other and the family's fixed values."""
     family = FAMILIES[resolved.family]
-    renamed = {ours: theirs for ours, theirs in family.shape_renamed.items()}
-    named = {renamed.get(k, k): v for k, v in shape.family_fields}
+    named = {family.shape_renamed.get(k, k): v for k, v in shape.family_fields}
     values: dict[str, Any] = {}
     for name, default in EXPERT_FIELDS.items():
         value = _pick(getattr(m, name), named.get(name), default)

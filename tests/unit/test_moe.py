@@ -362,3 +362,19 @@ def test_boundary_tensor_partitioning_is_off_at_tp_above_1():
     assert pipe == {"pipe_partitioned": False, "grad_partitioned": False}
     assert "mixture of experts: pipeline.pipe_partitioned and grad_partitioned turned off" in notes
     assert ds(1)[0] == {} and ds(2, "llama-tiny")[0] == {}
+
+
+def test_resume_refuses_another_expert_layout_and_takes_another_top_k(monkeypatch, tmp_path):
+    from ds_megatron.checkpoint import manifest
+    from ds_megatron.config import ConfigError, resolve
+    from ds_megatron.preflight import check_resume_shape
+
+    def cfg(**model):
+        section = {"model": {"size": "moe-tiny", "vocab_size": 500, "seq_length": 32, **model}}
+        return resolve({"train_batch_size": 2, "ds_megatron": section}, 1)
+
+    monkeypatch.setattr(manifest, "tag_config", lambda load, tag: cfg().ds_config)
+    check_resume_shape(cfg(experts_per_token=3, router_aux_loss_coef=0.1), tmp_path, "step00000002")
+    with pytest.raises(ConfigError) as err:
+        check_resume_shape(cfg(num_experts=16), tmp_path, "step00000002")
+    assert "checkpoint model shape does not match the config (num_experts) (num_experts=8 in" in str(err.value)

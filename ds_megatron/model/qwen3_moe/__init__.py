@@ -5,8 +5,9 @@ attention, no biases) with an RMSNorm over each query and key head before the ro
 ``decoder_sparse_step``.  The Mixtral family (``model/mixtral``) is this config with Llama's attention and all layers
 sparse; both share the torch side (``model.py`` here, the routed MLP in ``model/moe_layer.py``).
 
-Config, plan, pipeline layout and transformers names (stdlib only).  What the analytic tuner, the FLOPs and the
-memory model count for a routed block is not written yet: they refuse these families (``not_modelled``)."""
+Config, plan, pipeline layout and transformers names (stdlib only).  The FLOPs of a routed block are
+``flops.RoutedTerms`` (active parameters); what the analytic tuner and the memory model count for one is not written
+yet: they refuse these families (``not_modelled``)."""
 
 from __future__ import annotations
 
@@ -214,9 +215,9 @@ def _common_from_hf(hf: Any, attention: str) -> dict[str, Any]:
 
 
 def not_modelled(*_: Any) -> Any:
-    """The analytic tuner's, FLOPs' and memory model's terms of a routed block: not written yet."""
+    """The analytic tuner's and memory model's terms of a routed block: not written yet."""
     raise NotImplementedError(
-        "the tuner, FLOPs and memory model do not count mixture-of-experts blocks yet; use a dense family there"
+        "the tuner and memory model do not count mixture-of-experts blocks yet; use a dense family there"
     )
 
 
