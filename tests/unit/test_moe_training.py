@@ -9,7 +9,8 @@ z), the LM loss, the load-balancing loss and the z-loss as logged (``router_metr
 shard) and the global gradient norm.  fp32 within 1e-5.  Layouts: tp 2 with and without sequence parallelism (the
 experts split over TP, the router on the sequence shard under SP), cp 2 (ring and a2a), dp 2, two pipeline stages
 (the boundary carries the routing statistics the way DeepSpeed's engine sends it: detached, ``requires_grad``,
-its gradient sent back), full recompute and selective recompute of ``moe``; both families; a router skewed so that
+its gradient sent back), full recompute and selective recompute of ``moe`` (with ``layernorm`` and ``mlp_act``);
+both families; a router skewed so that
 one expert gets no token.  bf16: the tp 2 + SP model in bf16 against the single-device bf16 model, within
 ``BF16_TOLERANCE``.
 """
@@ -102,7 +103,7 @@ def layout_run(layout: Layout, world: int):
     if "full" in o:
         recompute = {"policy": "full", "num_layers": 1}
     if "moe" in o:
-        recompute = {"policy": "selective", "modules": ["moe"]}
+        recompute = {"policy": "selective", "modules": ["moe", "layernorm", "mlp_act"]}
     cfg = config(
         layout.tp,
         layout.cp,
