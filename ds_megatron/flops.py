@@ -154,7 +154,10 @@ def executed_flops_per_step(
     flops = model_flops_per_step(batch, s, layers, h, vocab, **block, routed=routed)
     if recompute == "full":
         n = layers if recomputed_layers is None else recomputed_layers
-        flops += n / layers * _layers_forward(batch, s, h, layers, block, routed)
+        if routed is None:
+            flops += n * layer_forward_flops(batch, s, h, **block)
+        else:  # the average layer of a mixture of experts (dense and routed layers differ)
+            flops += n / layers * _layers_forward(batch, s, h, layers, block, routed)
     elif recompute == "selective":
         modules = tuple(recompute_modules) or DEFAULT_SELECTIVE_MODULES
         flops += layers * sum(recomputed_module_forward_flops(m, batch, s, h) for m in modules)
