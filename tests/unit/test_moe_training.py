@@ -51,7 +51,9 @@ MOE = {
     "tie_word_embeddings": False,
     "rope_theta": 10000.0,
 }
+# Mixtral with its output layer tied to the embedding (the pipeline's tied output layer then carries the statistics)
 MIXTRAL = {**MOE, "family": "mixtral", "num_layers": 2, "head_dim": None, "mlp_only_layers": None}
+MIXTRAL["tie_word_embeddings"] = True
 MIXTRAL.pop("norm_topk_prob")
 BF16_TOLERANCE = 2e-2  # bf16 keeps 8 bits of mantissa: one rounding of a sum of O(1) terms is ~4e-3
 
@@ -164,6 +166,7 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         VocabParallelLoss,
         checkpoint_segment,
         layer_specs,
+        lm_head_forward,
     )
     from ds_megatron.tensor_parallel import TPGroup, shard
     from ds_megatron.topology import ParallelTopology
@@ -192,7 +195,8 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     seed = run.section.train.seed
     loss_fn = VocabParallelLoss(ctx, fused="bf16" not in o)
     specs = layer_specs(cfg, ctx, seed, loss_fn)
-    layers = nn.ModuleList(spec.build() for spec in specs).to(dtype)
+    tied = PipelineLayout.of(cfg).tied
+    layers = nn.ModuleList(spec.build() for spec in (specs[:-1] if tied else specs)).to(dtype)
     if "skew" in o:
         skew(layers.named_parameters())
     blocks = [i for i, m in enumerate(layers) if type(m).__name__ == "BlockPipe"]
@@ -207,6 +211,8 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
             sent, received = x, through_boundary(x)
             x = received
         x = checkpoint_segment(layer, x, None) if "full" in o and i in blocks else layer(x)
+    if tied:  # the embedding again, as the output layer
+        x = lm_head_forward(layers[0], x)
     loss = loss_fn(x, labels)
     loss.backward()
     if cut is not None:  # the first stage's backward, from the gradients of the floating tensors it sent
