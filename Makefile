@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo demo-llama test test-fast lint clean
+.PHONY: venv demo demo-llama demo-moe test test-fast lint clean
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -15,6 +15,10 @@ demo: venv
 # The same demo with the Llama family (RoPE, RMSNorm, SwiGLU, grouped-query attention).
 demo-llama: venv
 	DEEPSPEED=$(VENV)/bin/deepspeed bash recipes/llama_tiny.sh --save checkpoints/llama_tiny
+
+# The mixture-of-experts demo: moe-tiny (Qwen3-MoE layout, 8 experts, top 2) at tp 2 x pp 2 with SP.
+demo-moe: venv
+	DEEPSPEED=$(VENV)/bin/deepspeed bash recipes/moe_tiny.sh --save checkpoints/moe_tiny
 
 test: venv
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests

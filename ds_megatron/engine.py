@@ -165,6 +165,14 @@ def deepspeed_config_for(run: RunConfig, notes: list[str] | None = None) -> dict
             notes.append("sequence parallel: pipeline.pipe_partitioned and grad_partitioned turned off")
         pipe["pipe_partitioned"] = False
         pipe["grad_partitioned"] = False
+    if run.model.num_experts and run.tp > 1 and not (run.section.parallel.sequence_parallel):
+        # A routed family's boundary carries its routing statistics, which take a gradient; DeepSpeed's TP
+        # partitioning of boundary tensors asserts that only the first one does.
+        pipe = ds.setdefault("pipeline", {})
+        if pipe.get("pipe_partitioned", True) or pipe.get("grad_partitioned", True):
+            notes.append("mixture of experts: pipeline.pipe_partitioned and grad_partitioned turned off")
+        pipe["pipe_partitioned"] = False
+        pipe["grad_partitioned"] = False
     if schedule_of(run).stages_per_rank > 1 and run.tp > 1:
         # DeepSpeed's DualPipeV engine sends whole boundary tensors (it asserts both off); the config check refuses
         # them when set explicitly, so only DeepSpeed's default (on) is turned off here.

@@ -244,13 +244,19 @@ def format_record(r: dict, total_steps: int) -> str:
     parts = [
         f"step {r['step']:>6}/{total_steps}",
         f"loss {r['loss']:.4f}",
+    ]
+    if "aux_loss" in r:  # a mixture of experts: the LM loss, the load-balancing loss, the expert loads' range
+        parts.append(f"lm {r['lm_loss']:.4f} aux {r['aux_loss']:.4f}")
+        parts.append(f"expert load {r['expert_load_min']:.2f}-{r['expert_load_max']:.2f}")
+    parts += [
         f"lr {r['lr']:.3e}",
         f"grad norm {r['grad_norm']:.3f}",
         f"{r['tokens_per_s']:,.0f} tok/s",
         f"{r['tflops_per_gpu']:.2f} TFLOP/s/GPU",
     ]
     if r.get("mfu") is not None:
-        parts.append(f"MFU {100 * r['mfu']:.1f}% HFU {100 * r['hfu']:.1f}%")
+        active = " (active parameters)" if "aux_loss" in r else ""  # a mixture of experts counts the experts run
+        parts.append(f"MFU {100 * r['mfu']:.1f}% HFU {100 * r['hfu']:.1f}%{active}")
     parts.append(f"{r['step_ms']:.0f} ms/step")
     if r.get("peak_mem_gb") is not None:
         parts.append(f"mem {r['peak_mem_gb']:.2f} GB")

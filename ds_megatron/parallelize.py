@@ -22,7 +22,7 @@ from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, RecomputeSection
 from ds_megatron.context_parallel.attention import cp_attention
 from ds_megatron.context_parallel.layout import position_ranges
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, Family, ModelConfig, family_of
-from ds_megatron.model.family import COLUMN, OUTPUT, POSITION, ROW, VOCAB, PlanRow
+from ds_megatron.model.family import COLUMN, EXPERT_SPLITS, EXPERTS, OUTPUT, POSITION, ROUTER, ROW, VOCAB, PlanRow
 from ds_megatron.model.layers import (
     BlockHooks,
     RMSNorm,
@@ -51,6 +51,7 @@ from ds_megatron.tensor_parallel import (
     padded_vocab_size,
     shard,
 )
+from ds_megatron.tensor_parallel.experts import SequenceParallelRouter, TensorParallelExperts
 
 
 def plan_row(name: str, family: str = DEFAULT_FAMILY) -> PlanRow | None:
@@ -110,6 +111,8 @@ def shard_rule(name: str, ctx: ParallelContext) -> ShardRule:
     row = ctx.family.row(name)
     if row.style in (VOCAB, OUTPUT):
         return ShardRule(dim=0, padded_size=ctx.padded_vocab_size, unpadded_size=ctx.config.vocab_size)
+    if row.style == EXPERTS:
+        return ShardRule(dim=dim, fused=EXPERT_SPLITS[name.rsplit(".", 1)[1]][1])
     return ShardRule(dim=dim, fused=row.fused)
 
 
@@ -218,6 +221,12 @@ def _builder(row: PlanRow, ctx: ParallelContext):
         return lambda m: VocabParallelOutput(m, ctx.padded_vocab_size, ctx.tp, ctx.sp)
     if row.style == POSITION:
         return lambda m: SequenceShardedPositionEmbedding(m.weight.data, ctx.tp) if ctx.sp else m
+    if row.style == EXPERTS:
+        # selective recompute of ``moe``: the experts' activations, not the collectives around them
+        again = functools.partial(checkpoint, rng=ctx.rng) if "moe" in ctx.recompute.selective_modules else None
+        return lambda m: TensorParallelExperts(m, ctx.tp, ctx.sp, again)
+    if row.style == ROUTER:
+        return lambda m: SequenceParallelRouter(m, ctx.tp) if ctx.sp else m
     return lambda m: parallelize_norm(m, ctx)
 
 
@@ -269,11 +278,21 @@ def parallelize_block(block: nn.Module, ctx: ParallelContext) -> nn.Module:
     """Apply the family's plan to one transformer block in place (full weights in, this rank's shards out)."""
     family = ctx.family
     for row in family.block_rows:
+        if family.routed and not _holds(block, row.path):
+            continue  # a routed family's block has either the dense MLP's rows or the router's and experts'
         _swap(block, row.path, _builder(row, ctx))
     block.hooks = block_hooks(ctx)
     for path in family.sp_dropouts:
         _swap(block, path, lambda drop: sp_dropout(drop, ctx))
     return block
+
+
+def _holds(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def parallelize_norm(norm: nn.Module, ctx: ParallelContext) -> nn.Module:

@@ -18,7 +18,10 @@ from ds_megatron.config.shape import SHAPE_FIELDS
 
 # What a checkpoint's weights depend on (and the sequence length it trained at): a resumed run must match each, or
 # loading would fail deep inside DeepSpeed (another family, KV width or MLP width, a tied or untied output layer).
-SHAPE_KEYS = ("family", *SHAPE_FIELDS, "vocab_size", "seq_length", "max_position_embeddings")
+# A mixture of experts' weights also depend on its head width, its experts and which layers have them (the top-k,
+# the renormalisation and the losses' weights do not).
+EXPERT_KEYS = ("head_dim", "num_experts", "moe_intermediate_size", "mlp_only_layers", "decoder_sparse_step")
+SHAPE_KEYS = ("family", *SHAPE_FIELDS, *EXPERT_KEYS, "vocab_size", "seq_length", "max_position_embeddings")
 
 
 def check_run(run: RunConfig) -> None:

@@ -10,7 +10,11 @@ Policies (``recompute`` in the config):
                  GPT, F in a Llama);
   ``layernorm``  the two norms' outputs are not stored for the linears that read them: backward recomputes them from
                  the norm inputs, which the norms keep anyway (2h per token, split by SP).
-  ``mlp_act`` and ``layernorm`` involve no randomness and work with every attention kernel.
+  ``moe``        a routed layer's expert activations (the routed copies of the tokens, gate and up, SwiGLU's output,
+                 the expert outputs): a checkpoint of the local expert computation, keeping its gathered inputs
+                 (tokens and routing weights), so the TP collectives around it are not run again
+                 (``tensor_parallel.experts``; mixture-of-experts families only).
+  ``mlp_act``, ``layernorm`` and ``moe`` involve no randomness and work with every attention kernel.
 - ``full`` with ``num_layers`` k: ``uniform`` splits each stage's blocks into chunks of k and keeps only each chunk's
   input; ``block`` recomputes the first k blocks of each stage (each keeps only its input) and stores the rest
   (``config.RecomputeSection.chunks``).

@@ -80,11 +80,19 @@ class LogWindow:
     good_steps: int = 0
     steps: int = 0
     start: float = field(default_factory=time.perf_counter)
+    # what the model reports beside the loss (a mixture of experts' LM loss, router losses and expert loads), summed
+    # over the finite steps
+    extra_sums: dict[str, float] = field(default_factory=dict)
 
-    def add(self, loss: float | None) -> None:
+    def add(self, loss: float | None, extra: dict[str, float] | None = None) -> None:
         self.steps += 1
         if loss is not None:
             self.loss_sum, self.good_steps = self.loss_sum + loss, self.good_steps + 1
+            for name, value in (extra or {}).items():
+                self.extra_sums[name] = self.extra_sums.get(name, 0.0) + value
+
+    def extra_means(self) -> dict[str, float]:
+        return {name: total / self.good_steps for name, total in self.extra_sums.items()}
 
     def seconds_per_step(self) -> float:
         return (time.perf_counter() - self.start) / max(1, self.steps)
@@ -195,7 +203,10 @@ class Trainer:
             )
         else:
             self.bad_in_row = 0
-        self.window.add(loss if finite else None)
+        # A routed family's LM loss, router losses and expert loads of this step (the pipeline module's additional
+        # losses, averaged by DeepSpeed over the micro-batches and the data axis and broadcast to every stage).
+        extra = {name: float(v) for name, v in (getattr(engine, "agg_additional_losses", None) or {}).items()}
+        self.window.add(loss if finite else None, extra)
         self.logger.advance()
         last = step == self.run.section.train.train_iters
         if not ((step % self.run.section.train.log_interval == 0 or last) and self.window.good_steps > 0):
@@ -217,6 +228,7 @@ class Trainer:
             "step_ms": 1000 * seconds,
             "peak_mem_gb": peak_memory_gb(),
             "skipped_steps": self.skipped,
+            **window.extra_means(),
             **throughput(
                 seconds,
                 run.global_batch_size,

@@ -2,11 +2,12 @@
 
 ``miniature(path)`` keeps everything that selects code (precision, ZeRO stage, gradient accumulation dtype,
 optimizer, scheduler type and ratios, clipping, SP, recompute policy, attention kernel, dropout, pipeline on or off)
-and shrinks what only sets sizes: a few layers (two per pipeline stage), width 64, 4 heads, sequence 64, a 1,024-token
-BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule steps scaled to a 3-step run.  tp/pp/dp are adapted
-to 4 processes: pp = min(pp, 2), cp = min(cp, 2) (a context-parallel config keeps cp > 1), tp = min(tp, 4 // (pp cp)),
-and dp fills the 4 (at least 2 where that fits, so ZeRO-1 really partitions the optimizer state): every miniature
-runs at 4 processes, so all of them share one launch.
+and shrinks what only sets sizes: a few layers (two per pipeline stage), width 64, 4 heads, sequence 64, a
+1,024-token BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule steps scaled to a 3-step run; a mixture
+of experts keeps its family and top 2 of 4 experts of width 32 (the first layer dense in the Qwen3-MoE layout).
+tp/pp/dp are adapted to 4 processes: pp = min(pp, 2), cp = min(cp, 2) (a context-parallel config keeps cp > 1),
+tp = min(tp, 4 // (pp cp)), and dp fills the 4 (at least 2 where that fits, so ZeRO-1 really partitions the
+optimizer state): every miniature runs at 4 processes, so all of them share one launch.
 
 Configs whose miniatures differ only in numbers that select no code (learning rate, betas, schedule lengths, seed)
 share one run: ``code_path_key`` says which.  A config added to ds_configs/ is covered without writing a test.
@@ -54,6 +55,11 @@ def miniature(path: Path) -> tuple[dict, int]:
                 model[key] = dict(value) if key == "rope_scaling" else value
         if "rope_scaling" in model:  # scaling over an original context longer than the miniature's sequence
             model["rope_scaling"]["original_max_position_embeddings"] = 32
+    if family in ("qwen3_moe", "mixtral"):  # a mixture of experts: its family and routing, fewer and narrower experts
+        model.update(family=family, num_kv_heads=max(2, tp), intermediate_size=176, rope_theta=10000.0)
+        model.update(num_experts=4, experts_per_token=2, moe_intermediate_size=32)
+        if family == "qwen3_moe":  # the first layer dense, as moe-tiny's
+            model.update(mlp_only_layers=[0])
     rc = sec.setdefault("recompute", {})
     if rc.get("policy") == "full":
         rc["num_layers"] = min(rc.get("num_layers", 1), 2)

@@ -335,6 +335,13 @@ def check_recompute(rc: RecomputeSection, shape: ModelShape, pp: int, schedule: 
             f"policy={rc.policy!r}, modules={list(rc.modules)}",
             'set policy "selective" or remove modules',
         )
+    if "moe" in rc.selective_modules and not shape.num_experts:
+        raise ConfigError(
+            "ds_megatron.recompute.modules",
+            "moe recomputes the routed experts' activations, and this model has none",
+            f"modules={list(rc.modules)}, family={shape.family}",
+            "remove moe (it applies to the mixture-of-experts families)",
+        )
     if core_attn_saves_nothing(shape.attention, rc.selective_modules):
         default = "" if rc.modules else " (the default)"
         raise ConfigError(

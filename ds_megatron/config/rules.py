@@ -25,6 +25,7 @@ TP_SPLITS = {
     "num_heads": "TP splits the query heads",
     "num_kv_heads": "TP splits the KV heads like the query heads",
     "intermediate_size": "TP splits the MLP width",
+    "moe_intermediate_size": "TP splits each expert's MLP width",
 }
 
 

@@ -19,7 +19,8 @@ RECOMPUTE_POLICIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 # What selective recompute can recompute instead of storing: the attention core's s x s tensors, the MLP
 # activation's output (the second linear's input), the two norms' outputs (the first linears' inputs).
-RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm")
+# ``moe``: the routed experts' activations (their gathered inputs kept; mixture-of-experts families only).
+RECOMPUTE_MODULES = ("core_attn", "mlp_act", "layernorm", "moe")
 DEFAULT_SELECTIVE_MODULES = ("core_attn",)  # what selective recomputes when no modules are named (the paper's)
 SP_GRAD_SYNC = ("step", "micro_batch")
 # Positions of packed documents under data.document_mask: restart at each document (Llama 3's) or the window index.
@@ -64,6 +65,16 @@ class ModelSection:
     rope_theta: float | None = None  # rotary embedding base (None: the named size's, else 10000)
     rope_scaling: dict | None = None  # Llama 3's {"rope_type": "llama3", "factor", "low_freq_factor", ...} or None
     tie_word_embeddings: bool | None = None  # output layer shares the embedding (None: the size's, else False)
+    # mixture of experts (families qwen3_moe, mixtral; refused for the dense ones; None: the named size's value):
+    head_dim: int | None = None  # a head's width d when the family sets its own (Qwen3: 128 at h 2048, a 32)
+    num_experts: int | None = None  # routed experts per MoE layer (E)
+    experts_per_token: int | None = None  # experts each token is routed to (top-k), 1..num_experts
+    moe_intermediate_size: int | None = None  # each expert's SwiGLU width (split over TP like the MLP's)
+    norm_topk_prob: bool | None = None  # renormalise the k routing weights to sum 1 (Mixtral: always)
+    decoder_sparse_step: int | None = None  # layer i is routed when (i + 1) % step == 0 and not in mlp_only_layers
+    mlp_only_layers: tuple | None = None  # layers with a dense SwiGLU of intermediate_size instead of experts
+    router_aux_loss_coef: float | None = None  # weight of the load-balancing loss in the training loss
+    router_z_loss_coef: float | None = None  # weight of the router z-loss (0: off)
     # the output layer and the cross entropy computed together in chunks of tokens, never holding the logits
     # [s, b, V/t] whole (ds_megatron.tensor_parallel.fused_cross_entropy); false: logits, then the loss
     fused_loss: bool = True
@@ -94,7 +105,7 @@ class RecomputeSection:
     """Activation recomputation policy."""
 
     policy: str = "none"  # "none", "selective" (the modules below) or "full"
-    modules: tuple = ()  # selective only: any of "core_attn", "mlp_act", "layernorm" (empty: ["core_attn"])
+    modules: tuple = ()  # selective only: any of "core_attn", "mlp_act", "layernorm", "moe" (empty: ["core_attn"])
     num_layers: int = 1  # full only: layers per checkpointed chunk (uniform) or recomputed layers per stage (block)
     method: str = "uniform"  # full only: "uniform" or "block"
 

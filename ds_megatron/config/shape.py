@@ -40,10 +40,20 @@ class ModelShape:
     rope_scaling: tuple[tuple[str, object], ...] | None = None  # sorted (key, value) pairs
     tie_word_embeddings: bool = True
     size: str | None = None  # the named size, when one was given and no field changed its shape
+    # Mixture of experts (EXPERT_FIELDS; a family with ``routed`` only: 0 experts is a dense model)
+    head_width: int = 0  # a head's width d set by the family (Qwen3's head_dim); 0: h / a
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_width or self.hidden_size // self.num_heads
 
     @property
     def learning_rate(self) -> float:
@@ -53,6 +63,19 @@ class ModelShape:
 
 CHOSEN = ("num_kv_heads", "intermediate_size", "rope_theta", "rope_scaling", "tie_word_embeddings")
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# The routed MLP's fields (``ModelSection`` names), read by a family with ``routed`` and refused by the others; the
+# value when neither the config nor the named size gives one (None: required).
+EXPERT_FIELDS: dict[str, Any] = {
+    "head_dim": None,  # h / a
+    "num_experts": None,
+    "experts_per_token": None,
+    "moe_intermediate_size": None,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": (),
+    "router_aux_loss_coef": 0.001,  # Qwen3-MoE's published value
+    "router_z_loss_coef": 0.0,
+}
 # The fields that make a family's architecture: a shape with these of a named size is that size (vocabulary and
 # sequence length may differ: a run or a written config states them next to it).  Read by the resume check (with
 # family, vocabulary and positions) and the tuner's written model.
@@ -161,6 +184,16 @@ def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShap
     if FAMILIES[family].no_training:
         trained = ", ".join(name for name, f in FAMILIES.items() if not f.no_training)
         raise ConfigError(setting("family"), FAMILIES[family].no_training, f"family={family!r}", f"use {trained}")
+    if not FAMILIES[family].routed:
+        given = [k for k in EXPERT_FIELDS if getattr(m, k) is not None]
+        if given:
+            routed = [name for name, f in FAMILIES.items() if f.routed]
+            raise ConfigError(
+                setting(given[0]),
+                f"applies to the mixture-of-experts families ({', '.join(routed)}) only",
+                f"family={family}, {', '.join(given)} set",
+                f"remove it or set {ref('family')} to one of {', '.join(routed)}",
+            )
     for name, value in (
         ("num_layers", layers),
         ("hidden_size", hidden),
@@ -226,7 +259,64 @@ def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShap
         resolved = ModelShape(**common, **fixed_fields(hidden, heads))
     else:
         resolved = _chosen(m, shape, common, words)
+    if FAMILIES[family].routed:
+        resolved = dataclasses.replace(resolved, **_experts(m, shape, resolved, words))
     return _with_size(resolved, m.size, shape)
+
+
+def _experts(m: ModelSection, shape: NamedShape, resolved: ModelShape, words: Vocabulary) -> dict[str, Any]:
+    """The routed MLP's fields of a family with ``routed``: the config's, else the named size's, else
+    EXPERT_FIELDS' defaults; checked against each other and the family's fixed values."""
+    family = FAMILIES[resolved.family]
+    named = {family.shape_renamed.get(k, k): v for k, v in shape.family_fields}
+    values: dict[str, Any] = {}
+    for name, default in EXPERT_FIELDS.items():
+        value = _pick(getattr(m, name), named.get(name), default)
+        if value is None and name != "head_dim":
+            raise ConfigError(
+                words.setting(name), "not set", f"family={family.name}, no size gives it", f"set {words.ref(name)}"
+            )
+        values[name] = value
+    for name, fixed in family.fixed_expert_fields:
+        if values[name] != fixed:
+            raise ConfigError(
+                words.setting(name),
+                f"the {family.name} family fixes it",
+                f"{name}={values[name]!r}, {family.name} has {fixed!r}",
+                "remove it (or use the qwen3_moe family, which sets it)",
+            )
+    e, k, layers = values["num_experts"], values["experts_per_token"], resolved.num_layers
+    for name in ("num_experts", "moe_intermediate_size", "decoder_sparse_step"):
+        if not (isinstance(values[name], int) and values[name] > 0):
+            raise ConfigError(words.setting(name), "must be a positive integer", f"got {values[name]!r}", "set one")
+    if not 1 <= k <= e:
+        raise ConfigError(
+            words.setting("experts_per_token"),
+            f"must be 1..{words.noun('num_experts')}",
+            f"experts_per_token={k}, num_experts={e}",
+            f"use 1..{e} (2 or 8 in the published models)",
+        )
+    bad = [i for i in values["mlp_only_layers"] if not (isinstance(i, int) and 0 <= i < layers)]
+    if bad:
+        raise ConfigError(
+            words.setting("mlp_only_layers"),
+            "layer indices out of range",
+            f"got {list(values['mlp_only_layers'])}, num_layers={layers}",
+            f"list indices in 0..{layers - 1}",
+        )
+    for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+        if not values[name] >= 0:
+            raise ConfigError(words.setting(name), "must be >= 0", f"got {values[name]}", "set e.g. 0.001 (0: off)")
+    head = values.pop("head_dim") or resolved.hidden_size // resolved.num_heads
+    if head <= 0 or head % 2:
+        raise ConfigError(
+            words.setting("head_dim"),
+            "must be positive and even (the rotary embedding turns its dimensions in pairs)",
+            f"got {head}",
+            "set e.g. 128",
+        )
+    values["mlp_only_layers"] = tuple(sorted(set(values["mlp_only_layers"])))
+    return {"head_width": head, **values}
 
 
 def check_rotary_head_dim(hidden: int, heads: int, words: Vocabulary = CONFIG_FILE) -> None:
@@ -292,6 +382,14 @@ def _with_size(resolved: ModelShape, size: str | None, shape: NamedShape) -> Mod
     else:
         defaults = {"num_kv_heads": shape.num_heads, "tie_word_embeddings": False}
     named_value = {f: _pick(None, getattr(shape, f), defaults.get(f)) for f in SHAPE_FIELDS}
-    if all(getattr(resolved, f) == named_value[f] for f in SHAPE_FIELDS):
+    same = all(getattr(resolved, f) == named_value[f] for f in SHAPE_FIELDS)
+    if FAMILIES[shape.family].routed:  # and the experts' layout, the head width included
+        renamed = FAMILIES[shape.family].shape_renamed
+        fields = {renamed.get(k, k): v for k, v in shape.family_fields}
+        fields["head_width"] = fields.pop("head_dim", None) or shape.hidden_size // shape.num_heads
+        fields["mlp_only_layers"] = tuple(sorted(set(fields.get("mlp_only_layers", ()))))
+        loss_weights = ("router_aux_loss_coef", "router_z_loss_coef")  # the loss's, not the architecture's
+        same = same and all(getattr(resolved, f) == v for f, v in fields.items() if f not in loss_weights)
+    if same:
         return dataclasses.replace(resolved, size=size)
     return resolved

@@ -10,6 +10,10 @@ from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 COLUMN, ROW, VOCAB, OUTPUT, POSITION, NORM = "column", "row", "vocab", "output", "position", "norm"
+EXPERTS, ROUTER = "experts", "router"
+# The stacked experts' tensors ([E, out, in] each) and the dim TP splits: each expert's gate|up rows (two fused
+# blocks, column-parallel) and its down columns (row-parallel), as the dense SwiGLU's.
+EXPERT_SPLITS = {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,8 @@ class PlanRow:
       output   VocabParallelOutput: an untied output layer, split and padded like the embedding
       position learned position table, replicated; each rank looks up its own sequence chunk under SP
       norm     LayerNorm or RMSNorm, replicated; sees a sequence shard under SP (gradients summed over TP)
+      experts  the routed MLP's stacked experts: every expert split as the dense MLP is (EXPERT_SPLITS)
+      router   the routed MLP's router, replicated; routes the sequence shard under SP (gradients summed over TP)
     ``group``: column rows of one module with the same group share their input's collective (one all-gather under
     SP for q, k and v; one for gate and up)."""
 
@@ -133,6 +139,9 @@ class Family:
     # Why the training path (config, pipeline, tuner) does not take this family yet, or None when it does: the model
     # itself builds and runs (``model.build_model``).
     no_training: str | None = None
+    # Mixture of experts: the family reads config.shape.EXPERT_FIELDS, and fixes these of them (ModelShape names)
+    routed: bool = False
+    fixed_expert_fields: tuple[tuple[str, Any], ...] = ()
     sp_dropouts: tuple[str, ...] = ()  # dropouts inside a block acting on the sequence-sharded stream under SP
     model_sp_dropouts: tuple[str, ...] = ()  # the same outside the blocks (paths from the model root)
 
@@ -157,7 +166,8 @@ class Family:
         return row.path.startswith(root) or row.style in (OUTPUT, VOCAB)
 
     def row(self, name: str) -> PlanRow | None:
-        """The row of a full parameter name (``model.layers.3.self_attn.q_proj.weight`` -> ``self_attn.q_proj``)."""
+        """The row of a full parameter name (``model.layers.3.self_attn.q_proj.weight`` -> ``self_attn.q_proj``;
+        ``model.layers.1.mlp.experts.down_proj`` -> ``mlp.experts``)."""
         module = name.rsplit(".", 1)[0]
         if module.startswith(self.block_prefix):
             module = module[len(self.block_prefix) :].split(".", 1)[-1]
@@ -172,6 +182,8 @@ class Family:
             return None
         if row.style in (COLUMN, VOCAB, OUTPUT):
             return 0
+        if row.style == EXPERTS:
+            return EXPERT_SPLITS[name.rsplit(".", 1)[1]][0]
         return 1 if row.style == ROW and name.endswith(".weight") else None
 
     def hf_shape_fields(self) -> dict[str, str]:

@@ -59,6 +59,22 @@ class RouterStats(NamedTuple):
     def __add__(self, other: RouterStats) -> RouterStats:  # type: ignore[override]
         return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
 
+    @staticmethod
+    def packed_size(num_experts: int) -> int:
+        """Elements of :meth:`pack`'s tensor: counts and probabilities per expert, rows, z."""
+        return 2 * num_experts + 2
+
+    def pack(self) -> torch.Tensor:
+        """One fp32 tensor [2 E + 2] (counts | probs | rows | z), what crosses a pipeline stage boundary (the
+        gradient flows back through the probabilities and z)."""
+        return torch.cat([self.counts.float(), self.probs.float(), self.rows.reshape(1).float(), self.z.reshape(1)])
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> RouterStats:
+        """The inverse of :meth:`pack` (views of ``packed``)."""
+        e = (packed.numel() - 2) // 2
+        return cls(packed[:e].detach(), packed[e : 2 * e], packed[2 * e].detach(), packed[2 * e + 1])
+
 
 def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
     """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4-6) as transformers computes it over the layers:
@@ -83,7 +99,11 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
         """x [n, h] -> routing weights [n, k] fp32, experts [n, k] int64, this layer's statistics."""
-        logits = F.linear(x.float(), self.weight.float())  # [n, E] fp32
+        return self.route(x, self.weight)
+
+    def route(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
+        """:meth:`forward` with the router weight given (the sequence-parallel router's, its gradient synced)."""
+        logits = F.linear(x.float(), weight.float())  # [n, E] fp32
         probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -135,23 +155,44 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [n, h], routing weights [n, k] fp32 and experts [n, k] -> [n, h]: sum_j weights[t, j] MLP_e(x_t)."""
-        n, k = experts.shape
-        num_experts = self.gate_up_proj.shape[0]
-        flat = experts.reshape(-1)  # [n k] pair i is token i // k's j = i % k choice
-        order = torch.argsort(flat, stable=True)  # pairs sorted by expert
-        token = order // k
-        per_expert = torch.bincount(flat, minlength=num_experts)
-        out = self.grouped_mlp(x[token], per_expert)  # [n k, h], grouped by expert
-        return weighted_sum(out, weights.reshape(-1)[order], token, n)
+        return expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj, self.gemm)
 
     def grouped_mlp(self, routed: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
         """routed [m, h], rows grouped by expert (``per_expert`` [E] int64 rows each) -> [m, h], each row through
         its expert's SwiGLU MLP."""
-        grouped = self.gemm == "grouped" and grouped_mm_fits(routed, self.gate_up_proj, self.down_proj)
-        counts = None if grouped else per_expert.tolist()
-        offsets = torch.cumsum(per_expert, 0).to(torch.int32)
-        gate, up = grouped_linear(routed, self.gate_up_proj, offsets, counts).chunk(2, dim=-1)
-        return grouped_linear((F.silu(gate) * up).contiguous(), self.down_proj, offsets, counts)
+        return grouped_mlp(routed, per_expert, self.gate_up_proj, self.down_proj, self.gemm)
+
+
+def grouped_mlp(
+    routed: torch.Tensor, per_expert: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gemm: str
+) -> torch.Tensor:
+    """Rows grouped by expert (``per_expert`` [E] int64 rows each) through their expert's SwiGLU MLP:
+    ``gate_up_proj`` [E, 2F, h], ``down_proj`` [E, h, F] (F: all of each expert's width, or a TP rank's slice of it,
+    whose output is then a partial sum)."""
+    grouped = gemm == "grouped" and grouped_mm_fits(routed, gate_up_proj, down_proj)
+    counts = None if grouped else per_expert.tolist()
+    offsets = torch.cumsum(per_expert, 0).to(torch.int32)
+    gate, up = grouped_linear(routed, gate_up_proj, offsets, counts).chunk(2, dim=-1)
+    return grouped_linear((F.silu(gate) * up).contiguous(), down_proj, offsets, counts)
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gemm: str = GEMM_DEFAULT,
+) -> torch.Tensor:
+    """The experts' SwiGLU MLPs on the tokens routed to them, weighted and summed per token: x [n, h], routing
+    weights [n, k] fp32, experts [n, k] -> [n, h] in x's dtype (``grouped_mlp``'s weights)."""
+    n, k = experts.shape
+    flat = experts.reshape(-1)  # [n k] pair i is token i // k's j = i % k choice
+    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+    token = order // k
+    per_expert = torch.bincount(flat, minlength=gate_up_proj.shape[0])
+    out = grouped_mlp(x[token], per_expert, gate_up_proj, down_proj, gemm)  # [n k, h], grouped by expert
+    return weighted_sum(out, weights.reshape(-1)[order], token, n)
 
 
 def weighted_sum(out: torch.Tensor, weights: torch.Tensor, token: torch.Tensor, n: int) -> torch.Tensor:

@@ -17,6 +17,15 @@ its weight to the loss, which computes the logits chunk by chunk together with t
 Only fixed-shape hidden states cross stage boundaries; positions, rotary tables and the causal mask are made
 locally.  With packed documents (``data.document_mask``) the boundary is the tuple (hidden, doc_ids, positions),
 the two [b, s/cp] int64 tensors read with the batch (``split_boundary``); masks are still built per call.
+
+Mixture of experts: the boundary ends with the routing statistics of the routed layers run so far, summed
+(``RouterStats.pack``: [2 E + 2] fp32, this rank's tokens only), started at zeros by the embedding and added to by
+each routed block; the loss sums them over the ranks holding other tokens of the micro-batch (TP under SP, CP) and
+adds the load-balancing and z-losses of the whole model, as transformers computes them over all layers at once.
+Their gradient flows back through the boundary like the hidden states' (DeepSpeed's engines send a gradient for
+every floating boundary tensor), so each stage's routers get exactly the single-device gradient, whatever the
+stage cut; the cost is 2 E + 2 numbers per micro-batch and boundary.  Each micro-batch's loss has its own
+statistics (transformers' per forward), the engine averaging the micro-batches' losses as for the LM loss.
 DeepSpeed sums a tied embedding's gradient over the first and last stage (``TiedLayerSpec``).  Which
 module path each layer holds is the family's ``layout``.
 """
@@ -27,6 +36,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -36,10 +46,12 @@ from ds_megatron.config.schema import RecomputeSection
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, ModelConfig, family_of
 from ds_megatron.model.family import LayoutTable
 from ds_megatron.model.layers import TiedEmbedding, positions_tensor
+from ds_megatron.model.moe_layer import RouterStats, load_balancing_loss, router_z_loss
 from ds_megatron.parallelize import ParallelContext, build_shard, parallelize_block, parallelize_module, sp_dropout
 from ds_megatron.random import RNGTracker
 from ds_megatron.recompute import checkpoint
 from ds_megatron.tensor_parallel import vocab_parallel_cross_entropy
+from ds_megatron.tensor_parallel.experts import load_extremes, router_stats_over_tokens
 from ds_megatron.topology import ParallelTopology
 
 
@@ -148,19 +160,39 @@ class PipelineLayout:
         return None
 
 
-def split_boundary(x) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """(hidden, documents) of what a layer receives: a tensor alone (the default boundary), or with packed documents
-    (hidden or token ids, doc_ids, positions).  The ids and positions cross stage boundaries as they are: a middle
-    stage never sees the token ids, and at cp > 1 restart positions depend on chunks other ranks hold.  DeepSpeed's
-    pipeline engine sends int64 tensors with their dtype and shape, marks received ones ``requires_grad =
-    is_floating_point()`` and sends and expects gradients for floating tensors only, so they cost b s/cp x 16
-    bytes per micro-batch and boundary and no gradient buffer."""
-    return (x[0], tuple(x[1:])) if isinstance(x, tuple) else (x, ())
+class Boundary(NamedTuple):
+    """What crosses a layer (and stage) boundary."""
+
+    hidden: torch.Tensor  # hidden states [s(/t), b, h] (token ids [b, s] into the embedding)
+    documents: tuple[torch.Tensor, ...]  # () or packed documents' (doc_ids, positions), int64 [b, s/cp]
+    router: torch.Tensor | None = None  # mixture of experts: the routing statistics so far (RouterStats.pack)
 
 
-def join_boundary(hidden: torch.Tensor, documents: tuple[torch.Tensor, ...]):
-    """The inverse of :func:`split_boundary`: the hidden states alone when there are no documents."""
-    return (hidden, *documents) if documents else hidden
+def split_boundary(x) -> Boundary:
+    """What a layer receives: a tensor alone (the default boundary), or with packed documents (hidden or token ids,
+    doc_ids, positions), and for a routed family the packed routing statistics last.  The ids and positions cross
+    stage boundaries as they are: a middle stage never sees the token ids, and at cp > 1 restart positions depend on
+    chunks other ranks hold.  DeepSpeed's pipeline engine sends int64 tensors with their dtype and shape, marks
+    received ones ``requires_grad = is_floating_point()`` and sends and expects gradients for floating tensors only,
+    so they cost b s/cp x 16 bytes per micro-batch and boundary and no gradient buffer."""
+    if not isinstance(x, tuple):
+        return Boundary(x, ())
+    rest = x[1:]
+    if rest and rest[-1].is_floating_point():
+        return Boundary(x[0], tuple(rest[:-1]), rest[-1])
+    return Boundary(x[0], tuple(rest))
+
+
+def join_boundary(hidden: torch.Tensor, documents: tuple[torch.Tensor, ...], router: torch.Tensor | None = None):
+    """The inverse of :func:`split_boundary`: the hidden states alone when there is nothing else."""
+    rest = (*documents, *(() if router is None else (router,)))
+    return (hidden, *rest) if rest else hidden
+
+
+def router_size(config: ModelConfig) -> int:
+    """Elements of the routing statistics on the boundary (0: a dense family, no statistics)."""
+    experts = getattr(config, "num_experts", 0)
+    return RouterStats.packed_size(experts) if experts else 0
 
 
 def keep_slot(layer: nn.Module, slot: tuple[str, str], build_full, seed: int, ctx: ParallelContext) -> None:
@@ -180,24 +212,35 @@ class EmbeddingPipe(nn.Module):
         full = functools.partial(TiedEmbedding, config.vocab_size, config.n_embd)
         keep_slot(self, family_of(config).layout.embedding, full, seed, ctx)
         self.loss = loss
+        self.router_size = router_size(config)
 
     def forward(self, inputs):
         """ids [b, s] -> [s, b, h] (SP: [s/t, b, h]); with packed documents (ids, doc_ids, positions) -> (hidden,
-        doc_ids, positions)."""
-        input_ids, documents = split_boundary(inputs)
-        return join_boundary(getattr(self, self.attr)(input_ids.t().contiguous()), documents)
+        doc_ids, positions); a routed family's statistics appended, zeros (a leaf that takes a gradient, so that a
+        first stage without routed layers still has a floating output to run backward from)."""
+        input_ids, documents, _ = split_boundary(inputs)
+        hidden = getattr(self, self.attr)(input_ids.t().contiguous())
+        router = None
+        if self.router_size:
+            router = torch.zeros(self.router_size, device=hidden.device, requires_grad=torch.is_grad_enabled())
+        return join_boundary(hidden, documents, router)
 
 
-def head_output(head: nn.Module, hidden: torch.Tensor, loss: VocabParallelLoss | None):
+def head_output(head: nn.Module, inputs, loss: VocabParallelLoss | None):
     """What an output layer ``head`` returns: this rank's vocabulary block of logits [s, b, V_pad/t], or, for a
-    fused ``loss``, (its input [s(/t), b, h], a view of its weight)."""
-    return loss.head_output(head, hidden) if loss is not None else head.logits(hidden)
+    fused ``loss``, (its input [s(/t), b, h], a view of its weight); the routing statistics appended for the loss
+    (none while it emits logits)."""
+    hidden, _, router = split_boundary(inputs)
+    out = loss.head_output(head, hidden) if loss is not None else head.logits(hidden)
+    if router is None or loss is None or loss.emit_logits:
+        return out
+    return (*out, router) if isinstance(out, tuple) else (out, router)
 
 
-def lm_head_forward(module: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+def lm_head_forward(module: EmbeddingPipe, inputs) -> torch.Tensor:
     """Tied output layer: hidden [s(/t), b, h] -> this rank's vocabulary block of logits [s, b, V_pad/t] (for a
     fused loss: the hidden states and a view of the weight)."""
-    return head_output(getattr(module, module.attr), hidden, module.loss)
+    return head_output(getattr(module, module.attr), inputs, module.loss)
 
 
 class OutputPipe(nn.Module):
@@ -210,8 +253,8 @@ class OutputPipe(nn.Module):
         keep_slot(self, family_of(config).layout.output, full, seed, ctx)
         self.loss = loss
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return head_output(getattr(self, self.attr), hidden, self.loss)
+    def forward(self, inputs) -> torch.Tensor:
+        return head_output(getattr(self, self.attr), inputs, self.loss)
 
 
 class PositionEmbeddingPipe(nn.Module):
@@ -229,7 +272,7 @@ class PositionEmbeddingPipe(nn.Module):
         # Global positions of this rank's tokens (under CP its two chunks); under SP the local sequence is first
         # split over TP by the position table itself, as the embedding's reduce-scatter splits the tokens.  Packed
         # documents: each token's own position ([b, s] -> [s, b], split over TP the same way).
-        x, documents = split_boundary(inputs)
+        x, documents, _ = split_boundary(inputs)
         table = getattr(self, self.attr)
         if documents:
             return join_boundary(self.drop(x + table(documents[1].t())), documents)
@@ -244,14 +287,20 @@ class BlockPipe(nn.Module):
     def __init__(self, config: ModelConfig, ctx: ParallelContext, seed: int, layer_idx: int):
         super().__init__()
         family = family_of(config)
-        block = functools.partial(family.torch_side().block, config)
+        # a routed family's block is dense or routed by its index (mlp_only_layers, decoder_sparse_step)
+        where = {"layer": layer_idx} if family.routed else {}
+        block = functools.partial(family.torch_side().block, config, **where)
         path = f"{family.block_prefix}{layer_idx}"
         self.block = build_shard(path, block, lambda b: parallelize_block(b, ctx), ctx, seed)
         self.layer_idx = layer_idx
 
     def forward(self, inputs):
-        x, documents = split_boundary(inputs)
-        return join_boundary(self.block(x, *documents), documents)
+        x, documents, router = split_boundary(inputs)
+        out = self.block(x, *documents)
+        if router is None:
+            return join_boundary(out, documents)
+        hidden, stats = out  # a routed family's block: its statistics (None for a dense layer) added to the sum
+        return join_boundary(hidden, documents, router if stats is None else router + stats.pack())
 
 
 class FinalNormPipe(nn.Module):
@@ -264,7 +313,8 @@ class FinalNormPipe(nn.Module):
         keep_slot(self, family.layout.final_norm, norm, seed, ctx)
 
     def forward(self, inputs) -> torch.Tensor:
-        return getattr(self, self.attr)(split_boundary(inputs)[0])  # nothing after it needs the documents
+        hidden, _, router = split_boundary(inputs)  # nothing after it needs the documents
+        return join_boundary(getattr(self, self.attr)(hidden), (), router)
 
 
 class VocabParallelLoss:
@@ -286,6 +336,14 @@ class VocabParallelLoss:
         self.__name__ = "vocab_parallel_cross_entropy"
         self.fused, self.emit_logits = fused, False
         self.head: nn.Module | None = None  # fused: the vocab-parallel output module, handed over by its forward
+        # mixture of experts: the ranks whose tokens the routing statistics are summed over, the losses' weights
+        self.routed = bool(router_size(ctx.config))
+        self.stats_tp_group = ctx.tp.group if ctx.sp else None
+        self.cp_group = ctx.cp_group if ctx.cp_size > 1 else None
+        self.top_k = getattr(ctx.config, "num_experts_per_tok", 0)
+        self.aux_coef = getattr(ctx.config, "router_aux_loss_coef", 0.0)
+        self.z_coef = getattr(ctx.config, "router_z_loss_coef", 0.0)
+        self.router_metrics: dict[str, torch.Tensor] = {}  # the last training micro-batch's (ROUTER_METRICS)
 
     def head_output(self, head: nn.Module, hidden: torch.Tensor):
         """The output layer's result: logits [s, b, V_pad/t], or for the fused loss (``hidden`` [s(/t), b, h], a
@@ -306,13 +364,41 @@ class VocabParallelLoss:
 
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         """outputs: logits [s, b, V_pad/t], or for the fused loss (hidden states [s(/t), b, h], weight view);
-        labels [b, s]."""
+        a routed family's packed routing statistics last; labels [b, s]."""
+        router = None
+        if self.routed and isinstance(outputs, tuple) and not self.emit_logits:
+            *rest, router = outputs
+            outputs = tuple(rest) if len(rest) > 1 else rest[0]
         if self.fused:
             if self.emit_logits:
                 raise RuntimeError("the fused loss got logits: compute no loss inside emitting_logits()")
             hidden, weight = outputs
-            return self.head.fused_loss(hidden, labels.t(), weight=weight)
-        return vocab_parallel_cross_entropy(outputs, labels.t(), self.tp_group, self.vocab_start).mean()
+            lm = self.head.fused_loss(hidden, labels.t(), weight=weight)
+        else:
+            lm = vocab_parallel_cross_entropy(outputs, labels.t(), self.tp_group, self.vocab_start).mean()
+        if router is None or not torch.is_grad_enabled():
+            return lm  # validation: the LM loss alone (its perplexity)
+        return self.with_router_losses(lm, router)
+
+    def with_router_losses(self, lm: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+        """lm + router_aux_loss_coef x the load-balancing loss (+ router_z_loss_coef x the z-loss) of the whole
+        micro-batch's routing statistics; the parts kept for logging (``router_metrics``)."""
+        stats = RouterStats.unpack(router_stats_over_tokens(router, self.stats_tp_group, self.cp_group))
+        aux, z = load_balancing_loss(stats), router_z_loss(stats)
+        loss = lm + self.aux_coef * aux.to(lm.dtype)
+        if self.z_coef:
+            loss = loss + self.z_coef * z.to(lm.dtype)
+        low, high = load_extremes(stats, self.top_k)
+        values = (lm, aux, z, low, high)
+        self.router_metrics = {name: v.detach().float() for name, v in zip(ROUTER_METRICS, values, strict=True)}
+        return loss
+
+
+# What a routed family's training logs per step beside the loss (the training objective), each the mean over the
+# step's micro-batches and the data-parallel ranks (DeepSpeed's "additional losses"): the LM loss alone, the
+# load-balancing loss, the z-loss (logged whatever its weight), and the least and most loaded expert's share of the
+# assignments relative to a balanced router (1.0), over all routed layers together.
+ROUTER_METRICS = ("lm_loss", "aux_loss", "z_loss", "expert_load_min", "expert_load_max")
 
 
 def layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, loss: VocabParallelLoss | None = None) -> list:
@@ -359,6 +445,16 @@ class PipelineModel(PipelineModule):
         self.layout = layout
         self.segments = self._segments()
 
+    def get_additional_losses(self):
+        """DeepSpeed's hook for losses reported beside the loss: a routed family's ROUTER_METRICS of the last
+        micro-batch (summed over the step by the engine, averaged over micro-batches and the data axis, and
+        broadcast to every stage: ``engine.agg_additional_losses``).  Stages without the loss name them too (the
+        engine sizes its broadcast by their number).  None for a dense family."""
+        loss = self.loss_fn
+        if not getattr(loss, "routed", False):
+            return None
+        return loss.router_metrics or {name: torch.zeros(()) for name in ROUTER_METRICS}
+
     def _synchronize_tied_weights(self) -> None:
         # DeepSpeed copies the first stage's tied embedding to the last stage with an in-place broadcast, at
         # construction and after loading.  With autograd on, the broadcast (a collective with no autograd kernel) is
@@ -400,13 +496,21 @@ class PipelineModel(PipelineModule):
 
 
 def checkpoint_segment(fn, x, rng: RNGTracker | None):
-    """Full recompute of ``fn`` (a chunk of blocks) on what crosses a boundary: the hidden states are kept and
-    recomputed from; packed documents' ids and positions (no gradient, unchanged by blocks) go in as inputs and
-    around the checkpoint's output."""
-    hidden, documents = split_boundary(x)
-    if not documents:
+    """Full recompute of ``fn`` (a chunk of blocks) on what crosses a boundary: the hidden states (and a routed
+    family's statistics) are kept and recomputed from; packed documents' ids and positions (no gradient, unchanged
+    by blocks) go in as inputs and around the checkpoint's output."""
+    hidden, documents, router = split_boundary(x)
+    if not documents and router is None:
         return checkpoint(fn, x, rng=rng)
-    return (checkpoint(lambda h, *d: fn((h, *d))[0], hidden, *documents, rng=rng), *documents)
+    if router is None:
+        return (checkpoint(lambda h, *d: fn((h, *d))[0], hidden, *documents, rng=rng), *documents)
+
+    def run(h, r, *d):
+        out = split_boundary(fn(join_boundary(h, d, r)))
+        return out.hidden, out.router
+
+    hidden, router = checkpoint(run, hidden, router, *documents, rng=rng)
+    return join_boundary(hidden, documents, router)
 
 
 def build_pipeline_module(

@@ -142,6 +142,9 @@ def _check_modules(pins: Pins) -> None:
     if problem:
         fix = f"pass a comma-separated list of {', '.join(RECOMPUTE_MODULES)}"
         raise ConfigError("--recompute-modules", problem, f"got {listed or 'nothing'}", fix)
+    if "moe" in modules:  # the tool models dense families only: no model it searches has routed experts
+        fix = "drop moe (it recomputes routed experts; the tool does not model mixture-of-experts families yet)"
+        raise ConfigError("--recompute-modules", "moe applies to routed experts only", f"got {listed}", fix)
     if pins.recompute not in (None, "selective"):
         values, fix = f"recompute={pins.recompute}, modules={listed}", "drop --recompute or pass --recompute selective"
         raise ConfigError("--recompute-modules", "applies to selective recompute only", values, fix)

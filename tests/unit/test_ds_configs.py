@@ -39,7 +39,7 @@ def intended_world_size(config: Path) -> int:
 
 def test_every_size_has_a_config_and_a_recipe():
     names = {p.stem for p in CONFIGS}
-    assert {f"gpt3_{n}" for n in GPT3} | {"gpt_tiny"} <= names
+    assert {f"gpt3_{n}" for n in GPT3} | {"gpt_tiny", "moe_tiny"} <= names
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -116,6 +116,6 @@ def test_every_shipped_config_names_its_attention_kernel():
         )
         for c in [*CONFIGS, PAPER_175B]
     }
-    eager = {"paper/gpt3_175b_a100.json", "gpt_tiny.json", "llama_tiny.json"}
+    eager = {"paper/gpt3_175b_a100.json", "gpt_tiny.json", "llama_tiny.json", "moe_tiny.json"}
     assert {name for name, kernel in kernels.items() if kernel == "eager"} == eager
     assert all(kernel == "sdpa" for name, kernel in kernels.items() if name not in eager), kernels

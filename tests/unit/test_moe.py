@@ -201,42 +201,180 @@ def test_hf_config_round_trip_and_refusals():
 
 
 def test_named_sizes_build_their_configs():
-    from types import SimpleNamespace
+    from ds_megatron.config import resolve_shape
+    from ds_megatron.config.schema import ModelSection
+    from ds_megatron.model import model_config
 
     for family in ("qwen3_moe", "mixtral"):
         for size, shape in FAMILIES[family].sizes.items():
             fields = dict(shape.family_fields)
-            m = SimpleNamespace(
-                num_layers=shape.num_layers,
-                hidden_size=shape.hidden_size,
-                num_heads=shape.num_heads,
-                num_kv_heads=shape.num_kv_heads,
-                intermediate_size=shape.intermediate_size,
-                vocab_size=shape.vocab_size or 512,
-                max_position_embeddings=shape.max_position_embeddings or 256,
-                rope_theta=shape.rope_theta,
-                layer_norm_epsilon=1e-6,
-                tie_word_embeddings=shape.tie_word_embeddings,
-                dropout=0.0,
-                init_std=0.02,
-                attention="sdpa",
-                size=size,
-            )
-            cfg = FAMILIES[family].config.from_shape(m)
+            resolved = resolve_shape(ModelSection(size=size, vocab_size=500, seq_length=32))
+            cfg = model_config(resolved)
+            assert resolved.size == size and type(cfg) is FAMILIES[family].config, size
             assert cfg.num_experts == fields["num_experts"] and cfg.head_dim == fields["head_dim"], size
-            with pytest.raises(ValueError, match="needs model.size"):
-                FAMILIES[family].config.from_shape(SimpleNamespace(**{**vars(m), "size": None}))
+            assert cfg.num_experts_per_tok == fields["num_experts_per_tok"], size
+            assert cfg.mlp_only_layers == tuple(fields["mlp_only_layers"]), size
 
 
-@pytest.mark.parametrize("size", ["moe-tiny", "qwen3-30b-a3b", "mixtral-8x7b"])
-def test_the_training_path_refuses_the_moe_families_in_one_line(size):
+def test_expert_fields_override_the_named_size_and_drop_it():
+    from ds_megatron.config import resolve_shape
+    from ds_megatron.config.schema import ModelSection
+
+    base = dict(size="moe-tiny", vocab_size=500, seq_length=32)
+    shape = resolve_shape(ModelSection(**base, num_experts=16, experts_per_token=4, router_z_loss_coef=0.001))
+    assert (shape.num_experts, shape.experts_per_token, shape.router_z_loss_coef) == (16, 4, 0.001)
+    assert shape.size is None  # another architecture than the named size's
+    # the losses' weights are not the architecture: the size is kept
+    assert resolve_shape(ModelSection(**base, router_aux_loss_coef=0.1)).size == "moe-tiny"
+    # no size: the layout from the fields, the rest from their defaults
+    explicit = dict(family="qwen3_moe", num_layers=2, hidden_size=64, num_heads=4, intermediate_size=96)
+    layout = dict(num_experts=4, experts_per_token=2, moe_intermediate_size=32)
+    shape = resolve_shape(ModelSection(**explicit, vocab_size=100, seq_length=16, **layout))
+    assert (shape.head_dim, shape.norm_topk_prob, shape.decoder_sparse_step, shape.mlp_only_layers) == (16, True, 1, ())
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            dict(size="llama-tiny", num_experts=8),
+            "error: ds_megatron.model.num_experts: applies to the mixture-of-experts families (qwen3_moe, mixtral) "
+            "only (family=llama, num_experts set); remove it or set model.family to one of qwen3_moe, mixtral",
+        ),
+        (
+            dict(size="moe-tiny", experts_per_token=9),
+            "error: ds_megatron.model.experts_per_token: must be 1..num_experts (experts_per_token=9, num_experts=8); "
+            "use 1..8",
+        ),
+        (dict(size="moe-tiny", num_experts=0), "error: ds_megatron.model.num_experts: must be a positive integer"),
+        (dict(size="moe-tiny", mlp_only_layers=(4,)), "layer indices out of range (got [4], num_layers=4)"),
+        (dict(size="moe-tiny", router_aux_loss_coef=-1.0), "error: ds_megatron.model.router_aux_loss_coef: must be"),
+        (dict(size="moe-tiny", head_dim=33), "error: ds_megatron.model.head_dim: must be positive and even"),
+        (
+            dict(size="mixtral-8x7b", norm_topk_prob=False),
+            "error: ds_megatron.model.norm_topk_prob: the mixtral family fixes it (norm_topk_prob=False, mixtral has "
+            "True)",
+        ),
+        (
+            dict(family="qwen3_moe", num_layers=2, hidden_size=64, num_heads=4, intermediate_size=96),
+            "error: ds_megatron.model.num_experts: not set (family=qwen3_moe, no size gives it)",
+        ),
+    ],
+)
+def test_expert_field_refusals(fields, message):
     from ds_megatron.config import ConfigError, resolve_shape
     from ds_megatron.config.schema import ModelSection
 
     with pytest.raises(ConfigError) as err:
-        resolve_shape(ModelSection(size=size, vocab_size=500, seq_length=32))
-    message = str(err.value)
-    assert (
-        message.startswith("error: ds_megatron.model.family: not trained by the pipeline yet") and "\n" not in message
-    )
-    assert "use gpt2, llama" in message
+        resolve_shape(ModelSection(vocab_size=500, seq_length=32, **fields))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_training_layout_refusals():
+    from ds_megatron.config import ConfigError, resolve
+
+    def run(tp=1, **section):
+        model = {"size": "moe-tiny", "vocab_size": 500, "seq_length": 32, **section.pop("model", {})}
+        return {"train_batch_size": 2, "ds_megatron": {"model": model, "parallel": {"tp": tp}, **section}}
+
+    with pytest.raises(ConfigError, match="moe_intermediate_size not divisible by tp"):
+        resolve(run(tp=2, model={"moe_intermediate_size": 63, "num_kv_heads": 2}), 2)
+    with pytest.raises(ConfigError, match="moe recomputes the routed experts' activations, and this model has none"):
+        resolve(run(model={"size": "llama-tiny"}, recompute={"policy": "selective", "modules": ["moe"]}), 1)
+    assert resolve(run(recompute={"policy": "selective", "modules": ["moe"]}), 1).section.recompute.modules == ("moe",)
+
+
+def test_moe_recompute_keeps_only_the_experts_inputs_and_replays_them_exactly():
+    """Selective recompute of ``moe``: the experts' activations (the routed copies of the tokens, gate and up,
+    SwiGLU's output, the expert outputs) are not stored; backward recomputes them and the gradients are the
+    stored run's, bit for bit."""
+    import functools
+
+    from ds_megatron.recompute import checkpoint
+    from ds_megatron.tensor_parallel import TPGroup
+    from ds_megatron.tensor_parallel.experts import TensorParallelExperts
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(64, 32, 4, 2, True)
+    torch.nn.init.normal_(block.experts.gate_up_proj, std=0.1)
+    torch.nn.init.normal_(block.experts.down_proj, std=0.1)
+    torch.nn.init.normal_(block.gate.weight, std=0.1)
+    x = torch.randn(48, 64)
+
+    def run(recompute):
+        experts = TensorParallelExperts(block.experts, TPGroup(), recompute=recompute)
+        inp = x.clone().requires_grad_()
+        weights, chosen, _ = block.gate(inp)
+        saved = []
+        pack = lambda t: saved.append(t.numel() * t.element_size()) or t  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = experts(inp, weights, chosen)
+        out.square().sum().backward()
+        return sum(saved), inp.grad, experts.gate_up_proj.grad, experts.down_proj.grad
+
+    stored, *grads = run(None)
+    kept, *again = run(functools.partial(checkpoint, rng=None))
+    assert kept < stored / 4, (kept, stored)  # the inputs (tokens [n, h], weights [n, k]) against every activation
+    for a, b in zip(grads, again, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "size, published",
+    [("qwen3-30b-a3b", 3.3e9), ("qwen3-235b-a22b", 22e9), ("mixtral-8x7b", 12.9e9)],  # the model cards' "active"
+)
+def test_model_flops_count_the_published_active_parameters(size, published):
+    """MFU of a mixture of experts is on active parameters: at one token (no s^2 term to speak of) the model FLOPs
+    are 6 x the active parameters less the embedding table, which the model cards count in."""
+    from ds_megatron.config import resolve_shape
+    from ds_megatron.config.schema import ModelSection
+    from ds_megatron.flops import block_fields, model_flops_per_step
+
+    shape = resolve_shape(ModelSection(size=size))
+    flops = model_flops_per_step(1, 1, shape.num_layers, shape.hidden_size, shape.vocab_size, **block_fields(shape))
+    active = flops / 6 + shape.vocab_size * shape.hidden_size
+    assert abs(active - published) / published < 0.02, (size, active)
+
+
+def test_log_line_shows_the_router_losses_and_loads():
+    from ds_megatron.metrics import format_record
+
+    record = dict(step=3, loss=6.9, lr=1e-3, grad_norm=1.0, tokens_per_s=100.0, tflops_per_gpu=0.1, step_ms=10.0)
+    record.update(mfu=0.4, hfu=0.5, lm_loss=6.88, aux_loss=2.0053, expert_load_min=0.84, expert_load_max=1.15)
+    line = format_record(record, 10)
+    assert "| lm 6.8800 aux 2.0053 | expert load 0.84-1.15 |" in line
+    assert "MFU 40.0% HFU 50.0% (active parameters)" in line
+
+
+def test_boundary_tensor_partitioning_is_off_at_tp_above_1():
+    """The routing statistics cross stage boundaries with a gradient, which DeepSpeed's TP partitioning of boundary
+    tensors refuses (it allows one such tensor): off for a routed family at tp > 1, SP or not."""
+    from ds_megatron.config import resolve
+    from ds_megatron.engine import deepspeed_config_for
+
+    def ds(tp, size="moe-tiny"):
+        model = {"size": size, "vocab_size": 500, "seq_length": 32}
+        cfg = {"train_batch_size": 2, "ds_megatron": {"model": model, "parallel": {"tp": tp, "pp": 2}}}
+        notes: list[str] = []
+        return deepspeed_config_for(resolve(cfg, 2 * tp), notes).get("pipeline", {}), notes
+
+    pipe, notes = ds(2)
+    assert pipe == {"pipe_partitioned": False, "grad_partitioned": False}
+    assert "mixture of experts: pipeline.pipe_partitioned and grad_partitioned turned off" in notes
+    assert ds(1)[0] == {} and ds(2, "llama-tiny")[0] == {}
+
+
+def test_resume_refuses_another_expert_layout_and_takes_another_top_k(monkeypatch, tmp_path):
+    from ds_megatron.checkpoint import manifest
+    from ds_megatron.config import ConfigError, resolve
+    from ds_megatron.preflight import check_resume_shape
+
+    def cfg(**model):
+        section = {"model": {"size": "moe-tiny", "vocab_size": 500, "seq_length": 32, **model}}
+        return resolve({"train_batch_size": 2, "ds_megatron": section}, 1)
+
+    monkeypatch.setattr(manifest, "tag_config", lambda load, tag: cfg().ds_config)
+    check_resume_shape(cfg(experts_per_token=3, router_aux_loss_coef=0.1), tmp_path, "step00000002")
+    with pytest.raises(ConfigError) as err:
+        check_resume_shape(cfg(num_experts=16), tmp_path, "step00000002")
+    assert "checkpoint model shape does not match the config (num_experts) (num_experts=8 in" in str(err.value)

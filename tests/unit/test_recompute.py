@@ -99,7 +99,7 @@ def test_full_recompute_replays_dropout_for_both_attention_kernels(kernel):
             {"policy": "selective", "modules": ["mlp_act", "gelu"]},
             "eager",
             "error: ds_megatron.recompute.modules: unknown or repeated module (got ['mlp_act', 'gelu']); list each at "
-            "most once from ['core_attn', 'mlp_act', 'layernorm']",
+            "most once from ['core_attn', 'mlp_act', 'layernorm', 'moe']",
         ),
         (
             {"policy": "full", "modules": ["mlp_act"]},

@@ -138,6 +138,7 @@ def test_pins_on_the_modules(capsys):
         (["--recompute-modules", "mlp_act,mlp_act"], "error: --recompute-modules: a module named twice"),
         (["--recompute-modules", ","], "error: --recompute-modules: no module"),
         (["--recompute", "full", "--recompute-modules", "mlp_act"], "error: --recompute-modules: applies to selective"),
+        (["--recompute-modules", "mlp_act,moe"], "error: --recompute-modules: moe applies to routed experts only"),
     ):
         assert main([*args, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()

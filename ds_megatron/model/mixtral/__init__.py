@@ -14,7 +14,6 @@ from ds_megatron.model.qwen3_moe import (
 )
 from ds_megatron.model.qwen3_moe import (
     LAYOUT,
-    NO_TRAINING,
     PLAN,
     SHAPE_RENAMED,
     Qwen3MoeConfig,
@@ -25,6 +24,7 @@ from ds_megatron.model.qwen3_moe import (
 )
 
 NAME = "mixtral"  # the config's model.family
+DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 HF_RENAMED = {**QWEN3_HF_RENAMED, "num_experts": "num_local_experts"}
 MIXTRAL_VOCAB_SIZE = 32000
 MIXTRAL_SEQ_LENGTH = 32768  # Mixtral's training context
@@ -141,7 +141,8 @@ FAMILY = Family(
     config=MixtralConfig,
     modeling="ds_megatron.model.mixtral.model",
     blocks="model.layers",
-    plan=tuple(r for r in PLAN if not r.path.startswith(("self_attn.q_norm", "self_attn.k_norm", "mlp."))),
+    # no q/k norm; no dense MLP (every layer routed)
+    plan=tuple(r for r in PLAN if r.path not in ("self_attn.q_norm", "self_attn.k_norm", *DENSE_MLP)),
     attention="self_attn",
     layout=LAYOUT,
     hf_base_prefix="model",
@@ -156,5 +157,6 @@ FAMILY = Family(
     mlp_matrices=3,
     block_terms=not_modelled,
     tuner=tuner_facts(MIXTRAL_VOCAB_SIZE, MIXTRAL_SEQ_LENGTH),
-    no_training=NO_TRAINING,
+    routed=True,
+    fixed_expert_fields=(("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", ())),
 )

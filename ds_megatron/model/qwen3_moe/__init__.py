@@ -5,8 +5,9 @@ attention, no biases) with an RMSNorm over each query and key head before the ro
 ``decoder_sparse_step``.  The Mixtral family (``model/mixtral``) is this config with Llama's attention and all layers
 sparse; both share the torch side (``model.py`` here, the routed MLP in ``model/moe_layer.py``).
 
-Config, plan, pipeline layout and transformers names (stdlib only).  What the analytic tuner, the FLOPs and the
-memory model count for a routed block is not written yet: they refuse these families (``not_modelled``)."""
+Config, plan, pipeline layout and transformers names (stdlib only).  The FLOPs of a routed block are
+``flops.RoutedTerms`` (active parameters); what the analytic tuner and the memory model count for one is not written
+yet: they refuse these families (``not_modelled``)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from typing import Any
 
 from ds_megatron.model.family import (
     COLUMN,
+    EXPERTS,
     NORM,
     OUTPUT,
+    ROUTER,
     ROW,
     VOCAB,
     Family,
@@ -32,9 +35,12 @@ from ds_megatron.model.llama import HF_RENAMED as LLAMA_HF_RENAMED
 from ds_megatron.model.llama import SHAPE_RENAMED as LLAMA_SHAPE_RENAMED
 
 NAME = "qwen3_moe"  # the config's model.family
-# Llama's decoder: its config fields are spelt as Llama's are, in ModelShape and in transformers' config
-SHAPE_RENAMED, HF_RENAMED = LLAMA_SHAPE_RENAMED, LLAMA_HF_RENAMED
-# Fields a ModelShape does not carry: read off the named size (NamedShape.family_fields).
+# Llama's decoder: its config fields are spelt as Llama's are, in ModelShape and in transformers' config; the
+# top-k is ModelShape's ``experts_per_token``.
+SHAPE_RENAMED = {**LLAMA_SHAPE_RENAMED, "num_experts_per_tok": "experts_per_token"}
+HF_RENAMED = LLAMA_HF_RENAMED
+# The routed MLP's fields, as a named size gives them (NamedShape.family_fields; ModelShape spells them through
+# SHAPE_RENAMED, config.shape.EXPERT_FIELDS).
 MOE_FIELDS = (
     "head_dim",
     "moe_intermediate_size",
@@ -177,16 +183,8 @@ class Qwen3MoeConfig:
 
     @classmethod
     def from_shape(cls, m: Any) -> Qwen3MoeConfig:
-        """From a resolved model shape (``ds_megatron.config.ModelShape``); the experts' layout and the head width
-        come from its named size until the config section carries them."""
-        size = cls.named_sizes.get(getattr(m, "size", None) or "")
-        if size is None:
-            raise ValueError(
-                f"error: model.family={cls.family} needs model.size (one of {sorted(cls.named_sizes)}): the "
-                "experts' layout is read off a named size"
-            )
-        moe = {"router_z_loss_coef": 0.0, **dict(size.family_fields)}
-        return cls(**read_fields(cls, m, SHAPE_RENAMED, attention=m.attention, **moe))
+        """From a resolved model shape (``ds_megatron.config.ModelShape``, the experts' layout included)."""
+        return cls(**read_fields(cls, m, SHAPE_RENAMED, attention=m.attention))
 
     @classmethod
     def from_hf(cls, hf: Any, attention: str = "eager") -> Qwen3MoeConfig:
@@ -217,22 +215,18 @@ def _common_from_hf(hf: Any, attention: str) -> dict[str, Any]:
     )
 
 
-# The routed block returns its router statistics beside its output; the pipeline's block layer, the loss and the
-# tuner's terms do not carry them yet.
-NO_TRAINING = "not trained by the pipeline yet (its router statistics do not cross stages, the tuner has no MoE terms)"
-
-
 def not_modelled(*_: Any) -> Any:
-    """The analytic tuner's, FLOPs' and memory model's terms of a routed block: not written yet."""
+    """The analytic tuner's and memory model's terms of a routed block: not written yet."""
     raise NotImplementedError(
-        "the tuner, FLOPs and memory model do not count mixture-of-experts blocks yet; use a dense family there"
+        "the tuner and memory model do not count mixture-of-experts blocks yet; use a dense family there"
     )
 
 
 # Attention as Llama's (q, k, v column-parallel by heads, o_proj row-parallel); q_norm and k_norm act on one head's
 # width and are replicated (each TP rank's heads contribute to their gradients: summed over TP); the dense layers'
-# MLP as Llama's.  The routed MLP (mlp.gate, mlp.experts) has no row yet: tensor and expert parallelism of the
-# experts are not written (these families run at tp 1 until they are).
+# MLP as Llama's.  The routed MLP: the router replicated (under SP it routes this rank's sequence shard, its gradient
+# summed over TP like a norm's), every expert split over TP as the dense MLP is (expert TP = tp).  A block holds
+# either the dense rows or the routed ones (``is_sparse``).
 PLAN: tuple[PlanRow, ...] = (
     PlanRow("self_attn.q_proj", COLUMN, group="qkv"),
     PlanRow("self_attn.k_proj", COLUMN, group="qkv"),
@@ -243,6 +237,8 @@ PLAN: tuple[PlanRow, ...] = (
     PlanRow("mlp.gate_proj", COLUMN, group="gate_up"),
     PlanRow("mlp.up_proj", COLUMN, group="gate_up"),
     PlanRow("mlp.down_proj", ROW),
+    PlanRow("mlp.gate", ROUTER),
+    PlanRow("mlp.experts", EXPERTS),
     PlanRow("input_layernorm", NORM),
     PlanRow("post_attention_layernorm", NORM),
     PlanRow("model.embed_tokens", VOCAB),
@@ -292,5 +288,5 @@ FAMILY = Family(
     mlp_matrices=3,
     block_terms=not_modelled,
     tuner=tuner_facts(QWEN3_VOCAB_SIZE, QWEN3_SEQ_LENGTH),
-    no_training=NO_TRAINING,
+    routed=True,
 )
