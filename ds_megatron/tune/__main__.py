@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import sys
-import time
 from pathlib import Path
 
 from ds_megatron.config import ConfigError
 from ds_megatron.config.rules import PIPELINE_ZERO_STAGES
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.tune import Pins, build_model_shape, empirical, search
-from ds_megatron.tune.core import flags
-from ds_megatron.tune.core.flags import (
+from ds_megatron.tune.core import cli
+from ds_megatron.tune.core.cli import (
     CLUSTER_FLAGS,
-    EXIT_CONFIG_ERROR,
     EXIT_NO_FIT,
     INT,
     LLAMA_FLAGS,
@@ -94,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Find the fastest TP/PP/DP/SP/micro-batch/recompute/attention/ZeRO configuration for a GPT or a Llama, "
         "analytically."
     )
-    return flags.build_parser("python -m ds_megatron.tune", description, FLAGS)
+    return cli.build_parser("python -m ds_megatron.tune", description, FLAGS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,17 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         from ds_megatron.tune.inference.cli import main as inference_main
 
         return inference_main(argv[1:])
-    start = time.monotonic()
-    try:
-        return _run(build_parser().parse_args(argv), start)
-    except ConfigError as err:
-        print(str(err), file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    return cli.run_command(build_parser, _run, argv)
 
 
 def _run(args: argparse.Namespace, start: float) -> int:
     """Search, print the report, measure (--empirical), write --json and --write-config; the exit status."""
-    flags.check_empirical_budget(args)
+    cli.check_empirical_budget(args)
     check_output("--json", args.json, args.force)
     check_output("--write-config", args.write_config, args.force)
     if args.json and args.write_config and Path(args.json).resolve() == Path(args.write_config).resolve():
@@ -129,15 +121,8 @@ def _run(args: argparse.Namespace, start: float) -> int:
     result = search(model, cluster, args.global_batch_size, pins)
     options = None
     if args.empirical:
-        options = empirical.EmpiricalOptions(
-            max_minutes=args.max_minutes,
-            top=args.empirical_top,
-            steps=args.empirical_steps,
-            warmup=args.empirical_warmup,
-            device=args.device,
-            work_dir=args.empirical_dir,
-            extra_sets=tuple(args.empirical_set),
-        )
+        steps, sets = args.empirical_steps, tuple(args.empirical_set)
+        options = empirical.EmpiricalOptions(**cli.empirical_settings(args), steps=steps, extra_sets=sets)
         empirical.validate_options(result, options)
         options = dataclasses.replace(options, device=empirical.resolve_device(options.device, cluster.num_gpus))
     # The CPU runs cannot tell the kernels apart (CPU_KERNEL_NOTE): rank and measure eager, which also allows
@@ -149,13 +134,13 @@ def _run(args: argparse.Namespace, start: float) -> int:
     print(format_report(result, top=top), flush=True)
     if cpu_eager:
         print(CPU_KERNEL_NOTE)
-    emp = None
-    if options is not None and result.winner is None:
-        print("empirical: skipped, no candidate fits")
-    elif options is not None:
-        say = functools.partial(print, flush=True)
-        emp = empirical.run_empirical(result, options, deadline=start + 60 * args.max_minutes, say=say)
-        print(format_empirical(emp, result.global_batch_size, result.model.seq_length, top=top))
+    emp = cli.run_session(
+        options,
+        result.winner is not None,
+        start,
+        lambda deadline, say: empirical.run_empirical(result, options, deadline, say=say),
+        lambda emp: format_empirical(emp, result.global_batch_size, result.model.seq_length, top=top),
+    )
     if args.json:
         data = to_json(result)
         if emp is not None:

@@ -11,20 +11,9 @@ from dataclasses import dataclass
 
 from ds_megatron.config import ConfigError
 from ds_megatron.tune.calibration import Measurement, fit_time_model
+from ds_megatron.tune.core import session
 from ds_megatron.tune.core.calibration import FIT_TERMS
-from ds_megatron.tune.core.session import (
-    NOT_RUN,
-    NOT_RUN_REASON,
-    Budget,
-    Session,
-    check_budget,
-    check_one_node,
-    fit_or_keep,
-    measured_or_predicted,
-    resolve_device,
-    spearman,
-    work_dir,
-)
+from ds_megatron.tune.core.session import resolve_device  # by name: the command line and fakes reach it here
 from ds_megatron.tune.probe import EmpiricalOptions, ProbeResult, probe
 from ds_megatron.tune.report import cells
 from ds_megatron.tune.search import Evaluation, SearchResult, search
@@ -43,7 +32,7 @@ class ProbeRun:
 
     @property
     def status(self) -> str:
-        return self.outcome.status if self.outcome else NOT_RUN
+        return self.outcome.status if self.outcome else session.NOT_RUN
 
     @property
     def measured_s(self) -> float | None:
@@ -56,7 +45,7 @@ class ProbeRun:
             "analytic_rank": self.rank,
             **self.evaluation.candidate.settings(),
             "status": self.status,
-            "reason": o.reason if o else NOT_RUN_REASON,
+            "reason": o.reason if o else session.NOT_RUN_REASON,
             "predicted_step_s": self.predicted_s,
             "calibrated_step_s": self.calibrated_s,
             "measured_step_s": self.measured_s,
@@ -78,7 +67,7 @@ class FinalEntry:
 
 
 @dataclass
-class EmpiricalResult(Session):
+class EmpiricalResult(session.Session):
     processes: int = 0  # launched per run (the --gpus of the problem)
     spearman_before: float | None = None  # predicted (analytic) vs measured step time
     spearman_after: float | None = None  # predicted (recalibrated) vs measured
@@ -118,8 +107,8 @@ PEAK_MEM_NOTE = {
 
 def validate_options(result: SearchResult, options: EmpiricalOptions) -> None:
     counts = (("--empirical-top", options.top, 1), ("--empirical-steps", options.steps, 1))
-    check_budget(options.max_minutes, (*counts, ("--empirical-warmup", options.warmup, 0)))
-    check_one_node(result.cluster.num_gpus, result.cluster.gpus_per_node)
+    session.check_budget(options.max_minutes, (*counts, ("--empirical-warmup", options.warmup, 0)))
+    session.check_one_node(result.cluster.num_gpus, result.cluster.gpus_per_node)
     for item in options.extra_sets:
         if "=" not in item:
             raise ConfigError("--empirical-set", "expected KEY=VALUE", repr(item), "e.g. ds_megatron.data.path=x.txt")
@@ -149,7 +138,7 @@ def run_empirical(
     start = time.monotonic()
     procs = result.cluster.num_gpus
     device = resolve_device(options.device, procs)
-    options = dataclasses.replace(options, device=device, work_dir=str(work_dir(options.work_dir)))
+    options = dataclasses.replace(options, device=device, work_dir=str(session.work_dir(options.work_dir)))
     picked = chosen if chosen is not None else top_candidates(result.ranked, options.top, device)
     rank = {e.candidate: i + 1 for i, e in enumerate(result.ranked)}
     runs = [ProbeRun(i + 1, rank[e.candidate], e, e.time.step_s) for i, e in enumerate(picked)]
@@ -159,7 +148,7 @@ def run_empirical(
         f"empirical: measuring {len(runs)} candidate(s) on {kind}, {options.warmup} warm-up + {options.steps}"
         f" measured steps each, {emp.budget_s / 60:.1f} min budget; runs in {options.work_dir}"
     )
-    budget = Budget(deadline)
+    budget = session.Budget(deadline)
     for pos, run in enumerate(runs):
         timeout, remaining = budget.next_timeout(len(runs) - pos)
         if timeout is None:
@@ -187,19 +176,21 @@ def run_empirical(
 def recalibrate(result: SearchResult, emp: EmpiricalResult) -> None:
     """Fit the time model to the measured runs, re-rank every candidate, build the final ranking."""
     measured = emp.measured
-    emp.spearman_before = spearman([r.predicted_s for r in measured], [r.measured_s for r in measured])
+    emp.spearman_before = session.spearman([r.predicted_s for r in measured], [r.measured_s for r in measured])
     points = [
         Measurement(result.model, result.cluster, r.evaluation.candidate, result.global_batch_size, r.measured_s)
         for r in measured
     ]
     terms = FIT_TERMS if emp.options.device == "cpu" else ()
-    emp.calibration, emp.calibration_note = fit_or_keep(measured, lambda: fit_time_model(points, extra_terms=terms))
+    emp.calibration, emp.calibration_note = session.fit_or_keep(
+        measured, lambda: fit_time_model(points, extra_terms=terms)
+    )
     cluster = emp.calibration.apply(result.cluster) if emp.calibration else result.cluster
     emp.recalibrated = search(result.model, cluster, result.global_batch_size, result.pins)
     again = {e.candidate: e.time.step_s for e in emp.recalibrated.ranked}
     for r in emp.runs:
         r.calibrated_s = again.get(r.evaluation.candidate)
-    emp.spearman_after = spearman([r.calibrated_s for r in measured], [r.measured_s for r in measured])
+    emp.spearman_after = session.spearman([r.calibrated_s for r in measured], [r.measured_s for r in measured])
     emp.final = final_ranking(emp.recalibrated.ranked, emp.runs)
 
 
@@ -208,7 +199,9 @@ def final_ranking(ranked: list[Evaluation], runs: list[ProbeRun]) -> list[FinalE
     measured = {r.evaluation.candidate: r.measured_s for r in runs if r.measured_s is not None}
     failed = {r.evaluation.candidate for r in runs if r.outcome is not None and r.measured_s is None}
     step = lambda e: e.time.step_s  # noqa: E731
-    entries = [FinalEntry(*x) for x in measured_or_predicted(ranked, lambda e: e.candidate, measured, failed, step)]
+    entries = [
+        FinalEntry(*x) for x in session.measured_or_predicted(ranked, lambda e: e.candidate, measured, failed, step)
+    ]
     # Measured first among equals: a measurement beats a prediction of the same time.
     entries.sort(key=lambda f: (f.step_s, f.source != "measured", f.evaluation.required_bytes))
     return entries

@@ -11,19 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_megatron.config import ConfigError
-from ds_megatron.tune.core.launch import (
-    RECIPES,
-    failure_reason,
-    json_lines,
-    launch_command,
-    log_tail,
-    probe_env,
-    run_process,
-)
+from ds_megatron.tune.core import launch
 from ds_megatron.tune.search import Evaluation, SearchResult
 from ds_megatron.tune.written import ds_config
 
-RECIPE = RECIPES / "train_gpt.py"
+RECIPE = launch.RECIPES / "train_gpt.py"
 
 
 @dataclass(frozen=True)
@@ -90,7 +82,7 @@ def read_metrics(path: Path, warmup_steps: int) -> tuple[list[float], float | No
     """(step times in s after the warm-up, in step order; the largest peak_mem_gb) from a metrics.jsonl."""
     times: dict[int, float] = {}
     peak = None
-    for record in json_lines(path):
+    for record in launch.json_lines(path):
         if "step_ms" not in record:
             continue  # validation or sample records
         if record["step"] > warmup_steps:
@@ -114,13 +106,13 @@ def probe(result: SearchResult, e: Evaluation, index: int, options: EmpiricalOpt
     config_path = run_dir / "ds_config.json"
     config_path.write_text(json.dumps(probe_config(result, e, options, run_dir), indent=2) + "\n")
     num_gpus = result.cluster.num_gpus
-    cmd = [*launch_command(num_gpus, RECIPE), "--deepspeed_config", str(config_path)]
+    cmd = [*launch.launch_command(num_gpus, RECIPE), "--deepspeed_config", str(config_path)]
     cmd += [arg for item in split_sets(options)[1] for arg in ("--set", item)]
     log_path = run_dir / "output.log"
-    returncode, duration = run_process(cmd, log_path, timeout_s, probe_env(options.device, num_gpus))
+    returncode, duration = launch.run_process(cmd, log_path, timeout_s, launch.probe_env(options.device, num_gpus))
     times, peak = read_metrics(metrics, options.warmup)
     if returncode != 0:
-        status, reason = failure_reason(returncode, log_tail(log_path), timeout_s)
+        status, reason = launch.failure_reason(returncode, launch.log_tail(log_path), timeout_s)
     elif len(times) < options.steps:
         status, reason = "failed", f"exit 0 but only {len(times)} of {options.steps} measured steps in {metrics}"
     else:

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
-import sys
-import time
 from pathlib import Path
 
 from ds_megatron.checkpoint.manifest import newest_complete_tag, tag_config
@@ -23,10 +20,9 @@ from ds_megatron.config.loader import parse_section
 from ds_megatron.config.schema import ModelSection
 from ds_megatron.config.shape import resolve_shape
 from ds_megatron.model import FAMILIES
-from ds_megatron.tune.core import flags
-from ds_megatron.tune.core.flags import (
+from ds_megatron.tune.core import cli
+from ds_megatron.tune.core.cli import (
     CLUSTER_FLAGS,
-    EXIT_CONFIG_ERROR,
     EXIT_NO_FIT,
     FLOAT,
     INT,
@@ -120,16 +116,11 @@ FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return flags.build_parser("python -m ds_megatron.tune inference", __doc__.split("\n\n")[0], FLAGS)
+    return cli.build_parser("python -m ds_megatron.tune inference", __doc__.split("\n\n")[0], FLAGS)
 
 
 def main(argv: list[str] | None = None) -> int:
-    start = time.monotonic()
-    try:
-        return _run(build_parser().parse_args(argv), start)
-    except ConfigError as err:
-        print(str(err), file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+    return cli.run_command(build_parser, _run, argv)
 
 
 def _batch_sizes(text: str) -> tuple[int, ...]:
@@ -197,7 +188,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
 
 
 def _run(args: argparse.Namespace, start: float) -> int:
-    flags.check_empirical_budget(args)
+    cli.check_empirical_budget(args)
     check_output("--json", args.json, args.force)
     model = model_shape(args)
     cluster = inference_cluster(
@@ -215,24 +206,17 @@ def _run(args: argparse.Namespace, start: float) -> int:
     result = search_inference(model, cluster, work)
     options = None
     if args.empirical:  # refused before the report and before anything is launched
-        options = InferenceEmpiricalOptions(
-            max_minutes=args.max_minutes,
-            top=args.empirical_top,
-            repeats=args.empirical_steps,
-            warmup=args.empirical_warmup,
-            device=args.device,
-            work_dir=args.empirical_dir,
-        )
+        options = InferenceEmpiricalOptions(**cli.empirical_settings(args), repeats=args.empirical_steps)
         validate_options(result, options, args.hf_dir)
         options = dataclasses.replace(options, device=resolve_device(options.device, cluster.num_gpus))
     print(format_inference(result, top=max(1, args.top), engine=args.engine), flush=True)
-    emp = None
-    if options is not None and not result.evaluations:
-        print("empirical: skipped, no candidate fits")
-    elif options is not None:
-        say = functools.partial(print, flush=True)
-        emp = run_inference_empirical(result, args.hf_dir, options, deadline=start + 60 * args.max_minutes, say=say)
-        print(format_inference_empirical(emp, top=max(1, args.top)))
+    emp = cli.run_session(
+        options,
+        bool(result.evaluations),
+        start,
+        lambda deadline, say: run_inference_empirical(result, args.hf_dir, options, deadline, say=say),
+        lambda emp: format_inference_empirical(emp, top=max(1, args.top)),
+    )
     if args.json:
         data = {
             "model": vars(model) | {"parameters": total_param_count(model)},

@@ -12,19 +12,8 @@ from dataclasses import dataclass, field
 
 from ds_megatron.config import ConfigError
 from ds_megatron.model import family_of
+from ds_megatron.tune.core import session
 from ds_megatron.tune.core.calibration import FIT_TERMS, Calibration, fit_parts
-from ds_megatron.tune.core.session import (
-    NOT_RUN,
-    Budget,
-    Session,
-    check_budget,
-    check_one_node,
-    fit_or_keep,
-    measured_or_predicted,
-    resolve_device,
-    spearman,
-    work_dir,
-)
 from ds_megatron.tune.inference.model import (
     InferenceEvaluation,
     InferenceResult,
@@ -69,7 +58,7 @@ class FinalEntry:
 
 
 @dataclass
-class InferenceEmpiricalResult(Session):
+class InferenceEmpiricalResult(session.Session):
     launches: list[Launch] = field(default_factory=list)
     spearman: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # figure: (before, after)
 
@@ -105,7 +94,7 @@ def validate_options(result: InferenceResult, options: InferenceEmpiricalOptions
     """Refuse what the measuring runs cannot do, before anything is launched."""
     cl, work = result.cluster, result.workload
     counts = (("--empirical-top", options.top, 1), ("--empirical-steps", options.repeats, 1))
-    check_budget(options.max_minutes, (*counts, ("--empirical-warmup", options.warmup, 0)))
+    session.check_budget(options.max_minutes, (*counts, ("--empirical-warmup", options.warmup, 0)))
     if not hf_dir:
         raise ConfigError(
             "--empirical", "measures an exported transformers model", "no --hf-dir given",
@@ -120,7 +109,7 @@ def validate_options(result: InferenceResult, options: InferenceEmpiricalOptions
         )
     if work.output_length < 2:
         raise ConfigError("--output-length", "TPOT needs a decode step", f"{work.output_length}", "pass at least 2")
-    check_one_node(cl.num_gpus, cl.gpus_per_node)
+    session.check_one_node(cl.num_gpus, cl.gpus_per_node)
 
 
 def not_measured(result: InferenceResult, e: InferenceEvaluation) -> str | None:
@@ -151,9 +140,9 @@ def run_inference_empirical(
     ``launch_groups`` allows; recalibrate and rank again."""
     validate_options(result, options, hf_dir)
     start = time.monotonic()
-    device = resolve_device(options.device, result.cluster.num_gpus)
+    device = session.resolve_device(options.device, result.cluster.num_gpus)
     options = dataclasses.replace(
-        options, device=device, work_dir=str(work_dir(options.work_dir, "-inference").resolve())
+        options, device=device, work_dir=str(session.work_dir(options.work_dir, "-inference").resolve())
     )
     rank = {e.serving: i + 1 for i, e in enumerate(result.evaluations)}
     runs = [InferenceRun(i + 1, rank[e.serving], e) for i, e in enumerate(top_candidates(result, options.top))]
@@ -168,9 +157,9 @@ def run_inference_empirical(
     if skipped:
         say(f"  not measured: {'; '.join(skipped)}")
     groups = launch_groups([r.evaluation.serving.tp for r in runs])
-    budget = Budget(deadline)
+    budget = session.Budget(deadline)
     for pos, group in enumerate(groups):
-        while pending := [r for r in runs if r.evaluation.serving.tp in group and r.status == NOT_RUN]:
+        while pending := [r for r in runs if r.evaluation.serving.tp in group and r.status == session.NOT_RUN]:
             timeout, remaining = budget.next_timeout(len(groups) - pos)
             if timeout is None:
                 say(f"  budget: {max(remaining, 0):.0f} s left is too little for another launch")
@@ -183,10 +172,10 @@ def run_inference_empirical(
             if launch.returncode is not None:
                 budget.durations.append(launch.duration_s)
             for r in pending:
-                if r.status != NOT_RUN:
+                if r.status != session.NOT_RUN:
                     say(f"      #{r.index} tp {r.evaluation.serving.tp}, batch {r.evaluation.serving.batch}: "
                         f"{_outcome_text(r)}")  # fmt: skip
-            if all(r.status == NOT_RUN for r in pending) or launch.returncode is None:
+            if all(r.status == session.NOT_RUN for r in pending) or launch.returncode is None:
                 break  # nothing started (the launch itself failed) or the budget is spent: do not retry
     recalibrate(result, emp)
     emp.elapsed_s = budget.elapsed_s(options.max_minutes)
@@ -257,7 +246,7 @@ def calibrated_cluster(cluster: Cluster, cal: Calibration) -> Cluster:
 def recalibrate(result: InferenceResult, emp: InferenceEmpiricalResult) -> None:
     """Fit the model to the measured runs, search again with the fitted constants, build the final ranking."""
     ok = emp.ok
-    emp.calibration, emp.calibration_note = fit_or_keep(ok, lambda: fit_inference_model(result, ok))
+    emp.calibration, emp.calibration_note = session.fit_or_keep(ok, lambda: fit_inference_model(result, ok))
     cluster = calibrated_cluster(result.cluster, emp.calibration) if emp.calibration else result.cluster
     emp.recalibrated = search_inference(result.model, cluster, result.workload)
     again = {e.serving: e for e in emp.recalibrated.evaluations}
@@ -265,8 +254,12 @@ def recalibrate(result: InferenceResult, emp: InferenceEmpiricalResult) -> None:
         r.calibrated = figures_of(again[r.evaluation.serving]) if r.evaluation.serving in again else None
     for name in FIGURES:
         measured = [getattr(r.measured, name) for r in ok]
-        before = spearman([getattr(r.predicted, name) for r in ok], measured)
-        after = spearman([getattr(r.calibrated, name) for r in ok], measured) if all(r.calibrated for r in ok) else None
+        before = session.spearman([getattr(r.predicted, name) for r in ok], measured)
+        after = (
+            session.spearman([getattr(r.calibrated, name) for r in ok], measured)
+            if all(r.calibrated for r in ok)
+            else None
+        )
         emp.spearman[name] = (before, after)
     emp.final = final_ranking(emp.recalibrated, emp.runs)
 
@@ -275,10 +268,11 @@ def final_ranking(recalibrated: InferenceResult, runs: list[InferenceRun]) -> li
     """Measured figures where a run measured them, the recalibrated prediction otherwise; failed runs left out;
     ordered as the analytic search orders (inference.rank_key), the limits judged on the figures shown."""
     measured = {r.evaluation.serving: r.measured for r in runs if r.measured is not None}
-    failed = {r.evaluation.serving for r in runs if r.status not in ("ok", NOT_RUN)}
+    failed = {r.evaluation.serving for r in runs if r.status not in ("ok", session.NOT_RUN)}
     key = lambda e: e.serving  # noqa: E731
     entries = [
-        FinalEntry(*x) for x in measured_or_predicted(recalibrated.evaluations, key, measured, failed, figures_of)
+        FinalEntry(*x)
+        for x in session.measured_or_predicted(recalibrated.evaluations, key, measured, failed, figures_of)
     ]
     work = recalibrated.workload
 

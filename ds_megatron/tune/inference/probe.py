@@ -10,15 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_megatron.config import ConfigError
-from ds_megatron.tune.core.launch import (
-    RECIPES,
-    failure_reason,
-    json_lines,
-    launch_command,
-    log_tail,
-    probe_env,
-    run_process,
-)
+from ds_megatron.tune.core import launch
+from ds_megatron.tune.core.launch import run_process  # by name: a fake launch replaces it here
 from ds_megatron.tune.core.session import NOT_RUN, NOT_RUN_REASON
 from ds_megatron.tune.inference.model import (
     InferenceEvaluation,
@@ -28,7 +21,7 @@ from ds_megatron.tune.inference.model import (
     output_tokens_per_s,
 )
 
-MEASURE_RECIPE = RECIPES / "measure_inference.py"
+MEASURE_RECIPE = launch.RECIPES / "measure_inference.py"
 PROBE_DTYPES = ("fp32", "bf16", "fp16")  # what the measuring run loads a transformers model at
 
 
@@ -153,10 +146,10 @@ def measure_launch(
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
     out = run_dir / "results.jsonl"
     out.unlink(missing_ok=True)
-    cmd = [*launch_command(world, MEASURE_RECIPE), "--plan", str(run_dir / "plan.json"), "--out", str(out)]
+    cmd = [*launch.launch_command(world, MEASURE_RECIPE), "--plan", str(run_dir / "plan.json"), "--out", str(out)]
     log = run_dir / "output.log"
-    returncode, duration = run_process(cmd, log, timeout_s, probe_env(options.device, world))
-    record_outcomes(runs, out, returncode, log_tail(log), timeout_s, result.workload)
+    returncode, duration = run_process(cmd, log, timeout_s, launch.probe_env(options.device, world))
+    record_outcomes(runs, out, returncode, launch.log_tail(log), timeout_s, result.workload)
     for r in runs:
         if r.status != NOT_RUN:
             r.launch = str(run_dir)
@@ -185,7 +178,7 @@ def read_results(path: Path) -> tuple[list[int], dict[int, dict], int | None]:
     """(indices started, in order; index -> its result record; the tp whose model was being built when the file
     ends, else None) from a measuring run's JSON lines."""
     started, results, building = [], {}, None
-    for record in json_lines(path):
+    for record in launch.json_lines(path):
         event = record.get("event")
         building = record["tp"] if event == "build" else None
         if event == "start":
@@ -217,7 +210,7 @@ def record_outcomes(
         elif returncode == 0 and r.index in started:
             r.status, r.reason = "failed", "the measuring run exited 0 without its result"
         elif returncode != 0 and (r.index == culprit or r.evaluation.serving.tp == building or nothing):
-            status, reason = failure_reason(returncode, log_tail, timeout_s)
+            status, reason = launch.failure_reason(returncode, log_tail, timeout_s)
             if r.evaluation.serving.tp == building:
                 reason = f"loading the model at tp {building}: {reason}"
             elif r.index != culprit:

@@ -1,10 +1,14 @@
-"""The flag table both command lines build from (``python -m ds_megatron.tune`` and its ``inference`` subcommand):
-rows of (flag, argparse keywords, help) per argument group, the model and cluster rows and the empirical mode's rows
-they share, and a parser whose errors are one ``error:`` line."""
+"""What both command lines share (``python -m ds_megatron.tune`` and its ``inference`` subcommand): the flag table,
+rows of (flag, argparse keywords, help) per argument group, with the model, cluster and empirical-mode rows both use;
+a parser whose errors are one ``error:`` line; running a command and its empirical session."""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable
 from typing import NoReturn
 
 from ds_megatron.config import ConfigError
@@ -111,6 +115,39 @@ def build_parser(prog: str, description: str, groups: dict[str, tuple[Row, ...]]
     return p
 
 
+def empirical_settings(args: argparse.Namespace) -> dict:
+    """The ``--empirical*`` flags both halves' options take, by field name (each names --empirical-steps its own)."""
+    names = {"max_minutes": "max_minutes", "top": "empirical_top", "warmup": "empirical_warmup", "device": "device"}
+    return {field: getattr(args, name) for field, name in names.items()} | {"work_dir": args.empirical_dir}
+
+
 def check_empirical_budget(args: argparse.Namespace) -> None:
     if args.empirical and args.max_minutes is None:
         raise ConfigError("--max-minutes", "required with --empirical", "not set", "pass e.g. --max-minutes 10")
+
+
+def run_command(
+    parser: Callable[[], argparse.ArgumentParser], run: Callable[[argparse.Namespace, float], int], argv: list[str]
+) -> int:
+    """``run(arguments, start)``'s exit status; bad input is one ``error:`` line on stderr and EXIT_CONFIG_ERROR.
+    ``start`` (a time.monotonic() value) is when the --max-minutes budget began."""
+    start = time.monotonic()
+    try:
+        return run(parser().parse_args(argv), start)
+    except ConfigError as err:
+        print(str(err), file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+def run_session(options, fits: bool, start: float, measure: Callable, report: Callable[..., str]):
+    """The empirical session when one was asked for (``options``) and a candidate fits: ``measure(deadline, say)``
+    with the deadline ``options.max_minutes`` after ``start``, its progress printed as it goes, then
+    ``report(session)``; the session, or None."""
+    if options is None:
+        return None
+    if not fits:
+        print("empirical: skipped, no candidate fits")
+        return None
+    emp = measure(start + 60 * options.max_minutes, functools.partial(print, flush=True))
+    print(report(emp))
+    return emp
