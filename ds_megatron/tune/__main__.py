@@ -16,15 +16,7 @@ from ds_megatron.config.rules import PIPELINE_ZERO_STAGES
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.tune import Pins, build_model_shape, empirical, search
 from ds_megatron.tune.core import cli
-from ds_megatron.tune.core.cli import (
-    CLUSTER_FLAGS,
-    EXIT_NO_FIT,
-    INT,
-    LLAMA_FLAGS,
-    MODEL_FLAGS,
-    SWITCH,
-    empirical_flags,
-)
+from ds_megatron.tune.core.cli import INT, SWITCH
 from ds_megatron.tune.empirical_report import format_empirical
 from ds_megatron.tune.report import format_report
 from ds_megatron.tune.schedules import ALL, DEFAULT_SCHEDULES, SCHEDULES
@@ -38,8 +30,8 @@ CPU_KERNEL_NOTE = (
 # The command line: argument group -> (flag, add_argument's keywords, help) rows; the model and cluster rows and the
 # empirical mode's are the core's, which the inference subcommand builds from too.
 FLAGS = {
-    "model": (*MODEL_FLAGS, ("--global-batch-size", INT | {"required": True}, "sequences per optimizer step")),
-    "cluster": CLUSTER_FLAGS,
+    "model": (*cli.MODEL_FLAGS, ("--global-batch-size", INT | {"required": True}, "sequences per optimizer step")),
+    "cluster": cli.CLUSTER_FLAGS,
     "pins (fix a dimension; the rest is searched)": (
         ("--tp", INT, "tensor-parallel size"),
         ("--cp", INT, "context-parallel size (default: searched from 16384 tokens on, else 1)"),
@@ -70,7 +62,7 @@ FLAGS = {
         ("--force", {"action": "store_true"}, "replace the files of --json and --write-config if they exist"),
     ),
     "empirical mode (short real runs of the top candidates on this machine, then recalibrate)": (
-        *empirical_flags(
+        *cli.empirical_flags(
             "measure the top candidates with recipes/train_gpt.py",
             top=(3, "candidates to measure"),
             steps=(10, "measured steps per run"),
@@ -111,7 +103,7 @@ def _run(args: argparse.Namespace, start: float) -> int:
     if args.json and args.write_config and Path(args.json).resolve() == Path(args.write_config).resolve():
         values = f"--json {args.json}, --write-config {args.write_config}"
         raise ConfigError("--write-config", "names the same file as --json", values, "pass two different paths")
-    llama = {name: getattr(args, name) for name in LLAMA_FLAGS}
+    llama = {name: getattr(args, name) for name in cli.LLAMA_FLAGS}
     model = build_model_shape(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length, **llama)
     cluster = cluster_from_flags(args)
     pinned = {f.name: getattr(args, f.name) for f in dataclasses.fields(Pins)}  # every pin is the flag of its name
@@ -152,7 +144,7 @@ def _run(args: argparse.Namespace, start: float) -> int:
     if result.winner is None:
         if args.write_config:
             print(f"no config written to {args.write_config}: nothing fits", file=sys.stderr)
-        return EXIT_NO_FIT
+        return cli.EXIT_NO_FIT
     if args.write_config:
         final = emp.winner if emp is not None else None
         command = write_config(result, args.write_config, final.evaluation if final else result.winner, args.force)

@@ -3,14 +3,7 @@ the final ranking (measured where measured)."""
 
 from __future__ import annotations
 
-from ds_megatron.tune.core.report import (
-    NOTHING_LEFT,
-    calibration_lines,
-    correlation_line,
-    not_run_lines,
-    used_text,
-    winner_lines,
-)
+from ds_megatron.tune.core import report as core_report
 from ds_megatron.tune.empirical import PEAK_MEM_NOTE, EmpiricalResult, FinalEntry
 from ds_megatron.tune.report import layout_cells, seconds_text, settings_text, table, widened
 
@@ -27,7 +20,7 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
     lines = [
         "",
         f"empirical: {len(emp.runs)} candidate(s) on {emp.processes} {kind}; {o.warmup} warm-up + {o.steps} measured "
-        f"steps each; {used_text(emp.elapsed_s, o.max_minutes)}",
+        f"steps each; {emp.elapsed_s / 60:.1f} of {o.max_minutes:g} min used",
     ]
     rows, reasons = [], []
     for r in emp.runs:
@@ -41,18 +34,18 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
         if r.outcome is not None and r.outcome.reason:
             reasons.append(f"  #{r.index} {r.status}: {r.outcome.reason}")
     lines += table(rows, widened(EMPIRICAL_COLUMNS, [r.evaluation for r in emp.runs])) + reasons
-    lines += not_run_lines(emp.not_run, o.max_minutes)
+    lines += core_report.not_run_lines(emp.not_run, o.max_minutes)
     lines.append(
         "  predicted: analytic model; calibrated: refitted model; measured: median step of the run; error: calibrated"
         " vs measured"
     )
     lines.append(f"  {PEAK_MEM_NOTE[o.device]}")
     per_step = lambda s: f"{seconds_text(s)} s per step"  # noqa: E731
-    lines += calibration_lines(emp.calibration, emp.calibration_note, "{n} run(s)", per_step)
+    lines += core_report.calibration_lines(emp.calibration, emp.calibration_note, "{n} run(s)", per_step)
     pairs = [("", emp.spearman_before, emp.spearman_after)]
-    lines.append(correlation_line(len(emp.measured), pairs, "step times", "times"))
+    lines.append(core_report.correlation_line(len(emp.measured), pairs, "step times", "times"))
     if not emp.final:
-        lines.append(NOTHING_LEFT)
+        lines.append(core_report.NOTHING_LEFT)
         return "\n".join(lines)
     lines.append(
         "final ranking (measured step time where measured, else the calibrated prediction; failed runs left out):"
@@ -63,7 +56,7 @@ def format_empirical(emp: EmpiricalResult, global_batch_size: int, seq_length: i
         for i, f in enumerate(emp.final[:top])
     ]
     lines += table(rows, widened(FINAL_COLUMNS, [f.evaluation for f in emp.final[:top]]))
-    lines += winner_lines(emp.final[0], emp.final, lambda f: _describe_final(f, global_batch_size, seq_length))
+    lines += core_report.winner_lines(emp.final, lambda f: _describe_final(f, global_batch_size, seq_length))
     return "\n".join(lines)
 
 

@@ -18,10 +18,6 @@ def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
 
 
-def used_text(elapsed_s: float, max_minutes: float) -> str:
-    return f"{elapsed_s / 60:.1f} of {max_minutes:g} min used"
-
-
 def not_run_lines(indices: list[int], max_minutes: float) -> list[str]:
     if not indices:
         return []
@@ -75,8 +71,10 @@ def correlation_line(count: int, pairs: list[tuple[str, float | None, float | No
     return f"rank correlation (Spearman) with the measured {figures} over {count} candidates: {'; '.join(shown)}"
 
 
-def winner_lines(winner, final: list, describe: Callable) -> list[str]:
-    """The final winner and where its figures come from; when it was only predicted, the best measured one."""
+def winner_lines(final: list, describe: Callable) -> list[str]:
+    """The final winner (the first of ``final``) and where its figures come from; when it was only predicted, the
+    best measured one."""
+    winner = final[0]
     lines = [f"final winner ({winner.source}): {describe(winner)}"]
     if winner.source == "predicted":
         best = next((f for f in final if f.source == "measured"), None)

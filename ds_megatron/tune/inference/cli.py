@@ -20,18 +20,8 @@ from ds_megatron.config.loader import parse_section
 from ds_megatron.config.schema import ModelSection
 from ds_megatron.config.shape import resolve_shape
 from ds_megatron.model import FAMILIES
-from ds_megatron.tune.core import cli
-from ds_megatron.tune.core.cli import (
-    CLUSTER_FLAGS,
-    EXIT_NO_FIT,
-    FLOAT,
-    INT,
-    LLAMA_FLAGS,
-    MODEL_FLAGS,
-    empirical_flags,
-    replaced,
-)
-from ds_megatron.tune.core.session import resolve_device
+from ds_megatron.tune.core import cli, session
+from ds_megatron.tune.core.cli import FLOAT, INT
 from ds_megatron.tune.inference.empirical import run_inference_empirical, validate_options
 from ds_megatron.tune.inference.empirical_report import format_inference_empirical
 from ds_megatron.tune.inference.engines import (
@@ -64,13 +54,13 @@ BATCHES = ",".join(map(str, DEFAULT_BATCH_SIZES))
 # (tune.inference.engines), not the training model's: None until given.
 FLAGS = {
     "model (one of: --model / an explicit shape, --hf-dir, --checkpoint)": (
-        *MODEL_FLAGS,
+        *cli.MODEL_FLAGS,
         ("--hf-dir", {"metavar": "DIR"}, "an exported transformers directory (its config.json)"),
         ("--checkpoint", {"metavar": "DIR"}, "a ds_megatron checkpoint directory (--save of a run)"),
     ),
     "cluster": (
-        *replaced(
-            CLUSTER_FLAGS,
+        *cli.replaced(
+            cli.CLUSTER_FLAGS,
             {
                 "--efficiency": (FLOAT, f"fraction of the peak matmuls reach (default {INFERENCE_EFFICIENCY}, fitted)"),
                 "--step-overhead-s": (FLOAT, "fixed seconds per forward (default: the --engine preset's)"),
@@ -105,7 +95,7 @@ FLAGS = {
         ("--json", {"metavar": "OUT"}, "write every candidate that fits to OUT"),
         ("--force", {"action": "store_true"}, "replace the file of --json if it exists"),
     ),
-    "empirical mode (measured TTFT and TPOT of the top candidates on this machine)": empirical_flags(
+    "empirical mode (measured TTFT and TPOT of the top candidates on this machine)": cli.empirical_flags(
         "measure the --hf-dir model, refit, rank again",
         top=(6, "candidates to measure, pp 1 only"),
         steps=(3, "measured requests per candidate"),
@@ -183,7 +173,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
         return hf_model_shape(args.hf_dir, args.seq_length)
     if args.checkpoint:
         return checkpoint_model_shape(args.checkpoint, args.seq_length)
-    chosen = {name: getattr(args, name) for name in LLAMA_FLAGS}
+    chosen = {name: getattr(args, name) for name in cli.LLAMA_FLAGS}
     return build_model_shape(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq_length, **chosen)
 
 
@@ -208,7 +198,7 @@ def _run(args: argparse.Namespace, start: float) -> int:
     if args.empirical:  # refused before the report and before anything is launched
         options = InferenceEmpiricalOptions(**cli.empirical_settings(args), repeats=args.empirical_steps)
         validate_options(result, options, args.hf_dir)
-        options = dataclasses.replace(options, device=resolve_device(options.device, cluster.num_gpus))
+        options = dataclasses.replace(options, device=session.resolve_device(options.device, cluster.num_gpus))
     print(format_inference(result, top=max(1, args.top), engine=args.engine), flush=True)
     emp = cli.run_session(
         options,
@@ -233,5 +223,5 @@ def _run(args: argparse.Namespace, start: float) -> int:
         write_output("--json", args.json, json.dumps(data, indent=1), args.force)
         print(f"wrote {len(result.evaluations)} candidates to {args.json}")
     if emp is not None:
-        return 0 if emp.winner is not None else EXIT_NO_FIT
-    return 0 if result.winner else EXIT_NO_FIT
+        return 0 if emp.winner is not None else cli.EXIT_NO_FIT
+    return 0 if result.winner else cli.EXIT_NO_FIT

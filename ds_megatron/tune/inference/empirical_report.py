@@ -5,15 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ds_megatron.tune.core.report import (
-    NOTHING_LEFT,
-    calibration_lines,
-    correlation_line,
-    not_run_lines,
-    text_table,
-    used_text,
-    winner_lines,
-)
+from ds_megatron.tune.core import report as core_report
 from ds_megatron.tune.core.session import NOT_RUN
 from ds_megatron.tune.inference.empirical import REPLICAS_NOTE, FinalEntry, InferenceEmpiricalResult
 from ds_megatron.tune.inference.probe import Figures
@@ -44,7 +36,7 @@ def format_inference_empirical(emp: InferenceEmpiricalResult, top: int = 10) -> 
         "",
         f"empirical: {len(emp.runs)} candidate(s) on {o.device.upper()} in {len(emp.launches)} launch(es) "
         f"(tp 1 and the widest tp share one, every other tp has its own); {o.warmup} warm-up + {o.repeats} "
-        f"measured request(s) each; {used_text(emp.elapsed_s, o.max_minutes)}",
+        f"measured request(s) each; {emp.elapsed_s / 60:.1f} of {o.max_minutes:g} min used",
     ]
     header = ["#", "rank", "tp", "batch", "replicas", "status"]
     for fig, unit in (("ttft", "ms"), ("tpot", "ms"), ("tokens_per_s", "")):
@@ -61,8 +53,8 @@ def format_inference_empirical(emp: InferenceEmpiricalResult, top: int = 10) -> 
         rows.append(row)
         if r.status not in ("ok", NOT_RUN):
             reasons.append(f"  #{r.index} {r.status}: {r.reason}")
-    lines += text_table(header, rows) + reasons
-    lines += not_run_lines(emp.not_run, o.max_minutes)
+    lines += core_report.text_table(header, rows) + reasons
+    lines += core_report.not_run_lines(emp.not_run, o.max_minutes)
     lines.append("  pred: analytic model; calib: refitted model; measured: TTFT the median prefill, TPOT the mean step")
     lines.append(f"  {REPLICAS_NOTE}; {PEAK_NOTE[o.device]}")
     lines += _calibration_lines(emp)
@@ -84,15 +76,15 @@ def _calibration_lines(emp: InferenceEmpiricalResult) -> list[str]:
         )
     source = f"{{n}} figures (TTFT and TPOT of {len(emp.ok)} run(s))"
     per_forward = lambda s: f"{ms(s)} ms per forward"  # noqa: E731
-    lines = calibration_lines(cal, emp.calibration_note, source, per_forward, shown, more)
+    lines = core_report.calibration_lines(cal, emp.calibration_note, source, per_forward, shown, more)
     pairs = [(f"{FIGURE_NAMES[fig]} ", before, after) for fig, (before, after) in emp.spearman.items()]
-    lines.append(correlation_line(len(emp.ok), pairs, "figures", "figures"))
+    lines.append(core_report.correlation_line(len(emp.ok), pairs, "figures", "figures"))
     return lines
 
 
 def _ranking_lines(emp: InferenceEmpiricalResult, top: int) -> list[str]:
     if not emp.final:
-        return [NOTHING_LEFT]
+        return [core_report.NOTHING_LEFT]
     lines = ["final ranking (measured where measured, else the calibrated prediction; failed runs left out):"]
     header = ["rank", "tp", "pp", "batch", "replicas", "tok/s all", "TTFT ms", "TPOT ms", "source"]
     rows = [
@@ -101,12 +93,11 @@ def _ranking_lines(emp: InferenceEmpiricalResult, top: int) -> list[str]:
          f.source]
         for i, f in enumerate(emp.final[:top])
     ]  # fmt: skip
-    lines += text_table(header, rows)
-    w = emp.winner
-    if w is None:
+    lines += core_report.text_table(header, rows)
+    if emp.winner is None:
         lines.append("no configuration meets the limits (measured where measured): the closest are ranked first")
         return lines
-    return lines + winner_lines(w, emp.final, _describe)
+    return lines + core_report.winner_lines(emp.final, _describe)
 
 
 def _describe(f: FinalEntry) -> str:
