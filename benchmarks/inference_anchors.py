@@ -1,4 +1,4 @@
-"""How well the tuner's inference model predicts published serving measurements (ds_megatron.tune.inference_anchors):
+"""How well the tuner's inference model predicts published serving measurements (ds_megatron.tune.inference.anchors):
 the fit to all of them, each source predicted by a fit to the others (leave one source out), and the previous
 model's errors on the same rows.  Analytic only, under two seconds.
 
@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _results import write_markdown  # noqa: E402
 
-from ds_megatron.tune.inference_anchors import ANCHORS, SOURCES, check_anchors  # noqa: E402
-from ds_megatron.tune.inference_fit import POOLED, error_summary, fit_anchors, leave_one_source_out  # noqa: E402
+from ds_megatron.tune.inference.anchors import ANCHORS, SOURCES, check_anchors  # noqa: E402
+from ds_megatron.tune.inference.fit import POOLED, error_summary, fit_anchors, leave_one_source_out  # noqa: E402
 from ds_megatron.tune.spec import DEFAULT_EFFICIENCY  # noqa: E402
 
 COMMAND = "python benchmarks/inference_anchors.py --markdown benchmarks/results/inference_anchors.md"
@@ -43,7 +43,7 @@ def body() -> str:
     fit, pooled, held = fit_anchors(), fit_anchors(pooled=True), leave_one_source_out()
     out = {id(h.anchor): h for h in held}
     lines = [
-        f"{len(ANCHORS)} published measurements from {len(SOURCES)} sources (`ds_megatron/tune/inference_anchors.py`, "
+        f"{len(ANCHORS)} published measurements from {len(SOURCES)} sources (`ds_megatron/tune/inference/anchors.py`, "
         "each with its address and the mismatch it carries).  Ratios are measured / predicted (above 1: the model "
         "is optimistic).",
         "",

@@ -29,11 +29,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from _results import write_markdown  # noqa: E402
 
 from ds_megatron.tune import Cluster, Measurement, build_model_shape, fit_time_model, search, step_time  # noqa: E402
-from ds_megatron.tune.empirical import EmpiricalOptions, EmpiricalResult, run_empirical, spearman  # noqa: E402
+from ds_megatron.tune.core.calibration import FIT_TERMS  # noqa: E402
+from ds_megatron.tune.core.session import spearman  # noqa: E402
+from ds_megatron.tune.empirical import EmpiricalResult, run_empirical  # noqa: E402
 from ds_megatron.tune.paper_runs import FIT_ROWS, MODES, TABLE5  # noqa: E402
+from ds_megatron.tune.probe import EmpiricalOptions  # noqa: E402
 from ds_megatron.tune.search import Evaluation, SearchResult  # noqa: E402
 from ds_megatron.tune.spec import DEFAULT_EFFICIENCY  # noqa: E402
-from ds_megatron.tune.time_model import FIT_TERMS  # noqa: E402
 
 GPUS = 4
 GLOBAL_BATCH = 16

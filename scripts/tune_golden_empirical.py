@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ds_megatron.tune import Cluster, Measurement, build_model_shape, empirical, fit_time_model, probe, search
 from ds_megatron.tune import __main__ as cli
+from ds_megatron.tune.core import launch, session
 from ds_megatron.tune.empirical_report import format_empirical
 from ds_megatron.tune.spec import Candidate
 
@@ -94,13 +95,13 @@ for rc, log in (
     (3, ""),
     (1, "y" * 400 + " error"),
 ):
-    lines.append(repr(probe.failure_reason(rc, log, 12.0)))
+    lines.append(repr(launch.failure_reason(rc, log, 12.0)))
 for args in ((100, 3, []), (5, 1, []), (300, 3, [40.0]), (50, 2, [40.0, 60.0]), (1000, 1, [10.0]), (20, 4, [25.0])):
-    lines.append(repr(empirical.plan_timeout(*args)))
+    lines.append(repr(session.plan_timeout(*args)))
 lines.append(
     repr(
         [
-            empirical.spearman(x, y)
+            session.spearman(x, y)
             for x, y in (([1, 2, 3], [3, 2, 1]), ([1, 1], [1, 2]), ([1, 2, 2, 4], [2, 1, 3, 3]), ([1], [1]))
         ]
     )

@@ -3,10 +3,10 @@ transformers model under DeepSpeed's inference engine (AutoTP), for several (tp,
 
     deepspeed --num_gpus W recipes/measure_inference.py --plan PLAN.json --out RESULTS.jsonl
 
-PLAN.json (written by ``ds_megatron.tune.inference_probe``): ``hf_dir``, ``prompt_length``, ``output_length``,
+PLAN.json (written by ``ds_megatron.tune.inference.probe``): ``hf_dir``, ``prompt_length``, ``output_length``,
 ``dtype`` (fp32 | bf16 | fp16), ``warmup`` and ``repeats`` (requests per candidate: dropped, then measured) and
 ``candidates``: ``[{"index": 3, "tp": 1, "batch": 16}, ...]``, grouped by tp.  Every tp must be 1 or the world size W
-(``tune.inference_probe.launch_tps``): a tp-W model spans every rank, a tp-1 model runs on rank 0 while the
+(``tune.inference.probe.launch_tps``): a tp-W model spans every rank, a tp-1 model runs on rank 0 while the
 other ranks wait.
 
 Rank 0 appends one JSON line per event to RESULTS.jsonl and flushes it at once, so that a run killed at its timeout
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from ds_megatron.engine import default_cpu_threads, device_type, init_distributed
-    from ds_megatron.tune.inference_probe import launch_tps
+    from ds_megatron.tune.inference.probe import launch_tps
 
     default_cpu_threads()
     init_distributed(inference_all_reduce=True)  # init_inference's layers reduce through its shm all-reduce on CPU

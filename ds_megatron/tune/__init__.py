@@ -6,7 +6,8 @@ for a GPT or a Llama on a cluster from analytic memory and time models; no torch
 docs/tuner.md describes the models, their assumptions and a worked example.
 """
 
-from ds_megatron.tune.calibration import Calibration, Measurement, calibrate, fit_time_model
+from ds_megatron.tune.calibration import Measurement, calibrate, fit_time_model
+from ds_megatron.tune.core.calibration import Calibration
 from ds_megatron.tune.gpus import GPUS, GpuPreset
 from ds_megatron.tune.memory_model import StageMemory, stage_memory, stage_param_counts, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult, common_configuration, evaluate, search

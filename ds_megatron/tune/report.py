@@ -9,6 +9,7 @@ from ds_megatron.config import ModelShape
 from ds_megatron.model import family_of
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ds_megatron.tune import memory_model
+from ds_megatron.tune.core.report import efficiency_text
 from ds_megatron.tune.memory_model import GIB, StageMemory, total_param_count
 from ds_megatron.tune.search import Evaluation, SearchResult, ranked_step
 from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Candidate, Cluster
@@ -296,10 +297,6 @@ def _latencies(cl: Cluster) -> str:
     if math.isclose(intra, INTRA_NODE_LATENCY_S) and math.isclose(inter, INTER_NODE_LATENCY_S):
         return ""  # isclose: the command line's microseconds do not round-trip exactly
     return f", latency {intra * 1e6:,.0f} us intra-node / {inter * 1e6:,.0f} us inter"
-
-
-def efficiency_text(x: float) -> str:
-    return f"{x:.2f}" if x >= 0.01 else f"{x:.3g}"
 
 
 def seconds_text(x: float) -> str:

@@ -50,7 +50,7 @@ class Cluster:
     step_overhead_s: float = 0.0
     # The inference model's decode reads (weights, KV cache) run at this fraction of memory_gbps; its matmuls at
     # ``efficiency`` of the peak of their precision.  1 here (the raw bandwidth); the inference command line applies
-    # the fitted value (tune.inference_engines.inference_cluster).
+    # the fitted value (tune.inference.engines.inference_cluster).
     bandwidth_efficiency: float = 1.0
     fp8_peak_tflops: float | None = None  # dense fp8 Tensor Core peak (None: none, fp8 matmuls run at the bf16 peak)
     int8_peak_tflops: float | None = None  # dense int8 Tensor Core peak in TOPS (None: none)

@@ -91,10 +91,6 @@ RECOMPUTED_PASSES = {
     for name, family in FAMILIES.items()
 }
 
-# The calibration's extra terms (calibration.fit_time_model): the intra-node latency of a collective or send, and a
-# fixed overhead per step.
-FIT_TERMS = ("latency", "overhead")
-
 
 def link(cluster: Cluster, inter_node: bool) -> tuple[float, float]:
     """(GB/s per GPU, latency in s) of the network (``inter_node``) or of NVLink."""

@@ -9,8 +9,8 @@ import time
 import pytest
 from test_tune_inference_empirical import ROOT, SHAPE
 
-from ds_megatron.tune import inference_probe as probe
-from ds_megatron.tune.inference_cli import main
+from ds_megatron.tune.inference import probe
+from ds_megatron.tune.inference.cli import main
 
 # One core of this machine, with room: benchmarks/inference_accuracy.py's cpu_figures measured 96-154 GFLOP/s (fp32
 # GEMM) and 7.7-15.9 GB/s (copy) depending on the load; a fitted efficiency above 1 is refused, so the figures must

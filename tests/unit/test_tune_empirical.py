@@ -17,25 +17,11 @@ import pytest
 from ds_megatron.config import resolve
 from ds_megatron.tune import Cluster, Measurement, build_model_shape, calibrate, fit_time_model, search, step_time
 from ds_megatron.tune.__main__ import main
-from ds_megatron.tune.empirical import (
-    FIRST_RUN_S,
-    HANG_FACTOR,
-    MIN_LAUNCH_S,
-    ProbeRun,
-    final_ranking,
-    plan_timeout,
-    spearman,
-)
-from ds_megatron.tune.probe import (
-    EmpiricalOptions,
-    ProbeResult,
-    failure_reason,
-    probe_config,
-    read_metrics,
-    run_process,
-    wait_group_gone,
-)
-from ds_megatron.tune.time_model import FIT_TERMS
+from ds_megatron.tune.core.calibration import FIT_TERMS
+from ds_megatron.tune.core.launch import failure_reason, run_process, wait_group_gone
+from ds_megatron.tune.core.session import FIRST_RUN_S, HANG_FACTOR, MIN_LAUNCH_S, plan_timeout, spearman
+from ds_megatron.tune.empirical import ProbeRun, final_ranking
+from ds_megatron.tune.probe import EmpiricalOptions, ProbeResult, probe_config, read_metrics
 
 TINY = build_model_shape("gpt-tiny", None, None, None, 1024, 128)
 CPU4 = Cluster(num_gpus=4, gpus_per_node=4, gpu_memory_gb=3, peak_tflops=0.05)

@@ -9,7 +9,9 @@ import json
 import pytest
 
 from ds_megatron.tune import build_cluster, build_model_shape
-from ds_megatron.tune.inference import (
+from ds_megatron.tune.inference.cli import main
+from ds_megatron.tune.inference.engines import BANDWIDTH_EFFICIENCY, ENGINES, inference_cluster
+from ds_megatron.tune.inference.model import (
     PRECISION_BYTES,
     Serving,
     Workload,
@@ -17,8 +19,6 @@ from ds_megatron.tune.inference import (
     kv_cache_bytes_per_token,
     search_inference,
 )
-from ds_megatron.tune.inference_cli import main
-from ds_megatron.tune.inference_engines import BANDWIDTH_EFFICIENCY, ENGINES, inference_cluster
 from ds_megatron.tune.memory_model import block_param_count, total_param_count
 
 LLAMA8B = build_model_shape("llama3-8b", None, None, None, None, None)
@@ -192,7 +192,7 @@ def test_the_model_from_an_exported_directory_and_from_a_checkpoint(tmp_path, ca
 
 def test_a_gpt2_directory_is_read_through_the_family_records_field_map(tmp_path):
     """transformers' GPT-2 keys (n_layer, n_embd, n_head, n_positions) reach the shape through the gpt2 record."""
-    from ds_megatron.tune.inference_cli import hf_model_shape
+    from ds_megatron.tune.inference.cli import hf_model_shape
 
     hf = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 2048}
     (tmp_path / "config.json").write_text(json.dumps(hf))

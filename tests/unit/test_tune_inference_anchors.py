@@ -12,18 +12,18 @@ import pytest
 
 from ds_megatron.config import ConfigError
 from ds_megatron.tune import build_cluster, build_model_shape
-from ds_megatron.tune import inference_anchors as ia
-from ds_megatron.tune.calibration import FIT_MIN_GAIN
-from ds_megatron.tune.inference import Serving, Workload, inference_time
-from ds_megatron.tune.inference_cli import main
-from ds_megatron.tune.inference_engines import (
+from ds_megatron.tune.core.calibration import FIT_MIN_GAIN
+from ds_megatron.tune.inference import anchors as ia
+from ds_megatron.tune.inference.cli import main
+from ds_megatron.tune.inference.engines import (
     BANDWIDTH_EFFICIENCY,
     ENGINES,
     EXPECTED_ERROR,
     INFERENCE_EFFICIENCY,
     inference_cluster,
 )
-from ds_megatron.tune.inference_fit import POOLED, error_summary, fit_anchors, leave_one_source_out
+from ds_megatron.tune.inference.fit import POOLED, error_summary, fit_anchors, leave_one_source_out
+from ds_megatron.tune.inference.model import Serving, Workload, inference_time
 
 LLAMA70B = build_model_shape("llama3-70b", None, None, None, None, None)
 
@@ -174,9 +174,9 @@ def test_the_empirical_refit_starts_from_the_fitted_defaults():
     """The measuring runs refit one scale of both efficiencies (their fitted ratio kept) and an overhead on top of
     the engine's: runs 'measured' at half the defaults' efficiencies and 3 ms more per forward give back exactly
     that, and the flags the report prints rank with it."""
-    from ds_megatron.tune import inference_empirical as ie
-    from ds_megatron.tune.inference import search_inference
-    from ds_megatron.tune.inference_probe import InferenceRun, measured_figures
+    from ds_megatron.tune.inference import empirical as ie
+    from ds_megatron.tune.inference.model import search_inference
+    from ds_megatron.tune.inference.probe import InferenceRun, measured_figures
 
     model = build_model_shape("llama3-8b", None, None, None, None, None)
     start = inference_cluster(build_cluster("h100-sxm", 2, 2), "deepspeed")

@@ -13,19 +13,25 @@ from pathlib import Path
 import pytest
 
 from ds_megatron.tune import build_cluster, build_model_shape
-from ds_megatron.tune import inference_empirical as ie
-from ds_megatron.tune import inference_probe as probe
-from ds_megatron.tune.inference import Serving, Workload, evaluate_serving, inference_time, search_inference
-from ds_megatron.tune.inference_cli import main
-from ds_megatron.tune.inference_empirical import (
+from ds_megatron.tune.core.calibration import FIT_TERMS
+from ds_megatron.tune.inference import empirical as ie
+from ds_megatron.tune.inference import probe
+from ds_megatron.tune.inference.cli import main
+from ds_megatron.tune.inference.empirical import (
     final_ranking,
     fit_inference_model,
     recalibrate,
     run_inference_empirical,
 )
-from ds_megatron.tune.inference_empirical_report import format_inference_empirical
-from ds_megatron.tune.inference_probe import InferenceEmpiricalOptions, InferenceRun, measured_figures, record_outcomes
-from ds_megatron.tune.time_model import FIT_TERMS
+from ds_megatron.tune.inference.empirical_report import format_inference_empirical
+from ds_megatron.tune.inference.model import (
+    Serving,
+    Workload,
+    evaluate_serving,
+    inference_time,
+    search_inference,
+)
+from ds_megatron.tune.inference.probe import InferenceEmpiricalOptions, InferenceRun, measured_figures, record_outcomes
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -288,7 +294,7 @@ HF_CONFIG = {
 
 def test_the_test_shape_is_the_exported_one(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **HF_CONFIG}))
-    from ds_megatron.tune.inference_cli import hf_model_shape
+    from ds_megatron.tune.inference.cli import hf_model_shape
 
     shape = hf_model_shape(str(tmp_path), None)
     assert dataclasses.replace(shape, dropout=MODEL.dropout) == MODEL  # dropout plays no part in inference

@@ -1,7 +1,7 @@
 """The inference model's fitted constants and its engine presets (``inference --engine NAME``): the compute
 efficiency of every matmul, the fraction of the HBM bandwidth decode's reads reach, and a fixed time per forward
-(scheduler, sampler, kernel launches) per serving engine.  All are fitted by ``tune.inference_fit`` to the published
-measurements of ``tune.inference_anchors`` (docs/tuner.md, "Inference model: accuracy"); a test refits them and
+(scheduler, sampler, kernel launches) per serving engine.  All are fitted by ``tune.inference.fit`` to the published
+measurements of ``tune.inference.anchors`` (docs/tuner.md, "Inference model: accuracy"); a test refits them and
 checks these figures.  Standard library only."""
 
 from __future__ import annotations

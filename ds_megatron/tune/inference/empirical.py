@@ -9,13 +9,12 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ds_megatron.config import ConfigError
 from ds_megatron.model import family_of
-from ds_megatron.tune.calibration import Calibration, fit_parts
-from ds_megatron.tune.empirical import REPORT_RESERVE_S, plan_timeout, resolve_device, spearman
-from ds_megatron.tune.inference import (
+from ds_megatron.tune.core import session
+from ds_megatron.tune.core.calibration import FIT_TERMS, Calibration, fit_parts
+from ds_megatron.tune.inference.model import (
     InferenceEvaluation,
     InferenceResult,
     Serving,
@@ -24,7 +23,7 @@ from ds_megatron.tune.inference import (
     rank_key,
     search_inference,
 )
-from ds_megatron.tune.inference_probe import (
+from ds_megatron.tune.inference.probe import (
     PROBE_DTYPES,
     Figures,
     InferenceEmpiricalOptions,
@@ -35,7 +34,6 @@ from ds_megatron.tune.inference_probe import (
     measure_launch,
 )
 from ds_megatron.tune.spec import Cluster
-from ds_megatron.tune.time_model import FIT_TERMS
 
 FIGURES = ("tpot", "ttft", "tokens_per_s")  # compared between the model and the runs, as Figures attributes
 
@@ -60,17 +58,9 @@ class FinalEntry:
 
 
 @dataclass
-class InferenceEmpiricalResult:
-    options: InferenceEmpiricalOptions  # device resolved, work_dir set
-    budget_s: float
-    runs: list[InferenceRun]
+class InferenceEmpiricalResult(session.Session):
     launches: list[Launch] = field(default_factory=list)
-    calibration: Calibration | None = None
-    calibration_note: str = ""
     spearman: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)  # figure: (before, after)
-    recalibrated: InferenceResult | None = None
-    final: list[FinalEntry] = field(default_factory=list)
-    elapsed_s: float = 0.0
 
     @property
     def ok(self) -> list[InferenceRun]:
@@ -85,38 +75,26 @@ class InferenceEmpiricalResult:
         return first if meets_limits(work, first.figures.ttft, first.figures.tpot) else None
 
     def as_dict(self, top: int = 10) -> dict:
-        o, cal = self.options, self.calibration
+        o = self.options
+        correlations = {"spearman": {k: {"analytic": b, "calibrated": a} for k, (b, a) in self.spearman.items()}}
         return {
             "device": o.device,
             "warmup_requests": o.warmup,
             "measured_requests": o.repeats,
-            "max_minutes": o.max_minutes,
-            "elapsed_s": self.elapsed_s,
-            "work_dir": o.work_dir,
+            **self.budget_dict(),
             "replicas_note": REPLICAS_NOTE,
             "runs": [r.as_dict() for r in self.runs],
             "launches": [dataclasses.asdict(x) for x in self.launches],
-            "not_run": [r.index for r in self.runs if r.status == "not run"],
-            "calibration": dataclasses.asdict(cal) if cal else None,
-            "calibration_note": self.calibration_note,
-            "spearman": {k: {"analytic": b, "calibrated": a} for k, (b, a) in self.spearman.items()},
-            "final_ranking": [f.as_dict() for f in self.final[:top]],
-            "winner": self.winner.as_dict() if self.winner else None,
+            "not_run": self.not_run,
+            **self.outcome_dict(top, correlations, self.winner),
         }
 
 
 def validate_options(result: InferenceResult, options: InferenceEmpiricalOptions, hf_dir: str | None) -> None:
     """Refuse what the measuring runs cannot do, before anything is launched."""
     cl, work = result.cluster, result.workload
-    if not options.max_minutes > 0:
-        raise ConfigError("--max-minutes", "must be positive", f"got {options.max_minutes}", "pass e.g. 10")
-    for flag, value, least in (
-        ("--empirical-top", options.top, 1),
-        ("--empirical-steps", options.repeats, 1),
-        ("--empirical-warmup", options.warmup, 0),
-    ):
-        if value < least:
-            raise ConfigError(flag, f"must be at least {least}", f"got {value}", f"pass e.g. {max(least, 3)}")
+    counts = (("--empirical-top", options.top, 1), ("--empirical-steps", options.repeats, 1))
+    session.check_budget(options.max_minutes, (*counts, ("--empirical-warmup", options.warmup, 0)))
     if not hf_dir:
         raise ConfigError(
             "--empirical", "measures an exported transformers model", "no --hf-dir given",
@@ -131,13 +109,7 @@ def validate_options(result: InferenceResult, options: InferenceEmpiricalOptions
         )
     if work.output_length < 2:
         raise ConfigError("--output-length", "TPOT needs a decode step", f"{work.output_length}", "pass at least 2")
-    if cl.num_gpus > cl.gpus_per_node:
-        raise ConfigError(
-            "--empirical",
-            "runs on this machine only",
-            f"gpus={cl.num_gpus} > gpus_per_node={cl.gpus_per_node}",
-            "measure a one-node problem (--gpus <= --gpus-per-node) or drop --empirical",
-        )
+    session.check_one_node(cl.num_gpus, cl.gpus_per_node)
 
 
 def not_measured(result: InferenceResult, e: InferenceEvaluation) -> str | None:
@@ -168,9 +140,10 @@ def run_inference_empirical(
     ``launch_groups`` allows; recalibrate and rank again."""
     validate_options(result, options, hf_dir)
     start = time.monotonic()
-    device = resolve_device(options.device, result.cluster.num_gpus)
-    work_dir = str(Path(options.work_dir or f"runs/tune/{time.strftime('%Y%m%d-%H%M%S')}-inference").resolve())
-    options = dataclasses.replace(options, device=device, work_dir=work_dir)
+    device = session.resolve_device(options.device, result.cluster.num_gpus)
+    options = dataclasses.replace(
+        options, device=device, work_dir=str(session.work_dir(options.work_dir, "-inference").resolve())
+    )
     rank = {e.serving: i + 1 for i, e in enumerate(result.evaluations)}
     runs = [InferenceRun(i + 1, rank[e.serving], e) for i, e in enumerate(top_candidates(result, options.top))]
     emp = InferenceEmpiricalResult(options, max(0.0, deadline - start), runs)
@@ -178,17 +151,16 @@ def run_inference_empirical(
     say(
         f"empirical: measuring {len(runs)} candidate(s) on {device.upper()} under deepspeed.init_inference (AutoTP), "
         f"prompt {w.prompt_length}, output {w.output_length}, {options.warmup} warm-up + {options.repeats} measured "
-        f"request(s) each, {emp.budget_s / 60:.1f} min budget; runs in {work_dir}"
+        f"request(s) each, {emp.budget_s / 60:.1f} min budget; runs in {options.work_dir}"
     )
     skipped = dict.fromkeys(why for e in result.evaluations if (why := not_measured(result, e)))
     if skipped:
         say(f"  not measured: {'; '.join(skipped)}")
     groups = launch_groups([r.evaluation.serving.tp for r in runs])
-    durations: list[float] = []
+    budget = session.Budget(deadline)
     for pos, group in enumerate(groups):
-        while pending := [r for r in runs if r.evaluation.serving.tp in group and r.status == "not run"]:
-            remaining = deadline - time.monotonic() - REPORT_RESERVE_S
-            timeout = plan_timeout(remaining, len(groups) - pos, durations)
+        while pending := [r for r in runs if r.evaluation.serving.tp in group and r.status == session.NOT_RUN]:
+            timeout, remaining = budget.next_timeout(len(groups) - pos)
             if timeout is None:
                 say(f"  budget: {max(remaining, 0):.0f} s left is too little for another launch")
                 break
@@ -198,15 +170,15 @@ def run_inference_empirical(
             launch = measure_launch(result, hf_dir, options, world, pending, len(emp.launches) + 1, timeout)
             emp.launches.append(launch)
             if launch.returncode is not None:
-                durations.append(launch.duration_s)
+                budget.durations.append(launch.duration_s)
             for r in pending:
-                if r.status != "not run":
+                if r.status != session.NOT_RUN:
                     say(f"      #{r.index} tp {r.evaluation.serving.tp}, batch {r.evaluation.serving.batch}: "
                         f"{_outcome_text(r)}")  # fmt: skip
-            if all(r.status == "not run" for r in pending) or launch.returncode is None:
+            if all(r.status == session.NOT_RUN for r in pending) or launch.returncode is None:
                 break  # nothing started (the launch itself failed) or the budget is spent: do not retry
     recalibrate(result, emp)
-    emp.elapsed_s = time.monotonic() - (deadline - 60 * options.max_minutes)
+    emp.elapsed_s = budget.elapsed_s(options.max_minutes)
     return emp
 
 
@@ -274,13 +246,7 @@ def calibrated_cluster(cluster: Cluster, cal: Calibration) -> Cluster:
 def recalibrate(result: InferenceResult, emp: InferenceEmpiricalResult) -> None:
     """Fit the model to the measured runs, search again with the fitted constants, build the final ranking."""
     ok = emp.ok
-    if not ok:
-        emp.calibration_note = "no candidate was measured: the analytic model is kept"
-    else:
-        try:
-            emp.calibration = fit_inference_model(result, ok)
-        except ValueError as err:
-            emp.calibration_note = f"calibration failed, the analytic model is kept: {err}"
+    emp.calibration, emp.calibration_note = session.fit_or_keep(ok, lambda: fit_inference_model(result, ok))
     cluster = calibrated_cluster(result.cluster, emp.calibration) if emp.calibration else result.cluster
     emp.recalibrated = search_inference(result.model, cluster, result.workload)
     again = {e.serving: e for e in emp.recalibrated.evaluations}
@@ -288,8 +254,12 @@ def recalibrate(result: InferenceResult, emp: InferenceEmpiricalResult) -> None:
         r.calibrated = figures_of(again[r.evaluation.serving]) if r.evaluation.serving in again else None
     for name in FIGURES:
         measured = [getattr(r.measured, name) for r in ok]
-        before = spearman([getattr(r.predicted, name) for r in ok], measured)
-        after = spearman([getattr(r.calibrated, name) for r in ok], measured) if all(r.calibrated for r in ok) else None
+        before = session.spearman([getattr(r.predicted, name) for r in ok], measured)
+        after = (
+            session.spearman([getattr(r.calibrated, name) for r in ok], measured)
+            if all(r.calibrated for r in ok)
+            else None
+        )
         emp.spearman[name] = (before, after)
     emp.final = final_ranking(emp.recalibrated, emp.runs)
 
@@ -297,16 +267,13 @@ def recalibrate(result: InferenceResult, emp: InferenceEmpiricalResult) -> None:
 def final_ranking(recalibrated: InferenceResult, runs: list[InferenceRun]) -> list[FinalEntry]:
     """Measured figures where a run measured them, the recalibrated prediction otherwise; failed runs left out;
     ordered as the analytic search orders (inference.rank_key), the limits judged on the figures shown."""
-    by_serving = {r.evaluation.serving: r for r in runs}
-    entries = []
-    for e in recalibrated.evaluations:
-        r = by_serving.get(e.serving)
-        if r is not None and r.status not in ("ok", "not run"):
-            continue
-        measured = r is not None and r.measured is not None
-        entries.append(
-            FinalEntry(e, r.measured if measured else figures_of(e), "measured" if measured else "predicted")
-        )
+    measured = {r.evaluation.serving: r.measured for r in runs if r.measured is not None}
+    failed = {r.evaluation.serving for r in runs if r.status not in ("ok", session.NOT_RUN)}
+    key = lambda e: e.serving  # noqa: E731
+    entries = [
+        FinalEntry(*x)
+        for x in session.measured_or_predicted(recalibrated.evaluations, key, measured, failed, figures_of)
+    ]
     work = recalibrated.workload
 
     def key(f: FinalEntry) -> tuple:

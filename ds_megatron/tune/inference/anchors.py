@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ds_megatron.config import ModelShape
 from ds_megatron.config.sizes import named
 from ds_megatron.tune.gpus import GPUS
-from ds_megatron.tune.inference import KV_PRECISIONS, PRECISION_BYTES, Serving, Workload, inference_time
+from ds_megatron.tune.inference.model import KV_PRECISIONS, PRECISION_BYTES, Serving, Workload, inference_time
 from ds_megatron.tune.spec import Cluster, build_cluster, build_model_shape
 
 
@@ -21,7 +21,7 @@ class Source:
 
     name: str
     address: str  # a URL, or "owner/repo:path@commit" of the file read
-    engine: str  # the engine preset it is compared under (tune.inference_engines.ENGINES)
+    engine: str  # the engine preset it is compared under (tune.inference.engines.ENGINES)
     version: str  # the engine's version as the source states it
     setup: str  # how the figures were measured, in the source's words reduced to facts
 
@@ -218,7 +218,7 @@ def check_anchors(anchors: tuple[Anchor, ...] = ANCHORS, sources: dict[str, Sour
     length, a tp the model cannot split, a source without an address, engine or rows, or too few rows or sources
     (the fit's cross-check holds out one source at a time), or no Llama 3 row: ``ValueError`` naming the row."""
     from ds_megatron.config.rules import tp_misfit
-    from ds_megatron.tune.inference_engines import ENGINES
+    from ds_megatron.tune.inference.engines import ENGINES
 
     for s in sources.values():
         if not (s.address and s.version and s.setup) or s.engine not in ENGINES:

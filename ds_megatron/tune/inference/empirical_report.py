@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ds_megatron.tune.empirical_report import calibration_text
-from ds_megatron.tune.inference_empirical import REPLICAS_NOTE, FinalEntry, InferenceEmpiricalResult
-from ds_megatron.tune.inference_probe import Figures
+from ds_megatron.tune.core import report as core_report
+from ds_megatron.tune.core.session import NOT_RUN
+from ds_megatron.tune.inference.empirical import REPLICAS_NOTE, FinalEntry, InferenceEmpiricalResult
+from ds_megatron.tune.inference.probe import Figures
 
 PEAK_NOTE = {
     "cpu": "peak mem: max RSS of rank 0 so far in its launch (the model, torch and every earlier batch included)",
@@ -22,11 +23,6 @@ def ms(seconds: float | None) -> str:
 
 def rate(tokens_per_s: float | None) -> str:
     return "-" if tokens_per_s is None else f"{tokens_per_s:,.0f}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    return ["  ".join(c.rjust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
 
 
 def _three(fig: str, p: Figures | None, c: Figures | None, m: Figures | None) -> list[str]:
@@ -55,12 +51,10 @@ def format_inference_empirical(emp: InferenceEmpiricalResult, top: int = 10) -> 
             row += _three(fig, r.predicted, r.calibrated, r.measured)
         row.append(f"{r.peak_mem_gb:.2f} GB" if r.peak_mem_gb is not None else "-")
         rows.append(row)
-        if r.status not in ("ok", "not run"):
+        if r.status not in ("ok", NOT_RUN):
             reasons.append(f"  #{r.index} {r.status}: {r.reason}")
-    lines += _table(header, rows) + reasons
-    not_run = [str(r.index) for r in emp.runs if r.status == "not run"]
-    if not_run:
-        lines.append(f"  not run (the {o.max_minutes:g} min budget would be exceeded): #{', #'.join(not_run)}")
+    lines += core_report.text_table(header, rows) + reasons
+    lines += core_report.not_run_lines(emp.not_run, o.max_minutes)
     lines.append("  pred: analytic model; calib: refitted model; measured: TTFT the median prefill, TPOT the mean step")
     lines.append(f"  {REPLICAS_NOTE}; {PEAK_NOTE[o.device]}")
     lines += _calibration_lines(emp)
@@ -69,40 +63,28 @@ def format_inference_empirical(emp: InferenceEmpiricalResult, top: int = 10) -> 
 
 
 def _calibration_lines(emp: InferenceEmpiricalResult) -> list[str]:
-    cal = emp.calibration
-    if cal is None:
-        lines = [f"calibration: {emp.calibration_note}"]
-    else:
+    cal, shown, more = emp.calibration, None, ("", "")
+    if cal is not None:
         # The flags rank with the recalibrated cluster: its bandwidth efficiency (the compute one's ratio kept) and
         # its whole overhead per forward (the engine's plus the fitted one).
         fitted = emp.recalibrated.cluster
-        total = dataclasses.replace(cal, step_overhead_s=fitted.step_overhead_s if cal.step_overhead_s else 0.0)
-        parts, flags, error = calibration_text(total, f"{ms(total.step_overhead_s)} ms per forward")
-        parts += f", bandwidth efficiency {fitted.bandwidth_efficiency:.3g} (in the defaults' ratio)"
-        flags += f" --bandwidth-efficiency {fitted.bandwidth_efficiency:.4g}"
-        lines = [
-            f"calibration from {cal.num_measurements} figures (TTFT and TPOT of {len(emp.ok)} run(s)): "
-            f"{parts}; {error}",
-            f"  {cal.note}; rank with these numbers: {flags}",
-        ]
-    n = len(emp.ok)
-    pairs = []
-    for fig, (before, after) in emp.spearman.items():
-        if before is not None:
-            pairs.append(
-                f"{FIGURE_NAMES[fig]} analytic {before:+.2f}, calibrated "
-                + (f"{after:+.2f}" if after is not None else "n/a")
-            )
-    if pairs:
-        lines.append(f"rank correlation (Spearman) with the measured figures over {n} candidates: {'; '.join(pairs)}")
-    else:
-        lines.append(f"rank correlation (Spearman): n/a ({n} measured candidate(s); needs 2 with different figures)")
+        shown = dataclasses.replace(cal, step_overhead_s=fitted.step_overhead_s if cal.step_overhead_s else 0.0)
+        bandwidth = fitted.bandwidth_efficiency
+        more = (
+            f", bandwidth efficiency {bandwidth:.3g} (in the defaults' ratio)",
+            f" --bandwidth-efficiency {bandwidth:.4g}",
+        )
+    source = f"{{n}} figures (TTFT and TPOT of {len(emp.ok)} run(s))"
+    per_forward = lambda s: f"{ms(s)} ms per forward"  # noqa: E731
+    lines = core_report.calibration_lines(cal, emp.calibration_note, source, per_forward, shown, more)
+    pairs = [(f"{FIGURE_NAMES[fig]} ", before, after) for fig, (before, after) in emp.spearman.items()]
+    lines.append(core_report.correlation_line(len(emp.ok), pairs, "figures", "figures"))
     return lines
 
 
 def _ranking_lines(emp: InferenceEmpiricalResult, top: int) -> list[str]:
     if not emp.final:
-        return ["final ranking: nothing left (every measured candidate failed and nothing else fits)"]
+        return [core_report.NOTHING_LEFT]
     lines = ["final ranking (measured where measured, else the calibrated prediction; failed runs left out):"]
     header = ["rank", "tp", "pp", "batch", "replicas", "tok/s all", "TTFT ms", "TPOT ms", "source"]
     rows = [
@@ -111,18 +93,11 @@ def _ranking_lines(emp: InferenceEmpiricalResult, top: int) -> list[str]:
          f.source]
         for i, f in enumerate(emp.final[:top])
     ]  # fmt: skip
-    lines += _table(header, rows)
-    w = emp.winner
-    if w is None:
+    lines += core_report.text_table(header, rows)
+    if emp.winner is None:
         lines.append("no configuration meets the limits (measured where measured): the closest are ranked first")
         return lines
-    lines.append(f"final winner ({w.source}): {_describe(w)}")
-    if w.source == "predicted":
-        best = next((f for f in emp.final if f.source == "measured"), None)
-        lines.append("  not measured: the recalibrated model predicts it beats every measured candidate")
-        if best is not None:
-            lines.append(f"  best measured: {_describe(best)}")
-    return lines
+    return lines + core_report.winner_lines(emp.final, _describe)
 
 
 def _describe(f: FinalEntry) -> str:

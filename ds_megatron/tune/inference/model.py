@@ -218,7 +218,7 @@ def inference_time(model: ModelShape, cluster: Cluster, serving: Serving, work: 
     prefill_comm = layers * 2 * ring_s(b * work.prompt_length * h * ACT_BYTES, t, gbps, latency)
     sends = (serving.pp - 1) * (latency + b * work.prompt_length * h * ACT_BYTES / (gbps * 1e9))
     # A fixed time per forward outside the terms above (the engine's scheduler, sampler, kernel launches, Python):
-    # the engine preset's (tune.inference_engines), fitted by the empirical mode or passed as --step-overhead-s;
+    # the engine preset's (tune.inference.engines), fitted by the empirical mode or passed as --step-overhead-s;
     # prefill and each decode step are one forward.
     overhead = cluster.step_overhead_s
     compute = (mm_flops / weight_peak + attn_flops / attn_peak) / cluster.efficiency

@@ -10,10 +10,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ds_megatron.config import ConfigError
-from ds_megatron.tune.inference import InferenceEvaluation, InferenceResult, Serving, Workload, output_tokens_per_s
-from ds_megatron.tune.probe import failure_reason, free_port, launcher, probe_env, run_process
+from ds_megatron.tune.core import launch
+from ds_megatron.tune.core.launch import run_process  # by name: a fake launch replaces it here
+from ds_megatron.tune.core.session import NOT_RUN, NOT_RUN_REASON
+from ds_megatron.tune.inference.model import (
+    InferenceEvaluation,
+    InferenceResult,
+    Serving,
+    Workload,
+    output_tokens_per_s,
+)
 
-MEASURE_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "measure_inference.py"
+MEASURE_RECIPE = launch.RECIPES / "measure_inference.py"
 PROBE_DTYPES = ("fp32", "bf16", "fp16")  # what the measuring run loads a transformers model at
 
 
@@ -45,8 +53,8 @@ class InferenceRun:
     index: int  # measuring order, 1-based
     rank: int  # analytic rank
     evaluation: InferenceEvaluation
-    status: str = "not run"  # "ok" | "out of memory" | "failed" | "timeout" | "not run"
-    reason: str | None = "not run: the --max-minutes budget would be exceeded"
+    status: str = NOT_RUN  # "ok" | "out of memory" | "failed" | "timeout" | "not run"
+    reason: str | None = NOT_RUN_REASON
     measured: Figures | None = None
     ttfts_s: list[float] = field(default_factory=list)  # the measured prefills
     decode_steps: int = 0  # decode steps averaged into the TPOT
@@ -138,13 +146,12 @@ def measure_launch(
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
     out = run_dir / "results.jsonl"
     out.unlink(missing_ok=True)
-    cmd = [*launcher(), "--num_gpus", str(world), "--master_port", str(free_port()), str(MEASURE_RECIPE)]
-    cmd += ["--plan", str(run_dir / "plan.json"), "--out", str(out)]
+    cmd = [*launch.launch_command(world, MEASURE_RECIPE), "--plan", str(run_dir / "plan.json"), "--out", str(out)]
     log = run_dir / "output.log"
-    returncode, duration = run_process(cmd, log, timeout_s, probe_env(options.device, world))
-    record_outcomes(runs, out, returncode, log.read_text(errors="replace")[-20000:], timeout_s, result.workload)
+    returncode, duration = run_process(cmd, log, timeout_s, launch.probe_env(options.device, world))
+    record_outcomes(runs, out, returncode, launch.log_tail(log), timeout_s, result.workload)
     for r in runs:
-        if r.status != "not run":
+        if r.status != NOT_RUN:
             r.launch = str(run_dir)
     return Launch(world, tuple(r.index for r in runs), str(run_dir), cmd, returncode, duration, timeout_s)
 
@@ -171,18 +178,13 @@ def read_results(path: Path) -> tuple[list[int], dict[int, dict], int | None]:
     """(indices started, in order; index -> its result record; the tp whose model was being built when the file
     ends, else None) from a measuring run's JSON lines."""
     started, results, building = [], {}, None
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-            event = record.get("event")
-            building = record["tp"] if event == "build" else None
-            if event == "start":
-                started.append(record["index"])
-            elif event == "result":
-                results[record["index"]] = record
+    for record in launch.json_lines(path):
+        event = record.get("event")
+        building = record["tp"] if event == "build" else None
+        if event == "start":
+            started.append(record["index"])
+        elif event == "result":
+            results[record["index"]] = record
     return started, results, building
 
 
@@ -208,7 +210,7 @@ def record_outcomes(
         elif returncode == 0 and r.index in started:
             r.status, r.reason = "failed", "the measuring run exited 0 without its result"
         elif returncode != 0 and (r.index == culprit or r.evaluation.serving.tp == building or nothing):
-            status, reason = failure_reason(returncode, log_tail, timeout_s)
+            status, reason = launch.failure_reason(returncode, log_tail, timeout_s)
             if r.evaluation.serving.tp == building:
                 reason = f"loading the model at tp {building}: {reason}"
             elif r.index != culprit:

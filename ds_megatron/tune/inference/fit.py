@@ -1,4 +1,4 @@
-"""The inference model fitted to published measurements (``tune.inference_anchors``), as the training model is
+"""The inference model fitted to published measurements (``tune.inference.anchors``), as the training model is
 fitted to the paper's Table 5: every anchor's prediction is linear in the inverse compute efficiency, the inverse
 bandwidth efficiency and its engine's overhead per forward, so one weighted least-squares solve (relative errors, the
 training calibration's ``_solve``) finds them; :func:`leave_one_source_out` predicts each source's rows from a fit to
@@ -11,8 +11,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from ds_megatron.tune.calibration import _solve
-from ds_megatron.tune.inference_anchors import ANCHORS, Anchor
+from ds_megatron.tune.core.calibration import _solve
+from ds_megatron.tune.inference.anchors import ANCHORS, Anchor
 
 POOLED = "pooled"  # the one overhead fitted to every engine's rows together
 
