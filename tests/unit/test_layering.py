@@ -50,8 +50,13 @@ NO_DISTRIBUTED = {"model"}
 # The model package's files that the config, the tuner and the analytic formulas import without torch: the registry,
 # the family record type, and each family's record (its config, sizes, plan, layout and terms).
 FAMILY_RECORD_FILES = ("model/__init__.py", "model/family.py", "model/*/__init__.py")
-# The pipeline package's files that import no torch: the zero-bubble orders and the NCCL rendezvous model.
-SCHEDULE_RECORD_FILES = ("pipeline_parallel/zb_order.py", "pipeline_parallel/rendezvous.py")
+# The pipeline package's files that import no torch: the zero-bubble and interleaved orders and the NCCL rendezvous
+# model.
+SCHEDULE_RECORD_FILES = (
+    "pipeline_parallel/zb_order.py",
+    "pipeline_parallel/rendezvous.py",
+    "pipeline_parallel/interleaved_order.py",
+)
 
 
 def _unit(path: Path) -> str:

@@ -1,0 +1,138 @@
+"""Interleaved 1F1B (``interleaved-1f1b``, v virtual stages per rank): the order, its NCCL safety and its bubble
+(unit tier, pure Python: ``pipeline_parallel.interleaved_order``).
+
+- The order: each rank runs v m forwards and v m backwards, one per (chunk, micro-batch); Megatron's warm-up of
+  (p - 1 - r) 2 + (v - 1) p forwards (all at m = p); every forward of stage s after stage s - 1's of the same
+  micro-batch, every backward after stage s + 1's; micro-batches go through each chunk in groups of p.
+- NCCL: every rank's p2p batches complete under ``rendezvous`` (pp 2-8, v 2-4, m p to 4p), and the two placements
+  that look natural (send after the pass, receive before it; sends batched with the next receive) hang.
+- Bubble: under free transfers the step idles (p - 1) / (v m) of the ideal, for T_B = T_F and T_B = 2 T_F.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from ds_megatron.pipeline_parallel import interleaved_order as order
+from ds_megatron.pipeline_parallel import rendezvous as rv
+
+SHAPES = [(p, v, m) for p in range(2, 9) for v in (2, 3, 4) for m in (p, 2 * p, 3 * p, 4 * p)]
+
+
+def as_batches(posts: list[tuple[tuple, ...]]) -> list[rv.Batch]:
+    """``interleaved_order.p2p_posts`` as the rendezvous model's batches: a shape message a plain isend or blocking
+    receive, everything else one ``batch_isend_irecv`` whose receives the engine waits for."""
+    out = []
+    for batch in posts:
+        if len(batch) == 1 and batch[0][2][0] == "meta":
+            direction, peer, message = batch[0]
+            out.append(rv.send(peer, message) if direction == "send" else rv.recv(peer, message))
+        else:
+            ops = tuple(rv.Op(rv.SEND if d == "send" else rv.RECV, peer, msg) for d, peer, msg in batch)
+            out.append(rv.Batch(ops, wait="recv", batched=True))
+    return out
+
+
+@pytest.mark.parametrize("p, v, m", SHAPES)
+def test_every_pass_runs_once_after_its_inputs(p, v, m):
+    passes = [order.rank_passes(p, v, m, r) for r in range(p)]
+    for r, rank in enumerate(passes):
+        expected = {(k, c, mb) for k in "FB" for c in range(v) for mb in range(m)}
+        assert len(rank) == 2 * v * m and set(rank) == expected
+        forwards_first = next(i for i, x in enumerate(rank) if x[0] == "B")
+        assert forwards_first == order.warmup_forwards(p, v, m, r) + (m > p)  # steady state starts with a forward
+        assert order.warmup_forwards(p, v, m, r) == (v * m if m == p else (p - 1 - r) * 2 + (v - 1) * p)
+        # each chunk's micro-batches in order; forwards through the chunks in groups of p, backwards in reverse
+        forwards = [x for x in rank if x[0] == "F"]
+        backwards = [x for x in rank if x[0] == "B"]
+        assert [(c, mb) for _, c, mb in forwards[:p]] == [(0, mb) for mb in range(p)]
+        assert [(c, mb) for _, c, mb in backwards[:p]] == [(v - 1, mb) for mb in range(p)]
+        for c in range(v):
+            assert [mb for _, cc, mb in forwards if cc == c] == list(range(m))
+            assert [mb for _, cc, mb in backwards if cc == c] == list(range(m))
+    # the dependencies, from the simulated times
+    ends = {}
+    for r, rows in enumerate(order.timeline(p, v, m)):
+        for start, end, (kind, chunk, mb) in rows:
+            ends[(kind, order.stage_of(r, chunk, p), mb)] = (start, end)
+    last = v * p - 1
+    for (kind, stage, mb), (start, _) in ends.items():
+        if kind == "F" and stage > 0:
+            assert start >= ends[("F", stage - 1, mb)][1]
+        if kind == "B":
+            assert start >= ends[("B", stage + 1, mb) if stage < last else ("F", stage, mb)][1]
+
+
+def test_rank_r_holds_chunks_r_plus_multiples_of_p():
+    assert order.stages_of(1, 4, 3) == (1, 5, 9)
+    assert [order.rank_of(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert order.valid_micro_batches(4, 16) == [4, 8, 12, 16]
+    with pytest.raises(ValueError, match="multiple of p"):
+        order.rank_passes(4, 2, 6, 0)
+
+
+@pytest.mark.parametrize("p, v, m", SHAPES)
+def test_bubble_is_p_minus_1_over_v_m(p, v, m):
+    for t_f, t_b in ((1, 1), (1, 2)):
+        assert order.bubble_fraction(p, v, m, t_f, t_b) == Fraction(p - 1, v * m)
+    assert order.makespan(p, v, m) == 3 * m + Fraction(3 * (p - 1), v)
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+def test_every_rank_posts_complete_under_nccl_rendezvous(p):
+    for v in (2, 3, 4):
+        for m in (p, 2 * p, 3 * p, 4 * p):
+            posts = [as_batches(order.p2p_posts(p, v, m, r)) for r in range(p)]
+            stuck = rv.check(posts)
+            assert stuck is None, f"pp {p} v {v} m {m}: {stuck}"
+            # every message is sent once and received once
+            sent = [op.message for rank in posts for b in rank for op in b.ops if op.kind == rv.SEND]
+            got = [op.message for rank in posts for b in rank for op in b.ops if op.kind == rv.RECV]
+            assert sorted(sent) == sorted(got) and len(set(sent)) == len(sent)
+            assert sum(1 for msg in sent if msg[0] == "act") == (v * p - 1) * m
+
+
+def _naive_posts(p: int, v: int, m: int, rank: int, batched: bool) -> list[rv.Batch]:
+    """Send right after the pass that produced the message, receive right before the pass that needs it (blocking;
+    shapes first), or (``batched``) every pending send posted with the next receive in one batch."""
+    posts, pending, meta = [], [], set()
+    last = v * p - 1
+    for kind, chunk, mb in order.rank_passes(p, v, m, rank):
+        stage = order.stage_of(rank, chunk, p)
+        source = stage - 1 if kind == "F" else stage + 1
+        if 0 <= source <= last and not (kind == "B" and stage == last):
+            what = "act" if kind == "F" else "grad"
+            if what == "act" and not batched and source not in meta:
+                meta.add(source)
+                posts.append(rv.recv(order.rank_of(source, p), ("meta", source)))
+            op = rv.Op(rv.RECV, order.rank_of(source, p), (what, source, stage, mb))
+            posts.append(rv.Batch((*pending, op), wait="all", batched=batched))
+            pending = []
+        target = stage + 1 if kind == "F" else stage - 1
+        if 0 <= target <= last:
+            what = "act" if kind == "F" else "grad"
+            if what == "act" and not batched and stage not in meta:
+                meta.add(stage)
+                posts.append(rv.send(order.rank_of(target, p), ("meta", stage)))
+            op = rv.Op(rv.SEND, order.rank_of(target, p), (what, stage, target, mb))
+            if batched:
+                pending.append(op)
+            else:
+                posts.append(rv.Batch((op,)))
+    return posts + ([rv.Batch(tuple(pending), wait="all", batched=True)] if pending else [])
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_natural_placements_hang(batched):
+    for p, v in ((2, 2), (4, 2)):
+        stuck = rv.check([_naive_posts(p, v, 2 * p, r, batched) for r in range(p)])
+        assert stuck is not None and not stuck.mismatch, (p, v, batched)
+
+
+def test_peak_activations_in_flight():
+    p, v, m = 4, 2, 8
+    # rank r holds its warm-up forwards plus the steady state's first: (p - 1 - r) 2 + (v - 1) p + 1 chunks
+    assert [order.peak_in_flight(p, v, m, r) for r in range(p)] == [11, 9, 7, 5]
+    assert order.peak_in_flight(p, v, p, 0) == v * p  # m = p: every forward first
