@@ -28,6 +28,8 @@ from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline_parallel.dualpipev import module_class, schedule_of
 from ds_megatron.pipeline_parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZERO_BUBBLE
 from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
+from ds_megatron.pipeline_parallel.interleaved import PIPELINE_SCHEDULE as INTERLEAVED
+from ds_megatron.pipeline_parallel.interleaved import InterleavedEngine
 from ds_megatron.pipeline_parallel.module import build_pipeline_module
 from ds_megatron.pipeline_parallel.p2p import ENGINES as ASYNC_SEND_ENGINES
 from ds_megatron.pipeline_parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
@@ -246,13 +248,16 @@ def build_engine(run: RunConfig) -> Built:
         # weights loaded from transformers replace every parameter (load_hf_into_pipeline): none is drawn first
         init_weights=not (run.section.checkpoint.init_from_hf and not run.section.checkpoint.load),
     )
+    model_class = module_class(schedule_of(run).name)
+    if schedule_of(run).virtual:  # interleaved 1F1B: v chunks per rank
+        model_class = functools.partial(model_class, virtual_stages=schedule_of(run).stages_per_rank)
     module = build_pipeline_module(
         config,
         parallel,
         topology,
         seed,
         run.section.parallel.partition_method,
-        module_class(schedule_of(run).name),
+        model_class,
         fused_loss=run.section.model.fused_loss,
     )
     ckpt = run.section.checkpoint
@@ -284,6 +289,8 @@ def build_engine(run: RunConfig) -> Built:
         queue = WeightGradQueue()
         defer_weight_grads(engine.module, queue)
         ZERO_BUBBLE_ENGINES[run.section.parallel.pipeline_schedule].install(engine, queue)
+    elif run.section.parallel.pipeline_schedule == INTERLEAVED:
+        InterleavedEngine.install(engine)
     elif run.section.parallel.pipeline_schedule == DUALPIPEV_ZERO_BUBBLE:
         queue = WeightGradQueue()
         defer_weight_grads(engine.module, queue)  # both of the rank's stages defer to one queue

@@ -49,6 +49,7 @@ from ds_megatron.config.schema import (
     PipelineSchedule,
 )
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
+from ds_megatron.pipeline_parallel.interleaved_order import peak_in_flight
 from ds_megatron.pipeline_parallel.zb_order import forwards_ahead, max_w_held
 
 MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
@@ -297,9 +298,13 @@ def stage_activations_in_flight(schedule: PipelineSchedule, pp: int, rank: int, 
     twice: its extra forwards fill 1F1B's warm-up bubble); DualPipeV (m >= 2p) holds 2p + 1 micro-batches of a
     half stage (L/2p blocks) on every rank, p + 1/2 stages' worth: half a stage more than 1F1B's rank 0, and p - 1/2
     more on the last rank.  Weights: every rank holds L/p blocks under all; DualPipeV's rank 0 holds the embedding
-    and the output layer (two vocabulary matrices when untied), 1F1B splits them between the first and last rank."""
+    and the output layer (two vocabulary matrices when untied), 1F1B splits them between the first and last rank.
+    Interleaved 1F1B (v chunks of L/(v p) blocks): rank r holds (p - 1 - r) 2 + (v - 1) p + 1 chunks at m > p
+    (``interleaved_order.peak_in_flight``), on rank 0 (1 + (p - 1)/(v p)) times 1F1B's p stages."""
     if schedule.stages_per_rank == 1:
         return float(forwards_ahead(pp, rank, num_micro_batches, schedule.forwards_ahead))
+    if schedule.virtual:  # interleaved 1F1B: chunks of L/(v p) blocks, counted off its order
+        return peak_in_flight(pp, schedule.stages_per_rank, num_micro_batches, rank) / schedule.stages_per_rank
     return (2 * pp + 1) / schedule.stages_per_rank
 
 

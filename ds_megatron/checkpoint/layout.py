@@ -42,7 +42,7 @@ def stage_param_layers(config: ModelConfig, run: RunConfig, pp: int) -> list[lis
     stages a rank holds is the run's pipeline schedule's (1F1B: stage r; DualPipeV: stages r and 2p-1-r, so rank 0
     holds the embedding and the output layer)."""
     specs = layer_specs(config, shard_context(config, run, 1), run.section.train.seed)
-    schedule = pipeline_schedule(run.section.parallel.pipeline_schedule)
+    schedule = pipeline_schedule(run.section.parallel.pipeline_schedule, run.section.parallel.virtual_stages)
     num_stages = pp * schedule.stages_per_rank
     method = run.section.parallel.partition_method.lower()
     if method == "uniform":

@@ -218,7 +218,8 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
     section = parse_section(ds_config.get(SECTION))
     shape = resolve_shape(section.model)
     tp, pp, cp, dp = check_parallel(section.parallel, shape, world_size)
-    schedule = pipeline_schedule(section.parallel.pipeline_schedule)  # a known name: check_parallel refused others
+    # a known name with valid virtual stages: check_parallel refused others
+    schedule = pipeline_schedule(section.parallel.pipeline_schedule, section.parallel.virtual_stages)
     check_recompute(section.recompute, shape, pp, schedule)
     check_deepspeed_keys(ds_config, pp)
     check_train(section.train)
@@ -254,7 +255,7 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
         raise ConfigError(
             "ds_megatron.parallel.tp", f"{misfit} not divisible by tp", values, f"choose tp dividing {misfit}"
         )
-    schedule = check_schedule_name(par.pipeline_schedule, pp)
+    schedule = check_schedule_name(par.pipeline_schedule, pp, par.virtual_stages)
     if shape.num_layers < pp * schedule.stages_per_rank:
         per_rank = schedule.stages_per_rank
         largest_pp = shape.num_layers // per_rank

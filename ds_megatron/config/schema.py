@@ -6,7 +6,7 @@ ours.  Every field has a one-line doc; unknown keys are errors (see ``loader.py`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ds_megatron.model import FAMILIES
 
@@ -38,10 +38,16 @@ class PipelineSchedule:
     deferred_weight_grads: bool = (
         False  # the backward runs B only; W passes run later (ds_megatron.pipeline_parallel.zero_bubble)
     )
+    # stages_per_rank is the run's ds_megatron.parallel.virtual_stages (v), rank r holding stages r, r + p, ...
+    # (pipeline_schedule(name, v) fills it in; the row holds the default)
+    virtual: bool = False
 
     def stages_of(self, rank: int, pp: int) -> tuple[int, ...]:
         """The stages (of ``pp * stages_per_rank``, in model order) pipeline rank ``rank`` builds, in the order it
-        registers their parameters: stage r, or with two per rank the V's r and 2p-1-r."""
+        registers their parameters: stage r, with two per rank the V's r and 2p-1-r, with v virtual stages
+        r, r + p, ..., r + (v-1) p."""
+        if self.virtual:
+            return tuple(rank + c * pp for c in range(self.stages_per_rank))
         return (rank,) if self.stages_per_rank == 1 else (rank, 2 * pp - 1 - rank)
 
     def loss_rank(self, pp: int) -> int:
@@ -49,6 +55,7 @@ class PipelineSchedule:
         return 0 if self.loss_on_first_rank else pp - 1
 
 
+DEFAULT_VIRTUAL_STAGES = 2  # interleaved 1F1B's model chunks per rank when ds_megatron.parallel.virtual_stages is unset
 # DualPipeV: rank r holds stages r and 2p-1-r, so rank 0 holds both the embedding and the loss, and its schedule
 # needs 2p micro-batches in flight to fill the pipeline from both ends.
 PIPELINE_SCHEDULES = (
@@ -60,13 +67,20 @@ PIPELINE_SCHEDULES = (
     PipelineSchedule("zb-h2", 1, 0, loss_on_first_rank=False, forwards_ahead=2, deferred_weight_grads=True),
     # DualPipeV with weight-gradient passes deferred into its drain (ds_megatron.pipeline_parallel.dualpipev_zb)
     PipelineSchedule("dualpipev-zb", 2, 2, loss_on_first_rank=True, deferred_weight_grads=True),
+    # Interleaved 1F1B: v virtual stages per rank, m a multiple of p (ds_megatron.pipeline_parallel.interleaved)
+    PipelineSchedule(
+        "interleaved-1f1b", DEFAULT_VIRTUAL_STAGES, micro_batches_per_rank=1, loss_on_first_rank=False, virtual=True
+    ),
 )
 
 
-def pipeline_schedule(name: str) -> PipelineSchedule:
-    """The schedule called ``name`` (KeyError for an unknown one: the config loader refuses those first)."""
+def pipeline_schedule(name: str, virtual_stages: int | None = None) -> PipelineSchedule:
+    """The schedule called ``name`` (KeyError for an unknown one: the config loader refuses those first); for one
+    with virtual stages, ``virtual_stages`` of them per rank (None: its default)."""
     for schedule in PIPELINE_SCHEDULES:
         if schedule.name == name:
+            if schedule.virtual and virtual_stages is not None:
+                return replace(schedule, stages_per_rank=virtual_stages)
             return schedule
     raise KeyError(name)
 
@@ -124,7 +138,9 @@ class ParallelSection:
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
-    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES' names (1f1b, dualpipev, zb-h1, zb-h2, dualpipev-zb)
+    pipeline_schedule: str = "1f1b"  # one of PIPELINE_SCHEDULES' names (1f1b, dualpipev, zb-h1, ..., interleaved-1f1b)
+    # interleaved-1f1b only: model chunks (virtual stages) per pipeline rank, v >= 2 (None: DEFAULT_VIRTUAL_STAGES)
+    virtual_stages: int | None = None
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
 
 from ds_megatron.config.schema import PipelineSchedule, pipeline_schedule
+from ds_megatron.pipeline_parallel.interleaved import InterleavedModel
 from ds_megatron.pipeline_parallel.module import PipelineModel
 
 
@@ -61,6 +62,7 @@ MODULE_CLASSES: dict[str, type[PipelineModel]] = {
     "zb-h1": PipelineModel,
     "zb-h2": PipelineModel,
     "dualpipev-zb": DualPipeVModel,  # its engine swapped in after deepspeed.initialize (parallel.dualpipev_zb)
+    "interleaved-1f1b": InterleavedModel,  # built with virtual_stages= (engine.build_engine)
 }
 
 
@@ -72,4 +74,4 @@ def module_class(name: str) -> type[PipelineModel]:
 
 def schedule_of(run) -> PipelineSchedule:
     """The pipeline schedule of a resolved run."""
-    return pipeline_schedule(run.section.parallel.pipeline_schedule)
+    return pipeline_schedule(run.section.parallel.pipeline_schedule, run.section.parallel.virtual_stages)

@@ -63,11 +63,13 @@ def _chunk_and_micro_batch(k: int, p: int, v: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=512)
-def rank_passes(p: int, v: int, m: int, rank: int) -> tuple[tuple[str, int, int], ...]:
-    """Rank ``rank``'s passes in order: (kind, local chunk, micro-batch)."""
+def rank_passes(p: int, v: int, m: int, rank: int, forward_only: bool = False) -> tuple[tuple[str, int, int], ...]:
+    """Rank ``rank``'s passes in order: (kind, local chunk, micro-batch); ``forward_only``: the forwards alone (an
+    evaluation or generation step)."""
     if m % p:
         raise ValueError(f"interleaved 1F1B needs m a multiple of p (m={m}, p={p})")
-    total, warmup = v * m, warmup_forwards(p, v, m, rank)
+    total = v * m
+    warmup = total if forward_only else warmup_forwards(p, v, m, rank)
 
     def forward(k: int) -> tuple[str, int, int]:
         chunk, mb = _chunk_and_micro_batch(k, p, v)
@@ -89,10 +91,12 @@ ACT, GRAD = "act", "grad"
 COMM = "comm"  # a program item: one batch of p2p operations (batch_isend_irecv), then a wait for all of it
 
 
-def timeline(p: int, v: int, m: int, t_f: Fraction = 1, t_b: Fraction = 2) -> list[list[tuple]]:
+def timeline(
+    p: int, v: int, m: int, t_f: Fraction = 1, t_b: Fraction = 2, forward_only: bool = False
+) -> list[list[tuple]]:
     """Every rank's passes with their (start, end) under :func:`makespan`'s model: [(start, end, pass), ...]."""
     f, b = Fraction(t_f) / v, Fraction(t_b) / v
-    passes = [rank_passes(p, v, m, r) for r in range(p)]
+    passes = [rank_passes(p, v, m, r, forward_only) for r in range(p)]
     position, clock = [0] * p, [Fraction(0)] * p
     done: dict[tuple[str, int, int], Fraction] = {}  # (kind, stage, mb) -> when it ended
     out: list[list[tuple]] = [[] for _ in range(p)]
@@ -121,8 +125,8 @@ def timeline(p: int, v: int, m: int, t_f: Fraction = 1, t_b: Fraction = 2) -> li
 
 
 @functools.lru_cache(maxsize=512)
-def rank_program(p: int, v: int, m: int, rank: int) -> tuple[tuple, ...]:
-    """Rank ``rank``'s passes and p2p batches, in the order its engine runs them.
+def rank_program(p: int, v: int, m: int, rank: int, forward_only: bool = False) -> tuple[tuple, ...]:
+    """Rank ``rank``'s passes and p2p batches, in the order its engine runs them (``forward_only``: the forwards).
 
     A pass is (kind, local chunk, micro-batch).  A batch is (COMM, ops): every message the rank sends or receives
     that :func:`timeline` produces at one instant t (with T_F 1 and T_B 2 per 1F1B stage), posted as one
@@ -141,7 +145,7 @@ def rank_program(p: int, v: int, m: int, rank: int) -> tuple[tuple, ...]:
     last = v * p - 1
     items: list[tuple[tuple, tuple]] = []  # (sort key, item)
     batches: dict[Fraction, list[tuple]] = {}
-    for r, rows in enumerate(timeline(p, v, m)):
+    for r, rows in enumerate(timeline(p, v, m, forward_only=forward_only)):
         for _, end, (kind, chunk, mb) in rows:
             stage = stage_of(r, chunk, p)
             if kind == FORWARD and stage < last:
@@ -160,14 +164,14 @@ def rank_program(p: int, v: int, m: int, rank: int) -> tuple[tuple, ...]:
     return tuple(item for _, item in sorted(items, key=lambda pair: pair[0]))
 
 
-def p2p_posts(p: int, v: int, m: int, rank: int) -> list[tuple[tuple, ...]]:
+def p2p_posts(p: int, v: int, m: int, rank: int, forward_only: bool = False) -> list[tuple[tuple, ...]]:
     """The point-to-point batches rank ``rank``'s engine posts, in order: each a tuple of (``"send"`` | ``"recv"``,
     peer rank, message).  A batch of one ("meta") op is a plain isend or blocking recv of a boundary's shape: the
     first activation a stage sends to the next is preceded by it, and its receiver reads it before it queues its
     first receive of that activation.  ``rendezvous.check`` plays these (tests/unit/test_interleaved.py)."""
     posts: list[tuple[tuple, ...]] = []
     meta_sent, meta_received = set(), set()
-    for item in rank_program(p, v, m, rank):
+    for item in rank_program(p, v, m, rank, forward_only):
         if item[0] != COMM:
             continue
         batch = []

@@ -25,6 +25,8 @@ from inprocess import failures, run_checks, spawn_reports
 
 from ds_megatron.config.schema import PIPELINE_SCHEDULES
 from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
+from ds_megatron.pipeline_parallel.interleaved import PIPELINE_SCHEDULE as INTERLEAVED
+from ds_megatron.pipeline_parallel.interleaved import InterleavedEngine
 from ds_megatron.pipeline_parallel.p2p import ENGINES as PLAIN_ENGINES
 from ds_megatron.pipeline_parallel.p2p import (
     AsyncSendDualPipeVEngine,
@@ -35,7 +37,12 @@ from ds_megatron.pipeline_parallel.p2p import (
 from ds_megatron.pipeline_parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue
 
-ENGINES = {**PLAIN_ENGINES, **ZERO_BUBBLE_ENGINES, "dualpipev-zb": DualPipeVZeroBubbleEngine}  # as build_engine
+ENGINES = {  # as build_engine
+    **PLAIN_ENGINES,
+    **ZERO_BUBBLE_ENGINES,
+    "dualpipev-zb": DualPipeVZeroBubbleEngine,
+    INTERLEAVED: InterleavedEngine,
+}
 
 SHAPE = (512, 1024)  # 2 MiB: above malloc's mmap threshold, so a storage freed while in flight is unmapped
 FLAG_TAG = 1

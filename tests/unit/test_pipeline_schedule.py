@@ -47,7 +47,14 @@ def test_default_is_1f1b_and_the_values_are_one_table():
     c = copy.deepcopy(BASE)
     del c["ds_megatron"]["parallel"]["pipeline_schedule"]
     assert resolve(c, 2).section.parallel.pipeline_schedule == "1f1b"
-    assert [s.name for s in PIPELINE_SCHEDULES] == ["1f1b", "dualpipev", "zb-h1", "zb-h2", "dualpipev-zb"]
+    assert [s.name for s in PIPELINE_SCHEDULES] == [
+        "1f1b",
+        "dualpipev",
+        "zb-h1",
+        "zb-h2",
+        "dualpipev-zb",
+        "interleaved-1f1b",
+    ]
     assert resolve(cfg(), 2).section.parallel.pipeline_schedule == "dualpipev"
 
 
