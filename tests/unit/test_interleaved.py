@@ -4,7 +4,7 @@
 - The order: each rank runs v m forwards and v m backwards, one per (chunk, micro-batch); Megatron's warm-up of
   (p - 1 - r) 2 + (v - 1) p forwards (all at m = p); every forward of stage s after stage s - 1's of the same
   micro-batch, every backward after stage s + 1's; micro-batches go through each chunk in groups of p.
-- NCCL: every rank's p2p batches complete under ``rendezvous`` (pp 2-8, v 2-4, m p to 4p), and the two placements
+- NCCL: every rank's p2p batches complete under ``rendezvous`` (pp 2-8, v 2-4, m p to 3p), and the two placements
   that look natural (send after the pass, receive before it; sends batched with the next receive) hang.
 - Bubble: under free transfers the step idles (p - 1) / (v m) of the ideal, for T_B = T_F and T_B = 2 T_F.
 """
@@ -83,7 +83,7 @@ def test_bubble_is_p_minus_1_over_v_m(p, v, m):
 @pytest.mark.parametrize("p", range(2, 9))
 def test_every_rank_posts_complete_under_nccl_rendezvous(p):
     for v in (2, 3, 4):
-        for m in (p, 2 * p, 3 * p, 4 * p):
+        for m in (p, 2 * p, 3 * p):
             posts = [as_batches(order.p2p_posts(p, v, m, r)) for r in range(p)]
             stuck = rv.check(posts)
             assert stuck is None, f"pp {p} v {v} m {m}: {stuck}"
@@ -136,3 +136,116 @@ def test_peak_activations_in_flight():
     # rank r holds its warm-up forwards plus the steady state's first: (p - 1 - r) 2 + (v - 1) p + 1 chunks
     assert [order.peak_in_flight(p, v, m, r) for r in range(p)] == [11, 9, 7, 5]
     assert order.peak_in_flight(p, v, p, 0) == v * p  # m = p: every forward first
+
+
+# The config: refused before launch in one line, and what a run resolves to.
+
+
+def _config(pp: int = 2, gas: int = 4, layers: int = 4, **parallel) -> dict:
+    return {
+        "train_batch_size": 2 * gas,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "ds_megatron": {
+            "model": {"num_layers": layers, "hidden_size": 64, "num_heads": 4, "vocab_size": 1001, "seq_length": 16},
+            "parallel": {"pp": pp, "pipeline_schedule": "interleaved-1f1b", **parallel},
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            _config(pp=2, gas=6, layers=8, virtual_stages=3),
+            None,  # accepted: 6 micro-batches, a multiple of pp 2
+        ),
+        (
+            _config(pp=4, gas=6, layers=8),
+            "gradient_accumulation_steps: the interleaved-1f1b schedule needs a multiple of pp micro-batches per step "
+            "(gradient_accumulation_steps=6, pp=4, pipeline_schedule='interleaved-1f1b'); use one of [4, 8, 12, 16]",
+        ),
+        (
+            _config(virtual_stages=1),
+            "ds_megatron.parallel.virtual_stages: model chunks per pipeline rank must be an integer >= 2",
+        ),
+        (
+            {
+                **_config(virtual_stages=2),
+                "ds_megatron": {**_config()["ds_megatron"], "parallel": {"pp": 2, "virtual_stages": 2}},
+            },
+            "ds_megatron.parallel.virtual_stages: only a schedule with virtual stages reads it (virtual_stages=2, "
+            "pipeline_schedule='1f1b'); remove it, or set pipeline_schedule to one of ['interleaved-1f1b']",
+        ),
+        (
+            _config(virtual_stages=4),
+            "ds_megatron.parallel.pp: fewer layers than pipeline stages (num_layers=4, pp=2, interleaved-1f1b: 4 "
+            "stages per rank)",
+        ),
+        (
+            {**_config(), "fp16": {"enabled": True}},
+            "fp16.enabled: fp16 loss scaling is not verified under interleaved-1f1b",
+        ),
+        (_config(pp=1), "ds_megatron.parallel.pipeline_schedule: schedules other than 1f1b reorder pipeline stages"),
+    ],
+)
+def test_the_config_is_checked_before_launch(config, message):
+    from ds_megatron.config import ConfigError, resolve
+
+    pp = config["ds_megatron"]["parallel"]["pp"]
+    if message is None:
+        run = resolve(config, pp)
+        assert run.grad_accum_steps == 6
+        return
+    with pytest.raises(ConfigError) as err:
+        resolve(config, pp)
+    text = str(err.value).removeprefix("error: ")
+    assert text.startswith(message) and "\n" not in text, text
+
+
+def test_the_record_places_v_chunks_per_rank_and_the_layout_follows():
+    from ds_megatron.checkpoint.layout import stage_param_layers
+    from ds_megatron.config import resolve
+    from ds_megatron.config.facts import stage_placement
+    from ds_megatron.config.schema import pipeline_schedule
+    from ds_megatron.model import model_config
+
+    assert pipeline_schedule("interleaved-1f1b").stages_per_rank == 2  # the default v
+    record = pipeline_schedule("interleaved-1f1b", 3)
+    assert record.stages_of(1, 4) == order.stages_of(1, 4, 3) == (1, 5, 9) and record.loss_rank(4) == 3
+    run = resolve(_config(pp=2, layers=8, virtual_stages=4), 2)
+    assert stage_placement(run.ds_config) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    # GPT-2, 8 blocks over 8 stages: wte, wpe and block 0 on stage 0; block 7, ln_f and the tied output layer (its
+    # parameters are the embedding's, registered first, under layer 0) on stage 7
+    layers = stage_param_layers(model_config(run.model), run, 2)
+    assert layers == [[0, 1, 2, 4, 6, 8], [0, 3, 5, 7, 9, 10]], layers
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (3, 3, 6), (4, 4, 4)])
+def test_the_engine_runs_the_order_and_its_posts_complete(p, v, m):
+    """The engine's instructions are the order's, one for one; its posts (read off those instructions as the engine
+    runs them) pass the rendezvous model, for training and for a forward-only step."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    from ds_megatron.pipeline_parallel.interleaved import InterleavedEngine, InterleavedSchedule
+
+    for forward_only in (False, True):
+        streams = [InterleavedSchedule(m, p, r, v, forward_only) for r in range(p)]
+        assert rv.check([InterleavedEngine.p2p_posts(s) for s in streams]) is None, (p, v, m, forward_only)
+        for r, sched in enumerate(streams):
+            cmds = [c for step in sched.steps() for c in step]
+            passes = [
+                ("F" if isinstance(c, ds.ForwardPass) else "B", c.phase, c.buffer_id % m)
+                for c in cmds
+                if isinstance(c, ds.ForwardPass | ds.BackwardPass)
+            ]
+            assert passes == list(order.rank_passes(p, v, m, r, forward_only))
+            assert all(c.buffer_id // m == c.phase for c in cmds if hasattr(c, "phase"))
+            loads = [c.buffer_id for c in cmds if isinstance(c, ds.LoadMicroBatch)]
+            chunk = {0: 0, p - 1: v - 1}.get(r)
+            assert loads == ([chunk * m + mb for mb in range(m)] if chunk is not None else []), (r, loads)
+            assert sched.num_pipe_buffers() == v * m
+            reductions = [type(c) for c in cmds[-3:]]
+            assert (reductions == [ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep]) != forward_only
+    with pytest.raises(ValueError, match="multiple of p"):
+        InterleavedSchedule(6, 4, 0, 2)
