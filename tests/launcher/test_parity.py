@@ -42,8 +42,9 @@ INTERLEAVED = {
     2: {"1,2,1,interleaved": "1,2,1", "1,2,1,llama,tied,interleaved": "1,2,1,llama,tied"},
     4: {"2,2,1,llama,sp,tied,interleaved": "2,2,1,llama,sp,tied", "1,4,1,llama,l8,interleaved": "1,4,1,llama,l8"},
 }
-# With dropout on, every recompute policy's gradients equal no recompute's under DualPipeV, bit for bit.
-REPLAY = {2: ["1,2,1,dualpipev,replay"]}
+# With dropout on, every recompute policy's gradients equal no recompute's under DualPipeV and interleaved 1F1B (each
+# chunk's recompute segments its own), bit for bit.
+REPLAY = {2: ["1,2,1,dualpipev,replay", "1,2,1,interleaved,replay"]}
 # DualPipeV checkpoints, export, sampling and bf16, in the 2-process launch (tests/workers/schedule_checkpoint.py).
 CHECKPOINT = {2: ["checkpoint"]}
 GROUPS = {

@@ -220,6 +220,8 @@ def run_replay(tp: int, pp: int, dp: int, args, options: tuple[str, ...]) -> Non
             cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings="tied" in options)
         if "dualpipev" in options:
             cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = "dualpipev"
+        if "interleaved" in options:
+            cfg["ds_megatron"]["parallel"].update(pipeline_schedule="interleaved-1f1b", virtual_stages=2)
         cfg["ds_megatron"]["recompute"] = {"policy": policy}
         run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
         engine = build_engine(run).engine
