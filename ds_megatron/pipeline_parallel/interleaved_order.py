@@ -210,3 +210,60 @@ def peak_in_flight(p: int, v: int, m: int, rank: int) -> int:
         held += 1 if kind == FORWARD else -1
         peak = max(peak, held)
     return peak
+
+
+def deferred_w_makespan(
+    p: int, v: int, m: int, t_f: Fraction = 1, t_b: Fraction = 1, t_w: Fraction = 1, defer: bool = True
+) -> Fraction:
+    """The step's finish time of :func:`rank_passes` with each backward split into B (input gradients, ``t_b`` / v)
+    and W (weight gradients, ``t_w`` / v), under free transfers: with ``defer`` a rank whose next pass's input is not
+    there yet runs its oldest pending W instead of idling, and the rest at the end (a greedy list schedule, as
+    ZB-H2's builder places W passes); without, each W right after its B (the order as it runs).  The model behind
+    the decision on zero-bubble deferral inside interleaving (docs/parallelism.md); no engine runs the deferred
+    order yet."""
+    f, b, w = Fraction(t_f) / v, Fraction(t_b) / v, Fraction(t_w) / v
+    passes = [rank_passes(p, v, m, r) for r in range(p)]
+    position, clock, pending = [0] * p, [Fraction(0)] * p, [0] * p
+    done: dict[tuple[str, int, int], Fraction] = {}
+    last = v * p - 1
+
+    def need(r: int) -> tuple[str, int, int] | None:
+        kind, chunk, mb = passes[r][position[r]]
+        stage = stage_of(r, chunk, p)
+        if kind == FORWARD:
+            return (FORWARD, stage - 1, mb) if stage > 0 else None
+        return (BACKWARD, stage + 1, mb) if stage < last else (FORWARD, stage, mb)
+
+    def ready(r: int) -> bool:
+        n = need(r)
+        return n is None or (n in done and done[n] <= clock[r])
+
+    while True:
+        active = [r for r in range(p) if position[r] < len(passes[r]) or pending[r]]
+        if not active:
+            return max(clock)
+        now = min(clock[r] for r in active)
+        front = [r for r in active if clock[r] == now]
+        runnable = [r for r in front if position[r] < len(passes[r]) and ready(r)]
+        if runnable:
+            r = runnable[0]
+            kind, chunk, mb = passes[r][position[r]]
+            clock[r] += f if kind == FORWARD else (b if defer else b + w)
+            done[(kind, stage_of(r, chunk, p), mb)] = clock[r]
+            position[r] += 1
+            pending[r] += defer and kind == BACKWARD
+            continue
+        holding = [r for r in front if pending[r]]
+        if holding:  # nothing else can run now: a deferred W fills the wait
+            clock[holding[0]] += w
+            pending[holding[0]] -= 1
+            continue
+        arrived = [r for r in front if need(r) in done]
+        if arrived:
+            clock[arrived[0]] = done[need(arrived[0])]
+            continue
+        later = [clock[r] for r in active if clock[r] > now]
+        if not later:
+            raise RuntimeError(f"the interleaved order deadlocks at p={p}, v={v}, m={m}")
+        for r in front:
+            clock[r] = min(later)

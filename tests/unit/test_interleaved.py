@@ -249,3 +249,16 @@ def test_the_engine_runs_the_order_and_its_posts_complete(p, v, m):
             assert (reductions == [ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep]) != forward_only
     with pytest.raises(ValueError, match="multiple of p"):
         InterleavedSchedule(6, 4, 0, 2)
+
+
+@pytest.mark.parametrize("p, v", [(2, 2), (4, 2), (4, 4), (8, 2)])
+def test_deferred_w_would_cut_the_bubble_to_a_third(p, v):
+    """The model behind the docs' decision on zero-bubble deferral inside interleaving: with each W right after its
+    B it is the order's own timing (T_B + T_W of a whole backward), and with the W passes filling the waits the
+    bubble at T_F = T_B = T_W falls to a third at m >= 2p (two thirds at m = p)."""
+    for m in (p, 2 * p, 4 * p):
+        ideal = 3 * m
+        plain = order.deferred_w_makespan(p, v, m, defer=False)
+        assert plain == order.makespan(p, v, m, 1, 2)
+        ratio = (order.deferred_w_makespan(p, v, m) - ideal) / (plain - ideal)
+        assert ratio == (Fraction(2, 3) if m == p else Fraction(1, 3)), (m, ratio)
