@@ -80,6 +80,8 @@ def rank_passes(p: int, v: int, m: int, rank: int, forward_only: bool = False) -
         return (BACKWARD, v - 1 - chunk, mb)
 
     out = [forward(k) for k in range(warmup)]
+    if forward_only:
+        return tuple(out)
     for i in range(total - warmup):
         out += [forward(warmup + i), backward(i)]
     out += [backward(i) for i in range(total - warmup, total)]

@@ -163,7 +163,8 @@ def test_deferred_weight_grads_train_as_dualpipev(results, layout, plain):
 @pytest.mark.parametrize("layout,plain", [pair for group in INTERLEAVED.values() for pair in group.items()])
 def test_interleaved_gives_1f1b_gradients(results, layout, plain):
     """Interleaving changes the order of the passes and which rank holds which blocks, not a sum: each parameter's
-    micro-batch gradients accumulate in the same order, so step 1's loss and every gradient are 1F1B's bit for bit.
+    micro-batch gradients accumulate in the same order, so step 1's loss and every gradient are 1F1B's bit for bit,
+    and an evaluation before it (the forward-only order) gives that loss.
     The global norm adds each rank's sum of squares, over other parameters per rank than under 1F1B (rank 0 holds
     blocks 0 and 2 of 4, not 0 and 1): measured within 2e-7 of 1F1B's; the later losses follow the clipped step."""
     ranks = {(r["pp_rank"], r["tp_rank"]): r for r in _load(results, layout)}
@@ -174,6 +175,8 @@ def test_interleaved_gives_1f1b_gradients(results, layout, plain):
     assert interleaved == one_f_one_b, sorted(k for k in one_f_one_b if interleaved.get(k) != one_f_one_b[k])
     for key, r in ranks.items():
         assert r["engine"] == "InterleavedEngine", r["engine"]
+        # evaluation (the forward-only order) before the first step: the first step's loss, bit for bit
+        assert r["eval_loss"] == r["losses"][0], (layout, r["eval_loss"], r["losses"])
         assert r["losses"][0] == plains[key]["losses"][0], (layout, r["losses"], plains[key]["losses"])
         for got, ref in zip(r["norms"] + r["losses"], plains[key]["norms"] + plains[key]["losses"], strict=True):
             assert abs(got - ref) <= 1e-6 * abs(ref), (layout, r["norms"], plains[key]["norms"])

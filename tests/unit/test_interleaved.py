@@ -240,6 +240,7 @@ def test_the_engine_runs_the_order_and_its_posts_complete(p, v, m):
                 if isinstance(c, ds.ForwardPass | ds.BackwardPass)
             ]
             assert passes == list(order.rank_passes(p, v, m, r, forward_only))
+            assert len(passes) == (1 if forward_only else 2) * v * m  # a forward-only step runs no backward
             assert all(c.buffer_id // m == c.phase for c in cmds if hasattr(c, "phase"))
             loads = [c.buffer_id for c in cmds if isinstance(c, ds.LoadMicroBatch)]
             chunk = {0: 0, p - 1: v - 1}.get(r)

@@ -133,6 +133,13 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
             )
 
     engine.optimizer.register_step_pre_hook(capture)
+    eval_loss = None
+    if "interleaved" in options:  # its forward-only order (evaluation) on the first batch, before any step
+        tokens = batches[0]
+        it = iter(micro_batches(tokens, run.micro_batch_size, run.dp, topo.dp_rank, topo.cp_rank, topo.cp))
+        engine.module.eval()
+        eval_loss = float(engine.eval_batch(it))
+        engine.module.train()
     losses, norms = [], []
     for tokens in batches:
         if docs:
@@ -199,6 +206,7 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
             "built_layers": built_layers,
             "table_layers": table_layers,
             "grad_hashes": grad_hashes,
+            "eval_loss": eval_loss,
         },
     )
 
