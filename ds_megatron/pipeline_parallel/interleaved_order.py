@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from fractions import Fraction
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"  # W: a deferred weight-gradient pass (``deferred_w``)
 
 
 def stage_of(rank: int, chunk: int, p: int) -> int:
@@ -127,8 +127,11 @@ def timeline(
 
 
 @functools.lru_cache(maxsize=512)
-def rank_program(p: int, v: int, m: int, rank: int, forward_only: bool = False) -> tuple[tuple, ...]:
-    """Rank ``rank``'s passes and p2p batches, in the order its engine runs them (``forward_only``: the forwards).
+def rank_program(
+    p: int, v: int, m: int, rank: int, forward_only: bool = False, deferred_w: bool = False
+) -> tuple[tuple, ...]:
+    """Rank ``rank``'s passes and p2p batches, in the order its engine runs them (``forward_only``: the forwards;
+    ``deferred_w``: each backward B only, its W pass placed by :func:`deferred_w_timeline`).
 
     A pass is (kind, local chunk, micro-batch).  A batch is (COMM, ops): every message the rank sends or receives
     that :func:`timeline` produces at one instant t (with T_F 1 and T_B 2 per 1F1B stage), posted as one
@@ -147,7 +150,8 @@ def rank_program(p: int, v: int, m: int, rank: int, forward_only: bool = False) 
     last = v * p - 1
     items: list[tuple[tuple, tuple]] = []  # (sort key, item)
     batches: dict[Fraction, list[tuple]] = {}
-    for r, rows in enumerate(timeline(p, v, m, forward_only=forward_only)):
+    rows_of = deferred_w_timeline(p, v, m) if deferred_w and not forward_only else timeline(p, v, m, 1, 2, forward_only)
+    for r, rows in enumerate(rows_of):
         for _, end, (kind, chunk, mb) in rows:
             stage = stage_of(r, chunk, p)
             if kind == FORWARD and stage < last:
@@ -166,14 +170,16 @@ def rank_program(p: int, v: int, m: int, rank: int, forward_only: bool = False) 
     return tuple(item for _, item in sorted(items, key=lambda pair: pair[0]))
 
 
-def p2p_posts(p: int, v: int, m: int, rank: int, forward_only: bool = False) -> list[tuple[tuple, ...]]:
+def p2p_posts(
+    p: int, v: int, m: int, rank: int, forward_only: bool = False, deferred_w: bool = False
+) -> list[tuple[tuple, ...]]:
     """The point-to-point batches rank ``rank``'s engine posts, in order: each a tuple of (``"send"`` | ``"recv"``,
     peer rank, message).  A batch of one ("meta") op is a plain isend or blocking recv of a boundary's shape: the
     first activation a stage sends to the next is preceded by it, and its receiver reads it before it queues its
     first receive of that activation.  ``rendezvous.check`` plays these (tests/unit/test_interleaved.py)."""
     posts: list[tuple[tuple, ...]] = []
     meta_sent, meta_received = set(), set()
-    for item in rank_program(p, v, m, rank, forward_only):
+    for item in rank_program(p, v, m, rank, forward_only, deferred_w):
         if item[0] != COMM:
             continue
         batch = []
@@ -217,16 +223,26 @@ def peak_in_flight(p: int, v: int, m: int, rank: int) -> int:
 def deferred_w_makespan(
     p: int, v: int, m: int, t_f: Fraction = 1, t_b: Fraction = 1, t_w: Fraction = 1, defer: bool = True
 ) -> Fraction:
-    """The step's finish time of :func:`rank_passes` with each backward split into B (input gradients, ``t_b`` / v)
+    """The step's finish time of :func:`deferred_w_timeline` (``defer`` False: each W right after its B, the
+    order as interleaved-1f1b runs it with a backward of T_B + T_W)."""
+    return max(rows[-1][1] for rows in deferred_w_timeline(p, v, m, t_f, t_b, t_w, defer) if rows)
+
+
+@functools.lru_cache(maxsize=256)
+def deferred_w_timeline(
+    p: int, v: int, m: int, t_f: Fraction = 1, t_b: Fraction = 1, t_w: Fraction = 1, defer: bool = True
+) -> list[list[tuple]]:
+    """Every rank's passes with their (start, end) when each backward is split into B (input gradients, ``t_b`` / v)
     and W (weight gradients, ``t_w`` / v), under free transfers: with ``defer`` a rank whose next pass's input is not
     there yet runs its oldest pending W instead of idling, and the rest at the end (a greedy list schedule, as
-    ZB-H2's builder places W passes); without, each W right after its B (the order as it runs).  The model behind
-    the decision on zero-bubble deferral inside interleaving (docs/parallelism.md); no engine runs the deferred
-    order yet."""
+    ZB-H2's builder places W passes); without, each W right after its B.  A W row is (WEIGHT, chunk, micro-batch)
+    of the B it completes (the oldest pending: the engine's queue runs them in that order)."""
     f, b, w = Fraction(t_f) / v, Fraction(t_b) / v, Fraction(t_w) / v
     passes = [rank_passes(p, v, m, r) for r in range(p)]
-    position, clock, pending = [0] * p, [Fraction(0)] * p, [0] * p
+    position, clock = [0] * p, [Fraction(0)] * p
+    pending: list[list[tuple]] = [[] for _ in range(p)]  # each rank's B passes whose W has not run, oldest first
     done: dict[tuple[str, int, int], Fraction] = {}
+    out: list[list[tuple]] = [[] for _ in range(p)]
     last = v * p - 1
 
     def need(r: int) -> tuple[str, int, int] | None:
@@ -240,27 +256,33 @@ def deferred_w_makespan(
         n = need(r)
         return n is None or (n in done and done[n] <= clock[r])
 
+    def run(r: int, item: tuple, cost: Fraction) -> None:
+        out[r].append((clock[r], clock[r] + cost, item))
+        clock[r] += cost
+
     while True:
         active = [r for r in range(p) if position[r] < len(passes[r]) or pending[r]]
         if not active:
-            return max(clock)
+            return out
         now = min(clock[r] for r in active)
         front = [r for r in active if clock[r] == now]
         runnable = [r for r in front if position[r] < len(passes[r]) and ready(r)]
         if runnable:
             r = runnable[0]
-            kind, chunk, mb = passes[r][position[r]]
-            clock[r] += f if kind == FORWARD else (b if defer else b + w)
+            kind, chunk, mb = item = passes[r][position[r]]
+            run(r, item, f if kind == FORWARD else b)
+            if kind == BACKWARD:
+                pending[r].append((WEIGHT, chunk, mb))
+                if not defer:  # the whole backward, its input gradient sent after both
+                    run(r, pending[r].pop(0), w)
             done[(kind, stage_of(r, chunk, p), mb)] = clock[r]
             position[r] += 1
-            pending[r] += defer and kind == BACKWARD
             continue
-        holding = [r for r in front if pending[r]]
+        holding = [r for r in front if pending[r] and (defer or position[r] == len(passes[r]))]
         if holding:  # nothing else can run now: a deferred W fills the wait
-            clock[holding[0]] += w
-            pending[holding[0]] -= 1
+            run(holding[0], pending[holding[0]].pop(0), w)
             continue
-        arrived = [r for r in front if need(r) in done]
+        arrived = [r for r in front if position[r] < len(passes[r]) and need(r) in done]
         if arrived:
             clock[arrived[0]] = done[need(arrived[0])]
             continue
