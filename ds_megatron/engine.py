@@ -29,7 +29,8 @@ from ds_megatron.pipeline_parallel.dualpipev import module_class, schedule_of
 from ds_megatron.pipeline_parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZERO_BUBBLE
 from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
 from ds_megatron.pipeline_parallel.interleaved import PIPELINE_SCHEDULE as INTERLEAVED
-from ds_megatron.pipeline_parallel.interleaved import InterleavedEngine
+from ds_megatron.pipeline_parallel.interleaved import PIPELINE_SCHEDULE_ZB as INTERLEAVED_ZERO_BUBBLE
+from ds_megatron.pipeline_parallel.interleaved import InterleavedEngine, InterleavedZeroBubbleEngine
 from ds_megatron.pipeline_parallel.module import build_pipeline_module
 from ds_megatron.pipeline_parallel.p2p import ENGINES as ASYNC_SEND_ENGINES
 from ds_megatron.pipeline_parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
@@ -291,10 +292,14 @@ def build_engine(run: RunConfig) -> Built:
         ZERO_BUBBLE_ENGINES[run.section.parallel.pipeline_schedule].install(engine, queue)
     elif run.section.parallel.pipeline_schedule == INTERLEAVED:
         InterleavedEngine.install(engine)
-    elif run.section.parallel.pipeline_schedule == DUALPIPEV_ZERO_BUBBLE:
+    elif run.section.parallel.pipeline_schedule in (DUALPIPEV_ZERO_BUBBLE, INTERLEAVED_ZERO_BUBBLE):
         queue = WeightGradQueue()
-        defer_weight_grads(engine.module, queue)  # both of the rank's stages defer to one queue
-        DualPipeVZeroBubbleEngine.install(engine, queue)
+        defer_weight_grads(engine.module, queue)  # all of the rank's stages defer to one queue
+        several_stages = {
+            DUALPIPEV_ZERO_BUBBLE: DualPipeVZeroBubbleEngine,
+            INTERLEAVED_ZERO_BUBBLE: InterleavedZeroBubbleEngine,
+        }
+        several_stages[run.section.parallel.pipeline_schedule].install(engine, queue)
     else:  # every engine's pipeline sends are async (parallel.p2p), so that the schedules compare alike
         ASYNC_SEND_ENGINES[run.section.parallel.pipeline_schedule].install(engine)
     if install_step_sp_grad_sync(engine, topology, run) and topology.rank == 0:

@@ -39,6 +39,8 @@ The rotary cos/sin tables of a rotary family are one pair per process, shared by
 
 from __future__ import annotations
 
+import math
+
 from ds_megatron.config.context_parallel import CP_COMMS
 from ds_megatron.config.rules import core_attn_saves_nothing
 from ds_megatron.config.schema import (
@@ -49,7 +51,7 @@ from ds_megatron.config.schema import (
     PipelineSchedule,
 )
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
-from ds_megatron.pipeline_parallel.interleaved_order import peak_in_flight
+from ds_megatron.pipeline_parallel.interleaved_order import peak_in_flight, peak_w_held
 from ds_megatron.pipeline_parallel.zb_order import forwards_ahead, max_w_held
 
 MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
@@ -308,14 +310,22 @@ def stage_activations_in_flight(schedule: PipelineSchedule, pp: int, rank: int, 
     return (2 * pp + 1) / schedule.stages_per_rank
 
 
-def stage_deferred_w_passes(schedule: PipelineSchedule, pp: int, rank: int) -> int:
+def stage_deferred_w_passes(
+    schedule: PipelineSchedule, pp: int, rank: int, num_micro_batches: int | None = None
+) -> int:
     """The most queued W passes (each :func:`deferred_weight_grad_bytes_per_layer` per block) pipeline rank
     ``rank`` holds beside its activations in flight: none without deferred weight gradients; ZB-H1 up to rank + 1
     (``rank`` while it runs forwards, one more in the cooldown), and DualPipeV's with W deferred the same (rank r
     holds at most r + 1, none while a forward runs: ``parallel.dualpipev_zb``); ZB-H2 one more than the largest
-    limit its order builder may pick (``parallel.zb_order.max_w_held``)."""
+    limit its order builder may pick (``parallel.zb_order.max_w_held``); interleaved with deferred W the peak of its
+    order at ``num_micro_batches`` (chunks of L/(v p) blocks: divided by v), which it needs."""
     if not schedule.deferred_weight_grads:
         return 0
+    if schedule.virtual:
+        if num_micro_batches is None:
+            raise ValueError(f"{schedule.name}: the W passes held depend on the micro-batch count")
+        v = schedule.stages_per_rank
+        return math.ceil(peak_w_held(pp, v, num_micro_batches, rank) / v)
     if schedule.forwards_ahead == 1:
         return rank + 1
     return max_w_held(pp, rank)

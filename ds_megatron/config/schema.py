@@ -71,6 +71,10 @@ PIPELINE_SCHEDULES = (
     PipelineSchedule(
         "interleaved-1f1b", DEFAULT_VIRTUAL_STAGES, micro_batches_per_rank=1, loss_on_first_rank=False, virtual=True
     ),
+    # Interleaved 1F1B with weight-gradient passes deferred into its waits (interleaved_order.deferred_w_timeline)
+    PipelineSchedule(
+        "interleaved-zb", DEFAULT_VIRTUAL_STAGES, 1, loss_on_first_rank=False, deferred_weight_grads=True, virtual=True
+    ),
 )
 
 

@@ -63,6 +63,7 @@ MODULE_CLASSES: dict[str, type[PipelineModel]] = {
     "zb-h2": PipelineModel,
     "dualpipev-zb": DualPipeVModel,  # its engine swapped in after deepspeed.initialize (parallel.dualpipev_zb)
     "interleaved-1f1b": InterleavedModel,  # built with virtual_stages= (engine.build_engine)
+    "interleaved-zb": InterleavedModel,  # its engine's backward defers the W passes
 }
 
 

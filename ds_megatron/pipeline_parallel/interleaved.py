@@ -32,8 +32,10 @@ from ds_megatron.pipeline_parallel import interleaved_order as order
 from ds_megatron.pipeline_parallel import rendezvous
 from ds_megatron.pipeline_parallel.module import PipelineModel
 from ds_megatron.pipeline_parallel.p2p import AsyncSendSteps
+from ds_megatron.pipeline_parallel.zero_bubble import DeferredWeightGradSteps, WeightGradPass
 
 PIPELINE_SCHEDULE = "interleaved-1f1b"  # the config value of ds_megatron.parallel.pipeline_schedule this module runs
+PIPELINE_SCHEDULE_ZB = "interleaved-zb"  # the same with weight-gradient passes deferred
 
 
 class InterleavedModel(PipelineModel):
@@ -109,11 +111,12 @@ class InterleavedSchedule(schedule.PipeSchedule):
     """Rank ``stage_id``'s :func:`interleaved_order.rank_program` as DeepSpeed instructions: a pass is its
     ``ForwardPass``/``BackwardPass`` on buffer c m + mb with ``phase`` c (the local chunk), the first stage's and the
     loss stage's forwards load their micro-batch first; a p2p batch is its sends and receives, then ``CommitP2P``.
-    The step ends with DeepSpeed's reductions and optimizer step."""
+    With ``deferred_w`` each backward is B only and a W pass is a ``WeightGradPass`` where the order places it.  The
+    step ends with DeepSpeed's reductions and optimizer step."""
 
-    def __init__(self, micro_batches, stages, stage_id, virtual_stages, forward_only=False):
+    def __init__(self, micro_batches, stages, stage_id, virtual_stages, forward_only=False, deferred_w=False):
         super().__init__(micro_batches, stages, stage_id)
-        self.virtual_stages, self.forward_only = virtual_stages, forward_only
+        self.virtual_stages, self.forward_only, self.deferred_w = virtual_stages, forward_only, deferred_w
         # checked here (the config refuses it first): the order walks micro-batches in groups of p
         order.rank_passes(stages, virtual_stages, micro_batches, stage_id, forward_only)
 
@@ -126,7 +129,7 @@ class InterleavedSchedule(schedule.PipeSchedule):
 
     def steps(self):
         p, v, m, rank = self.stages, self.virtual_stages, self.micro_batches, self.stage_id
-        for item in order.rank_program(p, v, m, rank, self.forward_only):
+        for item in order.rank_program(p, v, m, rank, self.forward_only, self.deferred_w):
             if item[0] == order.COMM:
                 cmds = []
                 for direction, what, src, dst, mb in item[1]:
@@ -136,6 +139,9 @@ class InterleavedSchedule(schedule.PipeSchedule):
                 yield [*cmds, schedule.CommitP2P()]
                 continue
             kind, chunk, mb = item
+            if kind == order.WEIGHT:  # the oldest queued W pass: the order queues and runs them oldest first
+                yield [WeightGradPass()]
+                continue
             buffer_id = self._buffer(chunk, mb)
             if kind == order.FORWARD:
                 loads = (rank == 0 and chunk == 0) or (rank == p - 1 and chunk == v - 1)
@@ -244,3 +250,30 @@ class InterleavedEngine(AsyncSendSteps, DualPipeVEngine):
                     posts.append(rendezvous.recv(peer, ("meta", src)))
                 queued.append(rendezvous.Op(rendezvous.SEND if sends else rendezvous.RECV, peer, message))
         return posts
+
+
+class InterleavedZeroBubbleEngine(DeferredWeightGradSteps, InterleavedEngine):
+    """:class:`InterleavedEngine` running the order with deferred W passes (``interleaved-zb``): each backward pass
+    seals its W pass in the rank's queue (one queue for all of its chunks) and ``WeightGradPass`` runs the oldest,
+    with the step guards every zero-bubble engine shares (``zero_bubble.DeferredWeightGradSteps``).  Never
+    constructed: ``install(engine, queue)`` turns the built ``PipelineEngine`` into one."""
+
+    @classmethod
+    def _attach(cls, engine, queue) -> None:
+        InterleavedEngine._attach.__func__(cls, engine)
+        engine.weight_grad_queue = queue
+
+    def _train_schedule(self):
+        return InterleavedSchedule(
+            self.micro_batches, self.num_stages, self.stage_id, self.virtual_stages, deferred_w=True
+        )
+
+    def _exec_backward_pass(self, buffer_id, phase):
+        super()._exec_backward_pass(buffer_id, phase)
+        self.weight_grad_queue.seal()
+
+    _INSTRUCTION_MAP = {
+        **InterleavedEngine._INSTRUCTION_MAP,
+        **DeferredWeightGradSteps.INSTRUCTIONS,
+        schedule.BackwardPass: _exec_backward_pass,
+    }

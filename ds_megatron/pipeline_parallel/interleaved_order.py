@@ -291,3 +291,13 @@ def deferred_w_timeline(
             raise RuntimeError(f"the interleaved order deadlocks at p={p}, v={v}, m={m}")
         for r in front:
             clock[r] = min(later)
+
+
+def peak_w_held(p: int, v: int, m: int, rank: int) -> int:
+    """The most W passes rank ``rank`` holds queued at once under :func:`deferred_w_timeline`'s order (each keeps its
+    linears' inputs and output gradients of one chunk until it runs)."""
+    held = peak = 0
+    for _, _, (kind, _, _) in deferred_w_timeline(p, v, m)[rank]:
+        held += {BACKWARD: 1, WEIGHT: -1}.get(kind, 0)
+        peak = max(peak, held)
+    return peak

@@ -42,6 +42,9 @@ INTERLEAVED = {
     2: {"1,2,1,interleaved": "1,2,1", "1,2,1,llama,tied,interleaved": "1,2,1,llama,tied"},
     4: {"2,2,1,llama,sp,tied,interleaved": "2,2,1,llama,sp,tied", "1,4,1,llama,l8,interleaved": "1,4,1,llama,l8"},
 }
+# ``interleaved-zb`` (``zb``: W passes deferred into the interleaved order's waits) beside its interleaved layout: the
+# single-device comparison, and interleaved 1F1B's losses, norms and step-1 gradients bit for bit.
+INTERLEAVED_ZB = {2: {"1,2,1,llama,interleaved,zb,full": "1,2,1,llama,interleaved,full"}}
 # With dropout on, every recompute policy's gradients equal no recompute's under DualPipeV and interleaved 1F1B (each
 # chunk's recompute segments its own), bit for bit.
 REPLAY = {2: ["1,2,1,dualpipev,replay", "1,2,1,interleaved,replay"]}
@@ -60,6 +63,7 @@ GROUPS = {
         *DUALPIPEV[2],
         *DUALPIPEV_ZB[2],
         *INTERLEAVED[2],
+        *(lay for pair in INTERLEAVED_ZB[2].items() for lay in pair),
     ],
     4: [
         "2,2,1,docs",
@@ -183,6 +187,18 @@ def test_interleaved_gives_1f1b_gradients(results, layout, plain):
     # rank r holds stages r and r + p of 2p: rank 0 the embedding and a block of the second half
     first = ranks[(0, 0)]["built_layers"]
     assert first[0] == 0 and first != plains[(0, 0)]["built_layers"], first
+
+
+@pytest.mark.parametrize("layout,plain", [pair for group in INTERLEAVED_ZB.values() for pair in group.items()])
+def test_deferred_weight_grads_train_as_interleaved(results, layout, plain):
+    """Deferring the weight gradients inside the interleaved order changes when they are computed, not what: each
+    parameter's micro-batch gradients still accumulate oldest first."""
+    for zb, il in zip(_load(results, layout), _load(results, plain), strict=True):
+        assert (zb["pp_rank"], zb["tp_rank"]) == (il["pp_rank"], il["tp_rank"])
+        assert zb["losses"] == il["losses"] and zb["norms"] == il["norms"], (layout, zb, il)
+        assert zb["grad_hashes"] == il["grad_hashes"], layout
+        assert (zb["engine"], il["engine"]) == ("InterleavedZeroBubbleEngine", "InterleavedEngine")
+        assert zb["eval_loss"] == zb["losses"][0], (zb["eval_loss"], zb["losses"])
 
 
 @pytest.mark.parametrize("layout", [lay for group in REPLAY.values() for lay in group])

@@ -175,7 +175,8 @@ def _config(pp: int = 2, gas: int = 4, layers: int = 4, **parallel) -> dict:
                 "ds_megatron": {**_config()["ds_megatron"], "parallel": {"pp": 2, "virtual_stages": 2}},
             },
             "ds_megatron.parallel.virtual_stages: only a schedule with virtual stages reads it (virtual_stages=2, "
-            "pipeline_schedule='1f1b'); remove it, or set pipeline_schedule to one of ['interleaved-1f1b']",
+            "pipeline_schedule='1f1b'); remove it, or set pipeline_schedule to one of ['interleaved-1f1b', "
+            "'interleaved-zb']",
         ),
         (
             _config(virtual_stages=4),
@@ -263,3 +264,37 @@ def test_deferred_w_would_cut_the_bubble_to_a_third(p, v):
         assert plain == order.makespan(p, v, m, 1, 2)
         ratio = (order.deferred_w_makespan(p, v, m) - ideal) / (plain - ideal)
         assert ratio == (Fraction(2, 3) if m == p else Fraction(1, 3)), (m, ratio)
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 4), (4, 2, 8), (3, 3, 6), (4, 4, 4)])
+def test_deferred_w_order_is_the_order_with_each_w_after_its_b(p, v, m):
+    """``interleaved-zb``: with the W passes removed each rank's stream is ``interleaved-1f1b``'s passes; the k-th W
+    runs after the k-th B (the queue runs the oldest); its posts and its engine's complete under the rendezvous
+    model; the W passes held and the step time come from the same timeline."""
+    from deepspeed.runtime.pipe import schedule as ds
+
+    from ds_megatron.pipeline_parallel.interleaved import InterleavedSchedule, InterleavedZeroBubbleEngine
+    from ds_megatron.pipeline_parallel.zero_bubble import WeightGradPass
+
+    rows = order.deferred_w_timeline(p, v, m)
+    for r in range(p):
+        program = order.rank_program(p, v, m, r, deferred_w=True)
+        passes = [x for x in program if x[0] in "FBW"]
+        assert [x for x in passes if x[0] != "W"] == list(order.rank_passes(p, v, m, r))
+        backwards = [x for x in passes if x[0] == "B"]
+        weights = [i for i, x in enumerate(passes) if x[0] == "W"]
+        assert [passes[i][1:] for i in weights] == [x[1:] for x in backwards]
+        assert all(weights[k] > passes.index(backwards[k]) for k in range(len(backwards)))
+        assert order.peak_w_held(p, v, m, r) == max(
+            sum(1 for x in passes[: i + 1] if x[0] == "B") - sum(1 for x in passes[: i + 1] if x[0] == "W")
+            for i in range(len(passes))
+        )
+        cmds = [c for step in InterleavedSchedule(m, p, r, v, deferred_w=True).steps() for c in step]
+        assert sum(isinstance(c, WeightGradPass) for c in cmds) == v * m
+        assert [type(c) for c in cmds[-3:]] == [ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep]
+    assert max(row[-1][1] for row in rows) == order.deferred_w_makespan(p, v, m)
+    assert rv.check([as_batches(order.p2p_posts(p, v, m, r, deferred_w=True)) for r in range(p)]) is None
+    engine_posts = [
+        InterleavedZeroBubbleEngine.p2p_posts(InterleavedSchedule(m, p, r, v, deferred_w=True)) for r in range(p)
+    ]
+    assert rv.check(engine_posts) is None

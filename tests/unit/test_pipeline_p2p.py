@@ -26,7 +26,8 @@ from inprocess import failures, run_checks, spawn_reports
 from ds_megatron.config.schema import PIPELINE_SCHEDULES
 from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
 from ds_megatron.pipeline_parallel.interleaved import PIPELINE_SCHEDULE as INTERLEAVED
-from ds_megatron.pipeline_parallel.interleaved import InterleavedEngine
+from ds_megatron.pipeline_parallel.interleaved import PIPELINE_SCHEDULE_ZB as INTERLEAVED_ZB
+from ds_megatron.pipeline_parallel.interleaved import InterleavedEngine, InterleavedZeroBubbleEngine
 from ds_megatron.pipeline_parallel.p2p import ENGINES as PLAIN_ENGINES
 from ds_megatron.pipeline_parallel.p2p import (
     AsyncSendDualPipeVEngine,
@@ -42,6 +43,7 @@ ENGINES = {  # as build_engine
     **ZERO_BUBBLE_ENGINES,
     "dualpipev-zb": DualPipeVZeroBubbleEngine,
     INTERLEAVED: InterleavedEngine,
+    INTERLEAVED_ZB: InterleavedZeroBubbleEngine,
 }
 
 SHAPE = (512, 1024)  # 2 MiB: above malloc's mmap threshold, so a storage freed while in flight is unmapped

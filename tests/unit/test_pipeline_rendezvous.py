@@ -24,7 +24,8 @@ from ds_megatron.pipeline_parallel import zb_order
 from ds_megatron.pipeline_parallel.dualpipev_zb import PIPELINE_SCHEDULE as DUALPIPEV_ZB
 from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleEngine
 from ds_megatron.pipeline_parallel.interleaved import PIPELINE_SCHEDULE as INTERLEAVED
-from ds_megatron.pipeline_parallel.interleaved import InterleavedEngine
+from ds_megatron.pipeline_parallel.interleaved import PIPELINE_SCHEDULE_ZB as INTERLEAVED_ZB
+from ds_megatron.pipeline_parallel.interleaved import InterleavedEngine, InterleavedZeroBubbleEngine
 from ds_megatron.pipeline_parallel.p2p import ENGINES as ASYNC_SEND_ENGINES
 from ds_megatron.pipeline_parallel.zero_bubble import ENGINES as ZERO_BUBBLE_ENGINES
 from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubbleH2Schedule
@@ -34,6 +35,7 @@ ENGINE_CLASSES = {
     **ZERO_BUBBLE_ENGINES,
     DUALPIPEV_ZB: DualPipeVZeroBubbleEngine,
     INTERLEAVED: InterleavedEngine,
+    INTERLEAVED_ZB: InterleavedZeroBubbleEngine,
 }
 MICRO_BATCHES = (2, 3, 4, 8, 13, 32)
 COSTS = (  # (T_F, T_B, T_W) as agreed_costs hands them over (the largest 1), or one row per stage

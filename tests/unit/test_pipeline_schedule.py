@@ -54,6 +54,7 @@ def test_default_is_1f1b_and_the_values_are_one_table():
         "zb-h2",
         "dualpipev-zb",
         "interleaved-1f1b",
+        "interleaved-zb",
     ]
     assert resolve(cfg(), 2).section.parallel.pipeline_schedule == "dualpipev"
 

@@ -6,10 +6,10 @@ Usage (under the deepspeed launcher):
 A layout is tp,pp,dp, optionally followed by the Llama family (``llama``: 4 heads, 2 KV heads, SwiGLU width 96,
 untied unless ``tied``), per-layout ``sp``, context parallelism ``cp<N>`` (ring; ``a2a`` for the all-to-all:
 the world is then tp x cp x pp x dp and each CP rank trains on its chunks of every sequence), the ``dualpipev``
-pipeline schedule (with ``zb``: ``dualpipev-zb``), ``interleaved`` (``interleaved-1f1b``, 2 virtual stages per rank;
-``l8``: 8 layers instead of 4, for pp 4) and a recompute policy (``selective``, ``full``).  With
-``replay`` the layout instead compares, with dropout on, each recompute policy's step-1 gradients with no
-recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
+pipeline schedule (with ``zb``: ``dualpipev-zb``), ``interleaved`` (``interleaved-1f1b``, 2 virtual stages per
+rank; with ``zb``: ``interleaved-zb``; ``l8``: 8 layers instead of 4, for pp 4) and a recompute policy
+(``selective``, ``full``).  With ``replay`` the layout instead compares, with dropout on, each recompute
+policy's step-1 gradients with no recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
 The layout ``checkpoint`` runs ``schedule_checkpoint.py``'s checks (2 processes) into DIR/checkpoint.
 ``docs``: packed documents kept apart (``data.document_mask``, restart positions; token ids below 100 become
 EOS), against the single-device model given the whole window's layout.
@@ -90,7 +90,9 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
     layers = 8 if "l8" in options else 4
     cfg = tiny_ds_config(tp, pp, dp, sequence_parallel=sp, attention=args.attention, cp=cp, cp_comm=comm, layers=layers)
     if "interleaved" in options:
-        cfg["ds_megatron"]["parallel"].update(pipeline_schedule="interleaved-1f1b", virtual_stages=2)
+        cfg["ds_megatron"]["parallel"].update(
+            pipeline_schedule="interleaved-zb" if "zb" in options else "interleaved-1f1b", virtual_stages=2
+        )
     if "llama" in options:
         cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings="tied" in options)
     if "dualpipev" in options:  # with ``zb``: its weight gradients deferred into the drain
@@ -229,7 +231,9 @@ def run_replay(tp: int, pp: int, dp: int, args, options: tuple[str, ...]) -> Non
         if "dualpipev" in options:
             cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = "dualpipev"
         if "interleaved" in options:
-            cfg["ds_megatron"]["parallel"].update(pipeline_schedule="interleaved-1f1b", virtual_stages=2)
+            cfg["ds_megatron"]["parallel"].update(
+                pipeline_schedule="interleaved-zb" if "zb" in options else "interleaved-1f1b", virtual_stages=2
+            )
         cfg["ds_megatron"]["recompute"] = {"policy": policy}
         run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
         engine = build_engine(run).engine
