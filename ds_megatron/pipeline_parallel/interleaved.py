@@ -19,6 +19,9 @@ What is DeepSpeed's and what is not (deepspeed 0.19.8):
   0's phase 1, the labels moved to phase 1's buffer.  The engine class is swapped in after
   ``deepspeed.initialize`` (which builds a ``PipelineEngine`` for this module), as every schedule's is.
 - The schedule (:class:`InterleavedSchedule`) is new: DeepSpeed has no interleaved order.
+- ``interleaved-zb`` (:class:`InterleavedZeroBubbleEngine`) adds ds_megatron's weight-gradient split
+  (``zero_bubble.DeferredWeightGradSteps``, as ``dualpipev-zb`` adds it to DualPipeV) and runs the W passes where
+  ``interleaved_order.deferred_w_timeline`` places them.
 """
 
 from __future__ import annotations
