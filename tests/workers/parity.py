@@ -10,7 +10,8 @@ pipeline schedule (with ``zb``: ``dualpipev-zb``), ``interleaved`` (``interleave
 rank; with ``zb``: ``interleaved-zb``; ``l8``: 8 layers instead of 4, for pp 4) and a recompute policy
 (``selective``, ``full``).  With ``replay`` the layout instead compares, with dropout on, each recompute
 policy's step-1 gradients with no recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
-The layout ``checkpoint`` runs ``schedule_checkpoint.py``'s checks (2 processes) into DIR/checkpoint.
+The layout ``checkpoint`` runs ``schedule_checkpoint.py``'s checks (2 processes) into DIR/checkpoint,
+``interleaved-checkpoint`` those of ``interleaved_checkpoint.py`` into DIR/interleaved-checkpoint.
 ``docs``: packed documents kept apart (``data.document_mask``, restart positions; token ids below 100 become
 EOS), against the single-device model given the whole window's layout.
 Writes DIR/<layout>.rank<r>.json with losses, gradient differences and gradient norms.
@@ -267,6 +268,11 @@ def main() -> None:
             from schedule_checkpoint import run_checks
 
             run_checks(os.path.join(args.out, "checkpoint"))
+            continue
+        if layout == "interleaved-checkpoint":
+            from interleaved_checkpoint import run_checks as run_interleaved_checks
+
+            run_interleaved_checks(os.path.join(args.out, "interleaved-checkpoint"))
             continue
         fields = layout.split(",")
         tp, pp, dp = (int(x) for x in fields[:3])
