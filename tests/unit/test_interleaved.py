@@ -18,12 +18,13 @@ import pytest
 from ds_megatron.pipeline_parallel import interleaved_order as order
 from ds_megatron.pipeline_parallel import rendezvous as rv
 
-SHAPES = [(p, v, m) for p in range(2, 9) for v in (2, 3, 4) for m in (p, 2 * p, 3 * p, 4 * p)]
+SHAPES = [(p, v, m) for p in range(2, 9) for v in (2, 3, 4) for m in (p, 2 * p, 3 * p)]
 
 
-def as_batches(posts: list[tuple[tuple, ...]]) -> list[rv.Batch]:
+def as_batches(posts: list[tuple[tuple, ...]], wait: str = "recv") -> list[rv.Batch]:
     """``interleaved_order.p2p_posts`` as the rendezvous model's batches: a shape message a plain isend or blocking
-    receive, everything else one ``batch_isend_irecv`` whose receives the engine waits for."""
+    receive, everything else one ``batch_isend_irecv`` whose receives the engine waits for (``wait`` "all": the
+    whole batch, as on NCCL, which returns one handle for it)."""
     out = []
     for batch in posts:
         if len(batch) == 1 and batch[0][2][0] == "meta":
@@ -31,7 +32,7 @@ def as_batches(posts: list[tuple[tuple, ...]]) -> list[rv.Batch]:
             out.append(rv.send(peer, message) if direction == "send" else rv.recv(peer, message))
         else:
             ops = tuple(rv.Op(rv.SEND if d == "send" else rv.RECV, peer, msg) for d, peer, msg in batch)
-            out.append(rv.Batch(ops, wait="recv", batched=True))
+            out.append(rv.Batch(ops, wait=wait, batched=True))
     return out
 
 
@@ -87,6 +88,8 @@ def test_every_rank_posts_complete_under_nccl_rendezvous(p):
             posts = [as_batches(order.p2p_posts(p, v, m, r)) for r in range(p)]
             stuck = rv.check(posts)
             assert stuck is None, f"pp {p} v {v} m {m}: {stuck}"
+            whole = rv.check([as_batches(order.p2p_posts(p, v, m, r), wait="all") for r in range(p)])
+            assert whole is None, f"pp {p} v {v} m {m}, batches waited for whole: {whole}"
             # every message is sent once and received once
             sent = [op.message for rank in posts for b in rank for op in b.ops if op.kind == rv.SEND]
             got = [op.message for rank in posts for b in rank for op in b.ops if op.kind == rv.RECV]
