@@ -21,7 +21,8 @@ COSTS = (1.0, 1.0, 1.0)
 
 def two_stages_per_rank(schedule: str) -> bool:
     """Whether ``schedule`` lays the model out as DualPipeV's V (rank r holds chunks r and 2p-1-r)."""
-    return pipeline_schedule(schedule).stages_per_rank == 2
+    record = pipeline_schedule(schedule)
+    return record.stages_per_rank == 2 and not record.virtual  # interleaving's v chunks are laid out r + c p
 
 
 @functools.lru_cache(maxsize=1024)
