@@ -45,6 +45,9 @@ def check_schedule_name(name: str, pp: int, virtual_stages: int | None = None) -
 
 def check_schedule_run(schedule: PipelineSchedule, ds_config: dict, tp: int, pp: int, grad_accum: int) -> None:
     """What DeepSpeed's engine for ``schedule`` cannot run (checked on deepspeed 0.19.8's DualPipeVEngine)."""
+    if schedule.virtual:
+        check_interleaved_run(schedule, ds_config, tp, pp, grad_accum)
+        return
     need = schedule.micro_batches_per_rank * pp
     if grad_accum < need:
         raise ConfigError(
@@ -55,9 +58,6 @@ def check_schedule_run(schedule: PipelineSchedule, ds_config: dict, tp: int, pp:
             f"set gradient_accumulation_steps >= {need} (raise train_batch_size or lower the micro-batch size)",
         )
     if schedule.name == PIPELINE_SCHEDULES[0].name:
-        return
-    if schedule.virtual:
-        check_interleaved_run(schedule, ds_config, tp, pp, grad_accum)
         return
     if schedule.stages_per_rank == 1:  # zb-h1, zb-h2: DeepSpeed's own engine, deferred weight gradients
         if precision(ds_config) == "fp16":

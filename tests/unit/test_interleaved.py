@@ -169,6 +169,11 @@ def _config(pp: int = 2, gas: int = 4, layers: int = 4, **parallel) -> dict:
             "(gradient_accumulation_steps=6, pp=4, pipeline_schedule='interleaved-1f1b'); use one of [4, 8, 12, 16]",
         ),
         (
+            _config(pp=4, gas=2, layers=8),  # fewer than pp: the same refusal, the same valid counts
+            "gradient_accumulation_steps: the interleaved-1f1b schedule needs a multiple of pp micro-batches per step "
+            "(gradient_accumulation_steps=2, pp=4, pipeline_schedule='interleaved-1f1b'); use one of [4, 8, 12, 16]",
+        ),
+        (
             _config(virtual_stages=1),
             "ds_megatron.parallel.virtual_stages: model chunks per pipeline rank must be an integer >= 2",
         ),
