@@ -166,10 +166,10 @@ class InterleavedEngine(AsyncSendSteps, DualPipeVEngine):
     def _attach(cls, engine) -> None:
         """The state DualPipeVEngine's constructor would have set, per chunk instead of per phase."""
         if not isinstance(engine.module, InterleavedModel):
-            raise TypeError(f"{PIPELINE_SCHEDULE} runs an InterleavedModel, not {type(engine.module).__name__}")
+            raise TypeError(f"{cls.__name__} runs an InterleavedModel, not {type(engine.module).__name__}")
         for flag in ("is_pipe_partitioned", "is_grad_partitioned", "dynamic_shape", "has_attention_mask"):
             if getattr(engine, flag):
-                raise ValueError(f"{PIPELINE_SCHEDULE} sends whole boundary tensors with fixed shapes ({flag} is set)")
+                raise ValueError(f"{cls.__name__} sends whole boundary tensors with fixed shapes ({flag} is set)")
         engine.virtual_stages = engine.module.virtual_stages
         engine._active_phase = None
         engine._p2p_ops = []
@@ -226,7 +226,7 @@ class InterleavedEngine(AsyncSendSteps, DualPipeVEngine):
         """The p2p operations this engine posts while it runs ``pipe_schedule`` (its instructions, in order), peers
         as pipeline ranks: a shape message an isend (sent at its chunk's first activation send) or a blocking receive
         (at the first receive); each commit one ``batch_isend_irecv`` whose receives it waits for.  A message is
-        (what, the local chunk and buffer of its sender, of its receiver), which name it alike on both ranks."""
+        (what, sending stage, receiving stage, micro-batch), which names it alike on both ranks."""
         p, m, rank = pipe_schedule.stages, pipe_schedule.micro_batches, pipe_schedule.stage_id
         posts, queued, meta_sent, meta_received = [], [], set(), set()
         for cmds in pipe_schedule.steps():
