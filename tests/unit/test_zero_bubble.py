@@ -87,7 +87,7 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
             "zb",
             False,
             "error: ds_megatron.parallel.pipeline_schedule: unknown schedule (got 'zb'); "
-            "use one of ['1f1b', 'dualpipev', 'zb-h1', 'zb-h2', 'dualpipev-zb']",
+            "use one of ['1f1b', 'dualpipev', 'zb-h1', 'zb-h2', 'dualpipev-zb', 'interleaved-1f1b', 'interleaved-zb']",
         ),
         (
             "zb-h1",
