@@ -44,7 +44,7 @@ INTERLEAVED = {
 }
 # ``interleaved-zb`` (``zb``: W passes deferred into the interleaved order's waits) beside its interleaved layout: the
 # single-device comparison, and interleaved 1F1B's losses, norms and step-1 gradients bit for bit.
-INTERLEAVED_ZB = {2: {"1,2,1,llama,interleaved,zb,full": "1,2,1,llama,interleaved,full"}}
+INTERLEAVED_ZB = {2: {"1,2,1,llama,tied,interleaved,zb": "1,2,1,llama,tied,interleaved"}}
 # With dropout on, every recompute policy's gradients equal no recompute's under DualPipeV and interleaved 1F1B (each
 # chunk's recompute segments its own), bit for bit.
 REPLAY = {2: ["1,2,1,dualpipev,replay", "1,2,1,interleaved,replay"]}
@@ -64,7 +64,7 @@ GROUPS = {
         *DUALPIPEV[2],
         *DUALPIPEV_ZB[2],
         *INTERLEAVED[2],
-        *(lay for pair in INTERLEAVED_ZB[2].items() for lay in pair),
+        *INTERLEAVED_ZB[2],
     ],
     4: [
         "2,2,1,docs",
