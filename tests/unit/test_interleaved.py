@@ -4,8 +4,9 @@
 - The order: each rank runs v m forwards and v m backwards, one per (chunk, micro-batch); Megatron's warm-up of
   (p - 1 - r) 2 + (v - 1) p forwards (all at m = p); every forward of stage s after stage s - 1's of the same
   micro-batch, every backward after stage s + 1's; micro-batches go through each chunk in groups of p.
-- NCCL: every rank's p2p batches complete under ``rendezvous`` (pp 2-8, v 2-4, m p to 3p; 2p at pp 5-8), and the two placements
-  that look natural (send after the pass, receive before it; sends batched with the next receive) hang.
+- NCCL: every rank's p2p batches complete under ``rendezvous`` (pp 2-8, v 2-4, m p to 3p; 2p at pp 5-8), and the
+  two placements that look natural (send after the pass, receive before it; sends batched with the next receive)
+  hang.
 - Bubble: under free transfers the step idles (p - 1) / (v m) of the ideal, for T_B = T_F and T_B = 2 T_F.
 """
 
