@@ -8,6 +8,12 @@
   two placements that look natural (send after the pass, receive before it; sends batched with the next receive)
   hang.
 - Bubble: under free transfers the step idles (p - 1) / (v m) of the ideal, for T_B = T_F and T_B = 2 T_F.
+- The config (one-line refusals), the record's placement r + c p and the layout table that follows it, the engine's
+  instruction stream (the order's, one for one; forward-only without backwards) and its posts under ``rendezvous``.
+- ``interleaved-zb``: the same passes with each W after its B, its posts and its engine's NCCL-safe, and the model
+  of its gain (the bubble to a third at m >= 2p).
+The trained results (single-device parity, 1F1B's gradients bit for bit, checkpoints, sampling) ride in
+tests/launcher/test_parity.py's launches.
 """
 
 from __future__ import annotations
