@@ -27,7 +27,7 @@ from ds_megatron.config.facts import needs_resharding
 from ds_megatron.engine import build_engine
 from ds_megatron.generate import Decoder
 from ds_megatron.model.gpt2.model import GPT, GPTConfig
-from ds_megatron.pipeline_parallel.dualpipev import schedule_of
+from ds_megatron.pipeline_parallel.schedules import schedule_of
 
 
 def config(schedule: str):
