@@ -173,7 +173,7 @@ def deepspeed_config_for(run: RunConfig, notes: list[str] | None = None) -> dict
             notes.append("mixture of experts: pipeline.pipe_partitioned and grad_partitioned turned off")
         pipe["pipe_partitioned"] = False
         pipe["grad_partitioned"] = False
-    if schedule_of(run).stages_per_rank > 1 and run.tp > 1:
+    if schedule_of(run).per_rank(run.section.parallel) > 1 and run.tp > 1:
         # DeepSpeed's DualPipeV engine sends whole boundary tensors (it asserts both off); the config check refuses
         # them when set explicitly, so only DeepSpeed's default (on) is turned off here.
         pipe = ds.setdefault("pipeline", {})
@@ -256,7 +256,7 @@ def build_engine(run: RunConfig) -> Built:
         topology,
         seed,
         run.section.parallel.partition_method,
-        schedule_of(run).module_class(),
+        schedule_of(run).module_class(run.section.parallel),
         fused_loss=run.section.model.fused_loss,
     )
     ckpt = run.section.checkpoint

@@ -296,11 +296,11 @@ def stage_activations_in_flight(schedule: PipelineSchedule, pp: int, rank: int, 
     return schedule.in_flight(pp, rank, num_micro_batches)
 
 
-def stage_deferred_w_passes(schedule: PipelineSchedule, pp: int, rank: int) -> int:
+def stage_deferred_w_passes(schedule: PipelineSchedule, pp: int, rank: int, num_micro_batches: int) -> int:
     """The most queued W passes (each :func:`deferred_weight_grad_bytes_per_layer` per block) pipeline rank
     ``rank`` holds beside its activations in flight (``Schedule.w_held``; none without deferred weight
     gradients)."""
-    return schedule.w_held(pp, rank)
+    return schedule.w_held(pp, rank, num_micro_batches)
 
 
 def deferred_weight_grad_bytes_per_layer(

@@ -42,8 +42,8 @@ def stage_param_layers(config: ModelConfig, run: RunConfig, pp: int) -> list[lis
     stages a rank holds is the run's pipeline schedule's (1F1B: stage r; DualPipeV: stages r and 2p-1-r, so rank 0
     holds the embedding and the output layer)."""
     specs = layer_specs(config, shard_context(config, run, 1), run.section.train.seed)
-    schedule = pipeline_schedule(run.section.parallel.pipeline_schedule)
-    num_stages = pp * schedule.stages_per_rank
+    schedule = pipeline_schedule(run.section.parallel.pipeline_schedule).for_settings(run.section.parallel)
+    num_stages = pp * schedule.per_rank(run.section.parallel)
     method = run.section.parallel.partition_method.lower()
     if method == "uniform":
         parts = partition_uniform(len(specs), num_stages)

@@ -109,14 +109,16 @@ def data_axis(ds_config: dict) -> int:
 def stage_placement(ds_config: dict) -> tuple[tuple[int, ...], ...] | str:
     """Which of the pipeline's stages each pipeline rank of a resolved config's run holds, rank by rank (its
     schedule's ``PipelineSchedule.stages_of``; so also how many stages a rank holds): 1F1B, ZB-H1 and ZB-H2 put
-    stage r on rank r, DualPipeV (with or without deferred weight gradients) stages r and 2p-1-r.  A schedule this
-    version does not know is returned by name (equal only to itself)."""
+    stage r on rank r, DualPipeV (with or without deferred weight gradients) stages r and 2p-1-r, interleaved 1F1B
+    stages r, r + p, ... (as many as the record's ``per_rank`` reads off the saved parallel section).  A schedule
+    this version does not know is returned by name (equal only to itself)."""
     name, pp = saved_schedule(ds_config), saved_layout(ds_config)[1]
+    parallel = (ds_config.get("ds_megatron") or {}).get("parallel") or {}
     try:
         schedule = pipeline_schedule(name)
     except KeyError:
         return name
-    return tuple(schedule.stages_of(rank, pp) for rank in range(pp))
+    return tuple(schedule.stages_of(rank, pp, schedule.per_rank(parallel)) for rank in range(pp))
 
 
 def needs_resharding(saved: dict, now: dict) -> bool:

@@ -219,7 +219,8 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
     shape = resolve_shape(section.model)
     tp, pp, cp, dp = check_parallel(section.parallel, shape, world_size)
     schedule = pipeline_schedule(section.parallel.pipeline_schedule)  # a known name: check_parallel refused others
-    check_recompute(section.recompute, shape, pp, schedule)
+    schedule = schedule.for_settings(section.parallel)  # at the run's stages per rank (checked by check_parallel)
+    check_recompute(section.recompute, shape, pp, schedule, section.parallel)
     check_deepspeed_keys(ds_config, pp)
     check_train(section.train)
     check_eval_only(section)
@@ -254,7 +255,7 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
         raise ConfigError(
             "ds_megatron.parallel.tp", f"{misfit} not divisible by tp", values, f"choose tp dividing {misfit}"
         )
-    schedule = check_schedule_name(par.pipeline_schedule, pp)
+    schedule = check_schedule_name(par.pipeline_schedule, pp, par)
     if shape.num_layers < pp * schedule.per_rank(par):
         per_rank = schedule.per_rank(par)
         largest_pp = shape.num_layers // per_rank
@@ -310,7 +311,9 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
     return tp, pp, cp, dp
 
 
-def check_recompute(rc: RecomputeSection, shape: ModelShape, pp: int, schedule: PipelineSchedule) -> None:
+def check_recompute(
+    rc: RecomputeSection, shape: ModelShape, pp: int, schedule: PipelineSchedule, par: ParallelSection | None = None
+) -> None:
     """A known policy and method; modules known, once each, for selective only, and worth recomputing."""
     if rc.policy not in RECOMPUTE_POLICIES:
         raise ConfigError(
@@ -353,14 +356,11 @@ def check_recompute(rc: RecomputeSection, shape: ModelShape, pp: int, schedule: 
         )
     if rc.policy == "full":
         _positive("ds_megatron.recompute.num_layers", rc.num_layers)
-        stages = pp * schedule.stages_per_rank
+        per_rank = schedule.per_rank(par)
+        stages = pp * per_rank
         per_stage = layers_per_stage(shape.num_layers, stages)
         if rc.num_layers > per_stage:
-            split = (
-                f"pp {pp}"
-                if stages == pp
-                else f"{stages} stages ({schedule.name}: {schedule.stages_per_rank} per rank)"
-            )
+            split = f"pp {pp}" if stages == pp else f"{stages} stages ({schedule.name}: {per_rank} per rank)"
             raise ConfigError(
                 "ds_megatron.recompute.num_layers",
                 "more recomputed layers than a pipeline stage holds",

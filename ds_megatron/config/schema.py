@@ -98,6 +98,9 @@ class ParallelSection:
     partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
     pipeline_schedule: str = DEFAULT_SCHEDULE.name  # one of PIPELINE_SCHEDULES' names
+    # model chunks (virtual stages) per pipeline rank, v >= 2, for a schedule whose record reads it
+    # (Schedule.stages_setting; None: the record's default)
+    virtual_stages: int | None = None
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,7 @@ def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, f
     (``Schedule.activation_peaks``: 1F1B min(p, m) micro-batches on the first stage, one on the last; the others'
     in their own modules, ``pipeline_parallel/schedules/``)."""
     schedule = pipeline_schedule(cand.schedule)
-    n = layers_per_stage(model.num_layers, schedule.stages_per_rank * cand.pp)  # a stage's (a chunk's) blocks
+    n = layers_per_stage(model.num_layers, schedule.per_rank(cand) * cand.pp)  # a stage's (a chunk's) blocks
     terms = ActivationTerms(
         stored_activation_bytes(model, cand, n),
         recompute_transient_bytes(model, cand, n),

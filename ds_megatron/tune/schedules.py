@@ -7,7 +7,9 @@ from __future__ import annotations
 from ds_megatron.pipeline_parallel.schedules import SCHEDULES as RECORDS
 from ds_megatron.pipeline_parallel.schedules import schedule_named
 
-SCHEDULES = tuple(schedule.name for schedule in RECORDS)  # the config's names, one owner
+# The config's names, one owner, less those whose stages per rank a setting chooses (``Schedule.stages_setting``:
+# interleaving's virtual stages): a candidate carries no such count, so the tuner neither proposes nor ranks them.
+SCHEDULES = tuple(schedule.name for schedule in RECORDS if schedule.stages_setting is None)
 # Searched unless --schedule says otherwise (``Schedule.searched``: the others' time-model gains are not yet trusted
 # enough to change a winner).  --schedule all ranks them together.
 DEFAULT_SCHEDULES = tuple(schedule.name for schedule in RECORDS if schedule.searched)

@@ -189,7 +189,7 @@ def layout_candidates(
 
     recompute = {}
     for schedule in runs:  # full recompute's k counts blocks of one stage: with v stages per rank, ceil(L/(v p))
-        num_blocks = layers_per_stage(model.num_layers, schedule_named(schedule).stages_per_rank * pp)
+        num_blocks = layers_per_stage(model.num_layers, schedule_named(schedule).per_rank() * pp)
         recompute[schedule] = {k: recompute_options(num_blocks, k, pins) for k in attention_options(pins)}
     candidates = [
         Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm, schedule)

@@ -166,7 +166,7 @@ def _recomputed_blocks(cand: Candidate, num_blocks: int) -> int:
         return 0
     if cand.recompute_method == "uniform":
         return num_blocks
-    per_rank = pipeline_schedule(cand.schedule).stages_per_rank
+    per_rank = pipeline_schedule(cand.schedule).per_rank(cand)
     if per_rank > 1:  # k blocks of each of the rank's chunks
         return per_rank * min(cand.recompute_layers, num_blocks // per_rank)
     return min(cand.recompute_layers, num_blocks)
@@ -281,7 +281,7 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
         gbps, latency = link(cluster, cand.tp * cand.cp * cand.dp * cand.pp > cluster.gpus_per_node)
         sent = boundary / (t if cand.sequence_parallel else 1)
         p2p = 2 * (latency + sent / (gbps * 1e9))  # activation forward, its gradient backward
-        p2p *= pipeline_schedule(cand.schedule).stages_per_rank  # each of a rank's chunks receives and sends its own
+        p2p *= pipeline_schedule(cand.schedule).per_rank(cand)  # each of a rank's chunks receives and sends its own
 
     scores = eager_score_s(model, cluster, cand, n, recomputed)
     passes = recompute_passes_s(model, cluster, cand, n)
@@ -302,7 +302,7 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
 def stage_blocks(model: ModelShape, cand: Candidate) -> int:
     """Blocks one pipeline rank runs per micro-batch: ceil(L/p), under v stages per rank (DualPipeV: 2) v chunks of
     ceil(L/(v p))."""
-    per_rank = pipeline_schedule(cand.schedule).stages_per_rank
+    per_rank = pipeline_schedule(cand.schedule).per_rank(cand)
     return per_rank * layers_per_stage(model.num_layers, per_rank * cand.pp)
 
 

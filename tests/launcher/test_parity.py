@@ -35,10 +35,22 @@ DUALPIPEV = {
 # ``dualpipev-zb`` beside a DualPipeV layout of the same launch: the single-device comparison, and DualPipeV's
 # losses and gradient norms bit for bit (at tp 2 with SP, selective recompute, too: measured by hand).
 DUALPIPEV_ZB = {2: {"1,2,1,dualpipev,zb,full": "1,2,1,dualpipev,full"}}
+# Interleaved 1F1B (``interleaved``: 2 virtual stages per rank), three layouts (the launches' time is a budget):
+# GPT-2 tied at pp 2 and Llama tied at tp 2 + SP beside the 1F1B layout of the same launch (the single-device
+# comparison, and 1F1B's step-1 gradients bit for bit, every parameter on every rank: the gradient norm sums each
+# rank's squares over other layers, so it is 1F1B's within fp32 rounding; see the test), and Llama untied at pp 4
+# (``l8``: 8 layers for its 8 stages) against the single-device model only.  ``interleaved-zb`` runs in the
+# checkpoint worker (resumed from an interleaved-1f1b checkpoint: its losses bit for bit).
+INTERLEAVED = {
+    2: {"1,2,1,interleaved": "1,2,1"},
+    4: {"2,2,1,llama,sp,tied,interleaved": "2,2,1,llama,sp,tied"},
+}
 # With dropout on, every recompute policy's gradients equal no recompute's under DualPipeV, bit for bit.
 REPLAY = {2: ["1,2,1,dualpipev,replay"]}
 # DualPipeV checkpoints, export, sampling and bf16, in the 2-process launch (tests/workers/schedule_checkpoint.py).
-CHECKPOINT = {2: ["checkpoint"]}
+# Interleaved 1F1B's checkpoints, resharding, interleaved-zb and sampling, in the same launch
+# (tests/workers/interleaved_checkpoint.py).
+CHECKPOINT = {2: ["checkpoint", "interleaved-checkpoint"]}
 GROUPS = {
     1: ["1,1,1", "1,1,1,llama,tied"],
     2: [
@@ -51,6 +63,7 @@ GROUPS = {
         "1,1,1,llama,cp2",
         *DUALPIPEV[2],
         *DUALPIPEV_ZB[2],
+        *INTERLEAVED[2],
     ],
     4: [
         "2,2,1,docs",
@@ -62,6 +75,8 @@ GROUPS = {
         "1,1,2,llama,cp2,a2a",
         *DUALPIPEV[4],
         "1,2,1,llama,cp2,docs",
+        *INTERLEAVED[4],
+        "1,4,1,llama,l8,interleaved",  # 8 layers for interleaving's 8 stages
     ],
 }
 
@@ -72,7 +87,7 @@ def result_name(layout: str) -> str:
     family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
     cp = [o for o in options if o.startswith("cp")]
     cp_part = [*cp, *(["a2a"] if cp and "a2a" in options else [])]
-    extra = [o for o in ("dualpipev", "zb", "selective", "full") if o in options]
+    extra = [o for o in ("dualpipev", "zb", "interleaved", "l8", "selective", "full") if o in options]
     docs = ["docs"] if "docs" in options else []
     return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family, *cp_part, *extra, *docs])
 
@@ -149,6 +164,31 @@ def test_deferred_weight_grads_train_as_dualpipev(results, layout, plain):
         )
 
 
+@pytest.mark.parametrize("layout,plain", [pair for group in INTERLEAVED.values() for pair in group.items()])
+def test_interleaved_gives_1f1b_gradients(results, layout, plain):
+    """Interleaving changes the order of the passes and which rank holds which blocks, not a sum: each parameter's
+    micro-batch gradients accumulate in the same order, so step 1's loss and every gradient are 1F1B's bit for bit,
+    and an evaluation before it (the forward-only order) gives that loss.
+    The global norm adds each rank's sum of squares, over other parameters per rank than under 1F1B (rank 0 holds
+    blocks 0 and 2 of 4, not 0 and 1): measured within 2e-7 of 1F1B's; the later losses follow the clipped step."""
+    ranks = {(r["pp_rank"], r["tp_rank"]): r for r in _load(results, layout)}
+    plains = {(r["pp_rank"], r["tp_rank"]): r for r in _load(results, plain)}
+    assert ranks.keys() == plains.keys()
+    interleaved = {k: v for r in ranks.values() for k, v in r["grad_hashes"].items()}
+    one_f_one_b = {k: v for r in plains.values() for k, v in r["grad_hashes"].items()}
+    assert interleaved == one_f_one_b, sorted(k for k in one_f_one_b if interleaved.get(k) != one_f_one_b[k])
+    for key, r in ranks.items():
+        assert r["engine"] == "InterleavedEngine", r["engine"]
+        # evaluation (the forward-only order) before the first step: the first step's loss, bit for bit
+        assert r["eval_loss"] == r["losses"][0], (layout, r["eval_loss"], r["losses"])
+        assert r["losses"][0] == plains[key]["losses"][0], (layout, r["losses"], plains[key]["losses"])
+        for got, ref in zip(r["norms"] + r["losses"], plains[key]["norms"] + plains[key]["losses"], strict=True):
+            assert abs(got - ref) <= 1e-6 * abs(ref), (layout, r["norms"], plains[key]["norms"])
+    # rank r holds stages r and r + p of 2p: rank 0 the embedding and a block of the second half
+    first = ranks[(0, 0)]["built_layers"]
+    assert first[0] == 0 and first != plains[(0, 0)]["built_layers"], first
+
+
 @pytest.mark.parametrize("layout", [lay for group in REPLAY.values() for lay in group])
 def test_recompute_replays_dropout_under_dualpipev(results, layout):
     files = sorted(results.glob(f"{layout.replace(',', '-')}.rank*.json"))
@@ -157,6 +197,24 @@ def test_recompute_replays_dropout_under_dualpipev(results, layout):
     for f in files:
         for policy, r in json.loads(f.read_text()).items():
             assert r["grad_diff"] == 0.0, (f.name, policy, r)
+
+
+def test_interleaved_checkpoints_resume_at_either_schedule_and_sample(results):
+    """An interleaved-1f1b checkpoint resumes exactly at its own placement (DeepSpeed's per-layer files, written and
+    read chunk by chunk), resharded under 1F1B and back (stages r, r + p <-> stage r) with 1F1B's losses, and under
+    interleaved-zb without resharding; greedy decoding through the interleaved engine (its forward-only order,
+    logits on rank p - 1) equals the single-device model's."""
+    tmp_path = results / "interleaved-checkpoint"
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"losses.rank{rank}.json").read_text())
+        a = r["A"]
+        assert r["B"] == {k: a[k] for k in ("3", "4")}, r  # same schedule and placement: bit for bit
+        assert not r["B_resharded"] and r["C_resharded"] and r["D_resharded"] and not r["E_resharded"], r
+        # 1F1B computes interleaving's step-1 gradients bit for bit (test_interleaved_gives_1f1b_gradients); after
+        # resharding both ways the losses continue A's within fp32 rounding of the norm (measured: bit for bit)
+        assert abs(r["C"]["3"] - a["3"]) <= 1e-6 * abs(a["3"]) and abs(r["D"]["4"] - a["4"]) <= 1e-6 * abs(a["4"])
+        assert r["E"]["3"] == r["B"]["3"], (r["E"], r["B"])  # deferred W passes: the same sums
+        assert r["generate"]["pipeline"] == r["generate"]["reference"], r["generate"]
 
 
 def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(results):

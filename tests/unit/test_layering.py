@@ -251,7 +251,15 @@ def test_no_schedule_is_named_outside_its_record():
     literal parts that quote one count too) and no module imports one schedule's record: a new schedule adds its
     record and a registry line there, its engine, and a test."""
     names = _schedule_names()
-    assert set(names) == {"1f1b", "dualpipev", "zb-h1", "zb-h2", "dualpipev-zb"}, names
+    assert set(names) == {
+        "1f1b",
+        "dualpipev",
+        "zb-h1",
+        "zb-h2",
+        "dualpipev-zb",
+        "interleaved-1f1b",
+        "interleaved-zb",
+    }, names
     quoted = re.compile("|".join(rf"(?<![\w-]){re.escape(n)}(?![\w-])" for n in sorted(names, key=len, reverse=True)))
     found = []
     for path in PKG.rglob("*.py"):

@@ -20,7 +20,7 @@ import pytest
 
 from ds_megatron.config.schema import PIPELINE_SCHEDULES
 from ds_megatron.pipeline_parallel import rendezvous as rv
-from ds_megatron.pipeline_parallel.schedules import zb_order
+from ds_megatron.pipeline_parallel.schedules import DEFAULT, RunFacts, zb_order
 from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubbleH2Schedule
 
 ENGINE_CLASSES = {s.name: s.engine_class() for s in PIPELINE_SCHEDULES}
@@ -40,7 +40,7 @@ def rank_posts(name: str, p: int, m: int, costs: tuple | None = None) -> list[li
     cls = ENGINE_CLASSES[name]
     posts = []
     for stage in range(p):
-        engine = types.SimpleNamespace(micro_batches=m, num_stages=p, stage_id=stage, _zb_timing=None)
+        engine = types.SimpleNamespace(micro_batches=m, num_stages=p, stage_id=stage, _zb_timing=None, virtual_stages=2)
         engine.zb_costs = costs if costs is not None else getattr(cls, "zb_costs", None)
         posts.append(cls.p2p_posts(cls._train_schedule(engine)))
     return posts
@@ -81,7 +81,7 @@ def test_every_schedule_has_its_engine():
 def test_every_schedule_completes_under_nccl_rendezvous(schedule, p):
     costs = (None,) + (COSTS + ((COSTS[2],) * (p - 1) + ((1.0, 0.9, 0.6),),) if schedule.name == "zb-h2" else ())
     for m in MICRO_BATCHES:
-        if m < schedule.micro_batches_per_rank * p:
+        if m < schedule.micro_batches_per_rank * p or schedule.refuse(RunFacts(1, p, m, "fp32", {}, DEFAULT.name)):
             continue
         for cost in costs:
             stuck = rv.check(rank_posts(schedule.name, p, m, cost))

@@ -47,7 +47,15 @@ def test_default_is_1f1b_and_the_values_are_one_table():
     c = copy.deepcopy(BASE)
     del c["ds_megatron"]["parallel"]["pipeline_schedule"]
     assert resolve(c, 2).section.parallel.pipeline_schedule == "1f1b"
-    assert [s.name for s in PIPELINE_SCHEDULES] == ["1f1b", "dualpipev", "zb-h1", "zb-h2", "dualpipev-zb"]
+    assert [s.name for s in PIPELINE_SCHEDULES] == [
+        "1f1b",
+        "dualpipev",
+        "zb-h1",
+        "zb-h2",
+        "dualpipev-zb",
+        "interleaved-1f1b",
+        "interleaved-zb",
+    ]
     assert resolve(cfg(), 2).section.parallel.pipeline_schedule == "dualpipev"
 
 
@@ -247,12 +255,12 @@ def test_every_records_order_runs_each_micro_batch_on_the_stages_its_placement_g
     runs every micro-batch's forward before its backward (whole, or B before its W) on each, and the one timing model
     runs all ranks' orders to the end with every pass costing 1 (a pass waiting on a later one would deadlock) no
     sooner than the busiest rank's work.  A looping placement of v stages per rank (interleaved 1F1B) is r + k p."""
-    import dataclasses
-
-    from ds_megatron.pipeline_parallel.schedules import DEFAULT, simulate
+    from ds_megatron.pipeline_parallel.schedules import DEFAULT, RunFacts, schedule_named, simulate
 
     for schedule in PIPELINE_SCHEDULES:
         m = max(5, schedule.micro_batches_per_rank * p)
+        while schedule.refuse(RunFacts(1, p, m, "fp32", {}, DEFAULT.name)):  # interleaving's multiple of p
+            m += 1
         orders = [schedule.order(p, m, rank) for rank in range(p)]
         for rank, order in enumerate(orders):
             assert {stage for _, stage, _ in order} == set(schedule.stages_of(rank, p)), (schedule.name, rank)
@@ -262,7 +270,7 @@ def test_every_records_order_runs_each_micro_batch_on_the_stages_its_placement_g
                     assert kinds in (["F", "BW"], ["F", "B", "W"]), (schedule.name, rank, stage, mb, kinds)
         streams = simulate.pass_streams(orders, p * schedule.stages_per_rank)
         assert simulate.makespan(streams, (1.0, 1.0, 1.0)) >= 3 * m * schedule.stages_per_rank, schedule.name
-    interleaved = dataclasses.replace(DEFAULT, stages_per_rank=2, stages_setting="virtual_stages")
+    interleaved = schedule_named("interleaved-1f1b")
     assert [interleaved.stages_of(r, 4) for r in range(4)] == [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert interleaved.per_rank(type("Parallel", (), {"virtual_stages": 3})()) == 3
     assert interleaved.stages_of(1, 4, per_rank=3) == (1, 5, 9)

@@ -87,7 +87,7 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
             "zb",
             False,
             "error: ds_megatron.parallel.pipeline_schedule: unknown schedule (got 'zb'); "
-            "use one of ['1f1b', 'dualpipev', 'zb-h1', 'zb-h2', 'dualpipev-zb']",
+            "use one of ['1f1b', 'dualpipev', 'zb-h1', 'zb-h2', 'dualpipev-zb', 'interleaved-1f1b', 'interleaved-zb']",
         ),
         (
             "zb-h1",
@@ -261,7 +261,7 @@ def test_zb_h2_streams_are_valid_deepspeed_programs(m, p, costs):
                     live[("done", n)] = True
         assert len(forwards) == len(backwards) == m
         assert peak_f <= stage_activations_in_flight(h2, p, stage, m) == min(m, 2 * (p - stage) - 1)
-        assert peak_w <= stage_deferred_w_passes(h2, p, stage)
+        assert peak_w <= stage_deferred_w_passes(h2, p, stage, m)
     makespan(per_stage, dict(zip("FBW", costs)))
 
 

@@ -6,10 +6,12 @@ Usage (under the deepspeed launcher):
 A layout is tp,pp,dp, optionally followed by the Llama family (``llama``: 4 heads, 2 KV heads, SwiGLU width 96,
 untied unless ``tied``), per-layout ``sp``, context parallelism ``cp<N>`` (ring; ``a2a`` for the all-to-all:
 the world is then tp x cp x pp x dp and each CP rank trains on its chunks of every sequence), the ``dualpipev``
-pipeline schedule (with ``zb``: ``dualpipev-zb``) and a recompute policy (``selective``, ``full``).  With
-``replay`` the layout instead compares, with dropout on, each recompute policy's step-1 gradients with no
-recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
-The layout ``checkpoint`` runs ``schedule_checkpoint.py``'s checks (2 processes) into DIR/checkpoint.
+pipeline schedule (with ``zb``: ``dualpipev-zb``), ``interleaved`` (``interleaved-1f1b``, 2 virtual stages per
+rank; with ``zb``: ``interleaved-zb``; ``l8``: 8 layers instead of 4, for pp 4) and a recompute policy
+(``selective``, ``full``).  With ``replay`` the layout instead compares, with dropout on, each recompute
+policy's step-1 gradients with no recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
+The layout ``checkpoint`` runs ``schedule_checkpoint.py``'s checks (2 processes) into DIR/checkpoint,
+``interleaved-checkpoint`` those of ``interleaved_checkpoint.py`` into DIR/interleaved-checkpoint.
 ``docs``: packed documents kept apart (``data.document_mask``, restart positions; token ids below 100 become
 EOS), against the single-device model given the whole window's layout.
 Writes DIR/<layout>.rank<r>.json with losses, gradient differences and gradient norms.
@@ -18,6 +20,7 @@ Writes DIR/<layout>.rank<r>.json with losses, gradient differences and gradient 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import warnings
@@ -85,7 +88,12 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
     sp = args.sequence_parallel or "sp" in options
     cp = next((int(o[2:]) for o in options if o.startswith("cp")), 1)
     comm = "a2a" if "a2a" in options else "ring"
-    cfg = tiny_ds_config(tp, pp, dp, sequence_parallel=sp, attention=args.attention, cp=cp, cp_comm=comm)
+    layers = 8 if "l8" in options else 4
+    cfg = tiny_ds_config(tp, pp, dp, sequence_parallel=sp, attention=args.attention, cp=cp, cp_comm=comm, layers=layers)
+    if "interleaved" in options:
+        cfg["ds_megatron"]["parallel"].update(
+            pipeline_schedule="interleaved-zb" if "zb" in options else "interleaved-1f1b", virtual_stages=2
+        )
     if "llama" in options:
         cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings="tied" in options)
     if "dualpipev" in options:  # with ``zb``: its weight gradients deferred into the drain
@@ -128,6 +136,13 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
             )
 
     engine.optimizer.register_step_pre_hook(capture)
+    eval_loss = None
+    if "interleaved" in options:  # its forward-only order (evaluation) on the first batch, before any step
+        tokens = batches[0]
+        it = iter(micro_batches(tokens, run.micro_batch_size, run.dp, topo.dp_rank, topo.cp_rank, topo.cp))
+        engine.module.eval()
+        eval_loss = float(engine.eval_batch(it))
+        engine.module.train()
     losses, norms = [], []
     for tokens in batches:
         if docs:
@@ -147,7 +162,7 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
             built_layers.append(idx)
     table_layers = stage_param_layers(built.model_config, run, pp)[topo.pp_rank]
     ref_losses, ref_grads, ref_norms, ref_params = reference(run, batches, documents and documents.positions)
-    grad_diff, param_diff, checked, norm_weights = 0.0, 0.0, [], {}
+    grad_diff, param_diff, checked, norm_weights, grad_hashes = 0.0, 0.0, [], {}, {}
     for name, p in engine.module.named_parameters():
         full = pipeline_param_name(name, engine.module)
         assert full is not None, f"unmapped parameter {name}"
@@ -157,13 +172,15 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
         got = captured[id(p)]
         assert got.shape == expected_grad.shape, (name, got.shape, expected_grad.shape)
         grad_diff = max(grad_diff, float((got - expected_grad).abs().max()))
+        # the gradient's bytes, to compare schedules bit for bit (one entry per parameter and TP rank)
+        grad_hashes[f"{full}@tp{topo.tp_rank}"] = hashlib.sha1(got.contiguous().numpy().tobytes()).hexdigest()
         param_diff = max(param_diff, float((p.detach() - expected_param).abs().max()))
         checked.append(full)
         if ".ln_" in full or "norm" in full:
             norm_weights[full] = {"got": p.detach().flatten().tolist(), "ref": ref_params[full].flatten().tolist()}
     family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
     cp_part = [f"cp{cp}", *(["a2a"] if comm == "a2a" else [])] if cp > 1 else []
-    extra = [o for o in ("dualpipev", "zb", "selective", "full") if o in options]
+    extra = [o for o in ("dualpipev", "zb", "interleaved", "l8", "selective", "full") if o in options]
     doc_part = ["docs"] if docs else []
     layout = "-".join(
         [f"{tp}-{pp}-{dp}", *(["sp"] if sp else []), *family, *cp_part, *extra, *doc_part, args.attention]
@@ -191,6 +208,8 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
             "norm_weights": norm_weights,
             "built_layers": built_layers,
             "table_layers": table_layers,
+            "grad_hashes": grad_hashes,
+            "eval_loss": eval_loss,
         },
     )
 
@@ -212,6 +231,10 @@ def run_replay(tp: int, pp: int, dp: int, args, options: tuple[str, ...]) -> Non
             cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings="tied" in options)
         if "dualpipev" in options:
             cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = "dualpipev"
+        if "interleaved" in options:
+            cfg["ds_megatron"]["parallel"].update(
+                pipeline_schedule="interleaved-zb" if "zb" in options else "interleaved-1f1b", virtual_stages=2
+            )
         cfg["ds_megatron"]["recompute"] = {"policy": policy}
         run = resolve(cfg, int(os.environ["WORLD_SIZE"]))
         engine = build_engine(run).engine
@@ -245,6 +268,11 @@ def main() -> None:
             from schedule_checkpoint import run_checks
 
             run_checks(os.path.join(args.out, "checkpoint"))
+            continue
+        if layout == "interleaved-checkpoint":
+            from interleaved_checkpoint import run_checks as run_interleaved_checks
+
+            run_interleaved_checks(os.path.join(args.out, "interleaved-checkpoint"))
             continue
         fields = layout.split(",")
         tp, pp, dp = (int(x) for x in fields[:3])

@@ -4,8 +4,9 @@ library only; the engine and the pipeline module that run a schedule are dotted 
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -65,9 +66,12 @@ class Schedule:
     in_flight: Callable[[int, int, int], float]  # (p, rank, m) -> micro-batches' activations held, in 1F1B stages
     activation_peaks: Callable[[int, int, ActivationTerms], tuple[float, float]]  # (p, m, terms) -> (first, last)
     deferred_weight_grads: bool = False  # the backward runs B only; W passes run later (pipeline_parallel.zero_bubble)
-    w_held: Callable[[int, int], int] = lambda p, rank: 0  # (p, rank) -> the most deferred W passes the rank holds
+    w_held: Callable[[int, int, int], int] = lambda p, rank, m: 0  # (p, rank, m) -> most deferred W passes held
     placement: str = LOOP  # LOOP or V (see stages_of)
-    stages_setting: str | None = None  # a ParallelSection field choosing the stages per rank (None: fixed)
+    # A ParallelSection field choosing the stages per rank (None: fixed), also the keyword the module class takes it
+    # by; with it, at_stages(v) is the record at v stages per rank (its order, bubble and in-flight counts are v's).
+    stages_setting: str | None = None
+    at_stages: Callable[[int], Schedule] | None = None
     pipeline_reason: str | None = None  # why pp 1 is refused (the tuner's words); None: runs at pp 1
     searched: bool = False  # the tuner ranks it unless --schedule says otherwise
     refusals: tuple[Callable[[Schedule, RunFacts], Refusal | None], ...] = ()
@@ -78,7 +82,17 @@ class Schedule:
         ``stages_per_rank``."""
         if self.stages_setting is None or settings is None:
             return self.stages_per_rank
-        return getattr(settings, self.stages_setting)
+        if isinstance(settings, Mapping):  # a saved config's "parallel" section
+            value = settings.get(self.stages_setting)
+        else:  # a ParallelSection (the tuner's candidates have no such field: the default)
+            value = getattr(settings, self.stages_setting, None)
+        return self.stages_per_rank if value is None else value
+
+    def for_settings(self, settings: Any = None) -> Schedule:
+        """This schedule at ``per_rank(settings)`` stages per rank (itself unless the setting chooses another
+        count): what the engine, the memory formulas and the layout read for a run."""
+        v = self.per_rank(settings)
+        return self if v == self.stages_per_rank or self.at_stages is None else self.at_stages(v)
 
     def stages_of(self, rank: int, pp: int, per_rank: int | None = None) -> tuple[int, ...]:
         """The stages (of ``pp * per_rank``, in model order) pipeline rank ``rank`` builds, in the order it registers
@@ -92,9 +106,13 @@ class Schedule:
         """The pipeline rank that computes the loss (holds the output layer)."""
         return 0 if self.loss_on_first_rank else pp - 1
 
-    def module_class(self) -> Any:
-        """The pipeline module class (imports torch and deepspeed)."""
-        return _load(self.module)
+    def module_class(self, settings: Any = None) -> Any:
+        """The pipeline module class (imports torch and deepspeed); for a schedule whose stages per rank a setting
+        chooses, bound to ``per_rank(settings)`` by the setting's name (the module's keyword)."""
+        cls = _load(self.module)
+        if self.stages_setting is None:
+            return cls
+        return functools.partial(cls, **{self.stages_setting: self.per_rank(settings)})
 
     def engine_class(self) -> Any:
         """The engine class installed on the one ``deepspeed.initialize`` builds (imports torch and deepspeed)."""
@@ -115,6 +133,29 @@ def _load(path: str) -> Any:
 
 
 # Refusals shared by several schedules; each record lists the ones its engine needs.
+
+
+def stages_setting_refusal(schedule: Schedule, setting: str, value: Any, readers: list[str]) -> Refusal | None:
+    """A stages-per-rank setting (``Schedule.stages_setting``) given to a schedule that does not read it, or not an
+    integer >= 2 (one stage per rank is the default schedule's loop); ``readers``: the schedules that read it."""
+    if value is None:
+        return None
+    full = f"ds_megatron.parallel.{setting}"
+    if schedule.stages_setting != setting:
+        return Refusal(
+            full,
+            f"only a schedule with {setting.replace('_', ' ')} reads it",
+            f"{setting}={value!r}, pipeline_schedule={schedule.name!r}",
+            f"remove it, or set pipeline_schedule to one of {readers}",
+        )
+    if type(value) is not int or value < 2:
+        return Refusal(
+            full,
+            "model chunks per pipeline rank must be an integer >= 2 (one chunk per rank is the plain loop)",
+            f"{setting}={value!r}",
+            f"set {setting} >= 2",
+        )
+    return None
 
 
 def fp16_deferred(schedule: Schedule, f: RunFacts) -> Refusal | None:

@@ -60,7 +60,7 @@ SCHEDULE = Schedule(
     in_flight=loop_in_flight,
     activation_peaks=activation_peaks,
     deferred_weight_grads=True,
-    w_held=lambda p, rank: rank + 1,  # rank while it runs forwards, one more in the cooldown
+    w_held=lambda p, rank, m: rank + 1,  # rank while it runs forwards, one more in the cooldown
     pipeline_reason="with one stage there is no bubble for the W passes to fill",
     refusals=(fp16_deferred,),
 )

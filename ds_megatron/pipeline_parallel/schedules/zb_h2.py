@@ -42,7 +42,7 @@ def in_flight(p: int, rank: int, m: int) -> float:
     return float(zb_order.forwards_ahead(p, rank, m, K))
 
 
-def w_held(p: int, rank: int) -> int:
+def w_held(p: int, rank: int, m: int = 0) -> int:
     """One more than the largest limit its order builder may pick (``zb_order.max_w_held``)."""
     return zb_order.max_w_held(p, rank)
 
