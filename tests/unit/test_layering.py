@@ -65,7 +65,7 @@ def _unit(path: Path) -> str:
 
 def _target(name: str) -> str:
     """The unit an import ``ds_megatron.<...>`` reaches: the registry, the record type and a family's record are
-    "families"; ``model.layers`` and a family's ``model`` module the torch side, "model"."""
+    "families"; ``model.layers``, ``model.kernels`` and a family's ``model`` module the torch side, "model"."""
     parts = name.split(".")[1:]
     if parts[0] == "pipeline_parallel" and any(
         "/".join(parts) + ".py" == pattern or "/".join(parts[:2]) + "/*" == pattern for pattern in SCHEDULE_RECORD_FILES
@@ -73,7 +73,7 @@ def _target(name: str) -> str:
         return "schedules"
     if parts[0] != "model":
         return parts[0]
-    return "model" if parts[1:2] == ["layers"] or parts[2:] == ["model"] else "families"
+    return "model" if parts[1:2] in (["layers"], ["kernels"]) or parts[2:] == ["model"] else "families"
 
 
 def _imports(path: Path) -> list[str]:
