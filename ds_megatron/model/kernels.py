@@ -132,7 +132,16 @@ def compiled_kernels() -> Kernels:
     no graph of its own)."""
 
     def compile_(fn: Callable) -> Callable:
-        return torch.compile(fn, dynamic=False, fullgraph=True)
+        graph = torch.compile(fn, dynamic=False, fullgraph=True)
+
+        def call(*args):
+            # Dynamo's guards check each tensor's requires_grad and strides.  The bodies run without autograd, so
+            # the flag is dropped (a view); a gradient's layout depends on the path upstream (the rotary's arrive
+            # permuted, in another order under recompute), so tensors are made contiguous (a no-op for the rest):
+            # one graph then serves forward, recompute and backward on every path.
+            return graph(*(a.detach().contiguous() if isinstance(a, torch.Tensor) else a for a in args))
+
+        return call
 
     return Kernels(True, *(compile_(fn) for fn in EAGER[1:]))
 
@@ -141,7 +150,7 @@ def use_kernels(module: nn.Module, kernels: Kernels) -> nn.Module:
     """Make every submodule of ``module`` that runs a memory-bound piece (a ``kernels`` attribute: RMSNorm, Llama's
     attention and MLP, GPT-2's MLP) run it with ``kernels``."""
     for sub in module.modules():
-        if isinstance(getattr(type(sub), "kernels", None), Kernels):
+        if isinstance(getattr(type(sub), "kernels", None), Kernels) and sub.kernels is not kernels:
             sub.kernels = kernels
     return module
 
