@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -135,6 +136,10 @@ def compiled_kernels() -> Kernels:
         graph = torch.compile(fn, dynamic=False, fullgraph=True)
 
         def call(*args):
+            if is_in_torch_dispatch_mode():
+                # Under a TorchDispatchMode (op counting, fake or meta tensors) dynamo runs no compiled frame; the
+                # eager body computes the same values.
+                return fn(*args)
             # Dynamo's guards check each tensor's requires_grad and strides.  The bodies run without autograd, so
             # the flag is dropped (a view); a gradient's layout depends on the path upstream (the rotary's arrive
             # permuted, in another order under recompute), so tensors are made contiguous (a no-op for the rest):
