@@ -2,8 +2,9 @@
 
 ``miniature(path)`` keeps everything that selects code (precision, ZeRO stage, gradient accumulation dtype,
 optimizer, scheduler type and ratios, clipping, SP, recompute policy, attention kernel, dropout, pipeline on or off)
-and shrinks what only sets sizes (and turns ``model.compile`` off: compile time, not a code path of its own): a few layers (two per pipeline stage), width 64, 4 heads, sequence 64, a 1,024-token
-BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule steps scaled to a 3-step run.  tp/pp/dp are adapted
+and shrinks what only sets sizes: a few layers (two per pipeline stage), width 64, 4 heads, sequence 64, a 1,024-token
+BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule steps scaled to a 3-step run; ``model.compile`` is
+turned off (compile time, not a code path the miniature would check).  tp/pp/dp are adapted
 to 4 processes: pp = min(pp, 2), cp = min(cp, 2) (a context-parallel config keeps cp > 1), tp = min(tp, 4 // (pp cp)),
 and dp fills the 4 (at least 2 where that fits, so ZeRO-1 really partitions the optimizer state): every miniature
 runs at 4 processes, so all of them share one launch.

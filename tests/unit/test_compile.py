@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 from ds_megatron.config.schema import RecomputeSection
 from ds_megatron.model import GPTConfig, LlamaConfig
 from ds_megatron.model.gpt2.model import GPTBlock, init_module
-from ds_megatron.model.kernels import compiled_kernels, use_kernels
+from ds_megatron.model.kernels import compile_report, compiled_kernels, use_kernels
 from ds_megatron.model.llama.model import LlamaBlock, init_llama_module
 from ds_megatron.parallelize import ParallelContext, block_hooks, build_shard, parallelize_block
 from ds_megatron.random import build_rng
@@ -111,6 +111,8 @@ def check_compiled_block_under_recompute(c: Ctx) -> Pairs:
                 for policy in ("none", "full"):
                     step(compiled, ctx, torch.randn(S, B, config.n_embd), policy)
         pairs.append(flag(f"{name}: no graph compiled after the first step", graphs() == before))
+    report = compile_report()  # the line the trainer logs after the first step
+    pairs.append(flag(f"compile report: {report}", report is not None and f"{graphs()} graphs" in report))
     return pairs
 
 
