@@ -287,7 +287,8 @@ def launch(args, world: int, out: Path) -> list[dict]:
     else:
         deepspeed = str(Path(sys.executable).parent / "deepspeed")
         cmd = [deepspeed, "--num_gpus", str(world), "--master_port", str(_port()), *script]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    timeout = 3600 if args.compile_ab else 900  # two engines per process, and compiling, on a shared CPU
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"world {world} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]

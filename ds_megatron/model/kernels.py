@@ -1,12 +1,12 @@
-"""The memory-bound pieces of a block, and where they are compiled: RMSNorm, rotary embedding, SwiGLU and GELU.
+"""The memory-bound pieces of a block, and where they are compiled: RMSNorm, rotary embedding and SwiGLU.
 
 Each piece is a ``torch.autograd.Function`` whose forward and backward bodies are plain functions of tensors: the
 Function decides what is saved for backward (RMSNorm: its input and one fp32 number per token; SwiGLU: gate and up;
-rotary: nothing but the tables; GELU: its input), the bodies do the arithmetic.  The bodies run op by op
-(:data:`EAGER`) or as inductor kernels (:func:`compiled_kernels`: ``torch.compile`` of each body, C++ on CPU,
-Triton on GPU), one fused pass where eager makes five to ten.  The bodies run without autograd (inside the
-Function), so each compiles once per shape and dtype and never again: the same graph serves forward, the
-recompute of a checkpointed block (``ds_megatron.recompute``) and backward, with gradients on or off.
+rotary: nothing but the tables), the bodies do the arithmetic.  The bodies run op by op (:data:`EAGER`) or as
+inductor kernels (:func:`compiled_kernels`: ``torch.compile`` of each body, C++ on CPU, Triton on GPU), fused into
+one or two passes over memory where eager makes several.  The bodies run without autograd (inside the Function), so
+each compiles once per shape and dtype and never again: the same graph serves forward, the recompute of a
+checkpointed block (``ds_megatron.recompute``) and backward, with gradients on or off.
 
 What stays outside compiled code, and why:
 - dropout: masks must come from the generator state the RNG tracker (``ds_megatron.random``) selects and replay bit
@@ -15,7 +15,9 @@ What stays outside compiled code, and why:
 - the TP/SP collectives and the linears around them (``tensor_parallel.layers``): hand-written autograd Functions
   that overlap collectives with matmuls; a matmul is not memory-bound;
 - recompute (``recompute.checkpoint``, ``discard_output``): Python control over autograd and saved-tensor hooks;
-- LayerNorm (GPT-2): ``F.layer_norm`` is already one aten kernel forward and one backward, on CPU and CUDA;
+- GPT-2's LayerNorm and GELU: ``F.layer_norm`` and ``F.gelu`` are already one aten kernel forward and one backward
+  each, on CPU and CUDA (compiling GELU measured 1.0x: benchmarks/results/compile.md), so a GPT-2 block has nothing
+  here to compile;
 - the residual adds: one pass each, next to a Function boundary or a collective, nothing to fuse them with here.
 Torch only."""
 
@@ -89,14 +91,6 @@ def swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) ->
     return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
 
 
-def gelu_forward(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-def gelu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
-
-
 class Kernels(NamedTuple):
     """The bodies the block's Functions run: eager or compiled."""
 
@@ -107,8 +101,6 @@ class Kernels(NamedTuple):
     rotary_backward: Callable
     swiglu_forward: Callable
     swiglu_backward: Callable
-    gelu_forward: Callable
-    gelu_backward: Callable
 
 
 EAGER = Kernels(
@@ -119,8 +111,6 @@ EAGER = Kernels(
     rotary_backward,
     swiglu_forward,
     swiglu_backward,
-    gelu_forward,
-    gelu_backward,
 )
 
 
@@ -153,7 +143,7 @@ def compiled_kernels() -> Kernels:
 
 def use_kernels(module: nn.Module, kernels: Kernels) -> nn.Module:
     """Make every submodule of ``module`` that runs a memory-bound piece (a ``kernels`` attribute: RMSNorm, Llama's
-    attention and MLP, GPT-2's MLP) run it with ``kernels``."""
+    attention and MLP) run it with ``kernels``."""
     for sub in module.modules():
         if isinstance(getattr(type(sub), "kernels", None), Kernels) and sub.kernels is not kernels:
             sub.kernels = kernels

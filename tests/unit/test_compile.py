@@ -1,9 +1,9 @@
 """``model.compile``: the block's memory-bound pieces (RMSNorm, rotary, SwiGLU, GELU) run as torch.compile (inductor)
 kernels (``ds_megatron.model.kernels``) and give the eager block's outputs and gradients, in-process on CPU.
 
-tp 1 (this process): a GPT-2 block with dropout 0.1 everywhere and a Llama block with attention dropout 0.1 (eager
-attention, so the s x s dropout is the core's), compiled, under no recompute, selective recompute of every module
-(core_attn, mlp_act, layernorm) and full recompute, against the eager block without recompute: equal within fp32
+tp 1 (this process): a Llama block with attention dropout 0.1 (eager attention, so the s x s dropout is the core's),
+compiled, under no recompute, selective recompute of every module (core_attn, mlp_act, layernorm) and full
+recompute, against the eager block without recompute: equal within fp32
 rounding only if every dropout mask was drawn as eager draws it and replayed exactly in the recompute.  Then two
 more steps of two micro-batches each with dynamo's ``error_on_recompile``: no graph is compiled after the first step.
 
@@ -25,8 +25,7 @@ from inprocess import Pairs, failures, run_checks, spawn_reports
 from torch.distributed import ProcessGroup
 
 from ds_megatron.config.schema import RecomputeSection
-from ds_megatron.model import GPTConfig, LlamaConfig
-from ds_megatron.model.gpt2.model import GPTBlock, init_module
+from ds_megatron.model import LlamaConfig
 from ds_megatron.model.kernels import compile_report, compiled_kernels, use_kernels
 from ds_megatron.model.llama.model import LlamaBlock, init_llama_module
 from ds_megatron.parallelize import ParallelContext, block_hooks, build_shard, parallelize_block
@@ -35,7 +34,6 @@ from ds_megatron.recompute import checkpoint
 from ds_megatron.tensor_parallel import TPGroup
 
 S, B = 8, 2
-GPT = GPTConfig(64, S, 16, 1, 2, embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1, attention="eager")
 LLAMA = LlamaConfig(
     vocab_size=64, hidden_size=16, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=32,
     attention_dropout=0.1, attention="eager",
@@ -72,13 +70,9 @@ def step(block, ctx: ParallelContext, x: torch.Tensor, policy: str) -> list[torc
     return [y.detach(), xi.grad] + [p.grad for p in block.parameters()]
 
 
-def single_device_block(config):
-    block_class, init, prefix = {
-        "gpt2": (GPTBlock, init_module, "transformer.h.0."),
-        "llama": (LlamaBlock, init_llama_module, "model.layers.0."),
-    }[config.family]
-    block = block_class(config).train()
-    init(block, config, 3, prefix=prefix)
+def single_device_block(config: LlamaConfig) -> LlamaBlock:
+    block = LlamaBlock(config).train()
+    init_llama_module(block, config, 3, prefix="model.layers.0.")
     return block
 
 
@@ -87,30 +81,27 @@ def flag(what: str, value: bool | torch.Tensor) -> tuple:
 
 
 def check_compiled_block_under_recompute(c: Ctx) -> Pairs:
-    pairs: Pairs = []
-    for config in (GPT, LLAMA):
-        name, eager = config.family, single_device_block(config)
-        compiled = use_kernels(copy.deepcopy(eager), compiled_kernels())
-        ctx = ParallelContext(config, TPGroup(), False, None)
-        x = torch.randn(S, B, config.n_embd)
-        ref = step(eager, ctx, x, "none")
-        with torch.no_grad():
-            pairs.append(flag(f"{name}: dropout changes the output", (ref[0] - eager.eval()(x)).abs().max() > 1e-3))
-        eager.train()
-        before = graphs()
-        for policy in POLICIES:
-            got = step(compiled, ctx, x, policy)
-            pairs += [(f"{name}, recompute {policy}: tensor {i}", a, e, TOL) for i, (a, e) in enumerate(zip(got, ref))]
-        # forward and backward of GELU (GPT-2); of RMSNorm, rotary and SwiGLU (Llama), each once whatever the policy
-        compiled_now = graphs() - before
-        pairs.append(flag(f"{name}: {compiled_now} graphs compiled", compiled_now == {"gpt2": 2, "llama": 6}[name]))
-        # Later steps: two micro-batches each, new data, the same shapes: nothing is compiled again.
-        before = graphs()
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for _ in range(2):
-                for policy in ("none", "full"):
-                    step(compiled, ctx, torch.randn(S, B, config.n_embd), policy)
-        pairs.append(flag(f"{name}: no graph compiled after the first step", graphs() == before))
+    eager = single_device_block(LLAMA)
+    compiled = use_kernels(copy.deepcopy(eager), compiled_kernels())
+    ctx = ParallelContext(LLAMA, TPGroup(), False, None)
+    x = torch.randn(S, B, LLAMA.hidden_size)
+    ref = step(eager, ctx, x, "none")
+    with torch.no_grad():
+        pairs = [flag("dropout changes the output", (ref[0] - eager.eval()(x)).abs().max() > 1e-3)]
+    before = graphs()
+    for policy in POLICIES:
+        got = step(compiled, ctx, x, policy)
+        pairs += [(f"recompute {policy}: tensor {i}", a, e, TOL) for i, (a, e) in enumerate(zip(got, ref))]
+    # forward and backward of RMSNorm, rotary and SwiGLU, each once whatever the policy
+    compiled_now = graphs() - before
+    pairs.append(flag(f"{compiled_now} graphs compiled", compiled_now == 6))
+    # Later steps: two micro-batches each, new data, the same shapes: nothing is compiled again.
+    before = graphs()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            for policy in ("none", "full"):
+                step(compiled, ctx, torch.randn(S, B, LLAMA.hidden_size), policy)
+    pairs.append(flag("no graph compiled after the first step", graphs() == before))
     report = compile_report()  # the line the trainer logs after the first step
     pairs.append(flag(f"compile report: {report}", report is not None and f"{graphs()} graphs" in report))
     return pairs

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ds_megatron.model.gpt2 import FAMILY, GPTConfig
-from ds_megatron.model.kernels import EAGER, Kernels
 from ds_megatron.model.layers import (
     SINGLE_DEVICE,
     BlockHooks,
@@ -28,20 +28,8 @@ from ds_megatron.model.layers import (
 )
 
 
-class GeluFunction(torch.autograd.Function):
-    """GELU with the tanh approximation (GPT-2's); saves its input, as torch's own does.  ``kernels``: eager or
-    compiled bodies (``ds_megatron.model.kernels``)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
-        ctx.kernels = kernels
-        ctx.save_for_backward(x)
-        return kernels.gelu_forward(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        return ctx.kernels.gelu_backward(grad, x), None
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
 class CausalSelfAttention(nn.Module):
@@ -66,8 +54,6 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    kernels: Kernels = EAGER  # GELU's bodies (``kernels.use_kernels`` sets the compiled ones)
-
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
@@ -75,8 +61,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, x: torch.Tensor, hooks: BlockHooks) -> torch.Tensor:
-        gelu = lambda y: GeluFunction.apply(y, self.kernels)  # noqa: E731
-        return self.dropout(hooks.around_act(gelu, (self.c_fc(x),), self.c_proj))
+        return self.dropout(hooks.around_act(gelu_tanh, (self.c_fc(x),), self.c_proj))
 
 
 class GPTBlock(nn.Module):
