@@ -16,8 +16,8 @@ What stays outside compiled code, and why:
   that overlap collectives with matmuls; a matmul is not memory-bound;
 - recompute (``recompute.checkpoint``, ``discard_output``): Python control over autograd and saved-tensor hooks;
 - GPT-2's LayerNorm and GELU: ``F.layer_norm`` and ``F.gelu`` are already one aten kernel forward and one backward
-  each, on CPU and CUDA (compiling GELU measured 1.0x: benchmarks/results/compiled_pieces.md), so a GPT-2 block has nothing
-  here to compile;
+  each, on CPU and CUDA (compiling GELU measured 1.0x: benchmarks/results/compiled_pieces.md), so a GPT-2 block
+  has nothing here to compile;
 - the residual adds: one pass each, next to a Function boundary or a collective, nothing to fuse them with here.
 Torch only."""
 
