@@ -378,7 +378,7 @@ def main() -> None:
         return
     out = Path(tempfile.mkdtemp(prefix="gemm_floor_"))
     load_start = os.getloadavg()
-    results = {"dsm-tp1": [launch(args, 1, out)[0]["dsm-tp1"]]}
+    results = {name: [result] for name, result in launch(args, 1, out)[0].items()}  # with --compile-ab: two
     if not known.only_tp1:
         ranks = launch(args, 2, out)
         results.update({name: [r[name] for r in ranks] for name in ranks[0]})
