@@ -177,8 +177,12 @@ def measure(variant_name: str, args, tp1: bool = False) -> dict:
     variant = single_process_variant(args) if tp1 else Variant(variant_name, args)
     data = batches(args, 3 + args.steps)
     barrier = dist.barrier if dist.get_world_size() > 1 else (lambda: None)
+    compiling = compile_seconds()
+    warm = time.perf_counter()
     for x, y in data[:2]:
         variant.train_step(x, y)
+    warm, compiling = time.perf_counter() - warm, compile_seconds() - compiling
+    graphs_after_warmup = unique_graphs()
     recorder = RecordCompute()
     with recorder:
         variant.train_step(*data[2])
@@ -204,7 +208,24 @@ def measure(variant_name: str, args, tp1: bool = False) -> dict:
         "groups": groups,
         "breakdown_cpu": step_cpu,
         "breakdown_wall": step_wall,
+        "compile_s": compiling,
+        "warmup_wall": warm,
+        "graphs_after_warmup": graphs_after_warmup,
+        "graphs_at_end": unique_graphs(),
     }
+
+
+def compile_seconds() -> float:
+    """Seconds dynamo and inductor spent compiling in this process so far (dynamo's own timer)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(sum(t) for name, t in compilation_time_metrics.items() if name.endswith("compile_inner"))
+
+
+def unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def single_process_variant(args):
@@ -232,7 +253,14 @@ def worker(args) -> None:
     init_distributed()
     rank = dist.get_rank()
     results = {}
-    if dist.get_world_size() == 1:
+    if args.compile_ab:  # ds_megatron alone, model.compile off then on, in this process
+        for args.compile in (False, True):
+            suffix = COMPILED if args.compile else ""
+            if dist.get_world_size() == 1:
+                results["dsm-tp1" + suffix] = measure("", args, tp1=True)
+            else:
+                results[f"dsm-{args.kernel}-none{suffix}"] = measure(f"dsm-{args.kernel}-none", args)
+    elif dist.get_world_size() == 1:
         results["dsm-tp1"] = measure("", args, tp1=True)
     else:
         k = args.kernel
@@ -248,6 +276,7 @@ def worker(args) -> None:
 
 def launch(args, world: int, out: Path) -> list[dict]:
     script = [__file__, "--worker", "--out", str(out), "--kernel", args.kernel]
+    script += ["--compile-ab"] if args.compile_ab else []
     for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "batch", "vocab", "steps", "replays"):
         script += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
@@ -258,17 +287,23 @@ def launch(args, world: int, out: Path) -> list[dict]:
     else:
         deepspeed = str(Path(sys.executable).parent / "deepspeed")
         cmd = [deepspeed, "--num_gpus", str(world), "--master_port", str(_port()), *script]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    timeout = 3600 if args.compile_ab else 900  # two engines per process, and compiling, on a shared CPU
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"world {world} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+COMPILED = "-compiled"  # a result's name suffix: the same system with model.compile on
+
+
 def label(name: str) -> str:
+    compiled = ", model.compile on" if name.endswith(COMPILED) else ""
+    name = name.removesuffix(COMPILED)
     if name == "dsm-tp1":
-        return "ds_megatron, tp 1, 1 process"
+        return f"ds_megatron, tp 1, 1 process{compiled}"
     system, _, _ = VARIANTS[name]
-    return f"{SYSTEMS[system]}, tp 2, 2 processes"
+    return f"{SYSTEMS[system]}, tp 2, 2 processes{compiled}"
 
 
 def table(results: dict[str, list[dict]]) -> str:
@@ -286,16 +321,43 @@ def table(results: dict[str, list[dict]]) -> str:
             f"**{step / floor:.2f}** | {max(r['step_wall'] for r in ranks) * 1e3:,.0f} | "
             f"{max(r['floor_wall'] for r in ranks) * 1e3:,.0f} | {calls} | {ranks[0]['gemm_flops'] / 1e9:.1f} |"
         )
+    compiled = [name for name in results if name.endswith(COMPILED)]
+    if compiled:
+        lines += [
+            "",
+            "Compilation (model.compile on): dynamo's compile time in the two warm-up steps (the most over ranks), the "
+            "warm-up steps' wall time, and the graphs compiled after them (recompilation: must be 0):",
+            "",
+            "| system | compile s | warm-up wall s (2 steps) | graphs compiled in warm-up | graphs compiled after |",
+            "|---|---|---|---|---|",
+        ]
+        for name in compiled:
+            ranks = results[name]
+            before = results.get(name.removesuffix(COMPILED), [{"graphs_at_end": 0}])[0]["graphs_at_end"]
+            r = ranks[0]
+            lines.append(
+                f"| {label(name)} | {max(x['compile_s'] for x in ranks):.1f} | "
+                f"{max(x['warmup_wall'] for x in ranks):.1f} | {r['graphs_after_warmup'] - before} | "
+                f"{r['graphs_at_end'] - r['graphs_after_warmup']} |"
+            )
     lines += [
         "",
         "Where one step's CPU time goes (rank 0, ms and share of that step's CPU time; per op, timed by a dispatch "
         "mode with the process's CPU clock; the step's wall time beside it, whose excess over CPU time is waiting: "
-        "for the other rank in collectives, or for a core on this shared machine):",
+        "for the other rank in collectives, or for a core on this shared machine"
+        + (
+            "; a TorchDispatchMode runs no compiled code, so the rows with model.compile on are left out"
+            if compiled
+            else ""
+        )
+        + "):",
         "",
         "| system | " + " | ".join(GROUPS) + " | step CPU | step wall |",
         "|---|" + "---|" * (len(GROUPS) + 2),
     ]
     for name, ranks in results.items():
+        if name.endswith(COMPILED):
+            continue
         g, total = ranks[0]["groups"], ranks[0]["breakdown_cpu"]
         cells = " | ".join(f"{g[k] * 1e3:,.0f} ({g[k] / total:.0%})" for k in GROUPS)
         lines.append(f"| {label(name)} | {cells} | {total * 1e3:,.0f} | {ranks[0]['breakdown_wall'] * 1e3:,.0f} |")
@@ -307,15 +369,16 @@ def main() -> None:
     extra.add_argument("--kernel", default="sdpa", choices=("sdpa", "eager"))
     extra.add_argument("--replays", type=int, default=3)
     extra.add_argument("--only-tp1", action="store_true")
+    extra.add_argument("--compile-ab", action="store_true", help="ds_megatron only, model.compile off and on")
     known, rest = extra.parse_known_args()
     args = parse_args(rest)
-    args.kernel, args.replays = known.kernel, known.replays
+    args.kernel, args.replays, args.compile_ab = known.kernel, known.replays, known.compile_ab
     if args.worker:
         worker(args)
         return
     out = Path(tempfile.mkdtemp(prefix="gemm_floor_"))
     load_start = os.getloadavg()
-    results = {"dsm-tp1": [launch(args, 1, out)[0]["dsm-tp1"]]}
+    results = {name: [result] for name, result in launch(args, 1, out)[0].items()}  # with --compile-ab: two
     if not known.only_tp1:
         ranks = launch(args, 2, out)
         results.update({name: [r[name] for r in ranks] for name in ranks[0]})

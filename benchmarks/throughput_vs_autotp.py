@@ -101,6 +101,7 @@ def ds_megatron_config(args, recompute: str, attention: str = "eager") -> dict:
                 "dropout": 0.0,
                 "attention": attention,
                 "tie_word_embeddings": False,
+                "compile": getattr(args, "compile", False),  # gemm_floor.py --compile-ab sets it per engine
             },
             "parallel": {"tp": TP, "pp": 1, "sequence_parallel": True},
             "recompute": {"policy": recompute, "num_layers": 1, "method": "uniform"},

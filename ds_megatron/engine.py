@@ -247,6 +247,7 @@ def build_engine(run: RunConfig) -> Built:
         cp_rank=topology.cp_rank,
         cp_size=topology.cp,
         cp_comm=run.section.parallel.cp_comm,
+        compile=run.section.model.compile,
         # weights loaded from transformers replace every parameter (load_hf_into_pipeline): none is drawn first
         init_weights=not (run.section.checkpoint.init_from_hf and not run.section.checkpoint.load),
     )

@@ -23,6 +23,7 @@ from ds_megatron.context_parallel.attention import cp_attention
 from ds_megatron.context_parallel.layout import position_ranges
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, Family, ModelConfig, family_of
 from ds_megatron.model.family import COLUMN, EXPERT_SPLITS, EXPERTS, OUTPUT, POSITION, ROUTER, ROW, VOCAB, PlanRow
+from ds_megatron.model.kernels import EAGER, Kernels, compiled_kernels, use_kernels
 from ds_megatron.model.layers import (
     BlockHooks,
     RMSNorm,
@@ -74,9 +75,15 @@ class ParallelContext:
     cp_rank: int = 0
     cp_size: int = 1
     cp_comm: str = "ring"  # "ring" or "a2a" (ds_megatron.context_parallel.attention)
+    compile: bool = False  # the blocks' memory-bound pieces as inductor kernels (``model.kernels``)
     init_weights: bool = True  # False: the weights are loaded next (--init-from-hf), so none is drawn (zeros)
     # packed documents' attention plans, one per micro-batch's ids tensor, shared by the blocks of this process
     document_plans: TensorCache = field(default_factory=TensorCache, repr=False, compare=False)
+
+    @property
+    def kernels(self) -> Kernels:
+        """The bodies every RMSNorm, rotary, SwiGLU and GELU of this rank runs: compiled or eager."""
+        return compiled_kernels() if self.compile else EAGER
 
     def positions(self, seq_len: int) -> tuple[tuple[int, int], ...]:
         """The global positions of this rank's ``seq_len`` local tokens ([start, stop) ranges): the load-balanced
@@ -186,7 +193,7 @@ def build_shard(path: str, build_full, parallelize, ctx: ParallelContext, seed: 
     with _WithoutDefaultInit():
         full = build_full()
     _replace_parameters(full, _shape_only)
-    module = parallelize(full)
+    module = use_kernels(parallelize(full), ctx.kernels)
     _replace_parameters(module, _owned)
     if ctx.init_weights:
         prefix = f"{path}." if path else ""
@@ -322,4 +329,4 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
         _swap(model, path, lambda drop: sp_dropout(drop, ctx))
     for block in model.get_submodule(family.blocks):
         parallelize_block(block, ctx)
-    return model
+    return use_kernels(model, ctx.kernels)

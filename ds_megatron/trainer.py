@@ -37,6 +37,7 @@ from ds_megatron.metrics import (
     recompute_fields,
     throughput,
 )
+from ds_megatron.model.kernels import compile_report
 from ds_megatron.pipeline_parallel.schedules import schedule_of
 from ds_megatron.plot import read_records, write_loss_plot
 from ds_megatron.stop import StopFlag
@@ -171,6 +172,8 @@ class Trainer:
         while step < iters:
             step += 1
             record = self.train_step(step)
+            if step == self.start_step + 1 and (compiled := compile_report()) is not None:
+                self.logger.say(compiled)  # the first step compiled every graph (model.compile): say what it cost
             if self.bad_in_row >= self.run.section.train.max_bad_steps:
                 return self.stop_on_numerics(step)
             record = self.maybe_eval(step, record)

@@ -3,8 +3,9 @@
 ``miniature(path)`` keeps everything that selects code (precision, ZeRO stage, gradient accumulation dtype,
 optimizer, scheduler type and ratios, clipping, SP, recompute policy, attention kernel, dropout, pipeline on or off)
 and shrinks what only sets sizes: a few layers (two per pipeline stage), width 64, 4 heads, sequence 64, a
-1,024-token BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule steps scaled to a 3-step run; a mixture
-of experts keeps its family and top 2 of 4 experts of width 32 (the first layer dense in the Qwen3-MoE layout).
+1,024-token BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule steps scaled to a 3-step run;
+``model.compile`` turned off (compile time, not a code path the miniature would check); a mixture of experts keeps
+its family and top 2 of 4 experts of width 32 (the first layer dense in the Qwen3-MoE layout).
 tp/pp/dp are adapted to 4 processes: pp = min(pp, 2), cp = min(cp, 2) (a context-parallel config keeps cp > 1),
 tp = min(tp, 4 // (pp cp)), and dp fills the 4 (at least 2 where that fits, so ZeRO-1 really partitions the
 optimizer state): every miniature runs at 4 processes, so all of them share one launch.
@@ -60,6 +61,9 @@ def miniature(path: Path) -> tuple[dict, int]:
         model.update(num_experts=4, experts_per_token=2, moe_intermediate_size=32)
         if family == "qwen3_moe":  # the first layer dense, as moe-tiny's
             model.update(mlp_only_layers=[0])
+    # compiling costs each process tens of seconds on a shared CPU, more than a 3-step miniature runs; what compile
+    # changes (the block's elementwise kernels) is checked against eager by tests/unit/test_compile.py
+    model["compile"] = False
     rc = sec.setdefault("recompute", {})
     if rc.get("policy") == "full":
         rc["num_layers"] = min(rc.get("num_layers", 1), 2)

@@ -78,6 +78,10 @@ class ModelSection:
     # the output layer and the cross entropy computed together in chunks of tokens, never holding the logits
     # [s, b, V/t] whole (ds_megatron.tensor_parallel.fused_cross_entropy); false: logits, then the loss
     fused_loss: bool = True
+    # the block's memory-bound pieces (RMSNorm, rotary, SwiGLU) as torch.compile (inductor) kernels, compiled once
+    # at the first step (ds_megatron.model.kernels); off by default: compiling costs tens of seconds per process, more
+    # than a test or tiny run saves; the shipped configs (but the tiny ones) turn it on
+    compile: bool = False
 
 
 # The class name of the pipeline layer that holds one transformer block (pipeline_parallel.module.BlockPipe):

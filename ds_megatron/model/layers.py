@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ds_megatron.model.kernels import EAGER, Kernels
+
 # Runs a module's several linear layers on one input (q|k|v, gate|up).
 Projection = Callable[[torch.Tensor, tuple[nn.Module, ...]], tuple[torch.Tensor, ...]]
 
@@ -248,45 +250,38 @@ def seeded_normal_(
     param.copy_(values.movedim(0, dim))
 
 
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """x in at least fp32 (bf16/fp16 upcast; fp32 and fp64 kept)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
 class RMSNormFunction(torch.autograd.Function):
-    """y = weight * (x / rms(x)) with the normalisation in fp32 and the result cast back before the weight (the
-    rounding order of transformers' LlamaRMSNorm).  Saves x and the fp32 1/rms per token only."""
+    """RMSNorm (``kernels.rms_norm_forward``).  Saves x and the fp32 1/rms per token only; ``kernels``: eager or
+    compiled bodies (``ds_megatron.model.kernels``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = upcast(x)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: Kernels = EAGER) -> torch.Tensor:
+        y, rstd = kernels.rms_norm_forward(x, weight, eps)
+        ctx.kernels = kernels
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (xf * rstd).to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        normed = upcast(x) * rstd  # [..., h], fp32 (or wider)
-        g = upcast(grad)
-        grad_weight = (g * upcast(normed.to(x.dtype))).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-        gn = g * upcast(weight)
-        grad_x = rstd * (gn - normed * (gn * normed).mean(-1, keepdim=True))
-        return grad_x.to(x.dtype), grad_weight, None
+        grad_x, grad_weight = ctx.kernels.rms_norm_backward(grad, x, weight, rstd)
+        return grad_x, grad_weight, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return RMSNormFunction.apply(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: Kernels = EAGER) -> torch.Tensor:
+    return RMSNormFunction.apply(x, weight, eps, kernels)
 
 
 class RMSNorm(nn.Module):
+    kernels: Kernels = EAGER  # ``kernels.use_kernels`` sets the compiled ones
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.kernels)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -447,7 +447,7 @@ class SequenceParallelRMSNorm(SPReplicatedGrads, RMSNorm):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.sp_synced(self.weight)[0], self.eps)
+        return rms_norm(x, self.sp_synced(self.weight)[0], self.eps, self.kernels)
 
 
 class ForkedDropout(nn.Dropout):

@@ -67,14 +67,14 @@ def _unit(path: Path) -> str:
 
 def _target(name: str) -> str:
     """The unit an import ``ds_megatron.<...>`` reaches: the registry, the record type and a family's record are
-    "families"; ``model.layers`` and a family's ``model`` module the torch side, "model"."""
+    "families"; ``model.layers``, ``model.kernels`` and a family's ``model`` module the torch side, "model"."""
     parts = name.split(".")[1:]
     files = (PurePosixPath("/".join(parts) + ".py"), PurePosixPath("/".join(parts), "__init__.py"))
     if parts[0] == "pipeline_parallel" and any(f.match(p) for f in files for p in SCHEDULE_RECORD_FILES):
         return "schedules"
     if parts[0] != "model":
         return parts[0]
-    return "model" if parts[1:2] == ["layers"] or parts[2:] == ["model"] else "families"
+    return "model" if parts[1:2] in (["layers"], ["kernels"]) or parts[2:] == ["model"] else "families"
 
 
 def _imports(path: Path) -> list[str]:

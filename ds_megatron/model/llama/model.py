@@ -5,9 +5,10 @@ SwiGLU MLP, no biases, tied or untied output layer.  Parameter names are exactly
 names (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``), and linear weights are ``nn.Linear``'s
 [out, in] as there, so the HF key map is the identity.
 
-Activations inside the stack are ``[s, b, h]`` (sequence first, as in ``gpt2/model.py``).  Two autograd functions
+Activations inside the stack are ``[s, b, h]`` (sequence first, as in ``gpt2/model.py``).  Three autograd functions
 keep what backward needs at its smallest: ``model.layers.RMSNormFunction`` stores the input and one fp32 number per
-token, and :class:`SwiGLUFunction` stores the gate and up projections only (not the SiLU output as well).
+token, :class:`SwiGLUFunction` the gate and up projections only (not the SiLU output as well), and
+:class:`RotaryFunction` only the tables; their arithmetic runs eager or compiled (``ds_megatron.model.kernels``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ds_megatron.model.kernels import EAGER, Kernels
 from ds_megatron.model.layers import (
     SINGLE_DEVICE,
     BlockHooks,
@@ -101,13 +102,23 @@ def _rotary_rows(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x_i, x_{i + d/2}) of x [s, b, n, d] by the angle of each position.  Positions are global: under
-    sequence parallelism x is the full sequence (after the column-parallel all-gather), never a shard; under context
-    parallelism the tables are those of the rank's chunks (``BlockHooks.positions``)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+class RotaryFunction(torch.autograd.Function):
+    """Rotate pairs (x_i, x_{i + d/2}) of q and k [s, b, heads, d] by the angle of each position
+    (``kernels.rotary_forward``).  Positions are global: under sequence parallelism q and k hold the full sequence
+    (after the column-parallel all-gather), never a shard; under context parallelism the tables are those of the
+    rank's chunks (``BlockHooks.positions``).  The rotation is linear, so only the tables are saved: backward
+    rotates the gradients by minus the angle."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: Kernels):
+        ctx.kernels = kernels
+        ctx.save_for_backward(cos, sin)
+        return kernels.rotary_forward(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return *ctx.kernels.rotary_backward(grad_q, grad_k, cos, sin), None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -115,25 +126,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """silu(gate) * up.  Saves gate and up only; backward recomputes silu(gate) (elementwise, cheap).
-
-    Backward runs in the inputs' dtype: torch's bf16/fp16 ``silu`` and ``silu_backward`` kernels compute in fp32
-    per element and round once, so upcasting gate, up and the gradient to fp32 first (three full-size copies, two
-    more back, and six fp32 passes per layer) bought no accuracy that the bf16 outputs keep: each gradient now
-    carries one more bf16 rounding (of dy * up, of silu(gate)).  Measured at s 2048, SwiGLU 704, one CPU thread:
-    the fp32 round trips were about 170 ms of a 1.3-1.5 s CPU training step."""
+    """silu(gate) * up.  Saves gate and up only; backward recomputes silu(gate) (elementwise, cheap), in the inputs'
+    dtype (``kernels.swiglu_backward``).  ``kernels``: eager or compiled bodies."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
+        ctx.kernels = kernels
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return kernels.swiglu_forward(gate, up)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up = ctx.saved_tensors
-        # silu_backward(dy', g) = dy' * sigmoid(g) * (1 + g * (1 - sigmoid(g))), the derivative of silu
-        grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
-        return grad_gate, grad * F.silu(gate)
+        return *ctx.kernels.swiglu_backward(grad, gate, up), None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,6 +148,8 @@ class SwiGLUFunction(torch.autograd.Function):
 class LlamaAttention(nn.Module):
     """Llama's attention; with a config whose ``qk_norm`` is set (Qwen3's), a per-head RMSNorm of q and of k before
     the rotation (``q_norm``, ``k_norm``, transformers' names)."""
+
+    kernels: Kernels = EAGER  # the rotation's bodies (``kernels.use_kernels`` sets the compiled ones)
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -179,14 +186,16 @@ class LlamaAttention(nn.Module):
         q, k = q.view(s, b, -1, d), k.view(s, b, -1, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin).permute(1, 2, 0, 3)  # [b, n_local, s, d]
-        k = apply_rotary(k, cos, sin).permute(1, 2, 0, 3)  # [b, kv_local, s, d]
+        q, k = RotaryFunction.apply(q, k, cos, sin, self.kernels)
+        q, k = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3)  # [b, n_local, s, d], [b, kv_local, s, d]
         v = v.view(s, b, -1, d).permute(1, 2, 0, 3)
         ctx = hooks.core_attention(self.core_attention, q, k, v, doc_ids)  # [b, n_local, s, d]
         return self.o_proj(ctx.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
 class LlamaMLP(nn.Module):
+    kernels: Kernels = EAGER  # SwiGLU's bodies (``kernels.use_kernels`` sets the compiled ones)
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         h, f = config.hidden_size, config.intermediate_size
@@ -196,7 +205,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, hooks: BlockHooks) -> torch.Tensor:
         gate, up = hooks.project(x, (self.gate_proj, self.up_proj))
-        return hooks.around_act(SwiGLUFunction.apply, (gate, up), self.down_proj)
+        swiglu = lambda g, u: SwiGLUFunction.apply(g, u, self.kernels)  # noqa: E731
+        return hooks.around_act(swiglu, (gate, up), self.down_proj)
 
 
 class LlamaBlock(nn.Module):
