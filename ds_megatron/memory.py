@@ -252,6 +252,7 @@ def cp_transient_bytes(
     num_kv_heads: int | None = None,
     act_bytes: int = 2,
     documents: bool = False,
+    head_dim: int | None = None,
 ) -> float:
     """Bytes one layer's cp_comm core holds only while it runs (its backward, the larger phase), per TP and CP
     rank; one layer at a time, so counted once per stage, not per layer.
@@ -267,8 +268,9 @@ def cp_transient_bytes(
       activation bytes.
     - the eager kernel also materialises its score block in fp32, about three [rows, keys] copies alive at once
       (scores, masked / shifted exponentials, probabilities): the ring's largest block is the diagonal pair,
-      [b, a/t, s/cp, s/cp]; the a2a's is the whole sequence at a/(t cp) heads, [b, a/(t cp), s, s]."""
-    d, kv = h // a, a if num_kv_heads is None else num_kv_heads
+      [b, a/t, s/cp, s/cp]; the a2a's is the whole sequence at a/(t cp) heads, [b, a/(t cp), s, s].
+    ``head_dim``: a head's width where it is not h / a (Qwen3)."""
+    d, kv = head_dim or h // a, a if num_kv_heads is None else num_kv_heads
     local = b * (s // cp) * d / t  # elements of one head-dim row set per head
     q_elems, kv_elems = local * a, 2 * local * kv  # q; K and V together
     if cp_comm == "ring":
@@ -281,7 +283,14 @@ def cp_transient_bytes(
 
 
 def rotary_table_bytes(
-    s: int, h: int, a: int, cp: int = 1, *, family: str = DEFAULT_FAMILY, act_bytes: int = 2
+    s: int,
+    h: int,
+    a: int,
+    cp: int = 1,
+    *,
+    family: str = DEFAULT_FAMILY,
+    act_bytes: int = 2,
+    head_dim: int | None = None,
 ) -> float:
     """The rotary cos/sin tables one process keeps for its blocks' backward: [s/cp, 1, 1, d] each in activation
     bytes, built once per process for the rank's positions and shared by every block (q * cos and rotate(q) * sin
@@ -291,7 +300,7 @@ def rotary_table_bytes(
     counted here)."""
     if FAMILIES[family].layout.positions is not None:  # learned positions: an embedding row, no tables
         return 0.0
-    return 2.0 * (s // cp) * (h // a) * act_bytes
+    return 2.0 * (s // cp) * (head_dim or h // a) * act_bytes
 
 
 def lse_bytes_per_layer(s: int, b: int, a: int, t: int = 1) -> float:

@@ -370,7 +370,8 @@ def tuner_facts(vocab: int, seq_length: int, qk_norm: bool) -> TunerFacts:
         norm_stat_bytes=RSTD_BYTES,
         block_params=params,
         block_gemms=gemms,
-        recomputed_passes={"layernorm": (("RMSNorm before attention", 1, 1),)},
+        # ``layernorm`` re-runs both norms (the router's fp32 copy of the second's output stays stored in bf16)
+        recomputed_passes={"layernorm": (("RMSNorm before attention", 1, 1), ("RMSNorm before the MLP", 1, 1))},
     )
 
 
