@@ -75,3 +75,29 @@ def test_the_tuner_finds_a_layout_for_qwen3_30b_a3b_that_fits():
     cand = winner.candidate
     experts = layers_per_stage(model.num_layers, cand.pp) * 128 * 3 * 2048 * 768 // cand.tp
     assert winner.first.params_bytes / 2 > experts
+
+
+def test_moe_recompute_and_the_routed_collectives_in_the_tuner():
+    """``--recompute-modules moe`` is searched for a routed model (and refused for a dense one): it stores less
+    than no recompute and re-runs the experts' GEMMs; the routed block's extra collectives cost time under SP and
+    nothing for a dense model."""
+    import dataclasses
+
+    from ds_megatron.config import ConfigError
+    from ds_megatron.tune import Candidate, Pins
+    from ds_megatron.tune.memory_model import layer_activation_bytes
+    from ds_megatron.tune.time_model import recomputed_experts_s, routed_comm_s
+
+    model = _shape("qwen3-30b-a3b")
+    cluster = build_cluster("h100-sxm", 64, 8)
+    result = search(model, cluster, 512, Pins(recompute_modules=("moe",)))
+    assert {e.candidate.recompute_label() for e in result.evaluations} == {"selective[moe]"}
+    cand = result.evaluations[0].candidate
+    plain = dataclasses.replace(cand, recompute="none", recompute_modules=())
+    assert layer_activation_bytes(model, cand, "selective") < layer_activation_bytes(model, plain, "none")
+    assert recomputed_experts_s(model, cluster, cand, 6) > 0 == recomputed_experts_s(model, cluster, plain, 6)
+    sp = Candidate(tp=2, pp=1, dp=32, sequence_parallel=True, micro_batch_size=1, num_micro_batches=8, recompute="none")
+    assert routed_comm_s(model, cluster, sp, 48, 0) > 0
+    assert routed_comm_s(_shape("llama3-8b"), cluster, sp, 32, 0) == 0
+    with pytest.raises(ConfigError, match="moe applies to routed experts only"):
+        search(_shape("llama3-8b"), cluster, 512, Pins(recompute_modules=("moe",)))
