@@ -101,3 +101,15 @@ def test_moe_recompute_and_the_routed_collectives_in_the_tuner():
     assert routed_comm_s(_shape("llama3-8b"), cluster, sp, 32, 0) == 0
     with pytest.raises(ConfigError, match="moe applies to routed experts only"):
         search(_shape("llama3-8b"), cluster, 512, Pins(recompute_modules=("moe",)))
+
+
+def test_the_inference_model_refuses_a_routed_model_in_one_line(capsys):
+    from ds_megatron.tune.__main__ import main
+
+    args = ["inference", "--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu", "h100-sxm"]
+    assert main([*args, "--prompt-length", "512", "--output-length", "128"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: --model: the inference model counts dense blocks only (qwen3-30b-a3b has 128 experts); use the "
+        "training tuner for a mixture of experts, or a dense model here"
+    ]
