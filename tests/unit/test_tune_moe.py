@@ -113,3 +113,21 @@ def test_the_inference_model_refuses_a_routed_model_in_one_line(capsys):
         "error: --model: the inference model counts dense blocks only (qwen3-30b-a3b has 128 experts); use the "
         "training tuner for a mixture of experts, or a dense model here"
     ]
+
+
+def test_the_written_moe_config_resolves_with_moe_recompute(tmp_path, capsys):
+    """The winner written for a routed size (with ``moe`` recompute pinned) is a config the loader resolves: the
+    named size brings the experts' layout, the modules are the winner's."""
+    import json
+
+    from ds_megatron.config import resolve
+    from ds_megatron.tune.__main__ import main
+
+    path = tmp_path / "winner.json"
+    args = ["--model", "qwen3-30b-a3b", "--global-batch-size", "512", "--gpus", "64", "--gpu", "h100-sxm"]
+    assert main([*args, "--recompute-modules", "moe", "--write-config", str(path)]) == 0
+    capsys.readouterr()
+    cfg = json.loads(path.read_text())
+    assert cfg["ds_megatron"]["recompute"]["modules"] == ["moe"]
+    run = resolve(cfg, 64)
+    assert run.model.num_experts == 128 and run.model.experts_per_token == 8 and run.model.head_dim == 128
