@@ -49,6 +49,7 @@ from ds_megatron.config.schema import (
     PipelineSchedule,
 )
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
+from ds_megatron.model.family import RoutedShape
 
 MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
 KERNELS = ATTENTION_KERNELS  # "eager", "sdpa"
@@ -78,6 +79,7 @@ def activation_bytes_per_layer(
     modules: tuple[str, ...] = (),
     cp: int = 1,
     cp_comm: str = "ring",
+    routed: RoutedShape | None = None,
 ) -> float:
     """Bytes of activations one transformer layer keeps for backward, per TP rank (and CP rank: ``cp`` > 1 takes
     every term at ``s / cp`` and the cp_comm core's log-sum-exp, and the a2a's output, in place of the s^2 terms).
@@ -89,7 +91,10 @@ def activation_bytes_per_layer(
     ``attention`` "eager" is the paper's table; "sdpa" with ``sdpa_path`` "fused" drops the s^2 terms and adds
     the fp32 log-sum-exp, 4 a s b / t bytes; "math" is the reference path described in the module docstring.
     A family without GPT's defaults (Llama) needs ``num_kv_heads`` and ``intermediate_size``; ``attention_dropout``
-    is Llama's only dropout (default 0; the GPT formula always counts dropout, the paper's setting)."""
+    is Llama's only dropout (default 0; the GPT formula always counts dropout, the paper's setting).  A routed
+    family (``qwen3_moe``, ``mixtral``) needs ``routed`` (``RoutedShape``: head width, experts); its block adds the
+    tensors the experts keep for all tokens on every TP rank (``BlockTerms.whole``) and a few bytes per block, and
+    ``moe`` (selective) trades the experts' activations for the checkpoint's inputs."""
     if recompute not in MODES:
         raise ValueError(f"recompute must be one of {MODES}, got {recompute!r}")
     if attention not in KERNELS:
@@ -108,15 +113,24 @@ def activation_bytes_per_layer(
     if cp > 1:
         _check_cp(cp, cp_comm, attention_dropout)
         s = s // cp  # this rank's two chunks (the layout rule makes s divisible by 2 cp)
-    terms = FAMILIES[family].block_terms(h, a, num_kv_heads, intermediate_size, attention_dropout, act_bytes)
+    routed_kw = {} if routed is None else {"routed": routed}
+    block_terms = FAMILIES[family].block_terms
+    terms = block_terms(h, a, num_kv_heads, intermediate_size, attention_dropout, act_bytes, **routed_kw)
     sp = sequence_parallel and t > 1
     sbh = s * b * h
     if recompute == "full":
         return act_bytes * sbh / (t if sp else 1)
     replicated = terms.replicated + terms.replicated_masks * mask_bytes
     split = terms.split
+    whole, fixed = terms.whole, terms.fixed
     if "layernorm" in modules:
-        replicated -= 2 * act_bytes  # the q/k/v (c_attn) input and the fc1 (gate/up) input
+        replicated -= terms.norm_outputs * act_bytes  # the q/k/v (c_attn) input and the fc1 (gate/up) input
+    if "moe" in modules:  # the experts' activations for the checkpoint's inputs
+        split -= terms.moe_split
+        whole += terms.moe_kept + (terms.moe_kept_sp if sp else 0.0) - terms.moe_whole
+        fixed -= terms.moe_fixed
+        if "layernorm" in modules and not sp:
+            whole -= terms.moe_kept_norm
     if "mlp_act" in modules:
         split -= terms.mlp_act * act_bytes
     if "core_attn" in modules:
@@ -130,9 +144,10 @@ def activation_bytes_per_layer(
         quadratic = (math_act_bytes + (math_act_bytes + math_mask_bytes if terms.attention_dropout else 0)) * a * s / h
     else:  # softmax output, and the dropout's output and mask (paper: 5 a s / h)
         quadratic = (act_bytes + (act_bytes + mask_bytes if terms.attention_dropout else 0)) * a * s / h
+    routed_extra = sbh * whole + fixed  # 0 for a dense block
     if sp:
-        return sbh * (replicated + split + quadratic) / t
-    return sbh * (replicated + (split + quadratic) / t)
+        return sbh * (replicated + split + quadratic) / t + (routed_extra if routed is not None else 0)
+    return sbh * (replicated + (split + quadratic) / t) + (routed_extra if routed is not None else 0)
 
 
 def _check_cp(cp: int, cp_comm: str, attention_dropout: float | None) -> None:
@@ -237,6 +252,7 @@ def cp_transient_bytes(
     num_kv_heads: int | None = None,
     act_bytes: int = 2,
     documents: bool = False,
+    head_dim: int | None = None,
 ) -> float:
     """Bytes one layer's cp_comm core holds only while it runs (its backward, the larger phase), per TP and CP
     rank; one layer at a time, so counted once per stage, not per layer.
@@ -252,8 +268,9 @@ def cp_transient_bytes(
       activation bytes.
     - the eager kernel also materialises its score block in fp32, about three [rows, keys] copies alive at once
       (scores, masked / shifted exponentials, probabilities): the ring's largest block is the diagonal pair,
-      [b, a/t, s/cp, s/cp]; the a2a's is the whole sequence at a/(t cp) heads, [b, a/(t cp), s, s]."""
-    d, kv = h // a, a if num_kv_heads is None else num_kv_heads
+      [b, a/t, s/cp, s/cp]; the a2a's is the whole sequence at a/(t cp) heads, [b, a/(t cp), s, s].
+    ``head_dim``: a head's width where it is not h / a (Qwen3)."""
+    d, kv = head_dim or h // a, a if num_kv_heads is None else num_kv_heads
     local = b * (s // cp) * d / t  # elements of one head-dim row set per head
     q_elems, kv_elems = local * a, 2 * local * kv  # q; K and V together
     if cp_comm == "ring":
@@ -266,7 +283,14 @@ def cp_transient_bytes(
 
 
 def rotary_table_bytes(
-    s: int, h: int, a: int, cp: int = 1, *, family: str = DEFAULT_FAMILY, act_bytes: int = 2
+    s: int,
+    h: int,
+    a: int,
+    cp: int = 1,
+    *,
+    family: str = DEFAULT_FAMILY,
+    act_bytes: int = 2,
+    head_dim: int | None = None,
 ) -> float:
     """The rotary cos/sin tables one process keeps for its blocks' backward: [s/cp, 1, 1, d] each in activation
     bytes, built once per process for the rank's positions and shared by every block (q * cos and rotate(q) * sin
@@ -276,7 +300,7 @@ def rotary_table_bytes(
     counted here)."""
     if FAMILIES[family].layout.positions is not None:  # learned positions: an embedding row, no tables
         return 0.0
-    return 2.0 * (s // cp) * (h // a) * act_bytes
+    return 2.0 * (s // cp) * (head_dim or h // a) * act_bytes
 
 
 def lse_bytes_per_layer(s: int, b: int, a: int, t: int = 1) -> float:
@@ -315,6 +339,7 @@ def deferred_weight_grad_bytes_per_layer(
     intermediate_size: int | None = None,
     cp: int = 1,
     act_bytes: int = 2,
+    routed: RoutedShape | None = None,
 ) -> float:
     """Bytes one layer's queued W pass keeps alive until it runs (zero-bubble schedules,
     ``ds_megatron.tensor_parallel.weight_grad``), per TP and CP rank: for each of the block's linears (the family's
@@ -324,5 +349,6 @@ def deferred_weight_grad_bytes_per_layer(
     whose B has run, so none of them is among :func:`activation_bytes_per_layer`'s micro-batches in flight."""
     kv = h // a * (a if num_kv_heads is None else num_kv_heads)
     width = 4 * h if intermediate_size is None else intermediate_size
-    gemms = FAMILIES[family].tuner.block_gemms(b * (s // cp), h, kv, width, t)
+    routed_kw = {} if routed is None else {"routed": routed}
+    gemms = FAMILIES[family].tuner.block_gemms(b * (s // cp), h, kv, width, t, **routed_kw)
     return float(sum(count * m * (k + n) for _, m, k, n, count in gemms) * act_bytes)

@@ -60,6 +60,59 @@ class BlockTerms(NamedTuple):
     qkv: float  # Q, K and V in units of h elements (what the sdpa math path saves again in its own dtype)
     attention_dropout: bool  # the core has a dropout (its output and mask are s^2 terms)
     mlp_act: float  # the MLP activation's output (the second linear's input), units of h; "mlp_act" drops it
+    # Routed blocks only (0 for a dense one).  ``whole``: bytes every TP rank keeps for all s*b tokens, SP or not
+    # (the routed copies: under SP the experts run on the all-gathered tokens, and their h-wide tensors are not
+    # split by TP).  ``moe_split`` / ``moe_whole``: what selective ``moe`` drops of ``split`` / ``whole``;
+    # ``moe_kept``: what its checkpoint keeps instead (its inputs: the tokens and routing weights, whole), and
+    # ``moe_kept_sp`` more under SP (the gathered expert indices its function holds).  ``fixed``: bytes per block
+    # whatever the tokens (the router weight's fp32 copy, the grouped GEMM's offsets), ``moe_fixed`` of it dropped
+    # by ``moe``.  ``norm_outputs``: the norm outputs (units of h, activation bytes) ``layernorm`` drops.
+    whole: float = 0.0
+    moe_split: float = 0.0
+    moe_whole: float = 0.0
+    moe_kept: float = 0.0
+    moe_kept_sp: float = 0.0
+    fixed: float = 0.0
+    moe_fixed: float = 0.0
+    norm_outputs: float = 2.0
+    moe_kept_norm: float = 0.0  # of moe_kept, the norm output itself (without SP), which "layernorm" also drops
+
+
+class RoutedShape(NamedTuple):
+    """What a routed family's memory, parameter and GEMM terms read besides h, a and the dense width: a head's
+    width d (Qwen3's is not h / a), the KV heads, and the experts' layout.  ``of`` reads it off a resolved
+    ``config.ModelShape``; the tuner passes it as ``routed=`` to a routed family's terms."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int  # E
+    top_k: int  # k
+    width: int  # each expert's SwiGLU width F
+    norm_topk_prob: bool = True
+
+    @classmethod
+    def of(cls, shape: Any) -> RoutedShape | None:
+        """From a resolved model shape; None for a dense one (no experts)."""
+        if not getattr(shape, "num_experts", 0):
+            return None
+        return cls(
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.num_experts,
+            shape.experts_per_token,
+            shape.moe_intermediate_size,
+            bool(shape.norm_topk_prob),
+        )
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
 from ds_megatron.model import family_of
-from ds_megatron.tune.memory_model import ACT_BYTES, padded_vocab_size
+from ds_megatron.tune.memory_model import ACT_BYTES, padded_vocab_size, routed_terms
 from ds_megatron.tune.spec import Candidate, Cluster
 
 
@@ -37,7 +37,7 @@ def block_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, ...]:
     the shapes are the family's ``tuner.block_gemms``)."""
     s, b, h, t = model.seq_length // cand.cp, cand.micro_batch_size, model.hidden_size, cand.tp  # this CP rank's
     kv = h // model.num_heads * model.num_kv_heads
-    shapes = family_of(model).tuner.block_gemms(b * s, h, kv, model.intermediate_size, t)
+    shapes = family_of(model).tuner.block_gemms(b * s, h, kv, model.intermediate_size, t, **routed_terms(model))
     return tuple(gemm(name, m, k, n, count=count) for name, m, k, n, count in shapes)
 
 
@@ -48,7 +48,7 @@ def core_attention_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, 
     as at cp 1 (neither counts the causal half a kernel skips)."""
     s, b, t = model.seq_length, cand.micro_batch_size, cand.tp
     rows = s // cand.cp  # query rows per CP rank
-    d = model.hidden_size // model.num_heads
+    d = model.head_dim
     kv_heads = model.num_kv_heads // t  # KV heads on this rank
     g = model.num_heads // model.num_kv_heads  # query heads per KV head
     if cand.attention == "sdpa":

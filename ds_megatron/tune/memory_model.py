@@ -17,6 +17,7 @@ from ds_megatron.memory import (
     rotary_table_bytes,
 )
 from ds_megatron.model import family_of
+from ds_megatron.model.family import RoutedShape
 from ds_megatron.pipeline_parallel.schedules import ActivationTerms
 from ds_megatron.tune.spec import Candidate
 
@@ -44,12 +45,20 @@ def has_attention_dropout(model: ModelShape) -> bool:
     return p is None or p > 0
 
 
+def routed_terms(model: ModelShape) -> dict:
+    """The ``routed`` keyword a routed family's terms take (head width, experts); empty for a dense model."""
+    routed = RoutedShape.of(model)
+    return {} if routed is None else {"routed": routed}
+
+
 def block_param_count(model: ModelShape, tp: int = 1) -> int:
     """Parameters of one block per TP rank: a GPT's (12 h^2 + 7 h) / t + 6 h, a Llama's
-    (2 h^2 + 2 h kv + 3 h F) / t + 2 h (the replicated part: row-parallel biases and norms)."""
+    (2 h^2 + 2 h kv + 3 h F) / t + 2 h (the replicated part: row-parallel biases and norms), a routed block's
+    (2 h a d + 2 h k d + 3 E h F) / t + E h + 2 h (+ 2 d for Qwen3's q/k norms): every expert stored."""
     h = model.hidden_size
     kv_size = h // model.num_heads * model.num_kv_heads  # type: ignore[operator]
-    return family_of(model).tuner.block_params(h, kv_size, model.intermediate_size, tp)  # type: ignore[arg-type]
+    params = family_of(model).tuner.block_params
+    return params(h, kv_size, model.intermediate_size, tp, **routed_terms(model))  # type: ignore[arg-type]
 
 
 def stage_param_counts(
@@ -134,6 +143,7 @@ def layer_activation_bytes(
         modules=cand.recompute_modules if recompute == "selective" else (),
         cp=cand.cp,
         cp_comm=cand.cp_comm,
+        **routed_terms(model),
     )
 
 
@@ -177,6 +187,7 @@ def cp_exchange_bytes(model: ModelShape, cand: Candidate) -> float:
         cand.attention,
         num_kv_heads=model.num_kv_heads,
         act_bytes=ACT_BYTES,
+        head_dim=model.head_dim,
     )
 
 
@@ -217,6 +228,7 @@ def deferred_weight_grad_bytes(model: ModelShape, cand: Candidate, num_blocks: i
         intermediate_size=m.intermediate_size,
         cp=cand.cp,
         act_bytes=ACT_BYTES,
+        **routed_terms(m),
     )
     tokens = m.seq_length // cand.cp * cand.micro_batch_size
     output = tokens * (m.hidden_size + padded_vocab_size(m.vocab_size, cand.tp) / cand.tp) * ACT_BYTES
@@ -245,7 +257,13 @@ def stage_memory(model: ModelShape, cand: Candidate) -> tuple[StageMemory, Stage
     share (``memory.rotary_table_bytes``, once per process whatever its number of stages or blocks)."""
     per_layer = layer_activation_bytes(model, cand, cand.recompute)
     tables = rotary_table_bytes(
-        model.seq_length, model.hidden_size, model.num_heads, cand.cp, family=model.family, act_bytes=ACT_BYTES
+        model.seq_length,
+        model.hidden_size,
+        model.num_heads,
+        cand.cp,
+        family=model.family,
+        act_bytes=ACT_BYTES,
+        head_dim=model.head_dim,
     )
     shard = cand.dp * cand.cp if cand.zero == 1 else 1  # ZeRO-1 partitions over DeepSpeed's data axis, dp x cp
     return tuple(  # type: ignore[return-value]

@@ -19,6 +19,7 @@ from ds_megatron.config.schema import pipeline_schedule
 from ds_megatron.flops import block_fields, executed_flops_per_step
 from ds_megatron.memory import ring_dkv_hop_bytes
 from ds_megatron.model import FAMILIES
+from ds_megatron.model.family import RoutedShape
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
 from ds_megatron.tune.memory_model import (
@@ -208,6 +209,45 @@ def recompute_passes_s(model: ModelShape, cluster: Cluster, cand: Candidate, num
     return num_blocks * memory_bound_s(moved, cluster)
 
 
+ROUTED_PAIR_BYTES = 4 + 8  # per (token, expert) pair: its fp32 routing weight and int64 expert choice
+
+
+def routed_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int, recomputed: int) -> float:
+    """The collectives a routed block adds to the dense block's (``tensor_parallel.experts``), for one micro-batch
+    of ``num_blocks`` blocks (0 for a dense model).  The tokens' all-gather and the outputs' reduce-scatter under SP
+    (all-reduce without) are the dense MLP's and counted with them.  Under SP the routing weights and expert
+    choices of every token are all-gathered too (k fp32 + k int64 per token) and the weights' gradient
+    reduce-scattered in backward (k fp32); without SP the weights enter through f, whose backward all-reduces their
+    gradient.  The routing statistics (2 E + 2 fp32) are all-reduced over TP under SP (forward only) and over CP
+    (forward and backward).  A re-run forward (full recompute) gathers again."""
+    routed = RoutedShape.of(model)
+    if routed is None:
+        return 0.0
+    tokens = model.seq_length // cand.cp * cand.micro_batch_size
+    k, t, cp = routed.top_k, cand.tp, cand.cp
+    gbps, latency = cluster.intra_node_gbps, cluster.intra_node_latency_s
+    stats = (2 * routed.num_experts + 2) * 4
+    if t > 1 and cand.sequence_parallel:
+        forward = ring_s(tokens * k * ROUTED_PAIR_BYTES, t, gbps, latency, passes=1) + ring_s(stats, t, gbps, latency)
+        backward = ring_s(tokens * k * 4, t, gbps, latency, passes=1)
+    else:
+        forward, backward = 0.0, ring_s(tokens * k * 4, t, gbps, latency)
+    if cp > 1:
+        cp_gbps, cp_latency = link(cluster, t * cp > cluster.gpus_per_node)
+        forward += ring_s(stats, cp, cp_gbps, cp_latency)
+        backward += ring_s(stats, cp, cp_gbps, cp_latency)
+    return (num_blocks + recomputed) * forward + num_blocks * backward
+
+
+def recomputed_experts_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int) -> float:
+    """Selective ``moe`` re-runs each routed block's expert GEMMs (``block_gemms``' rows named "experts ...")
+    in backward; 0 otherwise."""
+    if cand.recompute != "selective" or "moe" not in cand.recompute_modules:
+        return 0.0
+    experts = tuple(op for op in block_matmuls(model, cand) if op.name.startswith("experts"))
+    return num_blocks * matmul_s(experts, cluster)
+
+
 def ring_pass_s(step_s: float, hop_s: float | list[float], cp: int) -> float:
     """One pass of the ring over cp steps: each of the first cp - 1 steps computes the block in hand while the next
     message travels (posted before the compute), so it lasts the longer of the two; the last step computes only.
@@ -232,7 +272,7 @@ def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: 
     cp = cand.cp
     if cp == 1:
         return 0.0
-    b, t, d = cand.micro_batch_size, cand.tp, model.hidden_size // model.num_heads
+    b, t, d = cand.micro_batch_size, cand.tp, model.head_dim
     rows = model.seq_length // cp
     gbps, latency = link(cluster, cand.tp * cp > cluster.gpus_per_node)
     bandwidth = gbps * 1e9
@@ -262,6 +302,7 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
     block = block_matmuls(model, cand) + core
     block_runs, core_reruns = 3 * n + recomputed, n if recomputes_core(cand) else 0
     block_s = block_runs * matmul_s(block, cluster) + core_reruns * matmul_s(core, cluster)
+    block_s += recomputed_experts_s(model, cluster, cand, n)
     block_flops = block_runs * sum(op.flops for op in block) + core_reruns * sum(op.flops for op in core)
     logits = logits_matmul(model, cand)
     logits_s, logits_flops = 3 * matmul_s((logits,), cluster), 3 * logits.flops
@@ -274,6 +315,7 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
     else:
         unit = ring_s(boundary, t, cluster.intra_node_gbps, cluster.intra_node_latency_s)
     block_units = 4 * n + 2 * recomputed
+    routed = routed_comm_s(model, cluster, cand, n, recomputed)
 
     p2p = 0.0
     if cand.pp > 1:
@@ -289,13 +331,12 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
     # W: one GEMM of each forward GEMM's shape per linear (dA = dY^T X), the output layer's on the last stage.
     block_w = n * matmul_s(block_matmuls(model, cand), cluster)
     logits_w = matmul_s((logits,), cluster)
-    first = StageTime(block_s, (block_units + 1) * unit, p2p, scores, block_flops, passes, cp, block_w)
-    last = StageTime(
-        block_s + logits_s, (block_units + 1) * unit, p2p, scores, block_flops + logits_flops, passes, cp, block_w
-    )
+    tp_comm = (block_units + 1) * unit + routed
+    first = StageTime(block_s, tp_comm, p2p, scores, block_flops, passes, cp, block_w)
+    last = StageTime(block_s + logits_s, tp_comm, p2p, scores, block_flops + logits_flops, passes, cp, block_w)
     last = dataclasses.replace(last, weight_grad_s=block_w + logits_w)
     if cand.pp == 1:
-        first = last = dataclasses.replace(last, tp_comm_s=(block_units + 2) * unit, p2p_s=0.0)
+        first = last = dataclasses.replace(last, tp_comm_s=(block_units + 2) * unit + routed, p2p_s=0.0)
     return first, last
 
 

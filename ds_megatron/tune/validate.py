@@ -78,7 +78,7 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
     if pins.attention is not None and pins.attention not in ATTENTION_KERNELS:
         raise ConfigError("--attention", "unknown kernel", repr(pins.attention), f"use one of {ATTENTION_KERNELS}")
     if pins.recompute_modules is not None:
-        _check_modules(pins)
+        _check_modules(pins, model)
     if pins.zero is not None:
         check_zero_stage(pins.zero, pins.pp, FLAGS)
     if pins.schedule is not None:
@@ -129,7 +129,7 @@ def _check_tp(model: ModelShape, cluster: Cluster, pins: Pins) -> None:
         raise ConfigError("--sequence-parallel", "needs tp > 1", "tp=1", fix)
 
 
-def _check_modules(pins: Pins) -> None:
+def _check_modules(pins: Pins, model: ModelShape) -> None:
     """A --recompute-modules pin: known names, each once, under selective recompute, without core_attn for sdpa."""
     modules = pins.recompute_modules or ()
     listed = ",".join(modules)
@@ -142,8 +142,8 @@ def _check_modules(pins: Pins) -> None:
     if problem:
         fix = f"pass a comma-separated list of {', '.join(RECOMPUTE_MODULES)}"
         raise ConfigError("--recompute-modules", problem, f"got {listed or 'nothing'}", fix)
-    if "moe" in modules:  # the tool models dense families only: no model it searches has routed experts
-        fix = "drop moe (it recomputes routed experts; the tool does not model mixture-of-experts families yet)"
+    if "moe" in modules and not model.num_experts:  # the routed families' experts only
+        fix = "drop moe (it recomputes routed experts: a qwen3_moe or mixtral model's)"
         raise ConfigError("--recompute-modules", "moe applies to routed experts only", f"got {listed}", fix)
     if pins.recompute not in (None, "selective"):
         values, fix = f"recompute={pins.recompute}, modules={listed}", "drop --recompute or pass --recompute selective"

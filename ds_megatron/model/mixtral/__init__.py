@@ -18,8 +18,8 @@ from ds_megatron.model.qwen3_moe import (
     SHAPE_RENAMED,
     Qwen3MoeConfig,
     _common_from_hf,
+    family_terms,
     moe_size,
-    not_modelled,
     tuner_facts,
 )
 
@@ -155,8 +155,8 @@ FAMILY = Family(
     shape_renamed=SHAPE_RENAMED,
     hf_renamed=HF_RENAMED,
     mlp_matrices=3,
-    block_terms=not_modelled,
-    tuner=tuner_facts(MIXTRAL_VOCAB_SIZE, MIXTRAL_SEQ_LENGTH),
+    block_terms=family_terms(qk_norm=False)[0],
+    tuner=tuner_facts(MIXTRAL_VOCAB_SIZE, MIXTRAL_SEQ_LENGTH, qk_norm=False),
     routed=True,
     fixed_expert_fields=(("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", ())),
 )

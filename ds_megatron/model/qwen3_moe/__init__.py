@@ -5,12 +5,13 @@ attention, no biases) with an RMSNorm over each query and key head before the ro
 ``decoder_sparse_step``.  The Mixtral family (``model/mixtral``) is this config with Llama's attention and all layers
 sparse; both share the torch side (``model.py`` here, the routed MLP in ``model/moe_layer.py``).
 
-Config, plan, pipeline layout and transformers names (stdlib only).  The FLOPs of a routed block are
-``flops.RoutedTerms`` (active parameters); what the analytic tuner and the memory model count for one is not written
-yet: they refuse these families (``not_modelled``)."""
+Config, plan, pipeline layout, transformers names, and what the analytic tuner and memory model count for a routed
+block: its parameters (every expert stored), its saved activations and its GEMMs (k experts per token), stdlib only.
+The FLOPs of a routed block are ``flops.RoutedTerms`` (active parameters)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +23,14 @@ from ds_megatron.model.family import (
     ROUTER,
     ROW,
     VOCAB,
+    BlockTerms,
     Family,
+    Gemm,
     HFExperts,
     LayoutTable,
     NamedShape,
     PlanRow,
+    RoutedShape,
     TunerFacts,
     hf_fields,
     read_fields,
@@ -215,13 +219,6 @@ def _common_from_hf(hf: Any, attention: str) -> dict[str, Any]:
     )
 
 
-def not_modelled(*_: Any) -> Any:
-    """The analytic tuner's and memory model's terms of a routed block: not written yet."""
-    raise NotImplementedError(
-        "the tuner and memory model do not count mixture-of-experts blocks yet; use a dense family there"
-    )
-
-
 # Attention as Llama's (q, k, v column-parallel by heads, o_proj row-parallel); q_norm and k_norm act on one head's
 # width and are replicated (each TP rank's heads contribute to their gradients: summed over TP); the dense layers'
 # MLP as Llama's.  The routed MLP: the router replicated (under SP it routes this rank's sequence shard, its gradient
@@ -255,18 +252,126 @@ LAYOUT = LayoutTable(
 )
 
 
-def tuner_facts(vocab: int, seq_length: int) -> TunerFacts:
-    """The MoE families' tuner record: what is known (no dropout, RMSNorm); the block terms refuse."""
+RSTD_BYTES = 4  # an RMSNorm's fp32 1/rms per row (the block's norms, and Qwen3's q/k norms per head)
+ROUTER_BYTES = 4  # the router runs in fp32 whatever the activations (moe_layer.TopKRouter)
+INDEX_BYTES = 8  # int64 expert choices and sort orders
+OFFSET_BYTES = 4  # the grouped GEMM's int32 end row per expert
+
+
+def routed_block_params(h: int, tp: int, r: RoutedShape, qk_norm: bool) -> int:
+    """One routed block's parameters per TP rank: q, k, v and o_proj split over TP (a d and k d wide), every
+    expert's gate, up and down split over TP as ``tensor_parallel.experts`` does (3 E h F / t), the router [E, h]
+    and the two RMSNorms (and Qwen3's q/k norms, one head wide each) replicated.  All E experts are stored."""
+    split = 2 * h * r.q_width + 2 * h * r.kv_width + 3 * r.num_experts * h * r.width
+    return split // tp + r.num_experts * h + 2 * h + (2 * r.head_dim if qk_norm else 0)
+
+
+def active_block_params(h: int, r: RoutedShape, qk_norm: bool) -> int:
+    """One routed block's parameters a token passes through (k of the E experts, the whole router): what a model
+    card's "active" counts."""
+    dense_experts = r._replace(num_experts=r.top_k)
+    return routed_block_params(h, 1, dense_experts, qk_norm) - r.top_k * h + r.num_experts * h
+
+
+def routed_block_gemms(n: int, h: int, t: int, r: RoutedShape) -> tuple[Gemm, ...]:
+    """The weight matmuls of one routed block's forward over n tokens, per TP rank: attention as Llama's at head
+    width d, the router (n x h by h x E, replicated: each rank routes its sequence shard under SP, all n without;
+    counted at n, its fp32 ignored), and k experts per token (n k routed rows through gate|up, F/t wide, and down)."""
+    rows = n * r.top_k
+    return (
+        ("q", n, h, r.q_width // t, 1),
+        ("k, v", n, h, r.kv_width // t, 2),
+        ("o_proj", n, r.q_width // t, h, 1),
+        ("router", n, h, r.num_experts, 1),
+        ("experts gate, up", rows, h, r.width // t, 2),
+        ("experts down", rows, r.width // t, h, 1),
+    )
+
+
+def routed_block_terms(
+    h: int, a: int, _kv: int | None, _f: int | None, attention_dropout: float | None, act: int, *, routed: RoutedShape,
+    qk_norm: bool,
+) -> BlockTerms:  # fmt: skip
+    """One routed block's saved tensors (units of s*b*h bytes), counted off what autograd saves (measured to the byte
+    by ``tests/unit/test_memory_moe.py``), a heads and k KV heads of width d, E experts of width F, top k:
+    - replicated under TP, split by SP: the two RMSNorm inputs (2 h) and their fp32 1/rms, the q/k/v input (h);
+      the router's fp32 copy of its input (4 h bytes: the bf16 norm output itself is kept by nothing), its fp32
+      logits and probabilities (4 E bytes each), the log-sum-exp of the z statistic (4), the top-k indices (8 k)
+      and, with ``norm_topk_prob``, the top-k weights and their sum (4 k + 4).  The router runs on the sequence
+      shard under SP.
+    - split by TP: Q, K, V (a d + 2 k d), the o_proj input (a d), Qwen3's q/k norm inputs (a d + k d) and their
+      fp32 1/rms per head (4 (a + k) bytes); the experts' gate|up output (2 k F per token), SwiGLU's silu(gate)
+      and its product (k F each, the down projection's input): 4 k F, ``moe_split``.
+    - whole on every TP rank (``whole``, all dropped by ``moe``): the routed copies of the tokens (k h), the
+      expert outputs in fp32 and scaled by their weights (4 k h bytes each: the combine's fp32 sum keeps both), the
+      pair order and token index (8 k bytes each) and each pair's weight (4 k).  Under SP the experts run on all
+      s b tokens (all-gathered), so these are not split; without SP every rank routes all tokens.
+    - ``moe`` keeps the checkpoint's inputs: the tokens (h, whole; in fp32 without SP the router's input itself,
+      counted above) and routing weights (4 k), and under SP the gathered expert indices (8 k) its function holds.
+    - per block: the router weight's fp32 copy (4 E h bytes, bf16 runs only) and the grouped GEMM's offsets (4 E).
+    The s^2 terms are the shared ones (a heads).  The MLP activation hook (``mlp_act``) does not touch a routed
+    MLP; ``layernorm`` drops the q/k/v input and the MLP's norm output where something counted keeps it: the
+    router's input in fp32, the ``moe`` checkpoint's tokens without SP (``moe_kept_norm``); a bf16 router keeps its
+    own fp32 copy, which stays."""
+    r, e, k = routed, routed.num_experts, routed.top_k
+    router = ROUTER_BYTES * h + 2 * ROUTER_BYTES * e + ROUTER_BYTES + INDEX_BYTES * k
+    router += (ROUTER_BYTES * k + ROUTER_BYTES) if r.norm_topk_prob else 0
+    replicated = (3 * act * h + 2 * RSTD_BYTES + router) / h
+    qk = ((r.q_width + r.kv_width) * act + RSTD_BYTES * (r.num_heads + r.num_kv_heads)) if qk_norm else 0
+    experts_split = 4 * k * r.width * act / h
+    split = (2 * r.q_width + 2 * r.kv_width) * act / h + qk / h + experts_split
+    whole = (k * h * act + 2 * ROUTER_BYTES * k * h + 2 * INDEX_BYTES * k + ROUTER_BYTES * k) / h
+    # The checkpoint's tokens: the norm output, already counted when the router's fp32 copy is that very tensor
+    # (fp32 activations, all tokens on the rank); under SP the all-gathered tokens, a tensor of their own.
+    shared = act == ROUTER_BYTES
+    kept = (ROUTER_BYTES * k + (0 if shared else h * act)) / h
+    kept_sp = (INDEX_BYTES * k + (h * act if shared else 0)) / h
+    fixed_offsets = OFFSET_BYTES * e
+    fixed = (ROUTER_BYTES * e * h if act != ROUTER_BYTES else 0) + fixed_offsets
+    return BlockTerms(
+        replicated, 0, split, (r.q_width + 2 * r.kv_width) / h, bool(attention_dropout), 0.0,
+        whole=whole, moe_split=experts_split, moe_whole=whole, moe_kept=kept, moe_kept_sp=kept_sp,
+        fixed=fixed, moe_fixed=fixed_offsets, norm_outputs=2.0 if shared else 1.0, moe_kept_norm=0.0 if shared else act,
+    )  # fmt: skip
+
+
+def _needs_routed(routed: RoutedShape | None) -> RoutedShape:
+    if routed is None:
+        raise ValueError("a routed family's terms need its experts' layout (routed=RoutedShape.of(model))")
+    return routed
+
+
+def family_terms(qk_norm: bool) -> tuple[Callable[..., BlockTerms], Callable[..., int], Callable[..., tuple]]:
+    """(block_terms, block_params, block_gemms) of a routed family, in the family record's signatures plus the
+    keyword ``routed`` (a ``RoutedShape``); every block counted as routed (exact for the published sizes, whose
+    layers are all routed; an over-count for the dense layers of ``mlp_only_layers``)."""
+
+    def terms(h, a, kv, f, dropout, act, *, routed=None):
+        return routed_block_terms(h, a, kv, f, dropout, act, routed=_needs_routed(routed), qk_norm=qk_norm)
+
+    def params(h, _kv, _f, tp, *, routed=None):
+        return routed_block_params(h, tp, _needs_routed(routed), qk_norm)
+
+    def gemms(n, h, _kv, _f, t, *, routed=None):
+        return routed_block_gemms(n, h, t, _needs_routed(routed))
+
+    return terms, params, gemms
+
+
+def tuner_facts(vocab: int, seq_length: int, qk_norm: bool) -> TunerFacts:
+    """The MoE families' tuner record: no dropout, RMSNorm, the routed block's terms."""
+    _, params, gemms = family_terms(qk_norm)
     return TunerFacts(
         default_vocab=vocab,
         default_seq_length=seq_length,
         dropout=0.0,
         attention_dropout_only=True,
         norm_params=1,
-        norm_stat_bytes=4,
-        block_params=not_modelled,
-        block_gemms=not_modelled,
-        recomputed_passes={},
+        norm_stat_bytes=RSTD_BYTES,
+        block_params=params,
+        block_gemms=gemms,
+        # ``layernorm`` re-runs both norms (the router's fp32 copy of the second's output stays stored in bf16)
+        recomputed_passes={"layernorm": (("RMSNorm before attention", 1, 1), ("RMSNorm before the MLP", 1, 1))},
     )
 
 
@@ -286,7 +391,7 @@ FAMILY = Family(
     shape_renamed=SHAPE_RENAMED,
     hf_renamed=HF_RENAMED,
     mlp_matrices=3,
-    block_terms=not_modelled,
-    tuner=tuner_facts(QWEN3_VOCAB_SIZE, QWEN3_SEQ_LENGTH),
+    block_terms=family_terms(qk_norm=True)[0],
+    tuner=tuner_facts(QWEN3_VOCAB_SIZE, QWEN3_SEQ_LENGTH, qk_norm=True),
     routed=True,
 )

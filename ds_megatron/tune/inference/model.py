@@ -323,7 +323,15 @@ def pp_sizes(model: ModelShape, cluster: Cluster, tp: int) -> list[int]:
 
 
 def check_workload(model: ModelShape, work: Workload) -> None:
-    """Refuse lengths, precisions, limits and batch sizes that mean nothing, naming the flag."""
+    """Refuse lengths, precisions, limits and batch sizes that mean nothing, naming the flag, and a routed model
+    (its decode reads and runs k of E experts per token, which this model does not count yet)."""
+    if model.num_experts:
+        raise ConfigError(
+            "--model",
+            "the inference model counts dense blocks only",
+            f"{model.size or model.family} has {model.num_experts} experts",
+            "use the training tuner for a mixture of experts, or a dense model here",
+        )
     check_positive("--prompt-length", work.prompt_length, "2048")
     check_positive("--output-length", work.output_length, "256")
     if work.context_length > model.max_position_embeddings:

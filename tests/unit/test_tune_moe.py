@@ -1,0 +1,133 @@
+"""The analytic tuner on the routed families: parameter counts against the published model cards and against the
+torch model (whole and per TP rank), and a search for Qwen3-30B-A3B whose winner fits the memory it claims."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds_megatron.config.shape import layers_per_stage
+from ds_megatron.model import FAMILIES, family_of
+from ds_megatron.model.family import RoutedShape
+from ds_megatron.model.qwen3_moe import active_block_params, routed_block_params
+from ds_megatron.tune import build_cluster, build_model_shape, search
+from ds_megatron.tune.memory_model import GIB, block_param_count, stage_memory, total_param_count
+
+# The model cards: total and activated parameters (Qwen3 technical report, Table 1 / the Hub cards; Mixtral's
+# paper: 46.7B total, 12.9B active), to the digits published.
+CARDS = [("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9), ("mixtral-8x7b", 46.7e9, 12.9e9)]
+
+
+def _shape(name: str):
+    return build_model_shape(name, None, None, None, None, None)
+
+
+def _active(model) -> int:
+    """Parameters a token passes through: the embedding and output layer, the final norm and every block's
+    attention, router and k of its experts."""
+    routed = RoutedShape.of(model)
+    qk_norm = family_of(model).config.qk_norm
+    blocks = model.num_layers * active_block_params(model.hidden_size, routed, qk_norm)
+    return total_param_count(model) - model.num_layers * block_param_count(model) + blocks
+
+
+@pytest.mark.parametrize("name,total,active", CARDS)
+def test_parameter_counts_match_the_model_cards(name, total, active):
+    model = _shape(name)
+    # The cards give two or three significant digits, cut rather than rounded at times (Qwen3-30B-A3B's 3.353B
+    # activated is published as 3.3B): within 2% of each figure.
+    print(f"\n{name}: total {total_param_count(model) / 1e9:.3f}B, active {_active(model) / 1e9:.3f}B")
+    assert total_param_count(model) == pytest.approx(total, rel=0.02)
+    assert _active(model) == pytest.approx(active, rel=0.02)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_block_params_count_the_torch_block_whole_and_per_tp_rank(family):
+    """The routed block's parameters, whole and per TP rank (a split parameter's numel / t, by the family's plan),
+    equal the torch block's: every expert stored, the router and norms replicated."""
+    fam = FAMILIES[family]
+    config = fam.config(
+        vocab_size=128, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
+        intermediate_size=96, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    block = fam.torch_side().block(config)
+    routed = RoutedShape(4, 2, 32, 8, 2, 48, True)
+    for tp in (1, 2, 4):
+        held = sum(
+            p.numel() // (tp if fam.split_dim(f"{fam.block_prefix}0.{n}") is not None else 1)
+            for n, p in block.named_parameters()
+        )
+        assert routed_block_params(64, tp, routed, config.qk_norm) == held, (family, tp)
+
+
+def test_the_tuner_finds_a_layout_for_qwen3_30b_a3b_that_fits():
+    """The search runs for a MoE size and its winner's memory, recomputed from the model, fits the GPU with the
+    stated margin; every ranked candidate fits."""
+    model = _shape("qwen3-30b-a3b")
+    cluster = build_cluster("h100-sxm", 64, 8)
+    result = search(model, cluster, 512)
+    fitting = [e for e in result.evaluations if e.fits]
+    assert fitting and result.evaluations[0] is fitting[0], "the winner is a candidate that fits"
+    winner = fitting[0]
+    assert stage_memory(model, winner.candidate) == (winner.first, winner.last)
+    capacity = cluster.gpu_memory_gb * GIB
+    assert all(stage.required_bytes <= capacity for e in fitting for stage in (e.first, e.last))
+    # the first stage's weights hold all 128 experts of each of its blocks (bf16, 2 bytes each)
+    cand = winner.candidate
+    experts = layers_per_stage(model.num_layers, cand.pp) * 128 * 3 * 2048 * 768 // cand.tp
+    assert winner.first.params_bytes / 2 > experts
+
+
+def test_moe_recompute_and_the_routed_collectives_in_the_tuner():
+    """``--recompute-modules moe`` is searched for a routed model (and refused for a dense one): it stores less
+    than no recompute and re-runs the experts' GEMMs; the routed block's extra collectives cost time under SP and
+    nothing for a dense model."""
+    import dataclasses
+
+    from ds_megatron.config import ConfigError
+    from ds_megatron.tune import Candidate, Pins
+    from ds_megatron.tune.memory_model import layer_activation_bytes
+    from ds_megatron.tune.time_model import recomputed_experts_s, routed_comm_s
+
+    model = _shape("qwen3-30b-a3b")
+    cluster = build_cluster("h100-sxm", 64, 8)
+    result = search(model, cluster, 512, Pins(recompute_modules=("moe",)))
+    assert {e.candidate.recompute_label() for e in result.evaluations} == {"selective[moe]"}
+    cand = result.evaluations[0].candidate
+    plain = dataclasses.replace(cand, recompute="none", recompute_modules=())
+    assert layer_activation_bytes(model, cand, "selective") < layer_activation_bytes(model, plain, "none")
+    assert recomputed_experts_s(model, cluster, cand, 6) > 0 == recomputed_experts_s(model, cluster, plain, 6)
+    sp = Candidate(tp=2, pp=1, dp=32, sequence_parallel=True, micro_batch_size=1, num_micro_batches=8, recompute="none")
+    assert routed_comm_s(model, cluster, sp, 48, 0) > 0
+    assert routed_comm_s(_shape("llama3-8b"), cluster, sp, 32, 0) == 0
+    with pytest.raises(ConfigError, match="moe applies to routed experts only"):
+        search(_shape("llama3-8b"), cluster, 512, Pins(recompute_modules=("moe",)))
+
+
+def test_the_inference_model_refuses_a_routed_model_in_one_line(capsys):
+    from ds_megatron.tune.__main__ import main
+
+    args = ["inference", "--model", "qwen3-30b-a3b", "--gpus", "8", "--gpu", "h100-sxm"]
+    assert main([*args, "--prompt-length", "512", "--output-length", "128"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: --model: the inference model counts dense blocks only (qwen3-30b-a3b has 128 experts); use the "
+        "training tuner for a mixture of experts, or a dense model here"
+    ]
+
+
+def test_the_written_moe_config_resolves_with_moe_recompute(tmp_path, capsys):
+    """The winner written for a routed size (with ``moe`` recompute pinned) is a config the loader resolves: the
+    named size brings the experts' layout, the modules are the winner's."""
+    import json
+
+    from ds_megatron.config import resolve
+    from ds_megatron.tune.__main__ import main
+
+    path = tmp_path / "winner.json"
+    args = ["--model", "qwen3-30b-a3b", "--global-batch-size", "512", "--gpus", "64", "--gpu", "h100-sxm"]
+    assert main([*args, "--recompute-modules", "moe", "--write-config", str(path)]) == 0
+    capsys.readouterr()
+    cfg = json.loads(path.read_text())
+    assert cfg["ds_megatron"]["recompute"]["modules"] == ["moe"]
+    run = resolve(cfg, 64)
+    assert run.model.num_experts == 128 and run.model.experts_per_token == 8 and run.model.head_dim == 128
