@@ -34,6 +34,7 @@ VALUE_FLAGS: tuple[tuple[str, str, type | None, str], ...] = (
     ("--cp", "ds_megatron.parallel.cp", int, ": context parallel (each sequence split over cp ranks)"),
     ("--cp_comm", "ds_megatron.parallel.cp_comm", None, ': "ring" or "a2a"'),
     ("--pp", "ds_megatron.parallel.pp", int, ""),
+    ("--ep", "ds_megatron.parallel.ep", int, ": expert parallel (routed experts split over ep ranks; MoE families)"),
     ("--train-iters", "ds_megatron.train.train_iters", int, ""),
     ("--log-interval", "ds_megatron.train.log_interval", int, ""),
     ("--eval-interval", "ds_megatron.train.eval_interval", int, " (0: only at the end)"),
