@@ -25,7 +25,7 @@ from ds_megatron.config import ConfigError, RunConfig, unused_settings
 from ds_megatron.config.facts import BF16_OPTIMIZER, deepspeed_wraps_optimizer, optimizer_wrapper, precision
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.expert_parallel.dispatch import attach_ep_groups
-from ds_megatron.expert_parallel.layer import reduce_expert_grads
+from ds_megatron.expert_parallel.layer import expert_group_name, reduce_expert_grads
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
 from ds_megatron.parallelize import ParallelContext
@@ -231,6 +231,21 @@ def install_step_sp_grad_sync(engine, topology: ParallelTopology, run: RunConfig
     return True
 
 
+def register_expert_groups(topology: ParallelTopology) -> None:
+    """At ep > 1, this rank's EP and expert-DP groups in DeepSpeed's group tables under the expert parameters'
+    group name (``expert_parallel.layer.expert_group_name``): its engine broadcasts every marked expert parameter
+    from the first rank of that expert-DP group when it starts (the ranks holding the same experts), which needs the
+    group there.  DeepSpeed keeps these tables as module globals of ``deepspeed.utils.groups`` and has no public
+    setter for groups laid out by someone else (its own builder lays EP over its data axis only)."""
+    if topology.ep == 1:
+        return
+    from deepspeed.utils import groups as ds_groups
+
+    name = expert_group_name(topology.ep)
+    ds_groups._EXPERT_PARALLEL_GROUP[name] = topology.ep_group
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.expert_dp_group
+
+
 def install_expert_grad_reduction(engine, topology: ParallelTopology) -> bool:
     """At ep > 1, DeepSpeed's data-parallel reduction of the parameters it knows (all but the experts: DeepSpeed
     reduces marked expert parameters only for its own MoE modules, and without one its bucketing has no entry for
@@ -316,6 +331,7 @@ def build_engine(run: RunConfig) -> Built:
             print(f"ds_megatron: {line}", flush=True)
     schedule = warmup_cosine_from(run.ds_config)
     scheduler = None if schedule is None else functools.partial(WarmupCosineScheduler, schedule=schedule)
+    register_expert_groups(topology)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler)
     read_weights_only(engine)  # DeepSpeed's own checkpoint reads unpickle weights-only too
     # The schedule's engine replaces DeepSpeed's (every engine's pipeline sends are async, pipeline_parallel.p2p, so

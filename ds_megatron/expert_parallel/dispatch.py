@@ -54,6 +54,13 @@ def attach_ep_groups(topology: ParallelTopology, ep: int, sequence_parallel: boo
         return
     layout = ep_layout(topology.tp, topology.cp, topology.dp, topology.pp, ep, sequence_parallel)
     topology.ep_group, topology.expert_dp_group = build_ep_groups(layout, topology.rank)
+    if topology.expert_dp_group is None:
+        # an expert-DP group of one (ep = every token rank of the stage) still becomes a real group: DeepSpeed's
+        # engine broadcasts each expert parameter over the expert-DP group it finds registered under the
+        # parameter's group name (``None`` there would mean the whole world)
+        for line in layout.expert_dp_groups:
+            group = dist.new_group(ranks=list(line))
+            topology.expert_dp_group = group if topology.rank in line else topology.expert_dp_group
     topology.ep, topology.expert_grad_divisor = ep, layout.expert_grad_divisor
 
 
