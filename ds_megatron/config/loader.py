@@ -319,7 +319,7 @@ def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
     (bf16, fp16, ZeRO: their flat partitions of the expert parameters would need the expert-DP groups registered in
     DeepSpeed's module globals), selective recompute of ``moe`` (the expert-parallel layer keeps its activations),
     and checkpoints (DeepSpeed's pipeline writes a layer's weights from data-parallel rank 0 only, which holds only
-    its own experts when the EP group spans dp)."""
+    its own experts when the EP group spans dp; the checkpoint and transformers readers cut experts by the TP rule)."""
     ep = section.parallel.ep
     if ep == 1:
         return
@@ -336,11 +336,12 @@ def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
             "drop moe from recompute.modules, or use ep 1",
         )  # fmt: skip
     ckpt = section.checkpoint
-    if ckpt.save or ckpt.load:
+    if ckpt.save or ckpt.load or ckpt.init_from_hf:
         raise ConfigError(
-            EP_SETTING, "checkpoints of expert-parallel runs are not written or read yet",
-            f"ep={ep}, checkpoint.save={ckpt.save!r}, checkpoint.load={ckpt.load!r}",
-            "unset checkpoint.save and checkpoint.load, or use ep 1",
+            EP_SETTING, "checkpoints of expert-parallel runs are not written or read yet (nor transformers weights)",
+            f"ep={ep}, checkpoint.save={ckpt.save!r}, checkpoint.load={ckpt.load!r}, "
+            f"checkpoint.init_from_hf={ckpt.init_from_hf!r}",
+            "unset checkpoint.save, checkpoint.load and checkpoint.init_from_hf, or use ep 1",
         )  # fmt: skip
 
 
