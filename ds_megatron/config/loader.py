@@ -223,10 +223,10 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
     schedule = pipeline_schedule(section.parallel.pipeline_schedule)  # a known name: check_parallel refused others
     check_recompute(section.recompute, shape, pp, schedule)
     check_deepspeed_keys(ds_config, pp)
-    check_ep_run(section, ds_config)
     check_train(section.train)
     check_eval_only(section)
     check_counts(section)
+    check_ep_run(section, ds_config)  # what expert parallelism does not train with yet
     # data.tokenizer and data.valid_fraction apply to text tokenised in the launch only: pre-flight checks them
     # (check_text_settings) once it knows the data is not a prepared directory, which brings its own.
     check_data_section(section.data)
