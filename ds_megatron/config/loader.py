@@ -314,51 +314,6 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
     return tp, pp, cp, dp
 
 
-def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
-    """What expert parallelism does not train with yet, refused in one line each: DeepSpeed's optimizer wrappers
-    (bf16, fp16, ZeRO: their flat partitions of the expert parameters would need the expert-DP groups registered in
-    DeepSpeed's module globals), selective recompute of ``moe`` (the expert-parallel layer keeps its activations),
-    and checkpoints (DeepSpeed's pipeline writes a layer's weights from data-parallel rank 0 only, which holds only
-    its own experts when the EP group spans dp; the checkpoint and transformers readers cut experts by the TP rule)."""
-    ep = section.parallel.ep
-    if ep == 1:
-        return
-    wrapper = optimizer_wrapper(ds_config)
-    if wrapper is not None:
-        raise ConfigError(
-            EP_SETTING, "ep > 1 trains in fp32 with ZeRO stage 0 only (DeepSpeed's optimizer wrappers are not wired)",
-            f"ep={ep}, DeepSpeed optimizer wrapper {wrapper}", "use ep 1, or fp32 without ZeRO",
-        )  # fmt: skip
-    if "moe" in section.recompute.selective_modules:
-        raise ConfigError(
-            EP_SETTING, "the expert-parallel layer has no selective recompute of moe",
-            f"ep={ep}, recompute modules {list(section.recompute.selective_modules)}",
-            "drop moe from recompute.modules, or use ep 1",
-        )  # fmt: skip
-    ckpt = section.checkpoint
-    if ckpt.save or ckpt.load or ckpt.init_from_hf:
-        raise ConfigError(
-            EP_SETTING, "checkpoints of expert-parallel runs are not written or read yet (nor transformers weights)",
-            f"ep={ep}, checkpoint.save={ckpt.save!r}, checkpoint.load={ckpt.load!r}, "
-            f"checkpoint.init_from_hf={ckpt.init_from_hf!r}",
-            "unset checkpoint.save, checkpoint.load and checkpoint.init_from_hf, or use ep 1",
-        )  # fmt: skip
-
-
-def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: int, dp: int) -> None:
-    """ep > 1 needs routed experts, an even split of them, and a layout the folding can form (``config.ep_rules``)."""
-    ep = _positive(EP_SETTING, par.ep)
-    if ep == 1:
-        return
-    if not shape.num_experts:
-        raise ConfigError(
-            EP_SETTING, "expert parallelism splits routed experts, and this model has none",
-            f"ep={ep}, family={shape.family}", "use ep 1, or a routed family (qwen3_moe, mixtral)",
-        )  # fmt: skip
-    check_num_experts(shape.num_experts, ep)
-    check_ep(ep, tp, cp, dp, par.sequence_parallel, shape.num_experts)
-
-
 def check_recompute(rc: RecomputeSection, shape: ModelShape, pp: int, schedule: PipelineSchedule) -> None:
     """A known policy and method; modules known, once each, for selective only, and worth recomputing."""
     if rc.policy not in RECOMPUTE_POLICIES:
@@ -496,6 +451,51 @@ NON_NEGATIVE = {
     "checkpoint.keep_last": "0 keeps every checkpoint",
 }
 WANDB_MODES = ("online", "offline", "disabled")
+
+
+def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
+    """What expert parallelism does not train with yet, refused in one line each: DeepSpeed's optimizer wrappers
+    (bf16, fp16, ZeRO: their flat partitions of the expert parameters would need the expert-DP groups registered in
+    DeepSpeed's module globals), selective recompute of ``moe`` (the expert-parallel layer keeps its activations),
+    and checkpoints (DeepSpeed's pipeline writes a layer's weights from data-parallel rank 0 only, which holds only
+    its own experts when the EP group spans dp; the checkpoint and transformers readers cut experts by the TP rule)."""
+    ep = section.parallel.ep
+    if ep == 1:
+        return
+    wrapper = optimizer_wrapper(ds_config)
+    if wrapper is not None:
+        raise ConfigError(
+            EP_SETTING, "ep > 1 trains in fp32 with ZeRO stage 0 only (DeepSpeed's optimizer wrappers are not wired)",
+            f"ep={ep}, DeepSpeed optimizer wrapper {wrapper}", "use ep 1, or fp32 without ZeRO",
+        )  # fmt: skip
+    if "moe" in section.recompute.selective_modules:
+        raise ConfigError(
+            EP_SETTING, "the expert-parallel layer has no selective recompute of moe",
+            f"ep={ep}, recompute modules {list(section.recompute.selective_modules)}",
+            "drop moe from recompute.modules, or use ep 1",
+        )  # fmt: skip
+    ckpt = section.checkpoint
+    if ckpt.save or ckpt.load or ckpt.init_from_hf:
+        raise ConfigError(
+            EP_SETTING, "checkpoints of expert-parallel runs are not written or read yet (nor transformers weights)",
+            f"ep={ep}, checkpoint.save={ckpt.save!r}, checkpoint.load={ckpt.load!r}, "
+            f"checkpoint.init_from_hf={ckpt.init_from_hf!r}",
+            "unset checkpoint.save, checkpoint.load and checkpoint.init_from_hf, or use ep 1",
+        )  # fmt: skip
+
+
+def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: int, dp: int) -> None:
+    """ep > 1 needs routed experts, an even split of them, and a layout the folding can form (``config.ep_rules``)."""
+    ep = _positive(EP_SETTING, par.ep)
+    if ep == 1:
+        return
+    if not shape.num_experts:
+        raise ConfigError(
+            EP_SETTING, "expert parallelism splits routed experts, and this model has none",
+            f"ep={ep}, family={shape.family}", "use ep 1, or a routed family (qwen3_moe, mixtral)",
+        )  # fmt: skip
+    check_num_experts(shape.num_experts, ep)
+    check_ep(ep, tp, cp, dp, par.sequence_parallel, shape.num_experts)
 
 
 def check_partition_method(method: str) -> None:
