@@ -16,12 +16,16 @@ from dataclasses import dataclass
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
+from deepspeed.moe.utils import is_moe_param
+from deepspeed.runtime.pipe.engine import MEMORY_OPT_ALLREDUCE_SIZE
+from deepspeed.runtime.pipe.schedule import ReduceGrads, ReduceTiedGrads
 
 from ds_megatron.checkpoint.run_state import read_weights_only
 from ds_megatron.config import ConfigError, RunConfig, unused_settings
 from ds_megatron.config.facts import BF16_OPTIMIZER, deepspeed_wraps_optimizer, optimizer_wrapper, precision
 from ds_megatron.config.schedule import warmup_cosine_from
+from ds_megatron.expert_parallel.dispatch import attach_ep_groups
+from ds_megatron.expert_parallel.layer import expert_group_name, reduce_expert_grads
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
 from ds_megatron.parallelize import ParallelContext
@@ -227,10 +231,52 @@ def install_step_sp_grad_sync(engine, topology: ParallelTopology, run: RunConfig
     return True
 
 
+def register_expert_groups(topology: ParallelTopology) -> None:
+    """At ep > 1, this rank's EP and expert-DP groups in DeepSpeed's group tables under the expert parameters'
+    group name (``expert_parallel.layer.expert_group_name``): its engine broadcasts every marked expert parameter
+    from the first rank of that expert-DP group when it starts (the ranks holding the same experts), which needs the
+    group there.  DeepSpeed keeps these tables as module globals of ``deepspeed.utils.groups`` and has no public
+    setter for groups laid out by someone else (its own builder lays EP over its data axis only)."""
+    if topology.ep == 1:
+        return
+    from deepspeed.utils import groups as ds_groups
+
+    name = expert_group_name(topology.ep)
+    ds_groups._EXPERT_PARALLEL_GROUP[name] = topology.ep_group
+    ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.expert_dp_group
+
+
+def install_expert_grad_reduction(engine, topology: ParallelTopology) -> bool:
+    """At ep > 1, DeepSpeed's data-parallel reduction of the parameters it knows (all but the experts: DeepSpeed
+    reduces marked expert parameters only for its own MoE modules, and without one its bucketing has no entry for
+    their group) followed by the experts' own rule (``expert_parallel.layer.reduce_expert_grads``: a sum over the
+    expert-DP group divided by dp x cp), as the pipeline's ``ReduceGrads`` instruction.  Only the plain fp32 optimizer
+    runs here (the config refuses DeepSpeed's optimizer wrappers at ep > 1).  Returns whether it was installed."""
+    if topology.ep == 1:
+        return False
+    dense = [p for p in engine.module.parameters() if p.requires_grad and p.numel() and not is_moe_param(p)]
+
+    def reduce_grads(self) -> None:
+        self._force_grad_boundary = True
+        if self.pipeline_enable_backward_allreduce:
+            for p in dense:  # every rank of the data axis must send every gradient, as DeepSpeed's own pass does
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in dense]
+            self.buffered_allreduce_fallback(grads=grads, elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)
+            reduce_expert_grads(self.module, topology.expert_dp_group, topology.expert_grad_divisor)
+        self._force_grad_boundary = False
+
+    # on top of the map the schedule's engine and the SP step sync left (an instance entry, this engine only)
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, ReduceGrads: reduce_grads}
+    return True
+
+
 def build_engine(run: RunConfig) -> Built:
     threads = default_cpu_threads()
     init_distributed()
     topology = ParallelTopology.build(run.tp, run.pp, run.dp, run.cp)
+    attach_ep_groups(topology, run.section.parallel.ep, run.section.parallel.sequence_parallel)
     seed = run.section.train.seed
     # The default (data) RNG stream is keyed by the data-axis coordinate: CP ranks hold different tokens, so their
     # hidden-state dropout masks must differ (at cp 1 the coordinate is dp_rank, as before).
@@ -248,6 +294,9 @@ def build_engine(run: RunConfig) -> Built:
         cp_size=topology.cp,
         cp_comm=run.section.parallel.cp_comm,
         compile=run.section.model.compile,
+        ep_group=topology.ep_group,
+        ep_size=topology.ep,
+        ep_rank=dist.get_rank(topology.ep_group) if topology.ep_group is not None else 0,
         # weights loaded from transformers replace every parameter (load_hf_into_pipeline): none is drawn first
         init_weights=not (run.section.checkpoint.init_from_hf and not run.section.checkpoint.load),
     )
@@ -283,6 +332,7 @@ def build_engine(run: RunConfig) -> Built:
             print(f"ds_megatron: {line}", flush=True)
     schedule = warmup_cosine_from(run.ds_config)
     scheduler = None if schedule is None else functools.partial(WarmupCosineScheduler, schedule=schedule)
+    register_expert_groups(topology)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler)
     read_weights_only(engine)  # DeepSpeed's own checkpoint reads unpickle weights-only too
     # The schedule's engine replaces DeepSpeed's (every engine's pipeline sends are async, pipeline_parallel.p2p, so
@@ -296,4 +346,6 @@ def build_engine(run: RunConfig) -> Built:
         pipeline.engine_class().install(engine)
     if install_step_sp_grad_sync(engine, topology, run) and topology.rank == 0:
         print("ds_megatron: SP-replicated gradients summed over TP once per step (fp32)", flush=True)
+    if install_expert_grad_reduction(engine, topology) and topology.rank == 0:
+        print(f"ds_megatron: experts split over ep {topology.ep}; their gradients reduced over expert-DP", flush=True)
     return Built(engine, topology, parallel, rng, config, run)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from deepspeed.moe.utils import is_moe_param
 from torch import nn
 
 from ds_megatron.config.schedule import WarmupCosine
@@ -33,13 +34,24 @@ def counts_in_norm(p: torch.Tensor, tp_rank: int) -> bool:
 def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology) -> torch.Tensor:
     """L2 norm of the full model's gradient (each parameter counted once), identical on every rank.
 
-    Call after the data-parallel all-reduce (gradients then match across DP ranks)."""
+    Call after the data-parallel all-reduce (gradients then match across DP ranks).  Expert parameters split over
+    an EP group (DeepSpeed's mark, ``is_moe_param``) are summed over that group first: it holds each of the stage's
+    experts once, and after the expert-DP reduction every EP group of the stage holds the same sum, which TP rank 0
+    of each stage then adds (the model group sums the stages)."""
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
     sq = torch.zeros(1, dtype=torch.float32, device=device)
+    expert_sq = torch.zeros(1, dtype=torch.float32, device=device)
     for p in params:
-        if counts_in_norm(p, topology.tp_rank):
+        if is_moe_param(p):
+            expert_sq += p.grad.detach().float().pow(2).sum()
+        elif counts_in_norm(p, topology.tp_rank):
             sq += p.grad.detach().float().pow(2).sum()
+    if topology.ep > 1:
+        if topology.ep_group is not None:
+            dist.all_reduce(expert_sq, group=topology.ep_group)
+        if topology.tp_rank == 0:
+            sq += expert_sq
     if topology.model_group is not None:
         dist.all_reduce(sq, group=topology.model_group)
     return sq.sqrt()

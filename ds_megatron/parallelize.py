@@ -4,7 +4,9 @@ its parallel style and the shard rule of its weight, read by the swap, checkpoin
 
 Inside a block: swap the modules of the plan, give the block its ``BlockHooks`` (``block_hooks``: grouped
 projections, the core attention's RNG state, selective recompute), swap the dropouts on sequence shards (a
-different mask on each TP rank).  Full recompute (chunks of blocks) is the pipeline module's forward.
+different mask on each TP rank).  Full recompute (chunks of blocks) is the pipeline module's forward.  At ep > 1 a
+routed block's MLP is replaced whole by the expert-parallel layer (:func:`expert_parallel_block`): whole experts
+split over the EP group, not over TP.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, RecomputeSection
 from ds_megatron.context_parallel.attention import cp_attention
 from ds_megatron.context_parallel.layout import position_ranges
+from ds_megatron.expert_parallel.layer import ExpertParallelMoE
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, Family, ModelConfig, family_of
 from ds_megatron.model.family import COLUMN, EXPERT_SPLITS, EXPERTS, OUTPUT, POSITION, ROUTER, ROW, VOCAB, PlanRow
 from ds_megatron.model.kernels import EAGER, Kernels, compiled_kernels, use_kernels
@@ -31,6 +34,7 @@ from ds_megatron.model.layers import (
     TensorCache,
     compose,
     contiguous_positions,
+    expert_slices,
     project_each,
     run_core,
 )
@@ -76,6 +80,10 @@ class ParallelContext:
     cp_size: int = 1
     cp_comm: str = "ring"  # "ring" or "a2a" (ds_megatron.context_parallel.attention)
     compile: bool = False  # the blocks' memory-bound pieces as inductor kernels (``model.kernels``)
+    # expert parallelism (ep > 1): each routed block's experts split over this EP group, not over TP
+    ep_group: ProcessGroup | None = None
+    ep_size: int = 1
+    ep_rank: int = 0
     init_weights: bool = True  # False: the weights are loaded next (--init-from-hf), so none is drawn (zeros)
     # packed documents' attention plans, one per micro-batch's ids tensor, shared by the blocks of this process
     document_plans: TensorCache = field(default_factory=TensorCache, repr=False, compare=False)
@@ -123,12 +131,36 @@ def shard_rule(name: str, ctx: ParallelContext) -> ShardRule:
     return ShardRule(dim=dim, fused=row.fused)
 
 
+def local_experts(ctx: ParallelContext) -> slice:
+    """The global experts this rank holds at ep > 1 (EP rank i: experts i E/ep .. (i + 1) E/ep - 1), the single-device
+    tensors' slice along dim 0; every expert at ep 1."""
+    per_rank = ctx.config.num_experts // ctx.ep_size
+    return slice(ctx.ep_rank * per_rank, (ctx.ep_rank + 1) * per_rank)
+
+
+def is_expert_param(name: str, ctx: ParallelContext) -> bool:
+    """Whether the full parameter ``name`` is a routed block's stacked expert tensor."""
+    row = ctx.family.row(name)
+    return row is not None and row.style == EXPERTS
+
+
 def shard_slices(ctx: ParallelContext) -> Slices:
     """This rank's slices of every full parameter (``model.layers.Slices``): along the TP split dim, the global
     indices of the rows (or columns) its shard holds, cut by the parameter's own rule (:func:`shard` of the indices,
-    so fused q|k|v blocks and vocabulary padding come out as they do for the weights); replicated ones whole."""
+    so fused q|k|v blocks and vocabulary padding come out as they do for the weights); replicated ones whole.  At
+    ep > 1 the stacked experts are split over EP instead (dim 0, :func:`local_experts`), whole along the others."""
 
     def slices(name: str, param: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if is_expert_param(name, ctx):  # per expert (``model.layers.Slices``): whole experts over EP, rows over TP
+            dim = ctx.family.split_dim(name)
+            if ctx.ep_size > 1:
+                local = local_experts(ctx)
+                rows = torch.arange(param.shape[dim])
+                return dim, expert_slices(torch.arange(local.start, local.stop), rows, param.shape[dim])
+            rule = shard_rule(name, ctx)
+            full = param.shape[dim] * ctx.tp.size
+            rows = shard(torch.arange(full), ShardRule(0, rule.fused), ctx.tp.rank, ctx.tp.size)
+            return dim, expert_slices(torch.arange(param.shape[0]), rows, full)
         rule = shard_rule(name, ctx)
         if rule.replicated:
             return 0, None
@@ -284,14 +316,38 @@ def block_hooks(ctx: ParallelContext) -> BlockHooks:
 def parallelize_block(block: nn.Module, ctx: ParallelContext) -> nn.Module:
     """Apply the family's plan to one transformer block in place (full weights in, this rank's shards out)."""
     family = ctx.family
+    routed = expert_parallel_path(ctx)
+    if routed is not None and not _holds(block, f"{routed}.experts"):
+        routed = None  # a dense layer's MLP at the same path
+    if routed is not None:
+        _swap(block, routed, lambda moe: expert_parallel_block(moe, ctx))
     for row in family.block_rows:
         if family.routed and not _holds(block, row.path):
             continue  # a routed family's block has either the dense MLP's rows or the router's and experts'
+        if routed is not None and row.path.startswith(f"{routed}."):
+            continue  # the expert-parallel layer replaced the routed MLP whole
         _swap(block, row.path, _builder(row, ctx))
     block.hooks = block_hooks(ctx)
     for path in family.sp_dropouts:
         _swap(block, path, lambda drop: sp_dropout(drop, ctx))
     return block
+
+
+def expert_parallel_path(ctx: ParallelContext) -> str | None:
+    """The routed MLP's path in a block when ep > 1 (the expert-parallel layer replaces it whole), else None."""
+    if ctx.ep_size == 1 or not ctx.family.routed:
+        return None
+    return next(r.path for r in ctx.family.block_rows if r.style == EXPERTS).rpartition(".")[0]
+
+
+def expert_parallel_block(moe: nn.Module, ctx: ParallelContext) -> nn.Module:
+    """The routed MLP with its experts split over the EP group (whole experts, not TP-split: under SP the EP group
+    folds the tp ranks in, each routing its own sequence shard), its router replicated; under SP the router sees a
+    sequence shard, so its gradient is summed over TP like the norms'."""
+    layer = ExpertParallelMoE.from_block(moe, ctx.ep_group)
+    if ctx.sp:
+        layer.gate = SequenceParallelRouter(layer.gate, ctx.tp)
+    return layer
 
 
 def _holds(root: nn.Module, path: str) -> bool:

@@ -42,6 +42,13 @@ class ParallelTopology:
     cp_group: ProcessGroup | None = field(default=None, repr=False)
     # DeepSpeed's data axis (dp x cp ranks, what it averages gradients over) is ``ds_topology``'s "data" axis;
     # ``dp_group`` is the true data-parallel replicas only (same cp_rank).
+    # Expert parallelism (set by ``expert_parallel.dispatch.attach_ep_groups``; ep 1: none): this rank's EP group
+    # (the ranks splitting its routed experts), its expert-DP group (the ranks holding the same experts), and what
+    # the expert-DP sum of expert gradients is divided by (dp x cp).
+    ep: int = 1
+    ep_group: ProcessGroup | None = field(default=None, repr=False)
+    expert_dp_group: ProcessGroup | None = field(default=None, repr=False)
+    expert_grad_divisor: int = 1
 
     @classmethod
     def build(cls, tp: int, pp: int, dp: int, cp: int = 1) -> ParallelTopology:
@@ -83,7 +90,7 @@ class ParallelTopology:
     def describe(self) -> str:
         return (
             f"rank {self.rank}: tp {self.tp_rank}/{self.tp} cp {self.cp_rank}/{self.cp} pp {self.pp_rank}/{self.pp} "
-            f"dp {self.dp_rank}/{self.dp}"
+            f"dp {self.dp_rank}/{self.dp}" + (f" ep {self.ep}" if self.ep > 1 else "")
         )
 
 

@@ -33,6 +33,7 @@ VALUE_FLAGS: tuple[tuple[str, str, type | None, str], ...] = (
     ("--tp", "ds_megatron.parallel.tp", int, ""),
     ("--cp", "ds_megatron.parallel.cp", int, ": context parallel (each sequence split over cp ranks)"),
     ("--cp_comm", "ds_megatron.parallel.cp_comm", None, ': "ring" or "a2a"'),
+    ("--ep", "ds_megatron.parallel.ep", int, ": expert parallel (routed experts split over ep ranks; MoE families)"),
     ("--pp", "ds_megatron.parallel.pp", int, ""),
     ("--virtual-stages", "ds_megatron.parallel.virtual_stages", int, ": model chunks per pipeline rank"),
     ("--train-iters", "ds_megatron.train.train_iters", int, ""),

@@ -19,8 +19,10 @@ from ds_megatron.config.context_parallel import (
     check_cp_heads,
     check_cp_seq_length,
 )
+from ds_megatron.config.ep_rules import SETTING as EP_SETTING
+from ds_megatron.config.ep_rules import check_ep, check_num_experts
 from ds_megatron.config.errors import ConfigError, nearest
-from ds_megatron.config.facts import grad_accum_dtype, precision, zero_stage
+from ds_megatron.config.facts import grad_accum_dtype, optimizer_wrapper, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
 from ds_megatron.config.pipeline_checks import check_schedule_name, check_schedule_run
 from ds_megatron.config.rules import (
@@ -225,6 +227,7 @@ def resolve(ds_config: dict, world_size: int) -> RunConfig:
     check_train(section.train)
     check_eval_only(section)
     check_counts(section)
+    check_ep_run(section, ds_config)  # what expert parallelism does not train with yet
     # data.tokenizer and data.valid_fraction apply to text tokenised in the launch only: pre-flight checks them
     # (check_text_settings) once it knows the data is not a prepared directory, which brings its own.
     check_data_section(section.data)
@@ -308,6 +311,7 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
             f"use one of {SP_GRAD_SYNC}",
         )
     check_partition_method(par.partition_method)
+    check_expert_parallel(par, shape, tp, cp, dp)
     return tp, pp, cp, dp
 
 
@@ -447,6 +451,51 @@ NON_NEGATIVE = {
     "checkpoint.keep_last": "0 keeps every checkpoint",
 }
 WANDB_MODES = ("online", "offline", "disabled")
+
+
+def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
+    """What expert parallelism does not train with yet, refused in one line each: DeepSpeed's optimizer wrappers
+    (bf16, fp16, ZeRO: their flat partitions of the expert parameters would need the expert-DP groups registered in
+    DeepSpeed's module globals), selective recompute of ``moe`` (the expert-parallel layer keeps its activations),
+    and checkpoints (DeepSpeed's pipeline writes a layer's weights from data-parallel rank 0 only, which holds only
+    its own experts when the EP group spans dp; the checkpoint and transformers readers cut experts by the TP rule)."""
+    ep = section.parallel.ep
+    if ep == 1:
+        return
+    wrapper = optimizer_wrapper(ds_config)
+    if wrapper is not None:
+        raise ConfigError(
+            EP_SETTING, "ep > 1 trains in fp32 with ZeRO stage 0 only (DeepSpeed's optimizer wrappers are not wired)",
+            f"ep={ep}, DeepSpeed optimizer wrapper {wrapper}", "use ep 1, or fp32 without ZeRO",
+        )  # fmt: skip
+    if "moe" in section.recompute.selective_modules:
+        raise ConfigError(
+            EP_SETTING, "the expert-parallel layer has no selective recompute of moe",
+            f"ep={ep}, recompute modules {list(section.recompute.selective_modules)}",
+            "drop moe from recompute.modules, or use ep 1",
+        )  # fmt: skip
+    ckpt = section.checkpoint
+    if ckpt.save or ckpt.load or ckpt.init_from_hf:
+        raise ConfigError(
+            EP_SETTING, "checkpoints of expert-parallel runs are not written or read yet (nor transformers weights)",
+            f"ep={ep}, checkpoint.save={ckpt.save!r}, checkpoint.load={ckpt.load!r}, "
+            f"checkpoint.init_from_hf={ckpt.init_from_hf!r}",
+            "unset checkpoint.save, checkpoint.load and checkpoint.init_from_hf, or use ep 1",
+        )  # fmt: skip
+
+
+def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: int, dp: int) -> None:
+    """ep > 1 needs routed experts, an even split of them, and a layout the folding can form (``config.ep_rules``)."""
+    ep = _positive(EP_SETTING, par.ep)
+    if ep == 1:
+        return
+    if not shape.num_experts:
+        raise ConfigError(
+            EP_SETTING, "expert parallelism splits routed experts, and this model has none",
+            f"ep={ep}, family={shape.family}", "use ep 1, or a routed family (qwen3_moe, mixtral)",
+        )  # fmt: skip
+    check_num_experts(shape.num_experts, ep)
+    check_ep(ep, tp, cp, dp, par.sequence_parallel, shape.num_experts)
 
 
 def check_partition_method(method: str) -> None:

@@ -97,6 +97,7 @@ class ParallelSection:
     cp: int = 1  # context-parallel size: each sequence split over cp ranks (load-balanced chunks); next to tp
     cp_comm: str = "ring"  # how CP attention exchanges: "ring" (K/V point-to-point) or "a2a" (all-to-all over heads)
     pp: int = 1  # pipeline-parallel size (p)
+    ep: int = 1  # expert-parallel size: each routed layer's experts split over ep ranks holding distinct tokens
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group (needs tp > 1)
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from ds_megatron.expert_parallel.layout import EPLayout
-from ds_megatron.topology import _my_group
+from ds_megatron.expert_parallel.layout import EPLayout, ep_layout
+from ds_megatron.topology import ParallelTopology, _my_group
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -45,6 +45,23 @@ def build_ep_groups(layout: EPLayout, rank: int) -> tuple[ProcessGroup | None, P
     ep_group = _my_group([list(g) for g in layout.ep_groups], rank)
     expert_dp_group = _my_group([list(g) for g in layout.expert_dp_groups], rank)
     return ep_group, expert_dp_group
+
+
+def attach_ep_groups(topology: ParallelTopology, ep: int, sequence_parallel: bool) -> None:
+    """Build the EP and expert-DP groups of ``topology``'s world at ``ep`` (collective, once per run, after the
+    topology's own groups) and keep this rank's on ``topology``; ep 1 builds nothing."""
+    if ep == 1:
+        return
+    layout = ep_layout(topology.tp, topology.cp, topology.dp, topology.pp, ep, sequence_parallel)
+    topology.ep_group, topology.expert_dp_group = build_ep_groups(layout, topology.rank)
+    if topology.expert_dp_group is None:
+        # an expert-DP group of one (ep = every token rank of the stage) still becomes a real group: DeepSpeed's
+        # engine broadcasts each expert parameter over the expert-DP group it finds registered under the
+        # parameter's group name (``None`` there would mean the whole world)
+        for line in layout.expert_dp_groups:
+            group = dist.new_group(ranks=list(line))
+            topology.expert_dp_group = group if topology.rank in line else topology.expert_dp_group
+    topology.ep, topology.expert_grad_divisor = ep, layout.expert_grad_divisor
 
 
 class _AllToAllV(torch.autograd.Function):

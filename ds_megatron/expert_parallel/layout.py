@@ -30,50 +30,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_megatron.config.errors import ConfigError
+# the refusals live with the config, which runs them before any process group exists (config.ep_rules)
+from ds_megatron.config.ep_rules import SETTING, check_ep, check_num_experts, token_ranks, valid_ep_values
 
-SETTING = "ds_megatron.parallel.ep"
-
-
-def token_ranks(tp: int, cp: int, dp: int, sequence_parallel: bool) -> int:
-    """How many ranks of one pipeline stage hold distinct tokens that one EP group may span (module docstring)."""
-    return tp * cp * dp if sequence_parallel or tp == 1 else cp * dp
-
-
-def valid_ep_values(tp: int, cp: int, dp: int, sequence_parallel: bool, num_experts: int | None = None) -> list[int]:
-    """Every ep the folding can form (and that splits ``num_experts`` evenly, when given)."""
-    # without SP at tp > 1 only ep 1: an EP group there would span tp ranks routing the same tokens
-    n = token_ranks(tp, cp, dp, sequence_parallel) if sequence_parallel or tp == 1 else 1
-    return [e for e in range(1, n + 1) if n % e == 0 and (num_experts is None or num_experts % e == 0)]
-
-
-def check_ep(ep: int, tp: int, cp: int, dp: int, sequence_parallel: bool, num_experts: int | None = None) -> None:
-    """Refuse an ep the folding cannot form, in one line naming the valid values."""
-    valid = valid_ep_values(tp, cp, dp, sequence_parallel, num_experts)
-    if ep in valid:
-        return
-    values = f"ep={ep}, tp={tp}, cp={cp}, dp={dp}, sequence_parallel={str(sequence_parallel).lower()}"
-    if num_experts is not None:
-        values += f", num_experts={num_experts}"
-    if ep > 1 and tp > 1 and not sequence_parallel:
-        problem = "an EP group spans ranks holding distinct tokens; without sequence parallelism tp ranks share theirs"
-        fix = f"turn on sequence_parallel, or use ep in {valid}"
-    else:
-        problem = "ep must divide the ranks of a stage holding distinct tokens (tp x cp x dp under SP, cp x dp without)"
-        if num_experts is not None:
-            problem += " and num_experts"
-        fix = f"use ep in {valid}"
-    raise ConfigError(SETTING, problem, values, fix)
-
-
-def check_num_experts(num_experts: int, ep: int) -> None:
-    """Each EP rank holds num_experts / ep experts: refuse an uneven split."""
-    if num_experts % ep != 0:
-        divisors = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
-        raise ConfigError(
-            SETTING, "each EP rank holds num_experts / ep experts", f"num_experts={num_experts}, ep={ep}",
-            f"use ep in {divisors}",
-        )  # fmt: skip
+__all__ = ["SETTING", "EPLayout", "check_ep", "check_num_experts", "ep_layout", "token_ranks", "valid_ep_values"]
 
 
 @dataclass(frozen=True)

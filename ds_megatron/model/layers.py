@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ds_megatron.model.family import EXPERTS
 from ds_megatron.model.kernels import EAGER, Kernels
 
 # Runs a module's several linear layers on one input (q|k|v, gate|up).
@@ -216,13 +217,32 @@ class TiedEmbedding(nn.Embedding):
 
 # Where a parameter's initial values come from, given its full name and the tensor to fill: (the dim its slices run
 # along, the global indices of its slices along that dim, -1 for a padding slice left zero; None: all, 0..n-1).
+# A stacked expert tensor [E, ...] gives a 2-D index instead, [experts held, slices held] (``expert_slices``): each
+# expert's slices are drawn on their own, so that a rank holding some experts (expert parallelism) or some rows of
+# every expert (tensor parallelism) draws only what it holds.
 Slices = Callable[[str, torch.Tensor], tuple[int, torch.Tensor | None]]
+
+
+def expert_slices(experts: torch.Tensor, slices: torch.Tensor, full: int) -> torch.Tensor:
+    """The 2-D slice index of a stacked expert tensor: global expert ids [m] and global slice ids [n] along the
+    split dim (-1: padding) of a dim holding ``full`` slices per expert -> [m, n] ids ``e * full + slice``."""
+    ids = experts[:, None] * full + slices[None, :]
+    return torch.where(slices[None, :] < 0, torch.full_like(ids, -1), ids)
 
 
 def whole(family: Any) -> Slices:
     """The single-device model's slices: all of them, along the dim TP splits the parameter (``Family.split_dim``;
-    0 for a replicated one), so that a shard's slices are the same slices."""
-    return lambda name, param: (family.split_dim(name) or 0, None)
+    0 for a replicated one), so that a shard's slices are the same slices; a stacked expert tensor's per expert."""
+
+    def slices(name: str, param: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        dim = family.split_dim(name) or 0
+        row = family.row(name)
+        if row is not None and row.style == EXPERTS:
+            n = param.shape[dim]
+            return dim, expert_slices(torch.arange(param.shape[0]), torch.arange(n), n)
+        return dim, None
+
+    return slices
 
 
 @torch.no_grad()
@@ -239,6 +259,18 @@ def seeded_normal_(
     if param.is_meta:
         return
     base = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**32
+    if index is not None and index.dim() == 2:  # a stacked expert tensor: expert i's slices index[i] (dim > 0)
+        gen = torch.Generator(device="cpu")
+        for expert, ids in zip(param, index, strict=True):
+            values = torch.empty(expert.movedim(dim - 1, 0).shape, dtype=torch.float32)
+            for j, g in enumerate(ids.tolist()):
+                if g < 0:
+                    values[j].zero_()
+                else:
+                    gen.manual_seed((base + g) % 2**32)
+                    values[j].normal_(0.0, std, generator=gen)
+            expert.copy_(values.movedim(0, dim - 1))
+        return
     values = torch.empty(param.movedim(dim, 0).shape, dtype=torch.float32)  # [slices, ...]
     gen = torch.Generator(device="cpu")
     for j, g in enumerate(range(len(values)) if index is None else index.tolist()):

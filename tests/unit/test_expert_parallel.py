@@ -297,3 +297,46 @@ def test_expert_params_carry_deepspeeds_marks():
     assert {p.group_name for p in layer.experts.parameters()} == {"ep_size_1"}
     reduce_expert_grads(layer, None, 2)
     assert all(p.grad is not None and not p.grad.any() for p in layer.experts.parameters())
+
+
+def _ep_config(ep: int, model: dict | None = None, ds: dict | None = None, **parallel) -> dict:
+    model = model or {"size": "moe-tiny", "vocab_size": 64, "seq_length": 16}
+    section = {"model": model, "parallel": {"ep": ep, **parallel}}
+    return {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, **(ds or {}), "ds_megatron": section}
+
+
+def test_the_ep_setting_and_its_refusals():
+    """``ds_megatron.parallel.ep`` / ``--ep``: the layouts the folding forms resolve; every other use is refused in
+    one line naming the setting, before any process group exists."""
+    from ds_megatron.cli.train import apply_overrides, build_parser
+    from ds_megatron.config import resolve
+
+    assert resolve(_ep_config(2), 2).section.parallel.ep == 2  # dp 2
+    assert resolve(_ep_config(2, tp=2, sequence_parallel=True), 2).section.parallel.ep == 2  # folded over tp
+    assert resolve(_ep_config(4, tp=2, sequence_parallel=True), 4).section.parallel.ep == 4  # tp 2 x dp 2
+    dense = {"family": "gpt2", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 64, "seq_length": 16}
+    cases = [
+        (_ep_config(2, dense), 2, "this model has none"),
+        (_ep_config(2, tp=2), 2, "turn on sequence_parallel, or use ep in [1]"),
+        (_ep_config(3), 3, "num_experts=8, ep=3); use ep in [1, 2, 4, 8]"),
+        (_ep_config(4), 2, "use ep in [1, 2]"),
+        (_ep_config(0), 2, "ds_megatron.parallel.ep"),
+        (_ep_config(2, ds={"bf16": {"enabled": True}}), 2, "DeepSpeed optimizer wrapper"),
+        (_ep_config(2, ds={"zero_optimization": {"stage": 1}}), 2, "wrapper ZeRO"),
+    ]
+    for cfg, world, message in cases:
+        with pytest.raises(ConfigError) as err:
+            resolve(cfg, world)
+        text = str(err.value)
+        assert text.startswith("error: ds_megatron.parallel.ep: ") and "\n" not in text and message in text, text
+    cfg = _ep_config(2)
+    cfg["ds_megatron"]["recompute"] = {"policy": "selective", "modules": ["moe"]}
+    with pytest.raises(ConfigError, match="drop moe from recompute.modules"):
+        resolve(cfg, 2)
+    for checkpoint in ({"save": "ckpt"}, {"load": "ckpt"}, {"init_from_hf": "hf"}):
+        cfg = _ep_config(2)
+        cfg["ds_megatron"]["checkpoint"] = checkpoint
+        with pytest.raises(ConfigError, match="checkpoints of expert-parallel runs"):
+            resolve(cfg, 2)
+    args = build_parser().parse_args(["--deepspeed_config", "x.json", "--ep", "2"])
+    assert apply_overrides({"ds_megatron": {}}, args)["ds_megatron"]["parallel"] == {"ep": 2}

@@ -58,7 +58,7 @@ MIXTRAL.pop("norm_topk_prob")
 BF16_TOLERANCE = 2e-2  # bf16 keeps 8 bits of mantissa: one rounding of a sum of O(1) terms is ~4e-3
 
 
-def config(tp=1, cp=1, dp=1, *, sp=False, comm="ring", mixtral=False, recompute=None, attention="eager"):
+def config(tp=1, cp=1, dp=1, *, sp=False, comm="ring", mixtral=False, recompute=None, attention="eager", ep=1):
     model = {k: v for k, v in (MIXTRAL if mixtral else MOE).items() if v is not None}
     model.update(vocab_size=101, seq_length=SEQ, dropout=0.0, attention=attention)
     return {
@@ -66,7 +66,7 @@ def config(tp=1, cp=1, dp=1, *, sp=False, comm="ring", mixtral=False, recompute=
         "train_micro_batch_size_per_gpu": 2,
         "ds_megatron": {
             "model": model,
-            "parallel": {"tp": tp, "cp": cp, "cp_comm": comm, "sequence_parallel": sp},
+            "parallel": {"tp": tp, "cp": cp, "cp_comm": comm, "sequence_parallel": sp, "ep": ep},
             "recompute": recompute or {"policy": "none"},
             "train": {"seed": 1234},
         },
@@ -77,7 +77,7 @@ class Layout(NamedTuple):
     tp: int
     cp: int
     dp: int
-    options: tuple[str, ...] = ()  # sp, a2a, mixtral, stages, full, moe (selective recompute), skew, bf16
+    options: tuple[str, ...] = ()  # sp, a2a, mixtral, stages, full, moe (selective recompute), skew, bf16, ep2
 
     @property
     def name(self) -> str:
@@ -94,8 +94,10 @@ LAYOUTS = {
         Layout(1, 2, 1),
         Layout(1, 2, 1, ("a2a", "stages", "mixtral")),
         Layout(2, 1, 1, ("sp", "bf16")),
+        Layout(1, 1, 2, ("ep2",)),
+        Layout(2, 1, 1, ("sp", "ep2", "mixtral")),
     ],
-    4: [Layout(2, 2, 1, ("sp", "stages", "skew"))],
+    4: [Layout(2, 2, 1, ("sp", "stages", "skew")), Layout(2, 1, 2, ("sp", "ep2", "stages", "skew"))],
 }
 
 
@@ -114,6 +116,7 @@ def layout_run(layout: Layout, world: int):
         comm="a2a" if "a2a" in o else "ring",
         mixtral="mixtral" in o,
         recompute=recompute,
+        ep=2 if "ep2" in o else 1,
     )
     return resolve(cfg, world)
 
@@ -158,7 +161,11 @@ def reference(cfg, seed: int, windows: torch.Tensor, dp: int, skewed: bool, dtyp
 
 
 def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
+    from deepspeed.moe.utils import is_moe_param
+
     from ds_megatron.data.stream import split_batch
+    from ds_megatron.expert_parallel.dispatch import attach_ep_groups
+    from ds_megatron.expert_parallel.layer import ExpertParallelMoE, reduce_expert_grads
     from ds_megatron.optim import global_grad_norm
     from ds_megatron.parallelize import ParallelContext, shard_rule
     from ds_megatron.pipeline_parallel.module import (
@@ -176,6 +183,7 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     tol = BF16_TOLERANCE if "bf16" in o else 1e-5
     run = layout_run(layout, world)
     topo = ParallelTopology.build(run.tp, 1, run.dp, run.cp)
+    attach_ep_groups(topo, run.section.parallel.ep, run.section.parallel.sequence_parallel)
     data_group = None
     for line in topo.ds_topology.get_axis_comm_lists("data"):
         group = dist.new_group(line)
@@ -191,6 +199,9 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         cp_rank=topo.cp_rank,
         cp_size=topo.cp,
         cp_comm=run.section.parallel.cp_comm,
+        ep_group=topo.ep_group,
+        ep_size=topo.ep,
+        ep_rank=dist.get_rank(topo.ep_group) if topo.ep_group is not None else 0,
     )
     seed = run.section.train.seed
     loss_fn = VocabParallelLoss(ctx, fused="bf16" not in o)
@@ -225,7 +236,9 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         on_boundary = torch.tensor(int(shapes[-1] == want_router))
         pairs.append(("router statistics on the boundary", on_boundary, torch.tensor(1)))
     size = run.dp * run.cp
-    for p in layers.parameters():  # DeepSpeed's data-parallel average, over dp x cp ranks
+    for p in layers.parameters():  # DeepSpeed's data-parallel average, over dp x cp ranks (the experts: below)
+        if is_moe_param(p):
+            continue
         if size > 1:
             dist.all_reduce(p.grad, group=data_group)
         p.grad /= size
@@ -234,6 +247,11 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     if size > 1:
         dist.all_reduce(logged, group=data_group)
     logged /= size
+    if topo.ep > 1:  # the engine's rule for experts split over EP: a sum over expert-DP, divided by dp x cp
+        reduce_expert_grads(layers, topo.expert_dp_group, topo.expert_grad_divisor)
+        routed = sum(isinstance(m, ExpertParallelMoE) for m in layers.modules())
+        stacked = sum(n.endswith("experts.down_proj") for n, _ in layers.named_parameters())
+        pairs.append(("every routed block expert-parallel", torch.tensor(routed), torch.tensor(stacked)))
     norm = global_grad_norm(list(layers.parameters()), topo)
 
     ref, ref_loss, ref_parts = reference(cfg, seed, windows, run.dp, "skew" in o, dtype)
@@ -247,7 +265,11 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         ("grad norm", norm.reshape(()).float(), ref_norm, tol),
     ]
     if "skew" in o:  # the last expert got no token: its weights' gradient is present and zero everywhere
-        empty = [p.grad[-1].abs().sum() for n, p in layers.named_parameters() if n.endswith("experts.down_proj")]
+        empty = [
+            gather_experts(p.grad, topo.ep_group)[-1].abs().sum()
+            for n, p in layers.named_parameters()
+            if n.endswith("experts.down_proj")
+        ]
         pairs.append(("an expert without tokens", torch.stack(empty).sum(), torch.tensor(0.0)))
         low = loss_fn.router_metrics["expert_load_min"]
         pairs.append(("least loaded expert has no assignment", low, torch.tensor(0.0)))
@@ -256,11 +278,23 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     for name, p in layers.named_parameters():
         full = layout_names.full_name(name)
         seen.add(full)
-        expected = shard(ref_grads[full].grad, shard_rule(full, ctx), topo.tp_rank, topo.tp)
-        pairs.append((f"grad {full}", p.grad.float(), expected.float(), tol))
+        if is_moe_param(p):  # split over EP: this EP group's slices gathered into the single-device tensor
+            got, expected = gather_experts(p.grad, topo.ep_group), ref_grads[full].grad
+        else:
+            got, expected = p.grad, shard(ref_grads[full].grad, shard_rule(full, ctx), topo.tp_rank, topo.tp)
+        pairs.append((f"grad {full}", got.float(), expected.float(), tol))
     missing = set(ref_grads) - seen
     pairs.append(("every parameter compared", torch.tensor(len(missing)), torch.tensor(0)))
     return pairs
+
+
+def gather_experts(grad: torch.Tensor, ep_group) -> torch.Tensor:
+    """The stacked expert tensor's slices of every rank of ``ep_group``, in EP rank order (dim 0); ep 1: itself."""
+    if ep_group is None:
+        return grad
+    parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ep_group))]
+    dist.all_gather(parts, grad.contiguous(), group=ep_group)
+    return torch.cat(parts)
 
 
 def _run_rank(group, rank: int, world: int) -> dict[str, str]:
