@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from launch import RECIPE, ROOT, deepspeed_launch, read_records, shared_launch
+from launch import RECIPE, ROOT, Launch, deepspeed_launch, read_records, shared_launch
 
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
@@ -44,7 +44,7 @@ def demo(tmp_path_factory):
     return tmp_path, run_dir, out
 
 
-def test_demo_trains_and_reports(demo):
+def test_demo_trains_and_reports(demo, eval_only):  # eval_only: its launch starts here, beside these checks
     tmp_path, run_dir, out = demo
     records = read_records(run_dir)
     losses = [r["loss"] for r in records if "loss" in r]
@@ -91,7 +91,7 @@ def test_greedy_continuation_matches_single_device():
         assert r["pipeline"] == r["reference"], (f.name, r)
 
 
-def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
+def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, eval_only, tmp_path):
     """Train at tp 2 x pp 2 with SP, export; transformers' logits equal ds_megatron's, its greedy
     generate equals the recipe's greedy continuation, and its validation loss equals the recipe's."""
     import numpy as np
@@ -140,30 +140,34 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
     assert abs(np.mean(batch_losses) - recipe_val) <= 1e-4, (np.mean(batch_losses), recipe_val)
 
 
-def test_eval_only_reports_the_validation_loss_of_what_it_loads(demo, tmp_path):
+EVAL_ONLY_TEST = "test_eval_only_reports_the_validation_loss_of_what_it_loads"
+
+
+@pytest.fixture(scope="module")
+def eval_only(demo, tmp_path_factory, request):
+    """``--eval-only --load`` of the demo's checkpoint, started as soon as the demo ended when its test is selected:
+    its one process runs beside the in-process checks of the demo's run and export (it reads the checkpoint and
+    writes only its own run directory).  (the launch, the run directory), or None when its test is not selected."""
+    if not any(item.originalname == EVAL_ONLY_TEST for item in request.session.items):
+        return None
+    demo_dir, _, _ = demo
+    eval_dir = tmp_path_factory.mktemp("eval") / "run"
+    args = ["--deepspeed_config", TINY, "--tp", "1", "--pp", "1", "--eval-only", "--load", str(demo_dir / "ck")]
+    args += [
+        "--set",
+        f"ds_megatron.logging.run_dir={eval_dir}",
+        "--set",
+        f"ds_megatron.data.cache_dir={demo_dir / 'cache'}",
+    ]
+    return Launch(RECIPE, 1, args), eval_dir
+
+
+def test_eval_only_reports_the_validation_loss_of_what_it_loads(demo, eval_only):
     """``--eval-only --load``: the demo's last checkpoint, loaded at another layout (1 process: resharded on load),
     reports the validation loss the training run logged at that step, trains nothing and saves nothing."""
     demo_dir, run_dir, _ = demo
-    eval_dir = tmp_path / "eval"
-    out = deepspeed_launch(
-        RECIPE,
-        1,
-        [
-            "--deepspeed_config",
-            TINY,
-            "--tp",
-            "1",
-            "--pp",
-            "1",
-            "--eval-only",
-            "--load",
-            str(demo_dir / "ck"),
-            "--set",
-            f"ds_megatron.logging.run_dir={eval_dir}",
-            "--set",
-            f"ds_megatron.data.cache_dir={demo_dir / 'cache'}",
-        ],
-    )
+    launch, eval_dir = eval_only
+    out = launch.finish()
     trained = [r for r in read_records(run_dir) if "val_loss" in r][-1]
     (evaluated,) = read_records(eval_dir)
     assert evaluated["step"] == trained["step"] == 40
