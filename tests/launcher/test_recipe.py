@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
-from launch import RECIPE, ROOT, Launch, deepspeed_launch, read_records, shared_launch
+from launch import RECIPE, ROOT, Launch, deepspeed_launch, read_records, shared_launch, shared_token_cache
 
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
@@ -17,7 +18,9 @@ TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """One run of the demo config (4 processes, tp 2 x pp 2, SP, selective recompute), shared by the tests below,
-    through the `deepspeed` command as the README runs it."""
+    through the `deepspeed` command as the README runs it, with the data cache of the session's other runs of the
+    same corpus and tokenizer (``shared_token_cache``: the BPE training and packing, which the runs that share it
+    test, are not paid again)."""
     tmp_path = tmp_path_factory.mktemp("demo")
     run_dir = tmp_path / "run"
     out = deepspeed_launch(
@@ -35,7 +38,7 @@ def demo(tmp_path_factory):
             "--set",
             f"ds_megatron.logging.run_dir={run_dir}",
             "--set",
-            f"ds_megatron.data.cache_dir={tmp_path / 'cache'}",
+            f"ds_megatron.data.cache_dir={shared_token_cache()}",
             "--set",
             "ds_megatron.train.generate_tokens=6",
         ],
@@ -99,11 +102,13 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, eval_only, tmp_pa
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ds_megatron.checkpoint.__main__ import main as checkpoint_main
+    from ds_megatron.config import resolve
     from ds_megatron.data import MicroBatchStream, PackedSamples, open_packed, split_train_valid
+    from ds_megatron.data.corpus import launch_record
     from ds_megatron.model.gpt2.model import GPT, GPTConfig, from_hf_state_dict
 
     demo_dir, run_dir, _ = demo
-    ck, cache = demo_dir / "ck", demo_dir / "cache"
+    ck = demo_dir / "ck"
     hf_dir = tmp_path / "hf"
     # No --tokenizer: every save put the run's tokenizer in its tag, and export ships that one.
     assert checkpoint_main(["export", "--checkpoint", str(ck), "--out", str(hf_dir)]) == 0
@@ -123,7 +128,8 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, eval_only, tmp_pa
         assert (ours(ids) - model(ids).logits).abs().max() <= 1e-5
 
     cfg = json.loads((run_dir / "config.json").read_text())
-    packed = open_packed(next(cache.glob("*.bin")))
+    # the packed file the run read: its cache's record for the run's data inputs names it
+    packed = open_packed(Path(json.loads(launch_record(resolve(cfg, 4)).read_text())["cache_file"]))
     _, valid = split_train_valid(packed.tokens, cfg["ds_megatron"]["data"].get("valid_fraction", 0.02))
     seed = cfg["ds_megatron"]["train"]["seed"]
     stream = MicroBatchStream(PackedSamples(valid, 128, seed + 1), 4, 4, 0, 1)
@@ -157,7 +163,7 @@ def eval_only(demo, tmp_path_factory, request):
         "--set",
         f"ds_megatron.logging.run_dir={eval_dir}",
         "--set",
-        f"ds_megatron.data.cache_dir={demo_dir / 'cache'}",
+        f"ds_megatron.data.cache_dir={shared_token_cache()}",
     ]
     return Launch(RECIPE, 1, args), eval_dir
 
