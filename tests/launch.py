@@ -112,9 +112,10 @@ def launcher_command(nprocs: int, port: int, command: bool = False) -> list[str]
 
 
 def _record_launch(script: str | Path, nprocs: int, nodes: int = 1, seconds: float = 0.0, args=()) -> None:
-    """With DS_MEGATRON_TEST_LAUNCH_LOG set, append one line per launch (test, script, processes, wall seconds, and
-    for a shared launch the workers it ran and each one's seconds): the suite's time is mostly launches, and this
-    counts them per test."""
+    """With DS_MEGATRON_TEST_LAUNCH_LOG set, append one line per launch (test, script, processes, wall seconds from
+    its start until a test waited for it: more than the launch took when it ran in the background; for a shared
+    launch the workers it ran and each one's own seconds): the suite's time is mostly launches, and this counts them
+    per test."""
     log = os.environ.get("DS_MEGATRON_TEST_LAUNCH_LOG")
     if log:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
