@@ -253,6 +253,9 @@ def read_losses(run_dir: Path) -> dict[int, float]:
 # start, a pipeline stage waiting for the other), and the tests in between (other launches, in-process checks)
 # use it.  Each launch's planning (a module's ``runs``) happens in the test process's main thread before its start.
 SELECTED_MODULES: set[str] | None = None  # None: every registered module
+# DS_MEGATRON_TEST_OVERLAP=0 runs the launcher tier one launch (and one reliability scenario) at a time, as before
+# the overlap: the same checks, for comparing the two on a given machine.
+OVERLAP = os.environ.get("DS_MEGATRON_TEST_OVERLAP", "1") != "0"
 
 
 class _SharedLaunch:
@@ -319,8 +322,10 @@ def shared_launch(module: str, nprocs: int, runs, phase: int = 0, timeout: int =
     shared.entries.append(entry)
 
     def result(check: bool = True) -> Path:
-        if shared.done is None:
+        if shared.done is None and OVERLAP:
             _start_phase(phase)
+        elif shared.done is None:
+            shared.start()
         shared.wait()
         if not check and entry["out"] is not None:
             return entry["out"]

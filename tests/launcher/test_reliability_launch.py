@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from launch import ROOT, WORKERS, _free_port, deepspeed_launch, launcher_command, quiet_run_flags, read_losses
+from launch import OVERLAP, ROOT, WORKERS, _free_port, deepspeed_launch, launcher_command, quiet_run_flags, read_losses
 from test_reliability import TINY
 
 from ds_megatron.config.schedule import warmup_cosine_from
@@ -339,7 +339,7 @@ SCENARIOS: dict[str, Callable[..., None]] = {
 # Scenarios running at once: enough to keep two cores busy through the single-core starts and the waits; each
 # scenario's waits are bounded in its own clock (_wait_for, the faults' pauses), so a loaded machine slows them all
 # alike.  In the order of SCENARIOS: the longest (two launches in a row, two nodes) start first.
-AT_ONCE = 3
+AT_ONCE = 3 if OVERLAP else 1
 
 
 @pytest.fixture(scope="module")
