@@ -39,31 +39,66 @@ def deepspeed_launch(
     env_extra: dict | None = None,
     command: bool = False,
 ) -> str:
-    """Launch ``script`` in ``nprocs`` processes; raise with the output tail on failure.
+    """Launch ``script`` in ``nprocs`` processes and wait for it; its output, or raise with the output tail on failure.
 
     By default DeepSpeed's per-node launcher (``python -m deepspeed.launcher.launch``) is started directly, with the
     arguments the ``deepspeed --num_gpus N`` command gives it on one node (the command's runner passes the environment
     on unchanged there): the workers see the same launcher, ranks, environment and process chain below the launcher,
     and the runner's own start (a Python process importing torch and deepspeed, about 3 s of the 2 cores) is saved.
     ``command=True`` runs the real ``deepspeed`` command, for tests of what the command itself does."""
-    port = _free_port()
-    cmd = [*launcher_command(nprocs, port, command), str(script), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
-    env.update(env_extra or {})
-    start = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    finally:
-        _record_launch(script, nprocs, seconds=time.monotonic() - start, args=args)
-    output = proc.stdout + proc.stderr
-    leaked = shm_buffers(port)
-    for f in leaked:  # never let a failed run fill the machine's memory (see engine.release_shm_buffer_name)
-        f.unlink(missing_ok=True)
-    if leaked and proc.returncode == 0:
-        raise AssertionError(f"the run left DeepSpeed shared-memory buffers behind: {[f.name for f in leaked]}")
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{output[-6000:]}")
-    return output
+    return Launch(script, nprocs, args, timeout, env_extra, command).finish()
+
+
+class Launch:
+    """``deepspeed_launch`` in two halves: the processes start when this is made and run while the test process does
+    other work; ``finish`` waits for them and gives what ``deepspeed_launch`` gives.  The output goes to a file, not
+    a pipe (nobody drains a pipe while the launch runs in the background, and a full one would block the ranks)."""
+
+    def __init__(self, script, nprocs: int, args: list[str], timeout=600, env_extra=None, command: bool = False):
+        self.script, self.nprocs, self.args, self.timeout = script, nprocs, args, timeout
+        self.port = _free_port()
+        self.cmd = [*launcher_command(nprocs, self.port, command), str(script), *args]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline", PYTHONWARNINGS="ignore")
+        env.update(env_extra or {})
+        self.log = tempfile.TemporaryFile(mode="w+", prefix="ds_megatron-launch-")
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        _RUNNING.add(self.proc)
+
+    def finish(self) -> str:
+        """Wait for the launch (at most ``timeout`` seconds from its start: then it is killed and this raises
+        ``subprocess.TimeoutExpired``); its output, or raise with the output tail when it failed."""
+        try:
+            self.proc.wait(timeout=max(0.0, self.start + self.timeout - time.monotonic()))
+        except BaseException:  # a timeout, or the session interrupted: the launch does not outlive its wait
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        finally:
+            _RUNNING.discard(self.proc)
+            _record_launch(self.script, self.nprocs, seconds=time.monotonic() - self.start, args=self.args)
+        self.log.seek(0)
+        output = self.log.read()
+        self.log.close()
+        leaked = shm_buffers(self.port)
+        for f in leaked:  # never let a failed run fill the machine's memory (see engine.release_shm_buffer_name)
+            f.unlink(missing_ok=True)
+        if leaked and self.proc.returncode == 0:
+            raise AssertionError(f"the run left DeepSpeed shared-memory buffers behind: {[f.name for f in leaked]}")
+        if self.proc.returncode != 0:
+            raise AssertionError(f"{' '.join(self.cmd)} failed with {self.proc.returncode}:\n{output[-6000:]}")
+        return output
+
+
+_RUNNING: set[subprocess.Popen] = set()  # launches started and not yet waited for
+
+
+@atexit.register
+def _stop_running() -> None:
+    """A session that ends (or is interrupted) before waiting for a background launch stops it: DeepSpeed's launcher
+    passes SIGTERM on to its ranks."""
+    for proc in list(_RUNNING):
+        proc.terminate()
 
 
 def launcher_command(nprocs: int, port: int, command: bool = False) -> list[str]:
@@ -77,9 +112,10 @@ def launcher_command(nprocs: int, port: int, command: bool = False) -> list[str]
 
 
 def _record_launch(script: str | Path, nprocs: int, nodes: int = 1, seconds: float = 0.0, args=()) -> None:
-    """With DS_MEGATRON_TEST_LAUNCH_LOG set, append one line per launch (test, script, processes, wall seconds, and
-    for a shared launch the workers it ran and each one's seconds): the suite's time is mostly launches, and this
-    counts them per test."""
+    """With DS_MEGATRON_TEST_LAUNCH_LOG set, append one line per launch (test, script, processes, wall seconds from
+    its start until a test waited for it: more than the launch took when it ran in the background; for a shared
+    launch the workers it ran and each one's own seconds): the suite's time is mostly launches, and this counts them
+    per test."""
     log = os.environ.get("DS_MEGATRON_TEST_LAUNCH_LOG")
     if log:
         test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
@@ -212,16 +248,25 @@ def read_losses(run_dir: Path) -> dict[int, float]:
 # their own folder.  Each run is still its own ``__main__`` with its own engine (see workers/several.py).  A run that
 # must start in a fresh launch after another (a resume) registers in a later phase, and its ``runs`` function asks
 # for the earlier phase's result itself (the work between the two, such as moving a checkpoint, goes there too).
+# The launches of one phase start together, when the first of them is needed, and run in the background until a
+# test needs their results: a launch of 1 or 2 processes leaves a core idle much of the time (one rank's single-core
+# start, a pipeline stage waiting for the other), and the tests in between (other launches, in-process checks)
+# use it.  Each launch's planning (a module's ``runs``) happens in the test process's main thread before its start.
 SELECTED_MODULES: set[str] | None = None  # None: every registered module
+# DS_MEGATRON_TEST_OVERLAP=0 runs the launcher tier one launch (and one reliability scenario) at a time, as before
+# the overlap: the same checks, for comparing the two on a given machine.
+OVERLAP = os.environ.get("DS_MEGATRON_TEST_OVERLAP", "1") != "0"
 
 
 class _SharedLaunch:
     def __init__(self, nprocs: int, phase: int):
         self.nprocs, self.phase, self.entries = nprocs, phase, []
-        self.done: Path | None = None  # the runs' completion markers, once launched
+        self.done: Path | None = None  # the runs' completion markers, once started
+        self.running: Launch | None = None  # the launch, until it is waited for
         self.failure: str | None = None  # the launch's output tail when it failed
 
-    def launch(self) -> None:
+    def start(self) -> None:
+        """Plan the selected modules' runs and start the launch (nothing to start: done at once)."""
         root = Path(tempfile.mkdtemp(prefix=f"ds_megatron-shared-{self.nprocs}-{self.phase}-"))
         atexit.register(shutil.rmtree, root, True)
         self.done = root / "done"
@@ -242,13 +287,28 @@ class _SharedLaunch:
                 index += 1
         if index == 0:
             return
+        timeout = sum(e["timeout"] for e in entries)
+        self.running = Launch(WORKERS / "several.py", self.nprocs, args, timeout=timeout)
+
+    def wait(self) -> None:
+        if self.running is None:
+            return
+        launch, self.running = self.running, None
         try:
-            deepspeed_launch(WORKERS / "several.py", self.nprocs, args, timeout=sum(e["timeout"] for e in entries))
+            launch.finish()
         except (AssertionError, subprocess.TimeoutExpired) as err:
             self.failure = str(err)[-6000:]
 
 
 _SHARED: dict[tuple[int, int], _SharedLaunch] = {}
+
+
+def _start_phase(phase: int) -> None:
+    """Start every launch of ``phase`` not started yet that has a selected module's runs."""
+    for shared in list(_SHARED.values()):
+        selected = any(SELECTED_MODULES is None or e["module"] in SELECTED_MODULES for e in shared.entries)
+        if shared.phase == phase and shared.done is None and selected:
+            shared.start()
 
 
 def shared_launch(module: str, nprocs: int, runs, phase: int = 0, timeout: int = 600):
@@ -262,8 +322,11 @@ def shared_launch(module: str, nprocs: int, runs, phase: int = 0, timeout: int =
     shared.entries.append(entry)
 
     def result(check: bool = True) -> Path:
-        if shared.done is None:
-            shared.launch()
+        if shared.done is None and OVERLAP:
+            _start_phase(phase)
+        elif shared.done is None:
+            shared.start()
+        shared.wait()
         if not check and entry["out"] is not None:
             return entry["out"]
         if entry["error"] is not None:

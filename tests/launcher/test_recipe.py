@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
-from launch import RECIPE, ROOT, deepspeed_launch, read_records, shared_launch
+from launch import RECIPE, ROOT, Launch, deepspeed_launch, read_records, shared_launch, shared_token_cache
 
 pytestmark = pytest.mark.slow  # every test here starts real processes with the deepspeed launcher
 
@@ -17,7 +18,9 @@ TINY = str(ROOT / "ds_configs" / "gpt_tiny.json")
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """One run of the demo config (4 processes, tp 2 x pp 2, SP, selective recompute), shared by the tests below,
-    through the `deepspeed` command as the README runs it."""
+    through the `deepspeed` command as the README runs it, with the data cache of the session's other runs of the
+    same corpus and tokenizer (``shared_token_cache``: the BPE training and packing, which the runs that share it
+    test, are not paid again)."""
     tmp_path = tmp_path_factory.mktemp("demo")
     run_dir = tmp_path / "run"
     out = deepspeed_launch(
@@ -35,7 +38,7 @@ def demo(tmp_path_factory):
             "--set",
             f"ds_megatron.logging.run_dir={run_dir}",
             "--set",
-            f"ds_megatron.data.cache_dir={tmp_path / 'cache'}",
+            f"ds_megatron.data.cache_dir={shared_token_cache()}",
             "--set",
             "ds_megatron.train.generate_tokens=6",
         ],
@@ -44,7 +47,7 @@ def demo(tmp_path_factory):
     return tmp_path, run_dir, out
 
 
-def test_demo_trains_and_reports(demo):
+def test_demo_trains_and_reports(demo, eval_only):  # eval_only: its launch starts here, beside these checks
     tmp_path, run_dir, out = demo
     records = read_records(run_dir)
     losses = [r["loss"] for r in records if "loss" in r]
@@ -91,7 +94,7 @@ def test_greedy_continuation_matches_single_device():
         assert r["pipeline"] == r["reference"], (f.name, r)
 
 
-def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
+def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, eval_only, tmp_path):
     """Train at tp 2 x pp 2 with SP, export; transformers' logits equal ds_megatron's, its greedy
     generate equals the recipe's greedy continuation, and its validation loss equals the recipe's."""
     import numpy as np
@@ -100,11 +103,13 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
 
     from ds_megatron.checkpoint.__main__ import main as checkpoint_main
     from ds_megatron.checkpoint.adapter import StateDictAdapter
+    from ds_megatron.config import resolve
     from ds_megatron.data import MicroBatchStream, PackedSamples, open_packed, split_train_valid
+    from ds_megatron.data.corpus import launch_record
     from ds_megatron.model.gpt2.model import GPT, GPTConfig
 
     demo_dir, run_dir, _ = demo
-    ck, cache = demo_dir / "ck", demo_dir / "cache"
+    ck = demo_dir / "ck"
     hf_dir = tmp_path / "hf"
     # No --tokenizer: every save put the run's tokenizer in its tag, and export ships that one.
     assert checkpoint_main(["export", "--checkpoint", str(ck), "--out", str(hf_dir)]) == 0
@@ -124,7 +129,8 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
         assert (ours(ids) - model(ids).logits).abs().max() <= 1e-5
 
     cfg = json.loads((run_dir / "config.json").read_text())
-    packed = open_packed(next(cache.glob("*.bin")))
+    # the packed file the run read: its cache's record for the run's data inputs names it
+    packed = open_packed(Path(json.loads(launch_record(resolve(cfg, 4)).read_text())["cache_file"]))
     _, valid = split_train_valid(packed.tokens, cfg["ds_megatron"]["data"].get("valid_fraction", 0.02))
     seed = cfg["ds_megatron"]["train"]["seed"]
     stream = MicroBatchStream(PackedSamples(valid, 128, seed + 1), 4, 4, 0, 1)
@@ -141,30 +147,34 @@ def test_export_of_a_tp2_pp2_sp_run_matches_transformers(demo, tmp_path):
     assert abs(np.mean(batch_losses) - recipe_val) <= 1e-4, (np.mean(batch_losses), recipe_val)
 
 
-def test_eval_only_reports_the_validation_loss_of_what_it_loads(demo, tmp_path):
+EVAL_ONLY_TEST = "test_eval_only_reports_the_validation_loss_of_what_it_loads"
+
+
+@pytest.fixture(scope="module")
+def eval_only(demo, tmp_path_factory, request):
+    """``--eval-only --load`` of the demo's checkpoint, started as soon as the demo ended when its test is selected:
+    its one process runs beside the in-process checks of the demo's run and export (it reads the checkpoint and
+    writes only its own run directory).  (the launch, the run directory), or None when its test is not selected."""
+    if not any(item.originalname == EVAL_ONLY_TEST for item in request.session.items):
+        return None
+    demo_dir, _, _ = demo
+    eval_dir = tmp_path_factory.mktemp("eval") / "run"
+    args = ["--deepspeed_config", TINY, "--tp", "1", "--pp", "1", "--eval-only", "--load", str(demo_dir / "ck")]
+    args += [
+        "--set",
+        f"ds_megatron.logging.run_dir={eval_dir}",
+        "--set",
+        f"ds_megatron.data.cache_dir={shared_token_cache()}",
+    ]
+    return Launch(RECIPE, 1, args), eval_dir
+
+
+def test_eval_only_reports_the_validation_loss_of_what_it_loads(demo, eval_only):
     """``--eval-only --load``: the demo's last checkpoint, loaded at another layout (1 process: resharded on load),
     reports the validation loss the training run logged at that step, trains nothing and saves nothing."""
     demo_dir, run_dir, _ = demo
-    eval_dir = tmp_path / "eval"
-    out = deepspeed_launch(
-        RECIPE,
-        1,
-        [
-            "--deepspeed_config",
-            TINY,
-            "--tp",
-            "1",
-            "--pp",
-            "1",
-            "--eval-only",
-            "--load",
-            str(demo_dir / "ck"),
-            "--set",
-            f"ds_megatron.logging.run_dir={eval_dir}",
-            "--set",
-            f"ds_megatron.data.cache_dir={demo_dir / 'cache'}",
-        ],
-    )
+    launch, eval_dir = eval_only
+    out = launch.finish()
     trained = [r for r in read_records(run_dir) if "val_loss" in r][-1]
     (evaluated,) = read_records(eval_dir)
     assert evaluated["step"] == trained["step"] == 40

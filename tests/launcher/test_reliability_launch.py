@@ -1,4 +1,12 @@
-"""The launcher tests of ``tests/unit/test_reliability.py``: that file's docstring states their subject."""
+"""The launcher tests of ``tests/unit/test_reliability.py``: that file's docstring states their subject.
+
+Each test here is one scenario of real processes (a launch, a signal at the right moment, what is left after it),
+and most of a scenario's wall time is its processes starting on one core (the ``deepspeed`` command, then its
+launcher, then the ranks importing torch) or waiting (for a step to be logged, for the launcher watch's next poll).
+So the selected scenarios of this file run side by side, a few at a time, in the module's ``scenarios`` fixture,
+each with its own folder, processes and ports; each test then reports its own scenario's outcome (its assertion
+message and traceback when it failed).  Nothing is shared between two scenarios but the data cache, which is built
+under a file lock."""
 
 from __future__ import annotations
 
@@ -9,10 +17,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from launch import ROOT, WORKERS, _free_port, deepspeed_launch, launcher_command, quiet_run_flags, read_losses
+from launch import OVERLAP, ROOT, WORKERS, _free_port, deepspeed_launch, launcher_command, quiet_run_flags, read_losses
 from test_reliability import TINY
 
 from ds_megatron.config.schedule import warmup_cosine_from
@@ -46,8 +56,7 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240, log: Path
         time.sleep(0.5)
 
 
-@pytest.mark.slow
-def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
+def crash_in_the_middle_of_a_save_then_exact_resume(tmp_path: Path) -> None:
     """6 steps straight equal 3 steps, a crash, --load, 3 more steps (the straight run without saving).
 
     The second run saves at step 3 and at its end (step 6); every process is killed in the middle of the step-6
@@ -90,14 +99,6 @@ def test_crash_in_the_middle_of_a_save_then_exact_resume(tmp_path):
     assert all(resumed[s] == reference[s] for s in resumed), (resumed, reference)
 
 
-def _sigint_by_default() -> None:
-    """In the child before it starts: SIGINT back to its default.  A suite started in the background of a
-    non-interactive shell (``make test &``, a CI step) runs with SIGINT ignored, every child inherits that, and
-    Python keeps a signal ignored at start-up ignored, so the ``deepspeed`` command would never see the SIGINT this
-    test sends (a user's Ctrl-C reaches a foreground command, whose SIGINT is not ignored)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _tree(pid: int) -> list:
     import psutil
 
@@ -119,8 +120,7 @@ def _assert_stopped_and_saved(out: str, ck: Path, run_dir: Path, tree: list) -> 
     assert max(read_losses(run_dir)) == step
 
 
-@pytest.mark.slow
-def test_sigterm_to_the_deepspeed_command_saves_and_leaves_nothing_running(tmp_path):
+def sigterm_to_the_deepspeed_command_saves_and_leaves_nothing_running(tmp_path: Path) -> None:
     """SIGTERM to the `deepspeed` command alone (what a user's kill sends): DeepSpeed's single-node runner dies without
     passing it on, and the workers notice their launcher lost its parent, finish the step, save and exit 0."""
     ck, run_dir = tmp_path / "ck", tmp_path / "run"
@@ -138,8 +138,7 @@ def test_sigterm_to_the_deepspeed_command_saves_and_leaves_nothing_running(tmp_p
     assert "(the deepspeed command" in out
 
 
-@pytest.mark.slow
-def test_sigint_to_one_nodes_deepspeed_command_stops_every_node(tmp_path):
+def sigint_to_one_nodes_deepspeed_command_stops_every_node(tmp_path: Path) -> None:
     """Two nodes of one process each, launched the way the README's clusters without ssh are (`--no_ssh`, one
     `deepspeed` command per node): SIGINT to node 1's command stops both nodes after the same step, with one
     checkpoint and nothing left running."""
@@ -165,7 +164,6 @@ def test_sigint_to_one_nodes_deepspeed_command_stops_every_node(tmp_path):
                     stdout=f,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=_sigint_by_default,
                 )
             )
     try:
@@ -192,8 +190,7 @@ def test_sigint_to_one_nodes_deepspeed_command_stops_every_node(tmp_path):
     assert "exits with return code" not in outs[1]
 
 
-@pytest.mark.slow
-def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
+def non_finite_steps_are_skipped_then_stop_the_run(tmp_path: Path) -> None:
     """NaN losses at steps 2, 4, 5, 6 with max_bad_steps 3: step 2 is skipped, counted and training goes on; steps
     4-6 in a row stop the run with a checkpoint and a clear message."""
     ck = tmp_path / "ck"
@@ -232,9 +229,7 @@ START_UP_STOPS = {  # phase paused in (workers/faulty_train.py --pause-in) -> th
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("phase", list(START_UP_STOPS))
-def test_sigterm_to_the_deepspeed_command_during_start_up_ends_the_run(tmp_path, phase):
+def sigterm_to_the_deepspeed_command_during_start_up_ends_the_run(tmp_path: Path, phase: str) -> None:
     """SIGTERM to the `deepspeed` command while the workers are still starting (imports done, before the process
     group; in the ``--load`` checksum pass, before the engine; while the token cache is built): the workers finish
     that phase, agree, and exit 0 before training.  No process is left, no checkpoint is written, the checkpoint
@@ -277,8 +272,7 @@ def test_sigterm_to_the_deepspeed_command_during_start_up_ends_the_run(tmp_path,
         assert Path(json.loads(record.read_text())["cache_file"]).is_file()
 
 
-@pytest.mark.slow
-def test_workers_started_as_srun_starts_them_train_and_stop_at_sigusr1(tmp_path):
+def workers_started_as_srun_starts_them_train_and_stop_at_sigusr1(tmp_path: Path) -> None:
     """Two workers started by hand with only the variables srun gives a task (no RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR or MASTER_PORT): they find their ranks and the rendezvous (the node list's first host, a port from
     the job id), train, and at SIGUSR1 to every task (what ``--signal=USR1@...`` makes Slurm send to a job step's
@@ -328,3 +322,85 @@ def test_workers_started_as_srun_starts_them_train_and_stop_at_sigusr1(tmp_path)
     tag = (ck / "latest").read_text()
     assert (ck / tag / "manifest.json").exists() and max(read_losses(run_dir)) == int(tag.removeprefix("step"))
     assert len(list((ck / tag).glob("rng_rank*.pt"))) == 2  # both ranks wrote their part of one checkpoint
+
+
+# The scenario of each test, by the test's name (a parametrized test's scenario takes its parameters).
+SCENARIOS: dict[str, Callable[..., None]] = {
+    f"test_{scenario.__name__}": scenario
+    for scenario in (
+        crash_in_the_middle_of_a_save_then_exact_resume,
+        sigint_to_one_nodes_deepspeed_command_stops_every_node,
+        sigterm_to_the_deepspeed_command_saves_and_leaves_nothing_running,
+        sigterm_to_the_deepspeed_command_during_start_up_ends_the_run,
+        non_finite_steps_are_skipped_then_stop_the_run,
+        workers_started_as_srun_starts_them_train_and_stop_at_sigusr1,
+    )
+}
+# Scenarios running at once: enough to keep two cores busy through the single-core starts and the waits; each
+# scenario's waits are bounded in its own clock (_wait_for, the faults' pauses), so a loaded machine slows them all
+# alike.  In the order of SCENARIOS: the longest (two launches in a row, two nodes) start first.
+AT_ONCE = 3 if OVERLAP else 1
+
+
+@pytest.fixture(scope="module")
+def scenarios(request, tmp_path_factory):
+    """{test name: the future of its scenario}, for the tests of this module that the session selected, started in
+    the order of SCENARIOS, AT_ONCE at a time, each in its own folder.
+
+    SIGINT is set to Python's handler while they start (a suite started in the background of a non-interactive
+    shell, ``make test &`` or a CI step, runs with SIGINT ignored; every child would inherit that and Python keeps a
+    signal ignored at start-up ignored, so the ``deepspeed`` command would never see the SIGINT a test sends, while a
+    user's Ctrl-C reaches a foreground command, whose SIGINT is not ignored): a handled signal is back to its default
+    in every child process."""
+    mine = [item for item in request.session.items if item.module is request.module]
+    order = list(SCENARIOS)
+    mine.sort(key=lambda item: order.index(item.originalname))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    pool = ThreadPoolExecutor(max_workers=AT_ONCE, thread_name_prefix="scenario")
+    futures: dict[str, Future] = {}
+    for item in mine:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        folder = tmp_path_factory.mktemp(item.originalname.removeprefix("test_")[:30])
+        futures[item.name] = pool.submit(SCENARIOS[item.originalname], folder, **params)
+    try:
+        yield futures
+    finally:
+        pool.shutdown(wait=True)
+        signal.signal(signal.SIGINT, previous)
+
+
+def _outcome(scenarios: dict[str, Future], request) -> None:
+    """The test's scenario, once it ended: its exception (the assertion message and the traceback in the scenario)
+    is the test's failure."""
+    scenarios[request.node.name].result()
+
+
+@pytest.mark.slow
+def test_crash_in_the_middle_of_a_save_then_exact_resume(scenarios, request):
+    _outcome(scenarios, request)
+
+
+@pytest.mark.slow
+def test_sigint_to_one_nodes_deepspeed_command_stops_every_node(scenarios, request):
+    _outcome(scenarios, request)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_deepspeed_command_saves_and_leaves_nothing_running(scenarios, request):
+    _outcome(scenarios, request)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", list(START_UP_STOPS))
+def test_sigterm_to_the_deepspeed_command_during_start_up_ends_the_run(scenarios, request, phase):
+    _outcome(scenarios, request)
+
+
+@pytest.mark.slow
+def test_non_finite_steps_are_skipped_then_stop_the_run(scenarios, request):
+    _outcome(scenarios, request)
+
+
+@pytest.mark.slow
+def test_workers_started_as_srun_starts_them_train_and_stop_at_sigusr1(scenarios, request):
+    _outcome(scenarios, request)
