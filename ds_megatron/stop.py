@@ -64,13 +64,19 @@ class StopFlag:
                 return
 
     def agreed(self, device) -> bool:
-        """Collective: stop when any rank was asked to."""
+        """Collective: stop when any rank was asked to.  Then every rank learns the first reason any rank had (one
+        object all-gather, only when stopping), so rank 0 logs why the run stopped even when a peer saw it first."""
         import torch
         import torch.distributed as dist
 
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        if not flag.item():
+            return False
+        reasons: list[str] = [""] * dist.get_world_size()
+        dist.all_gather_object(reasons, self.reason)
+        self.reason = self.reason or next((r for r in reasons if r), "")
+        return True
 
 
 def launcher_chain() -> tuple[int, int] | None:

@@ -78,6 +78,7 @@ def config(cfg: dict) -> dict:
         "rope_scaling": ROPE_SCALING,
         "attention": section["model"]["attention"],
         "dropout": 0.0,
+        "compile": True,  # as every shipped GPU config: the block's memory-bound pieces as compiled kernels
     }
     section.update(run_sections(STEM.rsplit("/", 1)[-1], steps))
     return cfg

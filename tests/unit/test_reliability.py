@@ -354,3 +354,23 @@ def test_the_cuda_device_is_set_before_any_collective_or_seed(monkeypatch):
     with pytest.raises(ConfigError, match=r"^error: LOCAL_RANK: .*LOCAL_RANK=3, 1 visible GPU.*--gpus-per-node=N"):
         engine.build_engine(run)
     assert calls == []
+
+
+def _agreed_reasons(group, rank: int, world: int) -> dict[str, str]:
+    """Rank 1 alone was asked to stop: every rank agrees to stop and learns rank 1's reason."""
+    from ds_megatron.stop import StopFlag
+
+    flag = StopFlag(watch_launcher=False, handle_signals=False)
+    if rank == 1:
+        flag.request("the deepspeed command (pid 7) exited")
+    stopped = flag.agreed(torch.device("cpu"))
+    quiet = StopFlag(watch_launcher=False, handle_signals=False).agreed(torch.device("cpu"))
+    return {"stop": f"{stopped} {flag.reason!r} {quiet}"}
+
+
+def test_a_stop_seen_by_one_rank_is_agreed_with_its_reason_on_every_rank():
+    """Rank 0 logs why the run stops even when another rank saw the launcher go first (whichever polls first)."""
+    from inprocess import spawn_reports
+
+    reports = spawn_reports(_agreed_reasons, 2)
+    assert [r["stop"] for r in reports] == ["True 'the deepspeed command (pid 7) exited' False"] * 2
