@@ -17,6 +17,8 @@ from ds_megatron.pipeline_parallel.schedules.record import (
     Refusal,
     RunFacts,
     Schedule,
+    fixed_shapes,
+    whole_boundary_tensors,
 )
 from ds_megatron.pipeline_parallel.schedules.simulate import peak_held
 
@@ -49,31 +51,6 @@ def fp16_chunks(schedule: Schedule, f: RunFacts) -> Refusal | None:
         f"fp16 loss scaling is not verified under {schedule.name}",
         f"fp16=true, pipeline_schedule={schedule.name!r}",
         f'use bf16 or fp32, or pipeline_schedule "{f.fallback}"',
-    )
-
-
-def whole_chunk_tensors(schedule: Schedule, f: RunFacts) -> Refusal | None:
-    """The engine reuses DeepSpeed's DualPipeV instructions, which send whole stage-boundary tensors."""
-    for key in ("pipe_partitioned", "grad_partitioned"):
-        if f.tp > 1 and f.pipeline.get(key):
-            return Refusal(
-                f"pipeline.{key}",
-                f"the {schedule.name} engine sends whole stage-boundary tensors (no TP partitioning)",
-                f"{key}=true, tp={f.tp}, pipeline_schedule={schedule.name!r}",
-                f"remove pipeline.{key} (ds_megatron turns it off)",
-            )
-    return None
-
-
-def fixed_chunk_shapes(schedule: Schedule, f: RunFacts) -> Refusal | None:
-    """The engine exchanges each chunk's boundary shape once (DeepSpeed's DualPipeV instructions)."""
-    if not f.pipeline.get("dynamic_shape"):
-        return None
-    return Refusal(
-        "pipeline.dynamic_shape",
-        f"the {schedule.name} engine exchanges each chunk's boundary shape once",
-        f"dynamic_shape=true, pipeline_schedule={schedule.name!r}",
-        "remove pipeline.dynamic_shape (ds_megatron's boundary tensors have fixed shapes)",
     )
 
 
@@ -126,7 +103,7 @@ def build(name: str, v: int, engine: str, deferred_w: bool) -> Schedule:
         stages_setting=SETTING,
         at_stages=lambda n: build(name, n, engine, deferred_w),
         pipeline_reason="each pipeline rank holds several stages of one pipeline",
-        refusals=(multiple_of_p, fp16_chunks, whole_chunk_tensors, fixed_chunk_shapes),
+        refusals=(multiple_of_p, fp16_chunks, whole_boundary_tensors, fixed_shapes),
     )
 
 

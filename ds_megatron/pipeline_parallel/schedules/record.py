@@ -171,7 +171,8 @@ def fp16_deferred(schedule: Schedule, f: RunFacts) -> Refusal | None:
 
 
 def whole_boundary_tensors(schedule: Schedule, f: RunFacts) -> Refusal | None:
-    """DeepSpeed's DualPipeV engine asserts that the stage-boundary tensors are not TP-partitioned."""
+    """DeepSpeed's DualPipeV instructions (its engine's, and interleaved 1F1B's, built on them) send whole
+    stage-boundary tensors: not TP-partitioned."""
     for key in ("pipe_partitioned", "grad_partitioned"):
         if f.tp > 1 and f.pipeline.get(key):
             return Refusal(
@@ -184,7 +185,8 @@ def whole_boundary_tensors(schedule: Schedule, f: RunFacts) -> Refusal | None:
 
 
 def fixed_shapes(schedule: Schedule, f: RunFacts) -> Refusal | None:
-    """DeepSpeed's DualPipeV engine exchanges the boundary tensors' shapes once."""
+    """DeepSpeed's DualPipeV instructions (its engine's, and interleaved 1F1B's) exchange the boundary tensors' shapes
+    once."""
     if not f.pipeline.get("dynamic_shape"):
         return None
     return Refusal(
