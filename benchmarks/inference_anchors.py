@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _results import write_markdown  # noqa: E402
 
+from ds_megatron.tune.core.spec import DEFAULT_EFFICIENCY  # noqa: E402
 from ds_megatron.tune.inference.anchors import ANCHORS, SOURCES, check_anchors  # noqa: E402
 from ds_megatron.tune.inference.fit import POOLED, error_summary, fit_anchors, leave_one_source_out  # noqa: E402
-from ds_megatron.tune.spec import DEFAULT_EFFICIENCY  # noqa: E402
 
 COMMAND = "python benchmarks/inference_anchors.py --markdown benchmarks/results/inference_anchors.md"
 

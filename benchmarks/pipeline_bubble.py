@@ -11,7 +11,7 @@ Runs itself under the deepspeed launcher.  The 9 engines are built once; each re
 (m, schedule) in turn, so a slower moment of a shared machine falls on all of them alike.  Each step starts after a
 barrier.  Idle fraction = blocked / (computing + blocked); the data load, gradient reduction and optimizer step (the
 same under every schedule) are left out.  Next to each measured idle fraction: the tuner's prediction for p equal
-stages (``tune.schedules``: 1F1B's bubble (p-1)/(m+p-1) of the step, DualPipeV's simulated makespan, and
+stages (``tune.training.schedules``: 1F1B's bubble (p-1)/(m+p-1) of the step, DualPipeV's simulated makespan, and
 ``pipeline_parallel.schedules.dualpipev_zb``'s with its W passes deferred).
 
 The model keeps its stages balanced, as the formula assumes: 8 blocks of width 256 and a 1024-token vocabulary
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from ds_megatron.pipeline_parallel.schedules import dualpipev_zb  # noqa: E402
 from ds_megatron.pipeline_parallel.schedules.dualpipev import COSTS as DUALPIPEV_COSTS  # noqa: E402
 from ds_megatron.pipeline_parallel.schedules.dualpipev import slots as dualpipev_slots  # noqa: E402
-from ds_megatron.tune.schedules import bubble_s  # noqa: E402
+from ds_megatron.tune.training.schedules import bubble_s  # noqa: E402
 
 MICRO_BATCHES = (4, 8, 16)
 SCHEDULES = ("1f1b", "dualpipev", "dualpipev-zb")

@@ -5,11 +5,11 @@
         # the first table alone, in well under a second
 
 First, the analytic model against the iteration times and MFU Korthikanti et al. 2022 measured on A100s (Table 5:
-ds_megatron.tune.paper_runs), at the default matmul ceiling, which was fitted on two of those eight rows.
+ds_megatron.tune.training.paper_runs), at the default matmul ceiling, which was fitted on two of those eight rows.
 
 Then the tiny GPT (L 4, h 128, a 4, V 1024, s 128, global batch 16) on 4 gloo CPU processes.  Eight candidates chosen to
 span the search space (dp only, TP, PP, TP x PP, SP, selective and full recompute, few and many micro-batches) go
-through the tuner's empirical mode (ds_megatron.tune.empirical: the same probes, launches and calibration as
+through the tuner's empirical mode (ds_megatron.tune.training.empirical: the same probes, launches and calibration as
 ``python -m ds_megatron.tune --empirical``).  Reported per candidate: the analytic prediction, the recalibrated one,
 a leave-one-out prediction (calibrated on the other seven, so not fitted to the run it predicts) and the median
 measured step; then the Spearman rank correlations.
@@ -31,11 +31,11 @@ from _results import write_markdown  # noqa: E402
 from ds_megatron.tune import Cluster, Measurement, build_model_shape, fit_time_model, search, step_time  # noqa: E402
 from ds_megatron.tune.core.calibration import FIT_TERMS  # noqa: E402
 from ds_megatron.tune.core.session import spearman  # noqa: E402
-from ds_megatron.tune.empirical import EmpiricalResult, run_empirical  # noqa: E402
-from ds_megatron.tune.paper_runs import FIT_ROWS, MODES, TABLE5  # noqa: E402
-from ds_megatron.tune.probe import EmpiricalOptions  # noqa: E402
-from ds_megatron.tune.search import Evaluation, SearchResult  # noqa: E402
-from ds_megatron.tune.spec import DEFAULT_EFFICIENCY  # noqa: E402
+from ds_megatron.tune.core.spec import DEFAULT_EFFICIENCY  # noqa: E402
+from ds_megatron.tune.training.empirical import EmpiricalResult, run_empirical  # noqa: E402
+from ds_megatron.tune.training.paper_runs import FIT_ROWS, MODES, TABLE5  # noqa: E402
+from ds_megatron.tune.training.probe import EmpiricalOptions  # noqa: E402
+from ds_megatron.tune.training.search import Evaluation, SearchResult  # noqa: E402
 
 GPUS = 4
 GLOBAL_BATCH = 16
@@ -82,7 +82,7 @@ def paper_text() -> str:
         f"the analytic model at its default matmul ceiling {DEFAULT_EFFICIENCY}, fitted on the two rows marked; "
         "the other six are predictions.  The paper prints the MFU of its SP + selective runs; a full-recompute "
         "run's MFU follows from its time (same FLOPs, same GPUs).  \"matmuls at\": the fraction of the A100's peak "
-        "the slowest stage's matmuls run at (ds_megatron.tune.matmuls).\n\n" + "\n".join(paper_table())
+        "the slowest stage's matmuls run at (ds_megatron.tune.core.matmuls).\n\n" + "\n".join(paper_table())
     )
 
 

@@ -15,7 +15,7 @@ the other stage (stage imbalance: no schedule removes it).
 The schedules and every micro-batch count are interleaved within each repeat, so machine noise hits them alike; the
 median over the repeats is reported with its range.
 
-Prediction: the tuner's bubble (``tune.schedules.bubble_s``, the one owner of the formulas and of ZB-H2's simulated
+Prediction: the tuner's bubble (``tune.training.schedules.bubble_s``, owner of the formulas and of ZB-H2's simulated
 order) from this run's own per-pass costs, T_F, T_B and T_W (1F1B: its fused backward as T_B), each the median over
 the repeats of the slowest rank's mean seconds per pass; it is compared with the measured bubble, the idle time of
 the rank that computes most (the critical path's wait: the others idle as long plus their lighter share), as a
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _results import OtherWork, write_markdown  # noqa: E402
 from launch import WORKERS, deepspeed_launch  # noqa: E402
 
-from ds_megatron.tune.schedules import bubble_s  # noqa: E402
+from ds_megatron.tune.training.schedules import bubble_s  # noqa: E402
 
 BLOCKING = "+blocking"  # the worker's name for a schedule run with DeepSpeed's blocking sends
 PASSES = ("ForwardPass", "BackwardPass", "WeightGradPass")  # T_F, T_B, T_W

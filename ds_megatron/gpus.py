@@ -1,5 +1,5 @@
 """L0.5: the dense bf16 Tensor Core peak of each GPU model, one table for MFU (``metrics.py``) and the tuner's presets
-(``tune/gpus.py``).  Standard library only.
+(``tune/core/gpus.py``).  Standard library only.
 
 A device is recognised by its full name as ``torch.cuda.get_device_name()`` reports it, never by a substring: the
 H100 comes as SXM ("NVIDIA H100 80GB HBM3", 989), PCIe (756) and NVL (835), and "H100" alone would give all three

@@ -24,7 +24,7 @@ from tuned_configs import Tuned, recipe, run_sections, tune, warmup_cosine, writ
 
 from ds_megatron.config.sizes import LEARNING_RATES
 from ds_megatron.tune import Pins
-from ds_megatron.tune.memory_model import GIB
+from ds_megatron.tune.core.memory_model import GIB
 
 SEQ = 2048
 WARMUP_TOKENS = 375e6

@@ -20,8 +20,8 @@ from __future__ import annotations
 from tuned_configs import GPUS_PER_NODE, Tuned, recipe, run_sections, warmup_cosine, write
 
 from ds_megatron.tune import Pins, build_cluster, build_model_shape, search
-from ds_megatron.tune.search import SearchResult
-from ds_megatron.tune.written import ds_config
+from ds_megatron.tune.training.search import SearchResult
+from ds_megatron.tune.training.written import ds_config
 
 STEM = "llama3_8b_128k"
 SIZE = "llama3-8b"

@@ -73,8 +73,8 @@ run --model gpt3-760m --global-batch-size 256 --gpus 8 --recompute none --sequen
 PYTHONPATH=$ROOT $PY - > "$OUT/api.txt" 2>&1 <<'PYEOF'
 import json, dataclasses
 from ds_megatron.tune import *
-from ds_megatron.tune import paper_runs, calibration
-from ds_megatron.tune.report import format_report
+from ds_megatron.tune.training import paper_runs, calibration
+from ds_megatron.tune.training.report import format_report
 for r in paper_runs.TABLE5:
     for mode in paper_runs.MODES:
         m = r.measurement(mode)

@@ -14,11 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-from ds_megatron.tune import Cluster, Measurement, build_model_shape, empirical, fit_time_model, probe, search
+from ds_megatron.tune import Cluster, Measurement, build_model_shape, fit_time_model, search
 from ds_megatron.tune import __main__ as cli
 from ds_megatron.tune.core import launch, session
-from ds_megatron.tune.empirical_report import format_empirical
-from ds_megatron.tune.spec import Candidate
+from ds_megatron.tune.core.spec import Candidate
+from ds_megatron.tune.training import empirical, probe
+from ds_megatron.tune.training.empirical_report import format_empirical
 
 OUT = Path(sys.argv[1])
 CLOCK = [1000.0]

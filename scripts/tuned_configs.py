@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ds_megatron.config import ModelShape
 from ds_megatron.tune import Pins, build_cluster, build_model_shape, search
-from ds_megatron.tune.search import Evaluation
-from ds_megatron.tune.written import ds_config
+from ds_megatron.tune.training.search import Evaluation
+from ds_megatron.tune.training.written import ds_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GPUS_PER_NODE = 8

@@ -6,14 +6,14 @@ for a GPT or a Llama on a cluster from analytic memory and time models; no torch
 docs/tuner.md describes the models, their assumptions and a worked example.
 """
 
-from ds_megatron.tune.calibration import Measurement, calibrate, fit_time_model
 from ds_megatron.tune.core.calibration import Calibration
-from ds_megatron.tune.gpus import GPUS, GpuPreset
-from ds_megatron.tune.memory_model import StageMemory, stage_memory, stage_param_counts, total_param_count
-from ds_megatron.tune.search import Evaluation, SearchResult, common_configuration, evaluate, search
-from ds_megatron.tune.space import Rejection, enumerate_candidates
-from ds_megatron.tune.spec import Candidate, Cluster, Pins, build_cluster, build_model_shape
-from ds_megatron.tune.time_model import StepTime, step_time
+from ds_megatron.tune.core.gpus import GPUS, GpuPreset
+from ds_megatron.tune.core.memory_model import StageMemory, stage_memory, stage_param_counts, total_param_count
+from ds_megatron.tune.core.spec import Candidate, Cluster, Pins, build_cluster, build_model_shape
+from ds_megatron.tune.training.calibration import Measurement, calibrate, fit_time_model
+from ds_megatron.tune.training.search import Evaluation, SearchResult, common_configuration, evaluate, search
+from ds_megatron.tune.training.space import Rejection, enumerate_candidates
+from ds_megatron.tune.training.time_model import StepTime, step_time
 
 __all__ = [
     "Calibration",

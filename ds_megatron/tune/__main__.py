@@ -14,14 +14,15 @@ from pathlib import Path
 from ds_megatron.config import ConfigError
 from ds_megatron.config.rules import PIPELINE_ZERO_STAGES
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
-from ds_megatron.tune import Pins, build_model_shape, empirical, search
+from ds_megatron.tune import Pins, build_model_shape, search
 from ds_megatron.tune.core import cli
-from ds_megatron.tune.core.cli import INT, SWITCH
-from ds_megatron.tune.empirical_report import format_empirical
-from ds_megatron.tune.report import format_report
-from ds_megatron.tune.schedules import ALL, DEFAULT_SCHEDULES, SCHEDULES
-from ds_megatron.tune.spec import cluster_from_flags
-from ds_megatron.tune.written import check_output, to_json, write_config, write_output
+from ds_megatron.tune.core.cli import INT, SWITCH, check_output, write_output
+from ds_megatron.tune.core.spec import cluster_from_flags
+from ds_megatron.tune.training import empirical
+from ds_megatron.tune.training.empirical_report import format_empirical
+from ds_megatron.tune.training.report import format_report
+from ds_megatron.tune.training.schedules import ALL, DEFAULT_SCHEDULES, SCHEDULES
+from ds_megatron.tune.training.written import to_json, write_config
 
 CPU_KERNEL_NOTE = (
     "empirical on CPU: attention pinned to eager (with dropout on, torch's CPU sdpa falls back to its math path, the "

@@ -12,7 +12,7 @@ from launch import shared_token_cache
 from test_tune_empirical import TINY_ARGS
 
 from ds_megatron.tune.__main__ import main
-from ds_megatron.tune.probe import (
+from ds_megatron.tune.training.probe import (
     probe,
 )
 
@@ -58,7 +58,7 @@ def test_empirical_mode_measures_recalibrates_and_ranks_past_a_failing_candidate
             options = dataclasses.replace(options, extra_sets=(*options.extra_sets, BROKEN_SET))
         return probe(result, e, index, options, timeout_s)
 
-    monkeypatch.setattr("ds_megatron.tune.empirical.probe", probe_breaking_the_second)
+    monkeypatch.setattr("ds_megatron.tune.training.empirical.probe", probe_breaking_the_second)
     max_minutes = 4.0
     text, emp, wall = _tune(
         ["--micro-batch-size", "4", "--max-minutes", str(max_minutes), "--empirical-top", "3"]

@@ -242,9 +242,9 @@ def test_the_tuner_models_dualpipev_zb_as_the_v_with_its_drain():
     from ds_megatron.pipeline_parallel.schedules.dualpipev import peak_bytes as dualpipev_peak_bytes
     from ds_megatron.pipeline_parallel.schedules.dualpipev_zb import peak_bytes
     from ds_megatron.tune import Candidate, build_model_shape
-    from ds_megatron.tune.memory_model import rank_param_counts, stage_activation_bytes
-    from ds_megatron.tune.schedules import refusal
-    from ds_megatron.tune.time_model import StageTime, schedule_slots, stage_blocks
+    from ds_megatron.tune.core.memory_model import rank_param_counts, stage_activation_bytes
+    from ds_megatron.tune.training.schedules import refusal
+    from ds_megatron.tune.training.time_model import StageTime, schedule_slots, stage_blocks
 
     model = build_model_shape("gpt3-1.3b", None, None, None, None, None)
     base = dict(tp=2, pp=4, dp=1, sequence_parallel=True, micro_batch_size=1, num_micro_batches=16)

@@ -289,3 +289,22 @@ def test_no_schedule_is_named_outside_its_record():
             if isinstance(node, ast.ImportFrom) and node.module == "ds_megatron.pipeline_parallel.schedules":
                 found += [f"{rel} imports {a.name}" for a in node.names if a.name in names.values()]
     assert not found, "\n".join(found)
+
+
+def test_tune_halves_import_only_the_core():
+    """The tool's training and inference halves meet in ``tune/core`` only: neither imports the other, and the core
+    imports neither (nor the package root, which re-exports the training half's API)."""
+    tune = PKG / "tune"
+    forbidden = {"core": ("training", "inference"), "training": ("inference",), "inference": ("training",)}
+    bad = []
+    for half, others in forbidden.items():
+        for path in (tune / half).rglob("*.py"):
+            for name in _imports(path):
+                reaches = (
+                    name.removeprefix("ds_megatron.tune.").split(".")[0]
+                    if name.startswith("ds_megatron.tune.")
+                    else None
+                )
+                if reaches in others or name == "ds_megatron.tune":
+                    bad.append(f"{path.relative_to(PKG)} imports {name}")
+    assert not bad, "\n".join(bad)

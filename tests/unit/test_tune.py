@@ -29,7 +29,7 @@ from ds_megatron.tune import (
     total_param_count,
 )
 from ds_megatron.tune.__main__ import FLAGS, main
-from ds_megatron.tune.memory_model import (
+from ds_megatron.tune.core.memory_model import (
     GIB,
     layer_activation_bytes,
     padded_vocab_size,

@@ -16,10 +16,10 @@ from ds_megatron.config import resolve
 from ds_megatron.memory import activation_bytes_per_layer, lse_bytes_per_layer
 from ds_megatron.tune import GPUS, Candidate, Pins, build_cluster, build_model_shape, evaluate, search, step_time
 from ds_megatron.tune.__main__ import main
-from ds_megatron.tune.empirical import top_candidates
-from ds_megatron.tune.memory_model import layer_activation_bytes
-from ds_megatron.tune.report import format_report
-from ds_megatron.tune.time_model import EAGER_BACKWARD_BYTES, EAGER_FORWARD_BYTES, stage_times
+from ds_megatron.tune.core.memory_model import layer_activation_bytes
+from ds_megatron.tune.training.empirical import top_candidates
+from ds_megatron.tune.training.report import format_report
+from ds_megatron.tune.training.time_model import EAGER_BACKWARD_BYTES, EAGER_FORWARD_BYTES, stage_times
 
 S = 2048
 # (size, global batch, GPUs): GPT-3's batch sizes (0.5M, 2M and 3.2M tokens) on one node, 8 nodes and 128 nodes

@@ -14,13 +14,14 @@ import pytest
 from ds_megatron.memory import rotary_table_bytes
 from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search
 from ds_megatron.tune.__main__ import main
-from ds_megatron.tune.matmuls import core_attention_matmuls, matmul_s
-from ds_megatron.tune.memory_model import ACT_BYTES, stage_activation_bytes, stage_memory
-from ds_megatron.tune.report import why_ahead
-from ds_megatron.tune.search import ranked_step
-from ds_megatron.tune.space import CP_MIN_SEQ_LENGTH, enumerate_candidates
-from ds_megatron.tune.time_model import cp_comm_s, dp_comm_s, link, ring_pass_s
-from ds_megatron.tune.written import ds_config
+from ds_megatron.tune.core.links import link
+from ds_megatron.tune.core.matmuls import core_attention_matmuls, matmul_s
+from ds_megatron.tune.core.memory_model import ACT_BYTES, stage_activation_bytes, stage_memory
+from ds_megatron.tune.training.report import why_ahead
+from ds_megatron.tune.training.search import ranked_step
+from ds_megatron.tune.training.space import CP_MIN_SEQ_LENGTH, enumerate_candidates
+from ds_megatron.tune.training.time_model import cp_comm_s, dp_comm_s, ring_pass_s
+from ds_megatron.tune.training.written import ds_config
 
 LONG = 131072
 

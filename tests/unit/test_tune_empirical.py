@@ -20,8 +20,8 @@ from ds_megatron.tune.__main__ import main
 from ds_megatron.tune.core.calibration import FIT_TERMS
 from ds_megatron.tune.core.launch import failure_reason, run_process, wait_group_gone
 from ds_megatron.tune.core.session import FIRST_RUN_S, HANG_FACTOR, MIN_LAUNCH_S, plan_timeout, spearman
-from ds_megatron.tune.empirical import ProbeRun, final_ranking
-from ds_megatron.tune.probe import EmpiricalOptions, ProbeResult, probe_config, read_metrics
+from ds_megatron.tune.training.empirical import ProbeRun, final_ranking
+from ds_megatron.tune.training.probe import EmpiricalOptions, ProbeResult, probe_config, read_metrics
 
 TINY = build_model_shape("gpt-tiny", None, None, None, 1024, 128)
 CPU4 = Cluster(num_gpus=4, gpus_per_node=4, gpu_memory_gb=3, peak_tflops=0.05)

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from ds_megatron.tune import build_cluster, build_model_shape
+from ds_megatron.tune.core.memory_model import block_param_count, total_param_count
 from ds_megatron.tune.inference.cli import main
 from ds_megatron.tune.inference.engines import BANDWIDTH_EFFICIENCY, ENGINES, inference_cluster
 from ds_megatron.tune.inference.model import (
@@ -19,7 +20,6 @@ from ds_megatron.tune.inference.model import (
     kv_cache_bytes_per_token,
     search_inference,
 )
-from ds_megatron.tune.memory_model import block_param_count, total_param_count
 
 LLAMA8B = build_model_shape("llama3-8b", None, None, None, None, None)
 H200 = build_cluster("h200", 8, 8)

@@ -13,9 +13,9 @@ from ds_megatron.flops import model_flops_per_step
 from ds_megatron.memory import activation_bytes_per_layer
 from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search, step_time
 from ds_megatron.tune.__main__ import main
-from ds_megatron.tune.memory_model import layer_activation_bytes, padded_vocab_size, stage_param_counts
-from ds_megatron.tune.memory_model import total_param_count as params
-from ds_megatron.tune.time_model import dp_comm_s, eager_score_bytes, stage_times
+from ds_megatron.tune.core.memory_model import layer_activation_bytes, padded_vocab_size, stage_param_counts
+from ds_megatron.tune.core.memory_model import total_param_count as params
+from ds_megatron.tune.training.time_model import dp_comm_s, eager_score_bytes, stage_times
 
 ARGS_8B = ["--model", "llama3-8b", "--global-batch-size", "512", "--gpus", "8", "--gpu", "h100-sxm"]
 

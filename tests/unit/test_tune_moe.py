@@ -10,7 +10,7 @@ from ds_megatron.model import FAMILIES, family_of
 from ds_megatron.model.family import RoutedShape
 from ds_megatron.model.qwen3_moe import active_block_params, routed_block_params
 from ds_megatron.tune import build_cluster, build_model_shape, search
-from ds_megatron.tune.memory_model import GIB, block_param_count, stage_memory, total_param_count
+from ds_megatron.tune.core.memory_model import GIB, block_param_count, stage_memory, total_param_count
 
 # The model cards: total and activated parameters (Qwen3 technical report, Table 1 / the Hub cards; Mixtral's
 # paper: 46.7B total, 12.9B active), to the digits published.
@@ -85,8 +85,8 @@ def test_moe_recompute_and_the_routed_collectives_in_the_tuner():
 
     from ds_megatron.config import ConfigError
     from ds_megatron.tune import Candidate, Pins
-    from ds_megatron.tune.memory_model import layer_activation_bytes
-    from ds_megatron.tune.time_model import recomputed_experts_s, routed_comm_s
+    from ds_megatron.tune.core.memory_model import layer_activation_bytes
+    from ds_megatron.tune.training.time_model import recomputed_experts_s, routed_comm_s
 
     model = _shape("qwen3-30b-a3b")
     cluster = build_cluster("h100-sxm", 64, 8)

@@ -1,5 +1,5 @@
-"""The time model against published step times (Korthikanti et al. 2022, Tables 3 and 5: ``tune/paper_runs.py``):
-the matmul-efficiency curve (``tune/matmuls.py``), its ceiling fitted on two rows, the other six rows predicted.
+"""The time model against published step times (Korthikanti et al. 2022, Tables 3 and 5, ``paper_runs.py``):
+the matmul-efficiency curve (``tune/core/matmuls.py``), its ceiling fitted on two rows, the other six rows predicted.
 Fast, in-process."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from ds_megatron.flops import block_fields, layer_forward_flops, logits_forward_flops
-from ds_megatron.tune import Candidate, build_cluster, build_model_shape, fit_time_model, step_time, time_model
-from ds_megatron.tune.matmuls import (
+from ds_megatron.tune import Candidate, build_cluster, build_model_shape, fit_time_model, step_time
+from ds_megatron.tune.core.matmuls import (
     block_matmuls,
     core_attention_matmuls,
     gemm,
@@ -19,9 +19,10 @@ from ds_megatron.tune.matmuls import (
     matmul_s,
     ridge_point,
 )
-from ds_megatron.tune.memory_model import padded_vocab_size
-from ds_megatron.tune.paper_runs import FIT_ROWS, MODES, TABLE5, fit_measurements, paper_run
-from ds_megatron.tune.spec import DEFAULT_EFFICIENCY
+from ds_megatron.tune.core.memory_model import padded_vocab_size
+from ds_megatron.tune.core.spec import DEFAULT_EFFICIENCY
+from ds_megatron.tune.training import time_model
+from ds_megatron.tune.training.paper_runs import FIT_ROWS, MODES, TABLE5, fit_measurements, paper_run
 
 ROWS = [(r.name, mode) for r in TABLE5 for mode in MODES]
 

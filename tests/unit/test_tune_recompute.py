@@ -13,11 +13,11 @@ from ds_megatron.config import resolve
 from ds_megatron.memory import activation_bytes_per_layer
 from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search, step_time
 from ds_megatron.tune.__main__ import main
-from ds_megatron.tune.memory_model import attention_dropout, layer_activation_bytes
-from ds_megatron.tune.probe import run_slug
-from ds_megatron.tune.search import evaluate
-from ds_megatron.tune.space import SELECTIVE_MODULES
-from ds_megatron.tune.time_model import stage_times
+from ds_megatron.tune.core.memory_model import attention_dropout, layer_activation_bytes
+from ds_megatron.tune.training.probe import run_slug
+from ds_megatron.tune.training.search import evaluate
+from ds_megatron.tune.training.space import SELECTIVE_MODULES
+from ds_megatron.tune.training.time_model import stage_times
 
 GPT_13B = build_model_shape("gpt3-13b", None, None, None, None, 2048)
 LLAMA_8B = build_model_shape("llama3-8b", None, None, None, None, None)

@@ -1,4 +1,4 @@
-"""The tuner's pipeline schedules (tune.schedules): each bubble formula against a simulation of the schedule's own
+"""The tuner's pipeline schedules (training.schedules): each bubble formula against a simulation of the schedule's own
 instruction stream (1F1B and ZB-H1: parallel.zb_order.makespan, the engines' async sends; DualPipeV: DeepSpeed's
 DualPipeVSchedule, instantiated without a process group, simulated here with its batched p2p), the memory terms
 (ZB-H1's queued W passes, DualPipeV's two chunks per rank and its in-flight chunks), the search (1f1b only unless
@@ -21,7 +21,7 @@ from ds_megatron.pipeline_parallel.schedules.v_order import dualpipev_order
 from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
 from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search
 from ds_megatron.tune.__main__ import main
-from ds_megatron.tune.memory_model import (
+from ds_megatron.tune.core.memory_model import (
     deferred_weight_grad_bytes,
     output_activation_bytes,
     rank_param_counts,
@@ -31,9 +31,9 @@ from ds_megatron.tune.memory_model import (
     stage_param_counts,
     stored_activation_bytes,
 )
-from ds_megatron.tune.schedules import DEFAULT_SCHEDULES, SCHEDULES
-from ds_megatron.tune.time_model import StageTime, schedule_slots, stage_times, step_time
-from ds_megatron.tune.written import ds_config
+from ds_megatron.tune.training.schedules import DEFAULT_SCHEDULES, SCHEDULES
+from ds_megatron.tune.training.time_model import StageTime, schedule_slots, stage_times, step_time
+from ds_megatron.tune.training.written import ds_config
 
 P2P = (ds.SendActivation, ds.RecvActivation, ds.SendGrad, ds.RecvGrad)
 

@@ -268,7 +268,7 @@ def test_zb_h2_streams_are_valid_deepspeed_programs(m, p, costs):
 def _bubbles(p: int, m: int, costs: tuple) -> tuple[float, float]:
     """(ZB-H1's, ZB-H2's) tuner bubbles at ``costs``, each checked against the makespan of the instructions the
     engine runs (the order ZB-H2's engine builds for those costs)."""
-    from ds_megatron.tune.schedules import bubble_s
+    from ds_megatron.tune.training.schedules import bubble_s
 
     work, cost = m * sum(costs), dict(zip("FBW", costs))
     h1, h2 = bubble_s("zb-h1", p, m, *costs), bubble_s("zb-h2", p, m, *costs)
@@ -309,8 +309,8 @@ def test_zb_h2_halves_1f1b_bubble_with_cpu_costs(p, m):
     """With the costs measured on CPU (T_F about T_B + T_W), ZB-H1's bubble is at best half of 1F1B's; ZB-H2, built
     for those costs, reaches (p - 1) T_F from m = 2p (the floor under DeepSpeed's synchronised step: the last stage
     waits that long for its first activation).  The tuner's bubbles are these simulated makespans
-    (tune.schedules.bubble_s)."""
-    from ds_megatron.tune.schedules import bubble_s
+    (tune.training.schedules.bubble_s)."""
+    from ds_megatron.tune.training.schedules import bubble_s
 
     t_f, t_b, t_w = CPU_COSTS
     work = m * (t_f + t_b + t_w)

@@ -38,7 +38,7 @@ class Refusal(NamedTuple):
 
 class ActivationTerms(NamedTuple):
     """The tuner's activation bytes of one micro-batch on a rank's stage (``Schedule.stages_per_rank`` x pp stages
-    in the model; ``tune.memory_model``): what ``Schedule.activation_peaks`` combines by the schedule's order."""
+    in the model; ``tune.core.memory_model``): what ``Schedule.activation_peaks`` combines by the schedule's order."""
 
     stored: float  # a stage's blocks' stored activations
     transient: float  # the recompute transient (once per rank)

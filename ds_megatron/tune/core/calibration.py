@@ -8,7 +8,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ds_megatron.tune.spec import Cluster
+from ds_megatron.tune.core.spec import Cluster
 
 # The extra terms a fit may keep: the intra-node latency of a collective or send, and a fixed overhead per step.
 FIT_TERMS = ("latency", "overhead")

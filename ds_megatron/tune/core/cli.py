@@ -9,15 +9,16 @@ import functools
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 from ds_megatron.config import ConfigError
 from ds_megatron.config.numbers import finite_float
 from ds_megatron.config.sizes import all_size_names
 from ds_megatron.model import FAMILIES
+from ds_megatron.tune.core.gpus import DEFAULT_GPU, GPUS
 from ds_megatron.tune.core.session import DEVICES
-from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
-from ds_megatron.tune.spec import DEFAULT_EFFICIENCY, INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S
+from ds_megatron.tune.core.spec import DEFAULT_EFFICIENCY, INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S
 
 Row = tuple[str, dict, str]  # (flag, add_argument's keywords, help)
 EXIT_NO_FIT = 1
@@ -151,3 +152,32 @@ def run_session(options, fits: bool, start: float, measure: Callable, report: Ca
     emp = measure(start + 60 * options.max_minutes, functools.partial(print, flush=True))
     print(report(emp))
     return emp
+
+
+def check_output(flag: str, path: str | Path | None, force: bool = False) -> None:
+    """An output file the tuner will write (``path`` given to ``flag``): its directory exists, and the file does not
+    unless ``force`` (ConfigError otherwise).  Called before the search, so a refusal costs no work."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(flag, "is a directory", str(p), "pass the path of a file to write")
+    if not p.parent.is_dir():
+        parent = str(p.parent)
+        raise ConfigError(
+            flag,
+            "the directory does not exist",
+            f"{parent} for {p}",
+            f"create it (mkdir -p {parent}) or pass another path",
+        )
+    if p.exists() and not force:
+        raise ConfigError(flag, "the file exists", str(p), "pass --force to replace it, or another path")
+
+
+def write_output(flag: str, path: str | Path, text: str, force: bool = False) -> None:
+    """Write ``text`` to ``path``; without ``force`` only as a new file (one created since ``check_output`` is kept)."""
+    try:
+        with open(path, "w" if force else "x") as fh:
+            fh.write(text)
+    except FileExistsError:
+        raise ConfigError(flag, "the file exists", str(path), "pass --force to replace it, or another path") from None

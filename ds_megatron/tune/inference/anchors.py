@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
 from ds_megatron.config.sizes import named
-from ds_megatron.tune.gpus import GPUS
+from ds_megatron.tune.core.gpus import GPUS
+from ds_megatron.tune.core.spec import Cluster, build_cluster, build_model_shape
 from ds_megatron.tune.inference.model import KV_PRECISIONS, PRECISION_BYTES, Serving, Workload, inference_time
-from ds_megatron.tune.spec import Cluster, build_cluster, build_model_shape
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class Anchor:
 
     source: str  # a SOURCES name
     model: str  # a MODELS name
-    gpu: str  # a tune.gpus preset
+    gpu: str  # a tune.core.gpus preset
     weight_dtype: str
     kv_dtype: str
     tp: int

@@ -21,7 +21,10 @@ from ds_megatron.config.schema import ModelSection
 from ds_megatron.config.shape import resolve_shape
 from ds_megatron.model import FAMILIES
 from ds_megatron.tune.core import cli, session
-from ds_megatron.tune.core.cli import FLOAT, INT
+from ds_megatron.tune.core.cli import FLOAT, INT, check_output, write_output
+from ds_megatron.tune.core.memory_model import total_param_count
+from ds_megatron.tune.core.spec import FLAGS as SHAPE_FLAGS
+from ds_megatron.tune.core.spec import build_model_shape, cluster_from_flags
 from ds_megatron.tune.inference.empirical import run_inference_empirical, validate_options
 from ds_megatron.tune.inference.empirical_report import format_inference_empirical
 from ds_megatron.tune.inference.engines import (
@@ -40,10 +43,6 @@ from ds_megatron.tune.inference.model import (
 )
 from ds_megatron.tune.inference.probe import InferenceEmpiricalOptions
 from ds_megatron.tune.inference.report import format_inference
-from ds_megatron.tune.memory_model import total_param_count
-from ds_megatron.tune.spec import FLAGS as SHAPE_FLAGS
-from ds_megatron.tune.spec import build_model_shape, cluster_from_flags
-from ds_megatron.tune.written import check_output, write_output
 
 # The model section's fields the inference model reads off an exported config.json (the family's own keys).
 HF_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size")

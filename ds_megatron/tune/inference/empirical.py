@@ -14,6 +14,7 @@ from ds_megatron.config import ConfigError
 from ds_megatron.model import family_of
 from ds_megatron.tune.core import session
 from ds_megatron.tune.core.calibration import FIT_TERMS, Calibration, fit_parts
+from ds_megatron.tune.core.spec import Cluster
 from ds_megatron.tune.inference.model import (
     InferenceEvaluation,
     InferenceResult,
@@ -33,7 +34,6 @@ from ds_megatron.tune.inference.probe import (
     launch_groups,
     measure_launch,
 )
-from ds_megatron.tune.spec import Cluster
 
 FIGURES = ("tpot", "ttft", "tokens_per_s")  # compared between the model and the runs, as Figures attributes
 

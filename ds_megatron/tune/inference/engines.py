@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ds_megatron.config import ConfigError
-from ds_megatron.tune.spec import Cluster
+from ds_megatron.tune.core.spec import Cluster
 
 # Fitted to the 21 anchors together (inference_fit.fit_anchors): matmuls reach this fraction of the peak of their
 # precision, decode's weight and KV reads this fraction of the HBM bandwidth.

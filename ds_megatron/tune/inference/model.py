@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.rules import tp_misfit
 from ds_megatron.model import family_of
-from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls
-from ds_megatron.tune.memory_model import (
+from ds_megatron.tune.core.links import link, ring_s
+from ds_megatron.tune.core.matmuls import block_matmuls, core_attention_matmuls
+from ds_megatron.tune.core.memory_model import (
     ACT_BYTES,
     GIB,
     MARGIN_BYTES,
@@ -23,8 +24,7 @@ from ds_megatron.tune.memory_model import (
     padded_vocab_size,
     stage_param_counts,
 )
-from ds_megatron.tune.spec import Candidate, Cluster, check_positive
-from ds_megatron.tune.time_model import link, ring_s
+from ds_megatron.tune.core.spec import Candidate, Cluster, check_positive
 
 # Bytes per weight or KV-cache element of each storage precision.  Weights are read at their size; fp8 and int8
 # weights are multiplied at the GPU's fp8 / int8 peak where it has one (Cluster.matmul_peak_flops), int4 at bf16.

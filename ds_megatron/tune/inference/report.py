@@ -3,11 +3,11 @@ of output tokens/s per GPU against TTFT and TPOT, and the constants the predicti
 
 from __future__ import annotations
 
+from ds_megatron.tune.core.memory_model import GIB, total_param_count
 from ds_megatron.tune.core.report import text_table
+from ds_megatron.tune.core.spec import Cluster
 from ds_megatron.tune.inference.engines import EXPECTED_ERROR, expected_error_text
 from ds_megatron.tune.inference.model import InferenceEvaluation, InferenceResult, smallest_fit_note
-from ds_megatron.tune.memory_model import GIB, total_param_count
-from ds_megatron.tune.spec import Cluster
 
 COLUMNS = ("rank", "tp", "pp", "batch", "replicas", "tok/s/GPU", "tok/s all", "TTFT", "TPOT", "memory", "limits")
 

@@ -1,5 +1,5 @@
 """What the tuner shows: the ranked console table, the winner and why it wins, the rejected families.  What it
-writes (the JSON, the winner's config) is ds_megatron.tune.written."""
+writes (the JSON, the winner's config) is ds_megatron.tune.training.written."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import math
 from ds_megatron.config import ModelShape
 from ds_megatron.model import family_of
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
-from ds_megatron.tune import memory_model
+from ds_megatron.tune.core import memory_model
+from ds_megatron.tune.core.memory_model import GIB, StageMemory, total_param_count
 from ds_megatron.tune.core.report import efficiency_text
-from ds_megatron.tune.memory_model import GIB, StageMemory, total_param_count
-from ds_megatron.tune.search import Evaluation, SearchResult, ranked_step
-from ds_megatron.tune.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Candidate, Cluster
+from ds_megatron.tune.core.spec import INTER_NODE_LATENCY_S, INTRA_NODE_LATENCY_S, Candidate, Cluster
+from ds_megatron.tune.training.search import Evaluation, SearchResult, ranked_step
 
 COLUMNS = (
     ("rank", 4),

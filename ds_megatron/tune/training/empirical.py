@@ -10,13 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds_megatron.config import ConfigError
-from ds_megatron.tune.calibration import Measurement, fit_time_model
 from ds_megatron.tune.core import session
 from ds_megatron.tune.core.calibration import FIT_TERMS
 from ds_megatron.tune.core.session import resolve_device  # by name: the command line and fakes reach it here
-from ds_megatron.tune.probe import EmpiricalOptions, ProbeResult, probe
-from ds_megatron.tune.report import cells
-from ds_megatron.tune.search import Evaluation, SearchResult, search
+from ds_megatron.tune.training.calibration import Measurement, fit_time_model
+from ds_megatron.tune.training.probe import EmpiricalOptions, ProbeResult, probe
+from ds_megatron.tune.training.report import cells
+from ds_megatron.tune.training.search import Evaluation, SearchResult, search
 
 
 @dataclass

@@ -4,8 +4,8 @@ the final ranking (measured where measured)."""
 from __future__ import annotations
 
 from ds_megatron.tune.core import report as core_report
-from ds_megatron.tune.empirical import PEAK_MEM_NOTE, EmpiricalResult, FinalEntry
-from ds_megatron.tune.report import layout_cells, seconds_text, settings_text, table, widened
+from ds_megatron.tune.training.empirical import PEAK_MEM_NOTE, EmpiricalResult, FinalEntry
+from ds_megatron.tune.training.report import layout_cells, seconds_text, settings_text, table, widened
 
 LAYOUT_COLUMNS = (("tp", 3), ("pp", 3), ("dp", 3), ("sp", 3), ("b", 3), ("m", 4), ("attn", 5), ("recompute", 17))
 RESULT_COLUMNS = (("predicted s", 11), ("calibrated s", 12), ("measured s", 10), ("error", 7), ("peak mem", 9))

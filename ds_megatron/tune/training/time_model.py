@@ -4,7 +4,7 @@
 
 slots is the pipeline schedule's critical path in micro-batches (``schedule_slots``): m + p - 1 under 1F1B.
 
-t_mb is one micro-batch's forward and backward on the slowest stage: its matmuls (``tune.matmuls``), the eager
+t_mb is one micro-batch's forward and backward on the slowest stage: its matmuls (``tune.core.matmuls``), the eager
 kernel's memory-bound score passes, the elementwise passes selective recompute runs again, the TP collectives (ring
 model: latency + volume / bandwidth), the pipeline sends and, with cp > 1, the CP exchange not hidden behind the
 attention (``cp_comm_s``).  Each term is derived in docs/tuner.md, "Time model" and "Long sequences".  Pure Python."""
@@ -21,8 +21,9 @@ from ds_megatron.memory import ring_dkv_hop_bytes
 from ds_megatron.model import FAMILIES
 from ds_megatron.model.family import RoutedShape
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
-from ds_megatron.tune.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
-from ds_megatron.tune.memory_model import (
+from ds_megatron.tune.core.links import link, ring_s
+from ds_megatron.tune.core.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
+from ds_megatron.tune.core.memory_model import (
     ACT_BYTES,
     WEIGHT_BYTES,
     has_attention_dropout,
@@ -30,7 +31,7 @@ from ds_megatron.tune.memory_model import (
     padded_vocab_size,
     rank_param_counts,
 )
-from ds_megatron.tune.spec import Candidate, Cluster
+from ds_megatron.tune.core.spec import Candidate, Cluster
 
 GRAD_REDUCE_BYTES = 4  # DeepSpeed's BF16 optimizer reduces the fp32 gradient copies (grad_accum_dtype fp32)
 # DeepSpeed's PipelineEngine reduces gradients after the last backward of the step, so none of it hides behind compute.
@@ -93,21 +94,6 @@ RECOMPUTED_PASSES = {
 }
 
 
-def link(cluster: Cluster, inter_node: bool) -> tuple[float, float]:
-    """(GB/s per GPU, latency in s) of the network (``inter_node``) or of NVLink."""
-    if inter_node:
-        return cluster.inter_node_gbps, cluster.inter_node_latency_s
-    return cluster.intra_node_gbps, cluster.intra_node_latency_s
-
-
-def ring_s(num_bytes: float, ranks: int, gbps: float, latency_s: float, passes: float = 2.0) -> float:
-    """A ring collective over ``ranks``: latency + passes x (n-1)/n x bytes / bandwidth, with 2 passes for an
-    all-reduce and 1 for an all-gather or reduce-scatter (of a ``num_bytes`` result)."""
-    if ranks <= 1:
-        return 0.0
-    return latency_s + passes * (ranks - 1) / ranks * num_bytes / (gbps * 1e9)
-
-
 @dataclass(frozen=True)
 class StageTime:
     """One micro-batch (forward + backward) on one stage, in seconds."""
@@ -143,7 +129,7 @@ class StepTime:
     hfu: float  # executed FLOPs (recompute included) / (step * peak * gpus)
     overhead_s: float = 0.0  # the cluster's fixed per-step overhead (fitted from measurements; 0 by default)
     attention_s: float = 0.0  # the eager kernel's s x s passes on the critical path, bubble slots included
-    matmul_efficiency: float = 0.0  # fraction of peak the slowest stage's matmuls run at (ds_megatron.tune.matmuls)
+    matmul_efficiency: float = 0.0  # fraction of peak the slowest stage's matmuls run at (tune.core.matmuls)
     recompute_passes_s: float = 0.0  # selective recompute's elementwise passes on the critical path, bubble included
     # The CP exchange not hidden behind compute, on the critical path, bubble included.  Left out of the repr (and of
     # as_dict at cp 1) so that a cp 1 prediction prints exactly as before the tuner knew cp.

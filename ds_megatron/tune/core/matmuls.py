@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
 from ds_megatron.model import family_of
-from ds_megatron.tune.memory_model import ACT_BYTES, padded_vocab_size, routed_terms
-from ds_megatron.tune.spec import Candidate, Cluster
+from ds_megatron.tune.core.memory_model import ACT_BYTES, padded_vocab_size, routed_terms
+from ds_megatron.tune.core.spec import Candidate, Cluster
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from ds_megatron.memory import (
 from ds_megatron.model import family_of
 from ds_megatron.model.family import RoutedShape
 from ds_megatron.pipeline_parallel.schedules import ActivationTerms
-from ds_megatron.tune.spec import Candidate
+from ds_megatron.tune.core.spec import Candidate
 
 GIB = 2**30
 WEIGHT_BYTES = 2  # bf16 weights

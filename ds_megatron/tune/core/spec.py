@@ -1,5 +1,5 @@
 """What the tuner is asked about: the model, the cluster, the pinned dimensions, and one candidate configuration.
-Model and cluster are checked as they are built (the request as a whole in ``tune.validate``); a bad input raises
+Model and cluster are checked as they are built (the request in ``tune.training.validate``); bad input raises
 :class:`ds_megatron.config.ConfigError`.  Standard library only."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ds_megatron.config.shape import ModelShape, Vocabulary, resolve_shape
 from ds_megatron.config.sizes import named
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
-from ds_megatron.tune.gpus import DEFAULT_GPU, GPUS
+from ds_megatron.tune.core.gpus import DEFAULT_GPU, GPUS
 
 SDPA_CORE_ATTN_REASON = (
     "recomputing core_attn with sdpa is not offered: it checkpoints the s x s attention core, which the sdpa kernel "
@@ -22,7 +22,7 @@ SDPA_CORE_ATTN_REASON = (
     "with selective recompute of mlp_act and layernorm instead"
 )
 
-# The ceiling of the matmul-efficiency curve (tune.matmuls), the time model's one free parameter, fitted by
+# The ceiling of the matmul-efficiency curve (tune.core.matmuls), the time model's one free parameter, fitted by
 # calibration.fit_time_model to two published A100 step times (paper_runs.FIT_ROWS: 0.8687); the six other rows of
 # the paper's table are then predicted within 6.2% (docs/tuner.md, "Time model").  Fit yours with --empirical.
 DEFAULT_EFFICIENCY = 0.869
@@ -41,8 +41,8 @@ class Cluster:
     intra_node_gbps: float = 300.0  # NVLink (A100: 600 GB/s both directions = 300 each way)
     inter_node_gbps: float = 25.0  # InfiniBand share per GPU (one 200 Gb/s HDR NIC per GPU = 25 GB/s)
     memory_gbps: float = 2039.0  # HBM bandwidth (A100 80GB: 2,039 GB/s); the eager kernel's s x s passes run at it
-    gpu: str | None = None  # the preset the figures came from (ds_megatron.tune.gpus), with any flags that changed it
-    efficiency: float = DEFAULT_EFFICIENCY  # ceiling of the matmul-efficiency curve (tune.matmuls; calibrate fits it)
+    gpu: str | None = None  # the preset the figures came from (tune.core.gpus), with any flags that changed it
+    efficiency: float = DEFAULT_EFFICIENCY  # ceiling of the matmul-efficiency curve (core.matmuls; calibrate fits)
     intra_node_latency_s: float = INTRA_NODE_LATENCY_S  # fixed cost of each collective or send inside a node
     inter_node_latency_s: float = INTER_NODE_LATENCY_S  # the same across nodes
     # Fixed time per optimizer step outside the model (optimizer update, Python and launch overheads); 0 unless
@@ -80,9 +80,9 @@ class Pins:
     zero: int | None = None  # 0 | 1
     attention: str | None = None  # "eager" | "sdpa"
     recompute_modules: tuple[str, ...] | None = None  # selective's modules, in any order (implies "selective")
-    cp: int | None = None  # context-parallel size (None: searched for long sequences, tune.space.CP_MIN_SEQ_LENGTH)
+    cp: int | None = None  # context-parallel size (None: searched for long sequences, space.CP_MIN_SEQ_LENGTH)
     cp_comm: str | None = None  # "ring" | "a2a"
-    schedule: str | None = None  # a tune.schedules name, or "all" (None: tune.schedules.DEFAULT_SCHEDULES)
+    schedule: str | None = None  # a schedule name, or "all" (None: training.schedules.DEFAULT_SCHEDULES)
 
 
 def ordered_modules(modules: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -112,7 +112,7 @@ class Candidate:
     # m = global batch / (dp x b)), exchanging K/V around a ring or by all-to-all over heads ("a2a").
     cp: int = 1
     cp_comm: str = "ring"
-    # The pipeline schedule (ds_megatron.parallel.pipeline_schedule; tune.schedules models each).
+    # The pipeline schedule (ds_megatron.parallel.pipeline_schedule; tune.training.schedules models each).
     schedule: str = DEFAULT_SCHEDULE.name
 
     def __post_init__(self) -> None:
@@ -231,7 +231,7 @@ PRESET_FIELDS = {
 
 
 def build_cluster(gpu: str | None, num_gpus: int, gpus_per_node: int, **values: float | None) -> Cluster:
-    """A cluster of ``gpu`` (a :data:`ds_megatron.tune.gpus.GPUS` name; None: the a100-80gb defaults) whose figures
+    """A cluster of ``gpu`` (a :data:`ds_megatron.tune.core.gpus.GPUS` name; None: the a100-80gb defaults) whose figures
     are replaced by every explicit value that is not None (``gpu_memory_gb=40``); other keywords (``efficiency``,
     latencies, ``step_overhead_s``) pass through to :class:`Cluster`."""
     if gpu is not None and gpu not in GPUS:

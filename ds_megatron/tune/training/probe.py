@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ds_megatron.config import ConfigError
 from ds_megatron.tune.core import launch
-from ds_megatron.tune.search import Evaluation, SearchResult
-from ds_megatron.tune.written import ds_config
+from ds_megatron.tune.training.search import Evaluation, SearchResult
+from ds_megatron.tune.training.written import ds_config
 
 RECIPE = launch.RECIPES / "train_gpt.py"
 

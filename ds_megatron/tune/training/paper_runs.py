@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
-from ds_megatron.tune.calibration import Measurement
-from ds_megatron.tune.spec import Candidate, Cluster, build_cluster, build_model_shape
+from ds_megatron.tune.core.spec import Candidate, Cluster, build_cluster, build_model_shape
+from ds_megatron.tune.training.calibration import Measurement
 
 PAPER_GPU = "a100-80gb"
 PAPER_VOCAB = 51200

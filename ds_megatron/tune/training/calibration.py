@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
 from ds_megatron.tune.core.calibration import Calibration, fit_parts
-from ds_megatron.tune.spec import Candidate, Cluster
-from ds_megatron.tune.time_model import step_time
+from ds_megatron.tune.core.spec import Candidate, Cluster
+from ds_megatron.tune.training.time_model import step_time
 
 
 @dataclass(frozen=True)

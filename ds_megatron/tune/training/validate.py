@@ -11,9 +11,9 @@ from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.numbers import check_finite
 from ds_megatron.config.rules import TP_SPLITS, check_zero_stage, core_attn_saves_nothing, tp_misfit
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
-from ds_megatron.tune import cp_rules, schedules
-from ds_megatron.tune.space import tp_sizes
-from ds_megatron.tune.spec import FLAGS, Cluster, Pins, check_positive
+from ds_megatron.tune.core.spec import FLAGS, Cluster, Pins, check_positive
+from ds_megatron.tune.training import cp_rules, schedules
+from ds_megatron.tune.training.space import tp_sizes
 
 
 def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int, pins: Pins) -> None:

@@ -9,14 +9,15 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ds_megatron.config import ConfigError
 from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.config.shape import DEFAULT_ROPE_THETA, SHAPE_FIELDS
 from ds_megatron.model import family_of
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
-from ds_megatron.tune import memory_model, time_model
-from ds_megatron.tune.memory_model import total_param_count
-from ds_megatron.tune.search import Evaluation, SearchResult
+from ds_megatron.tune.core import memory_model
+from ds_megatron.tune.core.cli import write_output
+from ds_megatron.tune.core.memory_model import total_param_count
+from ds_megatron.tune.training import time_model
+from ds_megatron.tune.training.search import Evaluation, SearchResult
 
 MODEL_KEYS = ("size", "family", *SHAPE_FIELDS, "vocab_size", "seq_length")  # the JSON's model, in this order
 # A config's model section, in this order: every family's fields, then a Llama's.
@@ -109,35 +110,6 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
             "recompute": recompute,
         },
     }
-
-
-def check_output(flag: str, path: str | Path | None, force: bool = False) -> None:
-    """An output file the tuner will write (``path`` given to ``flag``): its directory exists, and the file does not
-    unless ``force`` (ConfigError otherwise).  Called before the search, so a refusal costs no work."""
-    if path is None:
-        return
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(flag, "is a directory", str(p), "pass the path of a file to write")
-    if not p.parent.is_dir():
-        parent = str(p.parent)
-        raise ConfigError(
-            flag,
-            "the directory does not exist",
-            f"{parent} for {p}",
-            f"create it (mkdir -p {parent}) or pass another path",
-        )
-    if p.exists() and not force:
-        raise ConfigError(flag, "the file exists", str(p), "pass --force to replace it, or another path")
-
-
-def write_output(flag: str, path: str | Path, text: str, force: bool = False) -> None:
-    """Write ``text`` to ``path``; without ``force`` only as a new file (one created since ``check_output`` is kept)."""
-    try:
-        with open(path, "w" if force else "x") as fh:
-            fh.write(text)
-    except FileExistsError:
-        raise ConfigError(flag, "the file exists", str(path), "pass --force to replace it, or another path") from None
 
 
 def write_config(result: SearchResult, path: str | Path, chosen: Evaluation | None = None, force: bool = False) -> str:

@@ -11,15 +11,15 @@ from ds_megatron.config import ModelShape
 from ds_megatron.config.rules import TP_SPLITS, core_attn_saves_nothing
 from ds_megatron.config.schema import ATTENTION_KERNELS
 from ds_megatron.pipeline_parallel.schedules import schedule_named
-from ds_megatron.tune import cp_rules, schedules
-from ds_megatron.tune.memory_model import layers_per_stage
-from ds_megatron.tune.spec import (
+from ds_megatron.tune.core.memory_model import layers_per_stage
+from ds_megatron.tune.core.spec import (
     SDPA_CORE_ATTN_REASON,
     Candidate,
     Cluster,
     Pins,
     ordered_modules,
 )
+from ds_megatron.tune.training import cp_rules, schedules
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 from ds_megatron.config import ModelShape
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
-from ds_megatron.tune.memory_model import GIB, MARGIN_BYTES, MARGIN_FRACTION, StageMemory, stage_memory
-from ds_megatron.tune.space import Rejection, enumerate_candidates, layout_candidates, tp_sizes
-from ds_megatron.tune.spec import Candidate, Cluster, Pins
-from ds_megatron.tune.time_model import StepTime, step_time
-from ds_megatron.tune.validate import validate_request
+from ds_megatron.tune.core.memory_model import GIB, MARGIN_BYTES, MARGIN_FRACTION, StageMemory, stage_memory
+from ds_megatron.tune.core.spec import Candidate, Cluster, Pins
+from ds_megatron.tune.training.space import Rejection, enumerate_candidates, layout_candidates, tp_sizes
+from ds_megatron.tune.training.time_model import StepTime, step_time
+from ds_megatron.tune.training.validate import validate_request
 
 
 @dataclass(frozen=True)
