@@ -75,6 +75,9 @@ class ModelSection:
     mlp_only_layers: tuple | None = None  # layers with a dense SwiGLU of intermediate_size instead of experts
     router_aux_loss_coef: float | None = None  # weight of the load-balancing loss in the training loss
     router_z_loss_coef: float | None = None  # weight of the router z-loss (0: off)
+    # tokens per expert in training at most ceil(c n k / E) of a rank's n routed tokens, the pairs of the largest
+    # router probability kept, the rest dropped (model.moe_layer); 0 or None: dropless (every token reaches its k)
+    moe_capacity_factor: float | None = None
     # the output layer and the cross entropy computed together in chunks of tokens, never holding the logits
     # [s, b, V/t] whole (ds_megatron.tensor_parallel.fused_cross_entropy); false: logits, then the loss
     fused_loss: bool = True

@@ -50,6 +50,7 @@ class ModelShape:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    moe_capacity_factor: float = 0.0  # 0: dropless
 
     @property
     def head_dim(self) -> int:
@@ -75,6 +76,7 @@ EXPERT_FIELDS: dict[str, Any] = {
     "mlp_only_layers": (),
     "router_aux_loss_coef": 0.001,  # Qwen3-MoE's published value
     "router_z_loss_coef": 0.0,
+    "moe_capacity_factor": 0.0,  # dropless
 }
 # The fields that make a family's architecture: a shape with these of a named size is that size (vocabulary and
 # sequence length may differ: a run or a written config states them next to it).  Read by the resume check (with
@@ -307,6 +309,12 @@ def _experts(m: ModelSection, shape: NamedShape, resolved: ModelShape, words: Vo
     for name in ("router_aux_loss_coef", "router_z_loss_coef"):
         if not values[name] >= 0:
             raise ConfigError(words.setting(name), "must be >= 0", f"got {values[name]}", "set e.g. 0.001 (0: off)")
+    if not (isinstance(values["moe_capacity_factor"], (int, float)) and values["moe_capacity_factor"] >= 0):
+        raise ConfigError(
+            words.setting("moe_capacity_factor"), "must be a number >= 0", f"got {values['moe_capacity_factor']!r}",
+            "set e.g. 1.25 (0: dropless)",
+        )  # fmt: skip
+    values["moe_capacity_factor"] = float(values["moe_capacity_factor"])
     head = values.pop("head_dim") or resolved.hidden_size // resolved.num_heads
     if head <= 0 or head % 2:
         raise ConfigError(
@@ -388,7 +396,8 @@ def _with_size(resolved: ModelShape, size: str | None, shape: NamedShape) -> Mod
         fields = {renamed.get(k, k): v for k, v in shape.family_fields}
         fields["head_width"] = fields.pop("head_dim", None) or shape.hidden_size // shape.num_heads
         fields["mlp_only_layers"] = tuple(sorted(set(fields.get("mlp_only_layers", ()))))
-        loss_weights = ("router_aux_loss_coef", "router_z_loss_coef")  # the loss's, not the architecture's
+        # the loss's weights and the training-time token dropping, not the architecture's
+        loss_weights = ("router_aux_loss_coef", "router_z_loss_coef", "moe_capacity_factor")
         same = same and all(getattr(resolved, f) == v for f, v in fields.items() if f not in loss_weights)
     if same:
         return dataclasses.replace(resolved, size=size)

@@ -31,7 +31,15 @@ from torch.distributed import ProcessGroup
 
 from ds_megatron.expert_parallel.dispatch import combine, dispatch, group_size, plan_dispatch
 from ds_megatron.expert_parallel.layout import check_num_experts
-from ds_megatron.model.moe_layer import GEMM_DEFAULT, Experts, RouterStats, SparseMoeBlock, TopKRouter, weighted_sum
+from ds_megatron.model.moe_layer import (
+    GEMM_DEFAULT,
+    Experts,
+    RouterStats,
+    SparseMoeBlock,
+    TopKRouter,
+    pairs_by_expert,
+    weighted_sum,
+)
 
 
 def expert_group_name(ep: int) -> str:
@@ -77,6 +85,7 @@ class ExpertParallelMoE(nn.Module):
         norm_topk_prob: bool,
         ep_group: ProcessGroup | None,
         gemm: str = GEMM_DEFAULT,
+        capacity_factor: float = 0.0,
     ):
         super().__init__()
         self.ep = group_size(ep_group)
@@ -86,7 +95,7 @@ class ExpertParallelMoE(nn.Module):
         self.ep_group = ep_group
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
         self.num_experts = num_experts
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, capacity_factor)
         self.experts = Experts(hidden_size, intermediate_size, num_experts // self.ep, gemm)
         mark_expert_params(self.experts, expert_group_name(self.ep))
 
@@ -95,7 +104,10 @@ class ExpertParallelMoE(nn.Module):
         """This EP rank's layer holding ``block``'s router and its slice of ``block``'s experts (copies)."""
         num_experts, two_f, hidden_size = block.experts.gate_up_proj.shape
         gate = block.gate
-        layer = cls(hidden_size, two_f // 2, num_experts, gate.top_k, gate.norm_topk_prob, ep_group, block.experts.gemm)
+        layer = cls(
+            hidden_size, two_f // 2, num_experts, gate.top_k, gate.norm_topk_prob, ep_group, block.experts.gemm,
+            gate.capacity_factor,
+        )  # fmt: skip
         layer.to(device=gate.weight.device, dtype=block.experts.gate_up_proj.dtype)
         local = layer.local_experts()
         with torch.no_grad():
@@ -114,12 +126,11 @@ class ExpertParallelMoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         weights, experts, stats = self.gate(flat)  # [n, k] fp32, [n, k] global expert ids
         n, k = experts.shape
-        pairs = experts.reshape(-1)
-        order = torch.argsort(pairs, stable=True)  # pairs sorted by global expert, so by owner
+        order, per_expert = pairs_by_expert(experts, self.num_experts)  # by global expert, so by owner
         token = order // k
-        plan = plan_dispatch(torch.bincount(pairs, minlength=self.num_experts), self.ep_group)
+        plan = plan_dispatch(per_expert, self.ep_group)
         received = dispatch(flat[token], plan, self.ep_group)  # [m, h], grouped by local expert
-        out = combine(self.experts.grouped_mlp(received, plan.local_counts), plan, self.ep_group)  # [n k, h]
+        out = combine(self.experts.grouped_mlp(received, plan.local_counts), plan, self.ep_group)  # [n k (kept), h]
         return weighted_sum(out, weights.reshape(-1)[order], token, n).view_as(x), stats
 
     def extra_repr(self) -> str:

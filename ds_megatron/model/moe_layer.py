@@ -9,7 +9,12 @@ router at ``block_sparse_moe.gate.weight``): transformers stacks them on load (g
 
 Routing (Shazeer et al. 2017; Mixtral; Qwen3): logits = x W_r^T in fp32 (the router always runs in fp32, whatever
 the activations' dtype: a bf16 router flips top-k choices between near-tied experts), p = softmax(logits), the k
-largest p_e per token, renormalised to sum 1 when ``norm_topk_prob``.  Dropless: every token reaches its k experts.
+largest p_e per token, renormalised to sum 1 when ``norm_topk_prob``.  Dropless by default: every token reaches its
+k experts.  With a capacity factor c (``moe_capacity_factor`` > 0, training mode only) each expert takes at most
+C = ceil(c n k / E) of the n k pairs a layer routes in one call (a rank's tokens of a micro-batch: its sequence
+shard under SP or CP), the pairs with the largest router probability kept (ties by token order); a dropped pair
+contributes nothing (its token keeps the residual) and leaves the load statistics, which count the router's
+choices, as they were.  Evaluation and generation stay dropless, as transformers' model is.
 The n k (token, expert) pairs are sorted by expert (stable, so each expert sees its tokens in order), run through
 each expert's SwiGLU MLP as one grouped GEMM per projection, scaled by their routing weight and summed back per token.
 An expert that gets no token is an empty group: its slice of the gradient is zero, and present, because the experts
@@ -21,6 +26,7 @@ Grouped GEMM vs a loop of per-expert GEMMs (forward + backward of one layer, CPU
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -89,30 +95,76 @@ def router_z_loss(stats: RouterStats) -> torch.Tensor:
 
 
 class TopKRouter(nn.Module):
-    """logits = x W^T in fp32 -> softmax -> top k, renormalised when ``norm_topk_prob``."""
+    """logits = x W^T in fp32 -> softmax -> top k, renormalised when ``norm_topk_prob``; in training mode with
+    ``capacity_factor`` > 0, the pairs over an expert's capacity dropped (:func:`drop_over_capacity`)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(
+        self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool, capacity_factor: float = 0.0
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.capacity_factor = capacity_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
-        """x [n, h] -> routing weights [n, k] fp32, experts [n, k] int64, this layer's statistics."""
+        """x [n, h] -> routing weights [n, k] fp32, experts [n, k] int64 (E for a dropped pair), the statistics."""
         return self.route(x, self.weight)
 
     def route(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, RouterStats]:
         """:meth:`forward` with the router weight given (the sequence-parallel router's, its gradient synced)."""
         logits = F.linear(x.float(), weight.float())  # [n, E] fp32
         probs = torch.softmax(logits, dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = top / top.sum(dim=-1, keepdim=True) if self.norm_topk_prob else top
         num_experts = logits.shape[-1]
         counts = torch.bincount(experts.reshape(-1), minlength=num_experts).float()
         rows = torch.tensor(float(x.shape[0]), device=x.device)
         z = torch.logsumexp(logits, dim=-1).square().sum()
+        if self.capacity_factor and self.training:
+            weights, experts = drop_over_capacity(top.detach(), weights, experts, num_experts, self.capacity_factor)
         return weights, experts, RouterStats(counts, probs.sum(0), rows, z)
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Pairs one expert takes from ``tokens`` routed tokens at capacity factor ``factor``: ceil(c n k / E)."""
+    return math.ceil(factor * tokens * top_k / num_experts)
+
+
+@torch.no_grad()
+def _kept(probs: torch.Tensor, experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """[n k] bool: each expert's ``capacity`` pairs of the largest router probability (ties: the earlier pair)."""
+    flat = experts.reshape(-1)
+    by_prob = torch.argsort(probs.reshape(-1), descending=True, stable=True)
+    by_expert = by_prob[torch.argsort(flat[by_prob], stable=True)]  # by expert, each expert's by falling probability
+    counts = torch.bincount(flat, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    place = torch.empty_like(flat)
+    place[by_expert] = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]
+    return place < capacity
+
+
+def drop_over_capacity(
+    probs: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int, factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing with each expert's pairs beyond its capacity dropped: probs, weights [n, k] fp32 and experts
+    [n, k] -> weights with the dropped pairs' set to 0, experts with theirs set to ``num_experts`` (no expert: the
+    pair sorts after every expert's and is left out by :func:`pairs_by_expert`)."""
+    n, k = experts.shape
+    keep = _kept(probs, experts, num_experts, expert_capacity(n, k, num_experts, factor)).view(n, k)
+    return weights * keep, torch.where(keep, experts, num_experts)
+
+
+def pairs_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts [n, k] -> (the kept pairs' indices sorted by expert (stable: each expert sees its tokens in order),
+    rows per expert [E] int64).  Pairs dropped by the capacity (expert id E) are left out."""
+    flat = experts.reshape(-1)  # [n k] pair i is token i // k's j = i % k choice
+    order = torch.argsort(flat, stable=True)
+    per_expert = torch.bincount(flat, minlength=num_experts)
+    if per_expert.numel() > num_experts:  # dropped pairs present: they sorted last
+        order = order[: int(per_expert[:num_experts].sum())]
+        per_expert = per_expert[:num_experts]
+    return order, per_expert
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -187,17 +239,15 @@ def expert_mlp(
     """The experts' SwiGLU MLPs on the tokens routed to them, weighted and summed per token: x [n, h], routing
     weights [n, k] fp32, experts [n, k] -> [n, h] in x's dtype (``grouped_mlp``'s weights)."""
     n, k = experts.shape
-    flat = experts.reshape(-1)  # [n k] pair i is token i // k's j = i % k choice
-    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+    order, per_expert = pairs_by_expert(experts, gate_up_proj.shape[0])
     token = order // k
-    per_expert = torch.bincount(flat, minlength=gate_up_proj.shape[0])
     out = grouped_mlp(x[token], per_expert, gate_up_proj, down_proj, gemm)  # [n k, h], grouped by expert
     return weighted_sum(out, weights.reshape(-1)[order], token, n)
 
 
 def weighted_sum(out: torch.Tensor, weights: torch.Tensor, token: torch.Tensor, n: int) -> torch.Tensor:
-    """Expert outputs [n k, h] (pair i belongs to token ``token[i]``), routing weights [n k] fp32 -> [n, h]: each
-    token's weighted sum over its k experts, accumulated in fp32 and returned in ``out``'s dtype."""
+    """Expert outputs [m, h] (pair i belongs to token ``token[i]``; m = n k, less the dropped pairs), routing weights
+    [m] fp32 -> [n, h]: each token's weighted sum over its (kept) experts, accumulated in fp32, in ``out``'s dtype."""
     scaled = out.float() * weights[:, None]
     combined = torch.zeros(n, out.shape[-1], dtype=torch.float32, device=out.device).index_add(0, token, scaled)
     return combined.to(out.dtype)
@@ -214,11 +264,12 @@ class SparseMoeBlock(nn.Module):
         top_k: int,
         norm_topk_prob: bool,
         gemm: str = GEMM_DEFAULT,
+        capacity_factor: float = 0.0,
     ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"error: num_experts_per_tok={top_k} with num_experts={num_experts}; use 1..{num_experts}")
-        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, capacity_factor)
         self.experts = Experts(hidden_size, intermediate_size, num_experts, gemm)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:

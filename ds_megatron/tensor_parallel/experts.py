@@ -94,7 +94,7 @@ class SequenceParallelRouter(SPReplicatedGrads, TopKRouter):
 
     def __init__(self, router: TopKRouter, tp: TPGroup):
         num_experts, hidden = router.weight.shape
-        super().__init__(hidden, num_experts, router.top_k, router.norm_topk_prob)
+        super().__init__(hidden, num_experts, router.top_k, router.norm_topk_prob, router.capacity_factor)
         with torch.no_grad():
             self.weight.data = router.weight.data.clone()
         mark_sp_replicated(self.weight)

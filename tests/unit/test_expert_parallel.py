@@ -47,11 +47,11 @@ class Ctx(NamedTuple):
     world: int
 
 
-def reference_block(dtype: torch.dtype) -> SparseMoeBlock:
+def reference_block(dtype: torch.dtype, capacity: float = 0.0) -> SparseMoeBlock:
     """The single-device layer, its router skewed: hidden coordinate 0 is 3 for every token (see ``tokens``), expert
     0 weighted on it and the last two experts against it, so most first choices are expert 0 and no token picks
-    experts 6 and 7."""
-    block = SparseMoeBlock(H, FFN, E, K, norm_topk_prob=True)
+    experts 6 and 7 (and at ``capacity`` 0.5, expert 0 drops pairs on every rank: ceil(n / 8) each)."""
+    block = SparseMoeBlock(H, FFN, E, K, norm_topk_prob=True, capacity_factor=capacity)
     with torch.no_grad():
         block.gate.weight.normal_(0, 0.5)
         block.gate.weight[:, 0] = 0.0
@@ -106,15 +106,18 @@ class Dims(NamedTuple):
 DIMS = {"dp4": Dims(1, 1, 4, False), "tp2sp-dp2": Dims(2, 1, 2, True), "cp2-dp2": Dims(1, 2, 2, False)}
 
 
-def check_parity(c: Ctx, dims: Dims, ep: int, dtype: torch.dtype, tol: float, gemm: str = "grouped") -> Pairs:
-    """The layer on this rank's tokens against the block on every rank's.  The objective is the mean over the data
-    replicas (dp x cp of them) of each replica's loss, the sum of out * gout over its tokens (under SP its tp ranks
-    hold disjoint shares of them); DeepSpeed averages each rank's gradients over dp x cp, the SP rule sums the
+def check_parity(
+    c: Ctx, dims: Dims, ep: int, dtype: torch.dtype, tol: float, gemm: str = "grouped", capacity: float = 0.0
+) -> Pairs:
+    """The layer on this rank's tokens against the block on every rank's (with a ``capacity`` factor, on each rank's
+    tokens apart: a rank's tokens are the group whose pairs the capacity counts). The objective is the mean over the
+    data replicas (dp x cp of them) of each replica's loss, the sum of out * gout over its tokens (under SP its tp
+    ranks hold disjoint shares of them); DeepSpeed averages each rank's gradients over dp x cp, the SP rule sums the
     router's over tp, and the expert-DP rule reduces the experts'."""
     layout = ep_layout(dims.tp, dims.cp, dims.dp, pp=1, ep=ep, sequence_parallel=dims.sp, num_experts=E)
     ep_group, expert_dp_group = build_ep_groups(layout, c.rank)
     replicas = dims.dp * dims.cp
-    block = reference_block(dtype)
+    block = reference_block(dtype, capacity)
     block.experts.gemm = gemm
     counts = TOKENS[: c.world]
     xs = [tokens(n, dtype) for n in counts]
@@ -125,7 +128,11 @@ def check_parity(c: Ctx, dims: Dims, ep: int, dtype: torch.dtype, tol: float, ge
     # the reference: one device, every rank's tokens
     layer = ExpertParallelMoE.from_block(block, ep_group)
     x_all = torch.cat(xs).requires_grad_()
-    out_all, stats_all = block(x_all)
+    if capacity:
+        outs, per_rank = zip(*(block(part) for part in x_all.split(counts)), strict=True)
+        out_all, stats_all = torch.cat(outs), sum(per_rank[1:], per_rank[0])
+    else:
+        out_all, stats_all = block(x_all)
     ((out_all * torch.cat(gouts)).float().sum() / replicas).backward()
 
     # this rank: its own tokens and share of the loss; then the gradient rules
@@ -139,7 +146,7 @@ def check_parity(c: Ctx, dims: Dims, ep: int, dtype: torch.dtype, tol: float, ge
     reduce_expert_grads(layer, expert_dp_group, layout.expert_grad_divisor)
     total = summed(stats, c.group)
     local = layer.local_experts()
-    received = exchange_counts(torch.bincount(layer.gate(x)[1].reshape(-1), minlength=E), ep_group).sum()
+    received = exchange_counts(torch.bincount(layer.gate(x)[1].reshape(-1), minlength=E + 1)[:E], ep_group).sum()
     compared = [
         ("output", out, out_all[mine], tol),
         ("input grad (of the replica mean)", x.grad / replicas, x_all.grad[mine], tol),
@@ -167,7 +174,13 @@ def check_parity(c: Ctx, dims: Dims, ep: int, dtype: torch.dtype, tol: float, ge
         ("no token for experts 6, 7", stats_all.counts[-2:], torch.zeros(2)),
         ("expert 0 gets the most", stats_all.counts.argmax(), torch.tensor(0)),
         *([("ep 4: rank 3 receives no row", received, torch.tensor(0))] if last_rank else []),
+        *([("pairs dropped here", dropped(layer, x) > 0, torch.tensor(True))] if capacity else []),
     ]
+
+
+def dropped(layer: ExpertParallelMoE, x: Tensor) -> Tensor:
+    """Pairs the layer's router drops from ``x`` (expert id E)."""
+    return (layer.gate(x)[1] == E).sum()
 
 
 def check_refusals(c: Ctx) -> Pairs:
@@ -191,6 +204,8 @@ def checks(world: int) -> dict[str, Callable[[Ctx], Pairs]]:
         found[f"tp2sp-dp2/ep{ep}/fp32"] = partial(check_parity, dims=DIMS["tp2sp-dp2"], ep=ep, **fp32)
     found["cp2-dp2/ep2/fp32"] = partial(check_parity, dims=DIMS["cp2-dp2"], ep=2, **fp32)
     found["dp4/ep2/fp32-loop"] = partial(check_parity, dims=DIMS["dp4"], ep=2, gemm="loop", **fp32)
+    found["dp4/ep2/fp32-capacity"] = partial(check_parity, dims=DIMS["dp4"], ep=2, capacity=0.5, **fp32)
+    found["tp2sp-dp2/ep4/fp32-capacity"] = partial(check_parity, dims=DIMS["tp2sp-dp2"], ep=4, capacity=0.5, **fp32)
     found["refusals"] = check_refusals
     return found
 

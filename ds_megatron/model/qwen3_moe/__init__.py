@@ -56,6 +56,8 @@ MOE_FIELDS = (
     "router_aux_loss_coef",
     "router_z_loss_coef",
 )
+# Fields transformers' config has no counterpart of: they shape training only (its model is dropless, without z-loss).
+TRAINING_ONLY = ("router_z_loss_coef", "moe_capacity_factor")
 QWEN3_VOCAB_SIZE = 151936
 QWEN3_SEQ_LENGTH = 4096  # the report's general pretraining stage
 
@@ -136,6 +138,7 @@ class Qwen3MoeConfig:
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight in the training loss
     router_z_loss_coef: float = 0.0  # the router z-loss's weight (0: off; transformers has none)
+    moe_capacity_factor: float = 0.0  # training-time token dropping (0: dropless; transformers is dropless)
     max_position_embeddings: int = 40960
     rope_theta: float = 1000000.0
     rms_norm_eps: float = 1e-6
@@ -173,7 +176,7 @@ class Qwen3MoeConfig:
         from transformers import Qwen3MoeConfig as HFConfig
 
         return HFConfig(
-            **hf_fields(self, HF_RENAMED, skip=("rope_theta", "mlp_only_layers", "router_z_loss_coef")),
+            **hf_fields(self, HF_RENAMED, skip=("rope_theta", "mlp_only_layers", *TRAINING_ONLY)),
             mlp_only_layers=list(self.mlp_only_layers),
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             hidden_act="silu",
@@ -213,6 +216,7 @@ def _common_from_hf(hf: Any, attention: str) -> dict[str, Any]:
         mlp_only_layers=tuple(getattr(hf, "mlp_only_layers", None) or ()),
         rope_theta=float(theta),
         router_z_loss_coef=0.0,
+        moe_capacity_factor=0.0,
         tie_word_embeddings=bool(hf.tie_word_embeddings),
         attention_dropout=float(getattr(hf, "attention_dropout", 0.0)),
         attention=attention,

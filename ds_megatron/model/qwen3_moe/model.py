@@ -50,6 +50,7 @@ class MoeBlock(nn.Module):
                 config.num_experts,
                 config.num_experts_per_tok,
                 config.norm_topk_prob,
+                capacity_factor=config.moe_capacity_factor,
             )
         else:
             self.mlp = LlamaMLP(config)  # reads hidden_size and the dense intermediate_size
