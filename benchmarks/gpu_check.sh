@@ -8,9 +8,11 @@
 # MFU, HFU, peak memory, the analytic activation prediction) in ${OUT:-benchmarks/results}/gpu_check.md.  Then one
 # inference measurement: TTFT and TPOT of a Llama 3.2 1B-shaped exported model (random weights, built locally) at
 # batch 1 and 16 under DeepSpeed's inference engine, against the inference tuner's prediction (gpu_inference.md).
-# Last, the context-parallel kernels: the ring's chunked flash attention with its log-sum-exp merge (every CP rank
+# Then the context-parallel kernels: the ring's chunked flash attention with its log-sum-exp merge (every CP rank
 # played in turn on the one GPU) against one whole-sequence flash call, time, peak memory and error
-# (gpu_cp_kernel.md).
+# (gpu_cp_kernel.md).  Last, the fused output layer + cross entropy against the unfused one at V 128,256, s 8,192,
+# and a Llama 3 8B block with its memory-bound pieces compiled (Triton) against eager: time and peak memory
+# (gpu_kernels.md).
 #
 # Part 2, when two or more GPUs are visible: the loss of tp 2 with sequence parallelism (4 GPUs: also tp 2 x pp 2
 # and tp 2 x cp 2, each with SP) against tp 1 on one GPU, one process per GPU under the deepspeed launcher (NCCL),
@@ -29,18 +31,20 @@ WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUT"
 
 # Seconds each step may take (each can be set from the environment).  Part 1 adds up to
-# 30 + 6 x 36 + 15 + 150 + 60 = 471 s, under 8 minutes; the times in the comments are estimates, not yet measured.
+# 30 + 6 x 35 + 15 + 120 + 45 + 50 = 470 s, under 8 minutes; the times in the comments are estimates, not yet measured.
 # The install and the GPU's name (not enforced): pip from the wheels, two Python start-ups, about 15 s.
 BUDGET_INSTALL=${BUDGET_INSTALL:-30}
 # One training configuration: start-up (torch, deepspeed, ~6 s), an engine of ~0.5B parameters, 7 steps (< 1 s each).
-BUDGET_TRAIN_CONFIG=${BUDGET_TRAIN_CONFIG:-36}
+BUDGET_TRAIN_CONFIG=${BUDGET_TRAIN_CONFIG:-35}
 # The training table from the configurations' results (a Python start-up importing torch and deepspeed).
 BUDGET_TABLE=${BUDGET_TABLE:-15}
 # Inference: build and save the 1B model (about 20 s), then the tuner's measured runs within their own budget.
-BUDGET_INFERENCE=${BUDGET_INFERENCE:-150}
-INFERENCE_MINUTES=${INFERENCE_MINUTES:-1.75}
+BUDGET_INFERENCE=${BUDGET_INFERENCE:-120}
+INFERENCE_MINUTES=${INFERENCE_MINUTES:-1.3}
 # The CP kernels at s 16k and 64k, cp 2/4/8, with the fp32 reference: about 15 s of GPU work and the start-up.
-BUDGET_CP=${BUDGET_CP:-60}
+BUDGET_CP=${BUDGET_CP:-45}
+# The fused loss (two paths, 7 calls each, ~13 GB peak unfused) and the block's six Triton graphs compiled: ~35 s.
+BUDGET_KERNELS=${BUDGET_KERNELS:-50}
 # Part 2: tp 1 of the 4-layer model on one GPU, then each layout's launch (NCCL set-up, engine, 6 steps).
 BUDGET_PARALLEL_REF=${BUDGET_PARALLEL_REF:-60}
 BUDGET_PARALLEL=${BUDGET_PARALLEL:-90}
@@ -94,6 +98,7 @@ step "train table" "$BUDGET_TABLE" "$PY" benchmarks/gpu_step.py --rows "$ROWS" -
 step inference "$BUDGET_INFERENCE" "${ONE_GPU[@]}" MASTER_PORT=$((PORT++)) "$PY" benchmarks/gpu_inference.py --markdown "$OUT/gpu_inference.md" \
   --max-minutes "$INFERENCE_MINUTES"
 step "cp kernels" "$BUDGET_CP" "${ONE_GPU[@]}" MASTER_PORT=$((PORT++)) "$PY" benchmarks/gpu_cp_kernel.py --markdown "$OUT/gpu_cp_kernel.md"
+step "fused loss and compiled block" "$BUDGET_KERNELS" "$PY" benchmarks/gpu_kernels.py --markdown "$OUT/gpu_kernels.md"
 
 # Part 2: two or more GPUs.
 if [ "$NGPU" -ge 2 ]; then
