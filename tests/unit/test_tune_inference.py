@@ -199,3 +199,45 @@ def test_a_gpt2_directory_is_read_through_the_family_records_field_map(tmp_path)
     shape = hf_model_shape(str(tmp_path), None)
     assert (shape.family, shape.num_layers, shape.hidden_size, shape.num_heads) == ("gpt2", 12, 768, 12)
     assert (shape.vocab_size, shape.seq_length, shape.max_position_embeddings) == (50257, 2048, 2048)
+
+
+QWEN3_30B = build_model_shape("qwen3-30b-a3b", None, None, None, None, None)
+
+
+def test_a_mixture_of_experts_holds_every_expert_and_reads_those_its_tokens_touch():
+    """Qwen3-30B-A3B (E 128, k 8) on one H200 in bf16: the weights of all 30.5B parameters in memory; decode at batch
+    1 reads the non-expert weights and k experts per routed layer (3.3B of the weights: "A3B"), at batch B the
+    E (1 - (1 - k/E)^B) experts B tokens touch (29.1 at B 4, all 128 in the limit), and multiplies k per token."""
+    from ds_megatron.tune.inference.model import block_params_read, expert_params, experts_touched
+
+    raw = dataclasses.replace(build_cluster("h200", 1, 8), efficiency=1.0)
+    work = Workload(prompt_length=128, output_length=128)
+    e = evaluate_serving(QWEN3_30B, raw, Serving(1, 1, 1, 1), work)
+    assert e.memory.weights == pytest.approx(total_param_count(QWEN3_30B, vocab_multiple=128) * 2, rel=0.01)
+    assert 30e9 < total_param_count(QWEN3_30B) < 31e9
+    assert experts_touched(128, 8, 1) == pytest.approx(8) and experts_touched(128, 8, 4) == pytest.approx(29.1, abs=0.1)
+    assert experts_touched(128, 8, 4096) == pytest.approx(128)
+    per_expert, layers = expert_params(QWEN3_30B, 1), QWEN3_30B.num_layers
+    assert per_expert == 3 * 2048 * 768
+    one = block_params_read(QWEN3_30B, 1, 1)
+    assert one == pytest.approx(block_param_count(QWEN3_30B) - 120 * per_expert)
+    h, v = QWEN3_30B.hidden_size, 151936
+    active = layers * one + h * v  # read per decode step at batch 1 (the output layer's table, not the embedding)
+    assert 3.0e9 < active < 3.5e9
+    kv = (128 + 127 / 2) * kv_cache_bytes_per_token(QWEN3_30B, "bf16") / 4.8e12
+    assert e.time.decode_bytes_floor_s == pytest.approx(active * 2 / 4.8e12 + kv, rel=1e-3)
+    # batching reads more experts per step, but far fewer than a dense model of the same size
+    four = evaluate_serving(QWEN3_30B, raw, Serving(1, 1, 4, 1), work)
+    assert four.time.decode_bytes_floor_s > 2 * e.time.decode_bytes_floor_s
+    assert four.time.tpot_s < 4 * e.time.tpot_s
+    result = search_inference(QWEN3_30B, build_cluster("h100-sxm", 8, 8), WORK)
+    assert result.winner is not None and result.winner.fits
+
+
+def test_the_measuring_run_refuses_a_mixture_of_experts():
+    from ds_megatron.config import ConfigError
+    from ds_megatron.tune.inference.empirical import InferenceEmpiricalOptions, validate_options
+
+    result = search_inference(QWEN3_30B, build_cluster("h100-sxm", 8, 8), WORK)
+    with pytest.raises(ConfigError, match=r"--empirical.*dense models only.*128 experts"):
+        validate_options(result, InferenceEmpiricalOptions(max_minutes=1.0), "some/dir")

@@ -95,6 +95,12 @@ def validate_options(result: InferenceResult, options: InferenceEmpiricalOptions
     cl, work = result.cluster, result.workload
     counts = (("--empirical-top", options.top, 1), ("--empirical-steps", options.repeats, 1))
     session.check_budget(options.max_minutes, (*counts, ("--empirical-warmup", options.warmup, 0)))
+    if result.model.num_experts:
+        raise ConfigError(
+            "--empirical", "the measuring run serves dense models only (its engine runs are not checked on experts)",
+            f"{result.model.size or result.model.family} has {result.model.num_experts} experts",
+            "drop --empirical: the analytic ranking covers a mixture of experts",
+        )  # fmt: skip
     if not hf_dir:
         raise ConfigError(
             "--empirical", "measures an exported transformers model", "no --hf-dir given",

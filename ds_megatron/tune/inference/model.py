@@ -2,7 +2,8 @@
 memory of serving a model with tensor parallelism (and a pipeline where it helps memory) on the GPUs given, and the
 search over (tp, pp, request batch, replicas).  Prefill is the training time model's matmuls and fused attention at
 the prompt's tokens; decode is memory-bound (every weight and the batch's KV cache read once per token) plus two TP
-all-reduces per layer.  The derivation is in docs/tuner.md, "Inference model".  Pure Python."""
+all-reduces per layer.  A mixture of experts holds every expert (split over TP as in training) and reads, per routed
+layer and forward, the experts its tokens touch.  Derived in docs/tuner.md, "Inference model".  Pure Python."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.rules import tp_misfit
 from ds_megatron.model import family_of
+from ds_megatron.model.family import RoutedShape
 from ds_megatron.tune.core.links import link, ring_s
 from ds_megatron.tune.core.matmuls import block_matmuls, core_attention_matmuls
 from ds_megatron.tune.core.memory_model import (
@@ -154,6 +156,38 @@ class InferenceEvaluation:
         }
 
 
+def experts_touched(num_experts: int, top_k: int, tokens: float) -> float:
+    """Distinct experts ``tokens`` tokens reach when each picks k of E at random: E (1 - (1 - k/E)^n); k at one
+    token, E in the limit."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def expert_params(model: ModelShape, tp: int) -> int:
+    """One expert's parameters on a TP rank (gate, up and down, F/t wide each): 3 h F / t; 0 for a dense model."""
+    r = RoutedShape.of(model)
+    return 0 if r is None else 3 * model.hidden_size * r.width // tp
+
+
+def block_params_read(model: ModelShape, tp: int, tokens: float) -> float:
+    """Parameters of one block a forward over ``tokens`` tokens reads on a TP rank: all of a dense block; a routed
+    block's non-expert ones and the experts its tokens touch (:func:`experts_touched`)."""
+    params = block_param_count(model, tp)
+    r = RoutedShape.of(model)
+    if r is None:
+        return params
+    return params - (r.num_experts - experts_touched(r.num_experts, r.top_k, tokens)) * expert_params(model, tp)
+
+
+def block_params_run(model: ModelShape, tp: int, experts: int | None = None) -> int:
+    """Parameters of one block a token is multiplied with on a TP rank (a routed block: k of its E experts, or
+    ``experts`` of them)."""
+    params = block_param_count(model, tp)
+    r = RoutedShape.of(model)
+    if r is None:
+        return params
+    return params - (r.num_experts - (r.top_k if experts is None else experts)) * expert_params(model, tp)
+
+
 def kv_cache_bytes_per_token(model: ModelShape, kv_dtype: str, tp: int = 1, num_layers: int | None = None) -> float:
     """K and V of one token over ``num_layers`` layers (all by default) on one TP rank:
     2 x layers x kv_heads / t x head_dim x bytes (grouped-query attention stores only the KV heads)."""
@@ -173,7 +207,12 @@ def inference_memory(model: ModelShape, serving: Serving, work: Workload) -> Inf
     h, f = model.hidden_size, model.intermediate_size
     kv_width = model.head_dim * model.num_kv_heads
     mlp_up = (family_of(model).mlp_matrices - 1) * f  # every MLP matrix but the down-projection reads h, writes F
-    live = b * work.prompt_length * (2 * h + (h + 2 * kv_width + mlp_up) // t) * ACT_BYTES
+    routed = RoutedShape.of(model)
+    if routed is not None:  # k routed copies of each token (every TP rank holds them) and their gate|up, F/t wide
+        k = routed.top_k
+        live = b * work.prompt_length * (2 * h + k * h + (h + 2 * kv_width + 2 * k * routed.width) // t) * ACT_BYTES
+    else:
+        live = b * work.prompt_length * (2 * h + (h + 2 * kv_width + mlp_up) // t) * ACT_BYTES
     logits = b * padded_vocab_size(model.vocab_size, t) // t * LOGIT_BYTES
     return InferenceMemory(weights=weights, kv_cache=kv, activations=live + logits)
 
@@ -201,8 +240,8 @@ def inference_time(model: ModelShape, cluster: Cluster, serving: Serving, work: 
     h, vocab = model.hidden_size, padded_vocab_size(model.vocab_size, t) // t
     hbm = cluster.memory_gbps * 1e9
     weight_bytes = PRECISION_BYTES[work.weight_dtype]
-    block_params = block_param_count(model, t)
-    weight_read = (layers * block_params + h * vocab) * weight_bytes  # this rank's weights, one vocabulary table
+    # this rank's weights a forward reads, one vocabulary table (a routed block: the experts the tokens touch)
+    weight_read = (layers * block_params_read(model, t, b * work.prompt_length) + h * vocab) * weight_bytes
     weight_peak, attn_peak = cluster.matmul_peak_flops(work.weight_dtype), cluster.peak_flops
 
     # Prefill: the training model's block matmuls and fused attention at s = prompt length, b = the batch (their
@@ -213,7 +252,8 @@ def inference_time(model: ModelShape, cluster: Cluster, serving: Serving, work: 
     mm, attn = block_matmuls(prompt, cand), core_attention_matmuls(prompt, cand)
     mm_flops = layers * sum(op.flops for op in mm) + 2.0 * b * h * vocab
     attn_flops = layers * sum(op.flops for op in attn)
-    activation_bytes = layers * (sum(op.bytes for op in mm + attn) - block_params * ACT_BYTES)
+    # the GEMMs' bytes less their weights' (the routed GEMMs count one expert's weights per expert GEMM)
+    activation_bytes = layers * (sum(op.bytes for op in mm + attn) - block_params_run(model, t, 1) * ACT_BYTES)
     prefill_bytes = weight_read + max(activation_bytes, 0.0) + b * (h + vocab) * ACT_BYTES
     prefill_comm = layers * 2 * ring_s(b * work.prompt_length * h * ACT_BYTES, t, gbps, latency)
     sends = (serving.pp - 1) * (latency + b * work.prompt_length * h * ACT_BYTES / (gbps * 1e9))
@@ -229,7 +269,9 @@ def inference_time(model: ModelShape, cluster: Cluster, serving: Serving, work: 
     # batch's cached K and V and multiplies them with one query row per head.
     context = work.mean_decode_context
     kv_read = b * context * kv_cache_bytes_per_token(model, work.kv_dtype, t, layers)
-    decode_mm = layers * 2.0 * b * block_params + 2.0 * b * h * vocab
+    if RoutedShape.of(model) is not None:  # the experts b tokens touch, k per token multiplied
+        weight_read = (layers * block_params_read(model, t, b) + h * vocab) * weight_bytes
+    decode_mm = layers * 2.0 * b * block_params_run(model, t) + 2.0 * b * h * vocab
     decode_attn = layers * 4.0 * b * model.num_heads // t * context * model.head_dim
     activations = layers * b * h * ACT_BYTES * 8  # the block's few [b, h] inputs and outputs, read and written
     bytes_moved = weight_read + kv_read + activations
@@ -323,15 +365,7 @@ def pp_sizes(model: ModelShape, cluster: Cluster, tp: int) -> list[int]:
 
 
 def check_workload(model: ModelShape, work: Workload) -> None:
-    """Refuse lengths, precisions, limits and batch sizes that mean nothing, naming the flag, and a routed model
-    (its decode reads and runs k of E experts per token, which this model does not count yet)."""
-    if model.num_experts:
-        raise ConfigError(
-            "--model",
-            "the inference model counts dense blocks only",
-            f"{model.size or model.family} has {model.num_experts} experts",
-            "use the training tuner for a mixture of experts, or a dense model here",
-        )
+    """Refuse lengths, precisions, limits and batch sizes that mean nothing, naming the flag."""
     check_positive("--prompt-length", work.prompt_length, "2048")
     check_positive("--output-length", work.output_length, "256")
     if work.context_length > model.max_position_embeddings:
