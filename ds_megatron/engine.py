@@ -308,6 +308,7 @@ def build_engine(run: RunConfig) -> Built:
         run.section.parallel.partition_method,
         schedule_of(run).module_class(run.section.parallel),
         fused_loss=run.section.model.fused_loss,
+        stage_blocks=run.section.parallel.pipeline_layout,
     )
     ckpt = run.section.checkpoint
     if ckpt.init_from_hf and not ckpt.load:
