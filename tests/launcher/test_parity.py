@@ -46,9 +46,16 @@ INTERLEAVED = {
     4: {"2,2,1,llama,sp,tied,interleaved": "2,2,1,llama,sp,tied"},
 }
 # Uneven pipeline stages (``blocks<counts>``: ``pipeline_layout``) beside the even layout of the same schedule: 1F1B
-# at [1, 3] and interleaved 1F1B at [0, 1, 3, 0] (the embedding alone on the first stage, the output layer and loss
-# alone on the last); against the single-device model, and the even run's gradients and losses bit for bit.
-UNEVEN = {2: {"1,2,1,blocks1-3": "1,2,1", "1,2,1,interleaved,blocks0-1-3-0": "1,2,1,interleaved"}}
+# at [1, 3], interleaved 1F1B at [0, 1, 3, 0] (the embedding alone on the first stage, the output layer and loss
+# alone on the last) and DualPipeV at [0, 2, 2, 0] (rank 0 holds no block: its module's own partitioning override);
+# against the single-device model, and the even run's gradients and losses bit for bit.
+UNEVEN = {
+    2: {
+        "1,2,1,blocks1-3": "1,2,1",
+        "1,2,1,interleaved,blocks0-1-3-0": "1,2,1,interleaved",
+        "1,2,1,dualpipev,full,blocks0-2-2-0": "1,2,1,dualpipev,full",
+    }
+}
 # With dropout on, every recompute policy's gradients equal no recompute's under DualPipeV, bit for bit.
 REPLAY = {2: ["1,2,1,dualpipev,replay"]}
 # DualPipeV checkpoints, export, sampling and bf16, in the 2-process launch (tests/workers/schedule_checkpoint.py).
@@ -214,7 +221,11 @@ def test_uneven_stages_train_as_the_even_ones(results, layout, even):
             assert abs(got - ref) <= 1e-6 * abs(ref), (layout, r["norms"], evens[key]["norms"])
         assert r["built_layers"] != evens[key]["built_layers"], (layout, r["built_layers"])
     # GPT-2: wte 0, wpe 1, blocks 2-5, ln_f 6, the tied output layer 7 (its parameters registered under layer 0)
-    expected = {"1,2,1,blocks1-3": [0, 1, 2], "1,2,1,interleaved,blocks0-1-3-0": [0, 1, 3, 4, 5]}[layout]
+    expected = {
+        "1,2,1,blocks1-3": [0, 1, 2],
+        "1,2,1,interleaved,blocks0-1-3-0": [0, 1, 3, 4, 5],
+        "1,2,1,dualpipev,full,blocks0-2-2-0": [0, 1, 6],
+    }[layout]
     assert ranks[(0, 0)]["built_layers"] == expected, ranks[(0, 0)]["built_layers"]
 
 
