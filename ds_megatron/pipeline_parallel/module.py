@@ -116,6 +116,11 @@ class PipelineLayout:
             parts.append(end)
         return [*parts, self.num_layers]
 
+    def blocks_of(self, parts: Sequence[int]) -> list[int]:
+        """The blocks on each stage of DeepSpeed's boundaries ``parts`` (the inverse of :meth:`parts_of`)."""
+        first, end = self.first_block, self.first_block + self.n_layer
+        return [max(0, min(b, end) - max(a, first)) for a, b in zip(parts, parts[1:])]
+
     def _slots(self) -> list[tuple[int, tuple[str, str]]]:
         """(index, slot) of every non-block layer with a file of its own."""
         t = self.table

@@ -133,6 +133,7 @@ def test_block_counts_map_to_layer_boundaries():
     assert gpt.parts_of([4, 0]) == [0, 6, 8]  # ln_f and the output layer alone on stage 1
     assert gpt.parts_of([0, 1, 3, 0]) == [0, 2, 3, 6, 8]
     assert gpt.parts_of([4]) == [0, 8]
+    assert gpt.blocks_of([0, 2, 3, 6, 8]) == [0, 1, 3, 0] and llama.blocks_of([0, 2, 4, 7]) == [1, 2, 1]
     assert llama.parts_of([1, 2, 1]) == [0, 2, 4, 7]
     with pytest.raises(ValueError):
         gpt.parts_of([2, 3])
@@ -150,10 +151,9 @@ def test_the_balanced_split_is_a_layout_too(family):
         specs = layer_specs(config, shard_context(config, run, 1), 0)
         for stages in range(1, min(layers, 8) + 1):
             parts = stage_parts(layout, specs, stages, "type:BlockPipe", None)
-            blocks = [
-                min(b, layout.first_block + layers) - max(a, layout.first_block) for a, b in zip(parts, parts[1:])
-            ]
+            blocks = layout.blocks_of(parts)
             assert layout.parts_of(blocks) == parts, (layers, stages, parts)
+            assert blocks == [layers // stages + (s < layers % stages) for s in range(stages)]  # the first get more
             assert stage_parts(layout, specs, stages, "type:BlockPipe", blocks) == parts
 
 
