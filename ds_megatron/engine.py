@@ -308,6 +308,7 @@ def build_engine(run: RunConfig) -> Built:
         run.section.parallel.partition_method,
         schedule_of(run).module_class(run.section.parallel),
         fused_loss=run.section.model.fused_loss,
+        stage_blocks=run.section.parallel.pipeline_layout,
     )
     ckpt = run.section.checkpoint
     if ckpt.init_from_hf and not ckpt.load:
@@ -327,6 +328,9 @@ def build_engine(run: RunConfig) -> Built:
     if threads is not None:
         notes.append(f"OMP_NUM_THREADS unset: {threads} CPU thread(s) per rank (the cores shared by the local ranks)")
     ds_config = deepspeed_config_for(run, notes)
+    if run.pp > 1:
+        how = "pipeline_layout" if run.section.parallel.pipeline_layout else run.section.parallel.partition_method
+        notes.append(f"blocks per pipeline stage, in model order: {module.layout.blocks_of(module.parts)} ({how})")
     if topology.rank == 0:
         for line in notes:
             print(f"ds_megatron: {line}", flush=True)

@@ -5,8 +5,9 @@
 a DeepSpeed checkpoint of any tp/pp/dp -> a transformers directory, with the tokenizer saved in the tag (import into
 training: ``recipes/train_gpt.py --init-from-hf HF_DIR``).
 
-``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D [--cp C] --out DIR2``: the same checkpoint at another
-layout (cp: the saved one unless given), ready for ``--load DIR2`` on N x C x M x D processes (resharding on load
+``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D [--cp C] [--pipeline-layout 3,5,5,3] --out DIR2``: the
+same checkpoint at another layout (cp: the saved one unless given; blocks per stage: the saved ones at the saved pp,
+else balanced), ready for ``--load DIR2`` on N x C x M x D processes (resharding on load
 does the same inside the launch).
 
 Both read files weights-only and refuse one that needs more, unless ``--trust-checkpoint``.
@@ -48,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     rs.add_argument("--dp", type=int, required=True, help="data-parallel size of the new layout")
     rs.add_argument("--cp", type=int, help="context-parallel size of the new layout (default: the saved one)")
     rs.add_argument("--out", required=True, help="new output directory (must not exist)")
+    rs.add_argument(
+        "--pipeline-layout",
+        help="blocks per pipeline stage of the new layout, e.g. 3,5,5,3 (default: the saved one at the saved pp, "
+        "else balanced)",
+    )
     im = sub.add_parser("import", help="Hugging Face directory -> step-0 checkpoint at tp x pp")
     im.add_argument("--hf", required=True, help="transformers model directory (config.json, safetensors)")
     im.add_argument("--config", required=True, help="the run's DeepSpeed config (model shape, precision, batch)")
@@ -83,13 +89,27 @@ def main(argv: list[str] | None = None) -> int:
             from ds_megatron.checkpoint.manifest import tag_config
             from ds_megatron.checkpoint.reshard_offline import reshard_checkpoint
             from ds_megatron.config.facts import saved_cp
+            from ds_megatron.config.pipeline_checks import block_counts
 
-            out = reshard_checkpoint(
-                args.checkpoint, args.out, args.tp, args.pp, args.dp, args.tag, args.trust_checkpoint, cp=args.cp
+            layout = (
+                None if args.pipeline_layout is None else tuple(block_counts(args.pipeline_layout, "--pipeline-layout"))
             )
-            cp = saved_cp(tag_config(out, (out / "latest").read_text().strip()))
+            out = reshard_checkpoint(
+                args.checkpoint,
+                args.out,
+                args.tp,
+                args.pp,
+                args.dp,
+                args.tag,
+                args.trust_checkpoint,
+                cp=args.cp,
+                pipeline_layout=layout,
+            )
+            saved = tag_config(out, (out / "latest").read_text().strip())
+            cp, written = saved_cp(saved), saved["ds_megatron"]["parallel"].get("pipeline_layout")
             world = args.tp * cp * args.pp * args.dp
-            done = f"resume with --load {out} --tp {args.tp} --cp {cp} --pp {args.pp} on {world} processes"
+            layout_flag = "" if written is None else f" --pipeline-layout {','.join(map(str, written))}"
+            done = f"resume with --load {out} --tp {args.tp} --cp {cp} --pp {args.pp}{layout_flag} on {world} processes"
     except ConfigError as err:
         if args.debug:
             raise

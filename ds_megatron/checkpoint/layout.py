@@ -4,17 +4,14 @@ layers and the ranks of a (tp, pp, dp) layout.  Everything here works without a 
 
 from __future__ import annotations
 
-import re
-
 from deepspeed.pipe import TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-from deepspeed.runtime.utils import partition_balanced, partition_uniform
 
 from ds_megatron.config import ConfigError, RunConfig
 from ds_megatron.config.schema import pipeline_schedule
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.parallelize import ParallelContext
-from ds_megatron.pipeline_parallel.module import PipelineLayout, layer_specs
+from ds_megatron.pipeline_parallel.module import PipelineLayout, layer_specs, stage_parts
 from ds_megatron.tensor_parallel import TPGroup
 
 
@@ -37,25 +34,22 @@ def stage_param_layers(config: ModelConfig, run: RunConfig, pp: int) -> list[lis
     """Per pipeline rank, the layer indices whose parameters the rank holds, in the order DeepSpeed's
     ``PipelineModule`` registers them (which is the optimizer's order): tied modules first, each under the index of
     its first layer (whose file holds it), then the rank's own layers in order, stage by stage.  The split into
-    ``pp x stages_per_rank`` stages is DeepSpeed's own (``partition_balanced`` over the layers matching
-    ``type:<regex>``, or ``partition_uniform``), computed from the layer specs without building a layer; which
+    ``pp x stages_per_rank`` stages is the module's (``pipeline_parallel.module.stage_parts``: the run's
+    ``pipeline_layout``, else DeepSpeed's ``partition_balanced`` over the layers matching ``type:<regex>`` or
+    ``partition_uniform``), computed from the layer specs without building a layer; which
     stages a rank holds is the run's pipeline schedule's (1F1B: stage r; DualPipeV: stages r and 2p-1-r, so rank 0
     holds the embedding and the output layer)."""
     specs = layer_specs(config, shard_context(config, run, 1), run.section.train.seed)
     schedule = pipeline_schedule(run.section.parallel.pipeline_schedule).for_settings(run.section.parallel)
     num_stages = pp * schedule.per_rank(run.section.parallel)
-    method = run.section.parallel.partition_method.lower()
-    if method == "uniform":
-        parts = partition_uniform(len(specs), num_stages)
-    elif method.startswith("type:"):
-        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
-        parts = partition_balanced([1 if pattern.search(s.typename.__name__) else 0 for s in specs], num_stages)
-    else:
+    par = run.section.parallel
+    parts = stage_parts(PipelineLayout.of(config), specs, num_stages, par.partition_method, par.pipeline_layout)
+    if parts is None:
         raise ConfigError(
             "ds_megatron.parallel.partition_method",
             "offline resharding reproduces DeepSpeed's 'uniform' and 'type:<regex>' stage splits only (the others "
             "measure built layers)",
-            f"partition_method={run.section.parallel.partition_method!r}",
+            f"partition_method={par.partition_method!r}",
             "resume with --load at the new layout instead (it reshards on load)",
         )
     first_of_key: dict[str, int] = {}

@@ -71,9 +71,11 @@ def reshard_checkpoint(
     trust: bool = False,
     progress: bool = True,
     cp: int | None = None,
+    pipeline_layout: tuple[int, ...] | None = None,
 ) -> Path:
     """Write tag ``tag`` (default: the newest complete one) of ``checkpoint`` at tp x cp x pp x dp (``cp`` None: the
-    saved cp) into the new directory ``out``; every refusal is a ConfigError raised before anything is written."""
+    saved cp) into the new directory ``out``, ``pipeline_layout`` blocks per stage (None: the saved layout at the
+    saved pp, else the balanced split); every refusal is a ConfigError raised before anything is written."""
     src, out = Path(checkpoint), Path(out)
     if out.exists() or out.is_symlink():
         raise ConfigError("--out", "already exists", str(out), "choose a new directory (reshard never writes into one)")
@@ -85,7 +87,7 @@ def reshard_checkpoint(
     # An imported tag (weights alone) stays one: resharded, it still loads with a fresh optimizer.
     imported = src / tag / IMPORTED
     kind = FRESH if imported.is_file() else _optimizer_kind(src / tag, old_cfg)
-    target = _target_run(old_cfg, tp, pp, dp, saved_cp(old_cfg) if cp is None else cp)
+    target = _target_run(old_cfg, tp, pp, dp, saved_cp(old_cfg) if cp is None else cp, pipeline_layout)
     verify_tag(src / tag, "--checkpoint", f"reshard another tag (--tag; complete ones: {complete_tags(src)})")
     for f in sorted((src / tag).glob("*.pt")):  # refuse before DeepSpeed-format files are unpickled for real
         what = None if trust else safe_load.unsafe_reason(f)
@@ -128,10 +130,14 @@ def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:
     )
 
 
-def _target_run(old_cfg: dict, tp: int, pp: int, dp: int, cp: int) -> RunConfig:
+def _target_run(
+    old_cfg: dict, tp: int, pp: int, dp: int, cp: int, pipeline_layout: tuple[int, ...] | None = None
+) -> RunConfig:
     """The old run's configuration at the new layout, validated.  The global batch stays (the step count is the
     data position), and so does the micro batch; gradient accumulation takes up the change of dp (the cp ranks of a
-    replica share its sequences, so cp leaves it alone).  The pipeline schedule stays too (below pp 2, 1F1B)."""
+    replica share its sequences, so cp leaves it alone).  The pipeline schedule stays too (below pp 2, 1F1B), and
+    its blocks per stage (``pipeline_layout``) at the same pp; at another pp the saved counts have the wrong length
+    and the blocks are balanced, unless ``pipeline_layout`` gives the new ones."""
     old = resolve(old_cfg, saved_world(old_cfg))
     glob, micro = old.global_batch_size, old.micro_batch_size
     if glob % (micro * dp) != 0:
@@ -142,9 +148,14 @@ def _target_run(old_cfg: dict, tp: int, pp: int, dp: int, cp: int) -> RunConfig:
             f"use a dp dividing {glob // micro}",
         )
     cfg = copy.deepcopy(old.ds_config)
-    cfg["ds_megatron"].setdefault("parallel", {}).update(tp=tp, pp=pp, cp=cp)
+    parallel = cfg["ds_megatron"].setdefault("parallel", {})
+    parallel.update(tp=tp, pp=pp, cp=cp)
     if pp == 1:  # one stage has one schedule: a DualPipeV checkpoint resharded to pp 1 resumes as 1F1B (the default)
-        cfg["ds_megatron"]["parallel"].pop("pipeline_schedule", None)
+        parallel.pop("pipeline_schedule", None)
+    if pipeline_layout is not None:
+        parallel["pipeline_layout"] = list(pipeline_layout)
+    elif pp != old.pp:
+        parallel.pop("pipeline_layout", None)
     cfg["gradient_accumulation_steps"] = glob // (micro * dp)
     return resolve(cfg, tp * cp * pp * dp)
 

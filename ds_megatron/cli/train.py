@@ -20,6 +20,7 @@ from typing import Any
 from ds_megatron.checkpoint.run_lock import hold_run_lock
 from ds_megatron.config import ConfigError, DsMegatronConfig, load_json, resolve
 from ds_megatron.config.deepspeed_keys import is_known_top_level, nearest_top_level, unknown_top_level_warnings
+from ds_megatron.config.pipeline_checks import block_counts
 from ds_megatron.launch_env import adopt_launcher_env, order_cuda_connections
 from ds_megatron.preflight import check_run
 from ds_megatron.stop import StopFlag
@@ -36,6 +37,12 @@ VALUE_FLAGS: tuple[tuple[str, str, type | None, str], ...] = (
     ("--ep", "ds_megatron.parallel.ep", int, ": expert parallel (routed experts split over ep ranks; MoE families)"),
     ("--pp", "ds_megatron.parallel.pp", int, ""),
     ("--virtual-stages", "ds_megatron.parallel.virtual_stages", int, ": model chunks per pipeline rank"),
+    (
+        "--pipeline-layout",
+        "ds_megatron.parallel.pipeline_layout",
+        None,
+        ": blocks per pipeline stage in model order, e.g. 3,5,5,3 (pp x stages per rank counts)",
+    ),
     ("--train-iters", "ds_megatron.train.train_iters", int, ""),
     ("--log-interval", "ds_megatron.train.log_interval", int, ""),
     ("--eval-interval", "ds_megatron.train.eval_interval", int, " (0: only at the end)"),
@@ -116,6 +123,8 @@ def apply_overrides(cfg: dict, args: argparse.Namespace) -> dict:
     flags = {path: getattr(args, _dest(flag)) for flag, path, _, _ in VALUE_FLAGS}
     flags["ds_megatron.parallel.sequence_parallel"] = args.sequence_parallel
     flags["ds_megatron.train.eval_only"] = args.eval_only
+    if args.pipeline_layout is not None:
+        flags["ds_megatron.parallel.pipeline_layout"] = block_counts(args.pipeline_layout, "--pipeline-layout")
     if args.recompute is not None:
         parts = args.recompute.split(":")
         _set_path(cfg, "ds_megatron.recompute.policy", parts[0])

@@ -5,7 +5,7 @@ another config."""
 
 from __future__ import annotations
 
-from ds_megatron.config.schema import pipeline_schedule
+from ds_megatron.config.schema import DEFAULT_PARTITION_METHOD, pipeline_schedule
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 
 
@@ -121,15 +121,26 @@ def stage_placement(ds_config: dict) -> tuple[tuple[int, ...], ...] | str:
     return tuple(schedule.stages_of(rank, pp, schedule.per_rank(parallel)) for rank in range(pp))
 
 
+def stage_split(ds_config: dict) -> tuple[str, tuple[int, ...] | None]:
+    """How a resolved config's run cut its layers into pipeline stages, as written: (partition_method,
+    pipeline_layout).  Two runs with the same split hold the same layers per stage; a written-out layout equal to
+    the balanced split counts as another split (resuming across it reshards: the same result, a slower load)."""
+    parallel = (ds_config.get("ds_megatron") or {}).get("parallel") or {}
+    layout = parallel.get("pipeline_layout")
+    return parallel.get("partition_method", DEFAULT_PARTITION_METHOD), None if layout is None else tuple(layout)
+
+
 def needs_resharding(saved: dict, now: dict) -> bool:
     """Whether a checkpoint saved with config ``saved`` must be resharded to resume with config ``now``: another
     tp or pp always; another placement of the pipeline's stages on its ranks (``stage_placement``: 1F1B <-> DualPipeV
     moves layers between ranks, so the optimizer files' contents, while 1F1B, ZB-H1 and ZB-H2 build the same module
     with the same layers per rank, as do DualPipeV and its zero-bubble variant, whose files DeepSpeed's own load
-    reads as they are); another data axis too when either run partitions its optimizer state over it (bf16, fp16
-    or ZeRO: the flat partitions are cut per rank of DeepSpeed's data axis, which holds dp x cp ranks, so cp 2 x dp
-    1 and cp 1 x dp 2 hold the same partitions)."""
+    reads as they are); another split of the layers into stages (``stage_split``: a rank's optimizer files then
+    hold other layers, though DeepSpeed's per-layer weight files do not change); another data axis too when either
+    run partitions its optimizer state over it (bf16, fp16 or ZeRO: the flat partitions are cut per rank of
+    DeepSpeed's data axis, which holds dp x cp ranks, so cp 2 x dp 1 and cp 1 x dp 2 hold the same partitions)."""
     (tp0, pp0, _), (tp1, pp1, _) = saved_layout(saved), saved_layout(now)
     partitioned = deepspeed_wraps_optimizer(saved) or deepspeed_wraps_optimizer(now)
     moved = (tp0, pp0) != (tp1, pp1) or stage_placement(saved) != stage_placement(now)
+    moved = moved or stage_split(saved) != stage_split(now)
     return moved or (partitioned and data_axis(saved) != data_axis(now))

@@ -24,7 +24,7 @@ from ds_megatron.config.ep_rules import check_ep, check_num_experts
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.facts import grad_accum_dtype, optimizer_wrapper, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
-from ds_megatron.config.pipeline_checks import check_schedule_name, check_schedule_run
+from ds_megatron.config.pipeline_checks import check_pipeline_layout, check_schedule_name, check_schedule_run
 from ds_megatron.config.rules import (
     CONFIG_FILE_RULES,
     check_tokenizer_fits,
@@ -103,7 +103,7 @@ _TYPES = {
 
 def _check_type(cls: type, name: str, value: Any, path: str) -> Any:
     annotation = str(cls.__annotations__[name])
-    base = annotation.split("|")[0].strip()
+    base = annotation.split("|")[0].strip().split("[")[0]  # tuple[int, ...] is checked as a tuple (items later)
     if value is None and "None" in annotation:
         return None
     expected = _TYPES.get(base)
@@ -259,7 +259,9 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
             "ds_megatron.parallel.tp", f"{misfit} not divisible by tp", values, f"choose tp dividing {misfit}"
         )
     schedule = check_schedule_name(par.pipeline_schedule, pp, par)
-    if shape.num_layers < pp * schedule.per_rank(par):
+    # A layout of its own may leave the first and last stages without blocks; otherwise each stage needs one.
+    layout = check_pipeline_layout(par, shape.num_layers, pp, schedule)
+    if layout is None and shape.num_layers < pp * schedule.per_rank(par):
         per_rank = schedule.per_rank(par)
         largest_pp = shape.num_layers // per_rank
         # A schedule that needs a pipeline refuses pp 1 (check_schedule_name): never suggest a pp it refuses.
@@ -362,13 +364,16 @@ def check_recompute(
         _positive("ds_megatron.recompute.num_layers", rc.num_layers)
         per_rank = schedule.per_rank(par)
         stages = pp * per_rank
-        per_stage = layers_per_stage(shape.num_layers, stages)
+        layout = par.pipeline_layout if par is not None else None
+        per_stage = max(layout) if layout else layers_per_stage(shape.num_layers, stages)
         if rc.num_layers > per_stage:
             split = f"pp {pp}" if stages == pp else f"{stages} stages ({schedule.name}: {per_rank} per rank)"
             raise ConfigError(
                 "ds_megatron.recompute.num_layers",
                 "more recomputed layers than a pipeline stage holds",
-                f"num_layers={rc.num_layers}, {shape.num_layers} layers / {split} = at most {per_stage} per stage",
+                f"num_layers={rc.num_layers}, {shape.num_layers} layers / {split} = at most {per_stage} per stage"
+                if not layout
+                else f"num_layers={rc.num_layers}, pipeline_layout={list(layout)}: at most {per_stage} per stage",
                 f"set recompute.num_layers <= {per_stage}",
             )
 

@@ -90,6 +90,7 @@ class ModelSection:
 # The class name of the pipeline layer that holds one transformer block (pipeline_parallel.module.BlockPipe):
 # DeepSpeed's "type:<regex>" partitioning balances the layers whose class name matches, so the default names it.
 BLOCK_LAYER_CLASS = "BlockPipe"
+DEFAULT_PARTITION_METHOD = f"type:{BLOCK_LAYER_CLASS}"
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,16 @@ class ParallelSection:
     ep: int = 1  # expert-parallel size: each routed layer's experts split over ep ranks holding distinct tokens
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group (needs tp > 1)
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
-    partition_method: str = f"type:{BLOCK_LAYER_CLASS}"  # DeepSpeed's pipeline partitioning (balance blocks per stage)
+    partition_method: str = DEFAULT_PARTITION_METHOD  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
     pipeline_schedule: str = DEFAULT_SCHEDULE.name  # one of PIPELINE_SCHEDULES' names
     # model chunks (virtual stages) per pipeline rank, v >= 2, for a schedule whose record reads it
     # (Schedule.stages_setting; None: the record's default)
     virtual_stages: int | None = None
+    # blocks per pipeline stage, in model order (pp x the schedule's stages per rank entries, summing to num_layers;
+    # the first stage also holds the embedding, the last the final norm, output layer and loss; None: the blocks
+    # balanced by partition_method).  Read through pipeline_parallel.module.stage_parts.
+    pipeline_layout: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

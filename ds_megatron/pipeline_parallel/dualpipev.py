@@ -44,6 +44,15 @@ class DualPipeVModel(PipelineModel, DualPipeVModule):
         self.phase_segments = segments
         self.activate_phase(0)
 
+    def _partition_layers(self, method="uniform"):
+        """DeepSpeed's ``DualPipeVModule._partition_layers`` (2p stages; phase 0 the stage ``stage_id``, phase 1 its
+        mirror 2p-1-r), with the boundaries from ``PipelineModel``'s table (``module.stage_parts``): DeepSpeed's
+        version would call the next class after ``DualPipeVModule`` in this class's order, DeepSpeed's partitioner."""
+        self.num_stages *= 2
+        PipelineModel._partition_layers(self, method)
+        mirror = self.num_stages - 1 - self.stage_id
+        self.phase_bounds = [(self._local_start, self._local_stop), (self.parts[mirror], self.parts[mirror + 1])]
+
     def activate_phase(self, phase: int) -> None:
         super().activate_phase(phase)
         if getattr(self, "phase_segments", None) is not None:  # None while DeepSpeed builds the two stages

@@ -1,13 +1,14 @@
 """L3.5: interleaved 1F1B (``interleaved-1f1b``, ``ds_megatron.parallel.virtual_stages`` v) on DeepSpeed's engine.
 
-The layers are cut into v p stages (DeepSpeed's own partitioning, as for 1F1B, over v p parts); pipeline rank r builds
+The layers are cut into v p stages (``module.stage_parts``, as for 1F1B, over v p parts); pipeline rank r builds
 stages r, r + p, ..., r + (v - 1) p ("chunks" 0 .. v - 1 of the rank), so rank 0 holds the embedding and rank p - 1
 the output layer and the loss, as under 1F1B (a tied embedding keeps DeepSpeed's tied-gradient exchange between
 them).  The order of passes and p2p batches is ``interleaved_order.rank_program``'s.
 
 What is DeepSpeed's and what is not (deepspeed 0.19.8):
 - :class:`InterleavedModel` is DeepSpeed's ``PipelineModule`` built v times over, as DeepSpeed's ``DualPipeVModule``
-  builds its two stages: ``_partition_layers`` over v p parts, ``_build`` once per chunk, ``forward_funcs`` (and
+  builds its two stages: ``_partition_layers`` over v p parts (``PipelineModel``'s, from the one table of stage
+  boundaries), ``_build`` once per chunk, ``forward_funcs`` (and
   ds_megatron's recompute segments) swapped per chunk (``activate_phase``), ``stage_owner`` mapping stage s to rank
   s mod p so that the tied embedding's group is ranks 0 and p - 1.
 - :class:`InterleavedEngine` is DeepSpeed's ``DualPipeVEngine``'s instruction set reused as it is: one buffer slot

@@ -34,15 +34,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.utils import partition_balanced, partition_uniform
 from torch import nn
 
-from ds_megatron.config.schema import RecomputeSection
+from ds_megatron.config.schema import DEFAULT_PARTITION_METHOD, RecomputeSection
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, ModelConfig, family_of
 from ds_megatron.model.family import LayoutTable
 from ds_megatron.model.layers import TiedEmbedding, positions_tensor
@@ -101,6 +103,23 @@ class PipelineLayout:
     @property
     def output_index(self) -> int:
         return self.num_layers - 1
+
+    def parts_of(self, blocks: Sequence[int]) -> list[int]:
+        """DeepSpeed's stage boundaries (``PipelineModule.parts``: stage s builds layers [parts[s], parts[s+1])) for
+        ``blocks[s]`` transformer blocks on stage s, in model order: the embedding (and learned positions) go with
+        the first stage, the final norm and the output layer with the last."""
+        if sum(blocks) != self.n_layer or min(blocks, default=0) < 0:
+            raise ValueError(f"block counts {list(blocks)} do not split {self.n_layer} blocks")
+        parts, end = [0], self.first_block
+        for n in blocks[:-1]:
+            end += n
+            parts.append(end)
+        return [*parts, self.num_layers]
+
+    def blocks_of(self, parts: Sequence[int]) -> list[int]:
+        """The blocks on each stage of DeepSpeed's boundaries ``parts`` (the inverse of :meth:`parts_of`)."""
+        first, end = self.first_block, self.first_block + self.n_layer
+        return [max(0, min(b, end) - max(a, first)) for a, b in zip(parts, parts[1:])]
 
     def _slots(self) -> list[tuple[int, tuple[str, str]]]:
         """(index, slot) of every non-block layer with a file of its own."""
@@ -432,6 +451,30 @@ def layer_specs(config: ModelConfig, ctx: ParallelContext, seed: int, loss: Voca
     return specs
 
 
+def stage_parts(
+    layout: PipelineLayout, specs: Sequence, num_stages: int, partition_method: str, blocks: Sequence[int] | None
+) -> list[int] | None:
+    """The one table of pipeline stages: DeepSpeed's boundaries ``parts`` (stage s holds layers [parts[s],
+    parts[s+1]) of ``specs``, in model order) over ``num_stages`` stages (pp x the schedule's stages per rank).
+    ``blocks`` (``ds_megatron.parallel.pipeline_layout``) sets each stage's blocks (:meth:`PipelineLayout.parts_of`);
+    without it, ``partition_method`` as DeepSpeed computes it from the layer specs (``uniform``, or the layers whose
+    class name matches ``type:<regex>`` balanced by ``partition_balanced``).  None for a method that measures
+    built layers (``parameters``): DeepSpeed's own, which only the module can run.  The module, the schedules'
+    engines (through its ``parts``) and every checkpoint reader (``checkpoint.layout.stage_param_layers``) read it."""
+    if blocks is not None:
+        if len(blocks) != num_stages:
+            raise ValueError(f"{len(blocks)} block counts for {num_stages} pipeline stages")
+        return layout.parts_of(blocks)
+    method = partition_method.lower()
+    if method == "uniform":
+        return partition_uniform(len(specs), num_stages)
+    if method.startswith("type:"):
+        pattern = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        weights = [1 if pattern.search(s.typename.__name__) else 0 for s in specs]
+        return [int(p) for p in partition_balanced(weights, num_stages)]
+    return None
+
+
 class PipelineModel(PipelineModule):
     """The model as a PipelineModule, whose forward applies full recompute to chunks of transformer blocks.
 
@@ -439,11 +482,31 @@ class PipelineModel(PipelineModule):
     express "chunks of k blocks" or "the first k blocks of the stage"; this forward does, with exact RNG replay.
     """
 
-    def __init__(self, *args, layout: PipelineLayout, recompute: RecomputeSection, rng: RNGTracker | None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        layout: PipelineLayout,
+        recompute: RecomputeSection,
+        rng: RNGTracker | None,
+        stage_blocks: Sequence[int] | None = None,
+        **kwargs,
+    ):
+        # read by _partition_layers, which PipelineModule.__init__ calls before nn.Module has its attribute tables
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "stage_blocks", None if stage_blocks is None else tuple(stage_blocks))
         super().__init__(*args, **kwargs)
         self.recompute, self.rng = recompute, rng
-        self.layout = layout
         self.segments = self._segments()
+
+    def _partition_layers(self, method="uniform"):
+        """DeepSpeed's stage boundaries from :func:`stage_parts` over ``num_stages`` stages (a schedule's module with
+        several stages per rank multiplies ``num_stages`` first), this rank's layers the stage ``stage_id``'s."""
+        parts = stage_parts(self.layout, self._layer_specs, self.num_stages, method, self.stage_blocks)
+        if parts is None:  # measured on built layers: DeepSpeed's own, at the stage count already set
+            PipelineModule._partition_layers(self, method)
+            return
+        self.parts = parts
+        self._set_bounds(start=parts[self.stage_id], stop=parts[self.stage_id + 1])
 
     def get_additional_losses(self):
         """DeepSpeed's hook for losses reported beside the loss: a routed family's ROUTER_METRICS of the last
@@ -518,13 +581,15 @@ def build_pipeline_module(
     ctx: ParallelContext,
     topology: ParallelTopology,
     seed: int,
-    partition_method: str = "type:BlockPipe",
+    partition_method: str = DEFAULT_PARTITION_METHOD,
     module_class: type[PipelineModel] = PipelineModel,
     fused_loss: bool = True,
+    stage_blocks: Sequence[int] | None = None,
 ) -> PipelineModel:
-    """The model as a PipelineModule over ``topology`` (layers balanced by block count across stages);
-    ``module_class`` is the pipeline schedule's (``pipeline_parallel.dualpipev``); ``fused_loss``: the output
-    layer and the loss computed together in chunks of tokens (:class:`VocabParallelLoss`)."""
+    """The model as a PipelineModule over ``topology`` (layers balanced by block count across stages, or
+    ``stage_blocks`` blocks per stage: :func:`stage_parts`); ``module_class`` is the pipeline schedule's
+    (``pipeline_parallel.dualpipev``); ``fused_loss``: the output layer and the loss computed together in chunks of
+    tokens (:class:`VocabParallelLoss`)."""
     loss = VocabParallelLoss(ctx, fused_loss)
     return module_class(
         layers=layer_specs(config, ctx, seed, loss),
@@ -535,6 +600,7 @@ def build_pipeline_module(
         layout=PipelineLayout.of(config),
         recompute=ctx.recompute,
         rng=ctx.rng,
+        stage_blocks=stage_blocks,
     )
 
 

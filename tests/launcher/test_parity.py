@@ -45,6 +45,17 @@ INTERLEAVED = {
     2: {"1,2,1,interleaved": "1,2,1"},
     4: {"2,2,1,llama,sp,tied,interleaved": "2,2,1,llama,sp,tied"},
 }
+# Uneven pipeline stages (``blocks<counts>``: ``pipeline_layout``) beside the even layout of the same schedule: 1F1B
+# at [1, 3], interleaved 1F1B at [0, 1, 3, 0] (the embedding alone on the first stage, the output layer and loss
+# alone on the last) and DualPipeV at [0, 2, 2, 0] (rank 0 holds no block: its module's own partitioning override);
+# against the single-device model, and the even run's gradients and losses bit for bit.
+UNEVEN = {
+    2: {
+        "1,2,1,blocks1-3": "1,2,1",
+        "1,2,1,interleaved,blocks0-1-3-0": "1,2,1,interleaved",
+        "1,2,1,dualpipev,full,blocks0-2-2-0": "1,2,1,dualpipev,full",
+    }
+}
 # With dropout on, every recompute policy's gradients equal no recompute's under DualPipeV, bit for bit.
 REPLAY = {2: ["1,2,1,dualpipev,replay"]}
 # DualPipeV checkpoints, export, sampling and bf16, in the 2-process launch (tests/workers/schedule_checkpoint.py).
@@ -64,6 +75,7 @@ GROUPS = {
         *DUALPIPEV[2],
         *DUALPIPEV_ZB[2],
         *INTERLEAVED[2],
+        *UNEVEN[2],
     ],
     4: [
         "2,2,1,docs",
@@ -88,6 +100,7 @@ def result_name(layout: str) -> str:
     cp = [o for o in options if o.startswith("cp")]
     cp_part = [*cp, *(["a2a"] if cp and "a2a" in options else [])]
     extra = [o for o in ("dualpipev", "zb", "interleaved", "l8", "selective", "full") if o in options]
+    extra += [o for o in options if o.startswith("blocks")]
     docs = ["docs"] if "docs" in options else []
     return "-".join([tp, pp, dp, *(["sp"] if "sp" in options else []), *family, *cp_part, *extra, *docs])
 
@@ -189,6 +202,33 @@ def test_interleaved_gives_1f1b_gradients(results, layout, plain):
     assert first[0] == 0 and first != plains[(0, 0)]["built_layers"], first
 
 
+@pytest.mark.parametrize("layout,even", [pair for group in UNEVEN.values() for pair in group.items()])
+def test_uneven_stages_train_as_the_even_ones(results, layout, even):
+    """Moving blocks between stages changes which rank computes them, not a sum: every step-1 gradient (each
+    parameter's micro-batch gradients accumulate in the same order) and every loss equal the even layout's bit for
+    bit; the gradient norm adds each rank's sum of squares over other parameters, so it is the even one's within
+    fp32 rounding.  Each rank built the layers the layout gives it (the checkpoint table's, checked in
+    test_layout_matches_single_device)."""
+    ranks = {(r["pp_rank"], r["tp_rank"]): r for r in _load(results, layout)}
+    evens = {(r["pp_rank"], r["tp_rank"]): r for r in _load(results, even)}
+    assert ranks.keys() == evens.keys()
+    uneven_grads = {k: v for r in ranks.values() for k, v in r["grad_hashes"].items()}
+    even_grads = {k: v for r in evens.values() for k, v in r["grad_hashes"].items()}
+    assert uneven_grads == even_grads, sorted(k for k in even_grads if uneven_grads.get(k) != even_grads[k])
+    for key, r in ranks.items():
+        assert r["losses"] == evens[key]["losses"], (layout, r["losses"], evens[key]["losses"])
+        for got, ref in zip(r["norms"], evens[key]["norms"], strict=True):
+            assert abs(got - ref) <= 1e-6 * abs(ref), (layout, r["norms"], evens[key]["norms"])
+        assert r["built_layers"] != evens[key]["built_layers"], (layout, r["built_layers"])
+    # GPT-2: wte 0, wpe 1, blocks 2-5, ln_f 6, the tied output layer 7 (its parameters registered under layer 0)
+    expected = {
+        "1,2,1,blocks1-3": [0, 1, 2],
+        "1,2,1,interleaved,blocks0-1-3-0": [0, 1, 3, 4, 5],
+        "1,2,1,dualpipev,full,blocks0-2-2-0": [0, 1, 6],
+    }[layout]
+    assert ranks[(0, 0)]["built_layers"] == expected, ranks[(0, 0)]["built_layers"]
+
+
 @pytest.mark.parametrize("layout", [lay for group in REPLAY.values() for lay in group])
 def test_recompute_replays_dropout_under_dualpipev(results, layout):
     files = sorted(results.glob(f"{layout.replace(',', '-')}.rank*.json"))
@@ -203,7 +243,9 @@ def test_interleaved_checkpoints_resume_at_either_schedule_and_sample(results):
     """An interleaved-1f1b checkpoint resumes exactly at its own placement (DeepSpeed's per-layer files, written and
     read chunk by chunk), resharded under 1F1B and back (stages r, r + p <-> stage r) with 1F1B's losses, and under
     interleaved-zb without resharding; greedy decoding through the interleaved engine (its forward-only order,
-    logits on rank p - 1) equals the single-device model's."""
+    logits on rank p - 1) equals the single-device model's.  An even checkpoint resumes at uneven stages
+    (``pipeline_layout``, interleaved and 1F1B) continuing the straight run, and the uneven run's checkpoint exports
+    the weights its ranks held."""
     tmp_path = results / "interleaved-checkpoint"
     for rank in (0, 1):
         r = json.loads((tmp_path / f"losses.rank{rank}.json").read_text())
@@ -215,6 +257,28 @@ def test_interleaved_checkpoints_resume_at_either_schedule_and_sample(results):
         assert abs(r["C"]["3"] - a["3"]) <= 1e-6 * abs(a["3"]) and abs(r["D"]["4"] - a["4"]) <= 1e-6 * abs(a["4"])
         assert r["E"]["3"] == r["B"]["3"], (r["E"], r["B"])  # deferred W passes: the same sums
         assert r["generate"]["pipeline"] == r["generate"]["reference"], r["generate"]
+        # Even -> uneven stages (another split: resharded on load) continues the straight run: interleaved at
+        # [0, 1, 3, 0] from A's step 2, 1F1B at [1, 3] from C's step 3.
+        assert r["F_resharded"] and r["G_resharded"], r
+        for step in ("3", "4"):
+            assert abs(r["F"][step] - a[step]) <= 1e-6 * abs(a[step]), (step, r["F"], a)
+        assert abs(r["G"]["4"] - a["4"]) <= 1e-6 * abs(a["4"]), (r["G"], a)
+        # rank 0 builds stages 0 (wte, wpe) and 2 (blocks 1-3), rank 1 stages 1 (block 0) and 3 (ln_f, output)
+        assert r["F_layers"] == ([[0, 2], [3, 6]] if rank == 0 else [[2, 3], [6, 8]]), r["F_layers"]
+    # Export from the uneven run's checkpoint: the weights the ranks held (per-layer files, whatever the split).
+    from safetensors.torch import load_file
+
+    from ds_megatron.checkpoint.export import export
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
+
+    out = export(tmp_path / "uneven", tmp_path / "hf-uneven", tag="step00000003", progress=False, weights_only=True)
+    exported = load_file(str(out / "model.safetensors"))
+    held = {**torch.load(tmp_path / "params-uneven.rank0.pt"), **torch.load(tmp_path / "params-uneven.rank1.pt")}
+    adapter = OldCheckpoint(tmp_path / "uneven", "step00000003").adapter
+    assert set(exported) == set(held)
+    for name, tensor in held.items():
+        got = adapter.from_hf(name, {name: exported[name]})
+        assert torch.equal(got, tensor[: got.shape[0]]), name
 
 
 def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(results):

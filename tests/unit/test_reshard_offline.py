@@ -332,3 +332,48 @@ def test_reshard_keeps_the_saved_cp_unless_told(tmp_path, capsys):
     _check_holds(tmp_path / "re", trained, 2, 2, "bf16")
     _refused(tmp_path, capsys, _reshard(ckpt, tp=1, pp=1, dp=1) + ["--cp", "0"], "error: --cp: must be a positive")
     _refused(tmp_path, capsys, _reshard(ckpt, tp=1, pp=1, dp=1) + ["--cp", "3"], "error: ds_megatron.parallel.cp")
+
+
+def test_reshard_writes_the_optimizer_state_where_the_pipeline_layout_puts_it(tmp_path, capsys):
+    """fp32 llama_tiny at pp 2 saved at the balanced split, resharded offline to the blocks per stage of
+    ``--pipeline-layout`` (each rank's optimizer state then holds other layers: its records are the layout table's),
+    read back exactly; without the flag the saved layout stays at the saved pp and goes at another pp."""
+    from ds_megatron.checkpoint.layout import stage_param_layers
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
+
+    cfg = load_json(LLAMA)
+    cfg["ds_megatron"]["parallel"] = {"tp": 1, "pp": 2, "sequence_parallel": False}
+    cfg["ds_megatron"]["model"]["seq_length"] = 16
+    cfg.update(train_batch_size=8, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
+    trained = _Trained(resolve(cfg, 2), tmp_path / "trained")
+    ckpt = _saved(trained, trained.run, "fp32", tmp_path / "ck")
+    layers = trained.run.model.num_layers
+    layout = [0, layers]  # the embedding alone on stage 0
+    argv = _reshard(ckpt, tp=1, pp=2, dp=1) + ["--pipeline-layout", ",".join(map(str, layout))]
+    assert checkpoint_main(argv + ["--out", str(tmp_path / "re")]) == 0
+    assert f"--pp 2 --pipeline-layout 0,{layers} on 2 processes" in capsys.readouterr().out
+    moved = OldCheckpoint(tmp_path / "re", TAG)
+    _holds_exactly(moved, trained)
+    assert moved.run.section.parallel.pipeline_layout == tuple(layout)
+    table = stage_param_layers(moved.model_config, moved.run, 2)
+    assert table[0] == [0]  # embed_tokens alone
+    for rank in range(2):
+        record = json.loads((tmp_path / "re" / TAG / f"params_rank{rank:05d}.json").read_text())
+        held = {moved.layout.index_of(n) for group in record["groups"] for n in group}
+        assert held == set(table[record["pp_rank"]]), (rank, held, table)
+    # kept at the same pp, balanced at another
+    assert checkpoint_main(_reshard(tmp_path / "re", tp=1, pp=2, dp=1) + ["--out", str(tmp_path / "same")]) == 0
+    assert OldCheckpoint(tmp_path / "same", TAG).run.section.parallel.pipeline_layout == tuple(layout)
+    assert checkpoint_main(_reshard(tmp_path / "re", tp=1, pp=1, dp=1) + ["--out", str(tmp_path / "one")]) == 0
+    assert OldCheckpoint(tmp_path / "one", TAG).run.section.parallel.pipeline_layout is None
+    _holds_exactly(OldCheckpoint(tmp_path / "one", TAG), trained)
+    capsys.readouterr()  # the progress bars so far
+    _refused(tmp_path, capsys, _reshard(ckpt, tp=1, pp=2, dp=1) + ["--pipeline-layout", "1,1"], "sums to 2")
+
+
+def _holds_exactly(old, trained: _Trained) -> None:
+    """Every parameter's weight and Adam moments read back exactly (by name, from whichever rank holds it)."""
+    for name, values in trained.values.items():
+        assert torch.equal(old.full_weight(name), values["weight"]), name
+        state = old.full_optimizer_state(name)
+        assert all(torch.equal(state[k], values[k]) for k in ("exp_avg", "exp_avg_sq")), name

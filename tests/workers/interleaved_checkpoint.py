@@ -6,6 +6,10 @@ B: interleaved-1f1b resumes A's step 2 (same placement: DeepSpeed's own load) an
 C: 1F1B resumes A's step 2 (stages r, r + p -> stage r: resharded on load), trains step 3, saves (``DIR/f1``).
 D: interleaved-1f1b resumes C's step 3 (resharded back) and trains step 4; E: interleaved-zb resumes A's step 2
    (the same placement, no resharding) and trains step 3.
+F: interleaved-1f1b at the uneven pipeline_layout [0, 1, 3, 0] (the embedding alone on stage 0, the output layer
+   alone on stage 3) resumes A's step 2 (another split: resharded on load), trains steps 3-4 and saves after step
+   3 (``DIR/uneven``, with each rank's weights by full name in ``DIR/params-uneven.rank<r>.pt``, for export).
+G: 1F1B at the uneven layout [1, 3] resumes C's step 3 (even, resharded) and trains step 4.
 Before A, greedy decoding through the interleaved engine (logits on rank p - 1, the order's forward-only step) at
 the initial weights, against the single-device model.
 Writes DIR/losses.rank<r>.json: each run's losses by step, whether the load resharded, the decoded tokens.
@@ -27,14 +31,17 @@ from ds_megatron.config.facts import needs_resharding
 from ds_megatron.engine import build_engine
 from ds_megatron.generate import Decoder
 from ds_megatron.model.gpt2.model import GPT, GPTConfig
+from ds_megatron.pipeline_parallel.module import pipeline_param_name
 from ds_megatron.pipeline_parallel.schedules import schedule_of
 
 
-def config(schedule: str):
+def config(schedule: str, layout: list[int] | None = None):
     cfg = tiny_ds_config(1, 2, 1)
     cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = schedule
     if schedule.startswith("interleaved"):
         cfg["ds_megatron"]["parallel"]["virtual_stages"] = 2
+    if layout is not None:
+        cfg["ds_megatron"]["parallel"]["pipeline_layout"] = layout
     return resolve(cfg, int(os.environ["WORLD_SIZE"]))
 
 
@@ -54,8 +61,8 @@ def run_checks(out: str) -> None:
                 save_run(built.engine, save_dir, step, client, built.rng, topology=built.topology)
         return losses
 
-    def resume(schedule: str, load_dir: str, step: int):
-        built = build_engine(config(schedule))
+    def resume(schedule: str, load_dir: str, step: int, layout: list[int] | None = None):
+        built = build_engine(config(schedule, layout))
         tag = tag_for(step)
         load_run(built.engine, load_dir, built.rng, built.parallel, built.topology, built.run.ds_config, tag)
         return built, needs_resharding(tag_config(Path(load_dir), tag), built.run.ds_config)
@@ -81,5 +88,16 @@ def run_checks(out: str) -> None:
     result["D"] = train(d, [4])
     e, result["E_resharded"] = resume("interleaved-zb", il, 2)
     result["E"] = train(e, [3])
+    f, result["F_resharded"] = resume("interleaved-1f1b", il, 2, [0, 1, 3, 0])
+    result["F"] = train(f, [3], save_at=3, save_dir=os.path.join(out, "uneven"))
+    rank = f.topology.pp_rank
+    params = {
+        pipeline_param_name(n, f.engine.module): p.detach().clone() for n, p in f.engine.module.named_parameters()
+    }
+    torch.save(params, os.path.join(out, f"params-uneven.rank{rank}.pt"))
+    result["F"].update(train(f, [4]))
+    result["F_layers"] = [[int(a), int(b)] for a, b in f.engine.module.chunk_bounds]
+    g, result["G_resharded"] = resume("1f1b", f1, 3, [1, 3])
+    result["G"] = train(g, [4])
     result["generate"] = {"pipeline": got, "reference": ids[len(prompt) :]}
     write_result(out, "losses", result)

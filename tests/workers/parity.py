@@ -8,8 +8,9 @@ untied unless ``tied``), per-layout ``sp``, context parallelism ``cp<N>`` (ring;
 the world is then tp x cp x pp x dp and each CP rank trains on its chunks of every sequence), the ``dualpipev``
 pipeline schedule (with ``zb``: ``dualpipev-zb``), ``interleaved`` (``interleaved-1f1b``, 2 virtual stages per
 rank; with ``zb``: ``interleaved-zb``; ``l8``: 8 layers instead of 4, for pp 4) and a recompute policy
-(``selective``, ``full``).  With ``replay`` the layout instead compares, with dropout on, each recompute
-policy's step-1 gradients with no recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
+(``selective``, ``full``), and uneven pipeline stages (``blocks1-3``: ``pipeline_layout`` [1, 3]).  With
+``replay`` the layout instead compares, with dropout on, each recompute policy's step-1 gradients with no
+recompute's (DIR/<tp-pp-dp-options>.rank<r>.json).
 The layout ``checkpoint`` runs ``schedule_checkpoint.py``'s checks (2 processes) into DIR/checkpoint,
 ``interleaved-checkpoint`` those of ``interleaved_checkpoint.py`` into DIR/interleaved-checkpoint.
 ``docs``: packed documents kept apart (``data.document_mask``, restart positions; token ids below 100 become
@@ -96,6 +97,9 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
         )
     if "llama" in options:
         cfg["ds_megatron"]["model"].update(LLAMA_FIELDS, tie_word_embeddings="tied" in options)
+    blocks = next((o for o in options if o.startswith("blocks")), None)
+    if blocks is not None:  # blocks per stage, e.g. blocks0-1-3-0
+        cfg["ds_megatron"]["parallel"]["pipeline_layout"] = [int(n) for n in blocks[len("blocks") :].split("-")]
     if "dualpipev" in options:  # with ``zb``: its weight gradients deferred into the drain
         cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = "dualpipev-zb" if "zb" in options else "dualpipev"
     for policy in ("selective", "full"):  # full: one block per recomputed chunk
@@ -181,6 +185,7 @@ def run_layout(tp: int, pp: int, dp: int, args, options: tuple[str, ...] = ()) -
     family = [f"llama-{'tied' if 'tied' in options else 'untied'}"] if "llama" in options else []
     cp_part = [f"cp{cp}", *(["a2a"] if comm == "a2a" else [])] if cp > 1 else []
     extra = [o for o in ("dualpipev", "zb", "interleaved", "l8", "selective", "full") if o in options]
+    extra += [blocks] if blocks else []
     doc_part = ["docs"] if docs else []
     layout = "-".join(
         [f"{tp}-{pp}-{dp}", *(["sp"] if sp else []), *family, *cp_part, *extra, *doc_part, args.attention]
