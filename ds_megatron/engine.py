@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.moe.utils import is_moe_param
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from deepspeed.runtime.pipe.engine import MEMORY_OPT_ALLREDUCE_SIZE
 from deepspeed.runtime.pipe.schedule import ReduceGrads, ReduceTiedGrads
 
@@ -25,7 +25,7 @@ from ds_megatron.config import ConfigError, RunConfig, unused_settings
 from ds_megatron.config.facts import BF16_OPTIMIZER, deepspeed_wraps_optimizer, optimizer_wrapper, precision
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.expert_parallel.dispatch import attach_ep_groups
-from ds_megatron.expert_parallel.layer import expert_group_name, reduce_expert_grads
+from ds_megatron.expert_parallel.layer import expert_group_name, reduce_expert_grad_tensors, reduce_expert_grads
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
 from ds_megatron.parallelize import ParallelContext
@@ -246,25 +246,78 @@ def register_expert_groups(topology: ParallelTopology) -> None:
     ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.expert_dp_group
 
 
+def expert_param_groups(groups: list[dict], topology: ParallelTopology) -> list[dict]:
+    """At ep > 1, ``groups`` with the expert parameters moved to groups of their own, as DeepSpeed's optimizer
+    wrappers want them (``moe: True`` and the expert group's name, by DeepSpeed's own
+    ``split_params_into_different_moe_groups_for_optimizer``): the BF16 optimizer then cuts each expert group's fp32
+    masters over that group's expert-DP group, the others over dp x cp, and sums the grad norm of each expert group
+    over its EP group.  Unchanged at ep 1."""
+    if topology.ep == 1:
+        return groups
+    named = [{**group, "name": f"group{i}"} for i, group in enumerate(groups)]
+    return split_params_into_different_moe_groups_for_optimizer(named)
+
+
+@contextlib.contextmanager
+def experts_known_to_bf16_optimizer(topology: ParallelTopology):
+    """At ep > 1, DeepSpeed's BF16 optimizer built inside the block is told the model has expert parameters.
+    DeepSpeed tells it so (``has_moe_layers``) only when the model holds one of its own ``MoE`` modules, which ours
+    are not; its engine keeps the flag for its gradient reduction and its checkpoint files too, where ours differ
+    (``install_expert_grad_reduction``; DeepSpeed's MoE checkpoint layout is not the pipeline's), so the engine's flag
+    is set only while it builds the optimizer, and the optimizer keeps its own."""
+    if topology.ep == 1:
+        yield
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    configure = DeepSpeedEngine._configure_bf16_optimizer
+
+    def with_experts(self, optimizer):
+        self.has_moe_layers = True
+        try:
+            return configure(self, optimizer)
+        finally:
+            self.has_moe_layers = False
+
+    DeepSpeedEngine._configure_bf16_optimizer = with_experts
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_bf16_optimizer = configure
+
+
 def install_expert_grad_reduction(engine, topology: ParallelTopology) -> bool:
-    """At ep > 1, DeepSpeed's data-parallel reduction of the parameters it knows (all but the experts: DeepSpeed
-    reduces marked expert parameters only for its own MoE modules, and without one its bucketing has no entry for
-    their group) followed by the experts' own rule (``expert_parallel.layer.reduce_expert_grads``: a sum over the
-    expert-DP group divided by dp x cp), as the pipeline's ``ReduceGrads`` instruction.  Only the plain fp32 optimizer
-    runs here (the config refuses DeepSpeed's optimizer wrappers at ep > 1).  Returns whether it was installed."""
+    """At ep > 1, DeepSpeed's data-parallel reduction of the non-expert gradients (over dp x cp, in
+    ``communication_data_type``) followed by the experts' own rule (``expert_parallel.layer.reduce_expert_grads``: a
+    sum over the expert-DP group, in fp32, divided by dp x cp), as the pipeline's ``ReduceGrads`` instruction.  On
+    the plain fp32 optimizer the gradients are the parameters' ``.grad``; on DeepSpeed's BF16 optimizer, its flat
+    accumulation buffers (``get_grads_for_reduction``: the non-expert groups' and the expert groups').  DeepSpeed's
+    own pass would reduce expert gradients only for an engine that knows of its ``MoE`` modules
+    (``experts_known_to_bf16_optimizer``: why ours does not).  Returns whether it was installed."""
     if topology.ep == 1:
         return False
-    dense = [p for p in engine.module.parameters() if p.requires_grad and p.numel() and not is_moe_param(p)]
+    if getattr(engine, "using_bf16_optimizer", False):
+        # persistent buffers, zeroed after each step: the same tensors every step
+        dense, by_group = engine.optimizer.get_grads_for_reduction()
+        experts = [buffer for buffers in by_group.values() for buffer in buffers]
+    else:
+        dense = [p for p in engine.module.parameters() if p.requires_grad and p.numel() and not is_moe_param(p)]
+        experts = None
 
     def reduce_grads(self) -> None:
         self._force_grad_boundary = True
         if self.pipeline_enable_backward_allreduce:
-            for p in dense:  # every rank of the data axis must send every gradient, as DeepSpeed's own pass does
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in dense]
-            self.buffered_allreduce_fallback(grads=grads, elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)
-            reduce_expert_grads(self.module, topology.expert_dp_group, topology.expert_grad_divisor)
+            if experts is None:
+                for p in dense:  # every rank of the data axis must send every gradient, as DeepSpeed's own pass does
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                self.buffered_allreduce_fallback(
+                    grads=[p.grad for p in dense], elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE
+                )
+                reduce_expert_grads(self.module, topology.expert_dp_group, topology.expert_grad_divisor)
+            else:
+                self.buffered_allreduce_fallback(grads=dense, elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)
+                reduce_expert_grad_tensors(experts, topology.expert_dp_group, topology.expert_grad_divisor)
         self._force_grad_boundary = False
 
     # on top of the map the schedule's engine and the SP step sync left (an instance entry, this engine only)
@@ -318,6 +371,7 @@ def build_engine(run: RunConfig) -> Built:
     opt_kwargs = adamw_kwargs(run.ds_config.get("optimizer"))
     groups = param_groups(module, opt_kwargs.pop("weight_decay"))
     if deepspeed_wraps_optimizer(run.ds_config):
+        groups = expert_param_groups(groups, topology)
         optimizer = torch.optim.AdamW(groups, **opt_kwargs)
     else:
         norm_fn = functools.partial(global_grad_norm, list(module.parameters()), topology)
@@ -333,7 +387,10 @@ def build_engine(run: RunConfig) -> Built:
     schedule = warmup_cosine_from(run.ds_config)
     scheduler = None if schedule is None else functools.partial(WarmupCosineScheduler, schedule=schedule)
     register_expert_groups(topology)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler)
+    with experts_known_to_bf16_optimizer(topology):
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler
+        )
     read_weights_only(engine)  # DeepSpeed's own checkpoint reads unpickle weights-only too
     # The schedule's engine replaces DeepSpeed's (every engine's pipeline sends are async, pipeline_parallel.p2p, so
     # that the schedules compare alike); with deferred weight gradients, every stage of the rank defers to one queue.
