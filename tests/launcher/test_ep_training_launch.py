@@ -43,10 +43,14 @@ BF16_CASES = [f"{layout}-{p}-ep{ep}" for layout in BF16_LAYOUTS for p in ("bf16"
 # The experts' 2-step updates under TP + SP: the ep 1 reference splits every expert over TP (partial sums rounded to
 # bf16, then summed), ep 2 holds whole experts, and the bf16 differences move a few tokens across near-tied routing
 # decisions.  Measured (relative norm of the update difference, worst expert tensor): ep 2 against ep 1 at tp 2 + SP
-# 1.24e-1; the two ep 1 layouts against each other (tp 2 + SP against dp 2) 9.7e-2, the same order.  A wrong
-# partition or gradient scale moves it to ~1.  At dp 2 both runs compute the same dense math: BF16_TOLERANCE holds
-# there for the largest element (measured 9.2e-3 of the largest update).
+# 1.24e-1 (1.25e-1 at dp 2); the two ep 1 layouts against each other (tp 2 + SP against dp 2) 9.7e-2, the same
+# order.  A wrong partition or gradient scale moves it to ~1.  At dp 2 both runs compute the same dense math:
+# BF16_TOLERANCE holds there for the largest element (measured 9.2e-3 of the largest update).
 SP_EXPERT_UPDATE_TOLERANCE = 0.25
+# at 4 processes, tp 2 + SP x dp 2: at ep 2 (over the tp ranks) every expert-DP group has 2 ranks; bf16 at ZeRO 0,
+# whose accumulation buffers are bf16, so the sum over expert-DP is where summing in fp32 matters
+EXPERT_DP_CASES = ["tp2sp-bf16-ep1", "tp2sp-bf16-ep2"]
+LAUNCH4 = shared_launch(__name__, 4, lambda out: [f"ep_training.py --out {out} --cases {','.join(EXPERT_DP_CASES)}"])
 
 
 # in the 2-process launch shared with other modules (launch.shared_launch)
@@ -75,41 +79,66 @@ def _expert_updates(result: dict) -> dict[str, torch.Tensor]:
     return {name: result["after"][name] - result["before"][name] for name in result["after"]}
 
 
+def _check_against_ep1(case: str, got: dict, want: dict, dense_math_equal: bool) -> None:
+    """``got`` (ep 2) logs ``want``'s (ep 1) losses and grad norms and takes its expert updates (the tests' docs)."""
+    for key in ("losses", "norms"):
+        for step, (g, w) in enumerate(zip(got[key], want[key], strict=True), 1):
+            assert abs(g[0] - w[0]) <= BF16_TOLERANCE * abs(w[0]), (case, key, step, g[0], w[0])
+    assert got["before"].keys() == want["before"].keys() and len(got["before"]) == 6, case  # 3 routed blocks
+    for name, w0 in want["before"].items():
+        assert torch.equal(got["before"][name], w0), (case, name)
+    updates, ref = _expert_updates(got), _expert_updates(want)
+    for name, delta in ref.items():
+        diff = updates[name] - delta
+        if dense_math_equal:
+            worst = float(diff.abs().max() / delta.abs().max())
+            assert worst <= BF16_TOLERANCE, (case, name, worst)
+        else:
+            relative = float(diff.norm() / delta.norm())
+            assert relative <= SP_EXPERT_UPDATE_TOLERANCE, (case, name, relative)
+
+
+def _check_every_rank_alike(case: str, result: dict) -> None:
+    assert result["optimizer"] == "BF16_Optimizer", case
+    for key in ("losses", "norms"):
+        assert all(len(set(step)) == 1 for step in result[key]), (case, key, result[key])  # the same on every rank
+
+
 @pytest.mark.slow  # in the shared 2-process launch: 8 engines of 2 steps each
 def test_ep2_trains_as_ep1_on_the_bf16_optimizer():
     """bf16 at ZeRO 0 and bf16 + ZeRO-1 (DeepSpeed's BF16 optimizer both), (ep, tp, dp) = (2, 1, 2) and (2, 2, 1)
     with SP, 2 steps of moe-tiny with clipping at 1.0 (norms ~3: clipping acts): the expert parameters sit in
     parameter groups of their own, cut over the expert-DP group (one rank here) while the others are cut over dp x
-    cp; every rank logs the same loss and grad norm; both equal ep 1's within BF16_TOLERANCE (measured 2.2e-5 and
+    cp; every rank logs the same loss and grad norm; both equal ep 1's within BF16_TOLERANCE (measured 1.1e-4 and
     1.3e-3 relative at most); the experts start from ep 1's weights and take its 2-step update (fp32 masters, the
     EP ranks' experts joined) within BF16_TOLERANCE of the largest update at dp 2 and SP_EXPERT_UPDATE_TOLERANCE in
     relative norm under TP + SP (why: the constant).  Adam's eps is 1.0 in these runs, so that an update follows
     its gradient (m / (sqrt(v) + eps) ~ m): at 1e-8 the first update is lr x sign(g) for every element, which bf16
     rounding flips for near-zero gradients (measured: 0.2-2.5% of expert elements 2 lr apart) and clipping cannot
-    change."""
+    change.  The updates catch what the norm alone would not: without the experts' division by dp x cp the dp 2
+    grad norm moved by 0.55% (inside the tolerance) and every expert update by 99% of itself."""
     tmp_path = LAUNCH()
     results = {case: torch.load(tmp_path / f"{case}.pt") for case in BF16_CASES}
     for case, result in results.items():
         layout, _, ep = case.split("-")
-        assert result["optimizer"] == "BF16_Optimizer", case
+        _check_every_rank_alike(case, result)
         want = [(False, BF16_LAYOUTS[layout])] * 2 + ([(True, 1)] if ep == "ep2" else [])
         assert result["groups"] == want, (case, result["groups"])
-        for key in ("losses", "norms"):
-            assert all(len(set(step)) == 1 for step in result[key]), (case, key, result[key])  # the same on every rank
     for case in (c for c in BF16_CASES if c.endswith("ep2")):
-        got, want = results[case], results[case.replace("ep2", "ep1")]
-        for key in ("losses", "norms"):
-            for step, (g, w) in enumerate(zip(got[key], want[key], strict=True), 1):
-                assert abs(g[0] - w[0]) <= BF16_TOLERANCE * abs(w[0]), (case, key, step, g[0], w[0])
-        assert got["before"].keys() == want["before"].keys() and len(got["before"]) == 6, case  # 3 routed blocks
-        for name, w0 in want["before"].items():
-            assert torch.equal(got["before"][name], w0), (case, name)
-        updates, ref = _expert_updates(got), _expert_updates(want)
-        for name, delta in ref.items():
-            diff = updates[name] - delta
-            if case.startswith("dp2"):
-                worst = float(diff.abs().max() / delta.abs().max())
-                assert worst <= BF16_TOLERANCE, (case, name, worst)
-            else:
-                relative = float(diff.norm() / delta.norm())
-                assert relative <= SP_EXPERT_UPDATE_TOLERANCE, (case, name, relative)
+        _check_against_ep1(case, results[case], results[case.replace("ep2", "ep1")], case.startswith("dp2"))
+
+
+@pytest.mark.slow  # in the shared 4-process launch: 2 engines of 2 steps each
+def test_the_bf16_optimizer_cuts_and_sums_experts_over_expert_dp():
+    """(ep, tp, dp) = (2, 2, 2) with SP, bf16 at ZeRO 0: the expert parameter group is cut over the expert-DP group
+    (2 ranks: its partition count), its bf16 accumulation buffer is summed over that group in fp32 (one all-reduce
+    per step, recorded), and the run equals ep 1 at the same layout as the 2-process runs do (measured: losses
+    6.7e-5 and grad norms 2.4e-3 apart relative, the updates 1.25e-1 in relative norm)."""
+    tmp_path = LAUNCH4()
+    results = {case: torch.load(tmp_path / f"{case}.pt") for case in EXPERT_DP_CASES}
+    for case, result in results.items():
+        _check_every_rank_alike(case, result)
+    assert results["tp2sp-bf16-ep1"]["groups"] == [(False, 2), (False, 2)]
+    assert results["tp2sp-bf16-ep2"]["groups"] == [(False, 2), (False, 2), (True, 2)]
+    assert results["tp2sp-bf16-ep2"]["expert_dp_sums"] == ["float32", "float32"]
+    _check_against_ep1("tp2sp-bf16-ep2", results["tp2sp-bf16-ep2"], results["tp2sp-bf16-ep1"], False)

@@ -1,18 +1,20 @@
 """Expert parallelism on DeepSpeed's BF16 optimizer: ``ep_training.py --out DIR --cases NAME,...``, each case one
 engine (moe-tiny, 2 steps of 8 sequences, gradient clipping at 1.0) built and trained after the other in this launch.
-A case is ``<layout>-<precision>-ep<N>``: layout ``dp2`` (tp 1, dp 2) or ``tp2sp`` (tp 2 with sequence parallelism,
-dp 1); precision ``bf16`` (ZeRO 0, bf16 gradient accumulation) or ``bf16z1`` (ZeRO 1, fp32 accumulation); both are
-DeepSpeed's BF16 optimizer.
+A case is ``<layout>-<precision>-ep<N>``: layout ``dp2`` (tp 1, the world size as dp) or ``tp2sp`` (tp 2 with
+sequence parallelism, dp = world size / 2); precision ``bf16`` (ZeRO 0, bf16 gradient accumulation) or ``bf16z1``
+(ZeRO 1, fp32 accumulation); both are DeepSpeed's BF16 optimizer.
 
 Rank 0 writes ``<case>.pt``: the per-step losses and grad norms of every rank (clipping acts on the norm: every
 rank must see the same one), the optimizer's partition count per parameter group and whether the group is an
-expert group, and every expert tensor's fp32 master (``deepspeed.utils.safe_get_full_fp32_param``: the BF16
-optimizer's partitions gathered over the group they are cut over) after the steps, all EP ranks' experts
-concatenated along the expert dim (the single-device layout), with the masters before the first step."""
+expert group, the dtype of every all-reduce over the expert-DP group during the steps, and every expert tensor's
+fp32 master (``deepspeed.utils.safe_get_full_fp32_param``: the BF16 optimizer's partitions gathered over the group
+they are cut over) after the steps, all EP ranks' experts concatenated along the expert dim (the single-device
+layout), with the masters before the first step."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -30,7 +32,8 @@ from ds_megatron.model.family import EXPERT_SPLITS  # noqa: E402
 from ds_megatron.tensor_parallel.sharding import ShardRule, unshard  # noqa: E402
 
 STEPS = 2
-LAYOUTS = {"dp2": (1, False), "tp2sp": (2, True)}  # tp, sequence_parallel (dp = world size / tp)
+# tp, sequence_parallel (at 4 processes tp2sp is tp 2 x dp 2: at ep 2, expert-DP groups of 2)
+LAYOUTS = {"dp2": (1, False), "tp2sp": (2, True)}
 PRECISIONS = {
     "bf16": {"bf16": {"enabled": True}},
     "bf16z1": {
@@ -79,6 +82,23 @@ def expert_masters(engine, topo) -> dict[str, torch.Tensor]:
     return masters
 
 
+@contextlib.contextmanager
+def recording_all_reduces(group, seen: list[str]):
+    """Inside the block, the dtype of every all-reduce over ``group`` (None: none recorded) appended to ``seen``."""
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        if group is not None and kwargs.get("group", args[1] if len(args) > 1 else None) is group:
+            seen.append(str(tensor.dtype).removeprefix("torch."))
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        yield
+    finally:
+        dist.all_reduce = all_reduce
+
+
 def gathered(value: float) -> list[float]:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
@@ -90,14 +110,15 @@ def train(case: str, out: str) -> None:
     built = build_engine(run)
     engine, topo = built.engine, built.topology
     before = expert_masters(engine, topo)
-    losses, norms = [], []
+    losses, norms, sums = [], [], []
     for tokens in token_batches(STEPS, run.global_batch_size, run.model.seq_length, run.model.vocab_size):
         batches = micro_batches(tokens, run.micro_batch_size, run.dp, topo.data_coord)
-        losses.append(gathered(float(engine.train_batch(iter(batches)))))
+        with recording_all_reduces(topo.expert_dp_group, sums):
+            losses.append(gathered(float(engine.train_batch(iter(batches)))))
         norms.append(gathered(float(engine.get_global_grad_norm())))
     opt = engine.optimizer
     groups = [(is_moe_param_group(g), int(n)) for g, n in zip(opt.optimizer.param_groups, opt.partition_count)]
-    result = {"losses": losses, "norms": norms, "groups": groups, "before": before}
+    result = {"losses": losses, "norms": norms, "groups": groups, "before": before, "expert_dp_sums": sums}
     result["after"] = expert_masters(engine, topo)
     result["optimizer"] = type(opt).__name__
     if dist.get_rank() == 0:
