@@ -234,9 +234,10 @@ def install_step_sp_grad_sync(engine, topology: ParallelTopology, run: RunConfig
 def register_expert_groups(topology: ParallelTopology) -> None:
     """At ep > 1, this rank's EP and expert-DP groups in DeepSpeed's group tables under the expert parameters'
     group name (``expert_parallel.layer.expert_group_name``): its engine broadcasts every marked expert parameter
-    from the first rank of that expert-DP group when it starts (the ranks holding the same experts), which needs the
-    group there.  DeepSpeed keeps these tables as module globals of ``deepspeed.utils.groups`` and has no public
-    setter for groups laid out by someone else (its own builder lays EP over its data axis only)."""
+    from the first rank of that expert-DP group when it starts (the ranks holding the same experts), its BF16
+    optimizer cuts the expert parameter groups over it, and its gradient norm sums the experts' over the EP group,
+    which needs the groups there.  DeepSpeed keeps these tables as module globals of ``deepspeed.utils.groups`` and
+    has no public setter for groups laid out by someone else (its own builder lays EP over its data axis only)."""
     if topology.ep == 1:
         return
     from deepspeed.utils import groups as ds_groups
