@@ -287,6 +287,30 @@ def experts_known_to_bf16_optimizer(topology: ParallelTopology):
         DeepSpeedEngine._configure_bf16_optimizer = configure
 
 
+def check_every_stage_has_experts(module: torch.nn.Module, topology: ParallelTopology, run: RunConfig) -> None:
+    """At ep > 1 on DeepSpeed's BF16 optimizer with pp > 1, refuse (on every rank alike, in one line) a pipeline stage
+    holding no routed layer (all its blocks in ``mlp_only_layers`` or off ``decoder_sparse_step``): that optimizer,
+    once told of experts, asserts an expert parameter group on every rank, and its gradient norm sums each expert
+    group's over the pipeline stages in a collective such a stage would never join.  Where the blocks fall is known
+    only once the pipeline module is cut, so this runs after the process group exists (one all-reduce of pp numbers,
+    before any file is written).  The fp32 path has no such collective (``optim.global_grad_norm``)."""
+    if topology.ep == 1 or topology.pp == 1 or optimizer_wrapper(run.ds_config) != BF16_OPTIMIZER:
+        return
+    holding = torch.zeros(topology.pp, device=local_device())
+    holding[topology.pp_rank] = float(any(is_moe_param(p) for p in module.parameters()))
+    dist.all_reduce(holding)  # per stage, how many of its ranks hold experts
+    empty = [stage for stage, count in enumerate(holding.tolist()) if count == 0]
+    if empty:
+        shape = run.model
+        raise ConfigError(
+            "ds_megatron.parallel.ep",
+            "on DeepSpeed's BF16 optimizer every pipeline stage must hold a routed layer at ep > 1",
+            f"ep={topology.ep}, pp={topology.pp}, stage(s) {empty} without one (num_layers={shape.num_layers}, "
+            f"mlp_only_layers={list(shape.mlp_only_layers)}, decoder_sparse_step={shape.decoder_sparse_step})",
+            "use fewer pipeline stages, train in fp32 at ZeRO 0, or use ep 1",
+        )
+
+
 def install_expert_grad_reduction(engine, topology: ParallelTopology) -> bool:
     """At ep > 1, DeepSpeed's data-parallel reduction of the non-expert gradients (over dp x cp, in
     ``communication_data_type``) followed by the experts' own rule (``expert_parallel.layer.reduce_expert_grads``: a
@@ -369,6 +393,7 @@ def build_engine(run: RunConfig) -> Built:
         from ds_megatron.checkpoint.hf_import import load_hf_into_pipeline
 
         load_hf_into_pipeline(module, parallel, ckpt.init_from_hf)
+    check_every_stage_has_experts(module, topology, run)
     opt_kwargs = adamw_kwargs(run.ds_config.get("optimizer"))
     groups = param_groups(module, opt_kwargs.pop("weight_decay"))
     if deepspeed_wraps_optimizer(run.ds_config):
