@@ -47,10 +47,14 @@ BF16_CASES = [f"{layout}-{p}-ep{ep}" for layout in BF16_LAYOUTS for p in ("bf16"
 # order.  A wrong partition or gradient scale moves it to ~1.  At dp 2 both runs compute the same dense math:
 # BF16_TOLERANCE holds there for the largest element (measured 9.2e-3 of the largest update).
 SP_EXPERT_UPDATE_TOLERANCE = 0.25
-# at 4 processes, tp 2 + SP x dp 2: at ep 2 (over the tp ranks) every expert-DP group has 2 ranks; bf16 at ZeRO 0,
-# whose accumulation buffers are bf16, so the sum over expert-DP is where summing in fp32 matters
+# at 4 processes: tp 2 + SP x dp 2, where at ep 2 (over the tp ranks) every expert-DP group has 2 ranks (bf16 at
+# ZeRO 0, whose accumulation buffers are bf16, so the sum over expert-DP is where summing in fp32 matters); pp 2 x
+# dp 2 (the experts' norm summed over the stages); and pp 2 with a stage holding only moe-tiny's dense first block
 EXPERT_DP_CASES = ["tp2sp-bf16-ep1", "tp2sp-bf16-ep2"]
-LAUNCH4 = shared_launch(__name__, 4, lambda out: [f"ep_training.py --out {out} --cases {','.join(EXPERT_DP_CASES)}"])
+PP_CASES = ["pp2-bf16z1-ep1", "pp2-bf16z1-ep2"]
+NO_EXPERT_STAGE = "pp2-bf16z1-ep2-L2"
+FOUR = ",".join([*EXPERT_DP_CASES, *PP_CASES, NO_EXPERT_STAGE])
+LAUNCH4 = shared_launch(__name__, 4, lambda out: [f"ep_training.py --out {out} --cases {FOUR}"])
 
 
 # in the 2-process launch shared with other modules (launch.shared_launch)
@@ -128,7 +132,7 @@ def test_ep2_trains_as_ep1_on_the_bf16_optimizer():
         _check_against_ep1(case, results[case], results[case.replace("ep2", "ep1")], case.startswith("dp2"))
 
 
-@pytest.mark.slow  # in the shared 4-process launch: 2 engines of 2 steps each
+@pytest.mark.slow  # in the shared 4-process launch: 2 engines of 2 steps
 def test_the_bf16_optimizer_cuts_and_sums_experts_over_expert_dp():
     """(ep, tp, dp) = (2, 2, 2) with SP, bf16 at ZeRO 0: the expert parameter group is cut over the expert-DP group
     (2 ranks: its partition count), its bf16 accumulation buffer is summed over that group in fp32 (one all-reduce
@@ -142,3 +146,22 @@ def test_the_bf16_optimizer_cuts_and_sums_experts_over_expert_dp():
     assert results["tp2sp-bf16-ep2"]["groups"] == [(False, 2), (False, 2), (True, 2)]
     assert results["tp2sp-bf16-ep2"]["expert_dp_sums"] == ["float32", "float32"]
     _check_against_ep1("tp2sp-bf16-ep2", results["tp2sp-bf16-ep2"], results["tp2sp-bf16-ep1"], False)
+
+
+@pytest.mark.slow  # in the shared 4-process launch: 3 engines (one refused before DeepSpeed's)
+def test_the_bf16_optimizer_at_ep2_over_pipeline_stages():
+    """pp 2 x dp 2, bf16 + ZeRO-1, ep 2 over dp in each stage: DeepSpeed's norm sums each expert group's over the
+    stages and then its EP group; the run equals ep 1 as the dp 2 runs do (BF16_TOLERANCE on losses and norms, on
+    the largest update difference: the dense math is the same).  moe-tiny cut to 2 blocks puts only the dense first
+    block on stage 0: refused on every rank in one line (the optimizer would assert there, and the other stage would
+    wait in the norm's pipeline sum)."""
+    tmp_path = LAUNCH4()
+    results = {case: torch.load(tmp_path / f"{case}.pt") for case in PP_CASES}
+    for case, result in results.items():
+        _check_every_rank_alike(case, result)
+    assert results["pp2-bf16z1-ep1"]["groups"] == [(False, 2), (False, 2)]
+    assert results["pp2-bf16z1-ep2"]["groups"] == [(False, 2), (False, 2), (True, 1)]
+    _check_against_ep1("pp2-bf16z1-ep2", results["pp2-bf16z1-ep2"], results["pp2-bf16z1-ep1"], True)
+    refused = torch.load(tmp_path / f"{NO_EXPERT_STAGE}.pt")["refused"]
+    assert refused.startswith("error: ds_megatron.parallel.ep: on DeepSpeed's BF16 optimizer every pipeline stage")
+    assert "stage(s) [0] without one (num_layers=2, mlp_only_layers=[0]" in refused and "\n" not in refused

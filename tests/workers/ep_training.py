@@ -1,15 +1,16 @@
 """Expert parallelism on DeepSpeed's BF16 optimizer: ``ep_training.py --out DIR --cases NAME,...``, each case one
 engine (moe-tiny, 2 steps of 8 sequences, gradient clipping at 1.0) built and trained after the other in this launch.
-A case is ``<layout>-<precision>-ep<N>``: layout ``dp2`` (tp 1, the world size as dp) or ``tp2sp`` (tp 2 with
-sequence parallelism, dp = world size / 2); precision ``bf16`` (ZeRO 0, bf16 gradient accumulation) or ``bf16z1``
-(ZeRO 1, fp32 accumulation); both are DeepSpeed's BF16 optimizer.
+A case is ``<layout>-<precision>-ep<N>[-L<layers>]``: layout ``dp2`` (tp 1, the world size as dp), ``tp2sp`` (tp 2
+with sequence parallelism, dp = world size / 2) or ``pp2`` (two pipeline stages, dp = world size / 2); ``L<layers>``
+cuts moe-tiny to that many blocks (its first is dense); precision ``bf16`` (ZeRO 0, bf16 gradient accumulation) or
+``bf16z1`` (ZeRO 1, fp32 accumulation); both are DeepSpeed's BF16 optimizer.
 
 Rank 0 writes ``<case>.pt``: the per-step losses and grad norms of every rank (clipping acts on the norm: every
 rank must see the same one), the optimizer's partition count per parameter group and whether the group is an
 expert group, the dtype of every all-reduce over the expert-DP group during the steps, and every expert tensor's
 fp32 master (``deepspeed.utils.safe_get_full_fp32_param``: the BF16 optimizer's partitions gathered over the group
 they are cut over) after the steps, all EP ranks' experts concatenated along the expert dim (the single-device
-layout), with the masters before the first step."""
+layout), with the masters before the first step.  A case the engine refuses writes ``{"refused": <its one line>}``."""
 
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ from common import micro_batches, token_batches  # noqa: E402
 from deepspeed.moe.utils import is_moe_param_group  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 
-from ds_megatron.config import resolve  # noqa: E402
+from ds_megatron.config import ConfigError, resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
 from ds_megatron.model.family import EXPERT_SPLITS  # noqa: E402
 from ds_megatron.tensor_parallel.sharding import ShardRule, unshard  # noqa: E402
 
 STEPS = 2
-# tp, sequence_parallel (at 4 processes tp2sp is tp 2 x dp 2: at ep 2, expert-DP groups of 2)
-LAYOUTS = {"dp2": (1, False), "tp2sp": (2, True)}
+# tp, sequence_parallel, pp (at 4 processes tp2sp is tp 2 x dp 2: at ep 2, expert-DP groups of 2)
+LAYOUTS = {"dp2": (1, False, 1), "tp2sp": (2, True, 1), "pp2": (1, False, 2)}
 PRECISIONS = {
     "bf16": {"bf16": {"enabled": True}},
     "bf16z1": {
@@ -45,10 +46,12 @@ PRECISIONS = {
 
 
 def config(case: str, world: int) -> dict:
-    layout, precision, ep = case.split("-")
-    tp, sp = LAYOUTS[layout]
-    dp = world // tp
+    layout, precision, ep, *layers = case.split("-")
+    tp, sp, pp = LAYOUTS[layout]
+    dp = world // (tp * pp)
     model = {"size": "moe-tiny", "vocab_size": 64, "seq_length": 16, "dropout": 0.0, "attention": "eager"}
+    if layers:
+        model["num_layers"] = int(layers[0].removeprefix("L"))
     return {
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 2,
@@ -58,7 +61,7 @@ def config(case: str, world: int) -> dict:
         **PRECISIONS[precision],
         "ds_megatron": {
             "model": model,
-            "parallel": {"tp": tp, "sequence_parallel": sp, "ep": int(ep.removeprefix("ep"))},
+            "parallel": {"tp": tp, "pp": pp, "sequence_parallel": sp, "ep": int(ep.removeprefix("ep"))},
             "train": {"seed": 1234, "train_iters": STEPS},
         },
     }
@@ -79,6 +82,10 @@ def expert_masters(engine, topo) -> dict[str, torch.Tensor]:
             dim, fused = (0, 1) if topo.ep > 1 else EXPERT_SPLITS[name.rsplit(".", 1)[1]]
             local = unshard(parts, ShardRule(dim=dim, fused=fused))
         masters[name] = local.cpu()
+    if topo.pp > 1:  # every stage's experts (their names are the pipeline's layer indices: distinct per stage)
+        stages = [None] * dist.get_world_size()
+        dist.all_gather_object(stages, masters)
+        masters = {name: tensor for stage in stages for name, tensor in stage.items()}
     return masters
 
 
@@ -107,7 +114,12 @@ def gathered(value: float) -> list[float]:
 
 def train(case: str, out: str) -> None:
     run = resolve(config(case, int(os.environ["WORLD_SIZE"])), int(os.environ["WORLD_SIZE"]))
-    built = build_engine(run)
+    try:
+        built = build_engine(run)
+    except ConfigError as err:  # raised on every rank alike
+        if dist.get_rank() == 0:
+            torch.save({"refused": str(err)}, os.path.join(out, f"{case}.pt"))
+        return
     engine, topo = built.engine, built.topology
     before = expert_masters(engine, topo)
     losses, norms, sums = [], [], []
