@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import deepspeed
 import torch
 import torch.distributed as dist
-from deepspeed.moe.utils import is_moe_param
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from deepspeed.runtime.pipe.engine import MEMORY_OPT_ALLREDUCE_SIZE
 from deepspeed.runtime.pipe.schedule import ReduceGrads, ReduceTiedGrads
 
@@ -25,7 +25,7 @@ from ds_megatron.config import ConfigError, RunConfig, unused_settings
 from ds_megatron.config.facts import BF16_OPTIMIZER, deepspeed_wraps_optimizer, optimizer_wrapper, precision
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.expert_parallel.dispatch import attach_ep_groups
-from ds_megatron.expert_parallel.layer import expert_group_name, reduce_expert_grads
+from ds_megatron.expert_parallel.layer import expert_group_name, reduce_expert_grad_tensors, reduce_expert_grads
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
 from ds_megatron.parallelize import ParallelContext
@@ -234,9 +234,10 @@ def install_step_sp_grad_sync(engine, topology: ParallelTopology, run: RunConfig
 def register_expert_groups(topology: ParallelTopology) -> None:
     """At ep > 1, this rank's EP and expert-DP groups in DeepSpeed's group tables under the expert parameters'
     group name (``expert_parallel.layer.expert_group_name``): its engine broadcasts every marked expert parameter
-    from the first rank of that expert-DP group when it starts (the ranks holding the same experts), which needs the
-    group there.  DeepSpeed keeps these tables as module globals of ``deepspeed.utils.groups`` and has no public
-    setter for groups laid out by someone else (its own builder lays EP over its data axis only)."""
+    from the first rank of that expert-DP group when it starts (the ranks holding the same experts), its BF16
+    optimizer cuts the expert parameter groups over it, and its gradient norm sums the experts' over the EP group,
+    which needs the groups there.  DeepSpeed keeps these tables as module globals of ``deepspeed.utils.groups`` and
+    has no public setter for groups laid out by someone else (its own builder lays EP over its data axis only)."""
     if topology.ep == 1:
         return
     from deepspeed.utils import groups as ds_groups
@@ -246,25 +247,102 @@ def register_expert_groups(topology: ParallelTopology) -> None:
     ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.expert_dp_group
 
 
+def expert_param_groups(groups: list[dict], topology: ParallelTopology) -> list[dict]:
+    """At ep > 1, ``groups`` with the expert parameters moved to groups of their own, as DeepSpeed's optimizer
+    wrappers want them (``moe: True`` and the expert group's name, by DeepSpeed's own
+    ``split_params_into_different_moe_groups_for_optimizer``): the BF16 optimizer then cuts each expert group's fp32
+    masters over that group's expert-DP group, the others over dp x cp, and sums the grad norm of each expert group
+    over its EP group.  Unchanged at ep 1."""
+    if topology.ep == 1:
+        return groups
+    named = [{**group, "name": f"group{i}"} for i, group in enumerate(groups)]
+    return split_params_into_different_moe_groups_for_optimizer(named)
+
+
+@contextlib.contextmanager
+def experts_known_to_bf16_optimizer(topology: ParallelTopology):
+    """At ep > 1, DeepSpeed's BF16 optimizer built inside the block is told the model has expert parameters.
+    DeepSpeed tells it so (``has_moe_layers``) only when the model holds one of its own ``MoE`` modules, which ours
+    are not; its engine keeps the flag for its gradient reduction and its checkpoint files too, where ours differ
+    (``install_expert_grad_reduction``; DeepSpeed's MoE checkpoint layout is not the pipeline's), so the engine's flag
+    is set only while it builds the optimizer, and the optimizer keeps its own."""
+    if topology.ep == 1:
+        yield
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    configure = DeepSpeedEngine._configure_bf16_optimizer
+
+    def with_experts(self, optimizer):
+        self.has_moe_layers = True
+        try:
+            return configure(self, optimizer)
+        finally:
+            self.has_moe_layers = False
+
+    DeepSpeedEngine._configure_bf16_optimizer = with_experts
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_bf16_optimizer = configure
+
+
+def check_every_stage_has_experts(module: torch.nn.Module, topology: ParallelTopology, run: RunConfig) -> None:
+    """At ep > 1 on DeepSpeed's BF16 optimizer with pp > 1, refuse (on every rank alike, in one line) a pipeline stage
+    holding no routed layer (all its blocks in ``mlp_only_layers`` or off ``decoder_sparse_step``): that optimizer,
+    once told of experts, asserts an expert parameter group on every rank, and its gradient norm sums each expert
+    group's over the pipeline stages in a collective such a stage would never join.  Where the blocks fall is known
+    only once the pipeline module is cut, so this runs after the process group exists (one all-reduce of pp numbers,
+    before any file is written).  The fp32 path has no such collective (``optim.global_grad_norm``)."""
+    if topology.ep == 1 or topology.pp == 1 or optimizer_wrapper(run.ds_config) != BF16_OPTIMIZER:
+        return
+    holding = torch.zeros(topology.pp, device=local_device())
+    holding[topology.pp_rank] = float(any(is_moe_param(p) for p in module.parameters()))
+    dist.all_reduce(holding)  # per stage, how many of its ranks hold experts
+    empty = [stage for stage, count in enumerate(holding.tolist()) if count == 0]
+    if empty:
+        shape = run.model
+        raise ConfigError(
+            "ds_megatron.parallel.ep",
+            "on DeepSpeed's BF16 optimizer every pipeline stage must hold a routed layer at ep > 1",
+            f"ep={topology.ep}, pp={topology.pp}, stage(s) {empty} without one (num_layers={shape.num_layers}, "
+            f"mlp_only_layers={list(shape.mlp_only_layers)}, decoder_sparse_step={shape.decoder_sparse_step})",
+            "use fewer pipeline stages, train in fp32 at ZeRO 0, or use ep 1",
+        )
+
+
 def install_expert_grad_reduction(engine, topology: ParallelTopology) -> bool:
-    """At ep > 1, DeepSpeed's data-parallel reduction of the parameters it knows (all but the experts: DeepSpeed
-    reduces marked expert parameters only for its own MoE modules, and without one its bucketing has no entry for
-    their group) followed by the experts' own rule (``expert_parallel.layer.reduce_expert_grads``: a sum over the
-    expert-DP group divided by dp x cp), as the pipeline's ``ReduceGrads`` instruction.  Only the plain fp32 optimizer
-    runs here (the config refuses DeepSpeed's optimizer wrappers at ep > 1).  Returns whether it was installed."""
+    """At ep > 1, DeepSpeed's data-parallel reduction of the non-expert gradients (over dp x cp, in
+    ``communication_data_type``) followed by the experts' own rule (``expert_parallel.layer.reduce_expert_grads``: a
+    sum over the expert-DP group, in fp32, divided by dp x cp), as the pipeline's ``ReduceGrads`` instruction.  On
+    the plain fp32 optimizer the gradients are the parameters' ``.grad``; on DeepSpeed's BF16 optimizer, its flat
+    accumulation buffers (``get_grads_for_reduction``: the non-expert groups' and the expert groups').  DeepSpeed's
+    own pass would reduce expert gradients only for an engine that knows of its ``MoE`` modules
+    (``experts_known_to_bf16_optimizer``: why ours does not).  Returns whether it was installed."""
     if topology.ep == 1:
         return False
-    dense = [p for p in engine.module.parameters() if p.requires_grad and p.numel() and not is_moe_param(p)]
+    if getattr(engine, "using_bf16_optimizer", False):
+        # persistent buffers, zeroed after each step: the same tensors every step
+        dense, by_group = engine.optimizer.get_grads_for_reduction()
+        experts = [buffer for buffers in by_group.values() for buffer in buffers]
+    else:
+        dense = [p for p in engine.module.parameters() if p.requires_grad and p.numel() and not is_moe_param(p)]
+        experts = None
 
     def reduce_grads(self) -> None:
         self._force_grad_boundary = True
         if self.pipeline_enable_backward_allreduce:
-            for p in dense:  # every rank of the data axis must send every gradient, as DeepSpeed's own pass does
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in dense]
-            self.buffered_allreduce_fallback(grads=grads, elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)
-            reduce_expert_grads(self.module, topology.expert_dp_group, topology.expert_grad_divisor)
+            if experts is None:
+                for p in dense:  # every rank of the data axis must send every gradient, as DeepSpeed's own pass does
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                self.buffered_allreduce_fallback(
+                    grads=[p.grad for p in dense], elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE
+                )
+                reduce_expert_grads(self.module, topology.expert_dp_group, topology.expert_grad_divisor)
+            else:
+                self.buffered_allreduce_fallback(grads=dense, elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)
+                reduce_expert_grad_tensors(experts, topology.expert_dp_group, topology.expert_grad_divisor)
         self._force_grad_boundary = False
 
     # on top of the map the schedule's engine and the SP step sync left (an instance entry, this engine only)
@@ -316,9 +394,11 @@ def build_engine(run: RunConfig) -> Built:
         from ds_megatron.checkpoint.hf_import import load_hf_into_pipeline
 
         load_hf_into_pipeline(module, parallel, ckpt.init_from_hf)
+    check_every_stage_has_experts(module, topology, run)
     opt_kwargs = adamw_kwargs(run.ds_config.get("optimizer"))
     groups = param_groups(module, opt_kwargs.pop("weight_decay"))
     if deepspeed_wraps_optimizer(run.ds_config):
+        groups = expert_param_groups(groups, topology)
         optimizer = torch.optim.AdamW(groups, **opt_kwargs)
     else:
         norm_fn = functools.partial(global_grad_norm, list(module.parameters()), topology)
@@ -337,7 +417,10 @@ def build_engine(run: RunConfig) -> Built:
     schedule = warmup_cosine_from(run.ds_config)
     scheduler = None if schedule is None else functools.partial(WarmupCosineScheduler, schedule=schedule)
     register_expert_groups(topology)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler)
+    with experts_known_to_bf16_optimizer(topology):
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler
+        )
     read_weights_only(engine)  # DeepSpeed's own checkpoint reads unpickle weights-only too
     # The schedule's engine replaces DeepSpeed's (every engine's pipeline sends are async, pipeline_parallel.p2p, so
     # that the schedules compare alike); with deferred weight gradients, every stage of the rank defers to one queue.

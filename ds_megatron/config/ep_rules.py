@@ -8,6 +8,7 @@ folding.
 from __future__ import annotations
 
 from ds_megatron.config.errors import ConfigError
+from ds_megatron.config.facts import BF16_OPTIMIZER, FP16_OPTIMIZER, ZERO_OPTIMIZER
 
 SETTING = "ds_megatron.parallel.ep"
 
@@ -51,3 +52,29 @@ def check_num_experts(num_experts: int, ep: int) -> None:
             SETTING, "each EP rank holds num_experts / ep experts", f"num_experts={num_experts}, ep={ep}",
             f"use ep in {divisors}",
         )  # fmt: skip
+
+
+# The optimizer wrappers of DeepSpeed (config.facts.optimizer_wrapper) that train ep > 1, and why the others
+# do not (each reason is the refusal's text).
+EP_OPTIMIZER_WRAPPERS = (None, BF16_OPTIMIZER)  # plain fp32 (ZeRO 0), DeepSpeed's BF16 optimizer (bf16 at ZeRO 0 or 1)
+EP_REFUSED_WRAPPERS = {
+    ZERO_OPTIMIZER: "DeepSpeed's ZeRO optimizer counts a parameter not marked model-parallel in the gradient norm "
+    "on TP rank 0 only, so with EP folded over TP ranks it would leave out their experts; and it reduces the "
+    "gradients itself",
+    FP16_OPTIMIZER: "DeepSpeed's fp16 optimizer (around a torch optimizer) leaves expert gradients out of the norm "
+    "it clips by and checks each rank's experts for overflow alone, so the ranks of an EP group would clip and skip "
+    "apart",
+}
+
+
+def check_ep_optimizer(ep: int, wrapper: str | None, zero_stage: int, grad_accum_dtype: str) -> None:
+    """Refuse, at ep > 1, an optimizer wrapper whose expert handling does not fit ours (``EP_REFUSED_WRAPPERS``)."""
+    if ep == 1 or wrapper in EP_OPTIMIZER_WRAPPERS:
+        return
+    raise ConfigError(
+        SETTING, EP_REFUSED_WRAPPERS[wrapper],
+        f"ep={ep}, DeepSpeed optimizer wrapper {wrapper} (zero_optimization.stage={zero_stage}, "
+        f"grad_accum_dtype={grad_accum_dtype})",
+        'use bf16 with zero_optimization.stage 1 and "data_types": {"grad_accum_dtype": "fp32"} (DeepSpeed\'s BF16 '
+        "optimizer), bf16 or fp32 at stage 0, or ep 1",
+    )  # fmt: skip

@@ -20,7 +20,7 @@ from ds_megatron.config.context_parallel import (
     check_cp_seq_length,
 )
 from ds_megatron.config.ep_rules import SETTING as EP_SETTING
-from ds_megatron.config.ep_rules import check_ep, check_num_experts
+from ds_megatron.config.ep_rules import check_ep, check_ep_optimizer, check_num_experts
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.facts import grad_accum_dtype, optimizer_wrapper, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
@@ -459,20 +459,15 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 
 def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
-    """What expert parallelism does not train with yet, refused in one line each: DeepSpeed's optimizer wrappers
-    (bf16, fp16, ZeRO: their flat partitions of the expert parameters would need the expert-DP groups registered in
-    DeepSpeed's module globals), selective recompute of ``moe`` (the expert-parallel layer keeps its activations),
-    and checkpoints (DeepSpeed's pipeline writes a layer's weights from data-parallel rank 0 only, which holds only
-    its own experts when the EP group spans dp; the checkpoint and transformers readers cut experts by the TP rule)."""
+    """What expert parallelism does not train with yet, refused in one line each: DeepSpeed's ZeRO and fp16
+    optimizer wrappers (``config.ep_rules.check_ep_optimizer``: why; its BF16 optimizer trains), selective
+    recompute of ``moe`` (the expert-parallel layer keeps its activations), and checkpoints (DeepSpeed's pipeline
+    writes a layer's weights from data-parallel rank 0 only, which holds only its own experts when the EP group spans
+    dp; the checkpoint and transformers readers cut experts by the TP rule)."""
     ep = section.parallel.ep
     if ep == 1:
         return
-    wrapper = optimizer_wrapper(ds_config)
-    if wrapper is not None:
-        raise ConfigError(
-            EP_SETTING, "ep > 1 trains in fp32 with ZeRO stage 0 only (DeepSpeed's optimizer wrappers are not wired)",
-            f"ep={ep}, DeepSpeed optimizer wrapper {wrapper}", "use ep 1, or fp32 without ZeRO",
-        )  # fmt: skip
+    check_ep_optimizer(ep, optimizer_wrapper(ds_config), zero_stage(ds_config), grad_accum_dtype(ds_config))
     if "moe" in section.recompute.selective_modules:
         raise ConfigError(
             EP_SETTING, "the expert-parallel layer has no selective recompute of moe",

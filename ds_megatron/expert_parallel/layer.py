@@ -63,14 +63,23 @@ def reduce_expert_grads(module: nn.Module, expert_dp_group: ProcessGroup | None,
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-    grads = [p.grad for p in params]
-    if group_size(expert_dp_group) > 1 and grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce for the layer
+    reduce_expert_grad_tensors([p.grad for p in params], expert_dp_group, divisor)
+
+
+@torch.no_grad()
+def reduce_expert_grad_tensors(grads: list[torch.Tensor], expert_dp_group: ProcessGroup | None, divisor: int) -> None:
+    """``grads`` (expert gradients: the parameters' own, or DeepSpeed's BF16 optimizer's flat accumulation buffers of
+    the expert parameter groups) summed over ``expert_dp_group`` and divided by ``divisor``, in place.  The sum runs
+    in fp32 whatever the gradients' dtype: a bf16 buffer (bf16 accumulation) summed in bf16 would round at every
+    hop of the all-reduce; one all-reduce for all of them."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    if group_size(expert_dp_group) > 1:
         dist.all_reduce(flat, group=expert_dp_group)
-        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            grad.copy_(part.view_as(grad))
-    for grad in grads:
-        grad.div_(divisor)
+    flat.div_(divisor)
+    for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(part.view_as(grad))
 
 
 class ExpertParallelMoE(nn.Module):

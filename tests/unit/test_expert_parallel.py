@@ -329,6 +329,10 @@ def test_the_ep_setting_and_its_refusals():
     assert resolve(_ep_config(2), 2).section.parallel.ep == 2  # dp 2
     assert resolve(_ep_config(2, tp=2, sequence_parallel=True), 2).section.parallel.ep == 2  # folded over tp
     assert resolve(_ep_config(4, tp=2, sequence_parallel=True), 4).section.parallel.ep == 4  # tp 2 x dp 2
+    # DeepSpeed's BF16 optimizer: bf16 at ZeRO 0, and at ZeRO 1 with fp32 gradient accumulation
+    bf16_z1 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}
+    for ds in ({"bf16": {"enabled": True}}, bf16_z1):
+        assert resolve(_ep_config(2, ds=ds), 2).section.parallel.ep == 2
     dense = {"family": "gpt2", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 64, "seq_length": 16}
     cases = [
         (_ep_config(2, dense), 2, "this model has none"),
@@ -336,8 +340,9 @@ def test_the_ep_setting_and_its_refusals():
         (_ep_config(3), 3, "num_experts=8, ep=3); use ep in [1, 2, 4, 8]"),
         (_ep_config(4), 2, "use ep in [1, 2]"),
         (_ep_config(0), 2, "ds_megatron.parallel.ep"),
-        (_ep_config(2, ds={"bf16": {"enabled": True}}), 2, "DeepSpeed optimizer wrapper"),
-        (_ep_config(2, ds={"zero_optimization": {"stage": 1}}), 2, "wrapper ZeRO"),
+        (_ep_config(2, ds={"zero_optimization": {"stage": 1}}), 2, "wrapper ZeRO (zero_optimization.stage=1"),
+        (_ep_config(2, ds={"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}), 2, "grad_accum_dtype=bf16"),
+        (_ep_config(2, ds={"fp16": {"enabled": True}}), 2, "leaves expert gradients out of the norm"),
     ]
     for cfg, world, message in cases:
         with pytest.raises(ConfigError) as err:

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from inprocess import Pairs, failures, run_checks, spawn_reports
+from inprocess import BF16_TOLERANCE, Pairs, failures, run_checks, spawn_reports
 from torch import nn
 
 from ds_megatron.config import resolve
@@ -55,7 +55,6 @@ MOE = {
 MIXTRAL = {**MOE, "family": "mixtral", "num_layers": 2, "head_dim": None, "mlp_only_layers": None}
 MIXTRAL["tie_word_embeddings"] = True
 MIXTRAL.pop("norm_topk_prob")
-BF16_TOLERANCE = 2e-2  # bf16 keeps 8 bits of mantissa: one rounding of a sum of O(1) terms is ~4e-3
 
 
 def config(tp=1, cp=1, dp=1, *, sp=False, comm="ring", mixtral=False, recompute=None, attention="eager", ep=1):

@@ -1,0 +1,152 @@
+"""Expert parallelism on DeepSpeed's BF16 optimizer: ``ep_training.py --out DIR --cases NAME,...``, each case one
+engine (moe-tiny, 2 steps of 8 sequences, gradient clipping at 1.0) built and trained after the other in this launch.
+A case is ``<layout>-<precision>-ep<N>[-L<layers>]``: layout ``dp2`` (tp 1, the world size as dp), ``tp2sp`` (tp 2
+with sequence parallelism, dp = world size / 2) or ``pp2`` (two pipeline stages, dp = world size / 2); ``L<layers>``
+cuts moe-tiny to that many blocks (its first is dense); precision ``bf16`` (ZeRO 0, bf16 gradient accumulation) or
+``bf16z1`` (ZeRO 1, fp32 accumulation); both are DeepSpeed's BF16 optimizer.
+
+Rank 0 writes ``<case>.pt``: the per-step losses and grad norms of every rank (clipping acts on the norm: every
+rank must see the same one), the optimizer's partition count per parameter group and whether the group is an
+expert group, the dtype of every all-reduce over the expert-DP group during the steps, and every expert tensor's
+fp32 master (``deepspeed.utils.safe_get_full_fp32_param``: the BF16 optimizer's partitions gathered over the group
+they are cut over) after the steps, all EP ranks' experts concatenated along the expert dim (the single-device
+layout), with the masters before the first step.  A case the engine refuses writes ``{"refused": <its one line>}``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from common import micro_batches, token_batches  # noqa: E402
+from deepspeed.moe.utils import is_moe_param_group  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
+
+from ds_megatron.config import ConfigError, resolve  # noqa: E402
+from ds_megatron.engine import build_engine  # noqa: E402
+from ds_megatron.model.family import EXPERT_SPLITS  # noqa: E402
+from ds_megatron.tensor_parallel.sharding import ShardRule, unshard  # noqa: E402
+
+STEPS = 2
+# tp, sequence_parallel, pp (at 4 processes tp2sp is tp 2 x dp 2: at ep 2, expert-DP groups of 2)
+LAYOUTS = {"dp2": (1, False, 1), "tp2sp": (2, True, 1), "pp2": (1, False, 2)}
+PRECISIONS = {
+    "bf16": {"bf16": {"enabled": True}},
+    "bf16z1": {
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1},
+        "data_types": {"grad_accum_dtype": "fp32"},
+    },
+}
+
+
+def config(case: str, world: int) -> dict:
+    layout, precision, ep, *layers = case.split("-")
+    tp, sp, pp = LAYOUTS[layout]
+    dp = world // (tp * pp)
+    model = {"size": "moe-tiny", "vocab_size": 64, "seq_length": 16, "dropout": 0.0, "attention": "eager"}
+    if layers:
+        model["num_layers"] = int(layers[0].removeprefix("L"))
+    return {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 8 // (2 * dp),
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1.0, "betas": [0.9, 0.95], "eps": 1.0, "weight_decay": 0.0}},
+        **PRECISIONS[precision],
+        "ds_megatron": {
+            "model": model,
+            "parallel": {"tp": tp, "pp": pp, "sequence_parallel": sp, "ep": int(ep.removeprefix("ep"))},
+            "train": {"seed": 1234, "train_iters": STEPS},
+        },
+    }
+
+
+def expert_masters(engine, topo) -> dict[str, torch.Tensor]:
+    """Every expert tensor's fp32 master as the single-device model holds it (collective): at ep > 1 the EP ranks'
+    experts concatenated along dim 0; at ep 1 and tp > 1 the TP shards merged by the plan's rule."""
+    masters = {}
+    for name, param in engine.module.named_parameters():
+        if ".experts." not in name:
+            continue
+        local = safe_get_full_fp32_param(param)
+        group = topo.ep_group if topo.ep > 1 else topo.tp_group if topo.tp > 1 else None
+        if group is not None:
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, local, group=group)
+            dim, fused = (0, 1) if topo.ep > 1 else EXPERT_SPLITS[name.rsplit(".", 1)[1]]
+            local = unshard(parts, ShardRule(dim=dim, fused=fused))
+        masters[name] = local.cpu()
+    if topo.pp > 1:  # every stage's experts (their names are the pipeline's layer indices: distinct per stage)
+        stages = [None] * dist.get_world_size()
+        dist.all_gather_object(stages, masters)
+        masters = {name: tensor for stage in stages for name, tensor in stage.items()}
+    return masters
+
+
+@contextlib.contextmanager
+def recording_all_reduces(group, seen: list[str]):
+    """Inside the block, the dtype of every all-reduce over ``group`` (None: none recorded) appended to ``seen``."""
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        if group is not None and kwargs.get("group", args[1] if len(args) > 1 else None) is group:
+            seen.append(str(tensor.dtype).removeprefix("torch."))
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        yield
+    finally:
+        dist.all_reduce = all_reduce
+
+
+def gathered(value: float) -> list[float]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def train(case: str, out: str) -> None:
+    run = resolve(config(case, int(os.environ["WORLD_SIZE"])), int(os.environ["WORLD_SIZE"]))
+    try:
+        built = build_engine(run)
+    except ConfigError as err:  # raised on every rank alike
+        if dist.get_rank() == 0:
+            torch.save({"refused": str(err)}, os.path.join(out, f"{case}.pt"))
+        return
+    engine, topo = built.engine, built.topology
+    before = expert_masters(engine, topo)
+    losses, norms, sums = [], [], []
+    for tokens in token_batches(STEPS, run.global_batch_size, run.model.seq_length, run.model.vocab_size):
+        batches = micro_batches(tokens, run.micro_batch_size, run.dp, topo.data_coord)
+        with recording_all_reduces(topo.expert_dp_group, sums):
+            losses.append(gathered(float(engine.train_batch(iter(batches)))))
+        norms.append(gathered(float(engine.get_global_grad_norm())))
+    opt = engine.optimizer
+    groups = [(is_moe_param_group(g), int(n)) for g, n in zip(opt.optimizer.param_groups, opt.partition_count)]
+    result = {"losses": losses, "norms": norms, "groups": groups, "before": before, "expert_dp_sums": sums}
+    result["after"] = expert_masters(engine, topo)
+    result["optimizer"] = type(opt).__name__
+    if dist.get_rank() == 0:
+        torch.save(result, os.path.join(out, f"{case}.pt"))
+    engine.destroy()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", required=True, help="comma-separated <layout>-<precision>-ep<N> (module docstring)")
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    for case in args.cases.split(","):
+        train(case, args.out)
+
+
+if __name__ == "__main__":
+    main()
