@@ -6,7 +6,8 @@ import torch
 
 from ds_megatron.model import GPTConfig
 from ds_megatron.parallelize import ParallelContext, shard_rule
-from ds_megatron.tensor_parallel import ShardRule, TPGroup, padded_vocab_size, shard, unshard
+from ds_megatron.tensor_parallel import ShardRule, padded_vocab_size, shard, unshard
+from ds_megatron.topology import Group
 
 
 def test_padded_vocab_size():
@@ -31,7 +32,7 @@ def test_qkv_shard_takes_the_same_heads_of_q_k_and_v():
 
 
 def test_round_trip_every_rule():
-    plan = ParallelContext(GPTConfig(vocab_size=1001, n_embd=16, n_head=4, n_layer=1), TPGroup(size=4), False, None)
+    plan = ParallelContext(GPTConfig(vocab_size=1001, n_embd=16, n_head=4, n_layer=1), Group(size=4), False, None)
     shapes = {
         "transformer.h.0.attn.c_attn.weight": (48, 16),
         "transformer.h.0.attn.c_attn.bias": (48,),
@@ -69,7 +70,7 @@ def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
     config = GPTConfig(vocab_size=1001, n_positions=16, n_embd=32, n_layer=2, n_head=4)
     model = GPT(config)
     assert all(plan_row(name) is not None for name, _ in model.named_parameters())
-    parallelize_model(model, ParallelContext(config, TPGroup(), True, None))
+    parallelize_model(model, ParallelContext(config, Group(), True, None))
     expected = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear, VOCAB: VocabParallelEmbedding}
     for row in GPT2_PLAN:
         paths = [row.path] if row.path.startswith("transformer.") else [f"transformer.h.{i}.{row.path}" for i in (0, 1)]
@@ -105,7 +106,7 @@ def test_parallelism_reaches_a_block_only_through_its_hooks_and_the_plan_swaps()
         block = block_class(config)
         assert block.hooks is SINGLE_DEVICE
         before = _attributes(block)
-        ctx = ParallelContext(config, TPGroup(), False, build_rng(1, 0, 0, 0), recompute=everything)
+        ctx = ParallelContext(config, Group(), False, build_rng(1, 0, 0, 0), recompute=everything)
         parallelize_block(block, ctx)
         after = _attributes(block)
         for row in ctx.family.block_rows:  # the plan's swapped modules are new modules
@@ -127,7 +128,7 @@ def test_every_sp_replicated_parameter_is_held_by_a_layer_the_engine_can_switch(
         LlamaConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
     )
     for config in configs:
-        model = parallelize_model(build_model(config), ParallelContext(config, TPGroup(None, 0, 2), True, None))
+        model = parallelize_model(build_model(config), ParallelContext(config, Group(None, 0, 2), True, None))
         holders = [
             m
             for m in model.modules()
@@ -172,7 +173,7 @@ def test_pipeline_layers_start_from_the_single_device_weights_and_draw_only_thei
         for tp in (1, 2, 4):
             shards: dict[str, list[torch.Tensor]] = {}
             for rank in range(tp):
-                ctx = ParallelContext(config, TPGroup(None, rank, tp), False, None)
+                ctx = ParallelContext(config, Group(None, rank, tp), False, None)
                 drawn[0] = 0
                 layers = [spec.build() for spec in layer_specs(config, ctx, 5)[:-1]]  # the last: tied or lm_head
                 if not layout.tied:
@@ -185,9 +186,9 @@ def test_pipeline_layers_start_from_the_single_device_weights_and_draw_only_thei
                     shards.setdefault(name, []).append(p.detach())
             assert set(shards) == set(reference)
             for name, parts in shards.items():
-                rule = shard_rule(name, ParallelContext(config, TPGroup(None, 0, tp), False, None))
+                rule = shard_rule(name, ParallelContext(config, Group(None, 0, tp), False, None))
                 assert torch.equal(unshard(parts, rule), reference[name].detach()), (config.family, tp, name)
-        skipped = ParallelContext(config, TPGroup(None, 1, 2), False, None, init_weights=False)
+        skipped = ParallelContext(config, Group(None, 1, 2), False, None, init_weights=False)
         drawn[0] = 0
         layers = [spec.build() for spec in layer_specs(config, skipped, 5)]
         assert drawn[0] == 0 and all(not p.any() for m in layers for p in m.parameters())

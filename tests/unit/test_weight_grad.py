@@ -23,8 +23,9 @@ from ds_megatron.config.schema import RecomputeSection
 from ds_megatron.model import GPTConfig, LlamaConfig, build_model
 from ds_megatron.parallelize import ParallelContext, parallelize_model
 from ds_megatron.recompute import checkpoint
-from ds_megatron.tensor_parallel import TPGroup, vocab_parallel_cross_entropy
+from ds_megatron.tensor_parallel import vocab_parallel_cross_entropy
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue, defer_weight_grads
+from ds_megatron.topology import Group
 
 S, B, MICRO_BATCHES, VOCAB = 8, 2, 3, 101
 FAMILIES = {
@@ -77,7 +78,7 @@ class Ctx(NamedTuple):
 def build(c: Ctx, family: str, sp: bool, recompute: str, dtype: torch.dtype):
     config = FAMILIES[family]
     policy = RECOMPUTE[recompute]
-    ctx = ParallelContext(config=config, tp=TPGroup(c.group, c.rank, c.t), sequence_parallel=sp, rng=None)
+    ctx = ParallelContext(config=config, tp=Group(c.group, c.rank, c.t), sequence_parallel=sp, rng=None)
     ctx.recompute = policy if policy.policy == "selective" else RecomputeSection()
     model = parallelize_model(build_model(config, seed=3), ctx).to(dtype)
     if policy.policy == "full":  # each block recomputed in backward, as the pipeline's full policy does
