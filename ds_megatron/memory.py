@@ -39,8 +39,8 @@ The rotary cos/sin tables of a rotary family are one pair per process, shared by
 
 from __future__ import annotations
 
-from ds_megatron.config.context_parallel import CP_COMMS
-from ds_megatron.config.rules import core_attn_saves_nothing
+from ds_megatron.config.context_parallel import check_cp_attention_dropout, check_cp_comm
+from ds_megatron.config.rules import check_core_attn
 from ds_megatron.config.schema import (
     ATTENTION_KERNELS,
     DEFAULT_SELECTIVE_MODULES,
@@ -48,12 +48,15 @@ from ds_megatron.config.schema import (
     RECOMPUTE_POLICIES,
     PipelineSchedule,
 )
+from ds_megatron.config.shape import Vocabulary
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
 from ds_megatron.model.family import RoutedShape
 
 MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
 KERNELS = ATTENTION_KERNELS  # "eager", "sdpa"
 SDPA_PATHS = ("fused", "math")
+# The shared rules' errors name this module's arguments (the config loader's name the config file's keys).
+FORMULA_ARGUMENTS = Vocabulary(prefix="", refs={"recompute_modules": "modules"})
 LSE_BYTES = 4  # the fused sdpa kernels keep each score row's log-sum-exp in fp32, whatever the activation dtype
 
 
@@ -108,10 +111,10 @@ def activation_bytes_per_layer(
     modules = (tuple(modules) or DEFAULT_SELECTIVE_MODULES) if recompute == "selective" else ()
     if set(modules) - set(RECOMPUTE_MODULES):
         raise ValueError(f"modules must be among {RECOMPUTE_MODULES}, got {modules}")
-    if core_attn_saves_nothing(attention, modules):
-        raise ValueError("selective recompute of core_attn checkpoints the s x s core, which sdpa never stores")
+    check_core_attn(attention, modules, FORMULA_ARGUMENTS)
     if cp > 1:
-        _check_cp(cp, cp_comm, attention_dropout)
+        check_cp_comm(cp_comm)
+        check_cp_attention_dropout(cp, attention_dropout or 0.0)
         s = s // cp  # this rank's two chunks (the layout rule makes s divisible by 2 cp)
     routed_kw = {} if routed is None else {"routed": routed}
     block_terms = FAMILIES[family].block_terms
@@ -148,13 +151,6 @@ def activation_bytes_per_layer(
     if sp:
         return sbh * (replicated + split + quadratic) / t + (routed_extra if routed is not None else 0)
     return sbh * (replicated + (split + quadratic) / t) + (routed_extra if routed is not None else 0)
-
-
-def _check_cp(cp: int, cp_comm: str, attention_dropout: float | None) -> None:
-    if cp_comm not in CP_COMMS:
-        raise ValueError(f"cp_comm must be one of {CP_COMMS}, got {cp_comm!r}")
-    if attention_dropout:
-        raise ValueError("attention dropout cannot run with cp > 1 (check_cp_attention_dropout refuses it)")
 
 
 def cp_output_is_projection_input(cp_comm: str) -> bool:

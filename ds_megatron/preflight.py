@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ds_megatron.config import ConfigError, RunConfig, check_text_settings, effective_tokenizer, resolve
 from ds_megatron.config.facts import layout_text, needs_resharding, precision, saved_world
-from ds_megatron.config.rules import CONFIG_FILE_RULES, check_tokenizer_fits
+from ds_megatron.config.rules import CONFIG_FILE_RULES, check_tokenizer_fits, check_valid_fraction
 from ds_megatron.config.shape import SHAPE_FIELDS
 
 # What a checkpoint's weights depend on (and the sequence length it trained at): a resumed run must match each, or
@@ -181,10 +181,9 @@ def check_split_sizes(run: RunConfig, setting: str, total: int, fraction: float,
 def check_megatron_files(run: RunConfig, prefix: str, setting: str):
     """A Megatron indexed pair that passes ``open_indexed`` and holds enough tokens for a sample in each split of
     ``data.valid_fraction``; returns it opened."""
-    from ds_megatron.config.loader import check_valid_fraction
     from ds_megatron.data.megatron_indexed import open_indexed
 
-    check_valid_fraction(run.section.data.valid_fraction)
+    check_valid_fraction(run.section.data.valid_fraction, CONFIG_FILE_RULES)
     ds = open_indexed(prefix)
     check_split_sizes(run, setting, len(ds.tokens), run.section.data.valid_fraction, prefix)
     return ds

@@ -50,6 +50,8 @@ from ds_megatron.config.facts import (
     saved_world,
     zero_stage,
 )
+from ds_megatron.config.rules import check_batch_split
+from ds_megatron.config.shape import Vocabulary
 from ds_megatron.fileio import atomic_write_text, staged_directory
 from ds_megatron.optim import param_groups
 
@@ -134,13 +136,7 @@ def _target_run(old_cfg: dict, tp: int, pp: int, dp: int, cp: int) -> RunConfig:
     replica share its sequences, so cp leaves it alone).  The pipeline schedule stays too (below pp 2, 1F1B)."""
     old = resolve(old_cfg, saved_world(old_cfg))
     glob, micro = old.global_batch_size, old.micro_batch_size
-    if glob % (micro * dp) != 0:
-        raise ConfigError(
-            "--dp",
-            "the global batch does not split into micro batches over dp",
-            f"train_batch_size={glob}, train_micro_batch_size_per_gpu={micro}, dp={dp}",
-            f"use a dp dividing {glob // micro}",
-        )
+    check_batch_split(glob, micro, dp, Vocabulary(prefix="", refs={"batch_split": "--dp"}))
     cfg = copy.deepcopy(old.ds_config)
     cfg["ds_megatron"].setdefault("parallel", {}).update(tp=tp, pp=pp, cp=cp)
     if pp == 1:  # one stage has one schedule: a DualPipeV checkpoint resharded to pp 1 resumes as 1F1B (the default)

@@ -17,6 +17,9 @@ CONFIG_FILE_RULES = Vocabulary(
         "zero": "zero_optimization.stage",
         "tokenizer": "ds_megatron.data.tokenizer",
         "vocab_size": "ds_megatron.model.vocab_size",
+        "recompute_modules": "ds_megatron.recompute.modules",
+        "valid_fraction": "ds_megatron.data.valid_fraction",
+        "batch_split": "train_batch_size",
     },
 )
 
@@ -55,6 +58,39 @@ def core_attn_saves_nothing(attention: str, modules: tuple[str, ...]) -> bool:
     stores: it would save nothing and cost a recompute.  Refused by the config and the tuner's pins, never searched,
     an error of the memory formula."""
     return attention == "sdpa" and "core_attn" in modules
+
+
+def check_core_attn(attention: str, modules: tuple[str, ...], words: Vocabulary, defaulted: bool = False) -> None:
+    """Refuse :func:`core_attn_saves_nothing`; ``defaulted``: the modules are the default list, not the user's."""
+    if core_attn_saves_nothing(attention, modules):
+        raise ConfigError(
+            words.setting("recompute_modules"),
+            "core_attn recomputes the s x s attention core, which the sdpa kernel never stores, so it would save "
+            "nothing and cost a recompute",
+            f"policy=selective, modules={list(modules)}{' (the default)' if defaulted else ''}, attention=sdpa",
+            'with sdpa list other modules (e.g. ["mlp_act", "layernorm"]), or use attention=eager with core_attn',
+        )
+
+
+def check_valid_fraction(fraction: float, words: Vocabulary) -> None:
+    """The tail of the token stream held out for validation (text tokenised in the launch, prepared directories,
+    Megatron indexed data): a fraction in (0, 0.5)."""
+    if not 0.0 < fraction < 0.5:
+        raise ConfigError(words.setting("valid_fraction"), "must be in (0, 0.5)", f"got {fraction}", "use e.g. 0.02")
+
+
+def check_batch_split(global_batch: int, micro: int, dp: int, words: Vocabulary) -> None:
+    """A step's global batch is whole micro-batches on each of the dp replicas: train_batch_size divisible by
+    micro batch x dp.  The error names ``words.setting("batch_split")``: train_batch_size in a config, the offline
+    reshard's ``--dp``."""
+    if global_batch % (micro * dp) != 0:
+        other_dp = f"use a dp dividing {global_batch // micro}, or " if global_batch % micro == 0 else ""
+        raise ConfigError(
+            words.setting("batch_split"),
+            "the global batch does not split into micro batches over dp",
+            f"train_batch_size={global_batch}, train_micro_batch_size_per_gpu={micro}, dp={dp}",
+            f"{other_dp}set train_batch_size to a multiple of {micro * dp}",
+        )
 
 
 MIN_BPE_SIZE = 260  # the byte-level BPE starts from 256 byte tokens and EOS; below a few merges it is no BPE

@@ -31,6 +31,7 @@ from torch.distributed import ProcessGroup
 
 from ds_megatron.expert_parallel.dispatch import combine, dispatch, group_size, plan_dispatch
 from ds_megatron.expert_parallel.layout import check_num_experts
+from ds_megatron.model.family import check_experts_per_token
 from ds_megatron.model.moe_layer import GEMM_DEFAULT, Experts, RouterStats, SparseMoeBlock, TopKRouter, weighted_sum
 
 
@@ -81,8 +82,7 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         self.ep = group_size(ep_group)
         check_num_experts(num_experts, self.ep)
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"error: num_experts_per_tok={top_k} with num_experts={num_experts}; use 1..{num_experts}")
+        check_experts_per_token(top_k, num_experts)
         self.ep_group = ep_group
         self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
         self.num_experts = num_experts

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_megatron.model.family import check_experts_per_token
+
 # "grouped" (torch._grouped_mm, one kernel per projection over all experts) or "loop" (one GEMM per expert with
 # tokens; needs each expert's token count on the host).  Measured, forward + backward, 1 CPU thread, median of 5:
 #   tiny (n 512 tokens, h 128, F 64, E 8, k 2):     fp32 grouped 7.0 ms, loop 8.0 ms; bf16 grouped 8.2 ms, loop 8.5 ms
@@ -216,8 +218,7 @@ class SparseMoeBlock(nn.Module):
         gemm: str = GEMM_DEFAULT,
     ):
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"error: num_experts_per_tok={top_k} with num_experts={num_experts}; use 1..{num_experts}")
+        check_experts_per_token(top_k, num_experts)
         self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
         self.experts = Experts(hidden_size, intermediate_size, num_experts, gemm)
 
