@@ -123,9 +123,10 @@ def release_shm_buffer_name() -> None:
 
 
 def default_cpu_threads() -> int | None:
-    """Several CPU ranks on one machine each start a thread per core unless told otherwise: four ranks on two cores
-    ran the demo 4-6x slower (3.1 s per step instead of 0.5-0.7 s).  When ``OMP_NUM_THREADS`` is unset, each rank
-    takes its share of the cores it may run on (at least one); returns the count set, or None when left alone."""
+    """Several CPU ranks on one machine each start a thread per core unless told otherwise, and oversubscribed
+    cores slow every rank several times over (benchmarks/results/cpu_threads.md).  When ``OMP_NUM_THREADS`` is unset,
+    each rank takes its share of the cores it may run on (at least one); returns the count set, or None when left
+    alone."""
     if device_type() != "cpu" or os.environ.get("OMP_NUM_THREADS"):
         return None
     local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)

@@ -191,8 +191,8 @@ def check_megatron_files(run: RunConfig, prefix: str, setting: str):
 
 def check_megatron_ids(run: RunConfig, ds, vocab: int, spec: str) -> None:
     """No id of the pair ``ds`` is negative or missing from the tokenizer ``spec`` (``vocab`` tokens).  Scanned by
-    one process per node (a failure exits it, and the launcher stops the others), at several GB/s from the page cache
-    (7-9 GB/s measured on one core for uint16), and recorded in ``data.cache_dir`` for these files' sizes and
+    one process per node (a failure exits it, and the launcher stops the others), a sequential read of the ids, and
+    recorded in ``data.cache_dir`` for these files' sizes and
     times, so a later launch on the unchanged pair skips the scan."""
     from ds_megatron.data.megatron_indexed import record_ids, recorded_ids, scan_ids
 
@@ -347,8 +347,8 @@ def check_resume(run: RunConfig, load: Path) -> None:
 def check_resume_files(load: Path, tag: str) -> None:
     """Once per node (its first process; the same files give the same answer on every node, and rank 0 prints
     it): the tag holds no file a loader would open that its manifest does not list, and every torch file of it
-    unpickles weights-only.  Only each file's pickle is read (tensor data is memory-mapped): 0.2-0.35 ms per tensor
-    measured, 35-50 ms for a 1 GB file of 256 tensors.  The few files that would have to be read whole for this
+    unpickles weights-only.  Only each file's pickle is read (tensor data is memory-mapped), so the cost grows with
+    the number of tensors, not with their bytes.  The few files that would have to be read whole for this
     (``safe_load.cheap_to_check``) are checked in the launch, with the sha256 of every file
     (``run_state.verified_load_tag``, each rank a share)."""
     if os.environ.get("LOCAL_RANK", "0") != "0":

@@ -3,8 +3,8 @@ into B (input gradients) and a deferred W (weight gradients), stage s holding ba
 (``schedules.zb_order.zb_h1_streams``), run by ``pipeline_parallel.zero_bubble``.  1F1B's activations in flight;
 at T_F = T_B = T_W (and whenever T_W <= T_F <= T_B) the fill and drain shrink from (p-1)(T_F+T_B+T_W) to
 (p-1)(T_F+T_B-T_W), W filling the cooldown slots; a W dearer than a forward fills less (at T_F 0.8, T_B 1, T_W 0.9:
-(p-1) T_B, not 0.9 (p-1)).  Not searched by default: measured on CPU only (idle 0.65x at m 4, the step gain eaten
-by the split backward's extra work)."""
+(p-1) T_B, not 0.9 (p-1)).  Not searched by default: measured on CPU only, where the split backward's extra work
+ate most of the idle time it saved (benchmarks/results/zero_bubble_async.md)."""
 
 from __future__ import annotations
 
