@@ -7,6 +7,7 @@ import copy
 import json
 
 import pytest
+from tiny import tiny_model
 
 from ds_megatron.config import ConfigError, resolve
 
@@ -15,7 +16,7 @@ BASE = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 2,
     "ds_megatron": {
-        "model": {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "vocab_size": 1001, "seq_length": 16},
+        "model": tiny_model(),
         "parallel": {"tp": 2, "pp": 2},
     },
 }

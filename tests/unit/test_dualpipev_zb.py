@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 from test_tune_schedule import batched_p2p_makespan as makespan
+from tiny import gpt_tiny
 
 from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleSchedule
 from ds_megatron.pipeline_parallel.zero_bubble import WeightGradPass
@@ -138,7 +139,7 @@ def test_the_schedule_is_a_config_value():
     from ds_megatron.pipeline_parallel.dualpipev import DualPipeVModel
     from ds_megatron.pipeline_parallel.schedules import module_class
 
-    model = {"size": "gpt-tiny", "vocab_size": 1000, "seq_length": 32}
+    model = gpt_tiny()
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "train_batch_size": 4}
     cfg["ds_megatron"] = {"model": model, "parallel": {"pipeline_schedule": "dualpipev-zb", "pp": 2}}
     assert resolve(cfg, 2).section.parallel.pipeline_schedule == "dualpipev-zb"

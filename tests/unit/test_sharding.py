@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tiny import tiny_gpt, tiny_llama
 
 from ds_megatron.model import GPTConfig
 from ds_megatron.parallelize import ParallelContext, shard_rule
@@ -58,7 +59,7 @@ def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
     style (so layers, checkpoints and export read one table)."""
     from ds_megatron.model.family import COLUMN, NORM, ROW, VOCAB
     from ds_megatron.model.gpt2 import PLAN as GPT2_PLAN
-    from ds_megatron.model.gpt2.model import GPT, GPTConfig
+    from ds_megatron.model.gpt2.model import GPT
     from ds_megatron.parallelize import ParallelContext, parallelize_model, plan_row
     from ds_megatron.tensor_parallel import (
         ColumnParallelLinear,
@@ -67,7 +68,7 @@ def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
         VocabParallelEmbedding,
     )
 
-    config = GPTConfig(vocab_size=1001, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    config = tiny_gpt(vocab_size=1001)
     model = GPT(config)
     assert all(plan_row(name) is not None for name, _ in model.named_parameters())
     parallelize_model(model, ParallelContext(config, Group(), True, None))
@@ -93,14 +94,14 @@ def test_parallelism_reaches_a_block_only_through_its_hooks_and_the_plan_swaps()
     from ds_megatron.config.schema import RecomputeSection
     from ds_megatron.model.gpt2.model import GPTBlock
     from ds_megatron.model.layers import SINGLE_DEVICE
-    from ds_megatron.model.llama.model import LlamaBlock, LlamaConfig
+    from ds_megatron.model.llama.model import LlamaBlock
     from ds_megatron.parallelize import parallelize_block
     from ds_megatron.random import build_rng
 
     everything = RecomputeSection("selective", modules=("core_attn", "mlp_act", "layernorm"))
     configs = (
-        GPTConfig(vocab_size=128, n_positions=16, n_embd=32, n_layer=1, n_head=4),
-        LlamaConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64),
+        tiny_gpt(n_layer=1),
+        tiny_llama(num_layers=1),
     )
     for block_class, config in zip((GPTBlock, LlamaBlock), configs):
         block = block_class(config)
@@ -119,13 +120,13 @@ def test_every_sp_replicated_parameter_is_held_by_a_layer_the_engine_can_switch(
     """Under SP the layers holding SP-replicated parameters (norms, row-parallel biases, the position table) are
     SPReplicatedGrads: ``defer_sp_grad_sync`` turns off each one's per-micro-batch sum, and no other module holds
     such a parameter."""
-    from ds_megatron.model import LlamaConfig, build_model
+    from ds_megatron.model import build_model
     from ds_megatron.parallelize import parallelize_model
     from ds_megatron.tensor_parallel import SPReplicatedGrads, defer_sp_grad_sync
 
     configs = (
-        GPTConfig(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4),
-        LlamaConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
+        tiny_gpt(),
+        tiny_llama(),
     )
     for config in configs:
         model = parallelize_model(build_model(config), ParallelContext(config, Group(None, 0, 2), True, None))
@@ -159,12 +160,12 @@ def test_pipeline_layers_start_from_the_single_device_weights_and_draw_only_thei
     4, with fused q|k|v, grouped KV heads, vocabulary padding and an untied output layer), and a rank draws only
     the values its shards hold: at most its own parameters' count (drawing every full tensor and slicing drew
     the whole model on every rank).  Without drawing (weights loaded next, ``init_weights=False``) all are zero."""
-    from ds_megatron.model import LlamaConfig, build_model
+    from ds_megatron.model import build_model
     from ds_megatron.pipeline_parallel.module import PipelineLayout, layer_specs
 
     configs = (
-        GPTConfig(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=4),
-        LlamaConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48),
+        tiny_gpt(vocab_size=100),
+        tiny_llama(vocab_size=100, intermediate_size=48),
     )
     drawn = _drawn_elements(monkeypatch)
     for config in configs:
