@@ -31,9 +31,9 @@ from ds_megatron.config.rules import (
     check_core_attn,
     check_tokenizer_fits,
     check_tokenizer_spec,
+    check_tp_fits,
     check_valid_fraction,
     check_zero_stage,
-    tp_misfit,
 )
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
@@ -240,20 +240,7 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
     tp = _positive("ds_megatron.parallel.tp", par.tp)
     pp = _positive("ds_megatron.parallel.pp", par.pp)
     _positive("ds_megatron.parallel.vocab_multiple", par.vocab_multiple)
-    misfit = tp_misfit(shape, tp)
-    if misfit == "num_kv_heads":
-        kv = shape.num_kv_heads
-        raise ConfigError(
-            "ds_megatron.parallel.tp",
-            "num_kv_heads not divisible by tp (KV heads are split over TP like query heads)",
-            f"num_kv_heads={kv}, tp={tp}",
-            f"use tp in {[d for d in range(1, kv + 1) if kv % d == 0]}",
-        )
-    if misfit is not None:
-        values = f"{misfit}={getattr(shape, misfit)}, tp={tp}"
-        raise ConfigError(
-            "ds_megatron.parallel.tp", f"{misfit} not divisible by tp", values, f"choose tp dividing {misfit}"
-        )
+    check_tp_fits(shape, tp, CONFIG_FILE_RULES)
     schedule = check_schedule_name(par.pipeline_schedule, pp, par)
     if shape.num_layers < pp * schedule.per_rank(par):
         per_rank = schedule.per_rank(par)

@@ -20,6 +20,7 @@ CONFIG_FILE_RULES = Vocabulary(
         "recompute_modules": "ds_megatron.recompute.modules",
         "valid_fraction": "ds_megatron.data.valid_fraction",
         "batch_split": "train_batch_size",
+        "tp": "ds_megatron.parallel.tp",
     },
 )
 
@@ -35,6 +36,22 @@ TP_SPLITS = {
 def tp_misfit(shape: Any, tp: int) -> str | None:
     """The first field of TP_SPLITS that ``tp`` does not divide (None: tp fits the shape)."""
     return next((name for name in TP_SPLITS if getattr(shape, name) % tp != 0), None)
+
+
+def check_tp_fits(shape: Any, tp: int, words: Vocabulary, choices: list[int] | None = None) -> None:
+    """Refuse a tp that does not divide what TP splits (:func:`tp_misfit`), naming the tps that fit: ``choices``
+    when the caller narrows them further (a TP group inside a node), else every tp up to the number of heads."""
+    name = tp_misfit(shape, tp)
+    if name is not None:
+        if choices is None:
+            choices = [t for t in range(1, shape.num_heads + 1) if tp_misfit(shape, t) is None]
+        reason = "" if name == "num_heads" else f" ({TP_SPLITS[name]})"
+        raise ConfigError(
+            words.setting("tp"),
+            f"{name} not divisible by tp",
+            f"{name}={getattr(shape, name)}, tp={tp}",
+            f"choose tp from {choices}{reason}",
+        )
 
 
 # Every ds_megatron run is a DeepSpeed PipelineModule, at pp 1 too, and DeepSpeed's PipelineEngine asserts a ZeRO
