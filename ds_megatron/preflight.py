@@ -55,7 +55,7 @@ def check_data(run: RunConfig) -> None:
     if data.path is None:
         return
     from ds_megatron.config.loader import hf_config_unused
-    from ds_megatron.data.corpus import is_local, resolve_files
+    from ds_megatron.data.corpus import check_some_text, is_local, matching_files, resolve_files
     from ds_megatron.data.megatron_indexed import megatron_prefix
     from ds_megatron.data.prepared import is_prepared
 
@@ -75,20 +75,15 @@ def check_data(run: RunConfig) -> None:
         check_megatron_documents(run, ds, spec)
         return
     if is_local(data.path):
-        files = resolve_files(data.path)
-        if not files and os.path.isdir(os.path.expanduser(data.path)):
+        if os.path.isdir(os.path.expanduser(data.path)) and not resolve_files(data.path):
             raise ConfigError(
                 "ds_megatron.data.path",
                 "a directory with neither a prepared manifest nor text files",
                 f"{data.path} has no manifest.json and no .txt/.json/.jsonl/.parquet file",
                 "pass a directory written by `python -m ds_megatron.data prepare`, or text files",
             )
-        if not files:
-            raise ConfigError("ds_megatron.data.path", "no file matches", data.path, "check the path or glob")
-        if all(os.path.getsize(f) == 0 for f in files):
-            raise ConfigError(
-                "ds_megatron.data.path", "the dataset is empty", f"{len(files)} file(s) of 0 bytes", "add some text"
-            )
+        files = matching_files(data.path, "ds_megatron.data.path")
+        check_some_text(files, "ds_megatron.data.path")
         check_inlaunch_size(run, files)
         check_text_encoding(run, files)
         return
@@ -243,7 +238,7 @@ def check_blend(run: RunConfig) -> None:
     ``check_megatron_files``; all were made with one tokenizer (the prepared directories' fingerprints agree, and a
     ``data.tokenizer`` given for the Megatron data is theirs too), whose size covers every Megatron id."""
     from ds_megatron.data.megatron_indexed import megatron_prefix, tokenizer_spec
-    from ds_megatron.data.prepared import TOKENIZER_DIR, is_prepared
+    from ds_megatron.data.prepared import TOKENIZER_DIR, check_one_tokenizer, is_prepared
 
     setting = "ds_megatron.data.blend"
     fingerprints, megatron = {}, []
@@ -261,14 +256,7 @@ def check_blend(run: RunConfig) -> None:
             )
         manifest = check_prepared_dir(run, directory, setting)
         fingerprints[directory] = manifest["tokenizer"]["fingerprint"]
-    if len(set(fingerprints.values())) > 1:
-        seen = ", ".join(f"{d}: {f}" for d, f in fingerprints.items())
-        raise ConfigError(
-            setting,
-            "the directories were tokenised with different tokenizers",
-            seen,
-            "prepare them all with the same --tokenizer directory",
-        )
+    check_one_tokenizer(fingerprints, setting)
     if not megatron:
         return
     given = run.section.data.tokenizer
