@@ -77,11 +77,8 @@ def reshard_checkpoint(
     """Write tag ``tag`` (default: the newest complete one) of ``checkpoint`` at tp x cp x pp x dp (``cp`` None: the
     saved cp) into the new directory ``out``; every refusal is a ConfigError raised before anything is written."""
     src, out = Path(checkpoint), Path(out)
-    if out.exists() or out.is_symlink():
-        raise ConfigError("--out", "already exists", str(out), "choose a new directory (reshard never writes into one)")
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--cp", 1 if cp is None else cp)):
-        if value < 1:
-            raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
+    check_new_out(out, "reshard")
+    check_sizes({"--tp": tp, "--pp": pp, "--dp": dp, "--cp": 1 if cp is None else cp})
     tag = source_tag(src, tag)
     old_cfg = tag_config(src, tag)
     # An imported tag (weights alone) stays one: resharded, it still loads with a fresh optimizer.
@@ -101,9 +98,28 @@ def reshard_checkpoint(
         copy_tokenizer(src / tag, writer.dir)  # the weights' tokenizer stays with them, listed in the new manifest
         writer.write()
         atomic_write_text(tmp / "latest", tag)
-        if out.exists():
-            raise ConfigError("--out", "appeared while resharding", str(out), "choose a new directory")
+        check_still_new(out, "reshard")
     return out
+
+
+def check_new_out(out: Path, command: str) -> None:
+    """The offline commands (reshard, import) write a new directory and never into an existing one."""
+    if out.exists() or out.is_symlink():
+        fix = f"choose a new directory ({command} never writes into one)"
+        raise ConfigError("--out", "already exists", str(out), fix)
+
+
+def check_still_new(out: Path, command: str) -> None:
+    """Just before the staged directory becomes ``out``: nothing took its name meanwhile."""
+    if out.exists():
+        raise ConfigError("--out", f"appeared while {command}ing", str(out), "choose a new directory")
+
+
+def check_sizes(flags: dict[str, int]) -> None:
+    """The offline commands' parallel sizes (flag -> value): each at least 1."""
+    for flag, value in flags.items():
+        if value < 1:
+            raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
 
 
 def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:
