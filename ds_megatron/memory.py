@@ -49,7 +49,7 @@ from ds_megatron.config.schema import (
     PipelineSchedule,
 )
 from ds_megatron.config.shape import Vocabulary
-from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
+from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, family_named
 from ds_megatron.model.family import BlockTerms, RoutedShape
 
 MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
@@ -134,8 +134,7 @@ def _checked_modules(
         raise ValueError(f"attention must be one of {KERNELS}, got {attention!r}")
     if sdpa_path not in SDPA_PATHS:
         raise ValueError(f"sdpa_path must be one of {SDPA_PATHS}, got {sdpa_path!r}")
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
+    family_named(family)
     if modules and recompute != "selective":
         raise ValueError(f"modules apply to selective recompute only, got recompute={recompute!r}")
     modules = (tuple(modules) or DEFAULT_SELECTIVE_MODULES) if recompute == "selective" else ()
