@@ -29,7 +29,7 @@ def order(p: int, m: int, rank: int) -> tuple:
 
 def critical_path(p: int, m: int, t_mb: float, t_w: float) -> tuple[float, float]:
     """The model's backward is two forwards' GEMMs, W its weight-gradient share: T_F = t_mb / 3.  ZB-H1's order is
-    one per (p, m), timed in about 2 ms, so its W share is exact ((p-1)(t_mb - 2 T_W) at T_W below T_F)."""
+    one per (p, m) and cheap to time, so its W share is exact ((p-1)(t_mb - 2 T_W) at T_W below T_F)."""
     if p == 1:
         return loop_slots(p, m, t_mb, t_w)
     bubble = zb_order.bubble(False, p, m, t_mb / 3, 2 * t_mb / 3 - t_w, t_w)
