@@ -23,6 +23,7 @@ from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, RecomputeSection
 from ds_megatron.context_parallel.attention import cp_attention
 from ds_megatron.context_parallel.layout import position_ranges
 from ds_megatron.expert_parallel.layer import ExpertParallelMoE
+from ds_megatron.expert_parallel.layout import local_experts
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, Family, ModelConfig, family_of
 from ds_megatron.model.family import COLUMN, EXPERT_SPLITS, EXPERTS, OUTPUT, POSITION, ROUTER, ROW, VOCAB, PlanRow
 from ds_megatron.model.kernels import EAGER, Kernels, compiled_kernels, use_kernels
@@ -126,13 +127,6 @@ def shard_rule(name: str, ctx: ParallelContext) -> ShardRule:
     return ShardRule(dim=dim, fused=row.fused)
 
 
-def local_experts(ctx: ParallelContext) -> slice:
-    """The global experts this rank holds at ep > 1 (EP rank i: experts i E/ep .. (i + 1) E/ep - 1), the single-device
-    tensors' slice along dim 0; every expert at ep 1."""
-    per_rank = ctx.config.num_experts // ctx.ep.size
-    return slice(ctx.ep.rank * per_rank, (ctx.ep.rank + 1) * per_rank)
-
-
 def is_expert_param(name: str, ctx: ParallelContext) -> bool:
     """Whether the full parameter ``name`` is a routed block's stacked expert tensor."""
     row = ctx.family.row(name)
@@ -143,13 +137,14 @@ def shard_slices(ctx: ParallelContext) -> Slices:
     """This rank's slices of every full parameter (``model.layers.Slices``): along the TP split dim, the global
     indices of the rows (or columns) its shard holds, cut by the parameter's own rule (:func:`shard` of the indices,
     so fused q|k|v blocks and vocabulary padding come out as they do for the weights); replicated ones whole.  At
-    ep > 1 the stacked experts are split over EP instead (dim 0, :func:`local_experts`), whole along the others."""
+    ep > 1 the stacked experts are split over EP instead (dim 0, ``expert_parallel.layout.local_experts``), whole
+    along the others."""
 
     def slices(name: str, param: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if is_expert_param(name, ctx):  # per expert (``model.layers.Slices``): whole experts over EP, rows over TP
             dim = ctx.family.split_dim(name)
             if ctx.ep.size > 1:
-                local = local_experts(ctx)
+                local = local_experts(ctx.config.num_experts, ctx.ep)
                 rows = torch.arange(param.shape[dim])
                 return dim, expert_slices(torch.arange(local.start, local.stop), rows, param.shape[dim])
             rule = shard_rule(name, ctx)
@@ -339,7 +334,7 @@ def expert_parallel_block(moe: nn.Module, ctx: ParallelContext) -> nn.Module:
     """The routed MLP with its experts split over the EP group (whole experts, not TP-split: under SP the EP group
     folds the tp ranks in, each routing its own sequence shard), its router replicated; under SP the router sees a
     sequence shard, so its gradient is summed over TP like the norms'."""
-    layer = ExpertParallelMoE.from_block(moe, ctx.ep.group)
+    layer = ExpertParallelMoE.from_block(moe, ctx.ep)
     if ctx.sp:
         layer.gate = SequenceParallelRouter(layer.gate, ctx.tp)
     return layer
