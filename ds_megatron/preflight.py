@@ -318,16 +318,9 @@ def check_init_from_hf(run: RunConfig, init: Path) -> None:
 def check_resume(run: RunConfig, load: Path) -> None:
     """``--load`` needs a complete checkpoint whose model and layout match this run, and whose files are safe to
     read (``check_resume_files``)."""
-    from ds_megatron.checkpoint.manifest import newest_complete_tag
+    from ds_megatron.checkpoint.manifest import resume_tag
 
-    tag = newest_complete_tag(load)
-    if tag is None:
-        raise ConfigError(
-            "ds_megatron.checkpoint.load",
-            "no complete checkpoint there",
-            f"{load} has no tag with a manifest",
-            "pass a directory written by --save (incomplete tags from a crash are skipped)",
-        )
+    tag = resume_tag(load)
     check_resume_shape(run, load, tag)
     check_resume_files(load, tag)
 
