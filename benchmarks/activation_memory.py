@@ -32,7 +32,7 @@ from ds_megatron.model.gpt2.model import GPTBlock, GPTConfig, init_module  # noq
 from ds_megatron.parallelize import ParallelContext, parallelize_block  # noqa: E402
 from ds_megatron.random import build_rng  # noqa: E402
 from ds_megatron.recompute import checkpoint  # noqa: E402
-from ds_megatron.tensor_parallel import TPGroup  # noqa: E402
+from ds_megatron.topology import Group  # noqa: E402
 
 WORLD = 4
 MODES = [  # (label, sequence_parallel, recompute, recompute modules, attention kernel)
@@ -106,7 +106,7 @@ def worker(rank: int, port: int, args, queue) -> None:
             rng = build_rng(1234, rank, 0, 0)
             selective = RecomputeSection("selective", modules=modules)
             recompute_section = selective if recompute == "selective" else RecomputeSection()
-            plan = ParallelContext(config, TPGroup(groups[t], rank, t), sp, rng, recompute=recompute_section)
+            plan = ParallelContext(config, Group(groups[t], rank, t), sp, rng, recompute=recompute_section)
             block = GPTBlock(config)
             init_module(block, config, 1234, prefix="transformer.h.0.")
             block = parallelize_block(block, plan).to(dtype).train()

@@ -84,7 +84,6 @@ class RankModel:
         from ds_megatron.model import model_config
         from ds_megatron.parallelize import ParallelContext
         from ds_megatron.pipeline_parallel.module import PipelineLayout, VocabParallelLoss, layer_specs
-        from ds_megatron.tensor_parallel import TPGroup
         from ds_megatron.topology import ParallelTopology
 
         self.run = run
@@ -92,13 +91,11 @@ class RankModel:
         cfg = model_config(run.model)
         self.ctx = ParallelContext(
             cfg,
-            TPGroup(self.topo.tp_group, self.topo.tp_rank, self.topo.tp),
+            self.topo.tp_axis,
             run.section.parallel.sequence_parallel,
             None,
             recompute=run.section.recompute,
-            cp_group=self.topo.cp_group,
-            cp_rank=self.topo.cp_rank,
-            cp_size=self.topo.cp,
+            cp=self.topo.cp_axis,
             cp_comm=run.section.parallel.cp_comm,
         )
         specs = layer_specs(cfg, self.ctx, run.section.train.seed)

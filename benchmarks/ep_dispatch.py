@@ -27,6 +27,7 @@ from benchmarks._results import OtherWork, write_markdown
 from ds_megatron.expert_parallel.dispatch import combine, dispatch, plan_dispatch
 from ds_megatron.expert_parallel.layer import ExpertParallelMoE
 from ds_megatron.model.moe_layer import SparseMoeBlock
+from ds_megatron.topology import Group
 
 # (name, tokens per rank, h, F, E, k): moe-tiny's layer at s 256, b 2 per rank; a wider one with more experts
 SHAPES = (("tiny", 512, 128, 64, 8, 2), ("small", 2048, 512, 256, 16, 4))
@@ -70,7 +71,7 @@ def _rank(rank: int, world: int, init: str, shape: tuple, repeats: int, out: dic
         for p in block.parameters():
             p.normal_(0.0, 0.02)
     group = dist.new_group(list(range(world)))
-    layer = ExpertParallelMoE.from_block(block, group)
+    layer = ExpertParallelMoE.from_block(block, Group(group, rank, world))
     torch.manual_seed(1 + rank)
     x = torch.randn(n, h)
     weights, experts, _ = layer.gate(x)

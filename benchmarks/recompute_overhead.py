@@ -29,13 +29,13 @@ from ds_megatron.model.gpt2.model import GPTBlock, GPTConfig, init_module  # noq
 from ds_megatron.parallelize import ParallelContext, parallelize_block  # noqa: E402
 from ds_megatron.random import build_rng  # noqa: E402
 from ds_megatron.recompute import checkpoint  # noqa: E402
-from ds_megatron.tensor_parallel import TPGroup  # noqa: E402
+from ds_megatron.topology import Group  # noqa: E402
 
 POLICIES = ("none", "selective", "full")
 
 
 def build(policy: str, config: GPTConfig, rng) -> torch.nn.ModuleList:
-    plan = ParallelContext(config, TPGroup(), False, rng, recompute=RecomputeSection(policy))
+    plan = ParallelContext(config, Group(), False, rng, recompute=RecomputeSection(policy))
     blocks = torch.nn.ModuleList()
     for i in range(config.n_layer):
         block = GPTBlock(config)

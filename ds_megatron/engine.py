@@ -32,7 +32,7 @@ from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline_parallel.module import build_pipeline_module
 from ds_megatron.pipeline_parallel.schedules import schedule_of
 from ds_megatron.random import RNGTracker, build_rng
-from ds_megatron.tensor_parallel import TPGroup, defer_sp_grad_sync, sum_sp_replicated_grads
+from ds_megatron.tensor_parallel import defer_sp_grad_sync, sum_sp_replicated_grads
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue, defer_weight_grads
 from ds_megatron.topology import ParallelTopology
 
@@ -123,9 +123,10 @@ def release_shm_buffer_name() -> None:
 
 
 def default_cpu_threads() -> int | None:
-    """Several CPU ranks on one machine each start a thread per core unless told otherwise: four ranks on two cores
-    ran the demo 4-6x slower (3.1 s per step instead of 0.5-0.7 s).  When ``OMP_NUM_THREADS`` is unset, each rank
-    takes its share of the cores it may run on (at least one); returns the count set, or None when left alone."""
+    """Several CPU ranks on one machine each start a thread per core unless told otherwise, and oversubscribed
+    cores slow every rank several times over (benchmarks/results/cpu_threads.md).  When ``OMP_NUM_THREADS`` is unset,
+    each rank takes its share of the cores it may run on (at least one); returns the count set, or None when left
+    alone."""
     if device_type() != "cpu" or os.environ.get("OMP_NUM_THREADS"):
         return None
     local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
@@ -362,19 +363,15 @@ def build_engine(run: RunConfig) -> Built:
     config = model_config(run.model)
     parallel = ParallelContext(
         config=config,
-        tp=TPGroup(topology.tp_group, topology.tp_rank, topology.tp),
+        tp=topology.tp_axis,
         sequence_parallel=run.section.parallel.sequence_parallel,
         rng=rng,
         vocab_multiple=run.section.parallel.vocab_multiple,
         recompute=run.section.recompute,
-        cp_group=topology.cp_group,
-        cp_rank=topology.cp_rank,
-        cp_size=topology.cp,
+        cp=topology.cp_axis,
         cp_comm=run.section.parallel.cp_comm,
         compile=run.section.model.compile,
-        ep_group=topology.ep_group,
-        ep_size=topology.ep,
-        ep_rank=dist.get_rank(topology.ep_group) if topology.ep_group is not None else 0,
+        ep=topology.ep_axis,
         # weights loaded from transformers replace every parameter (load_hf_into_pipeline): none is drawn first
         init_weights=not (run.section.checkpoint.init_from_hf and not run.section.checkpoint.load),
     )

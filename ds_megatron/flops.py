@@ -21,16 +21,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, RECOMPUTE_MODULES
-from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, model_config
+from ds_megatron.model import DEFAULT_FAMILY, family_named, model_config
 
 
 def _dense_per_h2(
     h: int, family: str, num_heads: int | None, num_kv_heads: int | None, intermediate_size: int | None
 ) -> float:
     """A layer's weight-matmul FLOPs per b s h^2 (24 for GPT: q, k, v, output projection and the MLP)."""
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
-    fam = FAMILIES[family]
+    fam = family_named(family)
     if not fam.fixed_kv_and_width and (num_heads is None or num_kv_heads is None or intermediate_size is None):
         raise ValueError(f"the {family} family needs num_heads, num_kv_heads and intermediate_size")
     if num_kv_heads is not None and num_heads is None:

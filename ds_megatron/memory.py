@@ -39,8 +39,8 @@ The rotary cos/sin tables of a rotary family are one pair per process, shared by
 
 from __future__ import annotations
 
-from ds_megatron.config.context_parallel import CP_COMMS
-from ds_megatron.config.rules import core_attn_saves_nothing
+from ds_megatron.config.context_parallel import check_cp_attention_dropout, check_cp_comm
+from ds_megatron.config.rules import check_core_attn
 from ds_megatron.config.schema import (
     ATTENTION_KERNELS,
     DEFAULT_SELECTIVE_MODULES,
@@ -48,12 +48,15 @@ from ds_megatron.config.schema import (
     RECOMPUTE_POLICIES,
     PipelineSchedule,
 )
-from ds_megatron.model import DEFAULT_FAMILY, FAMILIES
-from ds_megatron.model.family import RoutedShape
+from ds_megatron.config.shape import Vocabulary
+from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, family_named
+from ds_megatron.model.family import BlockTerms, RoutedShape
 
 MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
 KERNELS = ATTENTION_KERNELS  # "eager", "sdpa"
 SDPA_PATHS = ("fused", "math")
+# The shared rules' errors name this module's arguments (the config loader's name the config file's keys).
+FORMULA_ARGUMENTS = Vocabulary(prefix="", refs={"recompute_modules": "modules"})
 LSE_BYTES = 4  # the fused sdpa kernels keep each score row's log-sum-exp in fp32, whatever the activation dtype
 
 
@@ -95,23 +98,10 @@ def activation_bytes_per_layer(
     family (``qwen3_moe``, ``mixtral``) needs ``routed`` (``RoutedShape``: head width, experts); its block adds the
     tensors the experts keep for all tokens on every TP rank (``BlockTerms.whole``) and a few bytes per block, and
     ``moe`` (selective) trades the experts' activations for the checkpoint's inputs."""
-    if recompute not in MODES:
-        raise ValueError(f"recompute must be one of {MODES}, got {recompute!r}")
-    if attention not in KERNELS:
-        raise ValueError(f"attention must be one of {KERNELS}, got {attention!r}")
-    if sdpa_path not in SDPA_PATHS:
-        raise ValueError(f"sdpa_path must be one of {SDPA_PATHS}, got {sdpa_path!r}")
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {family!r}")
-    if modules and recompute != "selective":
-        raise ValueError(f"modules apply to selective recompute only, got recompute={recompute!r}")
-    modules = (tuple(modules) or DEFAULT_SELECTIVE_MODULES) if recompute == "selective" else ()
-    if set(modules) - set(RECOMPUTE_MODULES):
-        raise ValueError(f"modules must be among {RECOMPUTE_MODULES}, got {modules}")
-    if core_attn_saves_nothing(attention, modules):
-        raise ValueError("selective recompute of core_attn checkpoints the s x s core, which sdpa never stores")
+    modules = _checked_modules(recompute, attention, sdpa_path, family, modules)
     if cp > 1:
-        _check_cp(cp, cp_comm, attention_dropout)
+        check_cp_comm(cp_comm)
+        check_cp_attention_dropout(cp, attention_dropout or 0.0)
         s = s // cp  # this rank's two chunks (the layout rule makes s divisible by 2 cp)
     routed_kw = {} if routed is None else {"routed": routed}
     block_terms = FAMILIES[family].block_terms
@@ -120,6 +110,46 @@ def activation_bytes_per_layer(
     sbh = s * b * h
     if recompute == "full":
         return act_bytes * sbh / (t if sp else 1)
+    replicated, split, whole, fixed = _kept_after_recompute(terms, modules, sp, act_bytes, mask_bytes)
+    if "core_attn" not in modules and cp <= 1 and attention == "sdpa" and sdpa_path == "math":
+        split += 3 * math_act_bytes - terms.qkv * act_bytes  # Q, K, V saved as the path's own (upcast, expanded) copies
+    quadratic = _attention_core_per_token(
+        terms, modules, s, a, h, cp, cp_comm, attention, sdpa_path,
+        (act_bytes, mask_bytes), (math_act_bytes, math_mask_bytes),
+    )  # fmt: skip
+    routed_extra = sbh * whole + fixed  # 0 for a dense block
+    if sp:
+        return sbh * (replicated + split + quadratic) / t + (routed_extra if routed is not None else 0)
+    return sbh * (replicated + (split + quadratic) / t) + (routed_extra if routed is not None else 0)
+
+
+def _checked_modules(
+    recompute: str, attention: str, sdpa_path: str, family: str, modules: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The modules selective recompute recomputes (the default list when none are named; none for another policy),
+    after refusing an unknown policy, kernel, path, family or module, and the shared rules' refusals."""
+    if recompute not in MODES:
+        raise ValueError(f"recompute must be one of {MODES}, got {recompute!r}")
+    if attention not in KERNELS:
+        raise ValueError(f"attention must be one of {KERNELS}, got {attention!r}")
+    if sdpa_path not in SDPA_PATHS:
+        raise ValueError(f"sdpa_path must be one of {SDPA_PATHS}, got {sdpa_path!r}")
+    family_named(family)
+    if modules and recompute != "selective":
+        raise ValueError(f"modules apply to selective recompute only, got recompute={recompute!r}")
+    modules = (tuple(modules) or DEFAULT_SELECTIVE_MODULES) if recompute == "selective" else ()
+    if set(modules) - set(RECOMPUTE_MODULES):
+        raise ValueError(f"modules must be among {RECOMPUTE_MODULES}, got {modules}")
+    check_core_attn(attention, modules, FORMULA_ARGUMENTS)
+    return modules
+
+
+def _kept_after_recompute(
+    terms: BlockTerms, modules: tuple[str, ...], sp: bool, act_bytes: int, mask_bytes: int
+) -> tuple[float, float, float, float]:
+    """The block's terms outside the attention core once selective recompute drops ``modules``' outputs: bytes per
+    token and hidden unit replicated over TP, split by TP, kept whole on every TP rank (routed experts), and fixed
+    bytes per block."""
     replicated = terms.replicated + terms.replicated_masks * mask_bytes
     split = terms.split
     whole, fixed = terms.whole, terms.fixed
@@ -133,28 +163,37 @@ def activation_bytes_per_layer(
             whole -= terms.moe_kept_norm
     if "mlp_act" in modules:
         split -= terms.mlp_act * act_bytes
+    return replicated, split, whole, fixed
+
+
+def _attention_core_per_token(
+    terms: BlockTerms,
+    modules: tuple[str, ...],
+    s: int,
+    a: int,
+    h: int,
+    cp: int,
+    cp_comm: str,
+    attention: str,
+    sdpa_path: str,
+    dtypes: tuple[int, int],
+    math_dtypes: tuple[int, int],
+) -> float:
+    """What the attention core keeps, per token and hidden unit and split by TP like the paper's s^2 terms: nothing
+    when core_attn is recomputed; the cp_comm core's output and log-sum-exp under CP; the fused sdpa's log-sum-exp;
+    the math sdpa's or eager's softmax (and dropout) output and mask, ``a s / h`` per unit."""
+    act_bytes, mask_bytes = dtypes
+    math_act_bytes, math_mask_bytes = math_dtypes
     if "core_attn" in modules:
-        quadratic = 0.0
-    elif cp > 1:  # the cp_comm core's fp32 log-sum-exp and output; its backward recomputes the probabilities
-        quadratic = (0 if cp_output_is_projection_input(cp_comm) else act_bytes) + LSE_BYTES * a / h
-    elif attention == "sdpa" and sdpa_path == "fused":
-        quadratic = LSE_BYTES * a / h  # the log-sum-exp in place of the s^2 terms; split by TP like them
-    elif attention == "sdpa":
-        split += 3 * math_act_bytes - terms.qkv * act_bytes  # Q, K, V saved as the path's own (upcast, expanded) copies
-        quadratic = (math_act_bytes + (math_act_bytes + math_mask_bytes if terms.attention_dropout else 0)) * a * s / h
-    else:  # softmax output, and the dropout's output and mask (paper: 5 a s / h)
-        quadratic = (act_bytes + (act_bytes + mask_bytes if terms.attention_dropout else 0)) * a * s / h
-    routed_extra = sbh * whole + fixed  # 0 for a dense block
-    if sp:
-        return sbh * (replicated + split + quadratic) / t + (routed_extra if routed is not None else 0)
-    return sbh * (replicated + (split + quadratic) / t) + (routed_extra if routed is not None else 0)
-
-
-def _check_cp(cp: int, cp_comm: str, attention_dropout: float | None) -> None:
-    if cp_comm not in CP_COMMS:
-        raise ValueError(f"cp_comm must be one of {CP_COMMS}, got {cp_comm!r}")
-    if attention_dropout:
-        raise ValueError("attention dropout cannot run with cp > 1 (check_cp_attention_dropout refuses it)")
+        return 0.0
+    if cp > 1:  # the cp_comm core's fp32 log-sum-exp and output; its backward recomputes the probabilities
+        return (0 if cp_output_is_projection_input(cp_comm) else act_bytes) + LSE_BYTES * a / h
+    if attention == "sdpa" and sdpa_path == "fused":
+        return LSE_BYTES * a / h  # the log-sum-exp in place of the s^2 terms; split by TP like them
+    if attention == "sdpa":
+        return (math_act_bytes + (math_act_bytes + math_mask_bytes if terms.attention_dropout else 0)) * a * s / h
+    # eager: softmax output, and the dropout's output and mask (paper: 5 a s / h)
+    return (act_bytes + (act_bytes + mask_bytes if terms.attention_dropout else 0)) * a * s / h
 
 
 def cp_output_is_projection_input(cp_comm: str) -> bool:

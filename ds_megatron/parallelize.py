@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, RecomputeSection
 from ds_megatron.context_parallel.attention import cp_attention
 from ds_megatron.context_parallel.layout import position_ranges
 from ds_megatron.expert_parallel.layer import ExpertParallelMoE
+from ds_megatron.expert_parallel.layout import local_experts
 from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, Family, ModelConfig, family_of
 from ds_megatron.model.family import COLUMN, EXPERT_SPLITS, EXPERTS, OUTPUT, POSITION, ROUTER, ROW, VOCAB, PlanRow
 from ds_megatron.model.kernels import EAGER, Kernels, compiled_kernels, use_kernels
@@ -49,7 +49,6 @@ from ds_megatron.tensor_parallel import (
     SequenceParallelRMSNorm,
     SequenceShardedPositionEmbedding,
     ShardRule,
-    TPGroup,
     VocabParallelEmbedding,
     VocabParallelOutput,
     grouped_column_linear,
@@ -57,6 +56,7 @@ from ds_megatron.tensor_parallel import (
     shard,
 )
 from ds_megatron.tensor_parallel.experts import SequenceParallelRouter, TensorParallelExperts
+from ds_megatron.topology import Group
 
 
 def plan_row(name: str, family: str = DEFAULT_FAMILY) -> PlanRow | None:
@@ -70,20 +70,16 @@ class ParallelContext:
     """What the module swap needs besides the plan: the model, the TP group and the choices for every module."""
 
     config: ModelConfig
-    tp: TPGroup
+    tp: Group
     sequence_parallel: bool
     rng: RNGTracker | None
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE
     recompute: RecomputeSection = field(default_factory=RecomputeSection)
-    cp_group: ProcessGroup | None = None  # the CP ranks of this replica (None: cp 1)
-    cp_rank: int = 0
-    cp_size: int = 1
+    cp: Group = Group()  # the CP ranks of this replica (no group: cp 1)
     cp_comm: str = "ring"  # "ring" or "a2a" (ds_megatron.context_parallel.attention)
     compile: bool = False  # the blocks' memory-bound pieces as inductor kernels (``model.kernels``)
     # expert parallelism (ep > 1): each routed block's experts split over this EP group, not over TP
-    ep_group: ProcessGroup | None = None
-    ep_size: int = 1
-    ep_rank: int = 0
+    ep: Group = Group()
     init_weights: bool = True  # False: the weights are loaded next (--init-from-hf), so none is drawn (zeros)
     # packed documents' attention plans, one per micro-batch's ids tensor, shared by the blocks of this process
     document_plans: TensorCache = field(default_factory=TensorCache, repr=False, compare=False)
@@ -96,7 +92,7 @@ class ParallelContext:
     def positions(self, seq_len: int) -> tuple[tuple[int, int], ...]:
         """The global positions of this rank's ``seq_len`` local tokens ([start, stop) ranges): the load-balanced
         chunks of a sequence of ``seq_len * cp`` tokens (rank i holds chunks i and 2 cp - 1 - i)."""
-        return position_ranges(seq_len * self.cp_size, self.cp_rank, self.cp_size)
+        return position_ranges(seq_len * self.cp.size, self.cp.rank, self.cp.size)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -131,13 +127,6 @@ def shard_rule(name: str, ctx: ParallelContext) -> ShardRule:
     return ShardRule(dim=dim, fused=row.fused)
 
 
-def local_experts(ctx: ParallelContext) -> slice:
-    """The global experts this rank holds at ep > 1 (EP rank i: experts i E/ep .. (i + 1) E/ep - 1), the single-device
-    tensors' slice along dim 0; every expert at ep 1."""
-    per_rank = ctx.config.num_experts // ctx.ep_size
-    return slice(ctx.ep_rank * per_rank, (ctx.ep_rank + 1) * per_rank)
-
-
 def is_expert_param(name: str, ctx: ParallelContext) -> bool:
     """Whether the full parameter ``name`` is a routed block's stacked expert tensor."""
     row = ctx.family.row(name)
@@ -148,13 +137,14 @@ def shard_slices(ctx: ParallelContext) -> Slices:
     """This rank's slices of every full parameter (``model.layers.Slices``): along the TP split dim, the global
     indices of the rows (or columns) its shard holds, cut by the parameter's own rule (:func:`shard` of the indices,
     so fused q|k|v blocks and vocabulary padding come out as they do for the weights); replicated ones whole.  At
-    ep > 1 the stacked experts are split over EP instead (dim 0, :func:`local_experts`), whole along the others."""
+    ep > 1 the stacked experts are split over EP instead (dim 0, ``expert_parallel.layout.local_experts``), whole
+    along the others."""
 
     def slices(name: str, param: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if is_expert_param(name, ctx):  # per expert (``model.layers.Slices``): whole experts over EP, rows over TP
             dim = ctx.family.split_dim(name)
-            if ctx.ep_size > 1:
-                local = local_experts(ctx)
+            if ctx.ep.size > 1:
+                local = local_experts(ctx.config.num_experts, ctx.ep)
                 rows = torch.arange(param.shape[dim])
                 return dim, expert_slices(torch.arange(local.start, local.stop), rows, param.shape[dim])
             rule = shard_rule(name, ctx)
@@ -277,7 +267,7 @@ def parallelize_module(path: str, module: nn.Module, ctx: ParallelContext) -> nn
 
 def block_hooks(ctx: ParallelContext) -> BlockHooks:
     """The ``BlockHooks`` of every block under ``ctx`` (see ``ds_megatron.model.layers.BlockHooks``)."""
-    modules, split, cp = ctx.recompute.selective_modules, ctx.tp.size > 1, ctx.cp_size > 1
+    modules, split, cp = ctx.recompute.selective_modules, ctx.tp.size > 1, ctx.cp.size > 1
     fork = ctx.tp_fork() if split else contextlib.nullcontext
 
     def cp_core(core: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids=None) -> torch.Tensor:
@@ -285,7 +275,7 @@ def block_hooks(ctx: ParallelContext) -> BlockHooks:
         # scale, no dropout (attention dropout with cp > 1 is refused by the loader).  ``doc_ids``: this rank's
         # tokens' documents (packed documents), sliced like its tokens: planned once per micro-batch and stage, the
         # plan shared by every block through the context's cache.
-        return cp_attention(ctx.cp_comm, q, k, v, ctx.cp_group, core.kernel, core.scale, doc_ids, ctx.document_plans)
+        return cp_attention(ctx.cp_comm, q, k, v, ctx.cp.group, core.kernel, core.scale, doc_ids, ctx.document_plans)
 
     local_core = cp_core if cp else run_core
 
@@ -335,7 +325,7 @@ def parallelize_block(block: nn.Module, ctx: ParallelContext) -> nn.Module:
 
 def expert_parallel_path(ctx: ParallelContext) -> str | None:
     """The routed MLP's path in a block when ep > 1 (the expert-parallel layer replaces it whole), else None."""
-    if ctx.ep_size == 1 or not ctx.family.routed:
+    if ctx.ep.size == 1 or not ctx.family.routed:
         return None
     return next(r.path for r in ctx.family.block_rows if r.style == EXPERTS).rpartition(".")[0]
 
@@ -344,7 +334,7 @@ def expert_parallel_block(moe: nn.Module, ctx: ParallelContext) -> nn.Module:
     """The routed MLP with its experts split over the EP group (whole experts, not TP-split: under SP the EP group
     folds the tp ranks in, each routing its own sequence shard), its router replicated; under SP the router sees a
     sequence shard, so its gradient is summed over TP like the norms'."""
-    layer = ExpertParallelMoE.from_block(moe, ctx.ep_group)
+    layer = ExpertParallelMoE.from_block(moe, ctx.ep)
     if ctx.sp:
         layer.gate = SequenceParallelRouter(layer.gate, ctx.tp)
     return layer
@@ -372,7 +362,7 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext) -> nn.Module:
     vocabulary block of logits ([b, s, V_pad/t]; use vocab-parallel cross entropy).  Under SP the plain forward stays
     correct because the embedding reduce-scatters along the sequence (and a learned position lookup keeps this
     rank's rows)."""
-    if ctx.cp_size > 1:
+    if ctx.cp.size > 1:
         # The single-device forward embeds positions 0..s-1 of what it is given; a CP rank holds two chunks of
         # the sequence at other positions, which only the pipeline's position layer (``ctx.positions``) knows.
         raise ValueError("parallelize_model: cp > 1 runs through the pipeline layers (pipeline.layer_specs) only")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ds_megatron.config import ConfigError, RunConfig, check_text_settings, effective_tokenizer, resolve
 from ds_megatron.config.facts import layout_text, needs_resharding, precision, saved_world
-from ds_megatron.config.rules import CONFIG_FILE_RULES, check_tokenizer_fits
+from ds_megatron.config.rules import CONFIG_FILE_RULES, check_tokenizer_fits, check_valid_fraction
 from ds_megatron.config.shape import SHAPE_FIELDS
 
 # What a checkpoint's weights depend on (and the sequence length it trained at): a resumed run must match each, or
@@ -55,7 +55,7 @@ def check_data(run: RunConfig) -> None:
     if data.path is None:
         return
     from ds_megatron.config.loader import hf_config_unused
-    from ds_megatron.data.corpus import is_local, resolve_files
+    from ds_megatron.data.corpus import check_some_text, is_local, matching_files, resolve_files
     from ds_megatron.data.megatron_indexed import megatron_prefix
     from ds_megatron.data.prepared import is_prepared
 
@@ -75,20 +75,15 @@ def check_data(run: RunConfig) -> None:
         check_megatron_documents(run, ds, spec)
         return
     if is_local(data.path):
-        files = resolve_files(data.path)
-        if not files and os.path.isdir(os.path.expanduser(data.path)):
+        if os.path.isdir(os.path.expanduser(data.path)) and not resolve_files(data.path):
             raise ConfigError(
                 "ds_megatron.data.path",
                 "a directory with neither a prepared manifest nor text files",
                 f"{data.path} has no manifest.json and no .txt/.json/.jsonl/.parquet file",
                 "pass a directory written by `python -m ds_megatron.data prepare`, or text files",
             )
-        if not files:
-            raise ConfigError("ds_megatron.data.path", "no file matches", data.path, "check the path or glob")
-        if all(os.path.getsize(f) == 0 for f in files):
-            raise ConfigError(
-                "ds_megatron.data.path", "the dataset is empty", f"{len(files)} file(s) of 0 bytes", "add some text"
-            )
+        files = matching_files(data.path, "ds_megatron.data.path")
+        check_some_text(files, "ds_megatron.data.path")
         check_inlaunch_size(run, files)
         check_text_encoding(run, files)
         return
@@ -181,10 +176,9 @@ def check_split_sizes(run: RunConfig, setting: str, total: int, fraction: float,
 def check_megatron_files(run: RunConfig, prefix: str, setting: str):
     """A Megatron indexed pair that passes ``open_indexed`` and holds enough tokens for a sample in each split of
     ``data.valid_fraction``; returns it opened."""
-    from ds_megatron.config.loader import check_valid_fraction
     from ds_megatron.data.megatron_indexed import open_indexed
 
-    check_valid_fraction(run.section.data.valid_fraction)
+    check_valid_fraction(run.section.data.valid_fraction, CONFIG_FILE_RULES)
     ds = open_indexed(prefix)
     check_split_sizes(run, setting, len(ds.tokens), run.section.data.valid_fraction, prefix)
     return ds
@@ -192,8 +186,8 @@ def check_megatron_files(run: RunConfig, prefix: str, setting: str):
 
 def check_megatron_ids(run: RunConfig, ds, vocab: int, spec: str) -> None:
     """No id of the pair ``ds`` is negative or missing from the tokenizer ``spec`` (``vocab`` tokens).  Scanned by
-    one process per node (a failure exits it, and the launcher stops the others), at several GB/s from the page cache
-    (7-9 GB/s measured on one core for uint16), and recorded in ``data.cache_dir`` for these files' sizes and
+    one process per node (a failure exits it, and the launcher stops the others), a sequential read of the ids, and
+    recorded in ``data.cache_dir`` for these files' sizes and
     times, so a later launch on the unchanged pair skips the scan."""
     from ds_megatron.data.megatron_indexed import record_ids, recorded_ids, scan_ids
 
@@ -244,7 +238,7 @@ def check_blend(run: RunConfig) -> None:
     ``check_megatron_files``; all were made with one tokenizer (the prepared directories' fingerprints agree, and a
     ``data.tokenizer`` given for the Megatron data is theirs too), whose size covers every Megatron id."""
     from ds_megatron.data.megatron_indexed import megatron_prefix, tokenizer_spec
-    from ds_megatron.data.prepared import TOKENIZER_DIR, is_prepared
+    from ds_megatron.data.prepared import TOKENIZER_DIR, check_one_tokenizer, is_prepared
 
     setting = "ds_megatron.data.blend"
     fingerprints, megatron = {}, []
@@ -262,14 +256,7 @@ def check_blend(run: RunConfig) -> None:
             )
         manifest = check_prepared_dir(run, directory, setting)
         fingerprints[directory] = manifest["tokenizer"]["fingerprint"]
-    if len(set(fingerprints.values())) > 1:
-        seen = ", ".join(f"{d}: {f}" for d, f in fingerprints.items())
-        raise ConfigError(
-            setting,
-            "the directories were tokenised with different tokenizers",
-            seen,
-            "prepare them all with the same --tokenizer directory",
-        )
+    check_one_tokenizer(fingerprints, setting)
     if not megatron:
         return
     given = run.section.data.tokenizer
@@ -331,16 +318,9 @@ def check_init_from_hf(run: RunConfig, init: Path) -> None:
 def check_resume(run: RunConfig, load: Path) -> None:
     """``--load`` needs a complete checkpoint whose model and layout match this run, and whose files are safe to
     read (``check_resume_files``)."""
-    from ds_megatron.checkpoint.manifest import newest_complete_tag
+    from ds_megatron.checkpoint.manifest import resume_tag
 
-    tag = newest_complete_tag(load)
-    if tag is None:
-        raise ConfigError(
-            "ds_megatron.checkpoint.load",
-            "no complete checkpoint there",
-            f"{load} has no tag with a manifest",
-            "pass a directory written by --save (incomplete tags from a crash are skipped)",
-        )
+    tag = resume_tag(load)
     check_resume_shape(run, load, tag)
     check_resume_files(load, tag)
 
@@ -348,8 +328,8 @@ def check_resume(run: RunConfig, load: Path) -> None:
 def check_resume_files(load: Path, tag: str) -> None:
     """Once per node (its first process; the same files give the same answer on every node, and rank 0 prints
     it): the tag holds no file a loader would open that its manifest does not list, and every torch file of it
-    unpickles weights-only.  Only each file's pickle is read (tensor data is memory-mapped): 0.2-0.35 ms per tensor
-    measured, 35-50 ms for a 1 GB file of 256 tensors.  The few files that would have to be read whole for this
+    unpickles weights-only.  Only each file's pickle is read (tensor data is memory-mapped), so the cost grows with
+    the number of tensors, not with their bytes.  The few files that would have to be read whole for this
     (``safe_load.cheap_to_check``) are checked in the launch, with the sha256 of every file
     (``run_state.verified_load_tag``, each rank a share)."""
     if os.environ.get("LOCAL_RANK", "0") != "0":

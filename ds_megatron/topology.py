@@ -8,16 +8,30 @@ tokens of the same sequences, which is what data-parallel replicas are to DeepSp
 data axis (dp x cp ranks) averages the CP ranks too, and ZeRO-1 partitions over dp x cp.  ``dp`` / ``dp_rank`` here
 keep their meaning, the true data-parallel replicas (which samples a rank reads).
 
-One object owns the groups and ranks and is passed explicitly; there are no globals.
+One object owns the groups and ranks and is passed explicitly; there are no globals.  A layer that works over one
+axis takes that axis as a :class:`Group` (process group, this rank, size): ``tp_axis``, ``cp_axis``, ``ep_axis``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch.distributed import ProcessGroup
+
+if TYPE_CHECKING:  # deepspeed is imported by ``build`` only: the layers that take a ``Group`` need no deepspeed
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+
+@dataclass(frozen=True)
+class Group:
+    """This rank's place on one parallel axis (tp, cp, ep): the process group (None with one rank: every collective
+    over it is then a no-op), this rank's index in it and its size."""
+
+    group: ProcessGroup | None = None
+    rank: int = 0
+    size: int = 1
 
 
 @dataclass
@@ -52,6 +66,8 @@ class ParallelTopology:
 
     @classmethod
     def build(cls, tp: int, pp: int, dp: int, cp: int = 1) -> ParallelTopology:
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
         world = dist.get_world_size()
         if tp * cp * pp * dp != world:
             raise ValueError(f"tp({tp})*cp({cp})*pp({pp})*dp({dp})={tp * cp * pp * dp} != world size {world}")
@@ -68,6 +84,19 @@ class ParallelTopology:
         self.dp_group = _my_group([line[c::cp] for line in lines for c in range(cp)], rank)
         self.model_group = _my_group([topo.filter_match(data=d) for d in range(dp * cp)], rank)
         return self
+
+    @property
+    def tp_axis(self) -> Group:
+        return Group(self.tp_group, self.tp_rank, self.tp)
+
+    @property
+    def cp_axis(self) -> Group:
+        return Group(self.cp_group, self.cp_rank, self.cp)
+
+    @property
+    def ep_axis(self) -> Group:
+        """The EP group once ``expert_parallel.dispatch.attach_ep_groups`` has set it (ep 1: no group, rank 0)."""
+        return Group(self.ep_group, dist.get_rank(self.ep_group) if self.ep_group is not None else 0, self.ep)
 
     @property
     def data_coord(self) -> int:

@@ -23,7 +23,8 @@ from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.model import ModelConfig, build_model, family_of
 from ds_megatron.model.family import EXPERT_PARTS, HF_OUTPUT, STACKED_EXPERTS
 from ds_megatron.parallelize import ParallelContext, shard_rule
-from ds_megatron.tensor_parallel import ShardRule, TPGroup, shard, unshard
+from ds_megatron.tensor_parallel import ShardRule, shard, unshard
+from ds_megatron.topology import Group
 
 
 class StateDictAdapter:
@@ -36,7 +37,7 @@ class StateDictAdapter:
     @classmethod
     def of(cls, config: ModelConfig, tp: int = 1, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE) -> StateDictAdapter:
         """The adapter of ``config`` at ``tp`` (only the rules: no process group)."""
-        return cls(ParallelContext(config, TPGroup(size=tp), False, None, vocab_multiple))
+        return cls(ParallelContext(config, Group(size=tp), False, None, vocab_multiple))
 
     # ---- TP shards -------------------------------------------------------------------------------------------------
     def rule(self, name: str) -> ShardRule:

@@ -35,7 +35,7 @@ import torch
 from ds_megatron.checkpoint.adapter import StateDictAdapter, is_copy
 from ds_megatron.checkpoint.hf_import import HFTensor, check_hf_config, check_hf_tensors, read_stored
 from ds_megatron.checkpoint.layout import pipeline_layout, run_model_config
-from ds_megatron.checkpoint.reshard_offline import FRESH, _Writer
+from ds_megatron.checkpoint.reshard_offline import FRESH, _Writer, check_new_out, check_sizes, check_still_new
 from ds_megatron.checkpoint.run_state import IMPORTED, tag_for
 from ds_megatron.checkpoint.tokenizer import check_fits, has_tokenizer, load_tokenizer, save_tokenizer
 from ds_megatron.config import ConfigError, RunConfig, load_json, resolve
@@ -50,11 +50,8 @@ def import_checkpoint(
     """Write the transformers directory ``hf_dir`` as a step-0 DeepSpeed checkpoint of the run ``config_path`` at
     tp x pp into the new directory ``out``; every refusal is a ConfigError raised before anything is written."""
     hf_dir, out = Path(hf_dir), Path(out)
-    if out.exists() or out.is_symlink():
-        raise ConfigError("--out", "already exists", str(out), "choose a new directory (import never writes into one)")
-    for flag, value in (("--tp", tp), ("--pp", pp)):
-        if value < 1:
-            raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
+    check_new_out(out, "import")
+    check_sizes({"--tp": tp, "--pp": pp})
     model_type = _hf_model_type(hf_dir)
     run = _target_run(config_path, tp, pp)
     config = run_model_config(run)
@@ -80,8 +77,7 @@ def import_checkpoint(
             save_tokenizer(tok, writer.dir)
         writer.write()  # the layer files, the mp_rank files, config.json, then the manifest listing them all
         atomic_write_text(tmp / "latest", tag)
-        if out.exists():
-            raise ConfigError("--out", "appeared while importing", str(out), "choose a new directory")
+        check_still_new(out, "import")
     return out
 
 

@@ -12,7 +12,7 @@ from ds_megatron.config.schema import pipeline_schedule
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline_parallel.module import PipelineLayout, layer_specs, stage_parts
-from ds_megatron.tensor_parallel import TPGroup
+from ds_megatron.topology import Group
 
 
 def run_model_config(run: RunConfig) -> ModelConfig:
@@ -27,7 +27,7 @@ def pipeline_layout(config: ModelConfig) -> PipelineLayout:
 
 def shard_context(config: ModelConfig, run: RunConfig, tp: int) -> ParallelContext:
     """The parallel context whose shard rules cut (and merge) parameters at ``tp``: no group, only the rules."""
-    return ParallelContext(config, TPGroup(size=tp), False, None, run.section.parallel.vocab_multiple)
+    return ParallelContext(config, Group(size=tp), False, None, run.section.parallel.vocab_multiple)
 
 
 def stage_param_layers(config: ModelConfig, run: RunConfig, pp: int) -> list[list[int]]:

@@ -147,6 +147,20 @@ def newest_complete_tag(save_dir: str | Path) -> str | None:
     return tags[-1] if tags else None
 
 
+def resume_tag(load_dir: str | Path, setting: str = "ds_megatron.checkpoint.load") -> str:
+    """The newest complete tag ``--load`` resumes from, or the one-line refusal when the directory holds none
+    (pre-flight, the engine's verified tag, the loader)."""
+    tag = newest_complete_tag(load_dir)
+    if tag is None:
+        raise ConfigError(
+            setting,
+            "no complete checkpoint there",
+            f"{load_dir} has no tag with a manifest",
+            "pass a directory written by --save (incomplete tags from a crash are skipped)",
+        )
+    return tag
+
+
 def tag_config(save_dir: str | Path, tag: str) -> dict | None:
     f = Path(save_dir) / tag / TAG_CONFIG
     return json.loads(f.read_text()) if f.is_file() else None

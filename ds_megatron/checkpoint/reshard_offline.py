@@ -50,6 +50,8 @@ from ds_megatron.config.facts import (
     saved_world,
     zero_stage,
 )
+from ds_megatron.config.rules import check_batch_split
+from ds_megatron.config.shape import Vocabulary
 from ds_megatron.fileio import atomic_write_text, staged_directory
 from ds_megatron.optim import param_groups
 
@@ -77,11 +79,8 @@ def reshard_checkpoint(
     saved cp) into the new directory ``out``, ``pipeline_layout`` blocks per stage (None: the saved layout at the
     saved pp, else the balanced split); every refusal is a ConfigError raised before anything is written."""
     src, out = Path(checkpoint), Path(out)
-    if out.exists() or out.is_symlink():
-        raise ConfigError("--out", "already exists", str(out), "choose a new directory (reshard never writes into one)")
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--cp", 1 if cp is None else cp)):
-        if value < 1:
-            raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
+    check_new_out(out, "reshard")
+    check_sizes({"--tp": tp, "--pp": pp, "--dp": dp, "--cp": 1 if cp is None else cp})
     tag = source_tag(src, tag)
     old_cfg = tag_config(src, tag)
     # An imported tag (weights alone) stays one: resharded, it still loads with a fresh optimizer.
@@ -101,9 +100,28 @@ def reshard_checkpoint(
         copy_tokenizer(src / tag, writer.dir)  # the weights' tokenizer stays with them, listed in the new manifest
         writer.write()
         atomic_write_text(tmp / "latest", tag)
-        if out.exists():
-            raise ConfigError("--out", "appeared while resharding", str(out), "choose a new directory")
+        check_still_new(out, "reshard")
     return out
+
+
+def check_new_out(out: Path, command: str) -> None:
+    """The offline commands (reshard, import) write a new directory and never into an existing one."""
+    if out.exists() or out.is_symlink():
+        fix = f"choose a new directory ({command} never writes into one)"
+        raise ConfigError("--out", "already exists", str(out), fix)
+
+
+def check_still_new(out: Path, command: str) -> None:
+    """Just before the staged directory becomes ``out``: nothing took its name meanwhile."""
+    if out.exists():
+        raise ConfigError("--out", f"appeared while {command}ing", str(out), "choose a new directory")
+
+
+def check_sizes(flags: dict[str, int]) -> None:
+    """The offline commands' parallel sizes (flag -> value): each at least 1."""
+    for flag, value in flags.items():
+        if value < 1:
+            raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
 
 
 def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:
@@ -140,13 +158,7 @@ def _target_run(
     and the blocks are balanced, unless ``pipeline_layout`` gives the new ones."""
     old = resolve(old_cfg, saved_world(old_cfg))
     glob, micro = old.global_batch_size, old.micro_batch_size
-    if glob % (micro * dp) != 0:
-        raise ConfigError(
-            "--dp",
-            "the global batch does not split into micro batches over dp",
-            f"train_batch_size={glob}, train_micro_batch_size_per_gpu={micro}, dp={dp}",
-            f"use a dp dividing {glob // micro}",
-        )
+    check_batch_split(glob, micro, dp, Vocabulary(prefix="", refs={"batch_split": "--dp"}))
     cfg = copy.deepcopy(old.ds_config)
     parallel = cfg["ds_megatron"].setdefault("parallel", {})
     parallel.update(tp=tp, pp=pp, cp=cp)

@@ -36,6 +36,7 @@ from ds_megatron.checkpoint.manifest import (
     file_record,
     manifest_records,
     newest_complete_tag,
+    resume_tag,
     shares,
     tag_config,
     tag_files,
@@ -115,9 +116,7 @@ def load_run(
     layout (``facts.needs_resharding`` against ``run_config``, the resolved config of this run) is resharded
     (``reshard.py``)."""
     root = Path(load_dir)
-    tag = tag or newest_complete_tag(root)
-    if tag is None:
-        raise ConfigError("--load", "no complete checkpoint", str(root), "pass a directory written by --save")
+    tag = tag or resume_tag(root)
     newer = [p.name for p in root.glob("step*") if p.is_dir() and p.name > tag]
     if newer and dist.get_rank() == 0:
         print(
@@ -196,9 +195,7 @@ def verified_load_tag(load_dir: str | Path | None) -> str | None:
     if load_dir is None:
         return None
     root = Path(load_dir)
-    tag = newest_complete_tag(root)
-    if tag is None:  # pre-flight found one: it was removed since
-        raise ConfigError(LOAD_SETTING, "no complete checkpoint there", str(root), "pass a directory written by --save")
+    tag = resume_tag(root, LOAD_SETTING)  # pre-flight found one: refused here only if it was removed since
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         mine = _share_problem(root, tag, rank, world)

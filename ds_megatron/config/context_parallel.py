@@ -11,6 +11,14 @@ from ds_megatron.config.errors import ConfigError
 CP_COMMS = ("ring", "a2a")  # K/V around the CP ring (point-to-point), or Ulysses all-to-all over heads
 
 
+def check_cp_comm(cp_comm: str) -> None:
+    """Refuse an exchange that is not one of ``CP_COMMS``."""
+    if cp_comm not in CP_COMMS:
+        raise ConfigError(
+            "ds_megatron.parallel.cp_comm", "unknown exchange", f"got {cp_comm!r}", f"use one of {CP_COMMS}"
+        )
+
+
 def _valid_lengths(seq_length: int, unit: int) -> str:
     """The multiples of ``unit`` nearest ``seq_length`` (below and above), for an error's fix."""
     below = max(unit, seq_length // unit * unit)

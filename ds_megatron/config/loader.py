@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ds_megatron.config.context_parallel import (
-    CP_COMMS,
     check_cp_attention_dropout,
+    check_cp_comm,
     check_cp_heads,
     check_cp_seq_length,
 )
@@ -27,11 +27,13 @@ from ds_megatron.config.numbers import check_finite_config
 from ds_megatron.config.pipeline_checks import check_pipeline_layout, check_schedule_name, check_schedule_run
 from ds_megatron.config.rules import (
     CONFIG_FILE_RULES,
+    check_batch_split,
+    check_core_attn,
     check_tokenizer_fits,
     check_tokenizer_spec,
+    check_tp_fits,
+    check_valid_fraction,
     check_zero_stage,
-    core_attn_saves_nothing,
-    tp_misfit,
 )
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.config.schema import (
@@ -190,13 +192,7 @@ def resolve_batch(ds_config: dict, dp: int) -> tuple[int, int, int]:
                 f"set train_batch_size to {micro * gas * dp} or change the other three",
             )
     elif micro is not None and glob is not None:
-        if glob % (micro * dp) != 0:
-            raise ConfigError(
-                "train_batch_size",
-                "not divisible by micro batch x dp",
-                f"{glob} % ({micro} x {dp}) != 0",
-                f"set train_batch_size to a multiple of {micro * dp}",
-            )
+        check_batch_split(glob, micro, dp, CONFIG_FILE_RULES)
         gas = glob // (micro * dp)
     elif micro is not None:
         gas = gas or 1
@@ -244,20 +240,7 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
     tp = _positive("ds_megatron.parallel.tp", par.tp)
     pp = _positive("ds_megatron.parallel.pp", par.pp)
     _positive("ds_megatron.parallel.vocab_multiple", par.vocab_multiple)
-    misfit = tp_misfit(shape, tp)
-    if misfit == "num_kv_heads":
-        kv = shape.num_kv_heads
-        raise ConfigError(
-            "ds_megatron.parallel.tp",
-            "num_kv_heads not divisible by tp (KV heads are split over TP like query heads)",
-            f"num_kv_heads={kv}, tp={tp}",
-            f"use tp in {[d for d in range(1, kv + 1) if kv % d == 0]}",
-        )
-    if misfit is not None:
-        values = f"{misfit}={getattr(shape, misfit)}, tp={tp}"
-        raise ConfigError(
-            "ds_megatron.parallel.tp", f"{misfit} not divisible by tp", values, f"choose tp dividing {misfit}"
-        )
+    check_tp_fits(shape, tp, CONFIG_FILE_RULES)
     schedule = check_schedule_name(par.pipeline_schedule, pp, par)
     # A layout of its own may leave the first and last stages without blocks; otherwise each stage needs one.
     layout = check_pipeline_layout(par, shape.num_layers, pp, schedule)
@@ -280,10 +263,7 @@ def check_parallel(par: ParallelSection, shape: ModelShape, world_size: int) -> 
             fix,
         )
     cp = _positive("ds_megatron.parallel.cp", par.cp)
-    if par.cp_comm not in CP_COMMS:
-        raise ConfigError(
-            "ds_megatron.parallel.cp_comm", "unknown exchange", f"got {par.cp_comm!r}", f"use one of {CP_COMMS}"
-        )
+    check_cp_comm(par.cp_comm)
     if world_size % (tp * cp * pp) != 0:
         axes = ("tp", "cp", "pp") if cp > 1 else ("tp", "pp")  # cp named only where it is set
         sizes = {"tp": tp, "cp": cp, "pp": pp}
@@ -351,15 +331,7 @@ def check_recompute(
             f"modules={list(rc.modules)}, family={shape.family}",
             "remove moe (it applies to the mixture-of-experts families)",
         )
-    if core_attn_saves_nothing(shape.attention, rc.selective_modules):
-        default = "" if rc.modules else " (the default)"
-        raise ConfigError(
-            "ds_megatron.recompute.modules",
-            "core_attn recomputes the s x s attention core, which the sdpa kernel never stores, so it would save "
-            "nothing and cost a recompute",
-            f"policy=selective, modules={list(rc.selective_modules)}{default}, attention=sdpa",
-            'with sdpa list other modules (e.g. ["mlp_act", "layernorm"]), or use attention=eager with core_attn',
-        )
+    check_core_attn(shape.attention, rc.selective_modules, CONFIG_FILE_RULES, defaulted=not rc.modules)
     if rc.policy == "full":
         _positive("ds_megatron.recompute.num_layers", rc.num_layers)
         per_rank = schedule.per_rank(par)
@@ -605,13 +577,7 @@ def check_text_settings(run: RunConfig) -> None:
     tokenizer spec fits the model and ``valid_fraction`` is in (0, 0.5).  A prepared directory or a blend brings its
     own tokenizer and validation split and ignores both, so pre-flight calls this for raw text only."""
     check_tokenizer(effective_tokenizer(run), run.model.vocab_size)
-    check_valid_fraction(run.section.data.valid_fraction)
-
-
-def check_valid_fraction(fraction: float) -> None:
-    """The tail of the token stream held out for validation (text tokenised in the launch, Megatron indexed data)."""
-    if not 0.0 < fraction < 0.5:
-        raise ConfigError("ds_megatron.data.valid_fraction", "must be in (0, 0.5)", f"got {fraction}", "set e.g. 0.02")
+    check_valid_fraction(run.section.data.valid_fraction, CONFIG_FILE_RULES)
 
 
 def check_grad_accum_dtype(ds_config: dict) -> None:

@@ -17,6 +17,10 @@ CONFIG_FILE_RULES = Vocabulary(
         "zero": "zero_optimization.stage",
         "tokenizer": "ds_megatron.data.tokenizer",
         "vocab_size": "ds_megatron.model.vocab_size",
+        "recompute_modules": "ds_megatron.recompute.modules",
+        "valid_fraction": "ds_megatron.data.valid_fraction",
+        "batch_split": "train_batch_size",
+        "tp": "ds_megatron.parallel.tp",
     },
 )
 
@@ -32,6 +36,22 @@ TP_SPLITS = {
 def tp_misfit(shape: Any, tp: int) -> str | None:
     """The first field of TP_SPLITS that ``tp`` does not divide (None: tp fits the shape)."""
     return next((name for name in TP_SPLITS if getattr(shape, name) % tp != 0), None)
+
+
+def check_tp_fits(shape: Any, tp: int, words: Vocabulary, choices: list[int] | None = None) -> None:
+    """Refuse a tp that does not divide what TP splits (:func:`tp_misfit`), naming the tps that fit: ``choices``
+    when the caller narrows them further (a TP group inside a node), else every tp up to the number of heads."""
+    name = tp_misfit(shape, tp)
+    if name is not None:
+        if choices is None:
+            choices = [t for t in range(1, shape.num_heads + 1) if tp_misfit(shape, t) is None]
+        reason = "" if name == "num_heads" else f" ({TP_SPLITS[name]})"
+        raise ConfigError(
+            words.setting("tp"),
+            f"{name} not divisible by tp",
+            f"{name}={getattr(shape, name)}, tp={tp}",
+            f"choose tp from {choices}{reason}",
+        )
 
 
 # Every ds_megatron run is a DeepSpeed PipelineModule, at pp 1 too, and DeepSpeed's PipelineEngine asserts a ZeRO
@@ -55,6 +75,39 @@ def core_attn_saves_nothing(attention: str, modules: tuple[str, ...]) -> bool:
     stores: it would save nothing and cost a recompute.  Refused by the config and the tuner's pins, never searched,
     an error of the memory formula."""
     return attention == "sdpa" and "core_attn" in modules
+
+
+def check_core_attn(attention: str, modules: tuple[str, ...], words: Vocabulary, defaulted: bool = False) -> None:
+    """Refuse :func:`core_attn_saves_nothing`; ``defaulted``: the modules are the default list, not the user's."""
+    if core_attn_saves_nothing(attention, modules):
+        raise ConfigError(
+            words.setting("recompute_modules"),
+            "core_attn recomputes the s x s attention core, which the sdpa kernel never stores, so it would save "
+            "nothing and cost a recompute",
+            f"policy=selective, modules={list(modules)}{' (the default)' if defaulted else ''}, attention=sdpa",
+            'with sdpa list other modules (e.g. ["mlp_act", "layernorm"]), or use attention=eager with core_attn',
+        )
+
+
+def check_valid_fraction(fraction: float, words: Vocabulary) -> None:
+    """The tail of the token stream held out for validation (text tokenised in the launch, prepared directories,
+    Megatron indexed data): a fraction in (0, 0.5)."""
+    if not 0.0 < fraction < 0.5:
+        raise ConfigError(words.setting("valid_fraction"), "must be in (0, 0.5)", f"got {fraction}", "use e.g. 0.02")
+
+
+def check_batch_split(global_batch: int, micro: int, dp: int, words: Vocabulary) -> None:
+    """A step's global batch is whole micro-batches on each of the dp replicas: train_batch_size divisible by
+    micro batch x dp.  The error names ``words.setting("batch_split")``: train_batch_size in a config, the offline
+    reshard's ``--dp``."""
+    if global_batch % (micro * dp) != 0:
+        other_dp = f"use a dp dividing {global_batch // micro}, or " if global_batch % micro == 0 else ""
+        raise ConfigError(
+            words.setting("batch_split"),
+            "the global batch does not split into micro batches over dp",
+            f"train_batch_size={global_batch}, train_micro_batch_size_per_gpu={micro}, dp={dp}",
+            f"{other_dp}set train_batch_size to a multiple of {micro * dp}",
+        )
 
 
 MIN_BPE_SIZE = 260  # the byte-level BPE starts from 256 byte tokens and EOS; below a few merges it is no BPE

@@ -156,63 +156,82 @@ def check_rope_scaling(scaling: Any, setting: str = "ds_megatron.model.rope_scal
 
 def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShape:
     """Fill the model shape from ``size`` and explicit fields; check what the shape alone can break."""
-    ref, setting, noun = words.ref, words.setting, words.noun
-    layers, hidden, heads = m.num_layers, m.hidden_size, m.num_heads
-    vocab, seq = m.vocab_size, m.seq_length
-    shape = NamedShape(family=m.family or DEFAULT_FAMILY, num_layers=0, hidden_size=0, num_heads=0)
-    if m.size is not None:
-        found = named(m.size)
-        if found is None:
-            near = nearest(m.size, all_size_names())
-            raise ConfigError(
-                setting("size"), "unknown size", f"{m.size!r}", f"use one of {', '.join(all_size_names())} ({near!r}?)"
-            )
-        shape = found
-        if m.family is not None and m.family != shape.family:
-            raise ConfigError(
-                setting("family"),
-                "differs from the named size's family",
-                f"family={m.family!r}, size={m.size!r} is {shape.family!r}",
-                f"remove {ref('family')} or set it to {shape.family!r}",
-            )
-        layers = layers if layers is not None else shape.num_layers
-        hidden = hidden if hidden is not None else shape.hidden_size
-        heads = heads if heads is not None else shape.num_heads
-        vocab = vocab if vocab is not None else shape.vocab_size
-        seq = seq if seq is not None else shape.seq_length
-    family = shape.family
+    shape = _named_shape(m, words)
+    family = FAMILIES[_check_family(m, shape.family, words)]
+    common = _common_fields(m, shape, words)
+    if family.fixed_kv_and_width:
+        resolved = _fixed(m, common, words)
+    else:
+        resolved = _chosen(m, shape, common, words)
+    if family.routed:
+        resolved = dataclasses.replace(resolved, **_experts(m, shape, resolved, words))
+    return _with_size(resolved, m.size, shape)
+
+
+def _named_shape(m: ModelSection, words: Vocabulary) -> NamedShape:
+    """The named size ``m.size`` (checked against an explicit family), or an empty shape of the config's family."""
+    if m.size is None:
+        return NamedShape(family=m.family or DEFAULT_FAMILY, num_layers=0, hidden_size=0, num_heads=0)
+    shape = named(m.size)
+    if shape is None:
+        near = nearest(m.size, all_size_names())
+        raise ConfigError(
+            words.setting("size"),
+            "unknown size",
+            f"{m.size!r}",
+            f"use one of {', '.join(all_size_names())} ({near!r}?)",
+        )
+    if m.family is not None and m.family != shape.family:
+        raise ConfigError(
+            words.setting("family"),
+            "differs from the named size's family",
+            f"family={m.family!r}, size={m.size!r} is {shape.family!r}",
+            f"remove {words.ref('family')} or set it to {shape.family!r}",
+        )
+    return shape
+
+
+def _check_family(m: ModelSection, family: str, words: Vocabulary) -> str:
+    """``family`` if it is known, trains, and is routed when ``m`` sets an expert field."""
     if family not in MODEL_FAMILIES:
-        raise ConfigError(setting("family"), "unknown family", f"{family!r}", f"use one of {MODEL_FAMILIES}")
+        raise ConfigError(words.setting("family"), "unknown family", f"{family!r}", f"use one of {MODEL_FAMILIES}")
     if FAMILIES[family].no_training:
         trained = ", ".join(name for name, f in FAMILIES.items() if not f.no_training)
-        raise ConfigError(setting("family"), FAMILIES[family].no_training, f"family={family!r}", f"use {trained}")
-    if not FAMILIES[family].routed:
-        given = [k for k in EXPERT_FIELDS if getattr(m, k) is not None]
-        if given:
-            routed = [name for name, f in FAMILIES.items() if f.routed]
-            raise ConfigError(
-                setting(given[0]),
-                f"applies to the mixture-of-experts families ({', '.join(routed)}) only",
-                f"family={family}, {', '.join(given)} set",
-                f"remove it or set {ref('family')} to one of {', '.join(routed)}",
-            )
-    for name, value in (
-        ("num_layers", layers),
-        ("hidden_size", hidden),
-        ("num_heads", heads),
-        ("vocab_size", vocab),
-        ("seq_length", seq),
-    ):
+        raise ConfigError(words.setting("family"), FAMILIES[family].no_training, f"family={family!r}", f"use {trained}")
+    given = [k for k in EXPERT_FIELDS if getattr(m, k) is not None]
+    if given and not FAMILIES[family].routed:
+        routed = [name for name, f in FAMILIES.items() if f.routed]
+        raise ConfigError(
+            words.setting(given[0]),
+            f"applies to the mixture-of-experts families ({', '.join(routed)}) only",
+            f"family={family}, {', '.join(given)} set",
+            f"remove it or set {words.ref('family')} to one of {', '.join(routed)}",
+        )
+    return family
+
+
+SIZE_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length")  # explicit, else the size's
+
+
+def _common_fields(m: ModelSection, shape: NamedShape, words: Vocabulary) -> dict[str, Any]:
+    """The fields every family has: the sizes (explicit, else the named size's), the position table, the kernel,
+    dropout and the norm's and initialiser's constants; each checked on its own."""
+    ref, setting = words.ref, words.setting
+    values = {name: getattr(m, name) for name in SIZE_FIELDS}
+    if m.size is not None:
+        values = {name: _pick(value, getattr(shape, name), None) for name, value in values.items()}
+    for name, value in values.items():
         if value is None:
             raise ConfigError(
                 setting(name), "not set", "no size and no explicit value", f"set {ref('size')} or {ref(name)}"
             )
         if value <= 0:
             raise ConfigError(setting(name), "must be positive", f"got {value}", "set a positive value")
+    hidden, heads, seq = values["hidden_size"], values["num_heads"], values["seq_length"]
     if hidden % heads != 0:
         raise ConfigError(
             setting("hidden_size"),
-            f"not divisible by {noun('num_heads')}",
+            f"not divisible by {words.noun('num_heads')}",
             f"hidden_size={hidden}, num_heads={heads}",
             f"choose {ref('hidden_size')} as a multiple of {ref('num_heads')}",
         )
@@ -235,35 +254,30 @@ def resolve_shape(m: ModelSection, words: Vocabulary = CONFIG_FILE) -> ModelShap
     for name, example in (("layer_norm_epsilon", "1e-5"), ("init_std", "0.02")):
         if not getattr(m, name) > 0:
             raise ConfigError(setting(name), "must be positive", f"got {getattr(m, name)}", f"set e.g. {example}")
-    common = dict(
-        num_layers=layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        vocab_size=vocab,
-        seq_length=seq,
+    return dict(
+        **values,
         max_position_embeddings=max_pos,
         dropout=m.dropout,
         attention=m.attention,
         layer_norm_epsilon=m.layer_norm_epsilon,
         init_std=m.init_std,
-        family=family,
+        family=shape.family,
     )
-    if FAMILIES[family].fixed_kv_and_width:
-        given = [k for k in CHOSEN if getattr(m, k) is not None]
-        if given:
-            choices = [f.name for f in FAMILIES.values() if not f.fixed_kv_and_width]
-            raise ConfigError(
-                setting(given[0]),
-                f"applies to the {', '.join(choices)} families only",
-                f"family={family}, {', '.join(given)} set",
-                f"remove it or set {ref('family')} to one of {', '.join(choices)}",
-            )
-        resolved = ModelShape(**common, **fixed_fields(hidden, heads))
-    else:
-        resolved = _chosen(m, shape, common, words)
-    if FAMILIES[family].routed:
-        resolved = dataclasses.replace(resolved, **_experts(m, shape, resolved, words))
-    return _with_size(resolved, m.size, shape)
+
+
+def _fixed(m: ModelSection, common: dict, words: Vocabulary) -> ModelShape:
+    """The shape of a family with ``fixed_kv_and_width``: the CHOSEN fields are its fixed values, and setting one
+    is refused."""
+    given = [k for k in CHOSEN if getattr(m, k) is not None]
+    if given:
+        choices = [f.name for f in FAMILIES.values() if not f.fixed_kv_and_width]
+        raise ConfigError(
+            words.setting(given[0]),
+            f"applies to the {', '.join(choices)} families only",
+            f"family={common['family']}, {', '.join(given)} set",
+            f"remove it or set {words.ref('family')} to one of {', '.join(choices)}",
+        )
+    return ModelShape(**common, **fixed_fields(common["hidden_size"], common["num_heads"]))
 
 
 def _experts(m: ModelSection, shape: NamedShape, resolved: ModelShape, words: Vocabulary) -> dict[str, Any]:

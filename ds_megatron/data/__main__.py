@@ -46,13 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(args) -> None:
     from ds_megatron.config import ConfigError
     from ds_megatron.config.numbers import check_finite
-    from ds_megatron.config.rules import check_tokenizer_spec
+    from ds_megatron.config.rules import check_tokenizer_spec, check_valid_fraction
     from ds_megatron.config.shape import Vocabulary
 
     if args.num_proc < 1:
         raise ConfigError("--num-proc", "must be at least 1", f"got {args.num_proc}", "pass e.g. --num-proc 4")
-    if not 0.0 < args.valid_fraction < 0.5:
-        raise ConfigError("--valid-fraction", "must be in (0, 0.5)", f"got {args.valid_fraction}", "pass e.g. 0.02")
+    check_valid_fraction(args.valid_fraction, Vocabulary(prefix="", refs={"valid_fraction": "--valid-fraction"}))
     check_finite("--chunk-mb", args.chunk_mb)  # nan passes the comparison below, and neither rounds to a size
     if args.chunk_mb is not None and args.chunk_mb <= 0:
         raise ConfigError("--chunk-mb", "must be positive", f"got {args.chunk_mb}", "pass e.g. 64")

@@ -30,7 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from ds_megatron.config import ConfigError
-from ds_megatron.data.corpus import eos_id, resolve_files, tokenizer_fingerprint, train_bpe_from_texts
+from ds_megatron.data.corpus import (
+    check_some_text,
+    eos_id,
+    matching_files,
+    tokenizer_fingerprint,
+    train_bpe_from_texts,
+)
 from ds_megatron.data.lock import file_lock
 from ds_megatron.data.prepared import (
     FORMAT,
@@ -264,11 +270,8 @@ class Progress:
 
 def prepare(args: PrepareArgs, log=print) -> dict:
     """Prepare (or resume preparing) ``args.out``; returns the final manifest.  ConfigError for bad input."""
-    files = resolve_files(args.data)
-    if not files:
-        raise ConfigError("--data", "no file matches", args.data, "check the path or glob")
-    if all(os.path.getsize(f) == 0 for f in files):
-        raise ConfigError("--data", "the corpus is empty", f"{len(files)} file(s) of 0 bytes", "point it at some text")
+    files = matching_files(args.data, "--data")
+    check_some_text(files, "--data")
     check_fields(files, args.text_field)
     size = chunk_bytes(files, args)
     chunks = plan_chunks(files, size)

@@ -52,6 +52,20 @@ def resolve_files(path: str) -> list[str]:
     return files
 
 
+def matching_files(path: str, setting: str) -> list[str]:
+    """:func:`resolve_files` of ``path``, refusing a path that matches none (``setting`` names it to the user)."""
+    files = resolve_files(path)
+    if not files:
+        raise ConfigError(setting, "no file matches", path, "check the path or glob")
+    return files
+
+
+def check_some_text(files: list[str], setting: str) -> None:
+    """Refuse a corpus whose every file is empty, before anything is tokenised."""
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise ConfigError(setting, "the corpus is empty", f"{len(files)} file(s) of 0 bytes", "point it at some text")
+
+
 def is_local(path: str) -> bool:
     """Local files (paths, globs, lists) rather than a Hugging Face dataset name such as "owner/name"."""
     return (
@@ -72,9 +86,7 @@ def load_documents(path: str | None, text_field: str = "text", split: str = "tra
 
         return datasets.Dataset.from_dict({"text": builtin_documents()})
     if is_local(path):
-        files = resolve_files(path)
-        if not files:
-            raise ConfigError("ds_megatron.data.path", "no file matches", path, "check the path or glob")
+        files = matching_files(path, "ds_megatron.data.path")
         suffixes = {Path(f).suffix for f in files}
         if len(suffixes) != 1 or next(iter(suffixes)) not in SUFFIX_BUILDERS:
             raise ConfigError(

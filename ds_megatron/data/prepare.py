@@ -44,7 +44,7 @@ from ds_megatron.data.corpus import (
 )
 from ds_megatron.data.lock import file_lock
 from ds_megatron.data.megatron_indexed import IndexedDataset, megatron_prefix, open_indexed, tokenizer_spec
-from ds_megatron.data.prepared import Prepared, is_prepared, open_prepared
+from ds_megatron.data.prepared import Prepared, check_one_tokenizer, is_prepared, open_prepared
 from ds_megatron.data.stream import DocumentMasking, PackedSamples, split_train_valid
 from ds_megatron.fileio import atomic_write_text
 
@@ -220,14 +220,8 @@ def _blend_data(run: RunConfig, rank: int) -> RunData:
         for p in paths
     ]
     prepared = [m for m in members if isinstance(m, Prepared)]
-    prints = {m.manifest["tokenizer"]["fingerprint"] for m in prepared}
-    if len(prints) > 1:
-        raise ConfigError(
-            "ds_megatron.data.blend",
-            "the directories were tokenised with different tokenizers",
-            str(sorted(prints)),
-            "prepare them all with one --tokenizer",
-        )
+    prints = {p: m.manifest["tokenizer"]["fingerprint"] for p, m in zip(paths, members) if isinstance(m, Prepared)}
+    check_one_tokenizer(prints, "ds_megatron.data.blend")
     if prepared:
         tok = _prepared_tokenizer(prepared[0], run)
     else:

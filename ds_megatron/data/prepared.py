@@ -173,6 +173,18 @@ class ShardedTokens:
         return out.astype(dtype, copy=False) if dtype is not None else out
 
 
+def check_one_tokenizer(fingerprints: dict[str, str], setting: str) -> None:
+    """Blended prepared directories (directory -> its tokenizer's fingerprint) were all tokenised with one
+    tokenizer: the same id must mean the same text in every one of them."""
+    if len(set(fingerprints.values())) > 1:
+        raise ConfigError(
+            setting,
+            "the directories were tokenised with different tokenizers",
+            ", ".join(f"{d}: {f}" for d, f in fingerprints.items()),
+            "prepare them all with the same --tokenizer directory",
+        )
+
+
 @dataclass(frozen=True)
 class Prepared:
     directory: Path

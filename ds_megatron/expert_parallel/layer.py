@@ -30,7 +30,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ds_megatron.expert_parallel.dispatch import combine, dispatch, group_size, plan_dispatch
-from ds_megatron.expert_parallel.layout import check_num_experts
+from ds_megatron.expert_parallel.layout import check_num_experts, local_experts
+from ds_megatron.model.family import check_experts_per_token
 from ds_megatron.model.moe_layer import (
     GEMM_DEFAULT,
     Experts,
@@ -40,6 +41,7 @@ from ds_megatron.model.moe_layer import (
     pairs_by_expert,
     weighted_sum,
 )
+from ds_megatron.topology import Group
 
 
 def expert_group_name(ep: int) -> str:
@@ -83,7 +85,7 @@ def reduce_expert_grad_tensors(grads: list[torch.Tensor], expert_dp_group: Proce
 
 
 class ExpertParallelMoE(nn.Module):
-    """The routed MLP with E / ep experts on each rank of ``ep_group`` (``None``: ep 1, all experts here)."""
+    """The routed MLP with E / ep experts on each rank of the EP group ``ep`` (no group: ep 1, all experts here)."""
 
     def __init__(
         self,
@@ -92,29 +94,26 @@ class ExpertParallelMoE(nn.Module):
         num_experts: int,
         top_k: int,
         norm_topk_prob: bool,
-        ep_group: ProcessGroup | None,
+        ep: Group,
         gemm: str = GEMM_DEFAULT,
         capacity_factor: float = 0.0,
     ):
         super().__init__()
-        self.ep = group_size(ep_group)
-        check_num_experts(num_experts, self.ep)
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"error: num_experts_per_tok={top_k} with num_experts={num_experts}; use 1..{num_experts}")
-        self.ep_group = ep_group
-        self.ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+        check_num_experts(num_experts, ep.size)
+        check_experts_per_token(top_k, num_experts)
+        self.ep = ep
         self.num_experts = num_experts
         self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, capacity_factor)
-        self.experts = Experts(hidden_size, intermediate_size, num_experts // self.ep, gemm)
-        mark_expert_params(self.experts, expert_group_name(self.ep))
+        self.experts = Experts(hidden_size, intermediate_size, num_experts // ep.size, gemm)
+        mark_expert_params(self.experts, expert_group_name(ep.size))
 
     @classmethod
-    def from_block(cls, block: SparseMoeBlock, ep_group: ProcessGroup | None) -> ExpertParallelMoE:
+    def from_block(cls, block: SparseMoeBlock, ep: Group) -> ExpertParallelMoE:
         """This EP rank's layer holding ``block``'s router and its slice of ``block``'s experts (copies)."""
         num_experts, two_f, hidden_size = block.experts.gate_up_proj.shape
         gate = block.gate
         layer = cls(
-            hidden_size, two_f // 2, num_experts, gate.top_k, gate.norm_topk_prob, ep_group, block.experts.gemm,
+            hidden_size, two_f // 2, num_experts, gate.top_k, gate.norm_topk_prob, ep, block.experts.gemm,
             gate.capacity_factor,
         )  # fmt: skip
         layer.to(device=gate.weight.device, dtype=block.experts.gate_up_proj.dtype)
@@ -127,8 +126,7 @@ class ExpertParallelMoE(nn.Module):
 
     def local_experts(self) -> slice:
         """The global experts this rank holds."""
-        per_rank = self.num_experts // self.ep
-        return slice(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
+        return local_experts(self.num_experts, self.ep)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         """x [..., h] (this rank's tokens) -> [..., h] and this rank's router statistics."""
@@ -137,11 +135,11 @@ class ExpertParallelMoE(nn.Module):
         n, k = experts.shape
         order, per_expert = pairs_by_expert(experts, self.num_experts)  # by global expert, so by owner
         token = order // k
-        plan = plan_dispatch(per_expert, self.ep_group)
-        received = dispatch(flat[token], plan, self.ep_group)  # [m, h], grouped by local expert
-        out = combine(self.experts.grouped_mlp(received, plan.local_counts), plan, self.ep_group)  # [n k (kept), h]
+        plan = plan_dispatch(per_expert, self.ep.group)
+        received = dispatch(flat[token], plan, self.ep.group)  # [m, h], grouped by local expert
+        out = combine(self.experts.grouped_mlp(received, plan.local_counts), plan, self.ep.group)  # [n k (kept), h]
         return weighted_sum(out, weights.reshape(-1)[order], token, n).view_as(x), stats
 
     def extra_repr(self) -> str:
         local = self.local_experts()
-        return f"ep {self.ep_rank}/{self.ep}: experts {local.start}..{local.stop - 1} of {self.num_experts}"
+        return f"ep {self.ep.rank}/{self.ep.size}: experts {local.start}..{local.stop - 1} of {self.num_experts}"

@@ -29,9 +29,13 @@ the same form: a sum over its expert-DP group divided by the data-parallel world
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 # the refusals live with the config, which runs them before any process group exists (config.ep_rules)
 from ds_megatron.config.ep_rules import SETTING, check_ep, check_num_experts, token_ranks, valid_ep_values
+
+if TYPE_CHECKING:
+    from ds_megatron.topology import Group
 
 __all__ = ["SETTING", "EPLayout", "check_ep", "check_num_experts", "ep_layout", "token_ranks", "valid_ep_values"]
 
@@ -72,3 +76,10 @@ def ep_layout(
             ep_groups += blocks
             expert_dp_groups += [tuple(column) for column in zip(*blocks, strict=True)]
     return EPLayout(ep, tuple(ep_groups), tuple(expert_dp_groups), expert_grad_divisor=dp * cp)
+
+
+def local_experts(num_experts: int, ep: Group) -> slice:
+    """The global experts EP rank ``ep.rank`` holds: experts i E/ep .. (i + 1) E/ep - 1 of E (every expert at ep 1),
+    the single-device tensors' slice along their expert dim."""
+    per_rank = num_experts // ep.size
+    return slice(ep.rank * per_rank, (ep.rank + 1) * per_rank)

@@ -22,6 +22,13 @@ DEFAULT_FAMILY = gpt2.FAMILY.name  # a shape without a family is a GPT
 ModelConfig = GPTConfig | LlamaConfig | Qwen3MoeConfig | MixtralConfig
 
 
+def family_named(name: str) -> Family:
+    """The registered family ``name`` (the analytic formulas' ``family=`` argument); ValueError naming the others."""
+    if name not in FAMILIES:
+        raise ValueError(f"family must be one of {tuple(FAMILIES)}, got {name!r}")
+    return FAMILIES[name]
+
+
 def family_of(config: Any) -> Family:
     """The family of a model config or a resolved shape (``ds_megatron.config.ModelShape``)."""
     return FAMILIES[getattr(config, "family", None) or DEFAULT_FAMILY]
@@ -47,6 +54,7 @@ __all__ = [
     "ModelConfig",
     "Qwen3MoeConfig",
     "build_model",
+    "family_named",
     "family_of",
 ]
 __all__ += ["model_config"]

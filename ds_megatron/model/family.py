@@ -115,6 +115,12 @@ class RoutedShape(NamedTuple):
         return self.num_heads * self.head_dim
 
 
+def check_experts_per_token(top_k: int, num_experts: int) -> None:
+    """A router picks 1..num_experts experts per token (the routed families' configs and both MoE layers)."""
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"error: num_experts_per_tok={top_k} with num_experts={num_experts}; use 1..{num_experts}")
+
+
 @dataclass(frozen=True)
 class NamedShape:
     """Everything a named size fixes (``model.size``).  ``None`` fields are left to the config (vocabulary and

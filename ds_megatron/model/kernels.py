@@ -16,7 +16,7 @@ What stays outside compiled code, and why:
   that overlap collectives with matmuls; a matmul is not memory-bound;
 - recompute (``recompute.checkpoint``, ``discard_output``): Python control over autograd and saved-tensor hooks;
 - GPT-2's LayerNorm and GELU: ``F.layer_norm`` and ``F.gelu`` are already one aten kernel forward and one backward
-  each, on CPU and CUDA (compiling GELU measured 1.0x: benchmarks/results/compiled_pieces.md), so a GPT-2 block
+  each, on CPU and CUDA (compiling GELU gains nothing: benchmarks/results/compiled_pieces.md), so a GPT-2 block
   has nothing here to compile;
 - the residual adds: one pass each, next to a Function boundary or a collective, nothing to fuse them with here.
 Torch only."""
@@ -85,8 +85,8 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def swiglu_backward(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """In the inputs' dtype: torch's bf16/fp16 ``silu`` and ``silu_backward`` compute in fp32 per element and round
-    once, so fp32 copies of gate, up and the gradient buy no accuracy the bf16 outputs keep (measured at s 2048,
-    SwiGLU 704, one CPU thread: the fp32 round trips were about 170 ms of a 1.3-1.5 s CPU training step)."""
+    once, so fp32 copies of gate, up and the gradient buy no accuracy the bf16 outputs keep, and each copy is one
+    more pass over the [s, b, F] tensors."""
     # silu_backward(dy', g) = dy' * sigmoid(g) * (1 + g * (1 - sigmoid(g))), the derivative of silu
     return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
 

@@ -33,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_megatron.model.family import check_experts_per_token
+
 # "grouped" (torch._grouped_mm, one kernel per projection over all experts) or "loop" (one GEMM per expert with
-# tokens; needs each expert's token count on the host).  Measured, forward + backward, 1 CPU thread, median of 5:
-#   tiny (n 512 tokens, h 128, F 64, E 8, k 2):     fp32 grouped 7.0 ms, loop 8.0 ms; bf16 grouped 8.2 ms, loop 8.5 ms
-#   mid  (n 4096 tokens, h 1024, F 512, E 16, k 4): fp32 grouped 2740 ms, loop 3829 ms; bf16 grouped 1453, loop 1648 ms
-# The grouped GEMM wins at both shapes and dtypes (1.04-1.40x) and needs no host sync of the per-expert counts; the
+# tokens; needs each expert's token count on the host).  The grouped GEMM is the default: it was the faster of the
+# two at every shape and dtype of benchmarks/results/moe_gemm.md and needs no host sync of the per-expert counts; the
 # loop stays for operands torch._grouped_mm refuses (rows not a multiple of 16 bytes).  On CUDA (read, not run here)
 # torch._grouped_mm's CUTLASS kernel takes bf16 on compute capability 9.0 and later; other dtypes and GPUs take
 # torch's fallback, itself a loop after copying the offsets to the host.
@@ -267,8 +267,7 @@ class SparseMoeBlock(nn.Module):
         capacity_factor: float = 0.0,
     ):
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"error: num_experts_per_tok={top_k} with num_experts={num_experts}; use 1..{num_experts}")
+        check_experts_per_token(top_k, num_experts)
         self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, capacity_factor)
         self.experts = Experts(hidden_size, intermediate_size, num_experts, gemm)
 

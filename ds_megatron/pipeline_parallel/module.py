@@ -358,7 +358,7 @@ class VocabParallelLoss:
         # mixture of experts: the ranks whose tokens the routing statistics are summed over, the losses' weights
         self.routed = bool(router_size(ctx.config))
         self.stats_tp_group = ctx.tp.group if ctx.sp else None
-        self.cp_group = ctx.cp_group if ctx.cp_size > 1 else None
+        self.cp_group = ctx.cp.group
         self.top_k = getattr(ctx.config, "num_experts_per_tok", 0)
         self.aux_coef = getattr(ctx.config, "router_aux_loss_coef", 0.0)
         self.z_coef = getattr(ctx.config, "router_z_loss_coef", 0.0)

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ds_megatron.model.moe_layer import Experts, RouterStats, TopKRouter, expert_mlp
-from ds_megatron.tensor_parallel.layers import SPReplicatedGrads, TPGroup, mark_sp_replicated, mark_tp_sharded
+from ds_megatron.tensor_parallel.layers import SPReplicatedGrads, mark_sp_replicated, mark_tp_sharded
 from ds_megatron.tensor_parallel.mappings import (
     _all_reduce,
     copy_to_tp,
@@ -39,6 +39,7 @@ from ds_megatron.tensor_parallel.mappings import (
     reduce_scatter_seq,
 )
 from ds_megatron.tensor_parallel.sharding import ShardRule, shard
+from ds_megatron.topology import Group
 
 GATE_UP_RULE = ShardRule(dim=1, fused=2)  # [E, 2F, h]: each expert's gate rows and up rows split alike
 DOWN_RULE = ShardRule(dim=2)  # [E, h, F]: each expert's input columns
@@ -52,7 +53,7 @@ class TensorParallelExperts(nn.Module):
     def __init__(
         self,
         experts: Experts,
-        tp: TPGroup,
+        tp: Group,
         sequence_parallel: bool = False,
         recompute: Callable[..., torch.Tensor] | None = None,
     ):
@@ -92,7 +93,7 @@ class TensorParallelExperts(nn.Module):
 class SequenceParallelRouter(SPReplicatedGrads, TopKRouter):
     """The router on a sequence shard [n/t, h]: replicated, its weight's gradient summed over the TP group."""
 
-    def __init__(self, router: TopKRouter, tp: TPGroup):
+    def __init__(self, router: TopKRouter, tp: Group):
         num_experts, hidden = router.weight.shape
         super().__init__(hidden, num_experts, router.top_k, router.norm_topk_prob, router.capacity_factor)
         with torch.no_grad():

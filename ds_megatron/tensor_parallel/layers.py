@@ -9,14 +9,13 @@ Parameter marks (read by DeepSpeed and by ds_megatron):
   nothing of it; without the sum the TP ranks' copies drift apart).  The layers holding them derive from
   :class:`SPReplicatedGrads`, which owns the mark and when the sum runs.
 
-Every layer takes the TP group as one ``TPGroup`` (process group, this rank, size).
+Every layer takes the TP group as one ``topology.Group`` (process group, this rank, size).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,22 +36,13 @@ from ds_megatron.tensor_parallel.mappings import (
 )
 from ds_megatron.tensor_parallel.sharding import ShardRule, shard
 from ds_megatron.tensor_parallel.weight_grad import DeferrableWeightGrads, WeightGradQueue
+from ds_megatron.topology import Group
 
 
 def mark_tp_sharded(param: nn.Parameter, partition_dim: int) -> None:
     param.tensor_model_parallel = True
     param.model_parallel = True
     param.partition_dim = partition_dim
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    """This rank's tensor-parallel group: the process group (None with one rank: every collective is then a
-    no-op), this rank's index in it and its size."""
-
-    group: ProcessGroup | None = None
-    rank: int = 0
-    size: int = 1
 
 
 def mark_sp_replicated(param: nn.Parameter) -> None:
@@ -66,7 +56,7 @@ class SPReplicatedGrads:
     False when the engine sums every SP-replicated gradient once per optimizer step (``sum_sp_replicated_grads``)."""
 
     sync_grads_in_backward = True
-    tp: TPGroup
+    tp: Group
 
     def sp_synced(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``params``, with their gradients summed over TP in backward unless the engine sums them per step."""
@@ -230,7 +220,7 @@ class ColumnParallelLinear(DeferrableWeightGrads, nn.Module):
     Output: [s, b, out/t].
     """
 
-    def __init__(self, linear: nn.Linear, rule: ShardRule, tp: TPGroup, sequence_parallel: bool = False):
+    def __init__(self, linear: nn.Linear, rule: ShardRule, tp: Group, sequence_parallel: bool = False):
         """This rank's part of the full ``linear``, cut by ``rule`` (output dim; fused blocks by heads)."""
         super().__init__()
         self.weight = nn.Parameter(shard(linear.weight.data, rule, tp.rank, tp.size))
@@ -259,7 +249,7 @@ class RowParallelLinear(DeferrableWeightGrads, SPReplicatedGrads, nn.Module):
     (reduce-scatter / all-gather).  The bias is replicated and added after the reduction (SP-replicated under SP).
     """
 
-    def __init__(self, linear: nn.Linear, tp: TPGroup, sequence_parallel: bool = False):
+    def __init__(self, linear: nn.Linear, tp: Group, sequence_parallel: bool = False):
         """This rank's part of the full ``linear`` (input dim), with the whole bias."""
         super().__init__()
         self.weight = nn.Parameter(shard(linear.weight.data, ShardRule(dim=1), tp.rank, tp.size))
@@ -314,7 +304,7 @@ class VocabParallelEmbedding(DeferrableWeightGrads, nn.Module):
     [s/t, b, h].  Padding rows (ids >= vocab_size) are zero and never looked up.
     """
 
-    def __init__(self, emb: nn.Module, padded_size: int, tp: TPGroup, sequence_parallel: bool = False):
+    def __init__(self, emb: nn.Module, padded_size: int, tp: Group, sequence_parallel: bool = False):
         """This rank's vocabulary block of the full table ``emb.weight`` [V, h], padded to ``padded_size`` rows."""
         super().__init__()
         self.weight = nn.Parameter(shard(emb.weight.data, ShardRule(dim=0, padded_size=padded_size), tp.rank, tp.size))
@@ -407,7 +397,7 @@ class SequenceShardedPositionEmbedding(SPReplicatedGrads, nn.Module):
     """Learned position table, replicated; under SP each rank returns the rows of its own sequence chunk only
     (positions [r s/t, (r+1) s/t)), so the full sequence is embedded exactly once (not split twice)."""
 
-    def __init__(self, weight: torch.Tensor, tp: TPGroup):
+    def __init__(self, weight: torch.Tensor, tp: Group):
         super().__init__()
         self.weight = nn.Parameter(weight)
         mark_sp_replicated(self.weight)
@@ -422,7 +412,7 @@ class SequenceShardedPositionEmbedding(SPReplicatedGrads, nn.Module):
 class SequenceParallelLayerNorm(SPReplicatedGrads, nn.LayerNorm):
     """LayerNorm on a sequence shard [s/t, b, h]; weight and bias gradients are summed over the TP group."""
 
-    def __init__(self, ln: nn.LayerNorm, tp: TPGroup):
+    def __init__(self, ln: nn.LayerNorm, tp: Group):
         super().__init__(ln.normalized_shape, eps=ln.eps, device=ln.weight.device, dtype=ln.weight.dtype)
         with torch.no_grad():
             self.weight.copy_(ln.weight)
@@ -439,7 +429,7 @@ class SequenceParallelLayerNorm(SPReplicatedGrads, nn.LayerNorm):
 class SequenceParallelRMSNorm(SPReplicatedGrads, RMSNorm):
     """RMSNorm on a sequence shard [s/t, b, h]; its weight gradient is summed over the TP group."""
 
-    def __init__(self, norm: RMSNorm, tp: TPGroup):
+    def __init__(self, norm: RMSNorm, tp: Group):
         super().__init__(norm.weight.shape[0], norm.eps)
         with torch.no_grad():
             self.weight.data = norm.weight.data.clone()

@@ -11,6 +11,7 @@ import pathlib
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import tiny_model
 
 from ds_megatron.checkpoint.__main__ import main as checkpoint_main
 from ds_megatron.checkpoint.manifest import newest_complete_tag, tag_problem
@@ -27,7 +28,7 @@ def gpt2_run(bf16: bool = False) -> dict:
         "gradient_accumulation_steps": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
         "ds_megatron": {
-            "model": {"num_layers": 3, "hidden_size": 64, "num_heads": 4, "vocab_size": VOCAB, "seq_length": 16},
+            "model": tiny_model(num_layers=3, vocab_size=VOCAB),
             "parallel": {"tp": 1, "pp": 1},
         },
     }

@@ -31,7 +31,7 @@ from ds_megatron.model.llama.model import LlamaBlock, init_llama_module
 from ds_megatron.parallelize import ParallelContext, block_hooks, build_shard, parallelize_block
 from ds_megatron.random import build_rng
 from ds_megatron.recompute import checkpoint
-from ds_megatron.tensor_parallel import TPGroup
+from ds_megatron.topology import Group
 
 S, B = 8, 2
 LLAMA = LlamaConfig(
@@ -83,7 +83,7 @@ def flag(what: str, value: bool | torch.Tensor) -> tuple:
 def check_compiled_block_under_recompute(c: Ctx) -> Pairs:
     eager = single_device_block(LLAMA)
     compiled = use_kernels(copy.deepcopy(eager), compiled_kernels())
-    ctx = ParallelContext(LLAMA, TPGroup(), False, None)
+    ctx = ParallelContext(LLAMA, Group(), False, None)
     x = torch.randn(S, B, LLAMA.hidden_size)
     ref = step(eager, ctx, x, "none")
     with torch.no_grad():
@@ -110,7 +110,7 @@ def check_compiled_block_under_recompute(c: Ctx) -> Pairs:
 def tp_sp_step(c: Ctx, dropout: float, compile_: bool, x: torch.Tensor, gy: torch.Tensor) -> list[torch.Tensor]:
     config = LlamaConfig(**{**LLAMA.__dict__, "attention_dropout": dropout})
     rng = build_rng(7, c.rank, 0, 0)
-    tp = TPGroup(c.group, c.rank, c.t)
+    tp = Group(c.group, c.rank, c.t)
     ctx = ParallelContext(config, tp, True, rng, recompute=RecomputeSection("selective"), compile=compile_)
     block = build_shard("model.layers.0", lambda: LlamaBlock(config), lambda b: parallelize_block(b, ctx), ctx, 3)
     xi = x.clone().requires_grad_()

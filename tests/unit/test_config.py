@@ -7,6 +7,7 @@ import copy
 import json
 
 import pytest
+from tiny import tiny_model
 
 from ds_megatron.config import ConfigError, resolve
 
@@ -15,7 +16,7 @@ BASE = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 2,
     "ds_megatron": {
-        "model": {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "vocab_size": 1001, "seq_length": 16},
+        "model": tiny_model(),
         "parallel": {"tp": 2, "pp": 2},
     },
 }
@@ -53,6 +54,12 @@ BAD = [
     ),
     ("tp*pp does not divide world", with_changes(world=6), "ds_megatron.parallel", ["tp(2) x pp(2)", "world size 6"]),
     ("batch arithmetic", with_changes(train_batch_size=10), "train_batch_size", ["10 != 2 x 2 x 2 = 8"]),
+    (
+        "batch split over dp",
+        with_changes(train_batch_size=10, gradient_accumulation_steps=None),
+        "train_batch_size",
+        ["does not split into micro batches over dp", "train_batch_size=10", "dp=2", "multiple of 4"],
+    ),
     (
         "unknown key",
         with_changes(ds_megatron__parallel__tensor_parallel=2),
@@ -335,3 +342,21 @@ def test_eval_only_needs_weights_to_evaluate_and_lifts_train_iters():
     )
     with pytest.raises(ConfigError, match="train_iters: must be a positive integer .got 0.; .* pass --eval-only"):
         resolve(*with_changes(ds_megatron__train__train_iters=0))
+
+
+def test_the_batch_split_names_the_callers_setting():
+    """One rule, one message: the config blames train_batch_size, the offline reshard its --dp flag."""
+    from ds_megatron.config.rules import CONFIG_FILE_RULES, check_batch_split
+    from ds_megatron.config.shape import Vocabulary
+
+    check_batch_split(12, 2, 3, CONFIG_FILE_RULES)  # 12 = 2 x 2 x 3: splits
+    values = "(train_batch_size=12, train_micro_batch_size_per_gpu=2, dp=4)"
+    with pytest.raises(ConfigError) as err:
+        check_batch_split(12, 2, 4, CONFIG_FILE_RULES)
+    assert str(err.value) == (
+        f"error: train_batch_size: the global batch does not split into micro batches over dp {values}; "
+        "use a dp dividing 6, or set train_batch_size to a multiple of 8"
+    )
+    with pytest.raises(ConfigError) as err:
+        check_batch_split(12, 2, 4, Vocabulary(prefix="", refs={"batch_split": "--dp"}))
+    assert str(err.value).startswith("error: --dp: the global batch does not split into micro batches over dp (")

@@ -154,15 +154,15 @@ def test_positions_are_the_chunks_global_indices():
     from ds_megatron.context_parallel.layout import token_indices
     from ds_megatron.model.layers import positions_tensor
     from ds_megatron.parallelize import ParallelContext, parallelize_model
-    from ds_megatron.tensor_parallel import TPGroup
+    from ds_megatron.topology import Group
 
     cfg = model_config(resolve(config(cp=2), 2).model)
     for cp in (1, 2, 4):
         for rank in range(cp):
-            ctx = ParallelContext(cfg, TPGroup(), False, None, cp_rank=rank, cp_size=cp)
+            ctx = ParallelContext(cfg, Group(), False, None, cp=Group(None, rank, cp))
             assert torch.equal(positions_tensor(ctx.positions(SEQ // cp)), token_indices(SEQ, rank, cp))
     with pytest.raises(ValueError, match="cp > 1 runs through the pipeline layers"):
-        parallelize_model(build_model(cfg), ParallelContext(cfg, TPGroup(), False, None, cp_size=2))
+        parallelize_model(build_model(cfg), ParallelContext(cfg, Group(), False, None, cp=Group(None, 0, 2)))
 
 
 def test_stream_splits_each_window_with_labels_over_the_whole_sequence():
@@ -316,7 +316,7 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         layer_specs,
         lm_head_forward,
     )
-    from ds_megatron.tensor_parallel import TPGroup, shard
+    from ds_megatron.tensor_parallel import shard
     from ds_megatron.topology import ParallelTopology
 
     run = layout_run(layout, world)
@@ -329,13 +329,11 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     cfg = model_config(run.model)
     ctx = ParallelContext(
         cfg,
-        TPGroup(topo.tp_group, topo.tp_rank, topo.tp),
+        topo.tp_axis,
         run.section.parallel.sequence_parallel,
         None,
         recompute=run.section.recompute,
-        cp_group=topo.cp_group,
-        cp_rank=topo.cp_rank,
-        cp_size=topo.cp,
+        cp=topo.cp_axis,
         cp_comm=run.section.parallel.cp_comm,
     )
     seed = run.section.train.seed

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
-from test_tune_schedule import P2P, _channel
+from test_tune_schedule import batched_p2p_makespan as makespan
+from tiny import gpt_tiny
 
 from ds_megatron.pipeline_parallel.dualpipev_zb import DualPipeVZeroBubbleSchedule
 from ds_megatron.pipeline_parallel.zero_bubble import WeightGradPass
@@ -31,43 +32,6 @@ CASES = [(p, m) for p in (2, 3, 4, 8) for m in (2 * p, 2 * p + 1, 3 * p)]
 
 def streams(cls, p: int, m: int) -> list[list]:
     return [[cmd for step in cls(m, p, r).steps() for cmd in step] for r in range(p)]
-
-
-def makespan(per_rank: list[list], cost: dict) -> float:
-    """Finish time of DualPipeV instruction streams under DeepSpeed's batched p2p: sends and receives are queued,
-    a CommitP2P launches them and waits until each op's partner (the n-th op of its channel on the other rank) has
-    been launched; ``cost`` gives each compute instruction class its time, transfers take none."""
-    p = len(per_rank)
-    clock, position = [0.0] * p, [0] * p
-    queued: list[list] = [[] for _ in range(p)]
-    waiting: list[list | None] = [None] * p
-    counts: list[dict] = [{} for _ in range(p)]
-    launched: dict = {}  # (channel, n, is send) -> launch time
-    while any(position[r] < len(per_rank[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            while position[r] < len(per_rank[r]):
-                cmd = per_rank[r][position[r]]
-                if isinstance(cmd, ds.CommitP2P):
-                    if waiting[r] is None:
-                        launched.update({op: clock[r] for op in queued[r]})
-                        waiting[r], queued[r] = queued[r], []
-                        progressed = True
-                    partners = [launched.get((channel, n, not send)) for channel, n, send in waiting[r]]
-                    if None in partners:
-                        break
-                    clock[r] = max([clock[r], *partners])
-                    waiting[r] = None
-                elif isinstance(cmd, P2P):
-                    n = counts[r].get((type(cmd), cmd.phase), 0)
-                    counts[r][(type(cmd), cmd.phase)] = n + 1
-                    queued[r].append((_channel(cmd, r), n, isinstance(cmd, (ds.SendActivation, ds.SendGrad))))
-                else:
-                    clock[r] += cost.get(type(cmd), 0.0)
-                position[r] += 1
-                progressed = True
-        assert progressed, "the streams deadlock"
-    return max(clock)
 
 
 def bubbles(p: int, m: int, f: float, b: float, w: float, per_rank=None) -> tuple[float, float]:
@@ -130,18 +94,6 @@ def test_deferred_w_lowers_the_bubble(p, m):
     assert bubbles(p, m, 1, 1, 1, per_rank=before)[1] > 2 * (p - 1)
 
 
-def test_the_timing_model_is_deepspeeds_batched_p2p():
-    """The makespan here is tests/unit/test_tune_schedule.py's (which checks the tuner's DualPipeV model) on
-    DualPipeV's own streams."""
-    from test_tune_schedule import _batched_p2p_makespan
-
-    for p, m in ((2, 4), (4, 9)):
-        per_rank = streams(ds.DualPipeVSchedule, p, m)
-        assert makespan(per_rank, {ds.ForwardPass: 1.0, ds.BackwardPass: 2.4}) == _batched_p2p_makespan(
-            per_rank, 1.0, 2.4
-        )
-
-
 def test_a_changed_deepspeed_schedule_is_refused():
     """The W slots are found by counting DeepSpeed's steps: a schedule that yields another count raises before its
     first step is handed to the engine, instead of placing W passes at the wrong commits."""
@@ -187,7 +139,7 @@ def test_the_schedule_is_a_config_value():
     from ds_megatron.pipeline_parallel.dualpipev import DualPipeVModel
     from ds_megatron.pipeline_parallel.schedules import module_class
 
-    model = {"size": "gpt-tiny", "vocab_size": 1000, "seq_length": 32}
+    model = gpt_tiny()
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "train_batch_size": 4}
     cfg["ds_megatron"] = {"model": model, "parallel": {"pipeline_schedule": "dualpipev-zb", "pp": 2}}
     assert resolve(cfg, 2).section.parallel.pipeline_schedule == "dualpipev-zb"

@@ -31,6 +31,7 @@ from ds_megatron.expert_parallel.dispatch import build_ep_groups, exchange_count
 from ds_megatron.expert_parallel.layer import ExpertParallelMoE, reduce_expert_grads
 from ds_megatron.expert_parallel.layout import check_num_experts, ep_layout, valid_ep_values
 from ds_megatron.model.moe_layer import RouterStats, SparseMoeBlock, load_balancing_loss, router_z_loss
+from ds_megatron.topology import Group
 
 E, K, H, FFN = 8, 2, 16, 16  # rows of 16 bf16 values: 32 bytes, so torch._grouped_mm takes them
 TOKENS = (5, 11, 3, 7)  # per rank: uneven
@@ -126,7 +127,8 @@ def check_parity(
     mine = slice(start, start + counts[c.rank])
 
     # the reference: one device, every rank's tokens
-    layer = ExpertParallelMoE.from_block(block, ep_group)
+    ep_rank = dist.get_rank(ep_group) if ep_group is not None else 0
+    layer = ExpertParallelMoE.from_block(block, Group(ep_group, ep_rank, ep))
     x_all = torch.cat(xs).requires_grad_()
     if capacity:
         outs, per_rank = zip(*(block(part) for part in x_all.split(counts)), strict=True)
@@ -187,7 +189,7 @@ def check_refusals(c: Ctx) -> Pairs:
     """Six experts cannot split over 4 EP ranks: refused in one line (before any collective)."""
     group = dist.new_group(list(range(c.world)))
     with pytest.raises(ConfigError, match=r"num_experts=6, ep=4\).*use ep in \[1, 2, 3, 6\]"):
-        ExpertParallelMoE(H, FFN, 6, K, True, group)
+        ExpertParallelMoE(H, FFN, 6, K, True, Group(group, c.rank, c.world))
     return [("refused", torch.tensor(1), torch.tensor(1))]
 
 
@@ -306,7 +308,7 @@ def test_layouts_the_folding_cannot_form_are_refused():
 def test_expert_params_carry_deepspeeds_marks():
     """Experts are DeepSpeed MoE parameters of group ``ep_size_<ep>`` (its engine and optimizers key on them); the
     router is not; a layer run on no token still gives every expert parameter a (zero) gradient to reduce."""
-    layer = ExpertParallelMoE.from_block(reference_block(torch.float32), None)
+    layer = ExpertParallelMoE.from_block(reference_block(torch.float32), Group())
     marked = {name: is_moe_param(p) for name, p in layer.named_parameters()}
     assert marked == {"gate.weight": False, "experts.gate_up_proj": True, "experts.down_proj": True}
     assert {p.group_name for p in layer.experts.parameters()} == {"ep_size_1"}

@@ -32,6 +32,7 @@ from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline_parallel.module import PipelineLayout, VocabParallelLoss, layer_specs, lm_head_forward
 from ds_megatron.tensor_parallel.fused_cross_entropy import chunk_tokens
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue, defer_weight_grads
+from ds_megatron.topology import Group
 
 S, B, H, CHUNK = 12, 2, 16, 5  # 24 tokens: chunks of 5, 5, 5, 5, 4
 VOCABS = (1001, 100)
@@ -66,7 +67,7 @@ def seq_part(x: torch.Tensor, c: Ctx, sp: bool) -> torch.Tensor:
 def make_layer(c: Ctx, vocab: int, sp: bool, tied: bool, dtype: torch.dtype) -> tpl.VocabParallelEmbedding:
     full = nn.Embedding(vocab, H) if tied else nn.Linear(H, vocab, bias=False)
     cls = tpl.VocabParallelEmbedding if tied else tpl.VocabParallelOutput
-    return cls(full, padded(vocab, c), tpl.TPGroup(c.group, c.rank, c.t), sp).to(dtype)
+    return cls(full, padded(vocab, c), Group(c.group, c.rank, c.t), sp).to(dtype)
 
 
 def loss_and_grads(layer, ids, target, c: Ctx, sp: bool, fused: bool, queue: WeightGradQueue | None = None):
@@ -144,7 +145,7 @@ def check_pipeline(family: str, sp: bool):
 
     def run(c: Ctx) -> Pairs:
         config = FAMILIES[family]
-        ctx = ParallelContext(config, tpl.TPGroup(c.group, c.rank, c.t), sp, None)
+        ctx = ParallelContext(config, Group(c.group, c.rank, c.t), sp, None)
         hidden = torch.randn(S, B, H)
         labels = torch.randint(0, config.vocab_size, (B, S))
         results = []

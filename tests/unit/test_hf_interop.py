@@ -4,14 +4,14 @@ bitwise-identical tensors; bad input to export is one error line and writes noth
 from __future__ import annotations
 
 import torch
+from tiny import tiny_gpt
 from transformers import GPT2LMHeadModel
 
 from ds_megatron.checkpoint.__main__ import main as checkpoint_main
-from ds_megatron.model import GPTConfig
 
 
 def _random_hf(path):
-    cfg = GPTConfig(vocab_size=1001, n_positions=16, n_embd=64, n_layer=3, n_head=4).to_hf()
+    cfg = tiny_gpt(vocab_size=1001, n_embd=64, n_layer=3).to_hf()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)
     with torch.no_grad():  # non-trivial LayerNorms and biases too
@@ -75,7 +75,7 @@ def test_init_from_hf_of_another_architecture_is_refused(tmp_path):
     from ds_megatron.checkpoint.hf_import import check_hf_config
 
     BertConfig(vocab_size=1001, hidden_size=64, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
-    gpt = GPTConfig(vocab_size=1001, n_positions=16, n_embd=64, n_layer=3, n_head=4)
+    gpt = tiny_gpt(vocab_size=1001, n_embd=64, n_layer=3)
     try:
         check_hf_config(tmp_path, gpt)
     except ValueError as err:

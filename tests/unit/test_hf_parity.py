@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_gpt
 from transformers import GPT2LMHeadModel
 
 from ds_megatron.checkpoint.adapter import StateDictAdapter
@@ -32,7 +33,7 @@ def test_logits_equal_transformers(attention):
 
 
 def test_hf_weights_load_back_bitwise():
-    cfg = GPTConfig(vocab_size=1001, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    cfg = tiny_gpt(vocab_size=1001, n_positions=32)
     hf = GPT2LMHeadModel(cfg.to_hf())
     ours = GPT(GPTConfig.from_hf(hf.config))
     ours.load_state_dict(from_hf_state_dict(hf.state_dict(), cfg))
@@ -48,14 +49,14 @@ def test_config_round_trip():
 
 
 def test_unsupported_hf_config_is_refused():
-    cfg = GPTConfig(vocab_size=100, n_positions=16, n_embd=32, n_layer=1, n_head=4).to_hf()
+    cfg = tiny_gpt(vocab_size=100, n_layer=1).to_hf()
     cfg.scale_attn_by_inverse_layer_idx = True
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         GPTConfig.from_hf(cfg)
 
 
 def test_dropout_is_active_only_in_training():
-    cfg = GPTConfig(vocab_size=100, n_positions=16, n_embd=32, n_layer=1, n_head=4)
+    cfg = tiny_gpt(vocab_size=100, n_layer=1)
     model = GPT(cfg)
     ids = torch.randint(0, 100, (2, 8))
     model.train()

@@ -21,6 +21,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+from tiny import tiny_model
 
 from ds_megatron.pipeline_parallel import rendezvous as rv
 from ds_megatron.pipeline_parallel.schedules import interleaved_order as order
@@ -157,7 +158,7 @@ def _config(pp: int = 2, gas: int = 4, layers: int = 4, **parallel) -> dict:
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": gas,
         "ds_megatron": {
-            "model": {"num_layers": layers, "hidden_size": 64, "num_heads": 4, "vocab_size": 1001, "seq_length": 16},
+            "model": tiny_model(num_layers=layers),
             "parallel": {"pp": pp, "pipeline_schedule": "interleaved-1f1b", **parallel},
         },
     }

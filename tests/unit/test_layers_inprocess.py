@@ -22,6 +22,7 @@ from torch.distributed import ProcessGroup
 
 import ds_megatron.tensor_parallel as tpl
 from ds_megatron.parallelize import ParallelContext
+from ds_megatron.topology import Group
 
 S, B, H, FFN = 8, 2, 16, 32  # s divisible by every tp below, so each SP shard has s/t rows
 WORLD_SIZES = (1, 2, 4)
@@ -62,8 +63,8 @@ def ce(logits: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none").view(target.shape)
 
 
-def tp_group(c: Ctx) -> tpl.TPGroup:
-    return tpl.TPGroup(c.group, c.rank, c.t)
+def tp_group(c: Ctx) -> Group:
+    return Group(c.group, c.rank, c.t)
 
 
 def padded(vocab: int, c: Ctx) -> int:

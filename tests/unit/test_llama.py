@@ -181,8 +181,8 @@ def _run(model: dict, tp: int = 1) -> None:
         (
             {"size": "llama-tiny"},
             4,
-            "error: ds_megatron.parallel.tp: num_kv_heads not divisible by tp (KV heads are split over TP like query "
-            "heads) (num_kv_heads=2, tp=4); use tp in [1, 2]",
+            "error: ds_megatron.parallel.tp: num_kv_heads not divisible by tp (num_kv_heads=2, tp=4); choose tp from "
+            "[1, 2] (TP splits the KV heads like the query heads)",
         ),
         (
             {"size": "llama-tiny", "rope_scaling": {"rope_type": "linear", "factor": 2.0}},

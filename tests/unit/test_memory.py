@@ -56,12 +56,12 @@ def test_one_block_stores_what_the_formula_counts(dtype, recompute):
     from ds_megatron.model.gpt2.model import GPTBlock, GPTConfig, init_module
     from ds_megatron.parallelize import ParallelContext, parallelize_block
     from ds_megatron.random import build_rng
-    from ds_megatron.tensor_parallel import TPGroup
+    from ds_megatron.topology import Group
 
     s, b, h, a = 128, 2, 64, 4
     config = GPTConfig(vocab_size=128, n_positions=s, n_embd=h, n_layer=1, n_head=a)
     rng = build_rng(1234, 0, 0, 0)
-    plan = ParallelContext(config, TPGroup(), False, rng, recompute=RecomputeSection(recompute))
+    plan = ParallelContext(config, Group(), False, rng, recompute=RecomputeSection(recompute))
     block = GPTBlock(config)
     init_module(block, config, 1234, prefix="transformer.h.0.")
     block = parallelize_block(block, plan).to(DTYPES[dtype]).train()
@@ -150,14 +150,14 @@ def test_one_sdpa_block_stores_what_the_formula_counts(dtype, attn_dropout):
     from ds_megatron.model.gpt2.model import GPTBlock, GPTConfig, init_module
     from ds_megatron.parallelize import ParallelContext, parallelize_block
     from ds_megatron.random import build_rng
-    from ds_megatron.tensor_parallel import TPGroup
+    from ds_megatron.topology import Group
 
     s, b, h, a = 128, 2, 64, 4
     config = GPTConfig(
         vocab_size=128, n_positions=s, n_embd=h, n_layer=1, n_head=a, attention="sdpa", attn_pdrop=attn_dropout
     )
     rng = build_rng(1234, 0, 0, 0)
-    plan = ParallelContext(config, TPGroup(), False, rng, recompute=RecomputeSection("none"))
+    plan = ParallelContext(config, Group(), False, rng, recompute=RecomputeSection("none"))
     block = GPTBlock(config)
     init_module(block, config, 1234, prefix="transformer.h.0.")
     block = parallelize_block(block, plan).to(DTYPES[dtype]).train()
@@ -279,7 +279,7 @@ def test_one_llama_block_stores_what_the_formula_counts(dtype, attention, dropou
     from ds_megatron.model.llama.model import LlamaBlock, LlamaConfig, init_llama_module
     from ds_megatron.parallelize import ParallelContext, parallelize_block
     from ds_megatron.random import build_rng
-    from ds_megatron.tensor_parallel import TPGroup
+    from ds_megatron.topology import Group
 
     s, b, h, a, k, f = 128, 2, 64, 4, 2, 176
     config = LlamaConfig(
@@ -295,7 +295,7 @@ def test_one_llama_block_stores_what_the_formula_counts(dtype, attention, dropou
         attention=attention,
     )
     rng = build_rng(1234, 0, 0, 0)
-    plan = ParallelContext(config, TPGroup(), False, rng, recompute=RecomputeSection(recompute))
+    plan = ParallelContext(config, Group(), False, rng, recompute=RecomputeSection(recompute))
     block = LlamaBlock(config)
     init_llama_module(block, config, 1234, prefix="model.layers.0.")
     block = parallelize_block(block, plan).to(DTYPES[dtype]).train()
@@ -346,7 +346,7 @@ def _block(family: str, attention: str, modules: tuple, dtype, seed: int = 1234)
     from ds_megatron.model.llama.model import LlamaBlock, LlamaConfig, init_llama_module
     from ds_megatron.parallelize import ParallelContext, parallelize_block
     from ds_megatron.random import build_rng
-    from ds_megatron.tensor_parallel import TPGroup
+    from ds_megatron.topology import Group
 
     s, h, a = 128, 64, 4
     if family == "gpt2":
@@ -361,7 +361,7 @@ def _block(family: str, attention: str, modules: tuple, dtype, seed: int = 1234)
     init(block, config, seed, prefix=prefix)
     rng = build_rng(seed, 0, 0, 0)
     recompute = RecomputeSection("selective", modules=modules) if modules else RecomputeSection("none")
-    plan = ParallelContext(config, TPGroup(), False, rng, recompute=recompute)
+    plan = ParallelContext(config, Group(), False, rng, recompute=recompute)
     return parallelize_block(block, plan).to(dtype).train(), config, rng
 
 

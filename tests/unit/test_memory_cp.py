@@ -207,7 +207,7 @@ def _cp_llama_block(group, rank: int, world: int, comm: str, kernel: str, dtype,
     from ds_megatron.model.llama.model import LlamaBlock, LlamaConfig, init_llama_module
     from ds_megatron.parallelize import ParallelContext, parallelize_block
     from ds_megatron.random import build_rng
-    from ds_megatron.tensor_parallel import TPGroup
+    from ds_megatron.topology import Group
 
     s, b, h, a, k, f = 128, 2, 64, 4, 2, 176
     config = LlamaConfig(
@@ -224,8 +224,8 @@ def _cp_llama_block(group, rank: int, world: int, comm: str, kernel: str, dtype,
     )
     rng = build_rng(1234, 0, 0, rank)
     plan = ParallelContext(
-        config, TPGroup(), False, rng, recompute=RecomputeSection(recompute),
-        cp_group=group, cp_rank=rank, cp_size=world, cp_comm=comm,
+        config, Group(), False, rng, recompute=RecomputeSection(recompute),
+        cp=Group(group, rank, world), cp_comm=comm,
     )  # fmt: skip
     block = LlamaBlock(config)
     init_llama_module(block, config, 1234, prefix="model.layers.0.")

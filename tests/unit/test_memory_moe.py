@@ -55,7 +55,7 @@ def _check(family: str, dtype: str, modules: tuple, group, rank: int, world: int
     from ds_megatron.model import FAMILIES
     from ds_megatron.parallelize import ParallelContext, parallelize_block
     from ds_megatron.random import build_rng
-    from ds_megatron.tensor_parallel import TPGroup
+    from ds_megatron.topology import Group
 
     g = SHAPE
     config = FAMILIES[family].config(
@@ -68,7 +68,7 @@ def _check(family: str, dtype: str, modules: tuple, group, rank: int, world: int
     torch_side.init(block, config, 1234, prefix="model.layers.0.")
     rng = build_rng(1234, rank, 0, 0)
     recompute = RecomputeSection("selective", modules=modules) if modules else RecomputeSection("none")
-    tp = TPGroup(group, rank, world) if world > 1 else TPGroup()
+    tp = Group(group, rank, world) if world > 1 else Group()
     plan = ParallelContext(config, tp, world > 1, rng, recompute=recompute)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     block = parallelize_block(block, plan).to(dt).train()

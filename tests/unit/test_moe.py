@@ -291,8 +291,8 @@ def test_moe_recompute_keeps_only_the_experts_inputs_and_replays_them_exactly():
     import functools
 
     from ds_megatron.recompute import checkpoint
-    from ds_megatron.tensor_parallel import TPGroup
     from ds_megatron.tensor_parallel.experts import TensorParallelExperts
+    from ds_megatron.topology import Group
 
     torch.manual_seed(0)
     block = SparseMoeBlock(64, 32, 4, 2, True)
@@ -302,7 +302,7 @@ def test_moe_recompute_keeps_only_the_experts_inputs_and_replays_them_exactly():
     x = torch.randn(48, 64)
 
     def run(recompute):
-        experts = TensorParallelExperts(block.experts, TPGroup(), recompute=recompute)
+        experts = TensorParallelExperts(block.experts, Group(), recompute=recompute)
         inp = x.clone().requires_grad_()
         weights, chosen, _ = block.gate(inp)
         saved = []

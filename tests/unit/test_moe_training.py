@@ -174,7 +174,7 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         layer_specs,
         lm_head_forward,
     )
-    from ds_megatron.tensor_parallel import TPGroup, shard
+    from ds_megatron.tensor_parallel import shard
     from ds_megatron.topology import ParallelTopology
 
     o = layout.options
@@ -190,17 +190,13 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     cfg = model_config(run.model)
     ctx = ParallelContext(
         cfg,
-        TPGroup(topo.tp_group, topo.tp_rank, topo.tp),
+        topo.tp_axis,
         run.section.parallel.sequence_parallel,
         None,
         recompute=run.section.recompute,
-        cp_group=topo.cp_group,
-        cp_rank=topo.cp_rank,
-        cp_size=topo.cp,
+        cp=topo.cp_axis,
         cp_comm=run.section.parallel.cp_comm,
-        ep_group=topo.ep_group,
-        ep_size=topo.ep,
-        ep_rank=dist.get_rank(topo.ep_group) if topo.ep_group is not None else 0,
+        ep=topo.ep_axis,
     )
     seed = run.section.train.seed
     loss_fn = VocabParallelLoss(ctx, fused="bf16" not in o)

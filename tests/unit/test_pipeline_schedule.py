@@ -12,6 +12,7 @@ import torch
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import ForwardPass, ReduceTiedGrads
+from tiny import tiny_model
 
 from ds_megatron.checkpoint.layout import stage_param_layers
 from ds_megatron.config import ConfigError, resolve
@@ -25,7 +26,7 @@ BASE = {
     "train_micro_batch_size_per_gpu": 2,
     "gradient_accumulation_steps": 4,
     "ds_megatron": {
-        "model": {"num_layers": 4, "hidden_size": 64, "num_heads": 4, "vocab_size": 1001, "seq_length": 16},
+        "model": tiny_model(),
         "parallel": {"tp": 1, "pp": 2, "pipeline_schedule": "dualpipev"},
     },
 }

@@ -4,6 +4,7 @@ dropout 0.1 and the same seed (exact RNG replay), inside the pipeline engine at 
 from __future__ import annotations
 
 import pytest
+from tiny import gpt_tiny
 
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.schema import RecomputeSection
@@ -116,7 +117,7 @@ def test_recompute_modules_are_validated(recompute, attention, message):
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "ds_megatron": {
-            "model": {"size": "gpt-tiny", "vocab_size": 1000, "seq_length": 32, "attention": attention},
+            "model": gpt_tiny(attention=attention),
             "recompute": recompute,
         },
     }
@@ -128,7 +129,7 @@ def test_recompute_modules_are_validated(recompute, attention, message):
 def test_recompute_modules_compose_with_sdpa():
     from ds_megatron.config import resolve
 
-    model = {"size": "gpt-tiny", "vocab_size": 1000, "seq_length": 32, "attention": "sdpa"}
+    model = gpt_tiny(attention="sdpa")
     cfg = {"train_micro_batch_size_per_gpu": 1, "ds_megatron": {"model": model}}
     cfg["ds_megatron"]["recompute"] = {"policy": "selective", "modules": ["mlp_act", "layernorm"]}
     assert resolve(cfg, 1).section.recompute.modules == ("mlp_act", "layernorm")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import torch
+from tiny import tiny_gpt, tiny_llama
 
 from ds_megatron.model import GPTConfig
 from ds_megatron.parallelize import ParallelContext, shard_rule
-from ds_megatron.tensor_parallel import ShardRule, TPGroup, padded_vocab_size, shard, unshard
+from ds_megatron.tensor_parallel import ShardRule, padded_vocab_size, shard, unshard
+from ds_megatron.topology import Group
 
 
 def test_padded_vocab_size():
@@ -31,7 +33,7 @@ def test_qkv_shard_takes_the_same_heads_of_q_k_and_v():
 
 
 def test_round_trip_every_rule():
-    plan = ParallelContext(GPTConfig(vocab_size=1001, n_embd=16, n_head=4, n_layer=1), TPGroup(size=4), False, None)
+    plan = ParallelContext(GPTConfig(vocab_size=1001, n_embd=16, n_head=4, n_layer=1), Group(size=4), False, None)
     shapes = {
         "transformer.h.0.attn.c_attn.weight": (48, 16),
         "transformer.h.0.attn.c_attn.bias": (48,),
@@ -57,7 +59,7 @@ def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
     style (so layers, checkpoints and export read one table)."""
     from ds_megatron.model.family import COLUMN, NORM, ROW, VOCAB
     from ds_megatron.model.gpt2 import PLAN as GPT2_PLAN
-    from ds_megatron.model.gpt2.model import GPT, GPTConfig
+    from ds_megatron.model.gpt2.model import GPT
     from ds_megatron.parallelize import ParallelContext, parallelize_model, plan_row
     from ds_megatron.tensor_parallel import (
         ColumnParallelLinear,
@@ -66,10 +68,10 @@ def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
         VocabParallelEmbedding,
     )
 
-    config = GPTConfig(vocab_size=1001, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    config = tiny_gpt(vocab_size=1001)
     model = GPT(config)
     assert all(plan_row(name) is not None for name, _ in model.named_parameters())
-    parallelize_model(model, ParallelContext(config, TPGroup(), True, None))
+    parallelize_model(model, ParallelContext(config, Group(), True, None))
     expected = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear, VOCAB: VocabParallelEmbedding}
     for row in GPT2_PLAN:
         paths = [row.path] if row.path.startswith("transformer.") else [f"transformer.h.{i}.{row.path}" for i in (0, 1)]
@@ -92,20 +94,20 @@ def test_parallelism_reaches_a_block_only_through_its_hooks_and_the_plan_swaps()
     from ds_megatron.config.schema import RecomputeSection
     from ds_megatron.model.gpt2.model import GPTBlock
     from ds_megatron.model.layers import SINGLE_DEVICE
-    from ds_megatron.model.llama.model import LlamaBlock, LlamaConfig
+    from ds_megatron.model.llama.model import LlamaBlock
     from ds_megatron.parallelize import parallelize_block
     from ds_megatron.random import build_rng
 
     everything = RecomputeSection("selective", modules=("core_attn", "mlp_act", "layernorm"))
     configs = (
-        GPTConfig(vocab_size=128, n_positions=16, n_embd=32, n_layer=1, n_head=4),
-        LlamaConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64),
+        tiny_gpt(n_layer=1),
+        tiny_llama(num_layers=1),
     )
     for block_class, config in zip((GPTBlock, LlamaBlock), configs):
         block = block_class(config)
         assert block.hooks is SINGLE_DEVICE
         before = _attributes(block)
-        ctx = ParallelContext(config, TPGroup(), False, build_rng(1, 0, 0, 0), recompute=everything)
+        ctx = ParallelContext(config, Group(), False, build_rng(1, 0, 0, 0), recompute=everything)
         parallelize_block(block, ctx)
         after = _attributes(block)
         for row in ctx.family.block_rows:  # the plan's swapped modules are new modules
@@ -118,16 +120,16 @@ def test_every_sp_replicated_parameter_is_held_by_a_layer_the_engine_can_switch(
     """Under SP the layers holding SP-replicated parameters (norms, row-parallel biases, the position table) are
     SPReplicatedGrads: ``defer_sp_grad_sync`` turns off each one's per-micro-batch sum, and no other module holds
     such a parameter."""
-    from ds_megatron.model import LlamaConfig, build_model
+    from ds_megatron.model import build_model
     from ds_megatron.parallelize import parallelize_model
     from ds_megatron.tensor_parallel import SPReplicatedGrads, defer_sp_grad_sync
 
     configs = (
-        GPTConfig(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4),
-        LlamaConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64),
+        tiny_gpt(),
+        tiny_llama(),
     )
     for config in configs:
-        model = parallelize_model(build_model(config), ParallelContext(config, TPGroup(None, 0, 2), True, None))
+        model = parallelize_model(build_model(config), ParallelContext(config, Group(None, 0, 2), True, None))
         holders = [
             m
             for m in model.modules()
@@ -158,12 +160,12 @@ def test_pipeline_layers_start_from_the_single_device_weights_and_draw_only_thei
     4, with fused q|k|v, grouped KV heads, vocabulary padding and an untied output layer), and a rank draws only
     the values its shards hold: at most its own parameters' count (drawing every full tensor and slicing drew
     the whole model on every rank).  Without drawing (weights loaded next, ``init_weights=False``) all are zero."""
-    from ds_megatron.model import LlamaConfig, build_model
+    from ds_megatron.model import build_model
     from ds_megatron.pipeline_parallel.module import PipelineLayout, layer_specs
 
     configs = (
-        GPTConfig(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=4),
-        LlamaConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48),
+        tiny_gpt(vocab_size=100),
+        tiny_llama(vocab_size=100, intermediate_size=48),
     )
     drawn = _drawn_elements(monkeypatch)
     for config in configs:
@@ -172,7 +174,7 @@ def test_pipeline_layers_start_from_the_single_device_weights_and_draw_only_thei
         for tp in (1, 2, 4):
             shards: dict[str, list[torch.Tensor]] = {}
             for rank in range(tp):
-                ctx = ParallelContext(config, TPGroup(None, rank, tp), False, None)
+                ctx = ParallelContext(config, Group(None, rank, tp), False, None)
                 drawn[0] = 0
                 layers = [spec.build() for spec in layer_specs(config, ctx, 5)[:-1]]  # the last: tied or lm_head
                 if not layout.tied:
@@ -185,9 +187,9 @@ def test_pipeline_layers_start_from_the_single_device_weights_and_draw_only_thei
                     shards.setdefault(name, []).append(p.detach())
             assert set(shards) == set(reference)
             for name, parts in shards.items():
-                rule = shard_rule(name, ParallelContext(config, TPGroup(None, 0, tp), False, None))
+                rule = shard_rule(name, ParallelContext(config, Group(None, 0, tp), False, None))
                 assert torch.equal(unshard(parts, rule), reference[name].detach()), (config.family, tp, name)
-        skipped = ParallelContext(config, TPGroup(None, 1, 2), False, None, init_weights=False)
+        skipped = ParallelContext(config, Group(None, 1, 2), False, None, init_weights=False)
         drawn[0] = 0
         layers = [spec.build() for spec in layer_specs(config, skipped, 5)]
         assert drawn[0] == 0 and all(not p.any() for m in layers for p in m.parameters())

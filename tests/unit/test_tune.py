@@ -434,12 +434,12 @@ def test_stage_param_counts_follow_the_shard_rules(tp):
     """pp 2 over 4 blocks: stage 0 = wte, wpe, h.0, h.1; stage 1 = h.2, h.3, ln_f, tied wte.  Each parameter's
     size on TP rank 0 comes from the project's own shard rules."""
     from ds_megatron.parallelize import ParallelContext, shard_rule
-    from ds_megatron.tensor_parallel import TPGroup
     from ds_megatron.tensor_parallel.sharding import shard
+    from ds_megatron.topology import Group
 
     model = build_model_shape(None, 4, 64, 4, 257, 32)
     gpt, cfg = _gpt(model)
-    plan = ParallelContext(cfg, TPGroup(size=tp), False, None)
+    plan = ParallelContext(cfg, Group(size=tp), False, None)
     local = {name: shard(p.data, shard_rule(name, plan), 0, tp).numel() for name, p in gpt.named_parameters()}
     first_names = ("transformer.wte.", "transformer.wpe.", "transformer.h.0.", "transformer.h.1.")
     last_names = ("transformer.h.2.", "transformer.h.3.", "transformer.ln_f.", "transformer.wte.")

@@ -59,8 +59,8 @@ def test_parameter_counts_equal_the_real_model_and_its_shard_rules(tied):
     plan's shard rules (stage 0: embed_tokens, layers 0-1; stage 1: layers 2-3, norm, lm_head or the tied copy)."""
     from ds_megatron.model.llama.model import Llama, LlamaConfig
     from ds_megatron.parallelize import ParallelContext, shard_rule
-    from ds_megatron.tensor_parallel import TPGroup
     from ds_megatron.tensor_parallel.sharding import shard
+    from ds_megatron.topology import Group
 
     model = build_model_shape(
         None, 4, 64, 4, 257, 32, family="llama", kv_heads=2, intermediate_size=176, tie_word_embeddings=tied
@@ -77,7 +77,7 @@ def test_parameter_counts_equal_the_real_model_and_its_shard_rules(tied):
     )
     llama = Llama(cfg)
     assert params(model) == sum(p.numel() for p in llama.parameters())
-    plan = ParallelContext(cfg, TPGroup(size=2), False, None)
+    plan = ParallelContext(cfg, Group(size=2), False, None)
     local = {name: shard(p.data, shard_rule(name, plan), 0, 2).numel() for name, p in llama.named_parameters()}
     first = sum(
         n for name, n in local.items() if name.startswith(("model.embed_tokens.", "model.layers.0.", "model.layers.1."))

@@ -17,8 +17,9 @@ from ds_megatron.memory import deferred_weight_grad_bytes_per_layer
 from ds_megatron.pipeline_parallel.schedules.dualpipev import peak_bytes as dualpipev_peak_bytes
 from ds_megatron.pipeline_parallel.schedules.dualpipev import simulate as simulate_dualpipev
 from ds_megatron.pipeline_parallel.schedules.dualpipev import slots as dualpipev_slots
+from ds_megatron.pipeline_parallel.schedules.simulate import makespan as simulate_makespan
 from ds_megatron.pipeline_parallel.schedules.v_order import dualpipev_order
-from ds_megatron.pipeline_parallel.zero_bubble import ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
+from ds_megatron.pipeline_parallel.zero_bubble import WeightGradPass, ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
 from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search
 from ds_megatron.tune.__main__ import main
 from ds_megatron.tune.core.memory_model import (
@@ -94,43 +95,31 @@ def _channel(cmd, rank: int) -> tuple:
     return kind, cmd.phase, rank - down if kind == "act" else rank + down
 
 
-def _batched_p2p_makespan(per_rank: list[list], forward: float, backward: float) -> float:
-    """Finish time of DeepSpeed's DualPipeV streams: sends and receives are queued and a CommitP2P launches the
-    batch and waits until every op's partner has been launched (the n-th op of a channel on either side); compute
-    takes ``forward`` or ``backward``, transfers nothing."""
-    p = len(per_rank)
-    clock, position = [0.0] * p, [0] * p
-    queued: list[list] = [[] for _ in range(p)]
-    waiting: list[list | None] = [None] * p
-    counts: list[dict] = [{} for _ in range(p)]
-    launched: dict = {}  # (channel, n, is send) -> launch time
-    while any(position[r] < len(per_rank[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            while position[r] < len(per_rank[r]):
-                cmd = per_rank[r][position[r]]
-                if isinstance(cmd, ds.CommitP2P):
-                    if waiting[r] is None:
-                        launched.update({op: clock[r] for op in queued[r]})
-                        waiting[r], queued[r] = queued[r], []
-                        progressed = True
-                    partners = [launched.get((channel, n, not send)) for channel, n, send in waiting[r]]
-                    if None in partners:
-                        break
-                    clock[r] = max([clock[r], *partners])
-                    waiting[r] = None
-                elif isinstance(cmd, P2P):
-                    n = counts[r].get((type(cmd), cmd.phase), 0)
-                    counts[r][(type(cmd), cmd.phase)] = n + 1
-                    queued[r].append((_channel(cmd, r), n, isinstance(cmd, (ds.SendActivation, ds.SendGrad))))
-                elif isinstance(cmd, ds.ForwardPass):
-                    clock[r] += forward
-                elif isinstance(cmd, ds.BackwardPass):
-                    clock[r] += backward
-                position[r] += 1
-                progressed = True
-        assert progressed, "the streams deadlock"
-    return max(clock)
+def batched_p2p_makespan(per_rank: list[list], cost: dict) -> float:
+    """Finish time of DeepSpeed's DualPipeV instruction streams under its batched p2p, timed by the schedules' one
+    timing model (``schedules.simulate.makespan``): a CommitP2P launches the queued sends and receives at once and
+    waits until every op's partner (the n-th op of its channel on the other side) has been launched, so each op
+    posts its launch ("S") and then waits for its partner's ("R"); ``cost`` gives each compute instruction class
+    (ForwardPass, BackwardPass, WeightGradPass) its time, transfers take none."""
+    kinds = {ds.ForwardPass: "F", ds.BackwardPass: "B", WeightGradPass: "W"}
+    timed = []
+    for r, stream in enumerate(per_rank):
+        ops: list[tuple] = []
+        queued: list[tuple] = []
+        counts: dict = {}
+        for cmd in stream:
+            if isinstance(cmd, ds.CommitP2P):
+                ops += [("S", (channel, n, send)) for channel, n, send in queued]
+                ops += [("R", (channel, n, not send)) for channel, n, send in queued]
+                queued = []
+            elif isinstance(cmd, P2P):
+                n = counts.get((type(cmd), cmd.phase), 0)
+                counts[(type(cmd), cmd.phase)] = n + 1
+                queued.append((_channel(cmd, r), n, isinstance(cmd, (ds.SendActivation, ds.SendGrad))))
+            elif type(cmd) in kinds:
+                ops.append((kinds[type(cmd)],))
+        timed.append(ops)
+    return simulate_makespan(timed, tuple(float(cost.get(kind, 0.0)) for kind in kinds))
 
 
 DUALPIPEV_CASES = [(p, m) for p in (2, 3, 4, 8) for m in (2 * p, 2 * p + 1, 3 * p, 4 * p)]
@@ -151,7 +140,7 @@ def test_dualpipev_order_and_makespan_are_deepspeeds(p, m):
         assert dualpipev_peak_bytes(p, m, r, (1.0, 1.0)) == peak == 2 * p + 1  # every rank: 2p + 1 chunks at most
     for forward, backward in ((1.0, 2.0), (1.0, 1.0), (1.6, 2.4)):
         assert simulate_dualpipev(p, m, forward, backward) == pytest.approx(
-            _batched_p2p_makespan(per_rank, forward, backward)
+            batched_p2p_makespan(per_rank, {ds.ForwardPass: forward, ds.BackwardPass: backward})
         )
     # fewer bubble slots than 1F1B's p - 1 at the time model's F : B = 1 : 2
     assert m < dualpipev_slots(p, m) < m + p - 1

@@ -17,48 +17,23 @@ from typing import NamedTuple
 import pytest
 import torch
 from inprocess import Pairs, failures, run_checks, spawn_reports
+from tiny import tiny_gpt, tiny_llama
 from torch.distributed import ProcessGroup
 
 from ds_megatron.config.schema import RecomputeSection
-from ds_megatron.model import GPTConfig, LlamaConfig, build_model
+from ds_megatron.model import build_model
 from ds_megatron.parallelize import ParallelContext, parallelize_model
 from ds_megatron.recompute import checkpoint
-from ds_megatron.tensor_parallel import TPGroup, vocab_parallel_cross_entropy
+from ds_megatron.tensor_parallel import vocab_parallel_cross_entropy
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue, defer_weight_grads
+from ds_megatron.topology import Group
 
 S, B, MICRO_BATCHES, VOCAB = 8, 2, 3, 101
+LLAMA = dict(vocab_size=VOCAB, intermediate_size=48, max_position_embeddings=16, rope_theta=10000.0)
 FAMILIES = {
-    "gpt2": GPTConfig(
-        vocab_size=VOCAB,
-        n_positions=16,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-    ),
-    "llama": LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=48,
-        max_position_embeddings=16,
-        rope_theta=10000.0,
-    ),  # fmt: skip
-    "llama-tied": LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=48,
-        max_position_embeddings=16,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-    ),  # fmt: skip
+    "gpt2": tiny_gpt(vocab_size=VOCAB, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0),
+    "llama": tiny_llama(**LLAMA),
+    "llama-tied": tiny_llama(**LLAMA, tie_word_embeddings=True),
 }
 RECOMPUTE = {
     "none": RecomputeSection(),
@@ -77,7 +52,7 @@ class Ctx(NamedTuple):
 def build(c: Ctx, family: str, sp: bool, recompute: str, dtype: torch.dtype):
     config = FAMILIES[family]
     policy = RECOMPUTE[recompute]
-    ctx = ParallelContext(config=config, tp=TPGroup(c.group, c.rank, c.t), sequence_parallel=sp, rng=None)
+    ctx = ParallelContext(config=config, tp=Group(c.group, c.rank, c.t), sequence_parallel=sp, rng=None)
     ctx.recompute = policy if policy.policy == "selective" else RecomputeSection()
     model = parallelize_model(build_model(config, seed=3), ctx).to(dtype)
     if policy.policy == "full":  # each block recomputed in backward, as the pipeline's full policy does

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
+from tiny import gpt_tiny
 
 from ds_megatron.pipeline_parallel.schedules.simulate import makespan as zb_makespan
 from ds_megatron.pipeline_parallel.zero_bubble import KINDS, WeightGradPass, ZeroBubbleH1Schedule, ZeroBubbleH2Schedule
@@ -107,7 +108,7 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(p, m):
 def test_pipeline_schedule_is_validated(schedule, fp16, message):
     from ds_megatron.config import ConfigError, resolve
 
-    model = {"size": "gpt-tiny", "vocab_size": 1000, "seq_length": 32}
+    model = gpt_tiny()
     cfg = {"train_micro_batch_size_per_gpu": 1, "ds_megatron": {"model": model}}
     cfg["ds_megatron"]["parallel"] = {"pipeline_schedule": schedule, "pp": 2}
     if fp16:

@@ -32,6 +32,7 @@ from ds_megatron.model.family import (
     PlanRow,
     RoutedShape,
     TunerFacts,
+    check_experts_per_token,
     hf_fields,
     read_fields,
 )
@@ -154,8 +155,7 @@ class Qwen3MoeConfig:
 
     def __post_init__(self) -> None:
         e, k, step = self.num_experts, self.num_experts_per_tok, self.decoder_sparse_step
-        if not 1 <= k <= e:
-            raise ValueError(f"error: num_experts_per_tok ({k}) must be 1..num_experts ({e}); lower it")
+        check_experts_per_token(k, e)
         if step < 1:
             raise ValueError(f"error: decoder_sparse_step ({step}) must be >= 1; use 1 for every layer routed")
         if self.num_heads % self.num_kv_heads:

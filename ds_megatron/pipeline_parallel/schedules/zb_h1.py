@@ -3,8 +3,8 @@ into B (input gradients) and a deferred W (weight gradients), stage s holding ba
 (``schedules.zb_order.zb_h1_streams``), run by ``pipeline_parallel.zero_bubble``.  1F1B's activations in flight;
 at T_F = T_B = T_W (and whenever T_W <= T_F <= T_B) the fill and drain shrink from (p-1)(T_F+T_B+T_W) to
 (p-1)(T_F+T_B-T_W), W filling the cooldown slots; a W dearer than a forward fills less (at T_F 0.8, T_B 1, T_W 0.9:
-(p-1) T_B, not 0.9 (p-1)).  Not searched by default: measured on CPU only (idle 0.65x at m 4, the step gain eaten
-by the split backward's extra work)."""
+(p-1) T_B, not 0.9 (p-1)).  Not searched by default: measured on CPU only, where the split backward's extra work
+ate most of the idle time it saved (benchmarks/results/zero_bubble_async.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def order(p: int, m: int, rank: int) -> tuple:
 
 def critical_path(p: int, m: int, t_mb: float, t_w: float) -> tuple[float, float]:
     """The model's backward is two forwards' GEMMs, W its weight-gradient share: T_F = t_mb / 3.  ZB-H1's order is
-    one per (p, m), timed in about 2 ms, so its W share is exact ((p-1)(t_mb - 2 T_W) at T_W below T_F)."""
+    one per (p, m) and cheap to time, so its W share is exact ((p-1)(t_mb - 2 T_W) at T_W below T_F)."""
     if p == 1:
         return loop_slots(p, m, t_mb, t_w)
     bubble = zb_order.bubble(False, p, m, t_mb / 3, 2 * t_mb / 3 - t_w, t_w)
