@@ -12,8 +12,8 @@ Each case trains 3 steps with the overlap off and then on, from the same weights
 norms and every final weight must be equal; step 1 learns the step's instruction stream (no bucket starts inside a
 gradient pass), steps 2 and 3 start buckets inside the last gradient pass.  Covered: dp 2 (fp32 and bf16 with ZeRO-1,
 gradient accumulation 2 and 4), dp 2 x pp 2 (tied embedding across the stages, reduced after its tied sum; 1F1B and
-ZB-H1's deferred weight gradients; DualPipeV-ZB's and interleaved-ZB's two stages per rank), tp 2 + SP x dp 2 (the SP-replicated
-gradients reduced after their once-per-step TP sum).
+ZB-H1's deferred weight gradients; DualPipeV-ZB's and interleaved-ZB's two stages per rank), tp 2 + SP x dp 2 (the
+SP-replicated gradients reduced after their once-per-step TP sum).
 """
 
 from __future__ import annotations
