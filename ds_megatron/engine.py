@@ -29,6 +29,7 @@ from ds_megatron.expert_parallel.layer import expert_group_name, reduce_expert_g
 from ds_megatron.model import ModelConfig, model_config
 from ds_megatron.optim import ClippedAdamW, WarmupCosineScheduler, adamw_kwargs, global_grad_norm, param_groups
 from ds_megatron.parallelize import ParallelContext
+from ds_megatron.pipeline_parallel.grad_reduce import install_grad_reduce_overlap, overlap_refusal
 from ds_megatron.pipeline_parallel.module import build_pipeline_module
 from ds_megatron.pipeline_parallel.schedules import schedule_of
 from ds_megatron.random import RNGTracker, build_rng
@@ -351,6 +352,28 @@ def install_expert_grad_reduction(engine, topology: ParallelTopology) -> bool:
     return True
 
 
+def install_overlap(engine, topology: ParallelTopology, run: RunConfig, sp_step_sum: bool) -> str | None:
+    """With ``parallel.overlap_grad_reduce`` (the default), the data-parallel reduction overlapped with the step's
+    last backward work (``pipeline_parallel.grad_reduce``), installed last: its ``ReduceGrads`` replaces DeepSpeed's
+    and the experts' (``install_expert_grad_reduction``).  Reduced after their own sums, as DeepSpeed does: tied
+    weights shared by several stages and, with the once-per-step SP sum, the SP-replicated parameters.  Returns the
+    line to print (what was installed, or why DeepSpeed reduces), None when off or nothing is reduced."""
+    if not run.section.parallel.overlap_grad_reduce:
+        return None
+    experts_reduced = topology.ep > 1 and dist.get_world_size(topology.expert_dp_group) > 1
+    if topology.dp * topology.cp == 1 and not experts_reduced:
+        return None
+    refusal = overlap_refusal(engine)
+    if refusal is not None:
+        return f"overlap_grad_reduce: DeepSpeed reduces the data-parallel gradients after the step ({refusal})"
+    late = [w for w, group in engine.module.get_tied_weights_and_groups() if dist.get_world_size(group) > 1]
+    if sp_step_sum:
+        late += [p for p in engine.module.parameters() if getattr(p, "sequence_parallel_replicated", False)]
+    groups = (topology.expert_dp_group, topology.expert_grad_divisor) if topology.ep > 1 else (None, 1)
+    install_grad_reduce_overlap(engine, late, *groups)
+    return "data-parallel gradients reduced while the step's last backward runs (parallel.overlap_grad_reduce)"
+
+
 def build_engine(run: RunConfig) -> Built:
     threads = default_cpu_threads()
     init_distributed()
@@ -428,8 +451,12 @@ def build_engine(run: RunConfig) -> Built:
         pipeline.engine_class().install(engine, queue)
     else:
         pipeline.engine_class().install(engine)
-    if install_step_sp_grad_sync(engine, topology, run) and topology.rank == 0:
+    sp_step_sum = install_step_sp_grad_sync(engine, topology, run)
+    if sp_step_sum and topology.rank == 0:
         print("ds_megatron: SP-replicated gradients summed over TP once per step (fp32)", flush=True)
     if install_expert_grad_reduction(engine, topology) and topology.rank == 0:
         print(f"ds_megatron: experts split over ep {topology.ep}; their gradients reduced over expert-DP", flush=True)
+    note = install_overlap(engine, topology, run, sp_step_sum)
+    if note and topology.rank == 0:
+        print(f"ds_megatron: {note}", flush=True)
     return Built(engine, topology, parallel, rng, config, run)

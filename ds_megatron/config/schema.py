@@ -106,6 +106,9 @@ class ParallelSection:
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = DEFAULT_PARTITION_METHOD  # DeepSpeed's pipeline partitioning (balance blocks per stage)
     sp_grad_sync: str = "step"  # SP-replicated gradients summed over TP once per "step" (fp32), or per "micro_batch"
+    # the data-parallel gradient all-reduce started per bucket as each gradient is final (during the step's last
+    # backward work) instead of all at once after it (pipeline_parallel.grad_reduce; the same sums, see docs)
+    overlap_grad_reduce: bool = True
     pipeline_schedule: str = DEFAULT_SCHEDULE.name  # one of PIPELINE_SCHEDULES' names
     # model chunks (virtual stages) per pipeline rank, v >= 2, for a schedule whose record reads it
     # (Schedule.stages_setting; None: the record's default)

@@ -95,6 +95,9 @@ class DeferredWeightGradSteps:
     optimizer step with W passes still queued is an error."""
 
     weight_grad_queue = None  # the rank's ``WeightGradQueue``, set by the engine's ``install``
+    # told before and after each W pass (after its gradients reached the BF16 optimizer's fp32 buffers): the
+    # overlapped data-parallel reduction (``grad_reduce.GradReduceOverlap``), None without it
+    grad_pass_observer = None
 
     @classmethod
     def _attach(cls, engine, queue) -> None:
@@ -110,14 +113,19 @@ class DeferredWeightGradSteps:
         every gradient is added to the accumulators exactly once, in 16-bit as a backward pass leaves it."""
         queue = self.weight_grad_queue
         bf16 = bool(getattr(self, "using_bf16_optimizer", False))
+        observer = self.grad_pass_observer
         while len(queue):
+            if not queue.sealed:
+                queue.seal()
             if bf16:
                 self.optimizer.clear_lp_grads()
-            if not queue.run_next():
-                queue.seal()
-                continue
+            if observer is not None:
+                observer.begin_pass()
+            queue.run_next()
             if bf16 and not self._config.bfloat16_config.immediate_grad_update:
                 self.optimizer.update_hp_grads(clear_lp_grads=False)
+            if observer is not None:
+                observer.end_pass()
             if not all_of_them:
                 return
 

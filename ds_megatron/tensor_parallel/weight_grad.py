@@ -46,6 +46,11 @@ class WeightGradQueue:
             self._sealed.append(self._open)
             self._open = []
 
+    @property
+    def sealed(self) -> int:
+        """Sealed W passes waiting to run."""
+        return len(self._sealed)
+
     def __len__(self) -> int:
         """W passes not yet run (the current, unsealed one included)."""
         return len(self._sealed) + (1 if self._open else 0)

@@ -34,7 +34,10 @@ from ds_megatron.tune.core.memory_model import (
 from ds_megatron.tune.core.spec import Candidate, Cluster
 
 GRAD_REDUCE_BYTES = 4  # DeepSpeed's BF16 optimizer reduces the fp32 gradient copies (grad_accum_dtype fp32)
-# DeepSpeed's PipelineEngine reduces gradients after the last backward of the step, so none of it hides behind compute.
+# The share of the data-parallel reduction counted as hidden behind compute: none.  DeepSpeed's PipelineEngine reduces
+# after the step's last backward; ds_megatron's parallel.overlap_grad_reduce (on by default) starts each bucket during
+# that backward, which hides at most one micro-batch's backward of the stage and is not yet modelled here (measured
+# on CPU only: benchmarks/results/dp_overlap.md), so the prediction stays the upper bound.
 DP_OVERLAP = 0.0
 
 # The eager kernel's passes over the [b, a/t, s, s] scores, (op, bytes read, bytes written) per score: the model runs
