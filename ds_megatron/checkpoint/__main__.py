@@ -5,9 +5,9 @@
 a DeepSpeed checkpoint of any tp/pp/dp -> a transformers directory, with the tokenizer saved in the tag (import into
 training: ``recipes/train_gpt.py --init-from-hf HF_DIR``).
 
-``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D [--cp C] --out DIR2``: the same checkpoint at another
-layout (cp: the saved one unless given), ready for ``--load DIR2`` on N x C x M x D processes (resharding on load
-does the same inside the launch).
+``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D [--cp C] [--ep E] --out DIR2``: the same checkpoint at
+another layout (cp and ep: the saved ones unless given), ready for ``--load DIR2`` on N x C x M x D processes
+(resharding on load does the same inside the launch).
 
 Both read files weights-only and refuse one that needs more, unless ``--trust-checkpoint``.
 
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     rs.add_argument("--pp", type=int, required=True, help="pipeline stages of the new layout")
     rs.add_argument("--dp", type=int, required=True, help="data-parallel size of the new layout")
     rs.add_argument("--cp", type=int, help="context-parallel size of the new layout (default: the saved one)")
+    rs.add_argument("--ep", type=int, help="expert-parallel size of the new layout (default: the saved one)")
     rs.add_argument("--out", required=True, help="new output directory (must not exist)")
     im = sub.add_parser("import", help="Hugging Face directory -> step-0 checkpoint at tp x pp")
     im.add_argument("--hf", required=True, help="transformers model directory (config.json, safetensors)")
@@ -82,14 +83,24 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from ds_megatron.checkpoint.manifest import tag_config
             from ds_megatron.checkpoint.reshard_offline import reshard_checkpoint
-            from ds_megatron.config.facts import saved_cp
+            from ds_megatron.config.facts import saved_cp, saved_ep
 
             out = reshard_checkpoint(
-                args.checkpoint, args.out, args.tp, args.pp, args.dp, args.tag, args.trust_checkpoint, cp=args.cp
+                args.checkpoint,
+                args.out,
+                args.tp,
+                args.pp,
+                args.dp,
+                args.tag,
+                args.trust_checkpoint,
+                cp=args.cp,
+                ep=args.ep,
             )
-            cp = saved_cp(tag_config(out, (out / "latest").read_text().strip()))
+            saved = tag_config(out, (out / "latest").read_text().strip())
+            cp, ep = saved_cp(saved), saved_ep(saved)
             world = args.tp * cp * args.pp * args.dp
-            done = f"resume with --load {out} --tp {args.tp} --cp {cp} --pp {args.pp} on {world} processes"
+            with_ep = f" --ep {ep}" if ep > 1 else ""
+            done = f"resume with --load {out} --tp {args.tp} --cp {cp} --pp {args.pp}{with_ep} on {world} processes"
     except ConfigError as err:
         if args.debug:
             raise

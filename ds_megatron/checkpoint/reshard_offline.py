@@ -46,6 +46,7 @@ from ds_megatron.config.facts import (
     optimizer_wrapper,
     precision,
     saved_cp,
+    saved_ep,
     saved_layout,
     saved_world,
     zero_stage,
@@ -71,13 +72,17 @@ def reshard_checkpoint(
     trust: bool = False,
     progress: bool = True,
     cp: int | None = None,
+    ep: int | None = None,
 ) -> Path:
     """Write tag ``tag`` (default: the newest complete one) of ``checkpoint`` at tp x cp x pp x dp (``cp`` None: the
-    saved cp) into the new directory ``out``; every refusal is a ConfigError raised before anything is written."""
+    saved cp) and expert parallelism ``ep`` (None: the saved ep) into the new directory ``out``; every refusal is a
+    ConfigError raised before anything is written.  The files do not depend on ep (an EP run saves its experts as an
+    ep 1 run holds them, ``ep_state.py``): ``ep`` only goes into the recorded configuration, checked against the new
+    layout."""
     src, out = Path(checkpoint), Path(out)
     if out.exists() or out.is_symlink():
         raise ConfigError("--out", "already exists", str(out), "choose a new directory (reshard never writes into one)")
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--cp", 1 if cp is None else cp)):
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--cp", 1 if cp is None else cp), ("--ep", ep or 1)):
         if value < 1:
             raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
     tag = source_tag(src, tag)
@@ -85,7 +90,9 @@ def reshard_checkpoint(
     # An imported tag (weights alone) stays one: resharded, it still loads with a fresh optimizer.
     imported = src / tag / IMPORTED
     kind = FRESH if imported.is_file() else _optimizer_kind(src / tag, old_cfg)
-    target = _target_run(old_cfg, tp, pp, dp, saved_cp(old_cfg) if cp is None else cp)
+    target = _target_run(
+        old_cfg, tp, pp, dp, saved_cp(old_cfg) if cp is None else cp, saved_ep(old_cfg) if ep is None else ep
+    )
     verify_tag(src / tag, "--checkpoint", f"reshard another tag (--tag; complete ones: {complete_tags(src)})")
     for f in sorted((src / tag).glob("*.pt")):  # refuse before DeepSpeed-format files are unpickled for real
         what = None if trust else safe_load.unsafe_reason(f)
@@ -128,7 +135,7 @@ def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:
     )
 
 
-def _target_run(old_cfg: dict, tp: int, pp: int, dp: int, cp: int) -> RunConfig:
+def _target_run(old_cfg: dict, tp: int, pp: int, dp: int, cp: int, ep: int = 1) -> RunConfig:
     """The old run's configuration at the new layout, validated.  The global batch stays (the step count is the
     data position), and so does the micro batch; gradient accumulation takes up the change of dp (the cp ranks of a
     replica share its sequences, so cp leaves it alone).  The pipeline schedule stays too (below pp 2, 1F1B)."""
@@ -142,7 +149,7 @@ def _target_run(old_cfg: dict, tp: int, pp: int, dp: int, cp: int) -> RunConfig:
             f"use a dp dividing {glob // micro}",
         )
     cfg = copy.deepcopy(old.ds_config)
-    cfg["ds_megatron"].setdefault("parallel", {}).update(tp=tp, pp=pp, cp=cp)
+    cfg["ds_megatron"].setdefault("parallel", {}).update(tp=tp, pp=pp, cp=cp, ep=ep)
     if pp == 1:  # one stage has one schedule: a DualPipeV checkpoint resharded to pp 1 resumes as 1F1B (the default)
         cfg["ds_megatron"]["parallel"].pop("pipeline_schedule", None)
     cfg["gradient_accumulation_steps"] = glob // (micro * dp)
@@ -219,7 +226,7 @@ class _Writer:
 
     def _new_shape(self, name: str) -> torch.Size:
         meta = torch.empty(self.old.full_shape(name), device="meta")
-        return self.adapter.shard(name, meta, 0).shape
+        return self.adapter.saved_shard(name, meta, 0).shape
 
     def _optimizer_groups(self, names: list[str]) -> list[list[str]]:
         """The optimizer's groups of one stage, in its order: ``optim.param_groups`` (the one owner of that rule)
@@ -291,9 +298,9 @@ class _Writer:
             name = self.name[(idx, key)]
             weight, state = self.old.full_weight(name), self.old.full_optimizer_state(name)
             for t in range(self.tp):
-                w = self.adapter.shard(name, weight, t)
+                w = self.adapter.saved_shard(name, weight, t)
                 files[t][key] = w.to(dtype)
-                moments = None if state is None else {k: self.adapter.shard(name, state[k], t) for k in MOMENTS}
+                moments = None if state is None else {k: self.adapter.saved_shard(name, state[k], t) for k in MOMENTS}
                 for s in self.stage_of[idx]:
                     if self.kind == "bf16":
                         self._scatter(s, t, name, {"master": w, **(moments or {})})
