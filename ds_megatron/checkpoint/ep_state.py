@@ -3,11 +3,11 @@
 At ep > 1 each rank holds E / ep whole experts (``parallelize.local_experts``), and DeepSpeed's pipeline writes a
 layer's file from data-parallel rank 0 only, which would keep only that rank's experts when the EP group spans the
 data axis.  So for the length of the save, each expert parameter (and its Adam moments) is gathered over the EP group
-into the stacked [E, ...] tensor and cut by the TP rule (``StateDictAdapter.saved_shard``), then handed to
-DeepSpeed's own writer; afterwards the rank's own experts are put back, untouched.  The files are then those of the
-same run at ep 1: every reader (``--load`` at any ep, resharding on load and offline, export) reads them as it reads
-any checkpoint, and the checkpoint does not depend on ep.  The choice against DeepSpeed's own MoE checkpoints and
-what the save costs in memory: docs/checkpoints.md, "Expert-parallel runs".
+into the stacked [E, ...] tensor, cut by the TP rule (``StateDictAdapter.saved_shard``) and handed to DeepSpeed's own
+writer; afterwards the rank's own experts are put back, the same tensor objects, untouched.  The files are then those
+of the same run at ep 1: every reader (``--load`` at any ep, resharding on load and offline, export) reads them as it
+reads any checkpoint, and the checkpoint does not depend on ep.  The choice against DeepSpeed's own MoE checkpoints
+and what the save costs in memory: docs/checkpoints.md, "Expert-parallel runs".
 """
 
 from __future__ import annotations
@@ -33,11 +33,13 @@ def gather_experts(local: torch.Tensor, ep_group: ProcessGroup) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def experts_as_saved(engine, parallel: ParallelContext) -> Iterator[int]:
-    """Collective over every EP group (every rank enters it).  Inside, each expert parameter of ``engine.module``
-    holds its ep 1 TP shard (``saved_shard`` of the gathered experts) and the optimizer's state of it (Adam's
-    moments; the step count is the same on every rank) likewise; on exit both are this rank's own again, the same
-    tensor objects.  Yields the number of parameters swapped (0 at ep 1, where nothing changes)."""
+def experts_as_saved(engine, parallel: ParallelContext, writes: bool) -> Iterator[int]:
+    """Collective over every EP group (every rank enters it).  On a rank that ``writes`` checkpoint files, inside,
+    each expert parameter of ``engine.module`` holds its ep 1 TP shard (``saved_shard`` of the gathered experts) and
+    the optimizer's state of it (Adam's moments; the step count is the same on every rank) likewise, in host memory
+    (the writer copies to the host anyway); on exit both are this rank's own again, the same tensor objects.  A rank
+    that writes nothing takes part in the gathers and keeps nothing.  Yields the number of parameters swapped (0 at
+    ep 1, where nothing changes)."""
     if parallel.ep_size == 1:
         yield 0
         return
@@ -49,17 +51,21 @@ def experts_as_saved(engine, parallel: ParallelContext) -> Iterator[int]:
             if name is None or not is_expert_param(name, parallel):
                 continue
             own = state.get(param)
+            # the moments have the parameter's shape; the step count is a scalar
+            moments = [k for k, v in (own or {}).items() if torch.is_tensor(v) and v.shape == param.shape]
+            if not writes:  # take part in the gathers, keep nothing
+                for t in [own[k] for k in moments] + [param.data]:
+                    gather_experts(t, parallel.ep_group)
+                continue
 
             def saved(t: torch.Tensor, name: str = name) -> torch.Tensor:
-                return adapter.saved_shard(name, gather_experts(t, parallel.ep_group))
+                return adapter.saved_shard(name, gather_experts(t, parallel.ep_group)).cpu()
 
-            swapped = None
-            if own is not None:  # the moments have the parameter's shape; the step count is a scalar
-                swapped = {k: saved(v) if torch.is_tensor(v) and v.shape == param.shape else v for k, v in own.items()}
+            swapped = {k: saved(own[k]) for k in moments}
             kept.append((param, param.data, own))
             param.data = saved(param.data)
-            if swapped is not None:
-                state[param] = swapped
+            if own is not None:
+                state[param] = {**own, **swapped}
         yield len(kept)
     finally:
         for param, data, own in kept:

@@ -77,7 +77,10 @@ def save_run(
 
     root = Path(save_dir)
     tag = tag_for(step)
-    with contextlib.nullcontext() if parallel is None else experts_as_saved(engine, parallel):
+    saving = contextlib.nullcontext()
+    if parallel is not None and parallel.ep_size > 1:
+        saving = experts_as_saved(engine, parallel, engine.module.writes_checkpoint_files())
+    with saving:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     rank = dist.get_rank()
     torch.save(rng.state_dict(), root / tag / f"rng_rank{rank:05d}.pt")
