@@ -46,7 +46,6 @@ from ds_megatron.config.facts import (
     optimizer_wrapper,
     precision,
     saved_cp,
-    saved_ep,
     saved_layout,
     saved_world,
     zero_stage,
@@ -82,7 +81,13 @@ def reshard_checkpoint(
     src, out = Path(checkpoint), Path(out)
     if out.exists() or out.is_symlink():
         raise ConfigError("--out", "already exists", str(out), "choose a new directory (reshard never writes into one)")
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--dp", dp), ("--cp", 1 if cp is None else cp), ("--ep", ep or 1)):
+    for flag, value in (
+        ("--tp", tp),
+        ("--pp", pp),
+        ("--dp", dp),
+        ("--cp", 1 if cp is None else cp),
+        ("--ep", 1 if ep is None else ep),
+    ):
         if value < 1:
             raise ConfigError(flag, "must be a positive integer", f"got {value}", "pass 1 or more")
     tag = source_tag(src, tag)
@@ -90,9 +95,7 @@ def reshard_checkpoint(
     # An imported tag (weights alone) stays one: resharded, it still loads with a fresh optimizer.
     imported = src / tag / IMPORTED
     kind = FRESH if imported.is_file() else _optimizer_kind(src / tag, old_cfg)
-    target = _target_run(
-        old_cfg, tp, pp, dp, saved_cp(old_cfg) if cp is None else cp, saved_ep(old_cfg) if ep is None else ep
-    )
+    target = _target_run(old_cfg, tp, pp, dp, saved_cp(old_cfg) if cp is None else cp, ep)
     verify_tag(src / tag, "--checkpoint", f"reshard another tag (--tag; complete ones: {complete_tags(src)})")
     for f in sorted((src / tag).glob("*.pt")):  # refuse before DeepSpeed-format files are unpickled for real
         what = None if trust else safe_load.unsafe_reason(f)
@@ -135,7 +138,7 @@ def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:
     )
 
 
-def _target_run(old_cfg: dict, tp: int, pp: int, dp: int, cp: int, ep: int = 1) -> RunConfig:
+def _target_run(old_cfg: dict, tp: int, pp: int, dp: int, cp: int, ep: int | None = None) -> RunConfig:
     """The old run's configuration at the new layout, validated.  The global batch stays (the step count is the
     data position), and so does the micro batch; gradient accumulation takes up the change of dp (the cp ranks of a
     replica share its sequences, so cp leaves it alone).  The pipeline schedule stays too (below pp 2, 1F1B)."""
@@ -149,7 +152,9 @@ def _target_run(old_cfg: dict, tp: int, pp: int, dp: int, cp: int, ep: int = 1) 
             f"use a dp dividing {glob // micro}",
         )
     cfg = copy.deepcopy(old.ds_config)
-    cfg["ds_megatron"].setdefault("parallel", {}).update(tp=tp, pp=pp, cp=cp, ep=ep)
+    cfg["ds_megatron"].setdefault("parallel", {}).update(tp=tp, pp=pp, cp=cp)
+    if ep is not None:  # else the saved one stays (the files do not depend on it)
+        cfg["ds_megatron"]["parallel"]["ep"] = ep
     if pp == 1:  # one stage has one schedule: a DualPipeV checkpoint resharded to pp 1 resumes as 1F1B (the default)
         cfg["ds_megatron"]["parallel"].pop("pipeline_schedule", None)
     cfg["gradient_accumulation_steps"] = glob // (micro * dp)

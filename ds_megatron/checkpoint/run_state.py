@@ -45,7 +45,7 @@ from ds_megatron.checkpoint.manifest import (
 )
 from ds_megatron.checkpoint.tokenizer import save_tokenizer
 from ds_megatron.config import ConfigError
-from ds_megatron.config.facts import layout_text, needs_resharding, precision, saved_cp, saved_layout
+from ds_megatron.config.facts import layout_text, needs_resharding, precision, saved_cp, saved_ep, saved_layout
 from ds_megatron.fileio import atomic_write_text
 from ds_megatron.random import RNGTracker
 
@@ -135,6 +135,12 @@ def load_run(
             flush=True,
         )
     saved = tag_config(root, tag)
+    if parallel is not None and saved is not None and saved_ep(saved) != parallel.ep_size and dist.get_rank() == 0:
+        print(
+            f"{root}/{tag} was saved at ep {saved_ep(saved)}: its experts are cut for ep {parallel.ep_size} (a "
+            "checkpoint holds every expert as an ep 1 run does, whatever the ep it was saved at)",
+            flush=True,
+        )
     moved = saved is not None and run_config is not None and needs_resharding(saved, run_config)
     if parallel is not None and parallel.ep_size > 1 and saved is not None and not moved:
         # The files hold the experts as an ep 1 run does (``ep_state``), which DeepSpeed's own load cannot put into

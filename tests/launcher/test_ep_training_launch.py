@@ -134,9 +134,15 @@ def test_ep_checkpoints_resume_exactly_and_across_ep():
             _close(got[3][key], want[key], rel, (name, key))
         assert got[3]["lr"] == want["lr"], name
     log = "".join(p.read_text() for p in sorted(out.glob("ep1-to-tp2-ep2.rank*.out")))
-    assert "resharding" in log and "experts split over ep 2" in log
+    assert (
+        "resharding" in log
+        and "experts split over ep 2" in log
+        and "saved at ep 1: its experts are cut for ep 2" in log
+    )
+    log = "".join(p.read_text() for p in sorted(out.glob("ep2-to-ep1.rank*.out")))
+    assert "resharding" not in log and "saved at ep 2: its experts are cut for ep 1" in log
     log = "".join(p.read_text() for p in sorted(out.glob("ep2-resumed.rank*.out")))
-    assert "resharding" not in log and "missing" not in log  # the RNG states are the saved layout's own
+    assert "resharding" not in log and "saved at ep" not in log and "missing" not in log  # RNG states: its own
 
 
 @pytest.mark.slow
