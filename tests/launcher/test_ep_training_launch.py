@@ -69,7 +69,8 @@ def _resumed(_: pathlib.Path) -> list[str]:
     items = [
         _argv(out, "ep2-resumed", 1, 1, [*NO_SP, "--ep", "2", "--load", ck]),
         _argv(out, "ep2-to-ep1", 1, 1, [*NO_SP, "--load", ck]),
-        _argv(out, "ep1-to-tp2-ep2", 2, 1, ["--ep", "2", "--load", str(out / "ck_dp2")]),  # SP on (moe_tiny.json)
+        # SP on (moe_tiny.json); its step-3 save has each tp rank write its TP shard of every expert
+        _argv(out, "ep1-to-tp2-ep2", 2, 1, ["--ep", "2", "--load", str(out / "ck_dp2"), "--save", str(out / "ck_tp2")]),
         _argv(out, "pp2-offline", 1, 2, [*NO_SP, "--load", str(out / "ck_pp2")]),
         _argv(out, "hf-ep2", 1, 1, [*NO_SP, "--ep", "2", "--init-from-hf", str(out / "hf_ep2"), "--eval-only"]),
     ]
@@ -119,7 +120,11 @@ def test_ep_checkpoints_resume_exactly_and_across_ep():
     straight run's step-3 loss, aux loss, grad norm, learning rate and validation loss bit for bit (weights and Adam
     moments cut by name from the ep 1 layout); at ep 1 (DeepSpeed's own load of the same files), and resharded
     offline to pp 2 at ep 1, within 1e-5; the ep 1 checkpoint resumed at tp 2 + SP with ep 2 folded over tp
-    (resharded on load) continues the ep 1 run within 1e-5."""
+    (resharded on load) continues the ep 1 run within 1e-5, and its step-3 save (each tp rank writing its TP shard of
+    every expert, gathered over the EP group of tp ranks) holds the ep 1 run's step-3 weights and Adam moments within
+    rounding."""
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
+
     RESUMED()
     out = LAUNCH()
     assert OFFLINE == {"reshard": 0, "export": 0}, OFFLINE
@@ -133,6 +138,18 @@ def test_ep_checkpoints_resume_exactly_and_across_ep():
         for key in ("loss", "aux_loss", "grad_norm", "val_loss"):
             _close(got[3][key], want[key], rel, (name, key))
         assert got[3]["lr"] == want["lr"], name
+    # Saved at tp 2 x ep 2 (the EP group is the tp ranks, each holding 4 whole experts; each writes its gate|up rows of
+    # all 8), the step-3 state is the ep 1 run's own step-3 checkpoint's within rounding.
+    saved, want = OldCheckpoint(out / "ck_tp2", "step00000003"), OldCheckpoint(out, "dp2_step3")
+    experts = [n for n in want.where if ".experts." in n]
+    assert experts and sorted(saved.where) == sorted(want.where)
+    for name in want.where:
+        torch.testing.assert_close(saved.full_weight(name), want.full_weight(name), rtol=1e-4, atol=1e-7)
+        state, ref = saved.full_optimizer_state(name), want.full_optimizer_state(name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                state[key], ref[key], rtol=1e-3, atol=1e-8, msg=lambda m, w=f"{name} {key}": f"{w}: {m}"
+            )
     log = "".join(p.read_text() for p in sorted(out.glob("ep1-to-tp2-ep2.rank*.out")))
     assert (
         "resharding" in log
