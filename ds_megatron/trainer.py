@@ -276,7 +276,9 @@ class Trainer:
         client = {"step": step, "config": self.run.ds_config, "wandb_run_id": self.wandb_id, "skipped": self.skipped}
         built, tok = self.built, self.data.tokenizer
         try:
-            tag = save_run(built.engine, ck.save, step, client, built.rng, ck.keep_last, built.topology, tok)
+            tag = save_run(
+                built.engine, ck.save, step, client, built.rng, ck.keep_last, built.topology, tok, built.parallel
+            )
         except (OSError, RuntimeError) as err:
             line = disk_full_line(err, ck.save, step)
             if line is None:

@@ -5,10 +5,10 @@
 a DeepSpeed checkpoint of any tp/pp/dp -> a transformers directory, with the tokenizer saved in the tag (import into
 training: ``recipes/train_gpt.py --init-from-hf HF_DIR``).
 
-``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D [--cp C] [--pipeline-layout 3,5,5,3] --out DIR2``: the
-same checkpoint at another layout (cp: the saved one unless given; blocks per stage: the saved ones at the saved pp,
-else balanced), ready for ``--load DIR2`` on N x C x M x D processes (resharding on load
-does the same inside the launch).
+``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D [--cp C] [--ep E] [--pipeline-layout 3,5,5,3] --out DIR2``:
+the same checkpoint at another layout (cp and ep: the saved ones unless given; blocks per stage: the saved ones at
+the saved pp, else balanced), ready for ``--load DIR2`` on N x C x M x D processes (resharding on load does the same
+inside the launch).
 
 Both read files weights-only and refuse one that needs more, unless ``--trust-checkpoint``.
 
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     rs.add_argument("--pp", type=int, required=True, help="pipeline stages of the new layout")
     rs.add_argument("--dp", type=int, required=True, help="data-parallel size of the new layout")
     rs.add_argument("--cp", type=int, help="context-parallel size of the new layout (default: the saved one)")
+    rs.add_argument("--ep", type=int, help="expert-parallel size of the new layout (default: the saved one)")
     rs.add_argument("--out", required=True, help="new output directory (must not exist)")
     rs.add_argument(
         "--pipeline-layout",
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from ds_megatron.checkpoint.manifest import tag_config
             from ds_megatron.checkpoint.reshard_offline import reshard_checkpoint
-            from ds_megatron.config.facts import saved_cp
+            from ds_megatron.config.facts import saved_cp, saved_ep
             from ds_megatron.config.pipeline_checks import block_counts
 
             layout = (
@@ -104,12 +105,18 @@ def main(argv: list[str] | None = None) -> int:
                 args.trust_checkpoint,
                 cp=args.cp,
                 pipeline_layout=layout,
+                ep=args.ep,
             )
             saved = tag_config(out, (out / "latest").read_text().strip())
-            cp, written = saved_cp(saved), saved["ds_megatron"]["parallel"].get("pipeline_layout")
+            cp, ep = saved_cp(saved), saved_ep(saved)
+            written = saved["ds_megatron"]["parallel"].get("pipeline_layout")
             world = args.tp * cp * args.pp * args.dp
             layout_flag = "" if written is None else f" --pipeline-layout {','.join(map(str, written))}"
-            done = f"resume with --load {out} --tp {args.tp} --cp {cp} --pp {args.pp}{layout_flag} on {world} processes"
+            with_ep = f" --ep {ep}" if ep > 1 else ""
+            done = (
+                f"resume with --load {out} --tp {args.tp} --cp {cp} --pp {args.pp}{with_ep}{layout_flag} "
+                f"on {world} processes"
+            )
     except ConfigError as err:
         if args.debug:
             raise

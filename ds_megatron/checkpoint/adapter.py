@@ -4,7 +4,10 @@ tensors through it, and nothing else reads the family's transformers names.
 
 - TP shards (the shard rule of ``parallelize.shard_rule``, read off the family's plan): fused q|k|v cut by heads,
   column-parallel weights on the output dim, row-parallel on the input dim, vocabulary rows padded for the tp and
-  stripped back to the real vocabulary on merge.
+  stripped back to the real vocabulary on merge.  Checkpoint files always hold these shards (:meth:`saved_shard`),
+  the routed experts included, whatever the run's expert parallelism: a run at ep > 1 holds whole experts, E / ep of
+  them (:meth:`shard`: dim 0 of the stacked tensors cut over ep, ``parallelize.local_experts``), and its save writes
+  the shards an ep 1 run at the same tp would (``checkpoint/ep_state.py``), so a checkpoint does not depend on ep.
 - transformers (the names of the family record, ``model.family``: ``hf_transposed``, ``hf_base_prefix``,
   ``hf_ignored``, ``hf_experts``): our full names are transformers' causal-LM names; GPT-2's Conv1D weights are
   stored [in, out]; a file of the base model stores names without the base prefix; buffers such as causal masks
@@ -22,7 +25,7 @@ import torch
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.model import ModelConfig, build_model, family_of
 from ds_megatron.model.family import EXPERT_PARTS, HF_OUTPUT, STACKED_EXPERTS
-from ds_megatron.parallelize import ParallelContext, shard_rule
+from ds_megatron.parallelize import ParallelContext, is_expert_param, local_experts, shard_rule
 from ds_megatron.tensor_parallel import ShardRule, shard, unshard
 from ds_megatron.topology import Group
 
@@ -44,7 +47,15 @@ class StateDictAdapter:
         return shard_rule(name, self.parallel)
 
     def shard(self, name: str, full: torch.Tensor, tp_rank: int | None = None) -> torch.Tensor:
-        """TP rank ``tp_rank``'s (default: this rank's) shard of the full tensor ``name`` (vocabulary rows padded)."""
+        """This rank's parameter of the full tensor ``name``: TP rank ``tp_rank``'s (default: this rank's) shard
+        (vocabulary rows padded); at ep > 1 a stacked expert tensor is this EP rank's experts instead, whole."""
+        if self.parallel.ep_size > 1 and is_expert_param(name, self.parallel):
+            return full[local_experts(self.parallel)].clone()
+        return self.saved_shard(name, full, tp_rank)
+
+    def saved_shard(self, name: str, full: torch.Tensor, tp_rank: int | None = None) -> torch.Tensor:
+        """TP rank ``tp_rank``'s (default: this rank's) shard of the full tensor ``name`` as checkpoint files hold
+        it: the TP rule for every parameter, the experts too, at any ep."""
         rank = self.parallel.tp.rank if tp_rank is None else tp_rank
         return shard(full, self.rule(name), rank, self.parallel.tp.size)
 

@@ -223,4 +223,4 @@ def load_resharded(engine, parallel: ParallelContext, topology, root: Path, tag:
     engine.global_samples = client.get("global_samples", 0)
     engine.skipped_steps = client.get("skipped_steps", 0)
     dist.barrier()
-    return {k: client[k] for k in ("step", "config", "wandb_run_id", "skipped") if k in client}
+    return {k: client[k] for k in ("step", "config", "wandb_run_id", "skipped", "resharded_from") if k in client}

@@ -74,19 +74,23 @@ def reshard_checkpoint(
     progress: bool = True,
     cp: int | None = None,
     pipeline_layout: tuple[int, ...] | None = None,
+    ep: int | None = None,
 ) -> Path:
     """Write tag ``tag`` (default: the newest complete one) of ``checkpoint`` at tp x cp x pp x dp (``cp`` None: the
     saved cp) into the new directory ``out``, ``pipeline_layout`` blocks per stage (None: the saved layout at the
-    saved pp, else the balanced split); every refusal is a ConfigError raised before anything is written."""
+    saved pp, else the balanced split) and expert parallelism ``ep`` (None: the saved ep); every refusal is a
+    ConfigError raised before anything is written.  The files do not depend on ep (an EP run saves its experts as an
+    ep 1 run holds them, ``ep_state.py``): ``ep`` only goes into the recorded configuration, checked against the new
+    layout."""
     src, out = Path(checkpoint), Path(out)
     check_new_out(out, "reshard")
-    check_sizes({"--tp": tp, "--pp": pp, "--dp": dp, "--cp": 1 if cp is None else cp})
+    check_sizes({"--tp": tp, "--pp": pp, "--dp": dp, "--cp": 1 if cp is None else cp, "--ep": 1 if ep is None else ep})
     tag = source_tag(src, tag)
     old_cfg = tag_config(src, tag)
     # An imported tag (weights alone) stays one: resharded, it still loads with a fresh optimizer.
     imported = src / tag / IMPORTED
     kind = FRESH if imported.is_file() else _optimizer_kind(src / tag, old_cfg)
-    target = _target_run(old_cfg, tp, pp, dp, saved_cp(old_cfg) if cp is None else cp, pipeline_layout)
+    target = _target_run(old_cfg, tp, pp, dp, saved_cp(old_cfg) if cp is None else cp, pipeline_layout, ep)
     verify_tag(src / tag, "--checkpoint", f"reshard another tag (--tag; complete ones: {complete_tags(src)})")
     for f in sorted((src / tag).glob("*.pt")):  # refuse before DeepSpeed-format files are unpickled for real
         what = None if trust else safe_load.unsafe_reason(f)
@@ -149,7 +153,13 @@ def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:
 
 
 def _target_run(
-    old_cfg: dict, tp: int, pp: int, dp: int, cp: int, pipeline_layout: tuple[int, ...] | None = None
+    old_cfg: dict,
+    tp: int,
+    pp: int,
+    dp: int,
+    cp: int,
+    pipeline_layout: tuple[int, ...] | None = None,
+    ep: int | None = None,
 ) -> RunConfig:
     """The old run's configuration at the new layout, validated.  The global batch stays (the step count is the
     data position), and so does the micro batch; gradient accumulation takes up the change of dp (the cp ranks of a
@@ -162,6 +172,8 @@ def _target_run(
     cfg = copy.deepcopy(old.ds_config)
     parallel = cfg["ds_megatron"].setdefault("parallel", {})
     parallel.update(tp=tp, pp=pp, cp=cp)
+    if ep is not None:  # else the saved one stays (the files do not depend on it)
+        parallel["ep"] = ep
     if pp == 1:  # one stage has one schedule: a DualPipeV checkpoint resharded to pp 1 resumes as 1F1B (the default)
         parallel.pop("pipeline_schedule", None)
     if pipeline_layout is not None:
@@ -242,7 +254,7 @@ class _Writer:
 
     def _new_shape(self, name: str) -> torch.Size:
         meta = torch.empty(self.old.full_shape(name), device="meta")
-        return self.adapter.shard(name, meta, 0).shape
+        return self.adapter.saved_shard(name, meta, 0).shape
 
     def _optimizer_groups(self, names: list[str]) -> list[list[str]]:
         """The optimizer's groups of one stage, in its order: ``optim.param_groups`` (the one owner of that rule)
@@ -314,9 +326,9 @@ class _Writer:
             name = self.name[(idx, key)]
             weight, state = self.old.full_weight(name), self.old.full_optimizer_state(name)
             for t in range(self.tp):
-                w = self.adapter.shard(name, weight, t)
+                w = self.adapter.saved_shard(name, weight, t)
                 files[t][key] = w.to(dtype)
-                moments = None if state is None else {k: self.adapter.shard(name, state[k], t) for k in MOMENTS}
+                moments = None if state is None else {k: self.adapter.saved_shard(name, state[k], t) for k in MOMENTS}
                 for s in self.stage_of[idx]:
                     if self.kind == "bf16":
                         self._scatter(s, t, name, {"master": w, **(moments or {})})

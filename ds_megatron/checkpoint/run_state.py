@@ -20,6 +20,7 @@ file swapped after those checks is refused too, never run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -45,7 +46,7 @@ from ds_megatron.checkpoint.manifest import (
 )
 from ds_megatron.checkpoint.tokenizer import save_tokenizer
 from ds_megatron.config import ConfigError
-from ds_megatron.config.facts import layout_text, needs_resharding, precision, saved_cp, saved_layout
+from ds_megatron.config.facts import layout_text, needs_resharding, precision, saved_cp, saved_ep, saved_layout
 from ds_megatron.fileio import atomic_write_text
 from ds_megatron.random import RNGTracker
 
@@ -67,13 +68,21 @@ def save_run(
     keep_last: int = 0,
     topology=None,
     tokenizer=None,
+    parallel=None,
 ) -> str:
     """Collective.  Writes tag ``step<N>``, its manifest, then moves ``latest`` to it.  With ``topology``, each rank
     also records its optimizer's parameter order by name, which lets the checkpoint resume at another layout; with
-    ``tokenizer`` (the run's), rank 0 writes it into the tag (``checkpoint/tokenizer.py``)."""
+    ``tokenizer`` (the run's), rank 0 writes it into the tag (``checkpoint/tokenizer.py``).  With ``parallel`` (the
+    run's context) at ep > 1, the experts are written as an ep 1 run holds them (``ep_state.experts_as_saved``)."""
+    from ds_megatron.checkpoint.ep_state import experts_as_saved
+
     root = Path(save_dir)
     tag = tag_for(step)
-    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    saving = contextlib.nullcontext()
+    if parallel is not None and parallel.ep_size > 1:
+        saving = experts_as_saved(engine, parallel, engine.module.writes_checkpoint_files())
+    with saving:
+        engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     rank = dist.get_rank()
     torch.save(rng.state_dict(), root / tag / f"rng_rank{rank:05d}.pt")
     if topology is not None:
@@ -125,7 +134,23 @@ def load_run(
             flush=True,
         )
     saved = tag_config(root, tag)
-    if parallel is not None and saved is not None and run_config is not None and needs_resharding(saved, run_config):
+    if parallel is not None and saved is not None and saved_ep(saved) != parallel.ep_size and dist.get_rank() == 0:
+        print(
+            f"{root}/{tag} was saved at ep {saved_ep(saved)}: its experts are cut for ep {parallel.ep_size} (a "
+            "checkpoint holds every expert as an ep 1 run does, whatever the ep it was saved at)",
+            flush=True,
+        )
+    moved = saved is not None and run_config is not None and needs_resharding(saved, run_config)
+    if parallel is not None and parallel.ep_size > 1 and saved is not None and not moved:
+        # The files hold the experts as an ep 1 run does (``ep_state``), which DeepSpeed's own load cannot put into
+        # this rank's E / ep experts: the by-name reader cuts them (and their Adam moments), bit for bit, and the
+        # RNG states are this layout's own.
+        from ds_megatron.checkpoint.reshard import load_resharded
+
+        client_state = load_resharded(engine, parallel, topology, root, tag)
+        _load_rng(root, tag, rng, client_state, imported=(root / tag / IMPORTED).is_file())
+        return client_state
+    if parallel is not None and moved:
         from ds_megatron.checkpoint.reshard import load_resharded
 
         tp, pp, dp = saved_layout(saved)
@@ -146,6 +171,12 @@ def load_run(
     path, client_state = engine.load_checkpoint(str(root), tag=tag, load_module_only=imported)
     if path is None:
         raise ConfigError("--load", "checkpoint could not be loaded", f"{root}/{tag}", "check the directory")
+    _load_rng(root, tag, rng, client_state, imported)
+    return client_state or {}
+
+
+def _load_rng(root: Path, tag: str, rng: RNGTracker, client_state: dict | None, imported: bool) -> None:
+    """This rank's RNG states from a tag saved at this layout (or the message saying why there are none)."""
     rng_file = root / tag / f"rng_rank{dist.get_rank():05d}.pt"
     if rng_file.exists():
         states = safe_load.load(rng_file, setting="--load", fix=UNSAFE_FIX)
@@ -166,7 +197,6 @@ def load_run(
             )
     else:
         print(f"warning: {rng_file} missing; dropout masks will not continue exactly", file=sys.stderr, flush=True)
-    return client_state or {}
 
 
 UNSAFE_FIX = (

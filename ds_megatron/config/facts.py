@@ -87,6 +87,12 @@ def saved_cp(ds_config: dict) -> int:
     return ((ds_config.get("ds_megatron") or {}).get("parallel") or {}).get("cp", 1)
 
 
+def saved_ep(ds_config: dict) -> int:
+    """The expert-parallel size a resolved config was trained at (1 when unset).  Its checkpoints do not depend on
+    it (an EP run saves its experts as an ep 1 run holds them): it is a fact of the run, not of the files."""
+    return ((ds_config.get("ds_megatron") or {}).get("parallel") or {}).get("ep", 1)
+
+
 def saved_schedule(ds_config: dict) -> str:
     """The pipeline schedule a config ran (``ds_megatron.parallel.pipeline_schedule``; before the key, 1F1B)."""
     return ((ds_config.get("ds_megatron") or {}).get("parallel") or {}).get("pipeline_schedule", DEFAULT_SCHEDULE.name)

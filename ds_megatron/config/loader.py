@@ -433,9 +433,9 @@ WANDB_MODES = ("online", "offline", "disabled")
 def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
     """What expert parallelism does not train with yet, refused in one line each: DeepSpeed's ZeRO and fp16
     optimizer wrappers (``config.ep_rules.check_ep_optimizer``: why; its BF16 optimizer trains), selective
-    recompute of ``moe`` (the expert-parallel layer keeps its activations), and checkpoints (DeepSpeed's pipeline
-    writes a layer's weights from data-parallel rank 0 only, which holds only its own experts when the EP group spans
-    dp; the checkpoint and transformers readers cut experts by the TP rule)."""
+    recompute of ``moe`` (the expert-parallel layer keeps its activations), and checkpoints under an optimizer
+    wrapper (an EP run's save gathers the experts and the torch optimizer's Adam state of them into the ep 1 layout,
+    ``checkpoint/ep_state.py``; the BF16 optimizer's flat partitions are not gathered)."""
     ep = section.parallel.ep
     if ep == 1:
         return
@@ -447,12 +447,12 @@ def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
             "drop moe from recompute.modules, or use ep 1",
         )  # fmt: skip
     ckpt = section.checkpoint
-    if ckpt.save or ckpt.load or ckpt.init_from_hf:
+    if (ckpt.save or ckpt.load) and optimizer_wrapper(ds_config) is not None:
         raise ConfigError(
-            EP_SETTING, "checkpoints of expert-parallel runs are not written or read yet (nor transformers weights)",
-            f"ep={ep}, checkpoint.save={ckpt.save!r}, checkpoint.load={ckpt.load!r}, "
-            f"checkpoint.init_from_hf={ckpt.init_from_hf!r}",
-            "unset checkpoint.save, checkpoint.load and checkpoint.init_from_hf, or use ep 1",
+            EP_SETTING, "checkpoints of expert-parallel runs hold the torch optimizer's state (fp32, ZeRO 0) only",
+            f"ep={ep}, DeepSpeed optimizer wrapper {optimizer_wrapper(ds_config)}, "
+            f"checkpoint.save={ckpt.save!r}, checkpoint.load={ckpt.load!r}",
+            "unset checkpoint.save and checkpoint.load, use fp32 without ZeRO, or use ep 1",
         )  # fmt: skip
 
 

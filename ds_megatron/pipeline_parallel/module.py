@@ -518,6 +518,12 @@ class PipelineModel(PipelineModule):
             return None
         return loss.router_metrics or {name: torch.zeros(()) for name in ROUTER_METRICS}
 
+    def writes_checkpoint_files(self) -> bool:
+        """Whether DeepSpeed's save writes files from this rank: data-parallel rank 0 writes every layer file and the
+        model-state file (the optimizer's state on the fp32 path); with DeepSpeed's parallel pipeline-stage writes
+        (``checkpoint.parallel_write.pipeline_stage``) every data-parallel rank writes a share of the layers."""
+        return bool(self.checkpoint_parallel_write_pipeline) or self._grid.data_parallel_id == 0
+
     def _synchronize_tied_weights(self) -> None:
         # DeepSpeed copies the first stage's tied embedding to the last stage with an in-place broadcast, at
         # construction and after loading.  With autograd on, the broadcast (a collective with no autograd kernel) is

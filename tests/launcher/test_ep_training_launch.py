@@ -3,7 +3,13 @@ the pipeline layers and the engine's gradient rule by hand; this runs them in th
 groups registered in DeepSpeed's tables, its start-up broadcast of the expert parameters, the replaced
 ``ReduceGrads`` instruction and the grad norm of the clipping optimizer (fp32); and on DeepSpeed's BF16 optimizer
 (``workers/ep_training.py``: bf16 at ZeRO 0, bf16 + ZeRO-1 with fp32 accumulation) at (ep, tp, dp) = (2, 1, 2) and
-(2, 2, 1) with SP, against the same model at ep 1 in the same launch."""
+(2, 2, 1) with SP, against the same model at ep 1 in the same launch.
+
+Checkpoints of EP runs (``checkpoint/ep_state.py``: the experts saved as an ep 1 run holds them), in the same launch
+after the straight runs: the same runs for 2 steps save step 2, which is resumed for step 3 at the saved layout (ep 2:
+bit for bit), at ep 1, and from ep 1 at tp 2 + SP x ep 2 (resharded on load); a transformers directory is read with
+``--init-from-hf`` at ep 1 and ep 2.  The test process reshards the ep 2 checkpoint offline and exports it to
+transformers."""
 
 from __future__ import annotations
 
@@ -19,19 +25,64 @@ CONFIG = str(ROOT / "ds_configs" / "moe_tiny.json")
 # moe-tiny in fp32, short sequences, 8 sequences per step, gradient clipping on (moe_tiny.json's 1.0)
 SMALL = ["--set", "ds_megatron.model.seq_length=64", "--set", 'ds_megatron.recompute.modules=["core_attn"]']
 SMALL += ["--set", "train_batch_size=8", "--set", "train_micro_batch_size_per_gpu=2"]
-SMALL += ["--set", "gradient_accumulation_steps=null", "--set", "ds_megatron.train.eval_interval=0"]
+SMALL += ["--set", "gradient_accumulation_steps=null", "--set", "ds_megatron.train.eval_interval=2"]
+NO_SP = ["--set", "ds_megatron.parallel.sequence_parallel=false"]
 RUNS = [  # name, tp, flags: the same global batch, so the same losses
-    ("dp2", 1, ["--set", "ds_megatron.parallel.sequence_parallel=false"]),
-    ("dp2-ep2", 1, ["--set", "ds_megatron.parallel.sequence_parallel=false", "--ep", "2"]),  # expert-DP of one
+    ("dp2", 1, NO_SP),
+    ("dp2-ep2", 1, [*NO_SP, "--ep", "2"]),  # expert-DP of one: the EP group spans dp
 ]
+STEP2 = "step00000002"
+
+
+def _argv(out: pathlib.Path, name: str, tp: int, pp: int, extra: list[str], iters: int = 3) -> dict:
+    flags = quiet_run_flags(out, name, tp, pp, dropout=0.0)
+    argv = ["--deepspeed_config", CONFIG, "--train-iters", str(iters), *flags, *SMALL, *extra]
+    return {"name": name, "status_dir": str(out), "argv": argv, "output": True, "plot": False}
+
+
+def _random_hf_dir(out: pathlib.Path) -> pathlib.Path:
+    """A transformers directory of the runs' model with random weights, every expert distinct, in the published
+    layout (one linear per expert), without a tokenizer.  Norms stay 1 so that the experts move the loss: the
+    experts one place out of order move its validation loss by 0.37% (measured on random tokens)."""
+    from safetensors.torch import save_file
+
+    from ds_megatron.checkpoint.adapter import StateDictAdapter
+    from ds_megatron.config import load_json, resolve
+    from ds_megatron.model import build_model, model_config
+
+    cfg = load_json(pathlib.Path(CONFIG))
+    cfg["ds_megatron"]["model"]["seq_length"] = 64
+    config = model_config(resolve(cfg, 4).model)
+    model = build_model(config, seed=11)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else 0.05 * torch.randn(p.shape, generator=generator))
+    hf_dir = out / "hf_random"
+    hf_dir.mkdir()
+    save_file(StateDictAdapter.of(config).to_hf_state_dict(model.state_dict()), str(hf_dir / "model.safetensors"))
+    config.to_hf().save_pretrained(hf_dir)
+    return hf_dir
 
 
 def _plan(out: pathlib.Path) -> list[str]:
-    items = []
-    for name, tp, extra in RUNS:
-        flags = quiet_run_flags(out, name, tp, 1, dropout=0.0)
-        argv = ["--deepspeed_config", CONFIG, "--train-iters", "3", *flags, *SMALL, *extra]
-        items.append({"name": name, "status_dir": str(out), "argv": argv, "output": True, "plot": False})
+    """One launch, in order: the straight runs (3 steps; the ep 1 one saves its last step), the same runs for 2 steps
+    saving step 2, the resumes of those checkpoints for step 3 at ep 2, at ep 1 and (from ep 1) at tp 2 + SP x ep 2,
+    and a transformers directory evaluated after ``--init-from-hf`` at ep 1 and at ep 2."""
+    hf_dir = _random_hf_dir(out)
+    ck1, ck2 = str(out / "ck_ep1"), str(out / "ck_ep2")
+    items = [
+        _argv(out, "dp2", 1, 1, [*NO_SP, "--save", str(out / "ck_dp2")]),
+        _argv(out, "dp2-ep2", 1, 1, [*NO_SP, "--ep", "2"]),
+        _argv(out, "save-ep1", 1, 1, [*NO_SP, "--save", ck1], iters=2),
+        _argv(out, "save-ep2", 1, 1, [*NO_SP, "--ep", "2", "--save", ck2], iters=2),
+        _argv(out, "ep2-resumed", 1, 1, [*NO_SP, "--ep", "2", "--load", ck2]),
+        _argv(out, "ep2-to-ep1", 1, 1, [*NO_SP, "--load", ck2]),
+        # SP on (moe_tiny.json); its step-3 save has each tp rank write its TP shard of every expert
+        _argv(out, "ep1-to-tp2-ep2", 2, 1, ["--ep", "2", "--load", ck1, "--save", str(out / "ck_tp2")]),
+        _argv(out, "hf-ep1", 1, 1, [*NO_SP, "--init-from-hf", str(hf_dir), "--eval-only"]),
+        _argv(out, "hf-ep2", 1, 1, [*NO_SP, "--ep", "2", "--init-from-hf", str(hf_dir), "--eval-only"]),
+    ]
     (out / "plan.json").write_text(json.dumps(items))
     bf16 = ",".join(BF16_CASES)
     return [f"recipe_runs.py --plan {out / 'plan.json'} --exit-zero", f"ep_training.py --out {out} --cases {bf16}"]
@@ -61,9 +112,24 @@ LAUNCH4 = shared_launch(__name__, 4, lambda out: [f"ep_training.py --out {out} -
 LAUNCH = shared_launch(__name__, 2, _plan)
 
 
-@pytest.mark.slow  # real processes with the deepspeed launcher: two recipe runs in the shared 2-process launch
+def _steps(out: pathlib.Path, name: str) -> dict[int, dict]:
+    """A finished run's records merged per step (a step's training line, its validation, the final validation)."""
+    result = json.loads((out / f"{name}.status.json").read_text())
+    assert result["status"] == 0, (name, result["error"])
+    steps: dict[int, dict] = {}
+    for record in read_records(out / name):
+        steps.setdefault(record["step"], {}).update(record)
+    return steps
+
+
+def _close(got: float, want: float, rel: float, what) -> None:
+    assert abs(got - want) <= rel * abs(want), (what, got, want)
+
+
+@pytest.mark.slow  # real processes with the deepspeed launcher: recipe runs in the shared 2-process launch
 def test_ep2_trains_as_ep1():
-    """moe-tiny, 3 steps at dp 2: ep 2 logs ep 1's loss, aux loss and grad norm (measured by hand: bit for bit).  The
+    """moe-tiny, 3 steps at dp 2: ep 2 logs ep 1's loss, aux loss and grad norm (measured: bit for bit for two steps,
+    the third step's loss 6.9e-8 relative apart).  The
     experts' gradients take the engine's rule here (divided by dp x cp = 2, nothing to sum over an expert-DP group of
     one), the other parameters DeepSpeed's all-reduce; the in-process tier covers ep folded over tp + SP."""
     tmp_path = LAUNCH()
@@ -165,3 +231,94 @@ def test_the_bf16_optimizer_at_ep2_over_pipeline_stages():
     refused = torch.load(tmp_path / f"{NO_EXPERT_STAGE}.pt")["refused"]
     assert refused.startswith("error: ds_megatron.parallel.ep: on DeepSpeed's BF16 optimizer every pipeline stage")
     assert "stage(s) [0] without one (num_layers=2, mlp_only_layers=[0]" in refused and "\n" not in refused
+
+
+@pytest.mark.slow  # the same launch: the 2-step runs' checkpoints resumed for step 3
+def test_ep_checkpoints_resume_exactly_and_across_ep(tmp_path):
+    """The ep 2 checkpoint (each layer's experts gathered over the EP group, which spans dp) resumed at ep 2 logs the
+    straight run's step-3 loss, aux loss, grad norm, learning rate and validation loss bit for bit (weights and Adam
+    moments cut by name from the ep 1 layout, the RNG states the rank's own); at ep 1 (DeepSpeed's own load of the
+    same files) within 1e-5; the ep 1 checkpoint resumed at tp 2 + SP with ep 2 folded over tp (resharded on load)
+    continues the ep 1 run within 1e-5, and its step-3 save (each tp rank writing its TP shard of every expert,
+    gathered over the EP group of tp ranks) holds the ep 1 run's step-3 weights and Adam moments within rounding.
+    Offline, the ep 2 checkpoint resharded to pp 2 at ep 1 holds the same weights and Adam state bit for bit."""
+    from ds_megatron.checkpoint.__main__ import main as checkpoint_main
+    from ds_megatron.checkpoint.manifest import tag_config
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
+    from ds_megatron.config.facts import saved_ep, saved_layout
+
+    out = LAUNCH()
+    straight = {name: _steps(out, name) for name, *_ in RUNS}
+    for name, reference in (("save-ep1", "dp2"), ("save-ep2", "dp2-ep2")):  # the same first two steps
+        assert [_steps(out, name)[s]["loss"] for s in (1, 2)] == [straight[reference][s]["loss"] for s in (1, 2)]
+    for name, reference, rel in (
+        ("ep2-resumed", "dp2-ep2", 0.0),
+        ("ep2-to-ep1", "dp2-ep2", 1e-5),
+        ("ep1-to-tp2-ep2", "dp2", 1e-5),
+    ):
+        got = _steps(out, name)
+        assert sorted(got) == [3], (name, sorted(got))
+        want = straight[reference][3]
+        for key in ("loss", "aux_loss", "grad_norm", "val_loss"):
+            _close(got[3][key], want[key], rel, (name, key))
+        assert got[3]["lr"] == want["lr"], name
+    log = "".join(p.read_text() for p in sorted(out.glob("ep1-to-tp2-ep2.rank*.out")))
+    assert "resharding" in log and "experts split over ep 2" in log
+    assert "saved at ep 1: its experts are cut for ep 2" in log
+    log = "".join(p.read_text() for p in sorted(out.glob("ep2-to-ep1.rank*.out")))
+    assert "resharding" not in log and "saved at ep 2: its experts are cut for ep 1" in log
+    log = "".join(p.read_text() for p in sorted(out.glob("ep2-resumed.rank*.out")))
+    assert "resharding" not in log and "saved at ep" not in log and "missing" not in log  # RNG states: its own
+    # Saved at tp 2 x ep 2 (the EP group is the tp ranks, each holding 4 whole experts; each writes its gate|up rows of
+    # all 8), the step-3 state is the ep 1 run's own step-3 checkpoint's within rounding.
+    saved, want = OldCheckpoint(out / "ck_tp2", "step00000003"), OldCheckpoint(out / "ck_dp2", "step00000003")
+    assert [n for n in want.where if ".experts." in n] and sorted(saved.where) == sorted(want.where)
+    for name in want.where:
+        torch.testing.assert_close(saved.full_weight(name), want.full_weight(name), rtol=1e-4, atol=1e-7)
+        state, ref = saved.full_optimizer_state(name), want.full_optimizer_state(name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                state[key], ref[key], rtol=1e-3, atol=1e-8, msg=lambda m, w=f"{name} {key}": f"{w}: {m}"
+            )
+    # offline: the files do not depend on ep, so another layout and ep 1 keep every value
+    argv = ["reshard", "--checkpoint", str(out / "ck_ep2"), "--tp", "1", "--pp", "2", "--dp", "1", "--ep", "1"]
+    assert checkpoint_main([*argv, "--out", str(tmp_path / "pp2")]) == 0
+    old, new = OldCheckpoint(out / "ck_ep2", STEP2), OldCheckpoint(tmp_path / "pp2", STEP2)
+    cfg = tag_config(tmp_path / "pp2", STEP2)
+    assert saved_ep(cfg) == 1 and saved_layout(cfg) == (1, 2, 1) and saved_ep(tag_config(out / "ck_ep2", STEP2)) == 2
+    assert sorted(new.where) == sorted(old.where)
+    for name in old.where:
+        assert torch.equal(new.full_weight(name), old.full_weight(name)), name
+        a, b = new.full_optimizer_state(name), old.full_optimizer_state(name)
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq")), name
+
+
+@pytest.mark.slow
+def test_ep_checkpoint_exports_to_transformers_and_imports_at_ep2(tmp_path):
+    """The ep 2 checkpoint exported holds every expert once, one linear per expert as published, and transformers'
+    ``from_pretrained`` gives the logits of our model holding the checkpoint's weights (read by name); a transformers
+    directory read with ``--init-from-hf`` at ep 2 (each rank its own experts) evaluates to the validation loss of
+    the same directory read at ep 1."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ds_megatron.checkpoint.__main__ import main as checkpoint_main
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
+    from ds_megatron.model import build_model
+
+    out = LAUNCH()
+    assert checkpoint_main(["export", "--checkpoint", str(out / "ck_ep2"), "--out", str(tmp_path / "hf")]) == 0
+    old = OldCheckpoint(out / "ck_ep2", STEP2)
+    ours = build_model(old.model_config).eval()
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            param.copy_(old.full_weight(name))
+    stored = [k for k in load_file(tmp_path / "hf" / "model.safetensors") if ".experts." in k]
+    routed = {k.split(".experts.")[0] for k in stored}
+    assert routed and len(stored) == 3 * old.model_config.num_experts * len(routed)  # gate, up, down per expert
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, old.model_config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=0, atol=1e-5)
+    (ep1,), (ep2,) = _steps(out, "hf-ep1").values(), _steps(out, "hf-ep2").values()
+    _close(ep2["val_loss"], ep1["val_loss"], 1e-6, "val_loss of --init-from-hf at ep 2 against ep 1")

@@ -257,7 +257,7 @@ def test_a_save_that_finds_the_disk_full_is_one_line_and_keeps_the_last_checkpoi
             section=types.SimpleNamespace(checkpoint=types.SimpleNamespace(save=str(save), keep_last=0)),
             ds_config={},
         ),
-        built=types.SimpleNamespace(engine=None, rng=None, topology=None),
+        built=types.SimpleNamespace(engine=None, rng=None, topology=None, parallel=None),
         data=types.SimpleNamespace(tokenizer=None),
         wandb_id=None,
         skipped=0,

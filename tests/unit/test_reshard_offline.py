@@ -85,6 +85,16 @@ def test_refuses_a_layout_the_model_cannot_take(tmp_path, capsys, tp, pp, dp, ex
     _refused(tmp_path, capsys, _reshard(src, tp, pp, dp), expected)
 
 
+@pytest.mark.parametrize(
+    ("ep", "expected"),
+    [("0", "--ep: must be a positive integer"), ("2", "error: ds_megatron.parallel.ep: ")],  # a dense model: no experts
+)
+def test_refuses_an_ep_the_new_layout_cannot_take(tmp_path, capsys, ep, expected):
+    """``--ep`` goes into the recorded configuration only (the files do not depend on ep), checked like any layout."""
+    src = _tag(tmp_path / "ck", {})
+    _refused(tmp_path, capsys, [*_reshard(src, 1, 1, 2), "--ep", ep], expected)
+
+
 def test_refuses_incomplete_and_foreign_checkpoints(tmp_path, capsys):
     no_manifest = _tag(tmp_path / "a", {}, manifest=False)
     _refused(tmp_path, capsys, _reshard(no_manifest), f"no complete checkpoint ({TAG} has no manifest.json)")

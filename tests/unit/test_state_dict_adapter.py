@@ -101,3 +101,27 @@ def test_an_incomplete_set_of_experts_is_refused_before_anything(tmp_path):
     with pytest.raises(ConfigError, match="a tensor disagrees"):
         check_hf_tensors(hf_dir, cfg, "--hf")
     assert "model.layers.1.mlp.experts.gate_up_proj" in tensor_files(hf_dir, adapter)
+
+
+def test_a_rank_at_ep_2_holds_whole_experts_and_files_hold_the_tp_shards():
+    """At ep > 1 a rank's stacked expert tensors are its experts, whole (dim 0 cut over ep); what checkpoint files
+    hold (``saved_shard``) stays the TP rule's shard at any ep, so a checkpoint does not depend on ep; every other
+    parameter is cut alike by both.  Qwen3-MoE with 4 experts at tp 2: EP rank 1 holds experts 2 and 3."""
+    from ds_megatron.parallelize import ParallelContext
+    from ds_megatron.tensor_parallel import TPGroup
+
+    cfg = Qwen3MoeConfig(
+        **SMALL, num_layers=2, intermediate_size=48, moe_intermediate_size=16, num_experts=4, mlp_only_layers=(0,)
+    )
+    at_ep1 = StateDictAdapter.of(cfg, tp=2)
+    at_ep2 = StateDictAdapter(ParallelContext(cfg, TPGroup(rank=1, size=2), True, None, ep_size=2, ep_rank=1))
+    state = {n: torch.randn_like(p) for n, p in build_model(cfg, seed=7).state_dict().items()}
+    gate_up, down = "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"
+    for name, full in state.items():
+        assert torch.equal(at_ep2.saved_shard(name, full), at_ep1.shard(name, full, tp_rank=1)), name
+        if name in (gate_up, down):
+            assert torch.equal(at_ep2.shard(name, full), full[2:]), name
+        else:
+            assert torch.equal(at_ep2.shard(name, full), at_ep1.shard(name, full, tp_rank=1)), name
+    # the TP rule cuts each expert's gate rows and up rows apart: not dim 0
+    assert at_ep2.saved_shard(gate_up, state[gate_up]).shape == (4, 16, 32)
