@@ -23,9 +23,10 @@ from collections.abc import Callable
 import torch
 
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE
+from ds_megatron.expert_parallel.layout import local_experts
 from ds_megatron.model import ModelConfig, build_model, family_of
 from ds_megatron.model.family import EXPERT_PARTS, HF_OUTPUT, STACKED_EXPERTS
-from ds_megatron.parallelize import ParallelContext, is_expert_param, local_experts, shard_rule
+from ds_megatron.parallelize import ParallelContext, is_expert_param, shard_rule
 from ds_megatron.tensor_parallel import ShardRule, shard, unshard
 from ds_megatron.topology import Group
 
@@ -49,8 +50,8 @@ class StateDictAdapter:
     def shard(self, name: str, full: torch.Tensor, tp_rank: int | None = None) -> torch.Tensor:
         """This rank's parameter of the full tensor ``name``: TP rank ``tp_rank``'s (default: this rank's) shard
         (vocabulary rows padded); at ep > 1 a stacked expert tensor is this EP rank's experts instead, whole."""
-        if self.parallel.ep_size > 1 and is_expert_param(name, self.parallel):
-            return full[local_experts(self.parallel)].clone()
+        if self.parallel.ep.size > 1 and is_expert_param(name, self.parallel):
+            return full[local_experts(self.parallel.config.num_experts, self.parallel.ep)].clone()
         return self.saved_shard(name, full, tp_rank)
 
     def saved_shard(self, name: str, full: torch.Tensor, tp_rank: int | None = None) -> torch.Tensor:

@@ -40,7 +40,7 @@ def experts_as_saved(engine, parallel: ParallelContext, writes: bool) -> Iterato
     (the writer copies to the host anyway); on exit both are this rank's own again, the same tensor objects.  A rank
     that writes nothing takes part in the gathers and keeps nothing.  Yields the number of parameters swapped (0 at
     ep 1, where nothing changes)."""
-    if parallel.ep_size == 1:
+    if parallel.ep.size == 1:
         yield 0
         return
     adapter, state = StateDictAdapter(parallel), engine.optimizer.state
@@ -55,11 +55,11 @@ def experts_as_saved(engine, parallel: ParallelContext, writes: bool) -> Iterato
             moments = [k for k, v in (own or {}).items() if torch.is_tensor(v) and v.shape == param.shape]
             if not writes:  # take part in the gathers, keep nothing
                 for t in [own[k] for k in moments] + [param.data]:
-                    gather_experts(t, parallel.ep_group)
+                    gather_experts(t, parallel.ep.group)
                 continue
 
             def saved(t: torch.Tensor, name: str = name) -> torch.Tensor:
-                return adapter.saved_shard(name, gather_experts(t, parallel.ep_group)).cpu()
+                return adapter.saved_shard(name, gather_experts(t, parallel.ep.group)).cpu()
 
             swapped = {k: saved(own[k]) for k in moments}
             kept.append((param, param.data, own))

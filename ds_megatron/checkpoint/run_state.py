@@ -79,7 +79,7 @@ def save_run(
     root = Path(save_dir)
     tag = tag_for(step)
     saving = contextlib.nullcontext()
-    if parallel is not None and parallel.ep_size > 1:
+    if parallel is not None and parallel.ep.size > 1:
         saving = experts_as_saved(engine, parallel, engine.module.writes_checkpoint_files())
     with saving:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
@@ -134,14 +134,14 @@ def load_run(
             flush=True,
         )
     saved = tag_config(root, tag)
-    if parallel is not None and saved is not None and saved_ep(saved) != parallel.ep_size and dist.get_rank() == 0:
+    if parallel is not None and saved is not None and saved_ep(saved) != parallel.ep.size and dist.get_rank() == 0:
         print(
-            f"{root}/{tag} was saved at ep {saved_ep(saved)}: its experts are cut for ep {parallel.ep_size} (a "
+            f"{root}/{tag} was saved at ep {saved_ep(saved)}: its experts are cut for ep {parallel.ep.size} (a "
             "checkpoint holds every expert as an ep 1 run does, whatever the ep it was saved at)",
             flush=True,
         )
     moved = saved is not None and run_config is not None and needs_resharding(saved, run_config)
-    if parallel is not None and parallel.ep_size > 1 and saved is not None and not moved:
+    if parallel is not None and parallel.ep.size > 1 and saved is not None and not moved:
         # The files hold the experts as an ep 1 run does (``ep_state``), which DeepSpeed's own load cannot put into
         # this rank's E / ep experts: the by-name reader cuts them (and their Adam moments), bit for bit, and the
         # RNG states are this layout's own.

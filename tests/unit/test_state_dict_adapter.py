@@ -108,13 +108,13 @@ def test_a_rank_at_ep_2_holds_whole_experts_and_files_hold_the_tp_shards():
     hold (``saved_shard``) stays the TP rule's shard at any ep, so a checkpoint does not depend on ep; every other
     parameter is cut alike by both.  Qwen3-MoE with 4 experts at tp 2: EP rank 1 holds experts 2 and 3."""
     from ds_megatron.parallelize import ParallelContext
-    from ds_megatron.tensor_parallel import TPGroup
+    from ds_megatron.topology import Group
 
     cfg = Qwen3MoeConfig(
         **SMALL, num_layers=2, intermediate_size=48, moe_intermediate_size=16, num_experts=4, mlp_only_layers=(0,)
     )
     at_ep1 = StateDictAdapter.of(cfg, tp=2)
-    at_ep2 = StateDictAdapter(ParallelContext(cfg, TPGroup(rank=1, size=2), True, None, ep_size=2, ep_rank=1))
+    at_ep2 = StateDictAdapter(ParallelContext(cfg, Group(rank=1, size=2), True, None, ep=Group(rank=1, size=2)))
     state = {n: torch.randn_like(p) for n, p in build_model(cfg, seed=7).state_dict().items()}
     gate_up, down = "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"
     for name, full in state.items():
