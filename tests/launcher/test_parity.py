@@ -199,7 +199,7 @@ def test_recompute_replays_dropout_under_dualpipev(results, layout):
             assert r["grad_diff"] == 0.0, (f.name, policy, r)
 
 
-def test_interleaved_checkpoints_resume_at_either_schedule_and_sample(results):
+def test_interleaved_checkpoints_resume_across_schedules_and_v_sample_and_export(results):
     """An interleaved-1f1b checkpoint resumes exactly at its own placement (DeepSpeed's per-layer files, written and
     read chunk by chunk), resharded under 1F1B and back (stages r, r + p <-> stage r) and at v 4 (stages r, r + 2
     -> r, r + 2, r + 4, r + 6) with the straight run's losses, and under interleaved-zb without resharding; greedy
