@@ -12,7 +12,8 @@ F: interleaved-1f1b at v 4 resumes A's step 2 (stages r, r + 2 -> r, r + 2, r + 
    trains steps 3-4.
 Before A, greedy decoding through the interleaved engine (logits on rank p - 1, the order's forward-only step) at
 the initial weights, against the single-device model.
-Writes DIR/losses.rank<r>.json: each run's losses by step, whether the load resharded, the decoded tokens.
+Writes DIR/losses.rank<r>.json: each run's losses by step, whether the load resharded, the decoded tokens, and F's
+pipeline-layer bounds per chunk.
 """
 
 from __future__ import annotations
