@@ -59,8 +59,8 @@ UNEVEN = {
 # With dropout on, every recompute policy's gradients equal no recompute's under DualPipeV, bit for bit.
 REPLAY = {2: ["1,2,1,dualpipev,replay"]}
 # DualPipeV checkpoints, export, sampling and bf16, in the 2-process launch (tests/workers/schedule_checkpoint.py).
-# Interleaved 1F1B's checkpoints, resharding, interleaved-zb and sampling, in the same launch
-# (tests/workers/interleaved_checkpoint.py).
+# Interleaved 1F1B's checkpoints, resharding (to 1F1B and back, from v 2 to v 4), interleaved-zb, sampling and
+# export, in the same launch (tests/workers/interleaved_checkpoint.py).
 CHECKPOINT = {2: ["checkpoint", "interleaved-checkpoint"]}
 GROUPS = {
     1: ["1,1,1", "1,1,1,llama,tied"],
@@ -239,13 +239,20 @@ def test_recompute_replays_dropout_under_dualpipev(results, layout):
             assert r["grad_diff"] == 0.0, (f.name, policy, r)
 
 
-def test_interleaved_checkpoints_resume_at_either_schedule_and_sample(results):
+def test_interleaved_checkpoints_resume_across_schedules_and_v_sample_and_export(results):
     """An interleaved-1f1b checkpoint resumes exactly at its own placement (DeepSpeed's per-layer files, written and
-    read chunk by chunk), resharded under 1F1B and back (stages r, r + p <-> stage r) with 1F1B's losses, and under
-    interleaved-zb without resharding; greedy decoding through the interleaved engine (its forward-only order,
-    logits on rank p - 1) equals the single-device model's.  An even checkpoint resumes at uneven stages
-    (``pipeline_layout``, interleaved and 1F1B) continuing the straight run, and the uneven run's checkpoint exports
-    the weights its ranks held."""
+    read chunk by chunk), resharded under 1F1B and back (stages r, r + p <-> stage r) and at v 4 (stages r, r + 2
+    -> r, r + 2, r + 4, r + 6) with the straight run's losses, and under interleaved-zb without resharding; greedy
+    decoding through the interleaved engine (its forward-only order, logits on rank p - 1) equals the single-device
+    model's; ``python -m ds_megatron.checkpoint export`` of the pp 2 v 2 checkpoint gives a transformers model whose
+    logits are the single-device model's with the weights the ranks held.  An even checkpoint resumes at uneven
+    stages (``pipeline_layout``, interleaved and 1F1B) continuing the straight run, and the uneven run's checkpoint
+    exports the weights its ranks held."""
+    import transformers
+
+    from ds_megatron.checkpoint.__main__ import main as checkpoint_main
+    from ds_megatron.model.gpt2.model import GPT, GPTConfig
+
     tmp_path = results / "interleaved-checkpoint"
     for rank in (0, 1):
         r = json.loads((tmp_path / f"losses.rank{rank}.json").read_text())
@@ -258,13 +265,19 @@ def test_interleaved_checkpoints_resume_at_either_schedule_and_sample(results):
         assert r["E"]["3"] == r["B"]["3"], (r["E"], r["B"])  # deferred W passes: the same sums
         assert r["generate"]["pipeline"] == r["generate"]["reference"], r["generate"]
         # Even -> uneven stages (another split: resharded on load) continues the straight run: interleaved at
-        # [0, 1, 3, 0] from A's step 2, 1F1B at [1, 3] from C's step 3.
+        # [0, 3, 5, 0] from A's step 2, 1F1B at [3, 5] from C's step 3.
         assert r["F_resharded"] and r["G_resharded"], r
         for step in ("3", "4"):
             assert abs(r["F"][step] - a[step]) <= 1e-6 * abs(a[step]), (step, r["F"], a)
         assert abs(r["G"]["4"] - a["4"]) <= 1e-6 * abs(a["4"]), (r["G"], a)
-        # rank 0 builds stages 0 (wte, wpe) and 2 (blocks 1-3), rank 1 stages 1 (block 0) and 3 (ln_f, output)
-        assert r["F_layers"] == ([[0, 2], [3, 6]] if rank == 0 else [[2, 3], [6, 8]]), r["F_layers"]
+        # rank 0 builds stages 0 (wte, wpe) and 2 (blocks 3-7), rank 1 stages 1 (blocks 0-2) and 3 (ln_f, output)
+        assert r["F_layers"] == ([[0, 2], [5, 10]] if rank == 0 else [[2, 5], [10, 12]]), r["F_layers"]
+        # v 4: rank r builds stages r, r + 2, r + 4, r + 6 of 8, a block each.  Step 3's loss is the loaded weights'
+        # forward, the same operations in the same order: bit for bit.  Step 4 follows an update with the same
+        # gradient sums as v 2's but a global norm whose per-rank sums of squares are grouped otherwise (fp32
+        # rounding; measured: bit for bit).
+        assert r["H_resharded"] and len(r["H_layers"]) == 4, r
+        assert r["H"]["3"] == a["3"] and abs(r["H"]["4"] - a["4"]) <= 1e-6 * abs(a["4"]), (r["H"], a)
     # Export from the uneven run's checkpoint: the weights the ranks held (per-layer files, whatever the split).
     from safetensors.torch import load_file
 
@@ -279,6 +292,19 @@ def test_interleaved_checkpoints_resume_at_either_schedule_and_sample(results):
     for name, tensor in held.items():
         got = adapter.from_hf(name, {name: exported[name]})
         assert torch.equal(got, tensor[: got.shape[0]]), name
+    hf_dir = tmp_path / "hf"
+    argv = ["export", "--checkpoint", str(tmp_path / "il"), "--tag", "step00000002", "--out", str(hf_dir)]
+    assert checkpoint_main([*argv, "--no-tokenizer"]) == 0  # the worker saves no tokenizer
+    exported = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    held = {**torch.load(tmp_path / "params.rank0.pt"), **torch.load(tmp_path / "params.rank1.pt")}
+    reference = GPT(GPTConfig.from_hf(exported.config)).eval()
+    state = reference.state_dict()
+    assert {k for k in held if k in state} == set(state), set(state) ^ set(held)
+    reference.load_state_dict({k: held[k][: state[k].shape[0]] for k in state})  # the vocabulary padding stripped
+    ids = torch.randint(0, exported.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (exported(ids).logits - reference(ids)).abs().max().item()
+    assert diff <= 1e-5, diff  # transformers' GPT-2 and ours: fp32 rounding (tests/unit/test_hf_parity.py)
 
 
 def test_dualpipev_checkpoints_resume_at_either_schedule_and_export(results):

@@ -1,18 +1,23 @@
-"""Checks run inside the parity worker's 2-process launch (its ``interleaved-checkpoint`` layout): checkpoints and
-sampling under interleaved 1F1B, tp 1 x pp 2, v 2, fp32, dropout 0, gradient accumulation 4.
+"""Checks run inside the parity worker's 2-process launch (its ``interleaved-checkpoint`` layout): checkpoints,
+export and sampling under interleaved 1F1B, tp 1 x pp 2, v 2, fp32, dropout 0, gradient accumulation 4, 8 layers
+(so that v 4's 8 stages hold a block each).
 
-A: interleaved-1f1b trains 4 steps and saves after step 2 (``DIR/il``).
+A: interleaved-1f1b trains 4 steps and saves after step 2 (``DIR/il``), and writes the weights each rank holds then
+   by full name (``DIR/params.rank<r>.pt``: the export check's single-device model is built from them).
 B: interleaved-1f1b resumes A's step 2 (same placement: DeepSpeed's own load) and trains steps 3-4.
 C: 1F1B resumes A's step 2 (stages r, r + p -> stage r: resharded on load), trains step 3, saves (``DIR/f1``).
 D: interleaved-1f1b resumes C's step 3 (resharded back) and trains step 4; E: interleaved-zb resumes A's step 2
    (the same placement, no resharding) and trains step 3.
-F: interleaved-1f1b at the uneven pipeline_layout [0, 1, 3, 0] (the embedding alone on stage 0, the output layer
+F: interleaved-1f1b at the uneven pipeline_layout [0, 3, 5, 0] (the embedding alone on stage 0, the output layer
    alone on stage 3) resumes A's step 2 (another split: resharded on load), trains steps 3-4 and saves after step
    3 (``DIR/uneven``, with each rank's weights by full name in ``DIR/params-uneven.rank<r>.pt``, for export).
-G: 1F1B at the uneven layout [1, 3] resumes C's step 3 (even, resharded) and trains step 4.
+G: 1F1B at the uneven layout [3, 5] resumes C's step 3 (even, resharded) and trains step 4.
+H: interleaved-1f1b at v 4 resumes A's step 2 (stages r, r + 2 -> r, r + 2, r + 4, r + 6: resharded on load) and
+   trains steps 3-4.
 Before A, greedy decoding through the interleaved engine (logits on rank p - 1, the order's forward-only step) at
 the initial weights, against the single-device model.
-Writes DIR/losses.rank<r>.json: each run's losses by step, whether the load resharded, the decoded tokens.
+Writes DIR/losses.rank<r>.json: each run's losses by step, whether the load resharded, the decoded tokens, and F's
+and H's pipeline-layer bounds per chunk.
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ from ds_megatron.pipeline_parallel.module import pipeline_param_name
 from ds_megatron.pipeline_parallel.schedules import schedule_of
 
 
-def config(schedule: str, layout: list[int] | None = None):
-    cfg = tiny_ds_config(1, 2, 1)
+def config(schedule: str, layout: list[int] | None = None, v: int = 2):
+    cfg = tiny_ds_config(1, 2, 1, layers=8)
     cfg["ds_megatron"]["parallel"]["pipeline_schedule"] = schedule
     if schedule.startswith("interleaved"):
-        cfg["ds_megatron"]["parallel"]["virtual_stages"] = 2
+        cfg["ds_megatron"]["parallel"]["virtual_stages"] = v
     if layout is not None:
         cfg["ds_megatron"]["parallel"]["pipeline_layout"] = layout
     return resolve(cfg, int(os.environ["WORLD_SIZE"]))
@@ -61,8 +66,8 @@ def run_checks(out: str) -> None:
                 save_run(built.engine, save_dir, step, client, built.rng, topology=built.topology)
         return losses
 
-    def resume(schedule: str, load_dir: str, step: int, layout: list[int] | None = None):
-        built = build_engine(config(schedule, layout))
+    def resume(schedule: str, load_dir: str, step: int, layout: list[int] | None = None, v: int = 2):
+        built = build_engine(config(schedule, layout, v))
         tag = tag_for(step)
         load_run(built.engine, load_dir, built.rng, built.parallel, built.topology, built.run.ds_config, tag)
         return built, needs_resharding(tag_config(Path(load_dir), tag), built.run.ds_config)
@@ -79,6 +84,8 @@ def run_checks(out: str) -> None:
         for _ in range(6):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
     result = {"A": train(a, [1, 2], save_at=2, save_dir=il)}
+    held = {pipeline_param_name(n, a.engine.module): p.detach().clone() for n, p in a.engine.module.named_parameters()}
+    torch.save(held, os.path.join(out, f"params.rank{os.environ['RANK']}.pt"))
     result["A"].update(train(a, [3, 4]))
     b, result["B_resharded"] = resume("interleaved-1f1b", il, 2)
     result["B"] = train(b, [3, 4])
@@ -88,7 +95,7 @@ def run_checks(out: str) -> None:
     result["D"] = train(d, [4])
     e, result["E_resharded"] = resume("interleaved-zb", il, 2)
     result["E"] = train(e, [3])
-    f, result["F_resharded"] = resume("interleaved-1f1b", il, 2, [0, 1, 3, 0])
+    f, result["F_resharded"] = resume("interleaved-1f1b", il, 2, [0, 3, 5, 0])
     result["F"] = train(f, [3], save_at=3, save_dir=os.path.join(out, "uneven"))
     rank = f.topology.pp_rank
     params = {
@@ -97,7 +104,10 @@ def run_checks(out: str) -> None:
     torch.save(params, os.path.join(out, f"params-uneven.rank{rank}.pt"))
     result["F"].update(train(f, [4]))
     result["F_layers"] = [[int(a), int(b)] for a, b in f.engine.module.chunk_bounds]
-    g, result["G_resharded"] = resume("1f1b", f1, 3, [1, 3])
+    g, result["G_resharded"] = resume("1f1b", f1, 3, [3, 5])
     result["G"] = train(g, [4])
+    h, result["H_resharded"] = resume("interleaved-1f1b", il, 2, v=4)
+    result["H"] = train(h, [3, 4])
+    result["H_layers"] = [[int(i) for i in bounds] for bounds in h.engine.module.chunk_bounds]
     result["generate"] = {"pipeline": got, "reference": ids[len(prompt) :]}
     write_result(out, "losses", result)
