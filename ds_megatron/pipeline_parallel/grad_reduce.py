@@ -95,8 +95,12 @@ class GradReduceOverlap:
         if self.bf16:
             params = [p for p in params if id(p) in self.hp_index]
         self.is_expert = {id(p): expert_group is not None and is_moe_param(p) for p in params}
-        # reverse registration order: roughly the order backward finishes them
-        early = self._bucketed([p for p in reversed(params) if id(p) not in late_ids])
+        # reverse registration order: roughly the order backward finishes them; the experts last, in buckets of their
+        # own (they start only once the step's last gradient pass is done, so between the others they would hold
+        # back every bucket after them, and together they make one all-reduce over the expert-DP group per bucket)
+        order = [p for p in reversed(params) if id(p) not in late_ids]
+        early = self._bucketed([p for p in order if not self.is_expert[id(p)]])
+        early += self._bucketed([p for p in order if self.is_expert[id(p)]])
         self.buckets = early + self._bucketed([p for p in reversed(params) if id(p) in late_ids])
         self.num_early = len(early)
         self.where = {id(p): k for k, b in enumerate(self.buckets) for p in b.params}
