@@ -106,6 +106,7 @@ class ParallelSection:
     # model chunks (virtual stages) per pipeline rank, v >= 2, for a schedule whose record reads it
     # (Schedule.stages_setting; None: the record's default)
     virtual_stages: int | None = None
+    pipeline_layout: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
