@@ -14,6 +14,7 @@ from ds_megatron.config import ModelShape
 from ds_megatron.config.shape import layers_per_stage
 from ds_megatron.pipeline_parallel.schedules import schedule_named
 from ds_megatron.pipeline_parallel.schedules.record import LOOP
+from ds_megatron.tune.core.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
 from ds_megatron.tune.core.memory_model import block_param_count, stage_param_counts
 from ds_megatron.tune.core.spec import Candidate, Cluster
 from ds_megatron.tune.training.time_model import ranked_step, stage_time
@@ -57,6 +58,15 @@ def middle_ranks_bounded(model: ModelShape, cand: Candidate, layout: tuple[int, 
     return True
 
 
+def block_outweighs_output(model: ModelShape, cluster: Cluster, cand: Candidate) -> bool:
+    """Whether a block's matmuls take at least the output layer's: then, with the layers split evenly, any block
+    moved off the last stage makes another stage slower than the last was (a block adds its three matmul passes and
+    four TP collectives, the output layer three matmul passes and one collective), so no layout helps.  A cheap
+    test that spares the search the stage times of most GPT-sized vocabularies."""
+    block = block_matmuls(model, cand) + core_attention_matmuls(model, cand)
+    return matmul_s(block, cluster) >= matmul_s((logits_matmul(model, cand),), cluster)
+
+
 def balanced(model: ModelShape, cluster: Cluster, cand: Candidate) -> Candidate:
     """``cand`` with the uneven layout (``candidate_layouts``) whose slowest stage is fastest, where that is faster
     than the even split's (each stage ceil(L/p) blocks, the time model's even assumption) and the middle ranks stay
@@ -64,18 +74,21 @@ def balanced(model: ModelShape, cluster: Cluster, cand: Candidate) -> Candidate:
     if not balances(cand):
         return cand
     even = layers_per_stage(model.num_layers, cand.pp)
-    best = max(stage_time(model, cluster, cand, even, where).total_s for where in ("first", "last"))
+    if even * cand.pp == model.num_layers and block_outweighs_output(model, cluster, cand):
+        return cand
+    best = stage_time(model, cluster, cand, even, "last").total_s  # the first stage runs the same minus the output
     chosen = None
     for layout in candidate_layouts(model.num_layers, cand.pp):
         if layout[0] < 1:
             break
         middle = max(layout[:-1])
-        if ranked_step(stage_time(model, cluster, cand, middle, "middle").total_s) >= ranked_step(best):
+        middle_s = stage_time(model, cluster, cand, middle, "middle").total_s
+        if ranked_step(middle_s) >= ranked_step(best):
             break  # fewer blocks on the last stage only add to the others
         slowest = max(
             stage_time(model, cluster, cand, layout[0], "first").total_s,
             stage_time(model, cluster, cand, layout[-1], "last").total_s,
-            stage_time(model, cluster, cand, middle, "middle").total_s,
+            middle_s,
         )
         if ranked_step(slowest) < ranked_step(best) and middle_ranks_bounded(model, cand, layout):
             best, chosen = slowest, layout
