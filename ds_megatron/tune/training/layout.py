@@ -76,20 +76,23 @@ def balanced(model: ModelShape, cluster: Cluster, cand: Candidate) -> Candidate:
     even = layers_per_stage(model.num_layers, cand.pp)
     if even * cand.pp == model.num_layers and block_outweighs_output(model, cluster, cand):
         return cand
-    best = stage_time(model, cluster, cand, even, "last").total_s  # the first stage runs the same minus the output
+    memo: dict[tuple[int, str], float] = {}
+
+    def seconds(n: int, where: str) -> float:  # one stage's micro-batch, each (n, where) timed once
+        if (n, where) not in memo:
+            memo[n, where] = stage_time(model, cluster, cand, n, where).total_s
+        return memo[n, where]
+
+    best = seconds(even, "last")  # the first stage runs the same minus the output layer
     chosen = None
     for layout in candidate_layouts(model.num_layers, cand.pp):
         if layout[0] < 1:
             break
         middle = max(layout[:-1])
-        middle_s = stage_time(model, cluster, cand, middle, "middle").total_s
+        middle_s = seconds(middle, "middle")
         if ranked_step(middle_s) >= ranked_step(best):
             break  # fewer blocks on the last stage only add to the others
-        slowest = max(
-            stage_time(model, cluster, cand, layout[0], "first").total_s,
-            stage_time(model, cluster, cand, layout[-1], "last").total_s,
-            middle_s,
-        )
+        slowest = max(seconds(layout[0], "first"), seconds(layout[-1], "last"), middle_s)
         if ranked_step(slowest) < ranked_step(best) and middle_ranks_bounded(model, cand, layout):
             best, chosen = slowest, layout
     return cand if chosen is None else dataclasses.replace(cand, pipeline_layout=chosen)

@@ -12,7 +12,6 @@ attention (``cp_comm_s``).  Each term is derived in docs/tuner.md, "Time model" 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
@@ -300,22 +299,13 @@ def slowest_stage(model: ModelShape, cluster: Cluster, cand: Candidate) -> Stage
 
 def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, where: str) -> StageTime:
     """One micro-batch on a pipeline rank running ``n`` blocks; ``where``: "first" (the embedding's stage),
-    "middle" or "last" (the output layer's; at p = 1 the whole model).  Cached: the layout search
-    (``tune.training.layout``) asks for the same stages the evaluation of its choice then reads; the layout itself
-    is not an input (``n`` is)."""
-    if cand.pipeline_layout is not None:
-        cand = dataclasses.replace(cand, pipeline_layout=None)
-    return _stage_time(model, cluster, cand, n, where)
-
-
-@functools.lru_cache(maxsize=16384)
-def _stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, where: str) -> StageTime:
+    "middle" or "last" (the output layer's; at p = 1 the whole model)."""
     s, b, h, t = model.seq_length // cand.cp, cand.micro_batch_size, model.hidden_size, cand.tp  # this CP rank's
     recomputed = _recomputed_blocks(cand, n)
     # Forward and backward (twice the forward: input and weight gradients, GEMMs of the same shapes) of every block,
     # plus the recomputed forwards: full recompute re-runs whole blocks, selective with core_attn the core attention
     # of each block (its other modules are elementwise: recompute_passes_s).
-    linears, core = _matmuls(model, cand)
+    linears, core = block_matmuls(model, cand), core_attention_matmuls(model, cand)
     block = linears + core
     block_runs, core_reruns = 3 * n + recomputed, n if recomputes_core(cand) else 0
     block_s = block_runs * matmul_s(block, cluster) + core_reruns * matmul_s(core, cluster)
@@ -360,13 +350,6 @@ def _stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, wh
     if cand.pp == 1:
         last = dataclasses.replace(last, tp_comm_s=(block_units + 2) * unit + routed, p2p_s=0.0)
     return last
-
-
-@functools.lru_cache(maxsize=4096)
-def _matmuls(model: ModelShape, cand: Candidate) -> tuple[tuple, tuple]:
-    """A block's linear and attention-core matmuls for ``cand`` (the same at every block count: the layout search
-    times one candidate at several)."""
-    return block_matmuls(model, cand), core_attention_matmuls(model, cand)
 
 
 def stage_blocks(model: ModelShape, cand: Candidate) -> int:
