@@ -144,6 +144,13 @@ def test_uneven_layout_moves_blocks_off_the_output_layers_stage():
     assert config["ds_megatron"]["parallel"]["pipeline_layout"] == [8, 8, 9, 7]
     assert winner.candidate.settings()["pipeline_layout"] == [8, 8, 9, 7]
     assert tuple(resolve(config, 16).section.parallel.pipeline_layout) == (8, 8, 9, 7)
+    # at pp 2 the layout puts a block more on the first stage: where only the even split fits, the search keeps it
+    small = build_cluster("h100-sxm", 8, 8)
+    pins = Pins(tp=1, pp=2, micro_batch_size=1, attention="sdpa", recompute="selective")
+    ranked = {e.candidate.recompute_modules: e for e in search(model, small, 512, pins).ranked}
+    assert ranked["mlp_act", "layernorm"].candidate.pipeline_layout == (17, 15)
+    assert ranked["mlp_act",].candidate.pipeline_layout is None  # 17/15 needs 81.5 GiB, the even split 77.2
+    assert ranked["mlp_act", "layernorm"].time.step_s < ranked["mlp_act",].time.step_s
     # GPT-3 175B's output layer (V 50,257, h 12,288) costs a third of a block: the even split stays
     gpt, cluster = _model("gpt3-175b"), build_cluster("a100-80gb", 1024, 8)
     cand = Candidate(8, 8, 16, True, 1, 96, "selective", attention="eager")

@@ -103,6 +103,17 @@ def _rank_key(e: Evaluation) -> tuple:
     return (not e.fits, ranked_step(e.time.step_s) if e.fits else e.required_bytes, e.candidate.cp, e.required_bytes)
 
 
+def _evaluate_layout(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch_size: int) -> Evaluation:
+    """``cand`` with the uneven layout that balances its output layer's cost (``layout.balanced``), or with the even
+    split where only that fits: the layout may put more blocks on the first stage (at pp 2 it takes the last's)."""
+    chosen = balanced(model, cluster, cand)
+    found = evaluate(model, cluster, chosen, global_batch_size)
+    if chosen is not cand and not found.fits:
+        even = evaluate(model, cluster, cand, global_batch_size)
+        return even if even.fits else found
+    return found
+
+
 def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:
     """Families (tp, pp, dp, sp, policy) none of whose members fit, with the closest member's reason."""
     groups: dict[tuple, list[Evaluation]] = defaultdict(list)
@@ -163,8 +174,7 @@ def search(model: ModelShape, cluster: Cluster, global_batch_size: int, pins: Pi
     validate_request(model, cluster, global_batch_size, pins)
     start = time.perf_counter()
     candidates, rejected = enumerate_candidates(model, cluster, global_batch_size, pins)
-    candidates = [balanced(model, cluster, c) for c in candidates]  # the output layer's cost balanced (layout)
-    evaluations = sorted((evaluate(model, cluster, c, global_batch_size) for c in candidates), key=_rank_key)
+    evaluations = sorted((_evaluate_layout(model, cluster, c, global_batch_size) for c in candidates), key=_rank_key)
     rejected += _memory_families(evaluations)
     common, note = common_configuration(model, cluster, global_batch_size)
     result = SearchResult(model, cluster, global_batch_size, pins, evaluations, rejected, common, note)
