@@ -60,6 +60,9 @@ def _pin_flags(pins: Pins) -> list[tuple[str, object]]:
             flags.append((f"--{name}", getattr(pins, name)))
     if pins.recompute_modules is not None:
         flags.append(("--recompute-modules", ",".join(pins.recompute_modules)))
+    for name in ("schedule", "virtual_stages"):
+        if getattr(pins, name) is not None:
+            flags.append((f"--{name.replace('_', '-')}", getattr(pins, name)))
     return flags
 
 

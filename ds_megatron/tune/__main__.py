@@ -21,7 +21,7 @@ from ds_megatron.tune.core.spec import cluster_from_flags
 from ds_megatron.tune.training import empirical
 from ds_megatron.tune.training.empirical_report import format_empirical
 from ds_megatron.tune.training.report import format_report
-from ds_megatron.tune.training.schedules import ALL, DEFAULT_SCHEDULES, SCHEDULES
+from ds_megatron.tune.training.schedules import ALL, DEFAULT_SCHEDULES, SCHEDULES, STAGED
 from ds_megatron.tune.training.written import to_json, write_config
 
 CPU_KERNEL_NOTE = (
@@ -54,6 +54,12 @@ FLAGS = {
             "--schedule",
             {"metavar": "|".join((*SCHEDULES, ALL))},
             f"pipeline schedule (default: {', '.join(DEFAULT_SCHEDULES)} only; {ALL}: rank every schedule together)",
+        ),
+        (
+            "--virtual-stages",
+            INT,
+            f"model chunks per pipeline rank v, with --schedule {' or '.join(STAGED)} (default: every v >= 2 that "
+            "divides the layers per stage)",
         ),
     ),
     "output": (

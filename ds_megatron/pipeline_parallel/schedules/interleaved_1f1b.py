@@ -3,8 +3,8 @@ rank r holding stages r, r + p, ..., r + (v-1) p (``LOOP`` placement, v from ``d
 2 when unset), in Megatron's order (``schedules.interleaved_order``), run by ``pipeline_parallel.interleaved`` on
 DeepSpeed's DualPipeV instructions.  The bubble is the makespan of its order under the one simulator,
 (p - 1)(T_F + T_B + T_W) / v; rank 0 holds (p - 1 - r) 2 + (v - 1) p + 1 chunks' activations at m > p.  Not
-searched, nor ranked, by the tuner: its candidates carry no virtual-stage count (the tuner's
-schedules).  The helpers below also build ``interleaved_zb``'s record."""
+searched by the tuner by default; ``--schedule`` ranks it at every v that cuts the layers evenly (a candidate carries
+its v: ``tune.training.schedules``).  The helpers below also build ``interleaved_zb``'s record."""
 
 from __future__ import annotations
 

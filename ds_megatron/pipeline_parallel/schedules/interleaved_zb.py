@@ -3,8 +3,8 @@ stage count and refusals; each backward runs B only and the W passes fill the wa
 (``interleaved_order.deferred_w_timeline``, built at T_F = T_B = T_W), run by ``pipeline_parallel.interleaved``'s
 ``InterleavedZeroBubbleEngine`` on ``zero_bubble.DeferredWeightGradSteps``.  In that model the bubble falls to a third
 of interleaved-1F1B's at m >= 2p (two thirds at m = p); the bubble here is that fixed order's makespan under the one
-simulator at any costs.  The W passes held are counted off the same order, so they depend on m.  Not searched nor
-ranked by the tuner, as interleaved 1F1B."""
+simulator at any costs.  The W passes held are counted off the same order, so they depend on m.  Searched by the
+tuner only when ``--schedule`` asks, at every v, as interleaved 1F1B."""
 
 from __future__ import annotations
 

@@ -86,7 +86,12 @@ def rank_param_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
     chunks 0 and 2p-1 (the embedding, the final norm and the output layer, a tied one sharing the embedding's
     module), the last rank two chunks of the middle, each chunk ceil(L/(2p)) blocks: the same total as 1F1B."""
     if not pipeline_schedule(cand.schedule).loss_on_first_rank:
-        return stage_param_counts(model, cand.tp, cand.pp)
+        first, last = stage_param_counts(model, cand.tp, cand.pp)
+        if cand.pipeline_layout is not None:  # the first and last stages' own block counts
+            even, block = layers_per_stage(model.num_layers, cand.pp), block_param_count(model, cand.tp)
+            first += (cand.pipeline_layout[0] - even) * block
+            last += (cand.pipeline_layout[-1] - even) * block
+        return first, last
     whole = stage_param_counts(model, cand.tp, 1)[0]
     blocks = 2 * layers_per_stage(model.num_layers, 2 * cand.pp) * block_param_count(model, cand.tp)
     return whole - model.num_layers * block_param_count(model, cand.tp) + blocks, blocks
@@ -240,16 +245,23 @@ def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, f
     micro-batch's terms on a stage (a chunk under two stages per rank), combined by the schedule's record
     (``Schedule.activation_peaks``: 1F1B min(p, m) micro-batches on the first stage, one on the last; the others'
     in their own modules, ``pipeline_parallel/schedules/``)."""
-    schedule = pipeline_schedule(cand.schedule)
-    n = layers_per_stage(model.num_layers, schedule.per_rank(cand) * cand.pp)  # a stage's (a chunk's) blocks
-    terms = ActivationTerms(
-        stored_activation_bytes(model, cand, n),
-        recompute_transient_bytes(model, cand, n),
-        embedding_activation_bytes(model, cand),
-        output_activation_bytes(model, cand),
-        lambda last: deferred_weight_grad_bytes(model, cand, n, last=last),
-    )
-    return schedule.activation_peaks(cand.pp, cand.num_micro_batches, terms)
+    schedule = pipeline_schedule(cand.schedule).for_settings(cand)  # at the candidate's v stages per rank
+
+    def peaks(n: int) -> tuple[float, float]:  # n: a stage's (a chunk's) blocks
+        terms = ActivationTerms(
+            stored_activation_bytes(model, cand, n),
+            recompute_transient_bytes(model, cand, n),
+            embedding_activation_bytes(model, cand),
+            output_activation_bytes(model, cand),
+            lambda last: deferred_weight_grad_bytes(model, cand, n, last=last),
+        )
+        return schedule.activation_peaks(cand.pp, cand.num_micro_batches, terms)
+
+    if cand.pipeline_layout is None:
+        return peaks(layers_per_stage(model.num_layers, schedule.per_rank(cand) * cand.pp))
+    # An uneven layout (one stage per rank, tune.training.layout): the first rank's peak at its blocks, the last's at
+    # its own; the layout keeps every middle rank's below the first's (layout.middle_ranks_bounded).
+    return peaks(cand.pipeline_layout[0])[0], peaks(cand.pipeline_layout[-1])[1]
 
 
 def stage_memory(model: ModelShape, cand: Candidate) -> tuple[StageMemory, StageMemory]:

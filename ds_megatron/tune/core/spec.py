@@ -83,6 +83,7 @@ class Pins:
     cp: int | None = None  # context-parallel size (None: searched for long sequences, space.CP_MIN_SEQ_LENGTH)
     cp_comm: str | None = None  # "ring" | "a2a"
     schedule: str | None = None  # a schedule name, or "all" (None: training.schedules.DEFAULT_SCHEDULES)
+    virtual_stages: int | None = None  # stages per rank of a schedule whose record has a stages setting (v)
 
 
 def ordered_modules(modules: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -114,6 +115,12 @@ class Candidate:
     cp_comm: str = "ring"
     # The pipeline schedule (ds_megatron.parallel.pipeline_schedule; tune.training.schedules models each).
     schedule: str = DEFAULT_SCHEDULE.name
+    # Model chunks per pipeline rank (ds_megatron.parallel.virtual_stages) of a schedule whose record has a stages
+    # setting (interleaving's v); None for the others (Schedule.per_rank reads the field by the setting's name).
+    virtual_stages: int | None = None
+    # Blocks per stage in model-chunk order (ds_megatron.parallel.pipeline_layout) when the tuner moves blocks off
+    # the last (or first) stage to balance the output layer's cost (tune.training.layout); None: the even split.
+    pipeline_layout: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         modules = tuple(self.recompute_modules)
@@ -148,6 +155,8 @@ class Candidate:
             **({"cp": self.cp, "cp_comm": self.cp_comm} if self.cp > 1 else {}),
             # only off 1f1b: a 1f1b record is what it was before the tuner knew schedules
             **({"pipeline_schedule": self.schedule} if self.schedule != DEFAULT_SCHEDULE.name else {}),
+            **({"virtual_stages": self.virtual_stages} if self.virtual_stages is not None else {}),
+            **({"pipeline_layout": list(self.pipeline_layout)} if self.pipeline_layout is not None else {}),
         }
 
 

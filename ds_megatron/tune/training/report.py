@@ -33,8 +33,9 @@ COLUMNS = (
     ("HFU", 6),
 )
 SCHEDULE_COLUMN = ("schedule", 9)  # last, only in a table that shows a schedule other than 1f1b
+LAYOUT_COLUMN = ("layout", 6)  # last, only in a table that shows an uneven pipeline layout ("8/9/9/6")
 CP_COLUMN = ("cp", 7)  # after tp, only in a table that shows a cp > 1 candidate ("4 ring", "2 a2a")
-TEXT_COLUMNS = {"attn", "recompute", "status", "source", "cp", "schedule"}  # left-aligned in every table
+TEXT_COLUMNS = {"attn", "recompute", "status", "source", "cp", "schedule", "layout"}  # left-aligned in every table
 MAX_REJECTIONS_SHOWN = 8
 NEAR_TIE = 0.01  # candidates this close to the winner's step time are within the time model's error of it
 SETTINGS = (  # (label, cell) compared between two candidates
@@ -48,6 +49,7 @@ SETTINGS = (  # (label, cell) compared between two candidates
     ("attention", "attn"),
     ("ZeRO", "zero"),
     ("schedule", "schedule"),
+    ("layout", "layout"),
 )
 TIME_PARTS = (
     ("compute", "compute_s"),
@@ -67,7 +69,8 @@ def cells(c: Candidate) -> dict[str, str]:
     numbers = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "b": c.micro_batch_size, "m": c.num_micro_batches, "zero": c.zero}
     text = {"sp": "on" if c.sequence_parallel else "off", "attn": c.attention, "recompute": c.recompute_label()}
     text["cp"] = "1" if c.cp == 1 else f"{c.cp} {c.cp_comm}"
-    text["schedule"] = c.schedule
+    text["schedule"] = c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages is not None else "")
+    text["layout"] = "even" if c.pipeline_layout is None else "/".join(map(str, c.pipeline_layout))
     return {**{name: str(n) for name, n in numbers.items()}, **text}
 
 
@@ -94,12 +97,20 @@ def shows_schedule(shown: list[Evaluation]) -> bool:
     return any(e.candidate.schedule != DEFAULT_SCHEDULE.name for e in shown)
 
 
-def _row(rank: int, e: Evaluation, with_cp: bool = False, with_schedule: bool = False) -> list[str]:
+def shows_layout(shown: list[Evaluation]) -> bool:
+    """Whether a table of ``shown`` needs the layout column (an even-split table stays as it was before layouts)."""
+    return any(e.candidate.pipeline_layout is not None for e in shown)
+
+
+def _row(
+    rank: int, e: Evaluation, with_cp: bool = False, with_schedule: bool = False, with_layout: bool = False
+) -> list[str]:
     t = e.time
     memory = [f"{stage.required_bytes / GIB:.1f} GiB" for stage in (e.first, e.last)]
     speed = [seconds_text(t.step_s), f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}", f"{t.hfu:.1%}"]
-    schedule = [e.candidate.schedule] if with_schedule else []
-    return [str(rank), *layout_cells(e.candidate, with_cp), str(e.candidate.zero), *memory, *speed, *schedule]
+    x = cells(e.candidate)
+    extra = ([x["schedule"]] if with_schedule else []) + ([x["layout"]] if with_layout else [])
+    return [str(rank), *layout_cells(e.candidate, with_cp), str(e.candidate.zero), *memory, *speed, *extra]
 
 
 def widened(columns: tuple[tuple[str, int], ...], shown: list[Evaluation]) -> tuple[tuple[str, int], ...]:
@@ -118,11 +129,15 @@ def table(rows: list[list[str]], columns: tuple[tuple[str, int], ...]) -> list[s
 
 def settings_text(c: Candidate) -> str:
     """``tp 8, pp 16, dp 8, SP on, micro-batch 1 x 192, recompute selective, attention sdpa, ZeRO-1`` (with
-    ``cp 4 ring`` after tp when cp > 1)."""
+    ``cp 4 ring`` after tp when cp > 1, ``schedule interleaved-1f1b v4`` off 1f1b, ``layout 8/9/9/6`` when
+    uneven)."""
     return (
         "tp {tp}, " + ("cp {cp}, " if c.cp > 1 else "") + "pp {pp}, dp {dp}, SP {sp}, micro-batch {b} x {m}, "
         "recompute {recompute}, attention {attn}, ZeRO-{zero}"
-    ).format(**cells(c)) + (f", schedule {c.schedule}" if c.schedule != DEFAULT_SCHEDULE.name else "")
+    ).format(**cells(c)) + (
+        (f", schedule {cells(c)['schedule']}" if c.schedule != DEFAULT_SCHEDULE.name else "")
+        + (f", layout {cells(c)['layout']}" if c.pipeline_layout is not None else "")
+    )
 
 
 def describe(e: Evaluation) -> str:
@@ -161,8 +176,10 @@ def format_report(result: SearchResult, top: int = 10) -> str:
         cp_column = shows_cp(shown)
         schedule_column = shows_schedule(shown)
         columns = widened(with_cp_column(COLUMNS) if cp_column else COLUMNS, shown)
-        columns += (SCHEDULE_COLUMN,) if schedule_column else ()
-        lines += table([_row(i + 1, e, cp_column, schedule_column) for i, e in enumerate(shown)], columns)
+        layout_column = shows_layout(shown)
+        columns += ((SCHEDULE_COLUMN,) if schedule_column else ()) + ((LAYOUT_COLUMN,) if layout_column else ())
+        rows = [_row(i + 1, e, cp_column, schedule_column, layout_column) for i, e in enumerate(shown)]
+        lines += table(rows, columns)
         t = winner.time
         lines += [
             "",

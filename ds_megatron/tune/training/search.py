@@ -12,8 +12,9 @@ from ds_megatron.config import ModelShape
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ds_megatron.tune.core.memory_model import GIB, MARGIN_BYTES, MARGIN_FRACTION, StageMemory, stage_memory
 from ds_megatron.tune.core.spec import Candidate, Cluster, Pins
+from ds_megatron.tune.training.layout import balanced
 from ds_megatron.tune.training.space import Rejection, enumerate_candidates, layout_candidates, tp_sizes
-from ds_megatron.tune.training.time_model import StepTime, step_time
+from ds_megatron.tune.training.time_model import StepTime, ranked_step, step_time
 from ds_megatron.tune.training.validate import validate_request
 
 
@@ -95,12 +96,6 @@ def evaluate(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch_
     return Evaluation(cand, first, last, step_time(model, cluster, cand, global_batch_size), fits, reason)
 
 
-def ranked_step(step_s: float) -> float:
-    """A predicted step time as the ranking compares it: to the nanosecond.  Two layouts whose time terms are the
-    same numbers summed in another order differ in the last bits of a float; they are the same prediction."""
-    return round(step_s, 9)
-
-
 def _rank_key(e: Evaluation) -> tuple:
     # Layouts with equal predicted steps (cp 8 x micro-batch 1 against cp 16 x micro-batch 2 hold the same tokens per
     # rank) rank the smaller cp first: the time model counts a ring's exchange as hidden behind compute, which
@@ -108,14 +103,26 @@ def _rank_key(e: Evaluation) -> tuple:
     return (not e.fits, ranked_step(e.time.step_s) if e.fits else e.required_bytes, e.candidate.cp, e.required_bytes)
 
 
+def _evaluate_layout(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch_size: int) -> Evaluation:
+    """``cand`` with the uneven layout that balances its output layer's cost (``layout.balanced``), or with the even
+    split where only that fits: the layout may put more blocks on the first stage (at pp 2 it takes the last's)."""
+    chosen = balanced(model, cluster, cand)
+    found = evaluate(model, cluster, chosen, global_batch_size)
+    if chosen is not cand and not found.fits:
+        even = evaluate(model, cluster, cand, global_batch_size)
+        return even if even.fits else found
+    return found
+
+
 def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:
     """Families (tp, pp, dp, sp, policy) none of whose members fit, with the closest member's reason."""
     groups: dict[tuple, list[Evaluation]] = defaultdict(list)
     for e in evaluations:
         c = e.candidate
-        groups[(c.tp, c.pp, c.dp, c.sequence_parallel, c.recompute, c.attention, c.cp, c.cp_comm, c.schedule)].append(e)
+        key = (c.tp, c.pp, c.dp, c.sequence_parallel, c.recompute, c.attention, c.cp, c.cp_comm, c.schedule)
+        groups[(*key, c.virtual_stages)].append(e)
     rejected = []
-    for (tp, pp, dp, sp, policy, kernel, cp, comm, schedule), members in groups.items():
+    for (tp, pp, dp, sp, policy, kernel, cp, comm, schedule, v), members in groups.items():
         if any(e.fits for e in members):
             continue
         closest = min(members, key=lambda e: e.required_bytes)
@@ -124,6 +131,8 @@ def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:
             family.update(cp=cp, cp_comm=comm)
         if schedule != DEFAULT_SCHEDULE.name:  # a 1f1b family is named as before the tuner knew schedules
             family["pipeline_schedule"] = schedule
+        if v is not None:
+            family["virtual_stages"] = v
         best = closest.candidate
         reason = f"{closest.reason}; closest member b={best.micro_batch_size} {best.recompute_label()}"
         rejected.append(Rejection(family, reason, len(members), closest.required_bytes))
@@ -165,7 +174,7 @@ def search(model: ModelShape, cluster: Cluster, global_batch_size: int, pins: Pi
     validate_request(model, cluster, global_batch_size, pins)
     start = time.perf_counter()
     candidates, rejected = enumerate_candidates(model, cluster, global_batch_size, pins)
-    evaluations = sorted((evaluate(model, cluster, c, global_batch_size) for c in candidates), key=_rank_key)
+    evaluations = sorted((_evaluate_layout(model, cluster, c, global_batch_size) for c in candidates), key=_rank_key)
     rejected += _memory_families(evaluations)
     common, note = common_configuration(model, cluster, global_batch_size)
     result = SearchResult(model, cluster, global_batch_size, pins, evaluations, rejected, common, note)

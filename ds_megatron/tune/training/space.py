@@ -1,6 +1,6 @@
-"""The search space: every (tp, cp, pp, dp, sp, b, recompute, attention, zero) the tuner considers under the package's
-layout rules and the pipeline engine's limits (the table is in docs/tuner.md, "The search space"), and every family
-left out, with its reason.  Pure Python."""
+"""The search space: every (tp, cp, pp, dp, sp, b, recompute, attention, zero, schedule and its v) the tuner
+considers under the package's layout rules and the pipeline engine's limits (the table is in docs/tuner.md, "The
+search space"), and every family left out, with its reason.  Pure Python."""
 
 from __future__ import annotations
 
@@ -188,15 +188,24 @@ def layout_candidates(
         runs[schedule] = [b for b in micro if schedules.refusal(schedule, pp, per_replica // b) is None]
 
     recompute = {}
+    stages = {}  # schedule -> the stages per rank it is searched at (None: fixed by its record)
+    for schedule in list(runs):
+        stages[schedule] = schedules.virtual_stage_options(schedule, model.num_layers, pp, pins.virtual_stages)
+        if not stages[schedule] and runs[schedule]:
+            family = {**layout, "pipeline_schedule": schedule}
+            reason = f"no v >= 2 divides the layers per stage evenly ({model.num_layers} layers / pp {pp})"
+            rejected.append(Rejection(family, reason))
     for schedule in runs:  # full recompute's k counts blocks of one stage: with v stages per rank, ceil(L/(v p))
-        num_blocks = layers_per_stage(model.num_layers, schedule_named(schedule).per_rank() * pp)
-        recompute[schedule] = {k: recompute_options(num_blocks, k, pins) for k in attention_options(pins)}
+        for v in stages[schedule]:
+            num_blocks = layers_per_stage(model.num_layers, schedule_named(schedule, v).per_rank() * pp)
+            recompute[schedule, v] = {k: recompute_options(num_blocks, k, pins) for k in attention_options(pins)}
     candidates = [
-        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm, schedule)
+        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm, schedule, v)
         for schedule, schedule_micro in runs.items()
+        for v in stages[schedule]
         for comm, sp in allowed
         for b in schedule_micro
-        for kernel, options in recompute[schedule].items()
+        for kernel, options in recompute[schedule, v].items()
         for policy, k, method, modules in options
     ]
     return candidates, rejected

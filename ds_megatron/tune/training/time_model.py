@@ -32,6 +32,7 @@ from ds_megatron.tune.core.memory_model import (
     rank_param_counts,
 )
 from ds_megatron.tune.core.spec import Candidate, Cluster
+from ds_megatron.tune.training import schedules
 
 GRAD_REDUCE_BYTES = 4  # DeepSpeed's BF16 optimizer reduces the fp32 gradient copies (grad_accum_dtype fp32)
 # The share of the data-parallel reduction counted as hidden behind compute: none.  DeepSpeed's PipelineEngine reduces
@@ -280,15 +281,35 @@ def cp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: 
 
 
 def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[StageTime, StageTime]:
-    """(first stage, last stage) time of one micro-batch.  With p = 1 both are the whole model."""
-    s, b, h, t = model.seq_length // cand.cp, cand.micro_batch_size, model.hidden_size, cand.tp  # this CP rank's
+    """(first stage, last stage) time of one micro-batch.  With p = 1 both are the whole model.  Under an uneven
+    layout (``Candidate.pipeline_layout``) each at its own block count."""
     n = stage_blocks(model, cand)
+    if cand.pp == 1:
+        last = stage_time(model, cluster, cand, n, "last")
+        return last, last
+    n_first, n_last = (n, n) if cand.pipeline_layout is None else (cand.pipeline_layout[0], cand.pipeline_layout[-1])
+    return stage_time(model, cluster, cand, n_first, "first"), stage_time(model, cluster, cand, n_last, "last")
+
+
+def slowest_stage(model: ModelShape, cluster: Cluster, cand: Candidate) -> StageTime:
+    """The stage whose micro-batch takes longest: the first or the last, or under an uneven layout a middle one."""
+    first, last = stage_times(model, cluster, cand)
+    stages = [first, last]
+    if cand.pipeline_layout is not None and cand.pp > 2:
+        stages.append(stage_time(model, cluster, cand, max(cand.pipeline_layout[1:-1]), "middle"))
+    return max(stages, key=lambda st: st.total_s)
+
+
+def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, where: str) -> StageTime:
+    """One micro-batch on a pipeline rank running ``n`` blocks; ``where``: "first" (the embedding's stage),
+    "middle" or "last" (the output layer's; at p = 1 the whole model)."""
+    s, b, h, t = model.seq_length // cand.cp, cand.micro_batch_size, model.hidden_size, cand.tp  # this CP rank's
     recomputed = _recomputed_blocks(cand, n)
     # Forward and backward (twice the forward: input and weight gradients, GEMMs of the same shapes) of every block,
     # plus the recomputed forwards: full recompute re-runs whole blocks, selective with core_attn the core attention
     # of each block (its other modules are elementwise: recompute_passes_s).
-    core = core_attention_matmuls(model, cand)
-    block = block_matmuls(model, cand) + core
+    linears, core = block_matmuls(model, cand), core_attention_matmuls(model, cand)
+    block = linears + core
     block_runs, core_reruns = 3 * n + recomputed, n if recomputes_core(cand) else 0
     block_s = block_runs * matmul_s(block, cluster) + core_reruns * matmul_s(core, cluster)
     block_s += recomputed_experts_s(model, cluster, cand, n)
@@ -312,21 +333,26 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
         gbps, latency = link(cluster, cand.tp * cand.cp * cand.dp * cand.pp > cluster.gpus_per_node)
         sent = boundary / (t if cand.sequence_parallel else 1)
         p2p = 2 * (latency + sent / (gbps * 1e9))  # activation forward, its gradient backward
-        p2p *= pipeline_schedule(cand.schedule).per_rank(cand)  # each of a rank's chunks receives and sends its own
+        # each of a rank's chunks receives and sends its own: v p - 1 boundaries crossed per micro-batch and
+        # direction, p - 1 of them more per rank than 1F1B's
+        p2p *= pipeline_schedule(cand.schedule).per_rank(cand)
 
     scores = eager_score_s(model, cluster, cand, n, recomputed)
     passes = recompute_passes_s(model, cluster, cand, n)
     cp = cp_comm_s(model, cluster, cand, n, recomputed)
     # W: one GEMM of each forward GEMM's shape per linear (dA = dY^T X), the output layer's on the last stage.
-    block_w = n * matmul_s(block_matmuls(model, cand), cluster)
+    block_w = n * matmul_s(linears, cluster)
     logits_w = matmul_s((logits,), cluster)
+    if where == "middle":  # no vocabulary-parallel layer: only the blocks' collectives
+        return StageTime(block_s, block_units * unit + routed, p2p, scores, block_flops, passes, cp, block_w)
     tp_comm = (block_units + 1) * unit + routed
-    first = StageTime(block_s, tp_comm, p2p, scores, block_flops, passes, cp, block_w)
+    if where == "first":
+        return StageTime(block_s, tp_comm, p2p, scores, block_flops, passes, cp, block_w)
     last = StageTime(block_s + logits_s, tp_comm, p2p, scores, block_flops + logits_flops, passes, cp, block_w)
     last = dataclasses.replace(last, weight_grad_s=block_w + logits_w)
     if cand.pp == 1:
-        first = last = dataclasses.replace(last, tp_comm_s=(block_units + 2) * unit + routed, p2p_s=0.0)
-    return first, last
+        last = dataclasses.replace(last, tp_comm_s=(block_units + 2) * unit + routed, p2p_s=0.0)
+    return last
 
 
 def stage_blocks(model: ModelShape, cand: Candidate) -> int:
@@ -341,8 +367,7 @@ def schedule_slots(cand: Candidate, slowest: StageTime) -> tuple[float, float]:
     spent filling and draining the pipeline, from the schedule's record (``Schedule.slots``, with T_W the W share,
     ``StageTime.weight_grad_s``): 1F1B m + p - 1 slots, bubble (p - 1) t_mb; the others simulated
     (``pipeline_parallel/schedules/``)."""
-    m, p = cand.num_micro_batches, cand.pp
-    return pipeline_schedule(cand.schedule).critical_path(p, m, slowest.total_s, slowest.weight_grad_s)
+    return schedules.critical_path(cand, slowest.total_s, slowest.weight_grad_s)
 
 
 def dp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate) -> float:
@@ -376,10 +401,15 @@ def job_flops(model: ModelShape, global_batch_size: int, cand: Candidate | None 
     return executed_flops_per_step(*args, recompute_modules=modules, **block_fields(m))
 
 
+def ranked_step(step_s: float) -> float:
+    """A predicted step time as the ranking compares it: to the nanosecond.  Two layouts whose time terms are the
+    same numbers summed in another order differ in the last bits of a float; they are the same prediction."""
+    return round(step_s, 9)
+
+
 def step_time(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch_size: int) -> StepTime:
     """Predicted step time, tokens/s, MFU and HFU of ``cand``."""
-    first, last = stage_times(model, cluster, cand)
-    slowest = max(first, last, key=lambda st: st.total_s)
+    slowest = slowest_stage(model, cluster, cand)
     slots, bubble = schedule_slots(cand, slowest)
     dp = dp_comm_s(model, cluster, cand)
     step = slots * slowest.total_s + dp + cluster.step_overhead_s

@@ -83,6 +83,31 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
         check_zero_stage(pins.zero, pins.pp, FLAGS)
     if pins.schedule is not None:
         _check_schedule(global_batch_size, pins)
+    if pins.virtual_stages is not None:
+        _check_virtual_stages(model, pins)
+
+
+def _check_virtual_stages(model: ModelShape, pins: Pins) -> None:
+    """A --virtual-stages pin: with a schedule that reads it, at least 2, and cutting the layers into pp x v equal
+    model chunks at the pinned pp (or at some pp)."""
+    v, staged = pins.virtual_stages, " or ".join(schedules.STAGED)
+    if pins.schedule not in (*schedules.STAGED, schedules.ALL):
+        values, fix = f"virtual_stages={v}, schedule={pins.schedule}", f"pass --schedule {staged}, or drop it"
+        raise ConfigError("--virtual-stages", "only a schedule with virtual stages reads it", values, fix)
+    if v < 2:
+        values, fix = f"virtual_stages={v}", "pass --virtual-stages 2 or more (one chunk per rank is 1f1b's loop)"
+        raise ConfigError("--virtual-stages", "must be at least 2", values, fix)
+    layers = model.num_layers
+    if pins.pp is not None and layers % (pins.pp * v) != 0:
+        valid = [n for n in range(2, layers // pins.pp + 1) if layers % (pins.pp * n) == 0]
+        values = f"layers={layers}, pp={pins.pp}, virtual_stages={v}"
+        fix = f"choose v from {valid}" if valid else "choose another --pp"
+        raise ConfigError("--virtual-stages", "the layers do not split into pp x v equal model chunks", values, fix)
+    if pins.pp is None and not any(layers % (pp * v) == 0 for pp in range(2, layers // v + 1)):
+        values = f"layers={layers}, virtual_stages={v}"
+        raise ConfigError(
+            "--virtual-stages", "no pp >= 2 splits the layers into pp x v equal chunks", values, "choose another v"
+        )
 
 
 def _check_schedule(global_batch_size: int, pins: Pins) -> None:

@@ -106,6 +106,9 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
                 "sequence_parallel": c.sequence_parallel,
                 # a 1f1b config is written as before the tuner knew schedules (1f1b is the loader's default)
                 **({"pipeline_schedule": c.schedule} if c.schedule != DEFAULT_SCHEDULE.name else {}),
+                **({"virtual_stages": c.virtual_stages} if c.virtual_stages is not None else {}),
+                # written only when uneven (tune.training.layout): the loader's default is the even split
+                **({"pipeline_layout": list(c.pipeline_layout)} if c.pipeline_layout is not None else {}),
             },
             "recompute": recompute,
         },
