@@ -9,10 +9,10 @@ tp 2 on 2 processes, as in ``throughput_peers.py``), in the process that trains 
 1. the step: median wall time of ``--steps`` training steps after two warm-up steps;
    (CPU time, the process's own, is the measure: on a shared machine wall time also counts the time other jobs
    hold the core; wall time is reported beside it, and at tp 2 its excess includes the waits in collectives);
-2. the floor: every matmul (``mm``, ``addmm``, ``bmm``, ``baddbmm``) and attention kernel (sdpa forward and
-   backward; eager: the softmax and its backward, its matmuls being ``bmm``) that one step dispatches is recorded
-   with a ``TorchDispatchMode`` (shapes, strides, dtypes and the other arguments exactly), and the same calls are
-   replayed back to back on random tensors of those layouts in the same process and thread count (best of
+2. the floor: every matmul (``mm``, also into ``out``, ``addmm``, ``bmm``, ``baddbmm``) and attention kernel (sdpa
+   forward and backward; eager: the softmax and its backward, its matmuls being ``bmm``) that one step dispatches is
+   recorded with a ``TorchDispatchMode`` (shapes, strides, dtypes and the other arguments exactly), and the same
+   calls are replayed back to back on random tensors of those layouts in the same process and thread count (best of
    ``--replays``): what this machine needs for the step's arithmetic alone;
 3. the breakdown: the CPU time of every op one step dispatches below autograd (a ``TorchDispatchMode`` reading the
    process's CPU clock around each call: torch.profiler's times are wall times, which a loaded machine inflates
@@ -48,7 +48,7 @@ from throughput_vs_autotp import _port, batches, ds_megatron_config  # noqa: E40
 
 ROOT = Path(__file__).resolve().parent.parent
 aten = torch.ops.aten
-MATMUL = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+MATMUL = {aten.mm.default, aten.mm.out, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
@@ -118,7 +118,7 @@ def gemm_flops(calls: list) -> float:
     """2 m n k per matmul (the attention kernels' FLOPs are not counted here)."""
     total = 0.0
     for f, args, _ in calls:
-        if f in (aten.mm.default, aten.bmm.default):
+        if f in (aten.mm.default, aten.mm.out, aten.bmm.default):
             a, b = args[0], args[1]
         elif f in (aten.addmm.default, aten.baddbmm.default):
             a, b = args[1], args[2]
