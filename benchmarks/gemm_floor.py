@@ -9,10 +9,10 @@ tp 2 on 2 processes, as in ``throughput_peers.py``), in the process that trains 
 1. the step: median wall time of ``--steps`` training steps after two warm-up steps;
    (CPU time, the process's own, is the measure: on a shared machine wall time also counts the time other jobs
    hold the core; wall time is reported beside it, and at tp 2 its excess includes the waits in collectives);
-2. the floor: every matmul (``mm``, ``addmm``, ``bmm``, ``baddbmm``) and attention kernel (sdpa forward and
-   backward; eager: the softmax and its backward, its matmuls being ``bmm``) that one step dispatches is recorded
-   with a ``TorchDispatchMode`` (shapes, strides, dtypes and the other arguments exactly), and the same calls are
-   replayed back to back on random tensors of those layouts in the same process and thread count (best of
+2. the floor: every matmul (``mm``, also into ``out``, ``addmm``, ``bmm``, ``baddbmm``) and attention kernel (sdpa
+   forward and backward; eager: the softmax and its backward, its matmuls being ``bmm``) that one step dispatches is
+   recorded with a ``TorchDispatchMode`` (shapes, strides, dtypes and the other arguments exactly), and the same
+   calls are replayed back to back on random tensors of those layouts in the same process and thread count (best of
    ``--replays``): what this machine needs for the step's arithmetic alone;
 3. the breakdown: the CPU time of every op one step dispatches below autograd (a ``TorchDispatchMode`` reading the
    process's CPU clock around each call: torch.profiler's times are wall times, which a loaded machine inflates
@@ -48,13 +48,14 @@ from throughput_vs_autotp import _port, batches, ds_megatron_config  # noqa: E40
 
 ROOT = Path(__file__).resolve().parent.parent
 aten = torch.ops.aten
-MATMUL = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+MATMUL = {aten.mm.default, aten.mm.out, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     aten._softmax.default,
     aten._softmax_backward_data.default,
 }
+TOP_OPS = 25  # the breakdown's per-op list: this many ops (by name, dtype and first input's shape), largest first
 COPIES = {aten.copy_.default, aten._to_copy.default, aten.clone.default}
 GROUPS = (
     "matmuls",
@@ -117,7 +118,7 @@ def gemm_flops(calls: list) -> float:
     """2 m n k per matmul (the attention kernels' FLOPs are not counted here)."""
     total = 0.0
     for f, args, _ in calls:
-        if f in (aten.mm.default, aten.bmm.default):
+        if f in (aten.mm.default, aten.mm.out, aten.bmm.default):
             a, b = args[0], args[1]
         elif f in (aten.addmm.default, aten.baddbmm.default):
             a, b = args[1], args[2]
@@ -136,11 +137,19 @@ class TimeOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.seconds = dict.fromkeys(GROUPS, 0.0)
+        self.ops: dict[str, list] = {}  # "op dtype shape" -> [CPU seconds, calls, group]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         start = time.process_time()
         out = func(*args, **(kwargs or {}))
-        self.seconds[self.group(func, types)] += time.process_time() - start
+        seconds = time.process_time() - start
+        group = self.group(func, types)
+        self.seconds[group] += seconds
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        where = "" if first is None else f" {str(first.dtype).removeprefix('torch.')} {list(first.shape)}"
+        entry = self.ops.setdefault(f"{func.name().removeprefix('aten::')}{where}", [0.0, 0, group])
+        entry[0] += seconds
+        entry[1] += 1
         return out
 
     @staticmethod
@@ -158,7 +167,7 @@ class TimeOps(TorchDispatchMode):
         return "other aten ops"
 
 
-def breakdown(step) -> tuple[dict[str, float], float, float]:
+def breakdown(step) -> tuple[dict[str, float], float, float, list]:
     """CPU seconds per group over one step, the step's CPU time and its wall time; "outside aten ops" is the CPU
     time not inside any op (Python, autograd, DeepSpeed's engine, and this mode's own bookkeeping)."""
     mode = TimeOps()
@@ -167,7 +176,8 @@ def breakdown(step) -> tuple[dict[str, float], float, float]:
         step()
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     mode.seconds["outside aten ops"] = max(0.0, cpu - sum(mode.seconds.values()))
-    return mode.seconds, cpu, wall
+    top = sorted(([k, *v] for k, v in mode.ops.items()), key=lambda e: -e[1])[:TOP_OPS]
+    return mode.seconds, cpu, wall, top
 
 
 def measure(variant_name: str, args, tp1: bool = False) -> dict:
@@ -194,7 +204,7 @@ def measure(variant_name: str, args, tp1: bool = False) -> dict:
         cpu.append(time.process_time() - c)
         wall.append(time.perf_counter() - w)
     barrier()
-    groups, step_cpu, step_wall = breakdown(lambda: variant.train_step(*data[0]))
+    groups, step_cpu, step_wall, top_ops = breakdown(lambda: variant.train_step(*data[0]))
     barrier()
     floor_cpu, floor_wall = replay(recorder.calls, args.replays)
     return {
@@ -206,6 +216,7 @@ def measure(variant_name: str, args, tp1: bool = False) -> dict:
         "skipped": recorder.skipped,
         "gemm_flops": gemm_flops(recorder.calls),
         "groups": groups,
+        "top_ops": top_ops,
         "breakdown_cpu": step_cpu,
         "breakdown_wall": step_wall,
         "compile_s": compiling,
@@ -361,6 +372,19 @@ def table(results: dict[str, list[dict]]) -> str:
         g, total = ranks[0]["groups"], ranks[0]["breakdown_cpu"]
         cells = " | ".join(f"{g[k] * 1e3:,.0f} ({g[k] / total:.0%})" for k in GROUPS)
         lines.append(f"| {label(name)} | {cells} | {total * 1e3:,.0f} | {ranks[0]['breakdown_wall'] * 1e3:,.0f} |")
+    for name, ranks in results.items():
+        if name.endswith(COMPILED) or not ranks[0].get("top_ops"):
+            continue
+        total = ranks[0]["breakdown_cpu"]
+        lines += [
+            "",
+            f"Largest ops of one step, {label(name)} (rank 0; op, dtype and first input's shape; CPU ms):",
+            "",
+            "| op | group | calls | CPU ms | share of step |",
+            "|---|---|---|---|---|",
+        ]
+        for op, seconds, calls, group in ranks[0]["top_ops"]:
+            lines.append(f"| `{op}` | {group} | {calls} | {seconds * 1e3:,.1f} | {seconds / total:.1%} |")
     return "\n".join(lines)
 
 
@@ -370,6 +394,7 @@ def main() -> None:
     extra.add_argument("--replays", type=int, default=3)
     extra.add_argument("--only-tp1", action="store_true")
     extra.add_argument("--compile-ab", action="store_true", help="ds_megatron only, model.compile off and on")
+    extra.add_argument("--raw-json", help="also write every rank's measurements to this JSON file")
     known, rest = extra.parse_known_args()
     args = parse_args(rest)
     args.kernel, args.replays, args.compile_ab = known.kernel, known.replays, known.compile_ab
@@ -383,6 +408,8 @@ def main() -> None:
         ranks = launch(args, 2, out)
         results.update({name: [r[name] for r in ranks] for name in ranks[0]})
     load_end = os.getloadavg()
+    if known.raw_json:
+        Path(known.raw_json).write_text(json.dumps({"load": [load_start, load_end], "results": results}, indent=1))
     body = (
         f"Llama, {args.layers} layers, h {args.hidden}, {args.heads} heads ({args.kv_heads} KV heads), SwiGLU "
         f"{args.ffn}, V {args.vocab} (untied), s {args.seq}, micro-batch {args.batch}; {args.kernel} attention, "

@@ -149,6 +149,8 @@ class TorchTP:
             parallelize_module(layer, mesh, layer_plan)
             if recompute == "full":
                 layers[i] = checkpoint_wrapper(layer)
+            if getattr(args, "compile_peer", False):  # torchtitan's way: each decoder layer compiled, after TP
+                layers[i] = torch.compile(layers[i], fullgraph=True)
         model.train()
         self.module = model
         self.kernel = kernel
@@ -314,6 +316,8 @@ def launch(args, work: str, names: list[str], out: Path) -> list[dict]:
     cmd += [__file__, "--worker", "--work", work, "--variants", ",".join(names), "--out", str(out)]
     for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "batch", "vocab", "warmup", "steps"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    cmd += ["--compile"] if args.compile else []
+    cmd += ["--compile-peer"] if args.compile_peer else []
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore")
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -397,6 +401,17 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--no-memory", action="store_true", help="skip the one-launch-per-variant memory phase")
     ap.add_argument(
         "--saved-only", action="store_true", help="memory: saved bytes of every variant from one launch, no peak RSS"
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="ds_megatron with model.compile on (its RMSNorm, rotary and SwiGLU as compiled kernels)",
+    )
+    ap.add_argument(
+        "--compile-peer",
+        action="store_true",
+        help="PyTorch TP + SP with every decoder layer under torch.compile (fullgraph), as torchtitan; on torch "
+        "2.13 CPU its first backward fails inside DTensor's redistribute (benchmarks/results/gemm_floor.md)",
     )
     ap.add_argument("--markdown")
     ap.add_argument("--times-json", help="the times of an earlier launch (its rank-0 JSON): run the memory phase only")

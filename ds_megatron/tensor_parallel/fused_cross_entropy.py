@@ -20,7 +20,8 @@ Chunk size: :data:`CHUNK_LOGIT_BYTES` of fp32 logits per chunk (:func:`chunk_tok
 [N/t (SP), h] and dW [V_pad/t, h], both in the hidden states' dtype (fp32 for fp16, see the forward); the unfused
 path keeps the fp32 softmax [N, V_pad/t] and the output layer's input.  Transient: about 2 x CHUNK_LOGIT_BYTES for
 the chunk's logits and gradient, dh [N, h] before its reduction, one chunk's product D^T h_c [V_pad/t, h] in the
-hidden dtype (CPU torch has no matmul with an fp32 output from bf16 inputs) and the fp32 accumulator of dW.
+hidden dtype (CPU torch has no matmul with an fp32 output from bf16 inputs), the fp32 accumulator of dW and, on
+CPU, a column-major copy of W for dh = D W (:func:`dh_operand`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ CHUNK_LOGIT_BYTES = 128 * 2**20
 def chunk_tokens(vocab_local: int, budget: int = CHUNK_LOGIT_BYTES) -> int:
     """Tokens per chunk: as many as keep one chunk's fp32 logits [c, vocab_local] within ``budget`` bytes."""
     return max(1, budget // (4 * vocab_local))
+
+
+def dh_operand(weight: torch.Tensor) -> torch.Tensor:
+    """W [V_pad/t, h] as the right operand of dh = D W, the same values: on CPU a column-major copy (W^T made
+    contiguous, then viewed transposed), because oneDNN's GEMM with a row-major right operand of large inner
+    dimension (V_pad/t) and narrow output (h) runs several times slower than with the column-major one (bf16 at
+    [2,048 x 8,192] x [8,192 x 256]: 9.0 s against 1.2 s of CPU time on a loaded x86_64 core, where the same step's
+    dW = D^T h_c took 0.6-0.8 s: benchmarks/results/gemm_floor.md); the copy is one pass over W per micro-batch.
+    Elsewhere W itself (cuBLAS takes either layout at full speed, and the copy would cost V_pad/t x h of memory)."""
+    return weight.t().contiguous().t() if weight.device.type == "cpu" else weight
 
 
 def _lse_and_target(logits: torch.Tensor, local_target: torch.Tensor, in_block: torch.Tensor, group):
@@ -84,6 +95,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if need_grad:
             grad_h2 = torch.empty(h2.shape, dtype=torch.float32 if low_range else h2.dtype, device=h2.device)
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            w_for_dh = dh_operand(weight)
         for start in range(0, num_tokens, chunk):
             h_c, tgt = h2[start : start + chunk], t2[start : start + chunk]
             logits = h_c.matmul(weight.t())  # [c, V_pad/t] in the hidden dtype
@@ -101,9 +113,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad.scatter_add_(-1, local_target.unsqueeze(-1), -in_block.unsqueeze(-1).to(grad.dtype) * pre)
             grad = grad.to(h2.dtype)
             if low_range:
-                grad_h2[start : start + chunk] = grad.matmul(weight).float().mul_(post)
+                grad_h2[start : start + chunk] = grad.matmul(w_for_dh).float().mul_(post)
             else:
-                torch.matmul(grad, weight, out=grad_h2[start : start + chunk])
+                torch.matmul(grad, w_for_dh, out=grad_h2[start : start + chunk])
             grad_w.add_(grad.t().matmul(h_c))
             del logits, exp, grad  # before the next chunk's logits: one chunk's buffers alive at a time
         if need_grad:

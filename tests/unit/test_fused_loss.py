@@ -30,7 +30,7 @@ import ds_megatron.tensor_parallel as tpl
 from ds_megatron.model import GPTConfig, LlamaConfig
 from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline_parallel.module import PipelineLayout, VocabParallelLoss, layer_specs, lm_head_forward
-from ds_megatron.tensor_parallel.fused_cross_entropy import chunk_tokens
+from ds_megatron.tensor_parallel.fused_cross_entropy import chunk_tokens, dh_operand
 from ds_megatron.tensor_parallel.weight_grad import WeightGradQueue, defer_weight_grads
 from ds_megatron.topology import Group
 
@@ -217,6 +217,15 @@ def test_chunk_rule_keeps_fp32_logits_within_the_budget():
     """128 MiB of fp32 logits per chunk: 523 tokens at V_pad/t 64,128, at least one token at any vocabulary."""
     assert chunk_tokens(64_128) == 523 and 523 * 64_128 * 4 <= 128 * 2**20 < 524 * 64_128 * 4
     assert chunk_tokens(10**9) == 1
+
+
+def test_dh_operand_is_the_weight_in_column_major_order_on_cpu():
+    """dh = D W gets W's own values, laid out column-major on CPU (oneDNN's fast layout for that GEMM)."""
+    weight = torch.randn(12, 4, dtype=torch.bfloat16)
+    operand = dh_operand(weight)
+    assert torch.equal(operand, weight) and operand.shape == weight.shape and operand.stride() == (1, 12)
+    weight32, grad = weight.float(), torch.randn(5, 12)
+    torch.testing.assert_close(grad.matmul(dh_operand(weight32)), grad.matmul(weight32))  # fp32 summation order
 
 
 def test_fused_loss_without_grad_computes_the_loss_only():
