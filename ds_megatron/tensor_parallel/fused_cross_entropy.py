@@ -45,10 +45,9 @@ def chunk_tokens(vocab_local: int, budget: int = CHUNK_LOGIT_BYTES) -> int:
 def dh_operand(weight: torch.Tensor) -> torch.Tensor:
     """W [V_pad/t, h] as the right operand of dh = D W, the same values: on CPU a column-major copy (W^T made
     contiguous, then viewed transposed), because oneDNN's GEMM with a row-major right operand of large inner
-    dimension (V_pad/t) and narrow output (h) runs several times slower than with the column-major one (bf16 at
-    [2,048 x 8,192] x [8,192 x 256]: 9.0 s against 1.2 s of CPU time on a loaded x86_64 core, where the same step's
-    dW = D^T h_c took 0.6-0.8 s: benchmarks/results/gemm_floor.md); the copy is one pass over W per micro-batch.
-    Elsewhere W itself (cuBLAS takes either layout at full speed, and the copy would cost V_pad/t x h of memory)."""
+    dimension (V_pad/t) and narrow output (h) runs several times slower than with the column-major one (measured in
+    benchmarks/results/gemm_floor.md); the copy is one pass over W per micro-batch.  Elsewhere W itself (cuBLAS takes
+    either layout at full speed, and the copy would cost V_pad/t x h of memory)."""
     return weight.t().contiguous().t() if weight.device.type == "cpu" else weight
 
 
