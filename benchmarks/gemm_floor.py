@@ -168,8 +168,8 @@ class TimeOps(TorchDispatchMode):
 
 
 def breakdown(step) -> tuple[dict[str, float], float, float, list]:
-    """CPU seconds per group over one step, the step's CPU time and its wall time; "outside aten ops" is the CPU
-    time not inside any op (Python, autograd, DeepSpeed's engine, and this mode's own bookkeeping)."""
+    """CPU seconds per group over one step, the step's CPU time, its wall time and its largest ops; "outside aten
+    ops" is the CPU time not inside any op (Python, autograd, DeepSpeed's engine, and this mode's own bookkeeping)."""
     mode = TimeOps()
     wall, cpu = time.perf_counter(), time.process_time()
     with mode:

@@ -2,8 +2,9 @@
 
 ``miniature(path)`` keeps everything that selects code (precision, ZeRO stage, gradient accumulation dtype,
 optimizer, scheduler type and ratios, clipping, SP, recompute policy, attention kernel, dropout, pipeline on or off)
-and shrinks what only sets sizes: a few layers (two per pipeline stage), width 64, 4 heads, sequence 64, a
-1,024-token BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule steps scaled to a 3-step run;
+and shrinks what only sets sizes: a few layers (two per pipeline stage; an uneven ``pipeline_layout`` stays uneven),
+width 64, 4 heads, sequence 64, a 1,024-token BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule
+steps scaled to a 3-step run;
 ``model.compile`` turned off (compile time, not a code path the miniature would check); a mixture of experts keeps
 its family and top 2 of 4 experts of width 32 (the first layer dense in the Qwen3-MoE layout).
 tp/pp/dp are adapted to 4 processes: pp = min(pp, 2), cp = min(cp, 2) (a context-parallel config keeps cp > 1),
@@ -36,12 +37,28 @@ def adapted_layout(tp: int, pp: int, cp: int = 1) -> tuple[int, int, int, int]:
     return tp2, pp2, cp2, dp2
 
 
+def miniature_layout(layout: list[int], pp: int, mini_pp: int) -> list[int]:
+    """An uneven ``pipeline_layout`` for the miniature's 2 blocks per pipeline rank: as many stages per rank as the
+    config's, balanced, then one block moved off the lighter end stage onto the other end, as the config's end
+    stages differ (the uneven path stays the code path; the counts are the miniature's)."""
+    stages = len(layout) // pp * mini_pp
+    blocks = 2 * mini_pp
+    mini = [blocks // stages + (1 if i < blocks % stages else 0) for i in range(stages)]
+    if layout[-1] < layout[0] and mini[-1] > 1:
+        mini[-1], mini[0] = mini[-1] - 1, mini[0] + 1
+    elif layout[0] < layout[-1] and mini[0] > 1:
+        mini[0], mini[-1] = mini[0] - 1, mini[-1] + 1
+    return mini
+
+
 def miniature(path: Path) -> tuple[dict, int]:
     """(the miniature DeepSpeed config, its number of processes)."""
     cfg = copy.deepcopy(json.loads(Path(path).read_text()))
     sec = cfg.setdefault("ds_megatron", {})
     par = sec.setdefault("parallel", {})
     tp, pp, cp, dp = adapted_layout(par.get("tp", 1), par.get("pp", 1), par.get("cp", 1))
+    if par.get("pipeline_layout"):
+        par["pipeline_layout"] = miniature_layout(par["pipeline_layout"], par.get("pp", 1), pp)
     par.update(tp=tp, pp=pp, **({"cp": cp} if cp > 1 else {}))
     model = sec.setdefault("model", {})
     named = sizes.named(model.pop("size", None) or "")

@@ -53,10 +53,12 @@ def test_floor_records_replays_and_accounts_for_a_tiny_step():
     assert gemm_floor.gemm_flops(recorder.calls) == 3 * 2 * 32 * (2 * per_layer + 32 * 128)
     cpu, wall = gemm_floor.replay(recorder.calls, repeats=1)
     assert 0 < cpu and 0 < wall
-    groups, step_cpu, _ = gemm_floor.breakdown(step)
+    groups, step_cpu, _, top = gemm_floor.breakdown(step)
     assert set(groups) == set(gemm_floor.GROUPS)
     assert groups["matmuls"] > 0 and groups["attention"] > 0
     assert sum(groups.values()) <= step_cpu * 1.001 + 1e-6
+    assert top and all(seconds >= 0 for _, seconds, *_ in top)  # the largest ops by CPU time, largest first
+    assert [e[1] for e in top] == sorted((e[1] for e in top), reverse=True)
 
 
 def _peer_rank(group, rank: int, world: int) -> dict[str, str]:

@@ -77,7 +77,7 @@ def test_one_gpu_trains_each_configuration_in_its_own_process(tmp_path):
     assert names == [gpu_step.config_name(k, p) for k, p, _ in gpu_step.CONFIGS]
     assert len({c["port"] for c in train}) == len(train) and {c["rank"] for c in train} == {"0"}
     scripts = [_script(c) for c in calls]
-    assert scripts[len(train) :] == ["gpu_step.py", "gpu_inference.py", "gpu_cp_kernel.py"], scripts
+    assert scripts[len(train) :] == ["gpu_step.py", "gpu_inference.py", "gpu_cp_kernel.py", "gpu_kernels.py"], scripts
     assert "gpu_parallel.py" not in scripts and "part 2 (tp 2 over NCCL) needs 2 or more" in proc.stdout
 
 
