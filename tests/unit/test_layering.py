@@ -4,6 +4,7 @@ package), and the single-device model never touches torch.distributed or deepspe
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path, PurePosixPath
 
@@ -77,8 +78,14 @@ def _target(name: str) -> str:
     return "model" if parts[1:2] in (["layers"], ["kernels"]) or parts[2:] == ["model"] else "families"
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once for every test of this module (the trees are only read)."""
+    return ast.parse(path.read_text())
+
+
 def _imports(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     names = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -124,7 +131,7 @@ def test_recipes_are_not_imported_by_the_package():
 def _module_level_imports(path: Path) -> list[str]:
     """What importing the module imports (a function's own imports, e.g. transformers in ``to_hf``, run later)."""
     names = []
-    for node in ast.parse(path.read_text()).body:
+    for node in _tree(path).body:
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -154,7 +161,7 @@ def _family_names() -> set[str]:
     """The registered families' names, read off each family folder's record (``NAME = "..."``) without importing."""
     names = set()
     for config in PKG.glob("model/*/__init__.py"):
-        for node in ast.walk(ast.parse(config.read_text())):
+        for node in ast.walk(_tree(config)):
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NAME" for t in node.targets):
                 names.add(node.value.value)
     return names
@@ -177,7 +184,7 @@ def test_no_family_is_named_outside_its_folder_and_the_registry():
         rel = path.relative_to(PKG).as_posix()
         if rel == "model/__init__.py" or (rel.startswith("model/") and rel.count("/") == 2):
             continue  # the registry and the family folders
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         found += [
             f"{rel}: {node.value!r}"
             for node in ast.walk(tree)
@@ -201,7 +208,7 @@ def test_docstring_levels_are_the_tables():
     """A module docstring that opens with its level (``L3.5: ...``) states the level of LEVELS above."""
     bad = []
     for path in PKG.rglob("*.py"):
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        doc = ast.get_docstring(_tree(path)) or ""
         match = re.match(r"L(\d+(?:\.\d+)?):", doc)
         if match and _unit(path) != "__init__" and float(match.group(1)) != LEVELS[_unit(path)]:
             bad.append(f"{path.relative_to(PKG)}: L{match.group(1)}, the table says {LEVELS[_unit(path)]}")
@@ -224,7 +231,7 @@ def test_only_the_state_dict_adapter_reads_the_hf_names_and_cuts_checkpoints():
         rel = path.relative_to(PKG).as_posix() if path.is_relative_to(PKG) else path.relative_to(root).as_posix()
         if rel in (ADAPTER, "model/family.py") or (rel.startswith("model/") and rel.endswith("/__init__.py")):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Attribute) and node.attr in HF_NAME_READERS:
                 found.append(f"{rel}: .{node.attr}")
             elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ds_megatron"):
@@ -240,7 +247,7 @@ def _schedule_names() -> dict[str, str]:
     the record's module."""
     names = {}
     for record in PKG.glob("pipeline_parallel/schedules/*.py"):
-        for node in ast.walk(ast.parse(record.read_text())):
+        for node in ast.walk(_tree(record)):
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NAME" for t in node.targets):
                 names[node.value.value] = record.stem
     return names
@@ -266,7 +273,7 @@ def test_no_schedule_is_named_outside_its_record():
         rel = path.relative_to(PKG).as_posix()
         if rel.startswith("pipeline_parallel/schedules/"):
             continue
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         docstrings = {
             id(node.body[0].value)
             for node in ast.walk(tree)
