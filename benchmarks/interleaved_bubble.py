@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline_bubble import instrument  # noqa: E402
+from pipeline_bubble import instrument, timed_step  # noqa: E402
 
 from ds_megatron.pipeline_parallel.schedules import interleaved_1f1b  # noqa: E402
 
@@ -120,7 +120,6 @@ def clock_blocks(block_s: float) -> None:
 
 def worker(out: str, repeats: int, block_s: float) -> None:
     import torch
-    import torch.distributed as dist
 
     from ds_megatron.config import resolve
     from ds_megatron.engine import build_engine
@@ -139,17 +138,9 @@ def worker(out: str, repeats: int, block_s: float) -> None:
         for m in MICRO_BATCHES:
             for v in CHUNKS:
                 run, engine, totals = engines[(m, v)]
-                tokens = torch.randint(0, run.model.vocab_size, (m, 1, run.model.seq_length + 1), generator=g)
-                batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-                totals.update(compute=0.0, local=0.0, other=0.0)
-                dist.barrier()
-                t0 = time.perf_counter()
-                engine.train_batch(iter(batches))
-                totals["step"] = time.perf_counter() - t0
-                totals["wait"] = totals["step"] - totals["compute"] - totals["local"]
+                step = timed_step(run, engine, totals, m, 1, g)
                 if repeat:
-                    rows.append({"p": p, "m": m, "v": v, "repeat": repeat, **totals})
-                totals.pop("step"), totals.pop("wait")
+                    rows.append({"p": p, "m": m, "v": v, "repeat": repeat, **step})
     Path(out, f"pp{p}.rank{os.environ['RANK']}.json").write_text(json.dumps(rows))
 
 

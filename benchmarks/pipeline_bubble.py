@@ -68,6 +68,22 @@ def config(schedule: str, m: int) -> dict:
     }
 
 
+def timed_step(run, engine, totals: dict, m: int, micro_batch: int, g) -> dict:
+    """One training step of ``m`` random micro-batches after a barrier: ``instrument``'s totals for it, with the
+    step's wall seconds and its wait (the step outside computing and local work)."""
+    import torch
+    import torch.distributed as dist
+
+    tokens = torch.randint(0, run.model.vocab_size, (m, micro_batch, run.model.seq_length + 1), generator=g)
+    batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
+    totals.update(compute=0.0, local=0.0, other=0.0)
+    dist.barrier()
+    t0 = time.perf_counter()
+    engine.train_batch(iter(batches))
+    step = time.perf_counter() - t0
+    return {**totals, "step": step, "wait": step - totals["compute"] - totals["local"]}
+
+
 def instrument(engine) -> dict[str, float]:
     """Time the instructions of ``engine`` that work alone into the returned totals (zero them before a step):
     forward, backward and W passes ("compute"), and the data load, gradient reduction and optimizer step ("local",
@@ -98,7 +114,6 @@ def instrument(engine) -> dict[str, float]:
 
 def worker(out: str, repeats: int, names: tuple[str, ...]) -> None:
     import torch
-    import torch.distributed as dist
 
     from ds_megatron.config import resolve
     from ds_megatron.engine import build_engine
@@ -118,17 +133,9 @@ def worker(out: str, repeats: int, names: tuple[str, ...]) -> None:
         for m in MICRO_BATCHES:
             for schedule in names:
                 run, engine, totals = engines[(schedule, m)]
-                tokens = torch.randint(0, run.model.vocab_size, (m, 2, run.model.seq_length + 1), generator=g)
-                batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
-                totals.update(compute=0.0, local=0.0, other=0.0)
-                dist.barrier()
-                t0 = time.perf_counter()
-                engine.train_batch(iter(batches))
-                totals["step"] = time.perf_counter() - t0
-                totals["wait"] = totals["step"] - totals["compute"] - totals["local"]
+                step = timed_step(run, engine, totals, m, 2, g)
                 if repeat:
-                    rows.append({"schedule": schedule, "m": m, "repeat": repeat, **totals})
-                totals.pop("step"), totals.pop("wait")
+                    rows.append({"schedule": schedule, "m": m, "repeat": repeat, **step})
     Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(rows))
 
 
