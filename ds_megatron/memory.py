@@ -56,7 +56,7 @@ MODES = RECOMPUTE_POLICIES  # "none", "selective", "full"
 KERNELS = ATTENTION_KERNELS  # "eager", "sdpa"
 SDPA_PATHS = ("fused", "math")
 # The shared rules' errors name this module's arguments (the config loader's name the config file's keys).
-FORMULA_ARGUMENTS = Vocabulary(prefix="", refs={"recompute_modules": "modules"})
+FORMULA_ARGUMENTS = Vocabulary(prefix="", refs={"recompute_modules": "modules", "attention": "attention"})
 LSE_BYTES = 4  # the fused sdpa kernels keep each score row's log-sum-exp in fp32, whatever the activation dtype
 
 

@@ -21,6 +21,7 @@ CONFIG_FILE_RULES = Vocabulary(
         "valid_fraction": "ds_megatron.data.valid_fraction",
         "batch_split": "train_batch_size",
         "tp": "ds_megatron.parallel.tp",
+        "attention": "ds_megatron.model.attention",
     },
 )
 
@@ -85,7 +86,8 @@ def check_core_attn(attention: str, modules: tuple[str, ...], words: Vocabulary,
             "core_attn recomputes the s x s attention core, which the sdpa kernel never stores, so it would save "
             "nothing and cost a recompute",
             f"policy=selective, modules={list(modules)}{' (the default)' if defaulted else ''}, attention=sdpa",
-            'with sdpa list other modules (e.g. ["mlp_act", "layernorm"]), or use attention=eager with core_attn',
+            f"with sdpa list other modules in {words.ref('recompute_modules')} (e.g. mlp_act, layernorm), or set "
+            f"{words.ref('attention')} to eager",
         )
 
 
@@ -99,14 +101,15 @@ def check_valid_fraction(fraction: float, words: Vocabulary) -> None:
 def check_batch_split(global_batch: int, micro: int, dp: int, words: Vocabulary) -> None:
     """A step's global batch is whole micro-batches on each of the dp replicas: train_batch_size divisible by
     micro batch x dp.  The error names ``words.setting("batch_split")``: train_batch_size in a config, the offline
-    reshard's ``--dp``."""
+    reshard's ``--dp``, the tuner's ``--global-batch-size``; ``words.noun`` says the two batch keys."""
     if global_batch % (micro * dp) != 0:
         other_dp = f"use a dp dividing {global_batch // micro}, or " if global_batch % micro == 0 else ""
+        glob, mb = words.noun("train_batch_size"), words.noun("train_micro_batch_size_per_gpu")
         raise ConfigError(
             words.setting("batch_split"),
             "the global batch does not split into micro batches over dp",
-            f"train_batch_size={global_batch}, train_micro_batch_size_per_gpu={micro}, dp={dp}",
-            f"{other_dp}set train_batch_size to a multiple of {micro * dp}",
+            f"{glob}={global_batch}, {mb}={micro}, dp={dp}",
+            f"{other_dp}set {glob} to a multiple of {micro * dp}",
         )
 
 

@@ -93,8 +93,8 @@ def test_full_recompute_replays_dropout_for_both_attention_kernels(kernel):
             "sdpa",
             "error: ds_megatron.recompute.modules: core_attn recomputes the s x s attention core, which the sdpa "
             "kernel never stores, so it would save nothing and cost a recompute (policy=selective, "
-            "modules=['core_attn'] (the default), attention=sdpa); with sdpa list other modules (e.g. "
-            '["mlp_act", "layernorm"]), or use attention=eager with core_attn',
+            "modules=['core_attn'] (the default), attention=sdpa); with sdpa list other modules in "
+            "ds_megatron.recompute.modules (e.g. mlp_act, layernorm), or set ds_megatron.model.attention to eager",
         ),
         (
             {"policy": "selective", "modules": ["mlp_act", "gelu"]},

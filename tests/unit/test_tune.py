@@ -298,6 +298,11 @@ def test_written_config_resolves(tmp_path, capsys, extra, world):
         (["--gpus", "many"], "error: command line: argument --gpus: invalid int value"),
         (["--pp", "3"], "error: --gpus: the pinned dimensions do not divide the GPU count"),
         (["--tp", "1", "--sequence-parallel"], "error: --sequence-parallel: needs tp > 1"),
+        (  # the config's batch-split rule, in the tuner's flags
+            ["--dp", "4", "--micro-batch-size", "5"],
+            "error: --global-batch-size: the global batch does not split into micro batches over dp "
+            "(--global-batch-size=1536, --micro-batch-size=5, dp=4); set --global-batch-size to a multiple of 20",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, args, expected):

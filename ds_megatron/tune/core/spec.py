@@ -182,9 +182,18 @@ FLAGS = Vocabulary(
         "num_kv_heads": "--kv-heads",
         "intermediate_size": "--intermediate-size",
         "tie_word_embeddings": "--tie-word-embeddings",
-        "zero": "--zero",  # named by config.rules
+        # named by config.rules
+        "zero": "--zero",
+        "tp": "--tp",
+        "recompute_modules": "--recompute-modules",
+        "attention": "--attention",
+        "batch_split": "--global-batch-size",
     },
-    nouns={"num_heads": "the number of heads"},
+    nouns={
+        "num_heads": "the number of heads",
+        "train_batch_size": "--global-batch-size",
+        "train_micro_batch_size_per_gpu": "--micro-batch-size",
+    },
 )
 
 

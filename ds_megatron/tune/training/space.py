@@ -65,7 +65,7 @@ def tp_sizes(model: ModelShape, cluster: Cluster, pins: Pins) -> tuple[list[int]
     divisors = [tp for tp in range(1, model.num_heads + 1) if model.num_heads % tp == 0]
     divisors = [tp for tp in divisors if pins.tp is None or tp == pins.tp]
     rejected = []
-    for name in ("num_kv_heads", "intermediate_size"):
+    for name in (n for n in TP_SPLITS if n != "num_heads"):
         value = getattr(model, name)
         left_out = [tp for tp in divisors if value % tp != 0]
         if left_out:

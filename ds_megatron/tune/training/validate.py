@@ -9,7 +9,7 @@ import math
 
 from ds_megatron.config import ConfigError, ModelShape
 from ds_megatron.config.numbers import check_finite
-from ds_megatron.config.rules import TP_SPLITS, check_zero_stage, core_attn_saves_nothing, tp_misfit
+from ds_megatron.config.rules import check_batch_split, check_core_attn, check_tp_fits, check_zero_stage
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
 from ds_megatron.tune.core.spec import FLAGS, Cluster, Pins, check_positive
 from ds_megatron.tune.training import cp_rules, schedules
@@ -68,9 +68,8 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
     if len(fixed) == 3 and "cp" not in dict(fixed) and product != gpus:
         problem, fix = "tp x pp x dp must equal the GPU count", "drop one pin or fix the product"
         raise ConfigError("--gpus", problem, f"{layout} = {product} != {gpus}", fix)
-    if pins.dp is not None and global_batch_size % pins.dp != 0:
-        values = f"{global_batch_size} % {pins.dp} != 0"
-        raise ConfigError("--global-batch-size", "not divisible by dp", values, f"pass a multiple of {pins.dp}")
+    if pins.dp is not None:  # b is searched from 1 unless pinned
+        check_batch_split(global_batch_size, pins.micro_batch_size or 1, pins.dp, FLAGS)
     if pins.cp_comm is not None:
         _check_cp_comm(pins)
     if pins.recompute is not None and pins.recompute not in RECOMPUTE_POLICIES:
@@ -139,12 +138,7 @@ def _check_cp_comm(pins: Pins) -> None:
 
 def _check_tp(model: ModelShape, cluster: Cluster, pins: Pins) -> None:
     """A --tp pin: it divides what TP splits, a TP group fits in one node, and sequence parallelism has tp > 1."""
-    name = tp_misfit(model, pins.tp)
-    if name is not None:
-        values = f"{name}={getattr(model, name)}, tp={pins.tp}"
-        reason = "" if name == "num_heads" else f" ({TP_SPLITS[name]})"
-        fix = f"choose tp from {tp_sizes(model, cluster, Pins())[0]}{reason}"
-        raise ConfigError("--tp", f"{name} not divisible by tp", values, fix)
+    check_tp_fits(model, pins.tp, FLAGS, choices=tp_sizes(model, cluster, Pins())[0])
     node = min(cluster.gpus_per_node, cluster.num_gpus)
     if node % pins.tp != 0:
         values = f"tp={pins.tp}, gpus_per_node={cluster.gpus_per_node}, gpus={cluster.num_gpus}"
@@ -173,7 +167,4 @@ def _check_modules(pins: Pins, model: ModelShape) -> None:
     if pins.recompute not in (None, "selective"):
         values, fix = f"recompute={pins.recompute}, modules={listed}", "drop --recompute or pass --recompute selective"
         raise ConfigError("--recompute-modules", "applies to selective recompute only", values, fix)
-    if core_attn_saves_nothing(pins.attention, modules):
-        problem = "core_attn recomputes the s x s attention core, which sdpa never stores"
-        fix = "drop core_attn (e.g. --recompute-modules mlp_act,layernorm) or pin --attention eager"
-        raise ConfigError("--recompute-modules", problem, f"modules={listed}, attention=sdpa", fix)
+    check_core_attn(pins.attention, modules, FLAGS)
