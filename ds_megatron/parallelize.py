@@ -24,7 +24,7 @@ from ds_megatron.context_parallel.attention import cp_attention
 from ds_megatron.context_parallel.layout import position_ranges
 from ds_megatron.expert_parallel.layer import ExpertParallelMoE
 from ds_megatron.expert_parallel.layout import local_experts
-from ds_megatron.model import DEFAULT_FAMILY, FAMILIES, Family, ModelConfig, family_of
+from ds_megatron.model import Family, ModelConfig, family_of
 from ds_megatron.model.family import COLUMN, EXPERT_SPLITS, EXPERTS, OUTPUT, POSITION, ROUTER, ROW, VOCAB, PlanRow
 from ds_megatron.model.kernels import EAGER, Kernels, compiled_kernels, use_kernels
 from ds_megatron.model.layers import (
@@ -57,12 +57,6 @@ from ds_megatron.tensor_parallel import (
 )
 from ds_megatron.tensor_parallel.experts import SequenceParallelRouter, TensorParallelExperts
 from ds_megatron.topology import Group
-
-
-def plan_row(name: str, family: str = DEFAULT_FAMILY) -> PlanRow | None:
-    """The plan row of a full parameter name of ``family`` (``transformer.h.3.attn.c_attn.weight`` ->
-    ``attn.c_attn``)."""
-    return FAMILIES[family].row(name)
 
 
 @dataclass

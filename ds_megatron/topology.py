@@ -104,10 +104,6 @@ class ParallelTopology:
         return self.dp_rank * self.cp + self.cp_rank
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
 

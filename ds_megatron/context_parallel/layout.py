@@ -11,8 +11,7 @@ global index of each local token: rotary and learned positions, and the labels, 
 whole sequence (the token after a chunk's last one lives in the next chunk, on another rank).
 
 Tensor helpers take the sequence dim explicitly, so they serve [b, s, ...] batches and [s, b, ...] activations.
-The rules (:func:`check_cp_seq_length`, :func:`check_cp_heads`, :func:`check_cp_attention_dropout`) use plain
-integers only, so a pre-flight check can call them before torch.distributed is touched.
+The rules that refuse a layout live in ``config/context_parallel.py`` (plain integers, before any process group).
 """
 
 from __future__ import annotations
@@ -21,15 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
-
-# The rules live in config/ (stdlib only, so the loader refuses a layout before any process group); re-exported here
-# beside the layout they protect.
-from ds_megatron.config.context_parallel import (  # noqa: F401
-    CP_COMMS,
-    check_cp_attention_dropout,
-    check_cp_heads,
-    check_cp_seq_length,
-)
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -93,10 +83,3 @@ def split_window(window: Tensor, cp_rank: int, cp: int) -> tuple[Tensor, Tensor]
     chunk's last token is the first token of the next chunk, held by another rank."""
     idx = token_indices(window.shape[1] - 1, cp_rank, cp, window.device)
     return window[:, idx], window[:, idx + 1]
-
-
-def window_ranges(seq_length: int, cp_rank: int, cp: int) -> list[tuple[int, int]]:
-    """The [start, stop) ranges of a packed window of ``seq_length + 1`` tokens that this rank must read for its
-    inputs and labels: each of its chunks plus the one token after it."""
-    c = seq_length // (2 * cp)
-    return [(k * c, (k + 1) * c + 1) for k in chunk_ids(cp_rank, cp)]

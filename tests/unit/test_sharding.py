@@ -57,10 +57,11 @@ def test_round_trip_every_rule():
 def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
     """Every parameter of the single-device GPT has a row in the plan table, and the module swap builds each row's
     style (so layers, checkpoints and export read one table)."""
+    from ds_megatron.model import FAMILIES
     from ds_megatron.model.family import COLUMN, NORM, ROW, VOCAB
     from ds_megatron.model.gpt2 import PLAN as GPT2_PLAN
     from ds_megatron.model.gpt2.model import GPT
-    from ds_megatron.parallelize import ParallelContext, parallelize_model, plan_row
+    from ds_megatron.parallelize import ParallelContext, parallelize_model
     from ds_megatron.tensor_parallel import (
         ColumnParallelLinear,
         RowParallelLinear,
@@ -70,7 +71,7 @@ def test_the_plan_table_covers_every_parameter_and_drives_the_swap():
 
     config = tiny_gpt(vocab_size=1001)
     model = GPT(config)
-    assert all(plan_row(name) is not None for name, _ in model.named_parameters())
+    assert all(FAMILIES["gpt2"].row(name) is not None for name, _ in model.named_parameters())
     parallelize_model(model, ParallelContext(config, Group(), True, None))
     expected = {COLUMN: ColumnParallelLinear, ROW: RowParallelLinear, VOCAB: VocabParallelEmbedding}
     for row in GPT2_PLAN:
