@@ -260,26 +260,25 @@ def seeded_normal_(
         return
     base = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**32
     if index is not None and index.dim() == 2:  # a stacked expert tensor: expert i's slices index[i] (dim > 0)
-        gen = torch.Generator(device="cpu")
         for expert, ids in zip(param, index, strict=True):
             values = torch.empty(expert.movedim(dim - 1, 0).shape, dtype=torch.float32)
-            for j, g in enumerate(ids.tolist()):
-                if g < 0:
-                    values[j].zero_()
-                else:
-                    gen.manual_seed((base + g) % 2**32)
-                    values[j].normal_(0.0, std, generator=gen)
-            expert.copy_(values.movedim(0, dim - 1))
+            expert.copy_(_draw_slices(values, ids.tolist(), base, std).movedim(0, dim - 1))
         return
     values = torch.empty(param.movedim(dim, 0).shape, dtype=torch.float32)  # [slices, ...]
+    ids = range(len(values)) if index is None else index.tolist()
+    param.copy_(_draw_slices(values, ids, base, std).movedim(0, dim))
+
+
+def _draw_slices(values: torch.Tensor, ids, base: int, std: float) -> torch.Tensor:
+    """values[j] <- N(0, std) drawn with the seed base + ids[j]; zero where ids[j] < 0 (a padding slice)."""
     gen = torch.Generator(device="cpu")
-    for j, g in enumerate(range(len(values)) if index is None else index.tolist()):
+    for j, g in enumerate(ids):
         if g < 0:
             values[j].zero_()
         else:
             gen.manual_seed((base + g) % 2**32)
             values[j].normal_(0.0, std, generator=gen)
-    param.copy_(values.movedim(0, dim))
+    return values
 
 
 class RMSNormFunction(torch.autograd.Function):
