@@ -171,14 +171,11 @@ def expert_params(model: ModelShape, tp: int) -> int:
 def block_params_read(model: ModelShape, tp: int, tokens: float) -> float:
     """Parameters of one block a forward over ``tokens`` tokens reads on a TP rank: all of a dense block; a routed
     block's non-expert ones and the experts its tokens touch (:func:`experts_touched`)."""
-    params = block_param_count(model, tp)
     r = RoutedShape.of(model)
-    if r is None:
-        return params
-    return params - (r.num_experts - experts_touched(r.num_experts, r.top_k, tokens)) * expert_params(model, tp)
+    return block_params_run(model, tp, None if r is None else experts_touched(r.num_experts, r.top_k, tokens))
 
 
-def block_params_run(model: ModelShape, tp: int, experts: int | None = None) -> int:
+def block_params_run(model: ModelShape, tp: int, experts: float | None = None) -> float:
     """Parameters of one block a token is multiplied with on a TP rank (a routed block: k of its E experts, or
     ``experts`` of them)."""
     params = block_param_count(model, tp)
