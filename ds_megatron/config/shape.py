@@ -198,16 +198,22 @@ def _check_family(m: ModelSection, family: str, words: Vocabulary) -> str:
     if FAMILIES[family].no_training:
         trained = ", ".join(name for name, f in FAMILIES.items() if not f.no_training)
         raise ConfigError(words.setting("family"), FAMILIES[family].no_training, f"family={family!r}", f"use {trained}")
-    given = [k for k in EXPERT_FIELDS if getattr(m, k) is not None]
-    if given and not FAMILIES[family].routed:
+    if not FAMILIES[family].routed:
         routed = [name for name, f in FAMILIES.items() if f.routed]
+        _refuse_set(m, EXPERT_FIELDS, family, routed, words, f"the mixture-of-experts families ({', '.join(routed)})")
+    return family
+
+
+def _refuse_set(m: ModelSection, fields, family: str, families: list[str], words: Vocabulary, which: str) -> None:
+    """Refuse the first of ``fields`` set in ``m``: it applies to ``families`` (``which`` says them) only."""
+    given = [k for k in fields if getattr(m, k) is not None]
+    if given:
         raise ConfigError(
             words.setting(given[0]),
-            f"applies to the mixture-of-experts families ({', '.join(routed)}) only",
+            f"applies to {which} only",
             f"family={family}, {', '.join(given)} set",
-            f"remove it or set {words.ref('family')} to one of {', '.join(routed)}",
+            f"remove it or set {words.ref('family')} to one of {', '.join(families)}",
         )
-    return family
 
 
 SIZE_FIELDS = ("num_layers", "hidden_size", "num_heads", "vocab_size", "seq_length")  # explicit, else the size's
@@ -268,15 +274,8 @@ def _common_fields(m: ModelSection, shape: NamedShape, words: Vocabulary) -> dic
 def _fixed(m: ModelSection, common: dict, words: Vocabulary) -> ModelShape:
     """The shape of a family with ``fixed_kv_and_width``: the CHOSEN fields are its fixed values, and setting one
     is refused."""
-    given = [k for k in CHOSEN if getattr(m, k) is not None]
-    if given:
-        choices = [f.name for f in FAMILIES.values() if not f.fixed_kv_and_width]
-        raise ConfigError(
-            words.setting(given[0]),
-            f"applies to the {', '.join(choices)} families only",
-            f"family={common['family']}, {', '.join(given)} set",
-            f"remove it or set {words.ref('family')} to one of {', '.join(choices)}",
-        )
+    choices = [f.name for f in FAMILIES.values() if not f.fixed_kv_and_width]
+    _refuse_set(m, CHOSEN, common["family"], choices, words, f"the {', '.join(choices)} families")
     return ModelShape(**common, **fixed_fields(common["hidden_size"], common["num_heads"]))
 
 
