@@ -246,11 +246,16 @@ def _builder(row: PlanRow, ctx: ParallelContext):
         return lambda m: SequenceShardedPositionEmbedding(m.weight.data, ctx.tp) if ctx.sp else m
     if row.style == EXPERTS:
         # selective recompute of ``moe``: the experts' activations, not the collectives around them
-        again = functools.partial(checkpoint, rng=ctx.rng) if "moe" in ctx.recompute.selective_modules else None
-        return lambda m: TensorParallelExperts(m, ctx.tp, ctx.sp, again)
+        return lambda m: TensorParallelExperts(m, ctx.tp, ctx.sp, moe_recompute(ctx))
     if row.style == ROUTER:
         return lambda m: SequenceParallelRouter(m, ctx.tp) if ctx.sp else m
     return lambda m: parallelize_norm(m, ctx)
+
+
+def moe_recompute(ctx: ParallelContext):
+    """Selective recompute of ``moe``: the experts' activations, not the collectives around them (the TP gathers of
+    ``TensorParallelExperts``, the EP all-to-alls of ``ExpertParallelMoE``); None stores them."""
+    return functools.partial(checkpoint, rng=ctx.rng) if "moe" in ctx.recompute.selective_modules else None
 
 
 def parallelize_module(path: str, module: nn.Module, ctx: ParallelContext) -> nn.Module:
@@ -328,7 +333,7 @@ def expert_parallel_block(moe: nn.Module, ctx: ParallelContext) -> nn.Module:
     """The routed MLP with its experts split over the EP group (whole experts, not TP-split: under SP the EP group
     folds the tp ranks in, each routing its own sequence shard), its router replicated; under SP the router sees a
     sequence shard, so its gradient is summed over TP like the norms'."""
-    layer = ExpertParallelMoE.from_block(moe, ctx.ep)
+    layer = ExpertParallelMoE.from_block(moe, ctx.ep, moe_recompute(ctx))
     if ctx.sp:
         layer.gate = SequenceParallelRouter(layer.gate, ctx.tp)
     return layer

@@ -13,7 +13,8 @@ Policies (``recompute`` in the config):
   ``moe``        a routed layer's expert activations (the routed copies of the tokens, gate and up, SwiGLU's output,
                  the expert outputs): a checkpoint of the local expert computation, keeping its gathered inputs
                  (tokens and routing weights), so the TP collectives around it are not run again
-                 (``tensor_parallel.experts``; mixture-of-experts families only).
+                 (``tensor_parallel.experts``); at ep > 1 of the local experts on the dispatched rows, kept, so the
+                 all-to-alls are not run again (``expert_parallel.layer``); mixture-of-experts families only.
   ``mlp_act``, ``layernorm`` and ``moe`` involve no randomness and work with every attention kernel.
 - ``full`` with ``num_layers`` k: ``uniform`` splits each stage's blocks into chunks of k and keeps only each chunk's
   input; ``block`` recomputes the first k blocks of each stage (each keeps only its input) and stores the rest

@@ -9,7 +9,10 @@ computes what the single-device block computes on the union of the EP ranks' tok
     experts.down_proj       [E/ep, h, F]  slice along dim 0 (the shard rule: dim 0 split over ep)
 
 Each rank routes its own tokens, dispatches the (token, expert) pairs to the experts' owners
-(``expert_parallel.dispatch``), runs its local experts on what it received and combines the outputs back.  The
+(``expert_parallel.dispatch``), runs its local experts on what it received and combines the outputs back.  Selective
+recompute of ``moe`` (``recompute``: ``recompute.checkpoint``) checkpoints the local experts' computation on the
+dispatched rows: those rows [m, h] are kept, the gate/up outputs, SwiGLU's output and the expert outputs are not, and
+backward recomputes them there; the all-to-alls sit outside the checkpoint and are never run again.  The
 forward returns the output and this rank's ``RouterStats`` (its own tokens only, as the single-device block returns
 them for the tokens it sees): the auxiliary losses equal the single-device ones once the statistics are summed over
 the ranks whose tokens make the batch.
@@ -22,6 +25,9 @@ by dp x cp (``expert_parallel.layout``: why).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -85,7 +91,9 @@ def reduce_expert_grad_tensors(grads: list[torch.Tensor], expert_dp_group: Proce
 
 
 class ExpertParallelMoE(nn.Module):
-    """The routed MLP with E / ep experts on each rank of the EP group ``ep`` (no group: ep 1, all experts here)."""
+    """The routed MLP with E / ep experts on each rank of the EP group ``ep`` (no group: ep 1, all experts here).
+    ``recompute(fn, *inputs)``: runs the local experts keeping only their dispatched rows and recomputes them in
+    backward (selective ``moe``); None stores their activations."""
 
     def __init__(
         self,
@@ -97,6 +105,7 @@ class ExpertParallelMoE(nn.Module):
         ep: Group,
         gemm: str = GEMM_DEFAULT,
         capacity_factor: float = 0.0,
+        recompute: Callable[..., torch.Tensor] | None = None,
     ):
         super().__init__()
         check_num_experts(num_experts, ep.size)
@@ -106,15 +115,18 @@ class ExpertParallelMoE(nn.Module):
         self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, capacity_factor)
         self.experts = Experts(hidden_size, intermediate_size, num_experts // ep.size, gemm)
         mark_expert_params(self.experts, expert_group_name(ep.size))
+        self.recompute = recompute
 
     @classmethod
-    def from_block(cls, block: SparseMoeBlock, ep: Group) -> ExpertParallelMoE:
+    def from_block(
+        cls, block: SparseMoeBlock, ep: Group, recompute: Callable[..., torch.Tensor] | None = None
+    ) -> ExpertParallelMoE:
         """This EP rank's layer holding ``block``'s router and its slice of ``block``'s experts (copies)."""
         num_experts, two_f, hidden_size = block.experts.gate_up_proj.shape
         gate = block.gate
         layer = cls(
             hidden_size, two_f // 2, num_experts, gate.top_k, gate.norm_topk_prob, ep, block.experts.gemm,
-            gate.capacity_factor,
+            gate.capacity_factor, recompute,
         )  # fmt: skip
         layer.to(device=gate.weight.device, dtype=block.experts.gate_up_proj.dtype)
         local = layer.local_experts()
@@ -137,9 +149,14 @@ class ExpertParallelMoE(nn.Module):
         token = order // k
         plan = plan_dispatch(per_expert, self.ep.group)
         received = dispatch(flat[token], plan, self.ep.group)  # [m, h], grouped by local expert
-        out = combine(self.experts.grouped_mlp(received, plan.local_counts), plan, self.ep.group)  # [n k (kept), h]
+        run = functools.partial(self.experts.grouped_mlp, per_expert=plan.local_counts)
+        local = self.recompute(run, received) if self.recompute is not None else run(received)
+        out = combine(local, plan, self.ep.group)  # [n k (kept), h]
         return weighted_sum(out, weights.reshape(-1)[order], token, n).view_as(x), stats
 
     def extra_repr(self) -> str:
         local = self.local_experts()
-        return f"ep {self.ep.rank}/{self.ep.size}: experts {local.start}..{local.stop - 1} of {self.num_experts}"
+        return (
+            f"ep {self.ep.rank}/{self.ep.size}: experts {local.start}..{local.stop - 1} of {self.num_experts}, "
+            f"recompute={self.recompute is not None}"
+        )

@@ -155,12 +155,13 @@ def cpu_tensors_in_collectives(source: str, filename: str = "<source>") -> list[
     """One line per tensor argument of a collective in ``source`` that is built on the CPU (module docstring)."""
     tree = ast.parse(source)
     modules, functions = _comm_names(tree)
+    calls = [(n, op) for n in ast.walk(tree) if isinstance(n, ast.Call) and (op := _collective(n, modules, functions))]
+    if not calls:  # most modules call no collective: their groups and scopes need no walk
+        return []
     gloo = _gloo_groups(tree)
     scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     found = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call) or (op := _collective(node, modules, functions)) is None:
-            continue
+    for node, op in calls:
         group = next((k.value for k in node.keywords if k.arg == "group"), None)
         if group is not None and (group.attr if isinstance(group, ast.Attribute) else _dotted(group)) in gloo:
             continue

@@ -185,6 +185,66 @@ def dropped(layer: ExpertParallelMoE, x: Tensor) -> Tensor:
     return (layer.gate(x)[1] == E).sum()
 
 
+class _CountedAllToAll:
+    """``torch.distributed.all_to_all_single`` counted while in use (the count exchange and both row exchanges)."""
+
+    def __init__(self):
+        self.calls, self.real = 0, dist.all_to_all_single
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.real(*args, **kwargs)
+
+    def __enter__(self):
+        dist.all_to_all_single = self
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self.real
+
+
+def check_recompute(c: Ctx, ep: int) -> Pairs:
+    """Selective recompute of ``moe`` in the EP layer (dp 4): the same output and every gradient bit for bit as the
+    stored layer's; fewer saved bytes per token, by at least what the local experts' intermediates take (SwiGLU's
+    gate, up and output: 3 F numbers per received row); and the all-to-all run as often (the counts and the rows
+    forward, the rows' gradients backward: never again for the recompute)."""
+    from ds_megatron.recompute import checkpoint
+
+    layout = ep_layout(1, 1, c.world, pp=1, ep=ep, sequence_parallel=False, num_experts=E)
+    ep_group, expert_dp_group = build_ep_groups(layout, c.rank)
+    group = Group(ep_group, dist.get_rank(ep_group), ep)
+    block = reference_block(torch.float32)
+    x = tokens(TOKENS[c.rank], torch.float32)
+    gout = torch.randn_like(x)
+
+    def run(recompute):
+        layer = ExpertParallelMoE.from_block(block, group, recompute)
+        inp = x.clone().requires_grad_()
+        saved = []
+        pack = lambda t: saved.append(t.numel() * t.element_size()) or t  # noqa: E731
+        with _CountedAllToAll() as counted:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out, _ = layer(inp)
+            (out * gout).sum().backward()
+        reduce_expert_grads(layer, expert_dp_group, layout.expert_grad_divisor)
+        grads = [inp.grad, *(p.grad for p in layer.parameters())]
+        return out, grads, sum(saved) / x.shape[0], counted.calls
+
+    out, grads, stored, calls = run(None)
+    out_again, grads_again, kept, calls_again = run(partial(checkpoint, rng=None))
+    received = int(exchange_counts(torch.bincount(block.gate(x)[1].reshape(-1), minlength=E), ep_group).sum())
+    intermediates = 3 * FFN * received * 4 / x.shape[0]  # bytes per token of this rank's
+    fewer = f"saved bytes per token {kept:.0f} <= {stored:.0f} - {intermediates:.0f}"
+    return [
+        ("output", out_again, out, 0.0),
+        *((f"grad {i}", again, grad, 0.0) for i, (again, grad) in enumerate(zip(grads_again, grads, strict=True))),
+        ("rows received", torch.tensor(received > 0), torch.tensor(True)),
+        (fewer, torch.tensor(kept <= stored - intermediates), torch.tensor(True)),
+        ("all-to-alls with recompute", torch.tensor(calls_again), torch.tensor(calls)),
+        ("all-to-alls: counts, rows, outputs; 2 gradients", torch.tensor(calls), torch.tensor(5)),
+    ]
+
+
 def check_refusals(c: Ctx) -> Pairs:
     """Six experts cannot split over 4 EP ranks: refused in one line (before any collective)."""
     group = dist.new_group(list(range(c.world)))
@@ -208,6 +268,7 @@ def checks(world: int) -> dict[str, Callable[[Ctx], Pairs]]:
     found["dp4/ep2/fp32-loop"] = partial(check_parity, dims=DIMS["dp4"], ep=2, gemm="loop", **fp32)
     found["dp4/ep2/fp32-capacity"] = partial(check_parity, dims=DIMS["dp4"], ep=2, capacity=0.5, **fp32)
     found["tp2sp-dp2/ep4/fp32-capacity"] = partial(check_parity, dims=DIMS["tp2sp-dp2"], ep=4, capacity=0.5, **fp32)
+    found["dp4/ep2/fp32-recompute"] = partial(check_recompute, ep=2)
     found["refusals"] = check_refusals
     return found
 
@@ -353,8 +414,7 @@ def test_the_ep_setting_and_its_refusals():
         assert text.startswith("error: ds_megatron.parallel.ep: ") and "\n" not in text and message in text, text
     cfg = _ep_config(2)
     cfg["ds_megatron"]["recompute"] = {"policy": "selective", "modules": ["moe"]}
-    with pytest.raises(ConfigError, match="drop moe from recompute.modules"):
-        resolve(cfg, 2)
+    assert resolve(cfg, 2).section.recompute.modules == ("moe",)  # refused before the EP layer recomputed
     for checkpoint in ({"save": "ckpt"}, {"load": "ckpt"}, {"init_from_hf": "hf"}):  # fp32, ZeRO 0: written, read
         cfg = _ep_config(2)
         cfg["ds_megatron"]["checkpoint"] = checkpoint

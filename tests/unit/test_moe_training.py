@@ -9,7 +9,8 @@ z), the LM loss, the load-balancing loss and the z-loss as logged (``router_metr
 shard) and the global gradient norm.  fp32 within 1e-5.  Layouts: tp 2 with and without sequence parallelism (the
 experts split over TP, the router on the sequence shard under SP), cp 2 (ring and a2a), dp 2, two pipeline stages
 (the boundary carries the routing statistics the way DeepSpeed's engine sends it: detached, ``requires_grad``,
-its gradient sent back), full recompute and selective recompute of ``moe`` (with ``layernorm`` and ``mlp_act``);
+its gradient sent back), full recompute and selective recompute of ``moe`` (with ``layernorm`` and ``mlp_act``; at
+tp 2 + SP, and at ep 2 folded over tp 2 + SP, where the expert-parallel layer recomputes its local experts);
 both families; a router skewed so that
 one expert gets no token.  bf16: the tp 2 + SP model in bf16 against the single-device bf16 model, within
 ``BF16_TOLERANCE``.
@@ -94,7 +95,7 @@ LAYOUTS = {
         Layout(1, 2, 1, ("a2a", "stages", "mixtral")),
         Layout(2, 1, 1, ("sp", "bf16")),
         Layout(1, 1, 2, ("ep2",)),
-        Layout(2, 1, 1, ("sp", "ep2", "mixtral")),
+        Layout(2, 1, 1, ("sp", "ep2", "mixtral", "moe")),
     ],
     4: [Layout(2, 2, 1, ("sp", "stages", "skew")), Layout(2, 1, 2, ("sp", "ep2", "stages", "skew"))],
 }
@@ -244,9 +245,13 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     logged /= size
     if topo.ep > 1:  # the engine's rule for experts split over EP: a sum over expert-DP, divided by dp x cp
         reduce_expert_grads(layers, topo.expert_dp_group, topo.expert_grad_divisor)
-        routed = sum(isinstance(m, ExpertParallelMoE) for m in layers.modules())
+        routed = sum(
+            isinstance(m, ExpertParallelMoE) and (m.recompute is not None) == ("moe" in o) for m in layers.modules()
+        )
         stacked = sum(n.endswith("experts.down_proj") for n, _ in layers.named_parameters())
-        pairs.append(("every routed block expert-parallel", torch.tensor(routed), torch.tensor(stacked)))
+        pairs.append(
+            ("every routed block expert-parallel, recomputed under moe", torch.tensor(routed), torch.tensor(stacked))
+        )
     norm = global_grad_norm(list(layers.parameters()), topo)
 
     ref, ref_loss, ref_parts = reference(cfg, seed, windows, run.dp, "skew" in o, dtype)

@@ -28,6 +28,7 @@ from ds_megatron.tune import (
     step_time,
     total_param_count,
 )
+from ds_megatron.tune import __main__ as tune_cli
 from ds_megatron.tune.__main__ import FLAGS, main
 from ds_megatron.tune.core.memory_model import (
     GIB,
@@ -71,6 +72,24 @@ def timed_175b():
 @pytest.fixture(scope="module")
 def result_175b(timed_175b):
     return timed_175b[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def searched_once():
+    """The command line's searches in this module, each request searched once: its tests read what the tool prints
+    and writes, not how long the search took (``test_175b_on_1024_a100s`` times its own), so a repeated request (the
+    175B one of the JSON test, asked again by the written-config test) is the same result."""
+    memo = {}
+
+    def once(model, cluster, global_batch_size, pins=None):
+        key = (model, cluster, global_batch_size, pins)
+        if key not in memo:
+            memo[key] = search(model, cluster, global_batch_size, pins)
+        return memo[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tune_cli, "search", once)
+        yield memo
 
 
 def _cand(t: int, sp: bool = False, **kw) -> Candidate:

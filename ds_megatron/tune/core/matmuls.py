@@ -5,6 +5,7 @@ arithmetic intensity I.  The shapes per family and kernel, and how the ceiling w
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
@@ -32,10 +33,20 @@ def gemm(name: str, m: int, k: int, n: int, count: int = 1) -> Matmul:
     return Matmul(name, 2.0 * m * k * n * count, float(ACT_BYTES * (m * k + k * n + m * n) * count))
 
 
+# A search evaluates thousands of candidates that share a few (cp, b, t, kernel) shapes, some several times (each
+# uneven layout's stages): the matmuls and their times are made once per shape (a cache bounded like the search).
+CACHED_SHAPES = 4096
+
+
 def block_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, ...]:
     """The weight matmuls of one block's forward for one micro-batch, per GPU (the TP-split dimension divided by t;
     the shapes are the family's ``tuner.block_gemms``)."""
-    s, b, h, t = model.seq_length // cand.cp, cand.micro_batch_size, model.hidden_size, cand.tp  # this CP rank's
+    return _block_matmuls(model, cand.cp, cand.micro_batch_size, cand.tp)
+
+
+@functools.lru_cache(maxsize=CACHED_SHAPES)
+def _block_matmuls(model: ModelShape, cp: int, b: int, t: int) -> tuple[Matmul, ...]:
+    s, h = model.seq_length // cp, model.hidden_size  # this CP rank's
     kv = h // model.num_heads * model.num_kv_heads
     shapes = family_of(model).tuner.block_gemms(b * s, h, kv, model.intermediate_size, t, **routed_terms(model))
     return tuple(gemm(name, m, k, n, count=count) for name, m, k, n, count in shapes)
@@ -46,12 +57,17 @@ def core_attention_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, 
     With cp > 1 each rank's s / cp query rows meet all s keys (the ring: the K/V of every rank in turn; the a2a:
     a / cp heads of the whole sequence, the same work): the whole sequence's square counted once over the ranks,
     as at cp 1 (neither counts the causal half a kernel skips)."""
-    s, b, t = model.seq_length, cand.micro_batch_size, cand.tp
-    rows = s // cand.cp  # query rows per CP rank
+    return _core_attention_matmuls(model, cand.cp, cand.micro_batch_size, cand.tp, cand.attention)
+
+
+@functools.lru_cache(maxsize=CACHED_SHAPES)
+def _core_attention_matmuls(model: ModelShape, cp: int, b: int, t: int, attention: str) -> tuple[Matmul, ...]:
+    s = model.seq_length
+    rows = s // cp  # query rows per CP rank
     d = model.head_dim
     kv_heads = model.num_kv_heads // t  # KV heads on this rank
     g = model.num_heads // model.num_kv_heads  # query heads per KV head
-    if cand.attention == "sdpa":
+    if attention == "sdpa":
         heads = model.num_heads // t
         flops = 4.0 * b * heads * rows * s * d
         moved = ACT_BYTES * b * rows * d * (2 * heads + 2 * kv_heads)  # q, o and k, v
@@ -64,8 +80,13 @@ def core_attention_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, 
 
 def logits_matmul(model: ModelShape, cand: Candidate) -> Matmul:
     """The output layer's forward for one micro-batch, per GPU (the vocabulary padded as ``parallelize`` pads it)."""
-    n = cand.micro_batch_size * (model.seq_length // cand.cp)
-    return gemm("logits", n, model.hidden_size, padded_vocab_size(model.vocab_size, cand.tp) // cand.tp)
+    return _logits_matmul(model, cand.cp, cand.micro_batch_size, cand.tp)
+
+
+@functools.lru_cache(maxsize=CACHED_SHAPES)
+def _logits_matmul(model: ModelShape, cp: int, b: int, t: int) -> Matmul:
+    n = b * (model.seq_length // cp)
+    return gemm("logits", n, model.hidden_size, padded_vocab_size(model.vocab_size, t) // t)
 
 
 def ridge_point(cluster: Cluster) -> float:
@@ -78,6 +99,7 @@ def matmul_efficiency(intensity: float, cluster: Cluster) -> float:
     return cluster.efficiency * intensity / (intensity + ridge_point(cluster))
 
 
+@functools.lru_cache(maxsize=CACHED_SHAPES)
 def matmul_s(ops: tuple[Matmul, ...], cluster: Cluster) -> float:
     """Time of ``ops`` on one GPU: (FLOPs / peak + bytes / HBM bandwidth) / ceiling each."""
     return sum(op.flops / cluster.peak_flops + op.bytes / (cluster.memory_gbps * 1e9) for op in ops) / (

@@ -4,6 +4,7 @@ their derivation are in docs/tuner.md, "Memory model".  Pure Python."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -130,24 +131,32 @@ def layer_activation_bytes(
 ) -> float:
     """One block's activations for one micro-batch per TP rank under ``recompute``, with the candidate's kernel and
     (selective) modules."""
+    modules = cand.recompute_modules if recompute == "selective" else ()
+    layout = (cand.micro_batch_size, cand.tp, cand.sequence_parallel, cand.attention, modules, cand.cp, cand.cp_comm)
+    return _layer_activation_bytes(model, layout, recompute, act_bytes, mask_bytes)
+
+
+@functools.lru_cache(maxsize=4096)  # a search asks for each (b, tp, SP, kernel, cp) a few times per candidate
+def _layer_activation_bytes(model: ModelShape, layout: tuple, recompute: str, act_bytes: int, mask_bytes: int) -> float:
+    b, tp, sp, attention, modules, cp, cp_comm = layout
     return activation_bytes_per_layer(
         model.seq_length,
-        cand.micro_batch_size,
+        b,
         model.hidden_size,
         model.num_heads,
-        cand.tp,
-        cand.sequence_parallel,
+        tp,
+        sp,
         recompute,
         act_bytes,
         mask_bytes,
-        attention=cand.attention,
+        attention=attention,
         family=model.family,
         num_kv_heads=model.num_kv_heads,
         intermediate_size=model.intermediate_size,
         attention_dropout=attention_dropout(model),
-        modules=cand.recompute_modules if recompute == "selective" else (),
-        cp=cand.cp,
-        cp_comm=cand.cp_comm,
+        modules=modules,
+        cp=cp,
+        cp_comm=cp_comm,
         **routed_terms(model),
     )
 

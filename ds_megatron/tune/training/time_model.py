@@ -12,6 +12,7 @@ attention (``cp_comm_s``).  Each term is derived in docs/tuner.md, "Time model" 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
@@ -75,6 +76,7 @@ EAGER_FORWARD_BYTES = pass_bytes(EAGER_SCORE_OPS["forward"])  # 33 per score ele
 EAGER_BACKWARD_BYTES = pass_bytes(EAGER_SCORE_OPS["backward"])  # 35 per score element
 
 
+@functools.cache
 def eager_score_bytes(attention_dropout: bool) -> tuple[int, int]:
     """(forward, backward) bytes per score element; without an attention dropout (a Llama trained as published)
     its two passes are not run (dropout with p = 0 returns its input): 28 and 30."""
@@ -348,11 +350,10 @@ def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, whe
     tp_comm = (block_units + 1) * unit + routed
     if where == "first":
         return StageTime(block_s, tp_comm, p2p, scores, block_flops, passes, cp, block_w)
-    last = StageTime(block_s + logits_s, tp_comm, p2p, scores, block_flops + logits_flops, passes, cp, block_w)
-    last = dataclasses.replace(last, weight_grad_s=block_w + logits_w)
-    if cand.pp == 1:
-        last = dataclasses.replace(last, tp_comm_s=(block_units + 2) * unit + routed, p2p_s=0.0)
-    return last
+    if cand.pp == 1:  # the whole model: the embedding's and the output layer's collectives, no pipeline sends
+        tp_comm, p2p = (block_units + 2) * unit + routed, 0.0
+    compute, flops = block_s + logits_s, block_flops + logits_flops
+    return StageTime(compute, tp_comm, p2p, scores, flops, passes, cp, block_w + logits_w)
 
 
 def stage_blocks(model: ModelShape, cand: Candidate) -> int:
@@ -396,7 +397,13 @@ def job_flops(model: ModelShape, global_batch_size: int, cand: Candidate | None 
         policy, recomputed = "full", min(model.num_layers, _recomputed_blocks(cand, n) * cand.pp)
     elif cand is not None and cand.recompute == "selective":  # each module at its own FLOPs (flops.py)
         policy, modules = "selective", cand.recompute_modules
-    m = model
+    return _executed_flops(model, global_batch_size, policy, recomputed, modules)
+
+
+@functools.lru_cache(maxsize=1024)  # a search asks for a few policies of one model and batch, thousands of times
+def _executed_flops(
+    m: ModelShape, global_batch_size: int, policy: str, recomputed: int | None, modules: tuple[str, ...]
+) -> float:
     args = (global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size, policy, recomputed)
     return executed_flops_per_step(*args, recompute_modules=modules, **block_fields(m))
 
