@@ -12,13 +12,13 @@ fp32 master (``deepspeed.utils.safe_get_full_fp32_param``: the BF16 optimizer's 
 they are cut over) after the steps, all EP ranks' experts concatenated along the expert dim (the single-device
 layout), with the masters before the first step.  A case the engine refuses writes ``{"refused": <its one line>}``.
 
-``--checkpoints PRECISION,...``: checkpoints of EP runs on the BF16 optimizer (``checkpoint/ep_state.py``), for each
-precision the engines of ``CHECKPOINT_RUNS`` one after the other, 3 steps of the same tokens in all: ``dp2`` at ep 2
-and at ep 1 train straight through, saving step 2 under ``<out>/<precision>-<run>`` (the ep 1 one step 3 under
-``...-step3``); the others load one of those step-2 checkpoints and train step 3 (``tp2sp`` at ep 2: resharded on
-load, saving its step 3).  Rank 0 writes ``<precision>-<run>.pt``: the per-step losses and grad norms, every
-parameter's fp32 master after the last step in the single-device layout, and for the ep 2 straight run the masters
-and Adam moments at its save."""
+``--checkpoints PRECISION[:RUN+RUN...],...``: checkpoints of EP runs on the BF16 optimizer (``checkpoint/ep_state.py``),
+for each precision the engines of ``CHECKPOINT_RUNS`` (those named, when named) one after the other, 3 steps of the
+same tokens in all: ``dp2`` at ep 2 and at ep 1 train straight through, saving step 2 under
+``<out>/<precision>-<run>`` (the ep 1 one step 3 under ``...-step3``); the others load one of those step-2
+checkpoints and train step 3 (``tp2sp`` at ep 2: resharded on load, saving its step 3).  Rank 0 writes
+``<precision>-<run>.pt``: the per-step losses and grad norms, every parameter's fp32 master after the last step in
+the single-device layout, and for the ep 2 straight run the masters and Adam moments at its save."""
 
 from __future__ import annotations
 
@@ -215,14 +215,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="", help="comma-separated <layout>-<precision>-ep<N> (module docstring)")
-    ap.add_argument("--checkpoints", default="", help="comma-separated precisions (module docstring)")
+    ap.add_argument("--checkpoints", default="", help="comma-separated PRECISION[:RUN+RUN...] (module docstring)")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     for case in filter(None, args.cases.split(",")):
         train(case, args.out)
-    for precision in filter(None, args.checkpoints.split(",")):
+    for entry in filter(None, args.checkpoints.split(",")):
+        precision, _, names = entry.partition(":")
         for run in CHECKPOINT_RUNS:
-            checkpoint_run(precision, args.out, *run)
+            if not names or run[0] in names.split("+"):
+                checkpoint_run(precision, args.out, *run)
 
 
 if __name__ == "__main__":
