@@ -376,7 +376,7 @@ def test_ep_checkpoints_on_the_bf16_optimizer():
     )
     assert sorted(got.where) == sorted(want.where)
     for name in want.where:
-        w = want.full_weight(name)
+        w = want.full_weight(name).detach()  # DeepSpeed's own save keeps the partitions' requires_grad
         assert float((got.full_weight(name) - w).abs().max() / w.abs().max()) <= BF16_TOLERANCE, name
         a, b = got.full_optimizer_state(name), want.full_optimizer_state(name)
         for key in ("exp_avg", "exp_avg_sq"):
