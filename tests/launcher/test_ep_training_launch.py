@@ -9,7 +9,8 @@ Checkpoints of EP runs (``checkpoint/ep_state.py``: the experts saved as an ep 1
 after the straight runs: the same runs for 2 steps save step 2, which is resumed for step 3 at the saved layout (ep 2:
 bit for bit), at ep 1, and from ep 1 at tp 2 + SP x ep 2 (resharded on load); a transformers directory is read with
 ``--init-from-hf`` at ep 1 and ep 2.  The test process reshards the ep 2 checkpoint offline and exports it to
-transformers."""
+transformers.  The same on DeepSpeed's BF16 optimizer (``workers/ep_training.py --checkpoints``: bf16 + ZeRO-1 and
+bf16 at ZeRO 0, its flat partitions written as the ep 1 run's), in the same launch."""
 
 from __future__ import annotations
 
