@@ -32,12 +32,11 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from torch.distributed import ProcessGroup
 
 from ds_megatron.checkpoint.adapter import StateDictAdapter
-from ds_megatron.checkpoint.masters import flat_partitions
+from ds_megatron.checkpoint.masters import MOMENTS, flat_partitions
 from ds_megatron.optim import param_groups
 from ds_megatron.parallelize import ParallelContext, is_expert_param
-from ds_megatron.pipeline_parallel.module import pipeline_param_name
+from ds_megatron.pipeline_parallel.module import pipeline_param_name, zero_param_shapes_saved_as
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 # the keys of DeepSpeed's BF16 optimizer's state_dict (deepspeed.checkpoint.constants) replaced for the save
 BASE_OPTIMIZER_STATE, SINGLE_PARTITION_OF_FP32_GROUPS = "base_optimizer_state", "single_partition_of_fp32_groups"
 GROUP_PADDINGS, PARTITION_COUNT, PARAM_SLICE_MAPPINGS = "group_paddings", "partition_count", "param_slice_mappings"
@@ -202,9 +201,8 @@ def bf16_optimizer_as_saved(engine, parallel: ParallelContext) -> Iterator[None]
     (``ep1_optimizer_state``); on exit the optimizer and engine are untouched."""
     saved, shapes = ep1_optimizer_state(engine, parallel)
     engine.optimizer.state_dict = lambda: saved
-    engine._get_zero_param_shapes = lambda: shapes
     try:
-        yield
+        with zero_param_shapes_saved_as(engine, shapes):
+            yield
     finally:
-        del engine.optimizer.state_dict  # the instance entries: the classes' own methods again
-        del engine._get_zero_param_shapes
+        del engine.optimizer.state_dict  # the instance entry: the class's own method again

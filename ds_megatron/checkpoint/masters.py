@@ -26,6 +26,7 @@ from ds_megatron.checkpoint import safe_load
 from ds_megatron.pipeline_parallel.module import PipelineLayout
 
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's state laid out like the flat fp32 partition, beside its step count
 BF16_ALIGNMENT = 2  # DeepSpeed's BF16 optimizer pads each flat group to a multiple of this x dp elements
 # One parameter's piece of one partition: (data rank, start in the parameter, start in the partition, numel).
 Fragment = tuple[int, int, int, int]

@@ -35,7 +35,7 @@ from ds_megatron.checkpoint.manifest import (
     verify_tag,
     write_manifest,
 )
-from ds_megatron.checkpoint.masters import flat_partitions, optimizer_files
+from ds_megatron.checkpoint.masters import MOMENTS, flat_partitions, optimizer_files
 from ds_megatron.checkpoint.reshard import OldCheckpoint
 from ds_megatron.checkpoint.run_state import IMPORTED
 from ds_megatron.checkpoint.tokenizer import copy_tokenizer
@@ -55,7 +55,6 @@ from ds_megatron.config.shape import Vocabulary
 from ds_megatron.fileio import atomic_write_text, staged_directory
 from ds_megatron.optim import param_groups
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # The writer's kind for a checkpoint of weights alone (``import``): no optimizer state and no optimizer order, so a
 # run loading it builds its optimizer afresh from the weights (``run_state.load_run``).
