@@ -148,5 +148,13 @@ class WarmupCosineScheduler:
         return {"steps_done": self.steps_done, "base_lrs": list(self.base_lrs)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps_done, self.base_lrs = int(state["steps_done"]), [float(x) for x in state["base_lrs"]]
+        """A state saved with another number of parameter groups (an expert-parallel run on DeepSpeed's BF16
+        optimizer keeps its experts in groups of their own, ep 1 does not) holds one rate for all of them
+        (``param_groups`` builds every group from the same one), which every group here takes."""
+        saved = [float(x) for x in state["base_lrs"]]
+        if len(saved) != len(self.optimizer.param_groups):
+            if len(set(saved)) != 1:
+                raise ValueError(f"{len(saved)} saved base learning rates {saved} for {len(self.base_lrs)} groups")
+            saved = saved[:1] * len(self.optimizer.param_groups)
+        self.steps_done, self.base_lrs = int(state["steps_done"]), saved
         self._apply()

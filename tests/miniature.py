@@ -6,7 +6,8 @@ and shrinks what only sets sizes: a few layers (two per pipeline stage; an uneve
 width 64, 4 heads, sequence 64, a 1,024-token BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule
 steps scaled to a 3-step run;
 ``model.compile`` turned off (compile time, not a code path the miniature would check); a mixture of experts keeps
-its family and top 2 of 4 experts of width 32 (the first layer dense in the Qwen3-MoE layout).
+its family and top 2 of 4 experts of width 32 (the first layer dense in the Qwen3-MoE layout); expert parallelism
+stays on where the config sets it, at the largest ep up to the config's that the miniature's layout forms.
 tp/pp/dp are adapted to 4 processes: pp = min(pp, 2), cp = min(cp, 2) (a context-parallel config keeps cp > 1),
 tp = min(tp, 4 // (pp cp)), and dp fills the 4 (at least 2 where that fits, so ZeRO-1 really partitions the
 optimizer state): every miniature runs at 4 processes, so all of them share one launch.
@@ -22,6 +23,7 @@ import json
 from pathlib import Path
 
 from ds_megatron.config import sizes
+from ds_megatron.config.ep_rules import valid_ep_values
 
 MAX_PROCS = 4
 VOCAB = 1024
@@ -76,6 +78,9 @@ def miniature(path: Path) -> tuple[dict, int]:
     if family in ("qwen3_moe", "mixtral"):  # a mixture of experts: its family and routing, fewer and narrower experts
         model.update(family=family, num_kv_heads=max(2, tp), intermediate_size=176, rope_theta=10000.0)
         model.update(num_experts=4, experts_per_token=2, moe_intermediate_size=32)
+        if par.get("ep", 1) > 1:  # the EP code path stays: the largest ep the miniature forms, up to the config's
+            valid = valid_ep_values(tp, cp, dp, par.get("sequence_parallel", False), 4)
+            par["ep"] = max([e for e in valid if e <= par["ep"]] + [min(valid[1:], default=1)])
         if family == "qwen3_moe":  # the first layer dense, as moe-tiny's
             model.update(mlp_only_layers=[0])
     # compiling costs each process tens of seconds on a shared CPU, more than a 3-step miniature runs; what compile

@@ -26,6 +26,32 @@ from ds_megatron.checkpoint import safe_load
 from ds_megatron.pipeline_parallel.module import PipelineLayout
 
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's state laid out like the flat fp32 partition, beside its step count
+BF16_ALIGNMENT = 2  # DeepSpeed's BF16 optimizer pads each flat group to a multiple of this x dp elements
+# One parameter's piece of one partition: (data rank, start in the parameter, start in the partition, numel).
+Fragment = tuple[int, int, int, int]
+
+
+def flat_partitions(numels: list[int], data: int) -> tuple[int, int, list[list[Fragment]]]:
+    """How DeepSpeed's BF16 optimizer cuts one parameter group over ``data`` ranks: the parameters (``numels``, in
+    group order) concatenated into one flat buffer, padded to a multiple of ``BF16_ALIGNMENT x data`` elements and
+    cut into ``data`` equal partitions, data rank d holding the d-th.  Returns the partition size, the padding (held
+    at the end of the last partition) and, per parameter, its fragments in data-rank order."""
+    total = sum(numels)
+    align = BF16_ALIGNMENT * data
+    padded = -(-total // align) * align
+    size = padded // data
+    fragments: list[list[Fragment]] = []
+    offset = 0
+    for numel in numels:
+        end, pieces = offset + numel, []
+        for d in range(offset // size, min(data, -(-end // size))) if size else ():
+            lo, hi = max(offset, d * size), min(end, (d + 1) * size)
+            if lo < hi:
+                pieces.append((d, lo - offset, lo - d * size, hi - lo))
+        fragments.append(pieces)
+        offset = end
+    return size, padded - total, fragments
 
 
 def optimizer_files(tag_dir: Path) -> dict[int, list[Path]]:

@@ -22,6 +22,7 @@ from ds_megatron.checkpoint.manifest import tag_config
 from ds_megatron.checkpoint.masters import MasterWeights
 from ds_megatron.config import ConfigError, resolve
 from ds_megatron.config.facts import data_axis, precision, saved_cp, saved_layout, saved_world
+from ds_megatron.optim import param_groups
 from ds_megatron.parallelize import ParallelContext
 from ds_megatron.pipeline_parallel.module import pipeline_param_name
 
@@ -41,9 +42,15 @@ def model_param_groups(optimizer) -> list[list[torch.Tensor]]:
 
 
 def param_names_record(engine, topology) -> dict:
-    """This rank's optimizer parameter order as full GPT names (written with every checkpoint)."""
+    """This rank's optimizer parameter order as full GPT names (written with every checkpoint).  An optimizer with
+    expert groups of its own (DeepSpeed's BF16 optimizer at ep > 1) is recorded as the ep 1 run's, whose order its
+    save writes (``ep_state.bf16_optimizer_as_saved``): the groups of ``optim.param_groups``."""
     names = {id(p): pipeline_param_name(n, engine.module) for n, p in engine.module.named_parameters()}
-    groups = [[names[id(p)] for p in g] for g in model_param_groups(engine.optimizer)]
+    groups = model_param_groups(engine.optimizer)
+    if any(g.get("moe", False) for g in engine.optimizer.param_groups):
+        optimized = {id(p) for g in groups for p in g}
+        groups = [[p for p in g["params"] if id(p) in optimized] for g in param_groups(engine.module, 0.0)]
+    groups = [[names[id(p)] for p in g] for g in groups]
     ranks = {"tp_rank": topology.tp_rank, "pp_rank": topology.pp_rank, "dp_rank": topology.dp_rank}
     return {**ranks, "cp_rank": topology.cp_rank, "groups": groups}
 

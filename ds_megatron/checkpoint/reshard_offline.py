@@ -35,7 +35,7 @@ from ds_megatron.checkpoint.manifest import (
     verify_tag,
     write_manifest,
 )
-from ds_megatron.checkpoint.masters import optimizer_files
+from ds_megatron.checkpoint.masters import MOMENTS, flat_partitions, optimizer_files
 from ds_megatron.checkpoint.reshard import OldCheckpoint
 from ds_megatron.checkpoint.run_state import IMPORTED
 from ds_megatron.checkpoint.tokenizer import copy_tokenizer
@@ -55,8 +55,6 @@ from ds_megatron.config.shape import Vocabulary
 from ds_megatron.fileio import atomic_write_text, staged_directory
 from ds_megatron.optim import param_groups
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-BF16_ALIGNMENT = 2  # DeepSpeed's BF16 optimizer pads each flat group to a multiple of this x dp elements
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # The writer's kind for a checkpoint of weights alone (``import``): no optimizer state and no optimizer order, so a
 # run loading it builds its optimizer afresh from the weights (``run_state.load_run``).
@@ -276,20 +274,12 @@ class _Writer:
         for groups in self.groups:
             sizes, pads, frags = [], [], {}
             for g, names in enumerate(groups):
-                total = sum(self.shape[n].numel() for n in names)
-                align = BF16_ALIGNMENT * self.data
-                padded = -(-total // align) * align
-                size = padded // self.data
-                offset = 0
-                for n in names if size else []:
-                    end = offset + self.shape[n].numel()
-                    for d in range(offset // size, min(self.data, -(-end // size))):
-                        lo, hi = max(offset, d * size), min(end, (d + 1) * size)
-                        if lo < hi:
-                            frags.setdefault(n, []).append((d, g, lo - offset, lo - d * size, hi - lo))
-                    offset = end
+                size, padding, pieces = flat_partitions([self.shape[n].numel() for n in names], self.data)
+                for n, mine in zip(names, pieces):
+                    if mine:
+                        frags[n] = [(d, g, at, hp, numel) for d, at, hp, numel in mine]
                 sizes.append(size)
-                pads.append(padded - total)
+                pads.append(padding)
             self.part_size.append(sizes)
             self.padding.append(pads)
             self.fragments.append(frags)

@@ -141,14 +141,19 @@ def load_run(
             flush=True,
         )
     moved = saved is not None and run_config is not None and needs_resharding(saved, run_config)
-    if parallel is not None and parallel.ep.size > 1 and saved is not None and not moved:
-        # The files hold the experts as an ep 1 run does (``ep_state``), which DeepSpeed's own load cannot put into
-        # this rank's E / ep experts: the by-name reader cuts them (and their Adam moments), bit for bit, and the
-        # RNG states are this layout's own.
+    imported = (root / tag / IMPORTED).is_file()
+    by_name = parallel is not None and parallel.ep.size > 1
+    # DeepSpeed's own load of its BF16 optimizer at ZeRO 0 fails (DeepSpeed 0.19.8 hands the optimizer the
+    # model-state file's one state dict where it indexes a list by data rank): read by name there too.
+    by_name = by_name or (parallel is not None and not imported and _bf16_optimizer_at_zero0(engine))
+    if by_name and saved is not None and not moved:
+        # At ep > 1 the files hold the experts as an ep 1 run does (``ep_state``), which DeepSpeed's own load cannot
+        # put into this rank's E / ep experts: the by-name reader cuts them (and their Adam moments), bit for bit,
+        # and the RNG states are this layout's own.
         from ds_megatron.checkpoint.reshard import load_resharded
 
         client_state = load_resharded(engine, parallel, topology, root, tag)
-        _load_rng(root, tag, rng, client_state, imported=(root / tag / IMPORTED).is_file())
+        _load_rng(root, tag, rng, client_state, imported=imported)
         return client_state
     if parallel is not None and moved:
         from ds_megatron.checkpoint.reshard import load_resharded
@@ -167,12 +172,16 @@ def load_run(
         return load_resharded(engine, parallel, topology, root, tag)
     # An imported tag holds weights alone: DeepSpeed's module-only load, after which its mixed-precision optimizer
     # takes its fp32 masters from the loaded weights and the schedule and counters stay at step 0.
-    imported = (root / tag / IMPORTED).is_file()
     path, client_state = engine.load_checkpoint(str(root), tag=tag, load_module_only=imported)
     if path is None:
         raise ConfigError("--load", "checkpoint could not be loaded", f"{root}/{tag}", "check the directory")
     _load_rng(root, tag, rng, client_state, imported)
     return client_state or {}
+
+
+def _bf16_optimizer_at_zero0(engine) -> bool:
+    """Whether ``engine`` trains on DeepSpeed's BF16 optimizer without ZeRO (bf16 at stage 0)."""
+    return hasattr(engine.optimizer, "bf16_groups") and not engine.zero_optimization()
 
 
 def _load_rng(root: Path, tag: str, rng: RNGTracker, client_state: dict | None, imported: bool) -> None:

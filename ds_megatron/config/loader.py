@@ -431,22 +431,14 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 
 def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
-    """What expert parallelism does not train with yet, refused in one line each: DeepSpeed's ZeRO and fp16
-    optimizer wrappers (``config.ep_rules.check_ep_optimizer``: why; its BF16 optimizer trains) and checkpoints
-    under an optimizer wrapper (an EP run's save gathers the experts and the torch optimizer's Adam state of them
-    into the ep 1 layout, ``checkpoint/ep_state.py``; the BF16 optimizer's flat partitions are not gathered)."""
+    """What expert parallelism does not train with yet, refused in one line: DeepSpeed's ZeRO and fp16 optimizer
+    wrappers (``config.ep_rules.check_ep_optimizer``: why; its BF16 optimizer trains).  Checkpoints are written as an
+    ep 1 run holds them on every optimizer that trains (``checkpoint/ep_state.py``: the fp32 one's per-parameter
+    state and the BF16 optimizer's flat partitions alike); ``moe`` selective recompute re-runs the local experts."""
     ep = section.parallel.ep
     if ep == 1:
         return
     check_ep_optimizer(ep, optimizer_wrapper(ds_config), zero_stage(ds_config), grad_accum_dtype(ds_config))
-    ckpt = section.checkpoint
-    if (ckpt.save or ckpt.load) and optimizer_wrapper(ds_config) is not None:
-        raise ConfigError(
-            EP_SETTING, "checkpoints of expert-parallel runs hold the torch optimizer's state (fp32, ZeRO 0) only",
-            f"ep={ep}, DeepSpeed optimizer wrapper {optimizer_wrapper(ds_config)}, "
-            f"checkpoint.save={ckpt.save!r}, checkpoint.load={ckpt.load!r}",
-            "unset checkpoint.save and checkpoint.load, use fp32 without ZeRO, or use ep 1",
-        )  # fmt: skip
 
 
 def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: int, dp: int) -> None:

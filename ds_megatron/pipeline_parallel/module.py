@@ -613,3 +613,15 @@ def build_pipeline_module(
 def pipeline_param_name(module_name: str, module: PipelineModel) -> str | None:
     """Full (Hugging Face) name of a parameter of ``module`` (see :meth:`PipelineLayout.full_name`)."""
     return module.layout.full_name(module_name)
+
+
+@contextlib.contextmanager
+def zero_param_shapes_saved_as(engine, shapes: list) -> Iterator[None]:
+    """Inside, DeepSpeed's save records ``shapes`` (per optimizer group, an ordered {parameter name: shape}) as the
+    ZeRO parameter shapes of each ``mp_rank`` file (``param_shapes``, which its engine takes from the private
+    ``_get_zero_param_shapes``: the optimizer's own groups); on exit the engine's own method again."""
+    engine._get_zero_param_shapes = lambda: shapes
+    try:
+        yield
+    finally:
+        del engine._get_zero_param_shapes  # the instance entry: the class's method again

@@ -9,7 +9,8 @@ Checkpoints of EP runs (``checkpoint/ep_state.py``: the experts saved as an ep 1
 after the straight runs: the same runs for 2 steps save step 2, which is resumed for step 3 at the saved layout (ep 2:
 bit for bit), at ep 1, and from ep 1 at tp 2 + SP x ep 2 (resharded on load); a transformers directory is read with
 ``--init-from-hf`` at ep 1 and ep 2.  The test process reshards the ep 2 checkpoint offline and exports it to
-transformers."""
+transformers.  The same on DeepSpeed's BF16 optimizer (``workers/ep_training.py --checkpoints``: bf16 + ZeRO-1 and
+bf16 at ZeRO 0, its flat partitions written as the ep 1 run's), in the same launch."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def _plan(out: pathlib.Path) -> list[str]:
     ]
     (out / "plan.json").write_text(json.dumps(items))
     bf16 = ",".join(BF16_CASES)
-    return [f"recipe_runs.py --plan {out / 'plan.json'} --exit-zero", f"ep_training.py --out {out} --cases {bf16}"]
+    ep_runs = f"ep_training.py --out {out} --cases {bf16} --checkpoints {BF16_CHECKPOINTS}"
+    return [f"recipe_runs.py --plan {out / 'plan.json'} --exit-zero", ep_runs]
 
 
 # workers/ep_training.py's cases: each layout and precision at ep 1 and 2 (DeepSpeed's BF16 optimizer both ways)
@@ -98,6 +100,13 @@ BF16_CASES = [f"{layout}-{p}-ep{ep}" for layout in BF16_LAYOUTS for p in ("bf16"
 # order.  A wrong partition or gradient scale moves it to ~1.  At dp 2 both runs compute the same dense math:
 # BF16_TOLERANCE holds there for the largest element (measured 9.2e-3 of the largest update).
 SP_EXPERT_UPDATE_TOLERANCE = 0.25
+# workers/ep_training.py's checkpoint runs on the BF16 optimizer: every one on bf16 + ZeRO-1 (what users run), and at
+# ZeRO 0 (bf16 accumulation; the optimizer's state also in the model-state file) the ep 2 save resumed at ep 2 and 1
+CHECKPOINT_RUNS = {
+    "bf16z1": ("ep2", "ep1", "ep2-resumed", "ep2-to-ep1", "ep1-to-ep2", "ep1-to-tp2sp-ep2"),
+    "bf16": ("ep2", "ep2-resumed", "ep2-to-ep1"),
+}
+BF16_CHECKPOINTS = "bf16z1,bf16:" + "+".join(CHECKPOINT_RUNS["bf16"])
 # at 4 processes: tp 2 + SP x dp 2, where at ep 2 (over the tp ranks) every expert-DP group has 2 ranks (bf16 at
 # ZeRO 0, whose accumulation buffers are bf16, so the sum over expert-DP is where summing in fp32 matters); pp 2 x
 # dp 2 (the experts' norm summed over the stages); and pp 2 with a stage holding only moe-tiny's dense first block
@@ -293,12 +302,92 @@ def test_ep_checkpoints_resume_exactly_and_across_ep(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq")), name
 
 
-@pytest.mark.slow
-def test_ep_checkpoint_exports_to_transformers_and_imports_at_ep2(tmp_path):
-    """The ep 2 checkpoint exported holds every expert once, one linear per expert as published, and transformers'
-    ``from_pretrained`` gives the logits of our model holding the checkpoint's weights (read by name); a transformers
-    directory read with ``--init-from-hf`` at ep 2 (each rank its own experts) evaluates to the validation loss of
-    the same directory read at ep 1."""
+def _continues(got: dict, want: dict, what: str) -> None:
+    """A run resumed from a step-2 checkpoint (``got``: its step 3) continues the straight run ``want`` within
+    bf16 rounding: the step-3 loss and grad norm within BF16_TOLERANCE relative, every parameter's fp32 master after
+    it within BF16_TOLERANCE of the tensor's largest element (an expert one place out of order: ~1)."""
+    for key in ("losses", "norms"):
+        (g,), w = got[key], want[key][2]
+        assert abs(g[0] - w[0]) <= BF16_TOLERANCE * abs(w[0]), (what, key, g[0], w[0])
+    assert got["after"].keys() == want["after"].keys(), what
+    for name, w in want["after"].items():
+        worst = float((got["after"][name] - w).abs().max() / w.abs().max())
+        assert worst <= BF16_TOLERANCE, (what, name, worst)
+
+
+def _same_optimizer_layout(got: pathlib.Path, want: pathlib.Path) -> None:
+    """The tags ``got`` and ``want`` lay their BF16 optimizer state out alike: the same files, groups, partitions,
+    padding and fragment addresses by name, hyperparameters, parameter order and ZeRO parameter shapes."""
+    from ds_megatron.checkpoint import safe_load
+
+    files = sorted(f.name for f in want.glob("bf16_zero_pp_rank_*"))
+    assert files and files == sorted(f.name for f in got.glob("bf16_zero_pp_rank_*")), (got, want)
+    for name in files:
+        a = safe_load.load(got / name)["optimizer_state_dict"]
+        b = safe_load.load(want / name)["optimizer_state_dict"]
+        for key in ("param_slice_mappings", "partition_count", "group_paddings"):
+            assert a[key] == b[key], (name, key)
+        assert a["base_optimizer_state"]["param_groups"] == b["base_optimizer_state"]["param_groups"], name
+        shapes = [[t.shape for t in sd["single_partition_of_fp32_groups"]] for sd in (a, b)]
+        assert shapes[0] == shapes[1], name
+    for f in sorted(want.glob("params_rank*.json")):
+        assert json.loads((got / f.name).read_text()) == json.loads(f.read_text()), f.name
+    for f in sorted(want.glob("mp_rank_*_model_states.pt")):
+        assert safe_load.load(got / f.name)["param_shapes"] == safe_load.load(f)["param_shapes"], f.name
+
+
+@pytest.mark.slow  # in the shared 2-process launch: 9 engines of 1-3 steps
+def test_ep_checkpoints_on_the_bf16_optimizer():
+    """moe-tiny at dp 2 on DeepSpeed's BF16 optimizer (bf16 + ZeRO-1 with fp32 accumulation, and bf16 at ZeRO 0):
+    the ep 2 run's step-2 save holds every parameter's fp32 master and Adam moments as that run held them, bit for
+    bit, laid out as the ep 1 run's save (the same files, groups, partitions and fragment addresses by name); resumed
+    at ep 2 it logs the straight run's step-3 loss and grad norm and ends on its masters, bit for bit (measured);
+    resumed at ep 1 it continues the straight ep 2 run (measured: the same loss, grad norm within 9e-8 relative,
+    masters within 9.1e-5 of the tensor's largest element), the ep 1 save resumed at ep 2 the ep 1 run (the same
+    loss, 1.7e-8, 4.3e-5), and at tp 2 + SP with ep 2 over the tp ranks (resharded on load) the ep 1 run (4.3e-6,
+    1.6e-4, 1.3e-3), whose own step-3 save holds the ep 1 run's step-3 weights within BF16_TOLERANCE of each tensor's
+    largest element (measured 1.3e-3) and Adam moments within SP_EXPERT_UPDATE_TOLERANCE in relative norm (measured
+    1.2e-2: the step-3 gradients of the two layouts differ as the constant says)."""
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
+
+    out = LAUNCH()
+    for precision, names in CHECKPOINT_RUNS.items():
+        runs = {name: torch.load(out / f"{precision}-{name}.pt") for name in names}
+        for name, result in runs.items():
+            for key in ("losses", "norms"):
+                assert all(len(set(step)) == 1 for step in result[key]), (precision, name, key)
+        saved, old = runs["ep2"]["saved"], OldCheckpoint(out / f"{precision}-ep2", STEP2)
+        assert sorted(old.where) == sorted(saved[None]) and any(".experts." in name for name in old.where)
+        for name, master in saved[None].items():
+            assert torch.equal(old.full_weight(name), master), (precision, name)
+            state = old.full_optimizer_state(name)
+            assert all(torch.equal(state[k], saved[k][name]) for k in ("exp_avg", "exp_avg_sq")), (precision, name)
+        straight, resumed = runs["ep2"], runs["ep2-resumed"]
+        assert resumed["losses"] == straight["losses"][2:] and resumed["norms"] == straight["norms"][2:], precision
+        assert all(torch.equal(resumed["after"][name], w) for name, w in straight["after"].items()), precision
+        _continues(runs["ep2-to-ep1"], straight, f"{precision} ep 2 -> ep 1")
+    runs = {name: torch.load(out / f"bf16z1-{name}.pt") for name in CHECKPOINT_RUNS["bf16z1"]}
+    _same_optimizer_layout(out / "bf16z1-ep2" / STEP2, out / "bf16z1-ep1" / STEP2)
+    _continues(runs["ep1-to-ep2"], runs["ep1"], "ep 1 -> ep 2")
+    _continues(runs["ep1-to-tp2sp-ep2"], runs["ep1"], "ep 1 -> tp 2 + SP x ep 2")
+    step3 = "step00000003"
+    got, want = (
+        OldCheckpoint(out / "bf16z1-ep1-to-tp2sp-ep2-step3", step3),
+        OldCheckpoint(out / "bf16z1-ep1-step3", step3),
+    )
+    assert sorted(got.where) == sorted(want.where)
+    for name in want.where:
+        w = want.full_weight(name).detach()  # DeepSpeed's own save keeps the partitions' requires_grad
+        assert float((got.full_weight(name) - w).abs().max() / w.abs().max()) <= BF16_TOLERANCE, name
+        a, b = got.full_optimizer_state(name), want.full_optimizer_state(name)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert float((a[key] - b[key]).norm() / b[key].norm()) <= SP_EXPERT_UPDATE_TOLERANCE, (name, key)
+
+
+def _exports_as_our_model(checkpoint: pathlib.Path, hf_dir: pathlib.Path, flags: tuple[str, ...] = ()) -> None:
+    """``checkpoint`` exported to ``hf_dir`` (with the export's ``flags``) holds every expert once, one linear per
+    expert as published, and transformers' ``from_pretrained`` gives the logits of our model holding the
+    checkpoint's weights (read by name)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -306,19 +395,52 @@ def test_ep_checkpoint_exports_to_transformers_and_imports_at_ep2(tmp_path):
     from ds_megatron.checkpoint.reshard import OldCheckpoint
     from ds_megatron.model import build_model
 
-    out = LAUNCH()
-    assert checkpoint_main(["export", "--checkpoint", str(out / "ck_ep2"), "--out", str(tmp_path / "hf")]) == 0
-    old = OldCheckpoint(out / "ck_ep2", STEP2)
+    assert checkpoint_main(["export", "--checkpoint", str(checkpoint), "--out", str(hf_dir), *flags]) == 0
+    old = OldCheckpoint(checkpoint, STEP2)
     ours = build_model(old.model_config).eval()
     with torch.no_grad():
         for name, param in ours.named_parameters():
             param.copy_(old.full_weight(name))
-    stored = [k for k in load_file(tmp_path / "hf" / "model.safetensors") if ".experts." in k]
+    stored = [k for k in load_file(hf_dir / "model.safetensors") if ".experts." in k]
     routed = {k.split(".experts.")[0] for k in stored}
     assert routed and len(stored) == 3 * old.model_config.num_experts * len(routed)  # gate, up, down per expert
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     ids = torch.randint(0, old.model_config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_ep_bf16_checkpoint_reshards_offline_and_exports(tmp_path):
+    """The ep 2 checkpoint of bf16 + ZeRO-1 resharded offline to pp 2 x dp 1 at ep 1 holds every fp32 master and
+    Adam moment bit for bit (the BF16 optimizer's files rewritten at the new layout), and exported to transformers
+    gives our model's logits (measured: within 3.6e-7; allowed 1e-5)."""
+    from ds_megatron.checkpoint.__main__ import main as checkpoint_main
+    from ds_megatron.checkpoint.manifest import tag_config
+    from ds_megatron.checkpoint.reshard import OldCheckpoint
+    from ds_megatron.config.facts import saved_ep, saved_layout
+
+    src = LAUNCH() / "bf16z1-ep2"
+    argv = ["reshard", "--checkpoint", str(src), "--tp", "1", "--pp", "2", "--dp", "1", "--ep", "1"]
+    assert checkpoint_main([*argv, "--out", str(tmp_path / "pp2")]) == 0
+    old, new = OldCheckpoint(src, STEP2), OldCheckpoint(tmp_path / "pp2", STEP2)
+    cfg = tag_config(tmp_path / "pp2", STEP2)
+    assert saved_ep(cfg) == 1 and saved_layout(cfg) == (1, 2, 1) and saved_ep(tag_config(src, STEP2)) == 2
+    assert new.masters is not None and sorted(new.where) == sorted(old.where)
+    for name in old.where:
+        assert torch.equal(new.full_weight(name), old.full_weight(name)), name
+        a, b = new.full_optimizer_state(name), old.full_optimizer_state(name)
+        assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq")), name
+    _exports_as_our_model(src, tmp_path / "hf", ("--no-tokenizer",))  # the worker's runs keep no tokenizer
+
+
+@pytest.mark.slow
+def test_ep_checkpoint_exports_to_transformers_and_imports_at_ep2(tmp_path):
+    """The ep 2 checkpoint exported holds every expert once, one linear per expert as published, and transformers'
+    ``from_pretrained`` gives the logits of our model holding the checkpoint's weights (read by name); a transformers
+    directory read with ``--init-from-hf`` at ep 2 (each rank its own experts) evaluates to the validation loss of
+    the same directory read at ep 1."""
+    out = LAUNCH()
+    _exports_as_our_model(out / "ck_ep2", tmp_path / "hf")
     (ep1,), (ep2,) = _steps(out, "hf-ep1").values(), _steps(out, "hf-ep2").values()
     _close(ep2["val_loss"], ep1["val_loss"], 1e-6, "val_loss of --init-from-hf at ep 2 against ep 1")

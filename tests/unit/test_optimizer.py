@@ -48,3 +48,27 @@ def test_every_path_steps_with_fused_adamw(monkeypatch, precision):
             p.grad = torch.ones_like(p)
         inner.step()  # the fused kernel takes what this path hands it
         assert all(not torch.equal(a, p) for a, p in zip(before, params, strict=True))
+
+
+def test_the_schedule_resumes_across_a_change_in_group_count():
+    """An expert-parallel run on DeepSpeed's BF16 optimizer holds its experts in parameter groups of their own, ep 1
+    does not: the schedule's state saved at one count of groups loads at another (every group built from the same
+    rate takes it, at the saved step), and saved rates that differ with the count changed are refused."""
+    from ds_megatron.config.schedule import WarmupCosine
+    from ds_megatron.optim import WarmupCosineScheduler
+
+    schedule = WarmupCosine(warmup_steps=2, total_steps=10)
+
+    def scheduler(groups: int) -> WarmupCosineScheduler:
+        params = [{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(groups)]
+        return WarmupCosineScheduler(torch.optim.AdamW(params, lr=0.5), schedule)
+
+    saved = scheduler(2)
+    for _ in range(3):
+        saved.step()
+    for groups in (3, 1):
+        loaded = scheduler(groups)
+        loaded.load_state_dict(saved.state_dict())
+        assert loaded.get_last_lr() == [saved.get_last_lr()[0]] * groups and loaded.steps_done == 3
+    with pytest.raises(ValueError, match="saved base learning rates"):
+        scheduler(3).load_state_dict({"steps_done": 3, "base_lrs": [0.5, 0.25]})

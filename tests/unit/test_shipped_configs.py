@@ -37,7 +37,25 @@ def test_every_shipped_config_is_covered_by_a_miniature():
         sp = s.get("parallel", {}).get("sequence_parallel", False)
         assert m["parallel"].get("sequence_parallel", False) == sp and (not sp or m["parallel"]["tp"] > 1)
         assert (m["parallel"]["pp"] > 1) == (s.get("parallel", {}).get("pp", 1) > 1)
+        assert (m["parallel"].get("ep", 1) > 1) == (s.get("parallel", {}).get("ep", 1) > 1)
         assert mini["scheduler"]["type"] == shipped["scheduler"]["type"]
+
+
+def test_a_miniature_keeps_expert_parallelism(tmp_path):
+    """A config at ep > 1 keeps EP in miniature, at the largest ep its layout forms: moe_tiny on bf16 + ZeRO-1 at
+    ep 8 (tp 2 x pp 2 with SP: the miniature's EP group can span its 2 tp ranks) runs at ep 2 and resolves; by hand
+    (2026-12-02, CPU, 4 processes) that miniature's straight run and its resume from step 2 logged the same step-3
+    loss, grad norm, learning rate and validation loss, bit for bit, and its step-3 export loaded in transformers."""
+    from ds_megatron.config import resolve
+
+    cfg = json.loads((ROOT / "ds_configs" / "moe_tiny.json").read_text())
+    cfg.update(bf16={"enabled": True}, zero_optimization={"stage": 1}, data_types={"grad_accum_dtype": "fp32"})
+    cfg["ds_megatron"]["parallel"]["ep"] = 8
+    cfg["ds_megatron"]["recompute"]["modules"] = ["core_attn"]  # the EP layer has no selective recompute of moe
+    (tmp_path / "moe_tiny_ep.json").write_text(json.dumps(cfg))
+    mini, nprocs = miniature(tmp_path / "moe_tiny_ep.json")
+    assert mini["ds_megatron"]["parallel"]["ep"] == 2 and nprocs == 4
+    assert resolve(mini, nprocs).section.parallel.ep == 2
 
 
 def test_published_schedule_of_a_shipped_config():

@@ -10,7 +10,15 @@ rank must see the same one), the optimizer's partition count per parameter group
 expert group, the dtype of every all-reduce over the expert-DP group during the steps, and every expert tensor's
 fp32 master (``deepspeed.utils.safe_get_full_fp32_param``: the BF16 optimizer's partitions gathered over the group
 they are cut over) after the steps, all EP ranks' experts concatenated along the expert dim (the single-device
-layout), with the masters before the first step.  A case the engine refuses writes ``{"refused": <its one line>}``."""
+layout), with the masters before the first step.  A case the engine refuses writes ``{"refused": <its one line>}``.
+
+``--checkpoints PRECISION[:RUN+RUN...],...``: checkpoints of EP runs on the BF16 optimizer (``checkpoint/ep_state.py``),
+for each precision the engines of ``CHECKPOINT_RUNS`` (those named, when named) one after the other, 3 steps of the
+same tokens in all: ``dp2`` at ep 2 and at ep 1 train straight through, saving step 2 under
+``<out>/<precision>-<run>`` (the ep 1 one step 3 under ``...-step3``); the others load one of those step-2
+checkpoints and train step 3 (``tp2sp`` at ep 2: resharded on load, saving its step 3).  Rank 0 writes
+``<precision>-<run>.pt``: the per-step losses and grad norms, every parameter's fp32 master after the last step in
+the single-device layout, and for the ep 2 straight run the masters and Adam moments at its save."""
 
 from __future__ import annotations
 
@@ -25,11 +33,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from common import micro_batches, token_batches  # noqa: E402
 from deepspeed.moe.utils import is_moe_param_group  # noqa: E402
-from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
+from ds_megatron.checkpoint.adapter import StateDictAdapter  # noqa: E402
+from ds_megatron.checkpoint.ep_state import gather_experts  # noqa: E402
+from ds_megatron.checkpoint.run_state import load_run, save_run  # noqa: E402
 from ds_megatron.config import ConfigError, resolve  # noqa: E402
 from ds_megatron.engine import build_engine  # noqa: E402
 from ds_megatron.model.family import EXPERT_SPLITS  # noqa: E402
+from ds_megatron.parallelize import is_expert_param  # noqa: E402
+from ds_megatron.pipeline_parallel.module import pipeline_param_name  # noqa: E402
 from ds_megatron.tensor_parallel.sharding import ShardRule, unshard  # noqa: E402
 
 STEPS = 2
@@ -138,14 +151,80 @@ def train(case: str, out: str) -> None:
     engine.destroy()
 
 
+# name, layout, ep, the run whose step-2 checkpoint it loads (None: trains from step 0), the steps it saves
+CHECKPOINT_RUNS = [
+    ("ep2", "dp2", 2, None, (2,)),
+    ("ep1", "dp2", 1, None, (2, 3)),
+    ("ep2-resumed", "dp2", 2, "ep2", ()),  # the saved layout: bit for bit
+    ("ep2-to-ep1", "dp2", 1, "ep2", ()),
+    ("ep1-to-ep2", "dp2", 2, "ep1", ()),
+    ("ep1-to-tp2sp-ep2", "tp2sp", 2, "ep1", (3,)),  # EP folded over the tp ranks, resharded on load
+]
+CHECKPOINT_STEPS = 3
+
+
+def full_state(engine, built, key: str | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 master (``key``: its Adam state of that name) as the single-device model holds it
+    (collective; pp 1): experts over the EP group joined along dim 0, TP shards merged by the plan's rule."""
+    parallel, topo = built.parallel, built.topology
+    adapter, out = StateDictAdapter(parallel), {}
+    for local, param in engine.module.named_parameters():
+        name = pipeline_param_name(local, engine.module)
+        value = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
+        if topo.ep > 1 and is_expert_param(name, parallel):  # whole experts, not TP-split
+            value = gather_experts(value, topo.ep_group)
+        else:  # the TP shards merged (at tp 1 too: the merge strips the vocabulary padding, which depends on tp)
+            parts = [torch.empty_like(value) for _ in range(topo.tp)] if topo.tp > 1 else [value]
+            if topo.tp > 1:
+                dist.all_gather(parts, value.contiguous(), group=topo.tp_group)
+            value = adapter.merge(name, parts)
+        out[name] = value.cpu()
+    return out
+
+
+def checkpoint_run(precision: str, out: str, name: str, layout: str, ep: int, load: str | None, saves) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    cfg = config(f"{layout}-{precision}-ep{ep}", world)
+    cfg["ds_megatron"]["train"]["train_iters"] = CHECKPOINT_STEPS
+    run = resolve(cfg, world)
+    built = build_engine(run)
+    engine, topo = built.engine, built.topology
+    start, result = 0, {"losses": [], "norms": []}
+    if load is not None:
+        directory = os.path.join(out, f"{precision}-{load}")
+        start = load_run(engine, directory, built.rng, built.parallel, topo, run.ds_config)["step"]
+    tokens = token_batches(CHECKPOINT_STEPS, run.global_batch_size, run.model.seq_length, run.model.vocab_size)
+    for step in range(start + 1, CHECKPOINT_STEPS + 1):
+        batches = micro_batches(tokens[step - 1], run.micro_batch_size, run.dp, topo.data_coord)
+        result["losses"].append(gathered(float(engine.train_batch(iter(batches)))))
+        result["norms"].append(gathered(float(engine.get_global_grad_norm())))
+        if step in saves:
+            client = {"step": step, "config": run.ds_config}
+            # step 2 under <precision>-<name> (what the others load), a later step beside it
+            directory = os.path.join(out, f"{precision}-{name}" + ("" if step == 2 else f"-step{step}"))
+            save_run(engine, directory, step, client, built.rng, topology=topo, parallel=built.parallel)
+            if ep > 1 and load is None:  # what the files must hold
+                result["saved"] = {k: full_state(engine, built, k) for k in (None, "exp_avg", "exp_avg_sq")}
+    result["after"] = full_state(engine, built)
+    if dist.get_rank() == 0:
+        torch.save(result, os.path.join(out, f"{precision}-{name}.pt"))
+    engine.destroy()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", required=True, help="comma-separated <layout>-<precision>-ep<N> (module docstring)")
+    ap.add_argument("--cases", default="", help="comma-separated <layout>-<precision>-ep<N> (module docstring)")
+    ap.add_argument("--checkpoints", default="", help="comma-separated PRECISION[:RUN+RUN...] (module docstring)")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    for case in args.cases.split(","):
+    for case in filter(None, args.cases.split(",")):
         train(case, args.out)
+    for entry in filter(None, args.checkpoints.split(",")):
+        precision, _, names = entry.partition(":")
+        for run in CHECKPOINT_RUNS:
+            if not names or run[0] in names.split("+"):
+                checkpoint_run(precision, args.out, *run)
 
 
 if __name__ == "__main__":
