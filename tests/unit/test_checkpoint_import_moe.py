@@ -98,7 +98,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("family", "layout", "tp", "pp", "ep", "dp"), CASES)
-def test_moe_import_then_export_gives_back_the_published_tensors(tmp_path, family, layout, tp, pp, ep, dp):
+def test_moe_import_then_export_gives_back_the_published_tensors(tmp_path, capsys, family, layout, tp, pp, ep, dp):
     cfg = moe_run(family, dp)
     random_moe_hf(tmp_path, cfg)
     published = load_file(tmp_path / "published" / "model.safetensors")
@@ -107,7 +107,11 @@ def test_moe_import_then_export_gives_back_the_published_tensors(tmp_path, famil
     assert (bool(per_expert), bool(stacked)) == ((True, False) if layout == "published" else (False, True))
     ck = tmp_path / "ck"
     argv = import_argv(tmp_path / layout, write_config(tmp_path / "run.json", cfg), ck, tp, pp)
+    capsys.readouterr()  # what writing the model printed
     assert checkpoint_main([*argv, "--ep", str(ep)]) == 0
+    with_ep = f" --ep {ep}" if ep > 1 else ""
+    want = f"train from it with --load {ck} --tp {tp} --pp {pp}{with_ep} on {tp * pp * dp} processes"
+    assert want in capsys.readouterr().out.strip().splitlines()[-1]
     assert newest_complete_tag(ck) == TAG and tag_problem(ck / TAG) is None
     saved = json.loads((ck / TAG / "config.json").read_text())
     parallel = saved["ds_megatron"]["parallel"]
@@ -152,33 +156,32 @@ EP = "error: ds_megatron.parallel.ep: "
 FOLDING = EP + "ep must divide the ranks of a stage holding distinct tokens (tp x cp x dp under SP, cp x dp without)"
 
 
-@pytest.mark.parametrize(
-    ("family", "tp", "ep", "sp", "dp", "expected"),
-    [
-        # the folding: ep divides the ranks of a stage holding distinct tokens and the experts (mixtral has 4)
-        ("mixtral", 1, 3, True, 4, FOLDING + " and num_experts (ep=3, tp=1, cp=1, dp=4, sequence_parallel=true, "
-         "num_experts=4); use ep in [1, 2, 4]"),
-        ("qwen3_moe", 1, 4, True, 2, FOLDING + " and num_experts (ep=4, tp=1, cp=1, dp=2, sequence_parallel=true, "
-         "num_experts=8); use ep in [1, 2]"),
-        ("mixtral", 2, 2, False, 1, EP + "an EP group spans ranks holding distinct tokens; without sequence "
-         "parallelism tp ranks share theirs (ep=2, tp=2, cp=1, dp=1, sequence_parallel=false, num_experts=4); turn on "
-         "sequence_parallel, or use ep in [1]"),
-        ("dense", 1, 2, False, 2, EP + "expert parallelism splits routed experts, and this model has none"),
-        ("qwen3_moe", 1, 0, True, 1, "error: --ep: must be a positive integer (got 0)"),
-    ],
-)  # fmt: skip
-def test_an_ep_the_layout_cannot_form_is_one_line_before_anything(tmp_path, capsys, family, tp, ep, sp, dp, expected):
-    import shutil
+# (family, tp, ep, sequence_parallel, dp, the one line)
+REFUSED = [
+    # the folding: ep divides the ranks of a stage holding distinct tokens and the experts (mixtral has 4)
+    ("mixtral", 1, 3, True, 4, FOLDING + " and num_experts (ep=3, tp=1, cp=1, dp=4, sequence_parallel=true, "
+     "num_experts=4); use ep in [1, 2, 4]"),
+    ("qwen3_moe", 1, 4, True, 2, FOLDING + " and num_experts (ep=4, tp=1, cp=1, dp=2, sequence_parallel=true, "
+     "num_experts=8); use ep in [1, 2]"),
+    ("mixtral", 2, 2, False, 1, EP + "an EP group spans ranks holding distinct tokens; without sequence "
+     "parallelism tp ranks share theirs (ep=2, tp=2, cp=1, dp=1, sequence_parallel=false, num_experts=4); turn on "
+     "sequence_parallel, or use ep in [1]"),
+    ("dense", 1, 2, False, 2, EP + "expert parallelism splits routed experts, and this model has none"),
+    ("qwen3_moe", 1, 0, True, 1, "error: --ep: must be a positive integer (got 0)"),
+]  # fmt: skip
 
+
+def test_an_ep_the_layout_cannot_form_is_one_line_before_anything(tmp_path, capsys):
+    """Each of REFUSED, against one directory per family: exit 2, the one line, no output and no temporary
+    directory left."""
     from test_checkpoint_import import gpt2_run, random_hf
 
-    if family == "dense":
-        cfg = gpt2_run()
-        random_hf(tmp_path / "published", cfg)
-        cfg["gradient_accumulation_steps"] = 2  # dp 2
-    else:
-        cfg = moe_run(family, dp, sequence_parallel=sp)
-        random_moe_hf(tmp_path, cfg)
-        shutil.rmtree(tmp_path / "fused")
-    argv = import_argv(tmp_path / "published", write_config(tmp_path / "run.json", cfg), "unused", tp, 1)[:-2]
-    _refused(tmp_path, capsys, [*argv, "--ep", str(ep)], expected)
+    random_hf(tmp_path / "dense" / "published", gpt2_run())
+    for family in MODELS:
+        random_moe_hf(tmp_path / family, moe_run(family, dp=1))
+    for family, tp, ep, sp, dp, expected in REFUSED:
+        cfg = gpt2_run() if family == "dense" else moe_run(family, dp, sequence_parallel=sp)
+        cfg["gradient_accumulation_steps"] = 8 // (2 * dp)
+        config = write_config(tmp_path / "run.json", cfg)
+        argv = import_argv(tmp_path / family / "published", config, "unused", tp, 1)[:-2]
+        _refused(tmp_path, capsys, [*argv, "--ep", str(ep)], expected)
