@@ -64,7 +64,8 @@ def moe_run(family: str, dp: int, sequence_parallel: bool = True, bf16: bool = F
 
 def random_moe_hf(root: pathlib.Path, cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A random transformers model of ``cfg``'s shape (every expert distinct, norms away from 1) saved twice under
-    ``root``: ``published`` (``save_pretrained``'s default) and ``fused``; the model."""
+    ``root``: ``published`` (``save_pretrained``'s default, in shards of at most 100 KB with their index, as the
+    Hub's files are: one layer's experts spread over several files) and ``fused``; the model."""
     import transformers
 
     from ds_megatron.model import family_of
@@ -76,9 +77,18 @@ def random_moe_hf(root: pathlib.Path, cfg: dict, seed: int = 0, dtype: torch.dty
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model = model.to(dtype).eval()
-    model.save_pretrained(root / "published")
+    model.save_pretrained(root / "published", max_shard_size="100KB")
     model.save_pretrained(root / "fused", save_original_format=False)
     return model
+
+
+def stored_tensors(hf_dir: pathlib.Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a transformers directory, from its one file or from the shards its index names."""
+    index = hf_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return load_file(hf_dir / "model.safetensors")
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return {k: v for f in files for k, v in load_file(hf_dir / f).items()}
 
 
 def _expert_keys(stored: dict) -> tuple[list[str], list[str]]:
@@ -101,8 +111,14 @@ CASES = [
 def test_moe_import_then_export_gives_back_the_published_tensors(tmp_path, capsys, family, layout, tp, pp, ep, dp):
     cfg = moe_run(family, dp)
     random_moe_hf(tmp_path, cfg)
-    published = load_file(tmp_path / "published" / "model.safetensors")
-    per_expert, stacked = _expert_keys(load_file(tmp_path / layout / "model.safetensors"))
+    published = stored_tensors(tmp_path / "published")
+    weight_map = json.loads((tmp_path / "published" / "model.safetensors.index.json").read_text())["weight_map"]
+    files_per_layer: dict[str, set[str]] = {}
+    for key, file in weight_map.items():
+        if ".experts." in key:
+            files_per_layer.setdefault(key.split(".experts.")[0], set()).add(file)
+    assert max(len(files) for files in files_per_layer.values()) > 1  # a layer's experts in several shards
+    per_expert, stacked = _expert_keys(stored_tensors(tmp_path / layout))
     # the layouts are what transformers 5 writes: one linear per expert by default, stacked tensors when asked
     assert (bool(per_expert), bool(stacked)) == ((True, False) if layout == "published" else (False, True))
     ck = tmp_path / "ck"
@@ -119,7 +135,7 @@ def test_moe_import_then_export_gives_back_the_published_tensors(tmp_path, capsy
     assert json.loads((ck / TAG / "imported.json").read_text())["model_type"] == family
     back = tmp_path / "back"
     assert checkpoint_main(["export", "--checkpoint", str(ck), "--out", str(back), "--no-tokenizer"]) == 0
-    exported = load_file(back / "model.safetensors")
+    exported = stored_tensors(back)
     assert set(exported) == set(published)
     for name, tensor in published.items():
         assert torch.equal(exported[name], tensor), name
