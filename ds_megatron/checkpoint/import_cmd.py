@@ -68,7 +68,7 @@ def import_checkpoint(
     check_new_out(out, "import")
     check_sizes({"--tp": tp, "--pp": pp, "--ep": 1 if ep is None else ep})
     model_type = _hf_model_type(hf_dir)
-    run = _target_run(config_path, tp, pp, ep)
+    run = _target_run(config_path, tp, pp, ep, out)
     config = run_model_config(run)
     if model_type != family_of(config).hf_model_type:
         raise ConfigError(
@@ -117,9 +117,11 @@ def _family_of_hf(model_type: str) -> str:
     return next(f.name for f in FAMILIES.values() if f.hf_model_type == model_type)
 
 
-def _target_run(config_path: str | Path, tp: int, pp: int, ep: int | None = None) -> RunConfig:
+def _target_run(config_path: str | Path, tp: int, pp: int, ep: int | None, out: Path) -> RunConfig:
     """The run of ``config_path`` at tp x pp (dp from its batch split, 1 when that leaves it open) and ``ep`` (None:
-    the config's), validated: an ep the folding cannot form is refused here, naming the valid values."""
+    the config's), validated: an ep the folding cannot form is refused here, naming the valid values.  At ep > 1 also
+    as the run that loads ``out`` (``checkpoint.load`` set): an EP run's load under DeepSpeed's BF16 optimizer is
+    refused, so its import is too."""
     if not Path(config_path).is_file():
         raise ConfigError("--config", "file not found", str(config_path), "pass the run's DeepSpeed config")
     cfg = copy.deepcopy(load_json(config_path))
@@ -132,7 +134,17 @@ def _target_run(config_path: str | Path, tp: int, pp: int, ep: int | None = None
         raise ConfigError(
             "--config", "import writes bf16 and fp32 runs", f"{config_path} is {prec}", "import with a bf16 config"
         )
-    return resolve(cfg, saved_world(cfg))
+    run = resolve(cfg, saved_world(cfg))
+    if run.section.parallel.ep == 1:
+        return run
+    loading = copy.deepcopy(cfg)  # an EP run's --load has rules of its own (config.loader.check_ep_run)
+    loading["ds_megatron"].setdefault("checkpoint", {})["load"] = str(out)
+    try:
+        resolve(loading, saved_world(cfg))
+    except ConfigError as err:
+        fix = "import at --ep 1 (the files are the same at any ep) and load it at ep 1, or use an fp32 config"
+        raise ConfigError(err.setting, f"{err.problem}: the run would not load this import", err.values, fix) from None
+    return run
 
 
 class HFSource:

@@ -64,7 +64,7 @@ def moe_run(family: str, dp: int, sequence_parallel: bool = True, bf16: bool = F
 
 def random_moe_hf(root: pathlib.Path, cfg: dict, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A random transformers model of ``cfg``'s shape (every expert distinct, norms away from 1) saved twice under
-    ``root``: ``published`` (``save_pretrained``'s default, in shards of at most 100 KB with their index, as the
+    ``root``: ``published`` (``save_pretrained``'s default, in shards of at most 40 KB with their index, as the
     Hub's files are: one layer's experts spread over several files) and ``fused``; the model."""
     import transformers
 
@@ -77,7 +77,7 @@ def random_moe_hf(root: pathlib.Path, cfg: dict, seed: int = 0, dtype: torch.dty
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     model = model.to(dtype).eval()
-    model.save_pretrained(root / "published", max_shard_size="100KB")
+    model.save_pretrained(root / "published", max_shard_size="40KB")
     model.save_pretrained(root / "fused", save_original_format=False)
     return model
 
@@ -98,19 +98,21 @@ def _expert_keys(stored: dict) -> tuple[list[str], list[str]]:
     return per_expert, stacked
 
 
-# (family, layout, tp, pp, ep, dp): each family and layout once, tp 1 and 2, pp 1 and 2, ep 1 and 2 among them
+# (family, layout, tp, pp, ep, dp, bf16): each family and layout once, tp 1 and 2, pp 1 and 2, ep 1 and 2 among them
 CASES = [
-    ("qwen3_moe", "published", 2, 2, 2, 1),  # ep 2 folded over the tp ranks (SP)
-    ("qwen3_moe", "fused", 1, 1, 2, 2),  # ep 2 over dp
-    ("mixtral", "published", 1, 2, 2, 2),
-    ("mixtral", "fused", 2, 1, 1, 2),
+    ("qwen3_moe", "published", 2, 2, 2, 1, False),  # ep 2 folded over the tp ranks (SP)
+    ("qwen3_moe", "fused", 1, 1, 2, 2, False),  # ep 2 over dp
+    ("mixtral", "published", 1, 2, 2, 2, False),
+    ("mixtral", "fused", 2, 1, 1, 2, True),  # bf16 (DeepSpeed's BF16 optimizer loads EP checkpoints at ep 1 only)
 ]
 
 
-@pytest.mark.parametrize(("family", "layout", "tp", "pp", "ep", "dp"), CASES)
-def test_moe_import_then_export_gives_back_the_published_tensors(tmp_path, capsys, family, layout, tp, pp, ep, dp):
-    cfg = moe_run(family, dp)
-    random_moe_hf(tmp_path, cfg)
+@pytest.mark.parametrize(("family", "layout", "tp", "pp", "ep", "dp", "bf16"), CASES)
+def test_moe_import_then_export_gives_back_the_published_tensors(
+    tmp_path, capsys, family, layout, tp, pp, ep, dp, bf16
+):
+    cfg = moe_run(family, dp, bf16=bf16)
+    random_moe_hf(tmp_path, cfg, dtype=torch.bfloat16 if bf16 else torch.float32)
     published = stored_tensors(tmp_path / "published")
     weight_map = json.loads((tmp_path / "published" / "model.safetensors.index.json").read_text())["weight_map"]
     files_per_layer: dict[str, set[str]] = {}
@@ -134,23 +136,24 @@ def test_moe_import_then_export_gives_back_the_published_tensors(tmp_path, capsy
     assert (parallel["tp"], parallel["pp"], parallel.get("ep", 1), saved_world(saved)) == (tp, pp, ep, tp * pp * dp)
     assert json.loads((ck / TAG / "imported.json").read_text())["model_type"] == family
     back = tmp_path / "back"
-    assert checkpoint_main(["export", "--checkpoint", str(ck), "--out", str(back), "--no-tokenizer"]) == 0
+    dtype = ["--dtype", "bf16" if bf16 else "fp32"]
+    assert checkpoint_main(["export", "--checkpoint", str(ck), "--out", str(back), "--no-tokenizer", *dtype]) == 0
     exported = stored_tensors(back)
     assert set(exported) == set(published)
     for name, tensor in published.items():
-        assert torch.equal(exported[name], tensor), name
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
     assert json.loads((back / "config.json").read_text())["model_type"] == family
 
 
 @pytest.mark.parametrize("family", list(MODELS))
 def test_both_layouts_import_to_the_same_files_and_pass_the_load_checks(tmp_path, family):
-    """bf16 at tp 2 x pp 2 with ep 2 over the tp ranks: the published and the fused directory of one model give the
-    same layer files, every expert's TP shard (gate rows then up rows of each), and ``--load``'s pre-flight checks
-    accept the tag at that layout."""
+    """tp 2 x pp 2 with ep 2 over the tp ranks: the published and the fused directory of one model give the same
+    layer files, every expert's TP shard (gate rows then up rows of each), and ``--load``'s pre-flight checks accept
+    the tag at that layout."""
     from ds_megatron.preflight import check_resume
 
-    cfg = moe_run(family, dp=1, bf16=True)
-    random_moe_hf(tmp_path, cfg, dtype=torch.bfloat16)
+    cfg = moe_run(family, dp=1)
+    random_moe_hf(tmp_path, cfg)
     config = write_config(tmp_path / "run.json", cfg)
     for layout in LAYOUTS:
         argv = import_argv(tmp_path / layout, config, tmp_path / f"ck_{layout}", 2, 2)
@@ -161,7 +164,7 @@ def test_both_layouts_import_to_the_same_files_and_pass_the_load_checks(tmp_path
     for rel in files:
         a = torch.load(tmp_path / "ck_published" / rel, weights_only=True)
         b = torch.load(tmp_path / "ck_fused" / rel, weights_only=True)
-        assert a.keys() == b.keys() and all(a[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a), rel
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
         experts += sum(k.endswith("experts.gate_up_proj") for k in a)
     assert experts > 0
     cfg["ds_megatron"]["parallel"].update(tp=2, pp=2, ep=2)
@@ -184,6 +187,12 @@ REFUSED = [
      "sequence_parallel, or use ep in [1]"),
     ("dense", 1, 2, False, 2, EP + "expert parallelism splits routed experts, and this model has none"),
     ("qwen3_moe", 1, 0, True, 1, "error: --ep: must be a positive integer (got 0)"),
+    # the run that loads the import: an EP run's --load on DeepSpeed's BF16 optimizer is refused, so is its import
+    ("bf16", 1, 2, True, 2, EP + "checkpoints of expert-parallel runs hold the torch optimizer's state (fp32, ZeRO 0) "
+     "only: the run would not load this import (ep=2, DeepSpeed optimizer wrapper BF16, checkpoint.save=None, "
+     "checkpoint.load='"),
+    ("bf16", 1, 2, True, 2, "); import at --ep 1 (the files are the same at any ep) and load it at ep 1, or use an "
+     "fp32 config"),
 ]  # fmt: skip
 
 
@@ -196,8 +205,12 @@ def test_an_ep_the_layout_cannot_form_is_one_line_before_anything(tmp_path, caps
     for family in MODELS:
         random_moe_hf(tmp_path / family, moe_run(family, dp=1))
     for family, tp, ep, sp, dp, expected in REFUSED:
-        cfg = gpt2_run() if family == "dense" else moe_run(family, dp, sequence_parallel=sp)
+        if family == "dense":
+            cfg = gpt2_run()
+        else:
+            cfg = moe_run("qwen3_moe" if family == "bf16" else family, dp, sequence_parallel=sp, bf16=family == "bf16")
         cfg["gradient_accumulation_steps"] = 8 // (2 * dp)
         config = write_config(tmp_path / "run.json", cfg)
-        argv = import_argv(tmp_path / family / "published", config, "unused", tp, 1)[:-2]
+        hf = tmp_path / ("qwen3_moe" if family == "bf16" else family) / "published"
+        argv = import_argv(hf, config, "unused", tp, 1)[:-2]
         _refused(tmp_path, capsys, [*argv, "--ep", str(ep)], expected)
