@@ -3,11 +3,11 @@ from ``--load`` as transformers computes, at the imported layout and at another 
 4-process launch shared with other modules, 6 engines).
 
 The test process writes a random ``Qwen3MoeForCausalLM`` (moe-tiny: 4 blocks, the first dense, 8 experts, top 2)
-and ``MixtralForCausalLM`` (2 blocks, 4 experts, top 2) in both layouts transformers 5 saves (one linear per expert,
-in shards as on the Hub, and its fused expert tensors) and imports each once: Qwen3-MoE published at tp 2 x pp 2 with SP and ep 2 over the tp
-ranks, Qwen3-MoE fused at tp 1 x pp 2 x dp 2 at ep 1, Mixtral published at tp 1 x dp 4 with ep 2, Mixtral fused at
-tp 2 with SP x dp 2 with ep 2.  The launch loads each at its imported layout, and the two Qwen3-MoE imports also at
-the other ep (ep 2 -> 1 and 1 -> 2), and trains 2 fp32 steps of 8 sequences."""
+and ``MixtralForCausalLM`` (2 blocks, 4 experts, top 2) in both layouts transformers 5 saves (one linear per
+expert, in shards as on the Hub, and its fused expert tensors) and imports each once: Qwen3-MoE published at tp 2 x
+pp 2 with SP and ep 2 over the tp ranks, Qwen3-MoE fused at tp 1 x pp 2 x dp 2 at ep 1, Mixtral published at tp 1 x
+dp 4 with ep 2, Mixtral fused at tp 2 with SP x dp 2 with ep 2.  The launch loads each at its imported layout, and
+the two Qwen3-MoE imports also at the other ep (ep 2 -> 1 and 1 -> 2), and trains 2 fp32 steps of 8 sequences."""
 
 from __future__ import annotations
 
