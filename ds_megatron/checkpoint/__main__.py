@@ -12,9 +12,12 @@ inside the launch).
 
 Both read files weights-only and refuse one that needs more, unless ``--trust-checkpoint``.
 
-``import --hf HF_DIR --config CONFIG.json --tp N --pp M --out DIR``: a transformers directory of a ds_megatron
-family -> a step-0 DeepSpeed checkpoint of that run at tp N x pp M (weights in the run's precision, no optimizer
-state: ``--load DIR`` starts training from it with a fresh optimizer), with HF_DIR's tokenizer when it has one."""
+``import --hf HF_DIR --config CONFIG.json --tp N --pp M [--ep E] --out DIR``: a transformers directory of a
+ds_megatron family -> a step-0 DeepSpeed checkpoint of that run at tp N x pp M (weights in the run's precision, no
+optimizer state: ``--load DIR`` starts training from it with a fresh optimizer), with HF_DIR's tokenizer when it has
+one.  A mixture of experts' directory is read one linear per expert (as published) or with transformers 5's fused
+expert tensors; ``--ep`` (default: the config's) is recorded in the run's configuration, the files being those of ep 1
+whatever it is."""
 
 from __future__ import annotations
 
@@ -60,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     im.add_argument("--config", required=True, help="the run's DeepSpeed config (model shape, precision, batch)")
     im.add_argument("--tp", type=int, required=True, help="tensor-parallel size of the run")
     im.add_argument("--pp", type=int, required=True, help="pipeline stages of the run")
+    im.add_argument(
+        "--ep", type=int, help="expert-parallel size of the run (default: the config's; checked against its dp and SP)"
+    )
     im.add_argument("--out", required=True, help="new output directory (must not exist)")
     im.add_argument("--debug", action="store_true", help="show the traceback of an error")
     for p in (ex, rs):
@@ -83,9 +89,16 @@ def main(argv: list[str] | None = None) -> int:
             done = f"load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})"
         elif args.command == "import":
             from ds_megatron.checkpoint.import_cmd import import_checkpoint
+            from ds_megatron.checkpoint.manifest import tag_config
+            from ds_megatron.config.facts import saved_ep, saved_world
 
-            out = import_checkpoint(args.hf, args.out, args.config, args.tp, args.pp)
-            done = f"train from it with --load {out} --tp {args.tp} --pp {args.pp} (the optimizer starts afresh)"
+            out = import_checkpoint(args.hf, args.out, args.config, args.tp, args.pp, ep=args.ep)
+            saved = tag_config(out, (out / "latest").read_text().strip())
+            with_ep = f" --ep {saved_ep(saved)}" if saved_ep(saved) > 1 else ""
+            done = (
+                f"train from it with --load {out} --tp {args.tp} --pp {args.pp}{with_ep} on {saved_world(saved)} "
+                "processes (the optimizer starts afresh)"
+            )
         else:
             from ds_megatron.checkpoint.manifest import tag_config
             from ds_megatron.checkpoint.reshard_offline import reshard_checkpoint

@@ -1,4 +1,5 @@
-"""``python -m ds_megatron.checkpoint import``: a transformers directory -> a DeepSpeed checkpoint at tp x pp, offline.
+"""``python -m ds_megatron.checkpoint import``: a transformers directory -> a DeepSpeed checkpoint at tp x pp (x ep),
+offline.
 
 The output is the step-0 tag a run of ``--config`` at that layout would load: DeepSpeed's per-layer files
 (``layer_<i>-model_<tp>-model_states.pt``) in the run's precision (bf16 or fp32), one
@@ -8,7 +9,14 @@ has one (refused when its ids reach past the config's vocabulary), ``manifest.js
 ``latest``, written last and atomically.  The files are written by the offline reshard's writer
 (``reshard_offline._Writer``, kind FRESH) with the same shard rules as every other path (fused QKV by heads,
 vocabulary rows padded for tp); the transformers tensors become ours through the family's state-dict adapter
-(``checkpoint/adapter.py``).
+(``checkpoint/adapter.py``), which reads a mixture of experts' routed MLP one linear per expert (the published
+layout, what ``save_pretrained`` writes by default) or stacked (transformers 5's fused ``experts.gate_up_proj`` and
+``experts.down_proj``).
+
+Expert parallelism: ``ep`` goes into the written run's configuration only, checked by the config's rules
+(``config/ep_rules.py``, with the config's dp and sequence parallelism) before anything is written.  The files are
+those of the same run at ep 1, as every checkpoint's are (``checkpoint/ep_state.py``): a ``--load`` at ep > 1 cuts
+each rank's experts out of them, and the same tag loads at any ep the run's layout admits.
 
 Optimizer state: none is written.  A fresh DeepSpeed optimizer is a function of the weights (the BF16 optimizer's
 fp32 masters are the weights, the Adam moments zero, the step 0), so files holding it would only repeat the weights;
@@ -45,15 +53,22 @@ from ds_megatron.model import FAMILIES, ModelConfig, family_of
 
 
 def import_checkpoint(
-    hf_dir: str | Path, out: str | Path, config_path: str | Path, tp: int, pp: int, progress: bool = True
+    hf_dir: str | Path,
+    out: str | Path,
+    config_path: str | Path,
+    tp: int,
+    pp: int,
+    progress: bool = True,
+    ep: int | None = None,
 ) -> Path:
     """Write the transformers directory ``hf_dir`` as a step-0 DeepSpeed checkpoint of the run ``config_path`` at
-    tp x pp into the new directory ``out``; every refusal is a ConfigError raised before anything is written."""
+    tp x pp (and expert parallelism ``ep``; None: the config's) into the new directory ``out``; every refusal is a
+    ConfigError raised before anything is written."""
     hf_dir, out = Path(hf_dir), Path(out)
     check_new_out(out, "import")
-    check_sizes({"--tp": tp, "--pp": pp})
+    check_sizes({"--tp": tp, "--pp": pp, "--ep": 1 if ep is None else ep})
     model_type = _hf_model_type(hf_dir)
-    run = _target_run(config_path, tp, pp)
+    run = _target_run(config_path, tp, pp, ep)
     config = run_model_config(run)
     if model_type != family_of(config).hf_model_type:
         raise ConfigError(
@@ -102,12 +117,17 @@ def _family_of_hf(model_type: str) -> str:
     return next(f.name for f in FAMILIES.values() if f.hf_model_type == model_type)
 
 
-def _target_run(config_path: str | Path, tp: int, pp: int) -> RunConfig:
-    """The run of ``config_path`` at tp x pp (dp from its batch split, 1 when that leaves it open), validated."""
+def _target_run(config_path: str | Path, tp: int, pp: int, ep: int | None) -> RunConfig:
+    """The run of ``config_path`` at tp x pp (dp from its batch split, 1 when that leaves it open) and ``ep`` (None:
+    the config's), validated: an ep the folding cannot form is refused here, naming the valid values (a run that
+    resolves loads its import at any ep: EP checkpoints do not depend on ep, ``checkpoint/ep_state.py``)."""
     if not Path(config_path).is_file():
         raise ConfigError("--config", "file not found", str(config_path), "pass the run's DeepSpeed config")
     cfg = copy.deepcopy(load_json(config_path))
-    cfg.setdefault("ds_megatron", {}).setdefault("parallel", {}).update(tp=tp, pp=pp)
+    parallel = cfg.setdefault("ds_megatron", {}).setdefault("parallel", {})
+    parallel.update(tp=tp, pp=pp)
+    if ep is not None:
+        parallel["ep"] = ep
     prec = precision(cfg)
     if prec not in ("bf16", "fp32"):
         raise ConfigError(

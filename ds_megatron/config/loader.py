@@ -451,8 +451,9 @@ def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: 
             EP_SETTING, "expert parallelism splits routed experts, and this model has none",
             f"ep={ep}, family={shape.family}", "use ep 1, or a routed family (qwen3_moe, mixtral)",
         )  # fmt: skip
-    check_num_experts(shape.num_experts, ep)
+    # the folding's rule first: its valid values are those that also split the experts evenly
     check_ep(ep, tp, cp, dp, par.sequence_parallel, shape.num_experts)
+    check_num_experts(shape.num_experts, ep)
 
 
 def check_partition_method(method: str) -> None:

@@ -400,7 +400,8 @@ def test_the_ep_setting_and_its_refusals():
     cases = [
         (_ep_config(2, dense), 2, "this model has none"),
         (_ep_config(2, tp=2), 2, "turn on sequence_parallel, or use ep in [1]"),
-        (_ep_config(3), 3, "num_experts=8, ep=3); use ep in [1, 2, 4, 8]"),
+        # ep 3 splits neither the 8 experts nor, with them, dp 3: the values that do both (not ep 2 at dp 3)
+        (_ep_config(3), 3, "dp=3, sequence_parallel=false, num_experts=8); use ep in [1]"),
         (_ep_config(4), 2, "use ep in [1, 2]"),
         (_ep_config(0), 2, "ds_megatron.parallel.ep"),
         (_ep_config(2, ds={"zero_optimization": {"stage": 1}}), 2, "wrapper ZeRO (zero_optimization.stage=1"),
