@@ -78,6 +78,9 @@ class ModelSection:
     # tokens per expert in training at most ceil(c n k / E) of a rank's n routed tokens, the pairs of the largest
     # router probability kept, the rest dropped (model.moe_layer); 0 or None: dropless (every token reaches its k)
     moe_capacity_factor: float | None = None
+    # a shared expert's SwiGLU width (Qwen2-MoE: a dense MLP every token passes through, sigmoid-gated, beside the
+    # routed experts; split over TP like the MLP's); qwen3_moe and mixtral have none (0)
+    shared_expert_intermediate_size: int | None = None
     # the output layer and the cross entropy computed together in chunks of tokens, never holding the logits
     # [s, b, V/t] whole (ds_megatron.tensor_parallel.fused_cross_entropy); false: logits, then the loss
     fused_loss: bool = True
