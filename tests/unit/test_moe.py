@@ -200,9 +200,8 @@ def test_load_balancing_loss_sums_layers_before_the_product():
 
 def test_hf_config_round_trip_and_refusals():
     from transformers import MixtralConfig as HFMixtral
-    from transformers import Qwen3MoeConfig as HFQwen3
-
     from transformers import Qwen2MoeConfig as HFQwen2
+    from transformers import Qwen3MoeConfig as HFQwen3
 
     for cfg in (qwen3(), qwen3(decoder_sparse_step=2, mlp_only_layers=(1, 3)), mixtral(), qwen2()):
         assert type(cfg).from_hf(cfg.to_hf()) == cfg
@@ -238,7 +237,8 @@ def test_named_sizes_build_their_configs():
             assert cfg.num_experts_per_tok == fields["num_experts_per_tok"], size
             assert cfg.mlp_only_layers == tuple(fields["mlp_only_layers"]), size
             shared = fields.get("shared_expert_intermediate_size", 0)
-            assert getattr(cfg, "shared_expert_intermediate_size", 0) == shared == resolved.shared_expert_intermediate_size
+            assert resolved.shared_expert_intermediate_size == shared, size
+            assert getattr(cfg, "shared_expert_intermediate_size", 0) == shared, size
 
 
 def test_expert_fields_override_the_named_size_and_drop_it():
