@@ -161,6 +161,8 @@ def _kept_after_recompute(
         fixed -= terms.moe_fixed
         if "layernorm" in modules and not sp:
             whole -= terms.moe_kept_norm
+        if not sp:
+            whole -= terms.moe_kept_counted
     if "mlp_act" in modules:
         split -= terms.mlp_act * act_bytes
     return replicated, split, whole, fixed

@@ -78,6 +78,8 @@ class BlockTerms(NamedTuple):
     moe_fixed: float = 0.0
     norm_outputs: float = 2.0
     moe_kept_norm: float = 0.0  # of moe_kept, the norm output itself (without SP), which "layernorm" also drops
+    # of moe_kept, what a term above already counts without SP (a shared expert's input: the norm output itself)
+    moe_kept_counted: float = 0.0
 
 
 class RoutedShape(NamedTuple):

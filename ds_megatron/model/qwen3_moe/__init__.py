@@ -327,6 +327,10 @@ def routed_block_terms(
     - ``moe`` keeps the checkpoint's inputs: the tokens (h, whole; in fp32 without SP the router's input itself,
       counted above) and routing weights (4 k), and under SP the gathered expert indices (8 k) its function holds.
     - per block: the router weight's fp32 copy (4 E h bytes, bf16 runs only) and the grouped GEMM's offsets (4 E).
+    - a shared expert of width F_s (Qwen2-MoE), split by TP as the dense MLP: gate and up and the down projection's
+      input (3 F_s, split; ``mlp_act`` drops F_s), and on the stream (replicated, split by SP) the expert's output
+      kept by the gate's product (h), the sigmoid (1) and its input, the norm output (h; in fp32 the router's
+      input itself, counted above), which ``layernorm`` drops and without SP is the ``moe`` checkpoint's tokens.
     The s^2 terms are the shared ones (a heads).  The MLP activation hook (``mlp_act``) does not touch a routed
     MLP; ``layernorm`` drops the q/k/v input and the MLP's norm output where something counted keeps it: the
     router's input in fp32, the ``moe`` checkpoint's tokens without SP (``moe_kept_norm``); a bf16 router keeps its
@@ -346,10 +350,21 @@ def routed_block_terms(
     kept_sp = (INDEX_BYTES * k + (h * act if shared else 0)) / h
     fixed_offsets = OFFSET_BYTES * e
     fixed = (ROUTER_BYTES * e * h if act != ROUTER_BYTES else 0) + fixed_offsets
+    norm_outputs, kept_norm, kept_counted, mlp_act = (2.0 if shared else 1.0), (0.0 if shared else act), 0.0, 0.0
+    if r.shared_width:  # the shared expert: a dense SwiGLU split over TP, its gate and product on the stream
+        f_s = r.shared_width
+        # its input, the norm output (already counted in fp32: the router's input itself), the expert's output
+        # that the gate's product keeps, and the gate's sigmoid (one per token)
+        replicated += ((0 if shared else h * act) + h * act + act) / h
+        split += 3 * f_s * act / h  # gate and up (SwiGLU's saved inputs) and the down projection's input
+        mlp_act = f_s / h  # "mlp_act" recomputes the down projection's input
+        norm_outputs, kept_norm = 2.0, 0.0  # "layernorm" drops the norm output the shared expert keeps
+        kept_counted = 0.0 if shared else act  # without SP the moe checkpoint's tokens are that same norm output
     return BlockTerms(
-        replicated, 0, split, (r.q_width + 2 * r.kv_width) / h, bool(attention_dropout), 0.0,
+        replicated, 0, split, (r.q_width + 2 * r.kv_width) / h, bool(attention_dropout), mlp_act,
         whole=whole, moe_split=experts_split, moe_whole=whole, moe_kept=kept, moe_kept_sp=kept_sp,
-        fixed=fixed, moe_fixed=fixed_offsets, norm_outputs=2.0 if shared else 1.0, moe_kept_norm=0.0 if shared else act,
+        fixed=fixed, moe_fixed=fixed_offsets, norm_outputs=norm_outputs, moe_kept_norm=kept_norm,
+        moe_kept_counted=kept_counted,
     )  # fmt: skip
 
 
