@@ -65,7 +65,8 @@ class ModelSection:
     rope_theta: float | None = None  # rotary embedding base (None: the named size's, else 10000)
     rope_scaling: dict | None = None  # Llama 3's {"rope_type": "llama3", "factor", "low_freq_factor", ...} or None
     tie_word_embeddings: bool | None = None  # output layer shares the embedding (None: the size's, else False)
-    # mixture of experts (families qwen3_moe, mixtral; refused for the dense ones; None: the named size's value):
+    # mixture of experts (families qwen3_moe, mixtral, qwen2_moe; refused for the dense ones; None: the named size's
+    # value):
     head_dim: int | None = None  # a head's width d when the family sets its own (Qwen3: 128 at h 2048, a 32)
     num_experts: int | None = None  # routed experts per MoE layer (E)
     experts_per_token: int | None = None  # experts each token is routed to (top-k), 1..num_experts

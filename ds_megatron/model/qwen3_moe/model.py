@@ -1,8 +1,9 @@
-"""The single-device MoE decoder of the Qwen3-MoE and Mixtral families.  Torch only.
+"""The single-device MoE decoder of the Qwen3-MoE, Mixtral and Qwen2-MoE families.  Torch only.
 
-Parameter names are exactly transformers 5's ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM`` names
-(``model.layers.0.self_attn.q_norm.weight``, ``model.layers.1.mlp.gate.weight``,
-``model.layers.1.mlp.experts.gate_up_proj``), so the HF key map is the identity.  Rotary positions, SwiGLU and the
+Parameter names are exactly transformers 5's ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM`` /
+``Qwen2MoeForCausalLM`` names (``model.layers.0.self_attn.q_norm.weight``, ``model.layers.1.mlp.gate.weight``,
+``model.layers.1.mlp.experts.gate_up_proj``, ``model.layers.1.mlp.shared_expert.gate_proj.weight``), so the HF key
+map is the identity.  Rotary positions, SwiGLU and the
 attention core are Llama's (``model/llama/model.py``, ``model/layers.py``); the routed MLP is
 ``model.moe_layer.SparseMoeBlock``.  Activations inside the stack are ``[s, b, h]``.
 
