@@ -5,8 +5,9 @@ its parallel style and the shard rule of its weight, read by the swap, checkpoin
 Inside a block: swap the modules of the plan, give the block its ``BlockHooks`` (``block_hooks``: grouped
 projections, the core attention's RNG state, selective recompute), swap the dropouts on sequence shards (a
 different mask on each TP rank).  Full recompute (chunks of blocks) is the pipeline module's forward.  At ep > 1 a
-routed block's MLP is replaced whole by the expert-parallel layer (:func:`expert_parallel_block`): whole experts
-split over the EP group, not over TP.
+routed block's router and experts are replaced by the expert-parallel layer (:func:`expert_parallel_block`): whole
+experts split over the EP group, not over TP; a shared expert (Qwen2-MoE) stays in it and is swapped by its plan
+rows as the dense MLP is.
 """
 
 from __future__ import annotations
