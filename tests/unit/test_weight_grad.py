@@ -37,9 +37,18 @@ FAMILIES = {
     "llama-tied": tiny_llama(**LLAMA, tie_word_embeddings=True),
     # q/k/v biases (added after the grouped projection) and a shared expert beside the routed ones
     "qwen2_moe": Qwen2MoeConfig(
-        **LLAMA, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, moe_intermediate_size=16,
-        shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2, mlp_only_layers=(0,),
-    ),  # fmt: skip
+        **LLAMA,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=(0,),
+    ),
 }
 RECOMPUTE = {
     "none": RecomputeSection(),
