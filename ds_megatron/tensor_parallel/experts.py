@@ -124,6 +124,9 @@ class SequenceParallelGate(SPReplicatedGrads, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.sp_synced(self.weight)[0])
 
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, replicated, tp_rank={self.tp.rank}/{self.tp.size}, sp=True"
+
 
 class _AllReduceSum(torch.autograd.Function):
     """Forward all-reduce, backward all-reduce (the autograd of a sum over ranks whose losses are all counted)."""
