@@ -347,6 +347,11 @@ def _experts(m: ModelSection, shape: NamedShape, resolved: ModelShape, words: Vo
             f"got {head}",
             "set e.g. 128",
         )
+    if head * resolved.num_heads != resolved.hidden_size and not getattr(family.config, "own_head_dim", True):
+        raise ConfigError(
+            words.setting("head_dim"), f"the {family.name} family's heads are hidden_size / num_heads wide",
+            f"head_dim={head}, hidden_size={resolved.hidden_size}, num_heads={resolved.num_heads}", "remove it",
+        )  # fmt: skip
     values["mlp_only_layers"] = tuple(sorted(set(values["mlp_only_layers"])))
     return {"head_width": head, **values}
 

@@ -233,7 +233,8 @@ def test_named_sizes_build_their_configs():
             resolved = resolve_shape(ModelSection(size=size, vocab_size=500, seq_length=32))
             cfg = model_config(resolved)
             assert resolved.size == size and type(cfg) is FAMILIES[family].config, size
-            assert cfg.num_experts == fields["num_experts"] and cfg.head_dim == fields["head_dim"], size
+            head_dim = fields.get("head_dim") or shape.hidden_size // shape.num_heads  # Qwen2-MoE: h / a
+            assert cfg.num_experts == fields["num_experts"] and cfg.head_dim == head_dim, size
             assert cfg.num_experts_per_tok == fields["num_experts_per_tok"], size
             assert cfg.mlp_only_layers == tuple(fields["mlp_only_layers"]), size
             shared = fields.get("shared_expert_intermediate_size", 0)
@@ -286,6 +287,11 @@ def test_expert_fields_override_the_named_size_and_drop_it():
             "error: ds_megatron.model.shared_expert_intermediate_size: the qwen3_moe family fixes it "
             "(shared_expert_intermediate_size=64, qwen3_moe has 0); remove it (or use a family that sets it: "
             "qwen2_moe)",
+        ),
+        (
+            dict(size="qwen2-moe-tiny", hidden_size=128, head_dim=16),
+            "error: ds_megatron.model.head_dim: the qwen2_moe family's heads are hidden_size / num_heads wide "
+            "(head_dim=16, hidden_size=128, num_heads=4); remove it",
         ),
         (
             dict(size="qwen2-moe-tiny", shared_expert_intermediate_size=0),

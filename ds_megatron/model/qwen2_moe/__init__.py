@@ -51,7 +51,8 @@ QWEN2_SEQ_LENGTH = 4096  # the Qwen2 report's pretraining context (extended to 3
 
 
 def _qwen2(layers: int, hidden: int, heads: int, kv: int, ffn: int, moe_ffn: int, shared: int, **moe: Any):
-    """A published Qwen2-MoE config.json: E experts, top k not renormalised, one shared expert."""
+    """A published Qwen2-MoE config.json: E experts, top k not renormalised, one shared expert (no head width of
+    its own: h / a, whatever the hidden size a run sets)."""
     return moe_size(
         NAME,
         layers,
@@ -59,7 +60,6 @@ def _qwen2(layers: int, hidden: int, heads: int, kv: int, ffn: int, moe_ffn: int
         heads,
         kv,
         ffn,
-        head_dim=hidden // heads,
         moe_intermediate_size=moe_ffn,
         shared_expert_intermediate_size=shared,
         norm_topk_prob=False,
@@ -91,7 +91,6 @@ SIZES = {
         4,
         2,
         96,
-        head_dim=16,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=64,
         num_experts=4,
@@ -128,6 +127,7 @@ class Qwen2MoeConfig(Qwen3MoeConfig):
     family = NAME
     qk_norm = False
     qkv_bias = True  # biases on q, k and v (Qwen2's attention)
+    own_head_dim = False  # heads of hidden_size / num_heads (the config loader refuses another head_dim)
     named_sizes = SIZES
 
     def __post_init__(self) -> None:
