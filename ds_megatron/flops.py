@@ -12,8 +12,10 @@ Both count the full s x s scores (the causal half is not discounted, as in the p
 whether the output layer is tied to the embedding or not.  A family gives its MLP's h x F matrices (``mlp_matrices``).
 - Mixture of experts (``routed``: :class:`RoutedTerms`): attention of a heads of width d (Qwen3's d is not h / a):
   q and o_proj 2 x 2bsh(ad), k and v 2 x 2bsh(kd), QK^T and xV 4bs^2(ad); a dense layer's SwiGLU 6bshF; a routed
-  layer's router 2bshE and, per token, its k experts' SwiGLUs 3 x 2bshF_e x k.  Counted on the active parameters
-  (the k experts a token reaches, not all E): MFU of a mixture of experts is on active parameters, as published.
+  layer's router 2bshE and, per token, its k experts' SwiGLUs 3 x 2bshF_e x k, and a shared expert's SwiGLU
+  3 x 2bshF_s with its gate 2bsh (Qwen2-MoE).  Counted on the active parameters (the k experts a token reaches,
+  not all E, and the shared expert every token passes through): MFU of a mixture of experts is on active
+  parameters, as published.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class RoutedTerms(NamedTuple):
     expert_width: int  # each expert's SwiGLU width F_e
     num_experts: int  # E (the router's outputs)
     routed_layers: int  # layers with experts (the others have a dense SwiGLU of intermediate_size)
+    shared_width: int = 0  # a routed layer's shared expert's SwiGLU width F_s (Qwen2-MoE); 0: none
 
 
 def routed_layers_forward_flops(
@@ -55,7 +58,8 @@ def routed_layers_forward_flops(
     ad, kd = num_heads * r.head_dim, num_kv_heads * r.head_dim
     attention = 2 * b * s * h * (2 * ad + 2 * kd) + 4.0 * b * s * s * ad
     dense = 2 * b * s * h * 3 * intermediate_size
-    routed = 2 * b * s * h * (r.num_experts + 3 * r.expert_width * r.top_k)
+    shared = 3 * r.shared_width + 1 if r.shared_width else 0  # the shared expert's SwiGLU and its h -> 1 gate
+    routed = 2 * b * s * h * (r.num_experts + 3 * r.expert_width * r.top_k + shared)
     return layers * attention + (layers - r.routed_layers) * dense + r.routed_layers * routed
 
 
@@ -189,4 +193,5 @@ def routed_terms(shape: object) -> RoutedTerms:
         config.moe_intermediate_size,
         config.num_experts,
         sum(config.is_sparse(i) for i in range(config.num_layers)),
+        getattr(config, "shared_expert_intermediate_size", 0),
     )

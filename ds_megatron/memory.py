@@ -95,9 +95,9 @@ def activation_bytes_per_layer(
     the fp32 log-sum-exp, 4 a s b / t bytes; "math" is the reference path described in the module docstring.
     A family without GPT's defaults (Llama) needs ``num_kv_heads`` and ``intermediate_size``; ``attention_dropout``
     is Llama's only dropout (default 0; the GPT formula always counts dropout, the paper's setting).  A routed
-    family (``qwen3_moe``, ``mixtral``) needs ``routed`` (``RoutedShape``: head width, experts); its block adds the
-    tensors the experts keep for all tokens on every TP rank (``BlockTerms.whole``) and a few bytes per block, and
-    ``moe`` (selective) trades the experts' activations for the checkpoint's inputs."""
+    family (``qwen3_moe``, ``mixtral``, ``qwen2_moe``) needs ``routed`` (``RoutedShape``: head width, experts);
+    its block adds the tensors the experts keep for all tokens on every TP rank (``BlockTerms.whole``) and a few
+    bytes per block, and ``moe`` (selective) trades the experts' activations for the checkpoint's inputs."""
     modules = _checked_modules(recompute, attention, sdpa_path, family, modules)
     if cp > 1:
         check_cp_comm(cp_comm)
@@ -161,6 +161,8 @@ def _kept_after_recompute(
         fixed -= terms.moe_fixed
         if "layernorm" in modules and not sp:
             whole -= terms.moe_kept_norm
+        if not sp:
+            whole -= terms.moe_kept_counted
     if "mlp_act" in modules:
         split -= terms.mlp_act * act_bytes
     return replicated, split, whole, fixed

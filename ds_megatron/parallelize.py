@@ -5,8 +5,9 @@ its parallel style and the shard rule of its weight, read by the swap, checkpoin
 Inside a block: swap the modules of the plan, give the block its ``BlockHooks`` (``block_hooks``: grouped
 projections, the core attention's RNG state, selective recompute), swap the dropouts on sequence shards (a
 different mask on each TP rank).  Full recompute (chunks of blocks) is the pipeline module's forward.  At ep > 1 a
-routed block's MLP is replaced whole by the expert-parallel layer (:func:`expert_parallel_block`): whole experts
-split over the EP group, not over TP.
+routed block's router and experts are replaced by the expert-parallel layer (:func:`expert_parallel_block`): whole
+experts split over the EP group, not over TP; a shared expert (Qwen2-MoE) stays in it and is swapped by its plan
+rows as the dense MLP is.
 """
 
 from __future__ import annotations
@@ -25,7 +26,18 @@ from ds_megatron.context_parallel.layout import position_ranges
 from ds_megatron.expert_parallel.layer import ExpertParallelMoE
 from ds_megatron.expert_parallel.layout import local_experts
 from ds_megatron.model import Family, ModelConfig, family_of
-from ds_megatron.model.family import COLUMN, EXPERT_SPLITS, EXPERTS, OUTPUT, POSITION, ROUTER, ROW, VOCAB, PlanRow
+from ds_megatron.model.family import (
+    COLUMN,
+    EXPERT_SPLITS,
+    EXPERTS,
+    GATE,
+    OUTPUT,
+    POSITION,
+    ROUTER,
+    ROW,
+    VOCAB,
+    PlanRow,
+)
 from ds_megatron.model.kernels import EAGER, Kernels, compiled_kernels, use_kernels
 from ds_megatron.model.layers import (
     BlockHooks,
@@ -55,7 +67,7 @@ from ds_megatron.tensor_parallel import (
     padded_vocab_size,
     shard,
 )
-from ds_megatron.tensor_parallel.experts import SequenceParallelRouter, TensorParallelExperts
+from ds_megatron.tensor_parallel.experts import SequenceParallelGate, SequenceParallelRouter, TensorParallelExperts
 from ds_megatron.topology import Group
 
 
@@ -249,6 +261,8 @@ def _builder(row: PlanRow, ctx: ParallelContext):
         return lambda m: TensorParallelExperts(m, ctx.tp, ctx.sp, moe_recompute(ctx))
     if row.style == ROUTER:
         return lambda m: SequenceParallelRouter(m, ctx.tp) if ctx.sp else m
+    if row.style == GATE:
+        return lambda m: SequenceParallelGate(m, ctx.tp) if ctx.sp else m
     return lambda m: parallelize_norm(m, ctx)
 
 
@@ -291,7 +305,9 @@ def block_hooks(ctx: ParallelContext) -> BlockHooks:
 
     def grouped_projection(x: torch.Tensor, linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, ...]:
         queue = linears[0].weight_grad_queue  # deferred weight gradients (zero-bubble schedules), or None
-        return grouped_column_linear(x, tuple(m.weight for m in linears), ctx.tp.group, ctx.sp, queue)
+        out = grouped_column_linear(x, tuple(m.weight for m in linears), ctx.tp.group, ctx.sp, queue)
+        # column-parallel biases (Qwen2's q, k, v): this rank's slice, added to its output columns
+        return tuple(y if m.bias is None else y + m.bias for y, m in zip(out, linears, strict=True))
 
     return BlockHooks(
         around_norm=discard_output if "layernorm" in modules else compose,
@@ -313,8 +329,8 @@ def parallelize_block(block: nn.Module, ctx: ParallelContext) -> nn.Module:
     for row in family.block_rows:
         if family.routed and not _holds(block, row.path):
             continue  # a routed family's block has either the dense MLP's rows or the router's and experts'
-        if routed is not None and row.path.startswith(f"{routed}."):
-            continue  # the expert-parallel layer replaced the routed MLP whole
+        if routed is not None and row.path.startswith(f"{routed}.") and row.style in (EXPERTS, ROUTER):
+            continue  # the expert-parallel layer replaced the router and experts (a shared expert is swapped below)
         _swap(block, row.path, _builder(row, ctx))
     block.hooks = block_hooks(ctx)
     for path in family.sp_dropouts:

@@ -449,7 +449,7 @@ def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: 
     if not shape.num_experts:
         raise ConfigError(
             EP_SETTING, "expert parallelism splits routed experts, and this model has none",
-            f"ep={ep}, family={shape.family}", "use ep 1, or a routed family (qwen3_moe, mixtral)",
+            f"ep={ep}, family={shape.family}", "use ep 1, or a routed family (qwen3_moe, mixtral, qwen2_moe)",
         )  # fmt: skip
     # the folding's rule first: its valid values are those that also split the experts evenly
     check_ep(ep, tp, cp, dp, par.sequence_parallel, shape.num_experts)

@@ -65,7 +65,8 @@ class ModelSection:
     rope_theta: float | None = None  # rotary embedding base (None: the named size's, else 10000)
     rope_scaling: dict | None = None  # Llama 3's {"rope_type": "llama3", "factor", "low_freq_factor", ...} or None
     tie_word_embeddings: bool | None = None  # output layer shares the embedding (None: the size's, else False)
-    # mixture of experts (families qwen3_moe, mixtral; refused for the dense ones; None: the named size's value):
+    # mixture of experts (families qwen3_moe, mixtral, qwen2_moe; refused for the dense ones; None: the named size's
+    # value):
     head_dim: int | None = None  # a head's width d when the family sets its own (Qwen3: 128 at h 2048, a 32)
     num_experts: int | None = None  # routed experts per MoE layer (E)
     experts_per_token: int | None = None  # experts each token is routed to (top-k), 1..num_experts
@@ -78,6 +79,9 @@ class ModelSection:
     # tokens per expert in training at most ceil(c n k / E) of a rank's n routed tokens, the pairs of the largest
     # router probability kept, the rest dropped (model.moe_layer); 0 or None: dropless (every token reaches its k)
     moe_capacity_factor: float | None = None
+    # a shared expert's SwiGLU width (Qwen2-MoE: a dense MLP every token passes through, sigmoid-gated, beside the
+    # routed experts; split over TP like the MLP's); qwen3_moe and mixtral have none (0)
+    shared_expert_intermediate_size: int | None = None
     # the output layer and the cross entropy computed together in chunks of tokens, never holding the logits
     # [s, b, V/t] whole (ds_megatron.tensor_parallel.fused_cross_entropy); false: logits, then the loss
     fused_loss: bool = True

@@ -51,6 +51,7 @@ class ModelShape:
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
     moe_capacity_factor: float = 0.0  # 0: dropless
+    shared_expert_intermediate_size: int = 0  # the shared expert's width (Qwen2-MoE); 0: none
 
     @property
     def head_dim(self) -> int:
@@ -77,6 +78,7 @@ EXPERT_FIELDS: dict[str, Any] = {
     "router_aux_loss_coef": 0.001,  # Qwen3-MoE's published value
     "router_z_loss_coef": 0.0,
     "moe_capacity_factor": 0.0,  # dropless
+    "shared_expert_intermediate_size": 0,  # no shared expert (a family whose config has one needs it positive)
 }
 # The fields that make a family's architecture: a shape with these of a named size is that size (vocabulary and
 # sequence length may differ: a run or a written config states them next to it).  Read by the resume check (with
@@ -294,12 +296,20 @@ def _experts(m: ModelSection, shape: NamedShape, resolved: ModelShape, words: Vo
         values[name] = value
     for name, fixed in family.fixed_expert_fields:
         if values[name] != fixed:
+            others = [f.name for f in FAMILIES.values() if f.routed and name not in dict(f.fixed_expert_fields)]
             raise ConfigError(
                 words.setting(name),
                 f"the {family.name} family fixes it",
                 f"{name}={values[name]!r}, {family.name} has {fixed!r}",
-                "remove it (or use the qwen3_moe family, which sets it)",
+                f"remove it (or use a family that sets it: {', '.join(others)})",
             )
+    shared = values["shared_expert_intermediate_size"]
+    has_shared = "shared_expert_intermediate_size" in {f.name for f in dataclasses.fields(family.config)}
+    if not (isinstance(shared, int) and (shared > 0 if has_shared else shared >= 0)):
+        raise ConfigError(
+            words.setting("shared_expert_intermediate_size"), "must be a positive integer",
+            f"got {shared!r}, family={family.name} (every routed layer has a shared expert)", "set its width",
+        )  # fmt: skip
     e, k, layers = values["num_experts"], values["experts_per_token"], resolved.num_layers
     for name in ("num_experts", "moe_intermediate_size", "decoder_sparse_step"):
         if not (isinstance(values[name], int) and values[name] > 0):
@@ -336,6 +346,11 @@ def _experts(m: ModelSection, shape: NamedShape, resolved: ModelShape, words: Vo
             f"got {head}",
             "set e.g. 128",
         )
+    if head * resolved.num_heads != resolved.hidden_size and not getattr(family.config, "own_head_dim", True):
+        raise ConfigError(
+            words.setting("head_dim"), f"the {family.name} family's heads are hidden_size / num_heads wide",
+            f"head_dim={head}, hidden_size={resolved.hidden_size}, num_heads={resolved.num_heads}", "remove it",
+        )  # fmt: skip
     values["mlp_only_layers"] = tuple(sorted(set(values["mlp_only_layers"])))
     return {"head_width": head, **values}
 

@@ -7,6 +7,8 @@ computes what the single-device block computes on the union of the EP ranks' tok
     gate.weight             [E, h]        the whole router, on every EP rank (a non-expert parameter)
     experts.gate_up_proj    [E/ep, 2F, h] global experts i E/ep .. (i + 1) E/ep - 1: the single-device tensor's
     experts.down_proj       [E/ep, h, F]  slice along dim 0 (the shard rule: dim 0 split over ep)
+    shared_expert.*, shared_expert_gate.weight   Qwen2-MoE's shared expert, when the block has one: not an expert
+                            parameter (every rank runs it on its own tokens; TP splits it as the dense MLP)
 
 Each rank routes its own tokens, dispatches the (token, expert) pairs to the experts' owners
 (``expert_parallel.dispatch``), runs its local experts on what it received and combines the outputs back.  Selective
@@ -38,6 +40,7 @@ from torch.distributed import ProcessGroup
 from ds_megatron.expert_parallel.dispatch import combine, dispatch, group_size, plan_dispatch
 from ds_megatron.expert_parallel.layout import check_num_experts, local_experts
 from ds_megatron.model.family import check_experts_per_token
+from ds_megatron.model.layers import SINGLE_DEVICE, BlockHooks
 from ds_megatron.model.moe_layer import (
     GEMM_DEFAULT,
     Experts,
@@ -46,6 +49,7 @@ from ds_megatron.model.moe_layer import (
     TopKRouter,
     pairs_by_expert,
     weighted_sum,
+    with_shared_expert,
 )
 from ds_megatron.topology import Group
 
@@ -134,14 +138,18 @@ class ExpertParallelMoE(nn.Module):
             layer.gate.weight.copy_(gate.weight)
             layer.experts.gate_up_proj.copy_(block.experts.gate_up_proj[local])
             layer.experts.down_proj.copy_(block.experts.down_proj[local])
+        if hasattr(block, "shared_expert"):  # not an expert parameter: every rank runs it on its own tokens
+            layer.shared_expert, layer.shared_expert_gate = block.shared_expert, block.shared_expert_gate
         return layer
 
     def local_experts(self) -> slice:
         """The global experts this rank holds."""
         return local_experts(self.num_experts, self.ep)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
-        """x [..., h] (this rank's tokens) -> [..., h] and this rank's router statistics."""
+    def forward(self, x: torch.Tensor, hooks: BlockHooks = SINGLE_DEVICE) -> tuple[torch.Tensor, RouterStats]:
+        """x [..., h] (this rank's tokens) -> [..., h] and this rank's router statistics.  A shared expert (Qwen2-MoE)
+        is not dispatched: it runs here on this rank's tokens (``moe_layer.with_shared_expert``, ``hooks`` the
+        block's)."""
         flat = x.reshape(-1, x.shape[-1])
         weights, experts, stats = self.gate(flat)  # [n, k] fp32, [n, k] global expert ids
         n, k = experts.shape
@@ -152,7 +160,8 @@ class ExpertParallelMoE(nn.Module):
         run = functools.partial(self.experts.grouped_mlp, per_expert=plan.local_counts)
         local = self.recompute(run, received) if self.recompute is not None else run(received)
         out = combine(local, plan, self.ep.group)  # [n k (kept), h]
-        return weighted_sum(out, weights.reshape(-1)[order], token, n).view_as(x), stats
+        routed = weighted_sum(out, weights.reshape(-1)[order], token, n).view_as(x)
+        return with_shared_expert(self, routed, x, hooks), stats
 
     def extra_repr(self) -> str:
         local = self.local_experts()

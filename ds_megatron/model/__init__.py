@@ -9,17 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds_megatron.model import gpt2, llama, mixtral, qwen3_moe
+from ds_megatron.model import gpt2, llama, mixtral, qwen2_moe, qwen3_moe
 from ds_megatron.model.family import Family
 from ds_megatron.model.gpt2 import GPTConfig
 from ds_megatron.model.llama import LlamaConfig
 from ds_megatron.model.mixtral import MixtralConfig
+from ds_megatron.model.qwen2_moe import Qwen2MoeConfig
 from ds_megatron.model.qwen3_moe import Qwen3MoeConfig
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, qwen2_moe.FAMILY)
+}
 DEFAULT_FAMILY = gpt2.FAMILY.name  # a shape without a family is a GPT
 
-ModelConfig = GPTConfig | LlamaConfig | Qwen3MoeConfig | MixtralConfig
+ModelConfig = GPTConfig | LlamaConfig | Qwen3MoeConfig | MixtralConfig | Qwen2MoeConfig
 
 
 def family_named(name: str) -> Family:
@@ -52,6 +55,7 @@ __all__ = [
     "LlamaConfig",
     "MixtralConfig",
     "ModelConfig",
+    "Qwen2MoeConfig",
     "Qwen3MoeConfig",
     "build_model",
     "family_named",

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
 COLUMN, ROW, VOCAB, OUTPUT, POSITION, NORM = "column", "row", "vocab", "output", "position", "norm"
-EXPERTS, ROUTER = "experts", "router"
+EXPERTS, ROUTER, GATE = "experts", "router", "gate"
 # The stacked experts' tensors ([E, out, in] each) and the dim TP splits: each expert's gate|up rows (two fused
 # blocks, column-parallel) and its down columns (row-parallel), as the dense SwiGLU's.
 EXPERT_SPLITS = {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
@@ -28,6 +28,8 @@ class PlanRow:
       norm     LayerNorm or RMSNorm, replicated; sees a sequence shard under SP (gradients summed over TP)
       experts  the routed MLP's stacked experts: every expert split as the dense MLP is (EXPERT_SPLITS)
       router   the routed MLP's router, replicated; routes the sequence shard under SP (gradients summed over TP)
+      gate     a replicated linear on the block's stream (the shared expert's sigmoid gate): sees the sequence shard
+               under SP (gradients summed over TP), the router's rule
     ``group``: column rows of one module with the same group share their input's collective (one all-gather under
     SP for q, k and v; one for gate and up)."""
 
@@ -76,6 +78,8 @@ class BlockTerms(NamedTuple):
     moe_fixed: float = 0.0
     norm_outputs: float = 2.0
     moe_kept_norm: float = 0.0  # of moe_kept, the norm output itself (without SP), which "layernorm" also drops
+    # of moe_kept, what a term above already counts without SP (a shared expert's input: the norm output itself)
+    moe_kept_counted: float = 0.0
 
 
 class RoutedShape(NamedTuple):
@@ -90,6 +94,7 @@ class RoutedShape(NamedTuple):
     top_k: int  # k
     width: int  # each expert's SwiGLU width F
     norm_topk_prob: bool = True
+    shared_width: int = 0  # the shared expert's SwiGLU width F_s (Qwen2-MoE); 0: none
 
     @classmethod
     def of(cls, shape: Any) -> RoutedShape | None:
@@ -104,6 +109,7 @@ class RoutedShape(NamedTuple):
             shape.experts_per_token,
             shape.moe_intermediate_size,
             bool(shape.norm_topk_prob),
+            getattr(shape, "shared_expert_intermediate_size", 0),
         )
 
     @property

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_megatron.model.family import check_experts_per_token
+from ds_megatron.model.layers import SINGLE_DEVICE, BlockHooks
 
 # "grouped" (torch._grouped_mm, one kernel per projection over all experts) or "loop" (one GEMM per expert with
 # tokens; needs each expert's token count on the host).  The grouped GEMM is the default: it was the faster of the
@@ -253,8 +254,15 @@ def weighted_sum(out: torch.Tensor, weights: torch.Tensor, token: torch.Tensor, 
     return combined.to(out.dtype)
 
 
+def shared_expert_gate(hidden_size: int) -> nn.Linear:
+    """The shared expert's gate, transformers' ``shared_expert_gate``: h -> 1, no bias."""
+    return nn.Linear(hidden_size, 1, bias=False)
+
+
 class SparseMoeBlock(nn.Module):
-    """The routed MLP: ``gate`` (the router) and ``experts``.  Returns its output and the layer's router stats."""
+    """The routed MLP: ``gate`` (the router) and ``experts``; with ``shared_expert`` (a dense MLP module, called as
+    ``shared_expert(x, hooks)``) also Qwen2-MoE's shared expert and its sigmoid gate ``shared_expert_gate``, added
+    to the routed output.  Returns its output and the layer's router stats."""
 
     def __init__(
         self,
@@ -265,14 +273,31 @@ class SparseMoeBlock(nn.Module):
         norm_topk_prob: bool,
         gemm: str = GEMM_DEFAULT,
         capacity_factor: float = 0.0,
+        shared_expert: nn.Module | None = None,
     ):
         super().__init__()
         check_experts_per_token(top_k, num_experts)
         self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, capacity_factor)
         self.experts = Experts(hidden_size, intermediate_size, num_experts, gemm)
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = shared_expert_gate(hidden_size)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
-        """x [..., h] -> [..., h] and the layer's statistics (over all tokens of x)."""
+    def forward(self, x: torch.Tensor, hooks: BlockHooks = SINGLE_DEVICE) -> tuple[torch.Tensor, RouterStats]:
+        """x [..., h] -> [..., h] and the layer's statistics (over all tokens of x); ``hooks``: the block's (what TP
+        changes in the shared expert's projections)."""
         flat = x.reshape(-1, x.shape[-1])
         weights, experts, stats = self.gate(flat)
-        return self.experts(flat, weights, experts).view_as(x), stats
+        out = self.experts(flat, weights, experts).view_as(x)
+        return with_shared_expert(self, out, x, hooks), stats
+
+
+def with_shared_expert(moe: nn.Module, routed: torch.Tensor, x: torch.Tensor, hooks: BlockHooks) -> torch.Tensor:
+    """``routed`` plus, when ``moe`` has a shared expert (Qwen2-MoE), ``sigmoid(x w_g) * shared_expert(x)``:
+    x [s(/t), b, h], the same tokens the router saw.  Under TP the shared expert is split as the dense MLP is
+    (column / row parallel, its input gathered and its output reduce-scattered under SP) and the gate is replicated
+    on the sequence shard, so both act on this rank's tokens whatever the routed experts do (an expert-parallel
+    layer dispatches only the routed pairs)."""
+    if not hasattr(moe, "shared_expert"):
+        return routed
+    return routed + torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x, hooks)

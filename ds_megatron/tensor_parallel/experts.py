@@ -10,7 +10,8 @@ expert, each expert split over TP as the dense MLP is, i.e. expert TP = tp).
   Megatron's "all-gather" token dispatcher at EP 1.  Selective recompute of ``moe`` checkpoints the local expert
   computation only (the gathered inputs are kept; the collectives are not run again).
 - :class:`SequenceParallelRouter`: the router replicated, routing the sequence shard under SP; its gradient summed
-  over TP like a norm's.
+  over TP like a norm's.  :class:`SequenceParallelGate`: the same for the shared expert's gate (Qwen2-MoE), whose
+  expert is split over TP as the dense MLP is (``model.moe_layer.with_shared_expert``).
 - :func:`router_stats_over_tokens`: the routing statistics (counts and probabilities per expert, tokens, z) of the
   whole sequence from each rank's partial ones, so that the load-balancing and z-losses equal the single-device
   values.  Sums over TP under SP (forward all-reduce, backward identity: every TP rank then holds the same loss
@@ -25,6 +26,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -105,6 +107,27 @@ class SequenceParallelRouter(SPReplicatedGrads, TopKRouter):
         return self.route(x, self.sp_synced(self.weight)[0])
 
 
+class SequenceParallelGate(SPReplicatedGrads, nn.Linear):
+    """A replicated linear on a sequence shard [s/t, b, in] (the shared expert's gate, h -> 1): its weight's
+    gradient summed over the TP group, as the router's."""
+
+    def __init__(self, linear: nn.Linear, tp: Group):
+        out_features, in_features = linear.weight.shape
+        super().__init__(in_features, out_features, bias=False, device=linear.weight.device, dtype=linear.weight.dtype)
+        if linear.bias is not None:
+            raise ValueError("SequenceParallelGate: a gate without a bias (transformers' shared_expert_gate)")
+        with torch.no_grad():
+            self.weight.data = linear.weight.data.clone()
+        mark_sp_replicated(self.weight)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.sp_synced(self.weight)[0])
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, replicated, tp_rank={self.tp.rank}/{self.tp.size}, sp=True"
+
+
 class _AllReduceSum(torch.autograd.Function):
     """Forward all-reduce, backward all-reduce (the autograd of a sum over ranks whose losses are all counted)."""
 
@@ -140,6 +163,7 @@ def load_extremes(stats: RouterStats, top_k: int) -> tuple[torch.Tensor, torch.T
 
 
 __all__ = [
+    "SequenceParallelGate",
     "SequenceParallelRouter",
     "TensorParallelExperts",
     "load_extremes",

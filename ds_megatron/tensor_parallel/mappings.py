@@ -48,7 +48,8 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         rank = dist.get_rank(group)
         x = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(x, group=group)
-        return x.chunk(n, dim=0)[rank].contiguous()
+        # a copy, as NCCL's out-of-place result: a view of the sum would keep all t shards alive while it is used
+        return x.chunk(n, dim=0)[rank].clone()
     x = x.contiguous()
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x, group=group)

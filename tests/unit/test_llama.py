@@ -199,8 +199,9 @@ def _run(model: dict, tp: int = 1) -> None:
         (
             {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2},
             1,
-            "error: ds_megatron.model.num_kv_heads: applies to the llama, qwen3_moe, mixtral families only "
-            "(family=gpt2, num_kv_heads set); remove it or set model.family to one of llama, qwen3_moe, mixtral",
+            "error: ds_megatron.model.num_kv_heads: applies to the llama, qwen3_moe, mixtral, qwen2_moe families only "
+            "(family=gpt2, num_kv_heads set); remove it or set model.family to one of llama, qwen3_moe, mixtral, "
+            "qwen2_moe",
         ),
         (
             {"size": "gpt3-125m", "family": "llama"},

@@ -14,18 +14,25 @@ from ds_megatron.model.family import RoutedShape
 
 # A tiny routed block: h 64, 4 heads of width 32 (a d = 128, not h), 2 KV heads, 8 experts of width 48, top 2.
 SHAPE = dict(s=32, b=2, h=64, a=4, kv=2, d=32, F=48, E=8, k=2)
-# (family, dtype, recompute modules): every case for Qwen3-MoE; Mixtral (no q/k norms, the same routed MLP) in bf16
+# Qwen2-MoE's: heads of h / a, q/k/v biases, and a shared expert of width 40 beside the routed ones
+QWEN2 = {"d": 16, "shared": 40}
+# (family, dtype, recompute modules): every case for Qwen3-MoE and Qwen2-MoE (and its shared expert's mlp_act);
+# Mixtral (no q/k norms, the same routed MLP) in bf16
 CASES = [
     (family, dtype, modules)
-    for family, dtypes in (("qwen3_moe", ("fp32", "bf16")), ("mixtral", ("bf16",)))
+    for family, dtypes in (("qwen3_moe", ("fp32", "bf16")), ("mixtral", ("bf16",)), ("qwen2_moe", ("fp32", "bf16")))
     for dtype in dtypes
-    for modules in ((), ("moe",), ("moe", "layernorm"))
+    for modules in ((), ("moe",), ("moe", "layernorm"), *([("mlp_act",)] if family == "qwen2_moe" else []))
 ]
 
 
-def _routed() -> RoutedShape:
-    g = SHAPE
-    return RoutedShape(g["a"], g["kv"], g["d"], g["E"], g["k"], g["F"], True)
+def _shape(family: str) -> dict:
+    return {**SHAPE, **QWEN2} if family == "qwen2_moe" else {**SHAPE, "shared": 0}
+
+
+def _routed(family: str) -> RoutedShape:
+    g = _shape(family)
+    return RoutedShape(g["a"], g["kv"], g["d"], g["E"], g["k"], g["F"], True, g["shared"])
 
 
 def _saved_bytes(block, x):
@@ -57,11 +64,12 @@ def _check(family: str, dtype: str, modules: tuple, group, rank: int, world: int
     from ds_megatron.random import build_rng
     from ds_megatron.topology import Group
 
-    g = SHAPE
+    g = _shape(family)
+    shared = {"shared_expert_intermediate_size": g["shared"]} if g["shared"] else {}
     config = FAMILIES[family].config(
         vocab_size=128, hidden_size=g["h"], num_layers=1, num_heads=g["a"], num_kv_heads=g["kv"], head_dim=g["d"],
         intermediate_size=96, moe_intermediate_size=g["F"], num_experts=g["E"], num_experts_per_tok=g["k"],
-        max_position_embeddings=g["s"], rope_theta=10000.0,
+        max_position_embeddings=g["s"], rope_theta=10000.0, norm_topk_prob=True, **shared,
     )  # fmt: skip
     torch_side = FAMILIES[family].torch_side()
     block = torch_side.block(config)
@@ -78,7 +86,7 @@ def _check(family: str, dtype: str, modules: tuple, group, rank: int, world: int
     formula = activation_bytes_per_layer(
         g["s"], g["b"], g["h"], g["a"], world, world > 1, "selective" if modules else "none", act,
         family=family, num_kv_heads=g["kv"], intermediate_size=96, attention_dropout=0.0, modules=modules,
-        routed=_routed(),
+        routed=_routed(family),
     )  # fmt: skip
     # The rotary cos/sin tables [s, 1, 1, d] are shared by every block of a process: memory.rotary_table_bytes.
     rotary = 2 * g["s"] * g["d"] * act

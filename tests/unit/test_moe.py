@@ -1,4 +1,5 @@
-"""The MoE families (Qwen3-MoE, Mixtral) against transformers' ``Qwen3MoeForCausalLM`` and ``MixtralForCausalLM``.
+"""The MoE families (Qwen3-MoE, Mixtral, Qwen2-MoE) against transformers' ``Qwen3MoeForCausalLM``,
+``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM`` (its shared expert, sigmoid gate and q/k/v biases).
 
 Same weights (our state dict loads into transformers with no key map), fp32, dropless: logits, the LM loss, the
 load-balancing loss and every gradient of ``lm + router_aux_loss_coef * aux`` within 1e-5, through the grouped GEMM
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds_megatron.model import FAMILIES, MixtralConfig, Qwen3MoeConfig, build_model, family_of
+from ds_megatron.model import FAMILIES, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, build_model, family_of
 from ds_megatron.model.moe_layer import RouterStats, SparseMoeBlock, load_balancing_loss
 from ds_megatron.model.qwen3_moe.model import router_losses, training_loss
 
@@ -33,11 +34,20 @@ def mixtral(**kw) -> MixtralConfig:
     return MixtralConfig(**{**base, "router_aux_loss_coef": 0.1, **kw})
 
 
+def qwen2(**kw) -> Qwen2MoeConfig:
+    # layer 0 dense; a shared expert of width 48 beside 4 routed experts of 32, top 2 not renormalised
+    base = dict(SMALL, num_layers=3, intermediate_size=96, moe_intermediate_size=32, num_experts=4)
+    base.update(shared_expert_intermediate_size=48, num_experts_per_tok=2, mlp_only_layers=(0,))
+    return Qwen2MoeConfig(**{**base, "router_aux_loss_coef": 0.1, **kw})
+
+
 CONFIGS = {
     "qwen3": lambda: qwen3(),
     "qwen3-normalised-head32": lambda: qwen3(norm_topk_prob=True, head_dim=32, num_experts_per_tok=3),
     "qwen3-step2": lambda: qwen3(decoder_sparse_step=2, mlp_only_layers=()),
     "mixtral": lambda: mixtral(),
+    "qwen2": lambda: qwen2(),
+    "qwen2-normalised-step2": lambda: qwen2(norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=()),
 }
 
 
@@ -48,6 +58,10 @@ def pair(cfg, gemm: str):
     for module in ours.modules():
         if isinstance(module, SparseMoeBlock):
             module.experts.gemm = gemm
+    with torch.no_grad():  # Qwen2's q/k/v biases start at zero: give them values that the comparison sees
+        for name, p in ours.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
     hf = getattr(transformers, family_of(cfg).hf_architecture)(cfg.to_hf())
     hf.load_state_dict(ours.state_dict(), strict=True)  # the identity key map
     return ours, hf
@@ -186,10 +200,18 @@ def test_load_balancing_loss_sums_layers_before_the_product():
 
 def test_hf_config_round_trip_and_refusals():
     from transformers import MixtralConfig as HFMixtral
+    from transformers import Qwen2MoeConfig as HFQwen2
     from transformers import Qwen3MoeConfig as HFQwen3
 
-    for cfg in (qwen3(), qwen3(decoder_sparse_step=2, mlp_only_layers=(1, 3)), mixtral()):
+    for cfg in (qwen3(), qwen3(decoder_sparse_step=2, mlp_only_layers=(1, 3)), mixtral(), qwen2()):
         assert type(cfg).from_hf(cfg.to_hf()) == cfg
+    for flag in (dict(qkv_bias=False), dict(use_sliding_window=True)):
+        with pytest.raises(ValueError, match=next(iter(flag))):
+            Qwen2MoeConfig.from_hf(HFQwen2(**flag))
+    with pytest.raises(ValueError, match="head_dim"):
+        qwen2(head_dim=32)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        qwen2(shared_expert_intermediate_size=0)
     with pytest.raises(ValueError, match="sliding_window"):
         MixtralConfig.from_hf(HFMixtral(sliding_window=4096))
     with pytest.raises(ValueError, match="use_sliding_window"):
@@ -205,15 +227,19 @@ def test_named_sizes_build_their_configs():
     from ds_megatron.config.schema import ModelSection
     from ds_megatron.model import model_config
 
-    for family in ("qwen3_moe", "mixtral"):
+    for family in ("qwen3_moe", "mixtral", "qwen2_moe"):
         for size, shape in FAMILIES[family].sizes.items():
             fields = dict(shape.family_fields)
             resolved = resolve_shape(ModelSection(size=size, vocab_size=500, seq_length=32))
             cfg = model_config(resolved)
             assert resolved.size == size and type(cfg) is FAMILIES[family].config, size
-            assert cfg.num_experts == fields["num_experts"] and cfg.head_dim == fields["head_dim"], size
+            head_dim = fields.get("head_dim") or shape.hidden_size // shape.num_heads  # Qwen2-MoE: h / a
+            assert cfg.num_experts == fields["num_experts"] and cfg.head_dim == head_dim, size
             assert cfg.num_experts_per_tok == fields["num_experts_per_tok"], size
             assert cfg.mlp_only_layers == tuple(fields["mlp_only_layers"]), size
+            shared = fields.get("shared_expert_intermediate_size", 0)
+            assert resolved.shared_expert_intermediate_size == shared, size
+            assert getattr(cfg, "shared_expert_intermediate_size", 0) == shared, size
 
 
 def test_expert_fields_override_the_named_size_and_drop_it():
@@ -238,8 +264,9 @@ def test_expert_fields_override_the_named_size_and_drop_it():
     [
         (
             dict(size="llama-tiny", num_experts=8),
-            "error: ds_megatron.model.num_experts: applies to the mixture-of-experts families (qwen3_moe, mixtral) "
-            "only (family=llama, num_experts set); remove it or set model.family to one of qwen3_moe, mixtral",
+            "error: ds_megatron.model.num_experts: applies to the mixture-of-experts families (qwen3_moe, mixtral, "
+            "qwen2_moe) only (family=llama, num_experts set); remove it or set model.family to one of qwen3_moe, "
+            "mixtral, qwen2_moe",
         ),
         (
             dict(size="moe-tiny", experts_per_token=9),
@@ -254,6 +281,22 @@ def test_expert_fields_override_the_named_size_and_drop_it():
             dict(size="mixtral-8x7b", norm_topk_prob=False),
             "error: ds_megatron.model.norm_topk_prob: the mixtral family fixes it (norm_topk_prob=False, mixtral has "
             "True)",
+        ),
+        (
+            dict(size="moe-tiny", shared_expert_intermediate_size=64),
+            "error: ds_megatron.model.shared_expert_intermediate_size: the qwen3_moe family fixes it "
+            "(shared_expert_intermediate_size=64, qwen3_moe has 0); remove it (or use a family that sets it: "
+            "qwen2_moe)",
+        ),
+        (
+            dict(size="qwen2-moe-tiny", hidden_size=128, head_dim=16),
+            "error: ds_megatron.model.head_dim: the qwen2_moe family's heads are hidden_size / num_heads wide "
+            "(head_dim=16, hidden_size=128, num_heads=4); remove it",
+        ),
+        (
+            dict(size="qwen2-moe-tiny", shared_expert_intermediate_size=0),
+            "error: ds_megatron.model.shared_expert_intermediate_size: must be a positive integer (got 0, "
+            "family=qwen2_moe",
         ),
         (
             dict(family="qwen3_moe", num_layers=2, hidden_size=64, num_heads=4, intermediate_size=96),
@@ -321,7 +364,9 @@ def test_moe_recompute_keeps_only_the_experts_inputs_and_replays_them_exactly():
 
 @pytest.mark.parametrize(
     "size, published",
-    [("qwen3-30b-a3b", 3.3e9), ("qwen3-235b-a22b", 22e9), ("mixtral-8x7b", 12.9e9)],  # the model cards' "active"
+    # the model cards' "active" (Qwen1.5-MoE-A2.7B: 2.7B; Qwen2-57B-A14B: 14B, the shared experts included)
+    [("qwen3-30b-a3b", 3.3e9), ("qwen3-235b-a22b", 22e9), ("mixtral-8x7b", 12.9e9)]
+    + [("qwen1.5-moe-a2.7b", 2.7e9), ("qwen2-57b-a14b", 14e9)],
 )
 def test_model_flops_count_the_published_active_parameters(size, published):
     """MFU of a mixture of experts is on active parameters: at one token (no s^2 term to speak of) the model FLOPs

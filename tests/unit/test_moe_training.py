@@ -11,8 +11,9 @@ experts split over TP, the router on the sequence shard under SP), cp 2 (ring an
 (the boundary carries the routing statistics the way DeepSpeed's engine sends it: detached, ``requires_grad``,
 its gradient sent back), full recompute and selective recompute of ``moe`` (with ``layernorm`` and ``mlp_act``; at
 tp 2 + SP, and at ep 2 folded over tp 2 + SP, where the expert-parallel layer recomputes its local experts);
-both families; a router skewed so that
-one expert gets no token.  bf16: the tp 2 + SP model in bf16 against the single-device bf16 model, within
+the three families (Qwen2-MoE's shared expert split over TP as the dense MLP, its gate on the sequence shard under
+SP, and run by every EP rank on its own tokens at ep 2; its q/k/v biases set to a value on both sides); a router
+skewed so that one expert gets no token.  bf16: the tp 2 + SP model in bf16 against the single-device bf16 model, within
 ``BF16_TOLERANCE``.
 """
 
@@ -56,10 +57,15 @@ MOE = {
 MIXTRAL = {**MOE, "family": "mixtral", "num_layers": 2, "head_dim": None, "mlp_only_layers": None}
 MIXTRAL["tie_word_embeddings"] = True
 MIXTRAL.pop("norm_topk_prob")
+# Qwen2-MoE: a shared expert of width 24 (12 per TP rank at tp 2) in every routed block, q/k/v biases, h / a heads
+QWEN2 = {**MOE, "family": "qwen2_moe", "head_dim": None, "shared_expert_intermediate_size": 24}
+QWEN2_BIAS = 0.05  # the q/k/v biases start at zero: a value both models are given, so that the forward sees them
 
 
-def config(tp=1, cp=1, dp=1, *, sp=False, comm="ring", mixtral=False, recompute=None, attention="eager", ep=1):
-    model = {k: v for k, v in (MIXTRAL if mixtral else MOE).items() if v is not None}
+def config(
+    tp=1, cp=1, dp=1, *, sp=False, comm="ring", mixtral=False, recompute=None, attention="eager", ep=1, qwen2=False
+):
+    model = {k: v for k, v in (MIXTRAL if mixtral else QWEN2 if qwen2 else MOE).items() if v is not None}
     model.update(vocab_size=101, seq_length=SEQ, dropout=0.0, attention=attention)
     return {
         "train_batch_size": 2 * dp,
@@ -77,7 +83,7 @@ class Layout(NamedTuple):
     tp: int
     cp: int
     dp: int
-    options: tuple[str, ...] = ()  # sp, a2a, mixtral, stages, full, moe (selective recompute), skew, bf16, ep2
+    options: tuple[str, ...] = ()  # sp, a2a, mixtral, qwen2, stages, full, moe (selective recompute), skew, bf16, ep2
 
     @property
     def name(self) -> str:
@@ -96,6 +102,10 @@ LAYOUTS = {
         Layout(2, 1, 1, ("sp", "bf16")),
         Layout(1, 1, 2, ("ep2",)),
         Layout(2, 1, 1, ("sp", "ep2", "mixtral", "moe")),
+        Layout(2, 1, 1, ("sp", "qwen2", "skew")),
+        Layout(2, 1, 1, ("qwen2", "stages", "moe")),
+        Layout(1, 1, 2, ("ep2", "qwen2")),
+        Layout(2, 1, 1, ("sp", "ep2", "qwen2")),
     ],
     4: [Layout(2, 2, 1, ("sp", "stages", "skew")), Layout(2, 1, 2, ("sp", "ep2", "stages", "skew"))],
 }
@@ -117,6 +127,7 @@ def layout_run(layout: Layout, world: int):
         mixtral="mixtral" in o,
         recompute=recompute,
         ep=2 if "ep2" in o else 1,
+        qwen2="qwen2" in o,
     )
     return resolve(cfg, world)
 
@@ -125,6 +136,14 @@ def through_boundary(x):
     """What the next stage receives from DeepSpeed's pipeline engine: detached copies, ``requires_grad`` for the
     floating ones."""
     return tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in x)
+
+
+def set_biases(named_params) -> None:
+    """Every q/k/v bias (Qwen2's) set to ``QWEN2_BIAS``, on the single-device model and on the shards alike."""
+    with torch.no_grad():
+        for name, p in named_params:
+            if name.endswith(".bias"):
+                p.fill_(QWEN2_BIAS)
 
 
 def skew(named_params) -> None:
@@ -146,6 +165,7 @@ def reference(cfg, seed: int, windows: torch.Tensor, dp: int, skewed: bool, dtyp
     from ds_megatron.model.qwen3_moe.model import router_losses, training_loss
 
     ref = build_model(cfg, seed=seed).to(dtype)
+    set_biases(ref.named_parameters())
     if skewed:
         skew(ref.named_parameters())
     total, parts = 0.0, torch.zeros(3)
@@ -204,6 +224,7 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     specs = layer_specs(cfg, ctx, seed, loss_fn)
     tied = PipelineLayout.of(cfg).tied
     layers = nn.ModuleList(spec.build() for spec in (specs[:-1] if tied else specs)).to(dtype)
+    set_biases(layers.named_parameters())
     if "skew" in o:
         skew(layers.named_parameters())
     blocks = [i for i, m in enumerate(layers) if type(m).__name__ == "BlockPipe"]

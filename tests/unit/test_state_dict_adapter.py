@@ -1,6 +1,7 @@
 """The family's state-dict adapter (``checkpoint/adapter.py``) on the mixture-of-experts families, at the state-dict
 level: our model's state dict -> transformers' published names (one linear per expert; Mixtral's
-``block_sparse_moe.experts.<e>.w1/w3/w2``) -> a directory transformers loads into weights equal to ours -> back,
+``block_sparse_moe.experts.<e>.w1/w3/w2``; Qwen2-MoE's shared expert and its gate as held) -> a directory
+transformers loads into weights equal to ours, computing our logits -> back,
 from the layout transformers writes by default and from its stacked one; the pre-flight's header check and the
 import readers take those files; an incomplete set of experts is refused in one line.  The dense families' paths
 (GPT-2's Conv1D transposes, base-model prefixes, ignored buffers, TP shards) are tested by the import, export and
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from ds_megatron.checkpoint.adapter import StateDictAdapter
 from ds_megatron.checkpoint.hf_import import check_hf_tensors, read_stored, tensor_files
 from ds_megatron.config import ConfigError
-from ds_megatron.model import MixtralConfig, Qwen3MoeConfig, build_model, family_of
+from ds_megatron.model import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, build_model, family_of
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, num_experts_per_tok=2)
 CONFIGS = {
@@ -26,12 +27,32 @@ CONFIGS = {
     "mixtral": lambda: MixtralConfig(
         **SMALL, num_layers=2, intermediate_size=16, moe_intermediate_size=16, num_experts=3
     ),
+    # and a shared expert of width 24 with its gate, q/k/v biases
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **SMALL,
+        num_layers=2,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=3,
+        mlp_only_layers=(0,),
+        shared_expert_intermediate_size=24,
+    ),
 }
 # One routed layer's stored names, as transformers' save_pretrained writes them (read in transformers 5.24's
 # conversion_mapping.py and checked below against what it writes): the router and expert 2's three linears.
 PUBLISHED = {
     "qwen3_moe": ("mlp.gate.weight", "mlp.experts.2.gate_proj.weight", "mlp.experts.2.up_proj.weight"),
     "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.2.w1.weight"),
+    "qwen2_moe": (
+        "mlp.gate.weight",
+        "mlp.experts.2.gate_proj.weight",
+        "mlp.shared_expert.gate_proj.weight",
+        "mlp.shared_expert.up_proj.weight",
+        "mlp.shared_expert.down_proj.weight",
+        "mlp.shared_expert_gate.weight",
+        "self_attn.q_proj.bias",
+        "self_attn.v_proj.bias",
+    ),
 }
 
 
@@ -68,6 +89,9 @@ def test_moe_state_dict_round_trip_through_transformers(name, tmp_path):
     assert all(torch.equal(theirs[k], state[k]) for k in state), [
         k for k in state if not torch.equal(theirs[k], state[k])
     ]
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    with torch.no_grad():  # and computes what ours computes
+        torch.testing.assert_close(loaded(input_ids=ids).logits, ours(ids), atol=1e-4, rtol=1e-4)
     # what transformers writes by default is what the adapter writes; both it and the stacked layout read back
     for fmt, original in (("published", True), ("stacked", False)):
         out = tmp_path / fmt

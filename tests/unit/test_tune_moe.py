@@ -15,6 +15,9 @@ from ds_megatron.tune.core.memory_model import GIB, block_param_count, stage_mem
 # The model cards: total and activated parameters (Qwen3 technical report, Table 1 / the Hub cards; Mixtral's
 # paper: 46.7B total, 12.9B active), to the digits published.
 CARDS = [("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9), ("mixtral-8x7b", 46.7e9, 12.9e9)]
+# Qwen2-MoE's cards (the shared expert counted in both): Qwen1.5-MoE-A2.7B 14.3B total, 2.7B activated;
+# Qwen2-57B-A14B 57B total, 14B activated.
+CARDS += [("qwen1.5-moe-a2.7b", 14.3e9, 2.7e9), ("qwen2-57b-a14b", 57e9, 14e9)]
 
 
 def _shape(name: str):
@@ -23,10 +26,11 @@ def _shape(name: str):
 
 def _active(model) -> int:
     """Parameters a token passes through: the embedding and output layer, the final norm and every block's
-    attention, router and k of its experts."""
+    attention, router, k of its experts and a shared expert with its gate."""
     routed = RoutedShape.of(model)
-    qk_norm = family_of(model).config.qk_norm
-    blocks = model.num_layers * active_block_params(model.hidden_size, routed, qk_norm)
+    config = family_of(model).config
+    qkv_bias = getattr(config, "qkv_bias", False)
+    blocks = model.num_layers * active_block_params(model.hidden_size, routed, config.qk_norm, qkv_bias)
     return total_param_count(model) - model.num_layers * block_param_count(model) + blocks
 
 
@@ -40,23 +44,27 @@ def test_parameter_counts_match_the_model_cards(name, total, active):
     assert _active(model) == pytest.approx(active, rel=0.02)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_block_params_count_the_torch_block_whole_and_per_tp_rank(family):
     """The routed block's parameters, whole and per TP rank (a split parameter's numel / t, by the family's plan),
-    equal the torch block's: every expert stored, the router and norms replicated."""
+    equal the torch block's: every expert stored, the router and norms replicated (Qwen2-MoE: heads of h / a, the
+    q/k/v biases split with their rows, a shared expert split as the dense MLP and its gate replicated)."""
     fam = FAMILIES[family]
+    d, shared = (16, {"shared_expert_intermediate_size": 40}) if family == "qwen2_moe" else (32, {})
     config = fam.config(
-        vocab_size=128, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
-        intermediate_size=96, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        vocab_size=128, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=d,
+        intermediate_size=96, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2, **shared,
     )  # fmt: skip
     block = fam.torch_side().block(config)
-    routed = RoutedShape(4, 2, 32, 8, 2, 48, True)
+    routed = RoutedShape(4, 2, d, 8, 2, 48, True, shared.get("shared_expert_intermediate_size", 0))
+    qkv_bias = getattr(config, "qkv_bias", False)
+    assert any(n.startswith("mlp.shared_expert") for n, _ in block.named_parameters()) == bool(shared)
     for tp in (1, 2, 4):
         held = sum(
             p.numel() // (tp if fam.split_dim(f"{fam.block_prefix}0.{n}") is not None else 1)
             for n, p in block.named_parameters()
         )
-        assert routed_block_params(64, tp, routed, config.qk_norm) == held, (family, tp)
+        assert routed_block_params(64, tp, routed, config.qk_norm, qkv_bias) == held, (family, tp)
 
 
 def test_the_tuner_finds_a_layout_for_qwen3_30b_a3b_that_fits():
@@ -130,3 +138,39 @@ def test_the_written_moe_config_resolves_with_moe_recompute(tmp_path, capsys):
     assert cfg["ds_megatron"]["recompute"]["modules"] == ["moe"]
     run = resolve(cfg, 64)
     assert run.model.num_experts == 128 and run.model.experts_per_token == 8 and run.model.head_dim == 128
+
+
+def test_the_shared_expert_in_the_tuners_time_and_memory():
+    """A Qwen2-MoE block's shared expert in the tuner: its GEMMs (n tokens through gate|up and down, F_s / t wide,
+    and its h -> 1 gate), one more TP collective each way per block (its input gathered, its output reduced, as the
+    dense MLP's), its weights and activations in the memory model; against the same shape without it."""
+    import dataclasses
+
+    from ds_megatron.tune import Candidate
+    from ds_megatron.tune.core.matmuls import block_matmuls
+    from ds_megatron.tune.core.memory_model import layer_activation_bytes
+    from ds_megatron.tune.training.time_model import routed_comm_s, stage_time
+
+    model = _shape("qwen1.5-moe-a2.7b")
+    without = dataclasses.replace(model, shared_expert_intermediate_size=0)
+    cluster = build_cluster("h100-sxm", 8, 8)
+    cand = Candidate(
+        tp=2, pp=1, dp=4, sequence_parallel=True, micro_batch_size=1, num_micro_batches=8, recompute="none"
+    )
+    ops = {op.name: op for op in block_matmuls(model, cand)}
+    tokens = model.seq_length * cand.micro_batch_size
+    assert ops["shared expert gate, up"].flops == 2 * 2 * tokens * 2048 * (5632 // 2)  # two matmuls, F_s / t wide
+    assert ops["shared expert down"].flops == 2 * tokens * (5632 // 2) * 2048
+    assert ops["shared expert's gate"].flops == 2 * tokens * 2048
+    assert set(ops) - {op.name for op in block_matmuls(without, cand)} == {
+        "shared expert gate, up",
+        "shared expert down",
+        "shared expert's gate",
+    }
+    n = 24
+    with_shared, plain = stage_time(model, cluster, cand, n, "middle"), stage_time(without, cluster, cand, n, "middle")
+    dense_units = plain.tp_comm_s - routed_comm_s(without, cluster, cand, n, 0)  # 4 collectives per block
+    assert with_shared.tp_comm_s - plain.tp_comm_s == pytest.approx(dense_units / 2)  # 2 more per block
+    assert with_shared.compute_s > plain.compute_s and with_shared.flops > plain.flops
+    assert block_param_count(model, 2) - block_param_count(without, 2) == 3 * 2048 * 5632 // 2 + 2048
+    assert layer_activation_bytes(model, cand, "none") > layer_activation_bytes(without, cand, "none")

@@ -147,7 +147,8 @@ class SwiGLUFunction(torch.autograd.Function):
 
 class LlamaAttention(nn.Module):
     """Llama's attention; with a config whose ``qk_norm`` is set (Qwen3's), a per-head RMSNorm of q and of k before
-    the rotation (``q_norm``, ``k_norm``, transformers' names)."""
+    the rotation (``q_norm``, ``k_norm``, transformers' names); with one whose ``qkv_bias`` is set (Qwen2's),
+    biases on q, k and v."""
 
     kernels: Kernels = EAGER  # the rotation's bodies (``kernels.use_kernels`` sets the compiled ones)
 
@@ -156,9 +157,10 @@ class LlamaAttention(nn.Module):
         h, d = config.hidden_size, config.head_dim
         self.config = config
         self.head_dim = d
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=False)
+        bias = bool(getattr(config, "qkv_bias", False))  # Qwen2's q, k and v have biases
+        self.q_proj = nn.Linear(h, config.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=bias)
         self.qk_norm = bool(getattr(config, "qk_norm", False))
         if self.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)

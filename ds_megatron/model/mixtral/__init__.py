@@ -158,5 +158,10 @@ FAMILY = Family(
     block_terms=family_terms(qk_norm=False)[0],
     tuner=tuner_facts(MIXTRAL_VOCAB_SIZE, MIXTRAL_SEQ_LENGTH, qk_norm=False),
     routed=True,
-    fixed_expert_fields=(("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", ())),
+    fixed_expert_fields=(
+        ("norm_topk_prob", True),
+        ("decoder_sparse_step", 1),
+        ("mlp_only_layers", ()),
+        ("shared_expert_intermediate_size", 0),
+    ),
 )

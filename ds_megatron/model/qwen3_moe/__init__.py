@@ -262,19 +262,23 @@ INDEX_BYTES = 8  # int64 expert choices and sort orders
 OFFSET_BYTES = 4  # the grouped GEMM's int32 end row per expert
 
 
-def routed_block_params(h: int, tp: int, r: RoutedShape, qk_norm: bool) -> int:
-    """One routed block's parameters per TP rank: q, k, v and o_proj split over TP (a d and k d wide), every
-    expert's gate, up and down split over TP as ``tensor_parallel.experts`` does (3 E h F / t), the router [E, h]
-    and the two RMSNorms (and Qwen3's q/k norms, one head wide each) replicated.  All E experts are stored."""
-    split = 2 * h * r.q_width + 2 * h * r.kv_width + 3 * r.num_experts * h * r.width
-    return split // tp + r.num_experts * h + 2 * h + (2 * r.head_dim if qk_norm else 0)
+def routed_block_params(h: int, tp: int, r: RoutedShape, qk_norm: bool, qkv_bias: bool = False) -> int:
+    """One routed block's parameters per TP rank: q, k, v and o_proj split over TP (a d and k d wide; Qwen2's q, k
+    and v biases with their rows), every expert's gate, up and down split over TP as ``tensor_parallel.experts``
+    does (3 E h F / t), a shared expert's gate, up and down split as the dense MLP (3 h F_s / t), the router [E, h],
+    the shared expert's gate [1, h] and the two RMSNorms (and Qwen3's q/k norms, one head wide each) replicated.
+    All E experts are stored."""
+    split = 2 * h * r.q_width + 2 * h * r.kv_width + 3 * r.num_experts * h * r.width + 3 * h * r.shared_width
+    split += (r.q_width + 2 * r.kv_width) if qkv_bias else 0
+    replicated = r.num_experts * h + 2 * h + (2 * r.head_dim if qk_norm else 0) + (h if r.shared_width else 0)
+    return split // tp + replicated
 
 
-def active_block_params(h: int, r: RoutedShape, qk_norm: bool) -> int:
-    """One routed block's parameters a token passes through (k of the E experts, the whole router): what a model
-    card's "active" counts."""
+def active_block_params(h: int, r: RoutedShape, qk_norm: bool, qkv_bias: bool = False) -> int:
+    """One routed block's parameters a token passes through (k of the E experts, the whole router, the shared
+    expert and its gate): what a model card's "active" counts."""
     dense_experts = r._replace(num_experts=r.top_k)
-    return routed_block_params(h, 1, dense_experts, qk_norm) - r.top_k * h + r.num_experts * h
+    return routed_block_params(h, 1, dense_experts, qk_norm, qkv_bias) - r.top_k * h + r.num_experts * h
 
 
 def routed_block_gemms(n: int, h: int, t: int, r: RoutedShape) -> tuple[Gemm, ...]:
@@ -282,6 +286,15 @@ def routed_block_gemms(n: int, h: int, t: int, r: RoutedShape) -> tuple[Gemm, ..
     width d, the router (n x h by h x E, replicated: each rank routes its sequence shard under SP, all n without;
     counted at n, its fp32 ignored), and k experts per token (n k routed rows through gate|up, F/t wide, and down)."""
     rows = n * r.top_k
+    shared = (
+        (
+            ("shared expert gate, up", n, h, r.shared_width // t, 2),
+            ("shared expert down", n, r.shared_width // t, h, 1),
+            ("shared expert's gate", n, h, 1, 1),
+        )
+        if r.shared_width
+        else ()
+    )
     return (
         ("q", n, h, r.q_width // t, 1),
         ("k, v", n, h, r.kv_width // t, 2),
@@ -289,6 +302,7 @@ def routed_block_gemms(n: int, h: int, t: int, r: RoutedShape) -> tuple[Gemm, ..
         ("router", n, h, r.num_experts, 1),
         ("experts gate, up", rows, h, r.width // t, 2),
         ("experts down", rows, r.width // t, h, 1),
+        *shared,
     )
 
 
@@ -313,6 +327,10 @@ def routed_block_terms(
     - ``moe`` keeps the checkpoint's inputs: the tokens (h, whole; in fp32 without SP the router's input itself,
       counted above) and routing weights (4 k), and under SP the gathered expert indices (8 k) its function holds.
     - per block: the router weight's fp32 copy (4 E h bytes, bf16 runs only) and the grouped GEMM's offsets (4 E).
+    - a shared expert of width F_s (Qwen2-MoE), split by TP as the dense MLP: gate and up and the down projection's
+      input (3 F_s, split; ``mlp_act`` drops F_s), and on the stream (replicated, split by SP) the expert's output
+      kept by the gate's product (h), the sigmoid (1) and its input, the norm output (h; in fp32 the router's
+      input itself, counted above), which ``layernorm`` drops and without SP is the ``moe`` checkpoint's tokens.
     The s^2 terms are the shared ones (a heads).  The MLP activation hook (``mlp_act``) does not touch a routed
     MLP; ``layernorm`` drops the q/k/v input and the MLP's norm output where something counted keeps it: the
     router's input in fp32, the ``moe`` checkpoint's tokens without SP (``moe_kept_norm``); a bf16 router keeps its
@@ -332,10 +350,21 @@ def routed_block_terms(
     kept_sp = (INDEX_BYTES * k + (h * act if shared else 0)) / h
     fixed_offsets = OFFSET_BYTES * e
     fixed = (ROUTER_BYTES * e * h if act != ROUTER_BYTES else 0) + fixed_offsets
+    norm_outputs, kept_norm, kept_counted, mlp_act = (2.0 if shared else 1.0), (0.0 if shared else act), 0.0, 0.0
+    if r.shared_width:  # the shared expert: a dense SwiGLU split over TP, its gate and product on the stream
+        f_s = r.shared_width
+        # its input, the norm output (already counted in fp32: the router's input itself), the expert's output
+        # that the gate's product keeps, and the gate's sigmoid (one per token)
+        replicated += ((0 if shared else h * act) + h * act + act) / h
+        split += 3 * f_s * act / h  # gate and up (SwiGLU's saved inputs) and the down projection's input
+        mlp_act = f_s / h  # "mlp_act" recomputes the down projection's input
+        norm_outputs, kept_norm = 2.0, 0.0  # "layernorm" drops the norm output the shared expert keeps
+        kept_counted = 0.0 if shared else act  # without SP the moe checkpoint's tokens are that same norm output
     return BlockTerms(
-        replicated, 0, split, (r.q_width + 2 * r.kv_width) / h, bool(attention_dropout), 0.0,
+        replicated, 0, split, (r.q_width + 2 * r.kv_width) / h, bool(attention_dropout), mlp_act,
         whole=whole, moe_split=experts_split, moe_whole=whole, moe_kept=kept, moe_kept_sp=kept_sp,
-        fixed=fixed, moe_fixed=fixed_offsets, norm_outputs=2.0 if shared else 1.0, moe_kept_norm=0.0 if shared else act,
+        fixed=fixed, moe_fixed=fixed_offsets, norm_outputs=norm_outputs, moe_kept_norm=kept_norm,
+        moe_kept_counted=kept_counted,
     )  # fmt: skip
 
 
@@ -345,7 +374,9 @@ def _needs_routed(routed: RoutedShape | None) -> RoutedShape:
     return routed
 
 
-def family_terms(qk_norm: bool) -> tuple[Callable[..., BlockTerms], Callable[..., int], Callable[..., tuple]]:
+def family_terms(
+    qk_norm: bool, qkv_bias: bool = False
+) -> tuple[Callable[..., BlockTerms], Callable[..., int], Callable[..., tuple]]:
     """(block_terms, block_params, block_gemms) of a routed family, in the family record's signatures plus the
     keyword ``routed`` (a ``RoutedShape``); every block counted as routed (exact for the published sizes, whose
     layers are all routed; an over-count for the dense layers of ``mlp_only_layers``)."""
@@ -354,7 +385,7 @@ def family_terms(qk_norm: bool) -> tuple[Callable[..., BlockTerms], Callable[...
         return routed_block_terms(h, a, kv, f, dropout, act, routed=_needs_routed(routed), qk_norm=qk_norm)
 
     def params(h, _kv, _f, tp, *, routed=None):
-        return routed_block_params(h, tp, _needs_routed(routed), qk_norm)
+        return routed_block_params(h, tp, _needs_routed(routed), qk_norm, qkv_bias)
 
     def gemms(n, h, _kv, _f, t, *, routed=None):
         return routed_block_gemms(n, h, t, _needs_routed(routed))
@@ -362,9 +393,9 @@ def family_terms(qk_norm: bool) -> tuple[Callable[..., BlockTerms], Callable[...
     return terms, params, gemms
 
 
-def tuner_facts(vocab: int, seq_length: int, qk_norm: bool) -> TunerFacts:
+def tuner_facts(vocab: int, seq_length: int, qk_norm: bool, qkv_bias: bool = False) -> TunerFacts:
     """The MoE families' tuner record: no dropout, RMSNorm, the routed block's terms."""
-    _, params, gemms = family_terms(qk_norm)
+    _, params, gemms = family_terms(qk_norm, qkv_bias)
     return TunerFacts(
         default_vocab=vocab,
         default_seq_length=seq_length,
@@ -398,4 +429,5 @@ FAMILY = Family(
     block_terms=family_terms(qk_norm=True)[0],
     tuner=tuner_facts(QWEN3_VOCAB_SIZE, QWEN3_SEQ_LENGTH, qk_norm=True),
     routed=True,
+    fixed_expert_fields=(("shared_expert_intermediate_size", 0),),  # no shared expert (Qwen2-MoE's family has one)
 )

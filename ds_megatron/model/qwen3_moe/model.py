@@ -1,8 +1,9 @@
-"""The single-device MoE decoder of the Qwen3-MoE and Mixtral families.  Torch only.
+"""The single-device MoE decoder of the Qwen3-MoE, Mixtral and Qwen2-MoE families.  Torch only.
 
-Parameter names are exactly transformers 5's ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM`` names
-(``model.layers.0.self_attn.q_norm.weight``, ``model.layers.1.mlp.gate.weight``,
-``model.layers.1.mlp.experts.gate_up_proj``), so the HF key map is the identity.  Rotary positions, SwiGLU and the
+Parameter names are exactly transformers 5's ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM`` /
+``Qwen2MoeForCausalLM`` names (``model.layers.0.self_attn.q_norm.weight``, ``model.layers.1.mlp.gate.weight``,
+``model.layers.1.mlp.experts.gate_up_proj``, ``model.layers.1.mlp.shared_expert.gate_proj.weight``), so the HF key
+map is the identity.  Rotary positions, SwiGLU and the
 attention core are Llama's (``model/llama/model.py``, ``model/layers.py``); the routed MLP is
 ``model.moe_layer.SparseMoeBlock``.  Activations inside the stack are ``[s, b, h]``.
 
@@ -13,6 +14,7 @@ The model returns logits and, on request, the routing statistics of all its rout
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -33,6 +35,13 @@ from ds_megatron.model.moe_layer import RouterStats, SparseMoeBlock, load_balanc
 from ds_megatron.model.qwen3_moe import Qwen3MoeConfig
 
 
+def shared_expert(config: Qwen3MoeConfig) -> LlamaMLP | None:
+    """A routed layer's shared expert (Qwen2-MoE): a dense SwiGLU of ``shared_expert_intermediate_size``; None for a
+    config without one."""
+    width = getattr(config, "shared_expert_intermediate_size", 0)
+    return LlamaMLP(dataclasses.replace(config, intermediate_size=width)) if width else None
+
+
 class MoeBlock(nn.Module):
     """Pre-norm decoder block; its MLP is routed (``SparseMoeBlock``) or dense (``LlamaMLP``) by
     ``config.is_sparse(layer)``.  ``forward`` returns the output and the layer's router statistics (None if dense)."""
@@ -51,6 +60,7 @@ class MoeBlock(nn.Module):
                 config.num_experts_per_tok,
                 config.norm_topk_prob,
                 capacity_factor=config.moe_capacity_factor,
+                shared_expert=shared_expert(config),
             )
         else:
             self.mlp = LlamaMLP(config)  # reads hidden_size and the dense intermediate_size
@@ -66,7 +76,7 @@ class MoeBlock(nn.Module):
         def mlp(y: torch.Tensor) -> torch.Tensor:
             if not self.sparse:
                 return self.mlp(y, hooks)
-            out, layer_stats = self.mlp(y)
+            out, layer_stats = self.mlp(y, hooks)
             stats.append(layer_stats)
             return out
 
@@ -135,13 +145,14 @@ def training_loss(lm_loss: torch.Tensor, stats: RouterStats | None, config: Qwen
 def init_moe_module(
     module: nn.Module, config: Qwen3MoeConfig, seed: int, prefix: str = "", slices: Slices | None = None
 ) -> None:
-    """Every parameter by its full name: N(0, std) for the linears, the router and the experts, std / sqrt(2 L) for
-    the residual projections (o_proj, down_proj, the experts' down_proj), ones for the RMSNorm weights (``slices``:
+    """Every parameter by its full name: N(0, std) for the linears, the router, the experts and the shared expert
+    and its gate, std / sqrt(2 L) for the residual projections (o_proj, down_proj, the experts' and the shared
+    expert's down_proj), ones for the RMSNorm weights, zeros for the q/k/v biases (``slices``:
     the part of each full parameter the module holds, ``model.layers.Slices``; None: all)."""
     from ds_megatron.model import FAMILIES  # the record of this config's family (Qwen3-MoE or Mixtral)
 
     def std_of(name: str) -> float | None:
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", ".bias")):  # ones for the norms, zeros for Qwen2's q/k/v biases
             return None
         if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             return config.initializer_range / math.sqrt(2 * config.num_layers)

@@ -231,6 +231,13 @@ def routed_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_bloc
     return (num_blocks + recomputed) * forward + num_blocks * backward
 
 
+def shared_expert_collectives(model: ModelShape) -> int:
+    """TP collectives of [s, b, h] a routed block's shared expert adds per pass (1; 0 without one): the dense MLP's
+    all-gather / reduce-scatter (all-reduce without SP) once more, beside the routed experts'."""
+    routed = RoutedShape.of(model)
+    return 1 if routed is not None and routed.shared_width else 0
+
+
 def recomputed_experts_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int) -> float:
     """Selective ``moe`` re-runs each routed block's expert GEMMs (``block_gemms``' rows named "experts ...")
     in backward; 0 otherwise."""
@@ -326,7 +333,10 @@ def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, whe
         unit = 2 * ring_s(boundary, t, cluster.intra_node_gbps, cluster.intra_node_latency_s, passes=1)
     else:
         unit = ring_s(boundary, t, cluster.intra_node_gbps, cluster.intra_node_latency_s)
-    block_units = 4 * n + 2 * recomputed
+    # per block two collectives forward (attention, MLP) and two backward; a shared expert beside the routed ones
+    # (split over TP as the dense MLP) adds one each way, its input gathered and its output reduced
+    per_pass = 2 + shared_expert_collectives(model)
+    block_units = 2 * per_pass * n + per_pass * recomputed
     routed = routed_comm_s(model, cluster, cand, n, recomputed)
 
     p2p = 0.0

@@ -162,7 +162,7 @@ def _check_modules(pins: Pins, model: ModelShape) -> None:
         fix = f"pass a comma-separated list of {', '.join(RECOMPUTE_MODULES)}"
         raise ConfigError("--recompute-modules", problem, f"got {listed or 'nothing'}", fix)
     if "moe" in modules and not model.num_experts:  # the routed families' experts only
-        fix = "drop moe (it recomputes routed experts: a qwen3_moe or mixtral model's)"
+        fix = "drop moe (it recomputes routed experts: a qwen3_moe, mixtral or qwen2_moe model's)"
         raise ConfigError("--recompute-modules", "moe applies to routed experts only", f"got {listed}", fix)
     if pins.recompute not in (None, "selective"):
         values, fix = f"recompute={pins.recompute}, modules={listed}", "drop --recompute or pass --recompute selective"
