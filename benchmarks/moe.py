@@ -530,6 +530,17 @@ HEADINGS = {
 }
 
 
+def cpu_text() -> str:
+    """The CPU as ``lscpu`` names it and the cores this process may use (``nproc``)."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    return (
+        f"Machine: {model}, {len(os.sched_getaffinity(0))} cores (`nproc`), torch {torch.__version__}; "
+        "timed rows are run --trials times each: the spread between a row's runs is the noise."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -555,7 +566,7 @@ def main() -> None:
     if args.markdown:
         import transformers
 
-        cmd = f"OMP_NUM_THREADS=1 python benchmarks/moe.py --repeats {args.repeats}"
+        cmd = f"OMP_NUM_THREADS=1 python benchmarks/moe.py --repeats {args.repeats} --trials {args.trials}"
         note = AUTOEP_INIT_NOTE.replace("{tf}", transformers.__version__)
         texts = []
         for name, rows in sections.items():
@@ -563,7 +574,7 @@ def main() -> None:
             conditions = conditions.replace("{repeats}", str(args.repeats)).replace("{source}", PUBLISHED["source"])
             texts.append(f"## {heading}\n\n" + (f"{conditions}\n\n" if conditions else "") + "\n".join(rows) + "\n")
         tables = "\n".join(texts)
-        body = f"{tables}\n{note}\n\nRun time {time.perf_counter() - started:.0f} s."
+        body = f"{cpu_text()}\n\n{tables}\n{note}\n\nRun time {time.perf_counter() - started:.0f} s."
         write_markdown(args.markdown, "Mixture of experts: layers, GEMM kernel, memory, tuner", cmd, body)
 
 
