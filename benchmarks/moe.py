@@ -3,14 +3,18 @@
 1. layers: ds_megatron's routed MLP (``model.moe_layer.SparseMoeBlock``) against DeepSpeed's AutoEP layer
    (``deepspeed.module_inject.auto_ep_layer.AutoEPMoELayer``, the ``"expert_parallel"`` path, ep 1) and transformers'
    ``Qwen3MoeSparseMoeBlock``, the same weights in all three, each with its grouped GEMM and its per-expert loop, in
-   fp32 and bf16: forward + backward tokens per CPU second and the bytes autograd saves for backward.
+   fp32 and bf16: forward + backward tokens per CPU second and the bytes autograd saves for backward; then ours
+   (``expert_parallel.layer.ExpertParallelMoE``) against the AutoEP layer at ep 2 over 2 gloo processes.
 2. gemm: ours, ``torch._grouped_mm`` against the per-expert loop at several token counts.
 3. memory: one routed block's saved bytes (qwen3_moe and mixtral shapes, fp32 and bf16, with and without selective
    ``moe`` recompute) against the tuner's formula (``memory.activation_bytes_per_layer(..., routed=...)``).
 4. tuner: the time model for a published MoE run (Qwen3-30B-A3B on 16 H100, Megatron-Bridge's performance summary).
 
-    OMP_NUM_THREADS=1 python benchmarks/moe.py [--repeats 7] [--parts layers,gemm,memory,tuner]
+    OMP_NUM_THREADS=1 python benchmarks/moe.py [--repeats 7] [--trials 2] [--parts layers,ep,gemm,memory,tuner]
         [--markdown benchmarks/results/moe.md]
+
+The markdown holds the tables and their conditions; the reading under them in benchmarks/results/moe.md is written
+by hand from the run.
 
 Timing: CPU seconds of this process (``time.process_time``: on a machine shared with other jobs its own clock, not
 the wall clock), one thread, one warm-up, then ``--repeats`` rounds in which every variant of a row runs once in
@@ -90,7 +94,9 @@ AUTOEP_INIT_NOTE = (
     "transformers {tf}, `TypeError: _CanRecordRegistry.get() takes 2 positional arguments but 3 were given` in "
     "`auto_ep_presets/base.py` (retargeting transformers' output recorders, after the layer swap). So the AutoEP "
     "layer is built as that swap builds it: `AutoEP(model, config).ep_parser()` finds the spec and "
-    "`AutoEPMoELayer(spec, hf_block, ep_size=1, ep_rank=0, config)` copies the block's weights."
+    "`AutoEPMoELayer(spec, hf_block, ep_size=1, ep_rank=0, config)` copies the block's weights. AutoEP is "
+    "the peer rather than the older `deepspeed.moe.layer.MoE` because it is the path DeepSpeed offers for a "
+    "transformers MoE model, and its layer runs on CPU (gloo at ep 2 too)."
 )
 
 
