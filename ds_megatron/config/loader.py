@@ -20,7 +20,13 @@ from ds_megatron.config.context_parallel import (
     check_cp_seq_length,
 )
 from ds_megatron.config.ep_rules import SETTING as EP_SETTING
-from ds_megatron.config.ep_rules import check_ep, check_ep_optimizer, check_num_experts
+from ds_megatron.config.ep_rules import (
+    check_ep,
+    check_ep_model,
+    check_ep_optimizer,
+    check_ep_recompute,
+    check_num_experts,
+)
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.facts import grad_accum_dtype, optimizer_wrapper, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
@@ -440,12 +446,7 @@ def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
     if ep == 1:
         return
     check_ep_optimizer(ep, optimizer_wrapper(ds_config), zero_stage(ds_config), grad_accum_dtype(ds_config))
-    if "moe" in section.recompute.selective_modules:
-        raise ConfigError(
-            EP_SETTING, "the expert-parallel layer has no selective recompute of moe",
-            f"ep={ep}, recompute modules {list(section.recompute.selective_modules)}",
-            "drop moe from recompute.modules, or use ep 1",
-        )  # fmt: skip
+    check_ep_recompute(ep, section.recompute.selective_modules)
     ckpt = section.checkpoint
     if (ckpt.save or ckpt.load) and optimizer_wrapper(ds_config) is not None:
         raise ConfigError(
@@ -461,11 +462,7 @@ def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: 
     ep = _positive(EP_SETTING, par.ep)
     if ep == 1:
         return
-    if not shape.num_experts:
-        raise ConfigError(
-            EP_SETTING, "expert parallelism splits routed experts, and this model has none",
-            f"ep={ep}, family={shape.family}", "use ep 1, or a routed family (qwen3_moe, mixtral)",
-        )  # fmt: skip
+    check_ep_model(ep, shape.num_experts, shape.family)
     check_num_experts(shape.num_experts, ep)
     check_ep(ep, tp, cp, dp, par.sequence_parallel, shape.num_experts)
 

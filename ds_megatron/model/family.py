@@ -76,6 +76,9 @@ class BlockTerms(NamedTuple):
     moe_fixed: float = 0.0
     norm_outputs: float = 2.0
     moe_kept_norm: float = 0.0  # of moe_kept, the norm output itself (without SP), which "layernorm" also drops
+    # At ep > 1 (``expert_parallel``), per token this rank routes, besides ``whole``: the dispatch's two row
+    # permutations (int64 per routed pair) that its index_selects keep.
+    ep_whole: float = 0.0
 
 
 class RoutedShape(NamedTuple):
@@ -105,6 +108,10 @@ class RoutedShape(NamedTuple):
             shape.moe_intermediate_size,
             bool(shape.norm_topk_prob),
         )
+
+    def expert_params(self, h: int) -> int:
+        """Every expert's gate, up and down projections together: 3 E h F."""
+        return 3 * self.num_experts * h * self.width
 
     @property
     def kv_width(self) -> int:

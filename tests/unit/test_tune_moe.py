@@ -71,9 +71,11 @@ def test_the_tuner_finds_a_layout_for_qwen3_30b_a3b_that_fits():
     assert stage_memory(model, winner.candidate) == (winner.first, winner.last)
     capacity = cluster.gpu_memory_gb * GIB
     assert all(stage.required_bytes <= capacity for e in fitting for stage in (e.first, e.last))
-    # the first stage's weights hold all 128 experts of each of its blocks (bf16, 2 bytes each)
+    # the first stage's weights hold all 128 experts of each of its blocks (bf16, 2 bytes each), split over TP at
+    # ep 1, E / ep whole ones at ep > 1
     cand = winner.candidate
-    experts = layers_per_stage(model.num_layers, cand.pp) * 128 * 3 * 2048 * 768 // cand.tp
+    split = cand.ep if cand.ep > 1 else cand.tp
+    experts = layers_per_stage(model.num_layers, cand.pp) * 128 * 3 * 2048 * 768 // split
     assert winner.first.params_bytes / 2 > experts
 
 

@@ -262,12 +262,16 @@ INDEX_BYTES = 8  # int64 expert choices and sort orders
 OFFSET_BYTES = 4  # the grouped GEMM's int32 end row per expert
 
 
-def routed_block_params(h: int, tp: int, r: RoutedShape, qk_norm: bool) -> int:
+def routed_block_params(h: int, tp: int, r: RoutedShape, qk_norm: bool, ep: int = 1) -> int:
     """One routed block's parameters per TP rank: q, k, v and o_proj split over TP (a d and k d wide), every
     expert's gate, up and down split over TP as ``tensor_parallel.experts`` does (3 E h F / t), the router [E, h]
-    and the two RMSNorms (and Qwen3's q/k norms, one head wide each) replicated.  All E experts are stored."""
-    split = 2 * h * r.q_width + 2 * h * r.kv_width + 3 * r.num_experts * h * r.width
-    return split // tp + r.num_experts * h + 2 * h + (2 * r.head_dim if qk_norm else 0)
+    and the two RMSNorms (and Qwen3's q/k norms, one head wide each) replicated.  All E experts are stored; at
+    ep > 1 E / ep whole experts instead (``expert_parallel.layer``: not split over TP), 3 E h F / ep."""
+    replicated = r.num_experts * h + 2 * h + (2 * r.head_dim if qk_norm else 0)
+    attention = 2 * h * r.q_width + 2 * h * r.kv_width
+    if ep > 1:
+        return attention // tp + r.expert_params(h) // ep + replicated
+    return (attention + r.expert_params(h)) // tp + replicated
 
 
 def active_block_params(h: int, r: RoutedShape, qk_norm: bool) -> int:
@@ -277,18 +281,26 @@ def active_block_params(h: int, r: RoutedShape, qk_norm: bool) -> int:
     return routed_block_params(h, 1, dense_experts, qk_norm) - r.top_k * h + r.num_experts * h
 
 
-def routed_block_gemms(n: int, h: int, t: int, r: RoutedShape) -> tuple[Gemm, ...]:
+def routed_block_gemms(n: int, h: int, t: int, r: RoutedShape, ep: int | None = None) -> tuple[Gemm, ...]:
     """The weight matmuls of one routed block's forward over n tokens, per TP rank: attention as Llama's at head
     width d, the router (n x h by h x E, replicated: each rank routes its sequence shard under SP, all n without;
-    counted at n, its fp32 ignored), and k experts per token (n k routed rows through gate|up, F/t wide, and down)."""
-    rows = n * r.top_k
+    counted at n, its fp32 ignored), and k experts per token.  ``ep`` None: the n k routed rows as one GEMM through
+    gate|up, F/t wide, and down.  ``ep`` given: one GEMM per expert the rank holds, at its share of the tokens under
+    uniform routing (the grouped GEMM reads every expert's weights): at ep 1 all E experts, F/t wide, on the n
+    tokens the rank routes (n k / E rows each); at ep > 1 its E / ep whole experts (F wide) on the tokens of the
+    whole EP group, each rank holding n / t of them under SP (n without, at tp 1): ep n k / (t E) rows each."""
+    rows, experts, width = n * r.top_k, 1, r.width // t
+    if ep is not None:
+        experts = r.num_experts if ep == 1 else r.num_experts // ep
+        rows = n * r.top_k / r.num_experts if ep == 1 else ep * n * r.top_k / (t * r.num_experts)
+        width = r.width // t if ep == 1 else r.width
     return (
         ("q", n, h, r.q_width // t, 1),
         ("k, v", n, h, r.kv_width // t, 2),
         ("o_proj", n, r.q_width // t, h, 1),
         ("router", n, h, r.num_experts, 1),
-        ("experts gate, up", rows, h, r.width // t, 2),
-        ("experts down", rows, r.width // t, h, 1),
+        ("experts gate, up", rows, h, width, 2 * experts),
+        ("experts down", rows, width, h, experts),
     )
 
 
@@ -313,6 +325,8 @@ def routed_block_terms(
     - ``moe`` keeps the checkpoint's inputs: the tokens (h, whole; in fp32 without SP the router's input itself,
       counted above) and routing weights (4 k), and under SP the gathered expert indices (8 k) its function holds.
     - per block: the router weight's fp32 copy (4 E h bytes, bf16 runs only) and the grouped GEMM's offsets (4 E).
+    - at ep > 1 (``ep_whole``): the dispatch's permutations to and from expert order (``expert_parallel.dispatch``:
+      8 k bytes each per routed token, the pairs a rank receives being as many as it sends under uniform routing).
     The s^2 terms are the shared ones (a heads).  The MLP activation hook (``mlp_act``) does not touch a routed
     MLP; ``layernorm`` drops the q/k/v input and the MLP's norm output where something counted keeps it: the
     router's input in fp32, the ``moe`` checkpoint's tokens without SP (``moe_kept_norm``); a bf16 router keeps its
@@ -336,6 +350,7 @@ def routed_block_terms(
         replicated, 0, split, (r.q_width + 2 * r.kv_width) / h, bool(attention_dropout), 0.0,
         whole=whole, moe_split=experts_split, moe_whole=whole, moe_kept=kept, moe_kept_sp=kept_sp,
         fixed=fixed, moe_fixed=fixed_offsets, norm_outputs=2.0 if shared else 1.0, moe_kept_norm=0.0 if shared else act,
+        ep_whole=2 * INDEX_BYTES * k / h,
     )  # fmt: skip
 
 
@@ -353,11 +368,11 @@ def family_terms(qk_norm: bool) -> tuple[Callable[..., BlockTerms], Callable[...
     def terms(h, a, kv, f, dropout, act, *, routed=None):
         return routed_block_terms(h, a, kv, f, dropout, act, routed=_needs_routed(routed), qk_norm=qk_norm)
 
-    def params(h, _kv, _f, tp, *, routed=None):
-        return routed_block_params(h, tp, _needs_routed(routed), qk_norm)
+    def params(h, _kv, _f, tp, *, routed=None, ep=1):
+        return routed_block_params(h, tp, _needs_routed(routed), qk_norm, ep)
 
-    def gemms(n, h, _kv, _f, t, *, routed=None):
-        return routed_block_gemms(n, h, t, _needs_routed(routed))
+    def gemms(n, h, _kv, _f, t, *, routed=None, ep=None):
+        return routed_block_gemms(n, h, t, _needs_routed(routed), ep)
 
     return terms, params, gemms
 

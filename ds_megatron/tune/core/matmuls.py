@@ -5,6 +5,7 @@ arithmetic intensity I.  The shapes per family and kernel, and how the ceiling w
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
@@ -32,12 +33,22 @@ def gemm(name: str, m: int, k: int, n: int, count: int = 1) -> Matmul:
     return Matmul(name, 2.0 * m * k * n * count, float(ACT_BYTES * (m * k + k * n + m * n) * count))
 
 
-def block_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, ...]:
+def block_matmuls(model: ModelShape, cand: Candidate, ep: int | None = None) -> tuple[Matmul, ...]:
     """The weight matmuls of one block's forward for one micro-batch, per GPU (the TP-split dimension divided by t;
-    the shapes are the family's ``tuner.block_gemms``)."""
-    s, b, h, t = model.seq_length // cand.cp, cand.micro_batch_size, model.hidden_size, cand.tp  # this CP rank's
+    the shapes are the family's ``tuner.block_gemms``).  ``ep`` (a routed family in training): its experts as one
+    GEMM per expert on the rank at ep, each at its share of the tokens; None: one GEMM over every routed row."""
+    return _block_matmuls(model, model.seq_length // cand.cp * cand.micro_batch_size, cand.tp, ep)
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_matmuls(model: ModelShape, tokens: int, t: int, ep: int | None) -> tuple[Matmul, ...]:
+    """``block_matmuls`` for ``tokens`` tokens of this CP rank at tp ``t``, once per shape (a search asks for the
+    same few hundred thousands of times)."""
+    h = model.hidden_size
     kv = h // model.num_heads * model.num_kv_heads
-    shapes = family_of(model).tuner.block_gemms(b * s, h, kv, model.intermediate_size, t, **routed_terms(model))
+    routed = routed_terms(model)
+    per_expert = {"ep": ep} if routed and ep is not None else {}
+    shapes = family_of(model).tuner.block_gemms(tokens, h, kv, model.intermediate_size, t, **routed, **per_expert)
     return tuple(gemm(name, m, k, n, count=count) for name, m, k, n, count in shapes)
 
 
