@@ -101,7 +101,8 @@ def activation_bytes_per_layer(
     ``moe`` (selective) trades the experts' activations for the checkpoint's inputs.  At ``ep`` > 1 (the
     expert-parallel layer: SP at tp > 1) each rank routes its own tokens (its sequence shard) through whole
     experts: the experts' tensors are kept for those tokens only (uniform routing: a rank receives as many pairs as
-    it sends), with the dispatch's permutations (``BlockTerms.ep_whole``); it has no ``moe`` recompute."""
+    it sends), with the dispatch's permutations (``BlockTerms.ep_whole``), and the grouped GEMM's offsets for its
+    E / ep experts; it has no ``moe`` recompute."""
     modules = _checked_modules(recompute, attention, sdpa_path, family, modules)
     if ep > 1 and (routed is None or "moe" in modules):
         raise ValueError(f"ep > 1 needs a routed family without moe recompute, got family={family!r}, {modules}")
@@ -124,8 +125,8 @@ def activation_bytes_per_layer(
         (act_bytes, mask_bytes), (math_act_bytes, math_mask_bytes),
     )  # fmt: skip
     routed_extra = sbh * whole + fixed  # 0 for a dense block
-    if ep > 1:
-        routed_extra = sbh * (whole + terms.ep_whole) / (t if sp else 1) + fixed
+    if ep > 1:  # the grouped GEMM's offsets (``moe_fixed``) are its E / ep local experts'
+        routed_extra = sbh * (whole + terms.ep_whole) / (t if sp else 1) + fixed - terms.moe_fixed * (1 - 1 / ep)
     if sp:
         return sbh * (replicated + split + quadratic) / t + (routed_extra if routed is not None else 0)
     return sbh * (replicated + (split + quadratic) / t) + (routed_extra if routed is not None else 0)

@@ -4,6 +4,7 @@ their derivation are in docs/tuner.md, "Memory model".  Pure Python."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -46,9 +47,15 @@ def has_attention_dropout(model: ModelShape) -> bool:
     return p is None or p > 0
 
 
+@functools.lru_cache(maxsize=64)
+def routed_shape(model: ModelShape) -> RoutedShape | None:
+    """``RoutedShape.of(model)``, once per model (a search asks for it hundreds of thousands of times)."""
+    return RoutedShape.of(model)
+
+
 def routed_terms(model: ModelShape) -> dict:
     """The ``routed`` keyword a routed family's terms take (head width, experts); empty for a dense model."""
-    routed = RoutedShape.of(model)
+    routed = routed_shape(model)
     return {} if routed is None else {"routed": routed}
 
 
@@ -68,7 +75,7 @@ def block_expert_param_count(model: ModelShape, cand: Candidate) -> int:
     """One block's expert parameters on a rank at ep > 1 (3 E h F / ep, held in optimizer groups of their own,
     partitioned over the expert-DP group); 0 at ep 1, where they are the block's other parameters' kin (split over
     TP, partitioned over dp x cp like them) or for a dense model."""
-    routed = RoutedShape.of(model)
+    routed = routed_shape(model)
     if cand.ep_size == 1 or routed is None:
         return 0
     return routed.expert_params(model.hidden_size) // cand.ep_size
@@ -232,7 +239,7 @@ def ep_dispatch_bytes(model: ModelShape, cand: Candidate) -> float:
     sends and the rows it receives, [tokens k, h] each in activation bytes for the tokens this rank routes (its
     sequence shard under SP), the dispatch's in the forward and the combine's gradient in the backward: one layer at
     a time, so once per stage; 0 at ep 1 and for a dense model."""
-    routed = RoutedShape.of(model)
+    routed = routed_shape(model)
     if cand.ep_size == 1 or routed is None:
         return 0.0
     tokens = model.seq_length // cand.cp * cand.micro_batch_size / (cand.tp if cand.sequence_parallel else 1)

@@ -20,7 +20,6 @@ from ds_megatron.config.schema import pipeline_schedule
 from ds_megatron.flops import block_fields, executed_flops_per_step
 from ds_megatron.memory import ring_dkv_hop_bytes
 from ds_megatron.model import FAMILIES
-from ds_megatron.model.family import RoutedShape
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ds_megatron.tune.core.links import all_to_all_s, link, ring_s
 from ds_megatron.tune.core.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
@@ -34,6 +33,7 @@ from ds_megatron.tune.core.memory_model import (
     padded_vocab_size,
     rank_block_counts,
     rank_param_counts,
+    routed_shape,
 )
 from ds_megatron.tune.core.spec import Candidate, Cluster
 from ds_megatron.tune.training import schedules
@@ -221,7 +221,7 @@ def routed_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_bloc
     gradient.  The routing statistics (2 E + 2 fp32) are all-reduced over TP under SP (forward only) and over CP
     (forward and backward).  A re-run forward (full recompute) gathers again.  At ep > 1 each rank routes and
     keeps its own tokens (the all-to-alls are ``ep_comm_s``): the statistics' all-reduces only."""
-    routed = RoutedShape.of(model)
+    routed = routed_shape(model)
     if routed is None:
         return 0.0
     tokens = model.seq_length // cand.cp * cand.micro_batch_size
@@ -249,7 +249,7 @@ def ep_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: 
     outputs; backward, the two again in reverse (the gradients).  None overlapped with compute; a re-run forward
     (full recompute) exchanges again.  Uniform routing: each rank sends (ep - 1) / ep of its rows away
     (``links.all_to_all_s``: NVLink inside a node, the network across)."""
-    routed = RoutedShape.of(model)
+    routed = routed_shape(model)
     ep = cand.ep_size
     if ep == 1 or routed is None:
         return 0.0
