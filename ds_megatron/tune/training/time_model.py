@@ -6,8 +6,10 @@ slots is the pipeline schedule's critical path in micro-batches (``schedule_slot
 
 t_mb is one micro-batch's forward and backward on the slowest stage: its matmuls (``tune.core.matmuls``), the eager
 kernel's memory-bound score passes, the elementwise passes selective recompute runs again, the TP collectives (ring
-model: latency + volume / bandwidth), the pipeline sends and, with cp > 1, the CP exchange not hidden behind the
-attention (``cp_comm_s``).  Each term is derived in docs/tuner.md, "Time model" and "Long sequences".  Pure Python."""
+model: latency + volume / bandwidth), the pipeline sends, with cp > 1, the CP exchange not hidden behind the
+attention (``cp_comm_s``) and, for a routed family at ep > 1, the dispatch and combine all-to-alls
+(``ep_comm_s``).  Each term is derived in docs/tuner.md, "Time model", "Long sequences" and "Expert parallelism".
+Pure Python."""
 
 from __future__ import annotations
 
