@@ -357,7 +357,8 @@ def _no_fit_lines(result: SearchResult) -> list[str]:
     closest = min(result.evaluations, key=lambda e: e.required_bytes)
     c, need = closest.candidate, closest.required_bytes / GIB
     lines.append(
-        f"  closest: tp {c.tp}, pp {c.pp}, dp {c.dp}, {c.recompute_label()} needs {need:.1f} GiB per GPU, "
+        f"  closest: tp {c.tp}, pp {c.pp}, dp {c.dp}, {f'ep {c.ep}, ' if c.ep else ''}{c.recompute_label()} needs "
+        f"{need:.1f} GiB per GPU, "
         f"{need / capacity:.1f}x the {capacity:g} GiB available"
     )
     floor = (memory_model.WEIGHT_BYTES + memory_model.GRAD_BYTES) * total_param_count(result.model)
