@@ -83,6 +83,7 @@ def activation_bytes_per_layer(
     cp: int = 1,
     cp_comm: str = "ring",
     routed: RoutedShape | None = None,
+    ep: int = 1,
 ) -> float:
     """Bytes of activations one transformer layer keeps for backward, per TP rank (and CP rank: ``cp`` > 1 takes
     every term at ``s / cp`` and the cp_comm core's log-sum-exp, and the a2a's output, in place of the s^2 terms).
@@ -97,8 +98,14 @@ def activation_bytes_per_layer(
     is Llama's only dropout (default 0; the GPT formula always counts dropout, the paper's setting).  A routed
     family (``qwen3_moe``, ``mixtral``, ``qwen2_moe``) needs ``routed`` (``RoutedShape``: head width, experts);
     its block adds the tensors the experts keep for all tokens on every TP rank (``BlockTerms.whole``) and a few
-    bytes per block, and ``moe`` (selective) trades the experts' activations for the checkpoint's inputs."""
+    bytes per block, and ``moe`` (selective) trades the experts' activations for the checkpoint's inputs.  At ``ep``
+    > 1 (the expert-parallel layer: SP at tp > 1) each rank routes its own tokens (its sequence shard) through whole
+    experts: the experts' tensors are kept for those tokens only (uniform routing: a rank receives as many pairs as
+    it sends), with the dispatch's permutations (``BlockTerms.ep_whole``), and the grouped GEMM's offsets for its
+    E / ep experts; ``moe`` recompute at ep > 1 is not counted here yet (the run trains it)."""
     modules = _checked_modules(recompute, attention, sdpa_path, family, modules)
+    if ep > 1 and (routed is None or "moe" in modules):
+        raise ValueError(f"ep > 1 needs a routed family without moe recompute, got family={family!r}, {modules}")
     if cp > 1:
         check_cp_comm(cp_comm)
         check_cp_attention_dropout(cp, attention_dropout or 0.0)
@@ -118,6 +125,8 @@ def activation_bytes_per_layer(
         (act_bytes, mask_bytes), (math_act_bytes, math_mask_bytes),
     )  # fmt: skip
     routed_extra = sbh * whole + fixed  # 0 for a dense block
+    if ep > 1:  # the grouped GEMM's offsets (``moe_fixed``) are its E / ep local experts'
+        routed_extra = sbh * (whole + terms.ep_whole) / (t if sp else 1) + fixed - terms.moe_fixed * (1 - 1 / ep)
     if sp:
         return sbh * (replicated + split + quadratic) / t + (routed_extra if routed is not None else 0)
     return sbh * (replicated + (split + quadratic) / t) + (routed_extra if routed is not None else 0)

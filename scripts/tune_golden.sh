@@ -1,5 +1,5 @@
 #!/bin/bash
-# Every output of the analytic tuner for 55 command lines (reports, --json, --write-config, each kind of bad input,
+# Every output of the analytic tuner for 60 command lines (reports, --json, --write-config, each kind of bad input,
 # --help), the Python API over the paper's Table 5 runs, the paper-accuracy table and the empirical mode (fake
 # launches: scripts/tune_golden_empirical.py), into OUTDIR.  Run it before
 # and after a change to ds_megatron/tune and diff the two folders: a refactoring must leave them byte-identical
@@ -71,6 +71,12 @@ run --model gpt3-6.7b --global-batch-size 1024 --gpus 32 --gpu h100-sxm --recomp
 run --model gpt3-760m --global-batch-size 256 --gpus 8 --recompute none --sequence-parallel --tp 2
 run --model llama3-70b --global-batch-size 64 --gpus 64 --gpu h100-sxm --tp 8 --pp 4 --schedule interleaved-1f1b --json out.json --write-config cfg.json
 run --model gpt3-1.3b --global-batch-size 64 --gpus 8 --virtual-stages 3
+# routed families: ep searched with the layout, pinned, refused
+run --model qwen3-30b-a3b --global-batch-size 512 --gpus 16 --gpu h100-sxm --micro-batch-size 1 --attention sdpa --json out.json --write-config cfg.json
+run --model qwen3-235b-a22b --global-batch-size 1024 --gpus 128 --gpu h100-sxm --pp 4 --micro-batch-size 1 --attention sdpa --recompute full
+run --model mixtral-8x7b --seq-length 4096 --global-batch-size 256 --gpus 16 --gpu h100-sxm --ep 4 --top 3 --json out.json
+run --model qwen3-30b-a3b --global-batch-size 512 --gpus 16 --ep 3
+run --model llama3-8b --global-batch-size 512 --gpus 16 --ep 2
 # Python API outputs
 PYTHONPATH=$ROOT $PY - > "$OUT/api.txt" 2>&1 <<'PYEOF'
 import json, dataclasses

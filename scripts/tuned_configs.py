@@ -1,6 +1,6 @@
-"""What the per-size config generators (scripts/gpt3_configs.py, scripts/llama_configs.py) share: ask the tuner
-(``ds_megatron.tune``) for the layout of a named size on nodes of 8 GPUs, give a config the training sections every
-shipped config has, and write the config with its launch script in recipes/.
+"""What the per-size config generators (scripts/gpt3_configs.py, scripts/llama_configs.py, scripts/moe_configs.py)
+share: ask the tuner (``ds_megatron.tune``) for the layout of a named size on nodes of 8 GPUs, give a config the
+training sections every shipped config has, and write the config with its launch script in recipes/.
 
 A family's script owns its hyperparameters and token budget; this module owns how a tuned layout becomes a file.
 """
@@ -49,7 +49,7 @@ def tune(size: str, gpus: int, global_batch: int, gpu: str = "h100-sxm", pins: P
 
 def _pin_flags(pins: Pins) -> list[tuple[str, object]]:
     flags: list[tuple[str, object]] = []
-    dims = (("tp", "--tp"), ("cp", "--cp"), ("cp_comm", "--cp-comm"), ("pp", "--pp"), ("dp", "--dp"))
+    dims = (("tp", "--tp"), ("cp", "--cp"), ("cp_comm", "--cp-comm"), ("pp", "--pp"), ("dp", "--dp"), ("ep", "--ep"))
     for name, flag in (*dims, ("micro_batch_size", "--micro-batch-size")):
         if getattr(pins, name) is not None:
             flags.append((flag, getattr(pins, name)))
@@ -102,10 +102,11 @@ def recipe(stem: str, title: str, tuned: Tuned, gpu: str, generator: str, note: 
     nodes = max(1, gpus // GPUS_PER_NODE)
     cp_text = f"cp {cp} ({par['cp_comm']}) x " if cp > 1 else ""
     sp = "on" if par["sequence_parallel"] else "off"
+    ep_text = f", experts over ep {par['ep']}" if "ep" in par else ""  # a mixture of experts' layout
     attention = cfg["ds_megatron"]["model"]["attention"]
     micro, gas = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
     return f"""#!/usr/bin/env bash
-# {title}: {nodes} node(s) x 8 {GPU_LABELS[gpu]}, tp {par["tp"]} x {cp_text}pp {par["pp"]} x dp {tuned.dp},
+# {title}: {nodes} node(s) x 8 {GPU_LABELS[gpu]}, tp {par["tp"]} x {cp_text}pp {par["pp"]} x dp {tuned.dp}{ep_text},
 # sequence parallel {sp}, recompute {rc}, attention {attention},
 # micro-batch {micro} x {gas} accumulation = {cfg["train_batch_size"]} sequences of {tuned.model.seq_length}.
 # Chosen by `{tuned.command}`;

@@ -6,11 +6,12 @@ and shrinks what only sets sizes: a few layers (two per pipeline stage; an uneve
 width 64, 4 heads, sequence 64, a 1,024-token BPE vocabulary, micro-batch 2 with 2 accumulation steps, schedule
 steps scaled to a 3-step run;
 ``model.compile`` turned off (compile time, not a code path the miniature would check); a mixture of experts keeps
-its family and top 2 of 4 experts of width 32 (the first layer dense in the Qwen3-MoE layout); expert parallelism
-stays on where the config sets it, at the largest ep up to the config's that the miniature's layout forms.
+its family and top 2 of 4 experts of width 32 (the first layer dense in the Qwen3-MoE layout).
 tp/pp/dp are adapted to 4 processes: pp = min(pp, 2), cp = min(cp, 2) (a context-parallel config keeps cp > 1),
 tp = min(tp, 4 // (pp cp)), and dp fills the 4 (at least 2 where that fits, so ZeRO-1 really partitions the
-optimizer state): every miniature runs at 4 processes, so all of them share one launch.
+optimizer state): every miniature runs at 4 processes, so all of them share one launch.  An expert-parallel config
+(ep > 1) keeps ep > 1: the largest ep up to its own that the miniature's layout and 4 experts admit
+(``config.ep_rules.valid_ep_values``).
 
 Configs whose miniatures differ only in numbers that select no code (learning rate, betas, schedule lengths, seed)
 share one run: ``code_path_key`` says which.  A config added to ds_configs/ is covered without writing a test.
@@ -28,6 +29,7 @@ from ds_megatron.config.ep_rules import valid_ep_values
 MAX_PROCS = 4
 VOCAB = 1024
 MINI_STEPS = 3  # train 2, save, resume for 1
+MINI_EXPERTS = 4  # a mixture of experts' experts in miniature
 
 
 def adapted_layout(tp: int, pp: int, cp: int = 1) -> tuple[int, int, int, int]:
@@ -62,6 +64,9 @@ def miniature(path: Path) -> tuple[dict, int]:
     if par.get("pipeline_layout"):
         par["pipeline_layout"] = miniature_layout(par["pipeline_layout"], par.get("pp", 1), pp)
     par.update(tp=tp, pp=pp, **({"cp": cp} if cp > 1 else {}))
+    if par.get("ep", 1) > 1:
+        sp = par.get("sequence_parallel", False)
+        par["ep"] = max(e for e in valid_ep_values(tp, cp, dp, sp, MINI_EXPERTS) if e <= par["ep"])
     model = sec.setdefault("model", {})
     named = sizes.named(model.pop("size", None) or "")
     model.pop("max_position_embeddings", None)
@@ -77,10 +82,7 @@ def miniature(path: Path) -> tuple[dict, int]:
             model["rope_scaling"]["original_max_position_embeddings"] = 32
     if family in ("qwen3_moe", "mixtral"):  # a mixture of experts: its family and routing, fewer and narrower experts
         model.update(family=family, num_kv_heads=max(2, tp), intermediate_size=176, rope_theta=10000.0)
-        model.update(num_experts=4, experts_per_token=2, moe_intermediate_size=32)
-        if par.get("ep", 1) > 1:  # the EP code path stays: the largest ep the miniature forms, up to the config's
-            valid = valid_ep_values(tp, cp, dp, par.get("sequence_parallel", False), 4)
-            par["ep"] = max([e for e in valid if e <= par["ep"]] + [min(valid[1:], default=1)])
+        model.update(num_experts=MINI_EXPERTS, experts_per_token=2, moe_intermediate_size=32)
         if family == "qwen3_moe":  # the first layer dense, as moe-tiny's
             model.update(mlp_only_layers=[0])
     # compiling costs each process tens of seconds on a shared CPU, more than a 3-step miniature runs; what compile

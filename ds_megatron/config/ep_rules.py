@@ -44,6 +44,15 @@ def check_ep(ep: int, tp: int, cp: int, dp: int, sequence_parallel: bool, num_ex
     raise ConfigError(SETTING, problem, values, fix)
 
 
+def check_ep_model(ep: int, num_experts: int | None, family: str) -> None:
+    """ep > 1 splits routed experts: refuse it for a model that has none."""
+    if ep > 1 and not num_experts:
+        raise ConfigError(
+            SETTING, "expert parallelism splits routed experts, and this model has none",
+            f"ep={ep}, family={family}", "use ep 1, or a routed family (qwen3_moe, mixtral, qwen2_moe)",
+        )  # fmt: skip
+
+
 def check_num_experts(num_experts: int, ep: int) -> None:
     """Each EP rank holds num_experts / ep experts: refuse an uneven split."""
     if num_experts % ep != 0:

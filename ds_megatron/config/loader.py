@@ -20,7 +20,12 @@ from ds_megatron.config.context_parallel import (
     check_cp_seq_length,
 )
 from ds_megatron.config.ep_rules import SETTING as EP_SETTING
-from ds_megatron.config.ep_rules import check_ep, check_ep_optimizer, check_num_experts
+from ds_megatron.config.ep_rules import (
+    check_ep,
+    check_ep_model,
+    check_ep_optimizer,
+    check_num_experts,
+)
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.facts import grad_accum_dtype, optimizer_wrapper, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
@@ -446,11 +451,7 @@ def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: 
     ep = _positive(EP_SETTING, par.ep)
     if ep == 1:
         return
-    if not shape.num_experts:
-        raise ConfigError(
-            EP_SETTING, "expert parallelism splits routed experts, and this model has none",
-            f"ep={ep}, family={shape.family}", "use ep 1, or a routed family (qwen3_moe, mixtral, qwen2_moe)",
-        )  # fmt: skip
+    check_ep_model(ep, shape.num_experts, shape.family)
     # the folding's rule first: its valid values are those that also split the experts evenly
     check_ep(ep, tp, cp, dp, par.sequence_parallel, shape.num_experts)
     check_num_experts(shape.num_experts, ep)

@@ -80,6 +80,9 @@ class BlockTerms(NamedTuple):
     moe_kept_norm: float = 0.0  # of moe_kept, the norm output itself (without SP), which "layernorm" also drops
     # of moe_kept, what a term above already counts without SP (a shared expert's input: the norm output itself)
     moe_kept_counted: float = 0.0
+    # At ep > 1 (``expert_parallel``), per token this rank routes, besides ``whole``: the dispatch's two row
+    # permutations (int64 per routed pair) that its index_selects keep.
+    ep_whole: float = 0.0
 
 
 class RoutedShape(NamedTuple):
@@ -111,6 +114,10 @@ class RoutedShape(NamedTuple):
             bool(shape.norm_topk_prob),
             getattr(shape, "shared_expert_intermediate_size", 0),
         )
+
+    def expert_params(self, h: int) -> int:
+        """Every expert's gate, up and down projections together: 3 E h F."""
+        return 3 * self.num_experts * h * self.width
 
     @property
     def kv_width(self) -> int:

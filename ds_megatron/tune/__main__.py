@@ -39,6 +39,7 @@ FLAGS = {
         ("--cp-comm", {"metavar": "ring|a2a"}, "CP attention exchange, with --cp N > 1 (default: both searched)"),
         ("--pp", INT, "pipeline-parallel size"),
         ("--dp", INT, "data-parallel size"),
+        ("--ep", INT, "expert-parallel size of a routed family (default: every ep its layout's rules accept)"),
         ("--micro-batch-size", INT, "micro-batch size b"),
         ("--sequence-parallel", SWITCH, "SP on or off"),
         ("--recompute", {"choices": RECOMPUTE_POLICIES}, "recompute policy"),

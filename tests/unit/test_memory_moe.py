@@ -99,6 +99,47 @@ def _check(family: str, dtype: str, modules: tuple, group, rank: int, world: int
     return [("saved bytes", torch.tensor(float(measured - rotary)), torch.tensor(float(formula)), 0.0)]
 
 
+def _check_ep(family: str, dtype: str, group, rank: int, world: int):
+    """At ep = world (tp 1, no SP): each rank routes its own tokens and runs 8 / ep whole experts on what the EP
+    group sends it.  What a rank saves depends on how many pairs it receives; the mean over the group is the
+    formula's uniform routing (every rank receives as many pairs as it sends, in all)."""
+    import torch
+    import torch.distributed as dist
+
+    from ds_megatron.model import FAMILIES
+    from ds_megatron.parallelize import ParallelContext, parallelize_block
+    from ds_megatron.random import build_rng
+    from ds_megatron.topology import Group
+
+    g = SHAPE
+    config = FAMILIES[family].config(
+        vocab_size=128, hidden_size=g["h"], num_layers=1, num_heads=g["a"], num_kv_heads=g["kv"], head_dim=g["d"],
+        intermediate_size=96, moe_intermediate_size=g["F"], num_experts=g["E"], num_experts_per_tok=g["k"],
+        max_position_embeddings=g["s"], rope_theta=10000.0,
+    )  # fmt: skip
+    torch_side = FAMILIES[family].torch_side()
+    block = torch_side.block(config)
+    torch_side.init(block, config, 1234, prefix="model.layers.0.")
+    plan = ParallelContext(config, Group(), False, build_rng(1234, rank, 0, 0), ep=Group(group, rank, world))
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    block = parallelize_block(block, plan).to(dt).train()
+    x = torch.randn(g["s"], g["b"], g["h"]).to(dt)
+    x = (x + rank).requires_grad_()  # each rank its own tokens
+    measured = torch.tensor(float(_saved_bytes(block, x)), dtype=torch.float64)
+    dist.all_reduce(measured, group=group)
+    act = torch.finfo(dt).bits // 8
+    formula = activation_bytes_per_layer(
+        g["s"], g["b"], g["h"], g["a"], 1, False, "none", act, family=family, num_kv_heads=g["kv"],
+        intermediate_size=96, attention_dropout=0.0, routed=_routed(), ep=world,
+    )  # fmt: skip
+    rotary = 2 * g["s"] * g["d"] * act
+    print(f"\n{family} ep {world} {dtype}: saved {measured.item() / world:.0f} B (mean), formula {formula:.0f} B")
+    return [("saved bytes", measured / world - rotary, torch.tensor(float(formula), dtype=torch.float64), 0.0)]
+
+
+EP_CASES = [(family, dtype) for family, dtype, modules in CASES if not modules]
+
+
 def _run_rank(group, rank: int, world: int) -> dict[str, str]:
     from inprocess import run_checks
 
@@ -108,6 +149,15 @@ def _run_rank(group, rank: int, world: int) -> dict[str, str]:
         )
         for family, dtype, modules in CASES
     }
+    if world > 1:  # the same launch measures the expert-parallel layer at ep = world
+        checks.update(
+            {
+                f"{family}-{dtype}-ep": functools.partial(
+                    lambda f, d, _: _check_ep(f, d, group, rank, world), family, dtype
+                )
+                for family, dtype in EP_CASES
+            }
+        )
     return run_checks(checks, None)
 
 
@@ -128,4 +178,15 @@ def test_one_routed_block_stores_what_the_formula_counts(reports, world, family,
 
     name = f"{family}-{dtype}-{'+'.join(modules) or 'none'}"
     message = failures(reports[world], name, f"{name} tp {world}")
+    assert not message, message
+
+
+@pytest.mark.parametrize("family,dtype", EP_CASES)
+def test_an_expert_parallel_block_stores_what_the_formula_counts(reports, family, dtype):
+    """At ep 2 (tp 1): every byte autograd saves in the expert-parallel routed block, averaged over the EP group,
+    is the formula's at ``ep`` 2: the experts' tensors for the rank's own tokens and the dispatch's permutations."""
+    from inprocess import failures
+
+    name = f"{family}-{dtype}-ep"
+    message = failures(reports[2], name, f"{name} 2")
     assert not message, message

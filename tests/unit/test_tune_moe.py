@@ -69,19 +69,24 @@ def test_block_params_count_the_torch_block_whole_and_per_tp_rank(family):
 
 def test_the_tuner_finds_a_layout_for_qwen3_30b_a3b_that_fits():
     """The search runs for a MoE size and its winner's memory, recomputed from the model, fits the GPU with the
-    stated margin; every ranked candidate fits."""
+    stated margin; every ranked candidate fits (at micro-batch 1: the search over ep as well as tp, pp and dp costs
+    as much as the unpinned one did before ep was searched)."""
+    from ds_megatron.tune import Pins
+
     model = _shape("qwen3-30b-a3b")
     cluster = build_cluster("h100-sxm", 64, 8)
-    result = search(model, cluster, 512)
+    result = search(model, cluster, 512, Pins(micro_batch_size=1))
     fitting = [e for e in result.evaluations if e.fits]
     assert fitting and result.evaluations[0] is fitting[0], "the winner is a candidate that fits"
     winner = fitting[0]
     assert stage_memory(model, winner.candidate) == (winner.first, winner.last)
     capacity = cluster.gpu_memory_gb * GIB
     assert all(stage.required_bytes <= capacity for e in fitting for stage in (e.first, e.last))
-    # the first stage's weights hold all 128 experts of each of its blocks (bf16, 2 bytes each)
+    # the first stage's weights hold all 128 experts of each of its blocks (bf16, 2 bytes each), split over TP at
+    # ep 1, E / ep whole ones at ep > 1
     cand = winner.candidate
-    experts = layers_per_stage(model.num_layers, cand.pp) * 128 * 3 * 2048 * 768 // cand.tp
+    split = cand.ep if cand.ep > 1 else cand.tp
+    experts = layers_per_stage(model.num_layers, cand.pp) * 128 * 3 * 2048 * 768 // split
     assert winner.first.params_bytes / 2 > experts
 
 

@@ -262,16 +262,21 @@ INDEX_BYTES = 8  # int64 expert choices and sort orders
 OFFSET_BYTES = 4  # the grouped GEMM's int32 end row per expert
 
 
-def routed_block_params(h: int, tp: int, r: RoutedShape, qk_norm: bool, qkv_bias: bool = False) -> int:
+def routed_block_params(
+    h: int, tp: int, r: RoutedShape, qk_norm: bool, qkv_bias: bool = False, ep: int = 1
+) -> int:  # fmt: skip
     """One routed block's parameters per TP rank: q, k, v and o_proj split over TP (a d and k d wide; Qwen2's q, k
     and v biases with their rows), every expert's gate, up and down split over TP as ``tensor_parallel.experts``
     does (3 E h F / t), a shared expert's gate, up and down split as the dense MLP (3 h F_s / t), the router [E, h],
     the shared expert's gate [1, h] and the two RMSNorms (and Qwen3's q/k norms, one head wide each) replicated.
-    All E experts are stored."""
-    split = 2 * h * r.q_width + 2 * h * r.kv_width + 3 * r.num_experts * h * r.width + 3 * h * r.shared_width
+    All E experts are stored; at ep > 1 E / ep whole experts instead (``expert_parallel.layer``: not split over
+    TP), 3 E h F / ep."""
+    split = 2 * h * r.q_width + 2 * h * r.kv_width + 3 * h * r.shared_width
     split += (r.q_width + 2 * r.kv_width) if qkv_bias else 0
     replicated = r.num_experts * h + 2 * h + (2 * r.head_dim if qk_norm else 0) + (h if r.shared_width else 0)
-    return split // tp + replicated
+    if ep > 1:
+        return split // tp + r.expert_params(h) // ep + replicated
+    return (split + r.expert_params(h)) // tp + replicated
 
 
 def active_block_params(h: int, r: RoutedShape, qk_norm: bool, qkv_bias: bool = False) -> int:
@@ -281,11 +286,20 @@ def active_block_params(h: int, r: RoutedShape, qk_norm: bool, qkv_bias: bool = 
     return routed_block_params(h, 1, dense_experts, qk_norm, qkv_bias) - r.top_k * h + r.num_experts * h
 
 
-def routed_block_gemms(n: int, h: int, t: int, r: RoutedShape) -> tuple[Gemm, ...]:
+def routed_block_gemms(n: int, h: int, t: int, r: RoutedShape, ep: int | None = None) -> tuple[Gemm, ...]:
     """The weight matmuls of one routed block's forward over n tokens, per TP rank: attention as Llama's at head
     width d, the router (n x h by h x E, replicated: each rank routes its sequence shard under SP, all n without;
-    counted at n, its fp32 ignored), and k experts per token (n k routed rows through gate|up, F/t wide, and down)."""
-    rows = n * r.top_k
+    counted at n, its fp32 ignored), and k experts per token.  ``ep`` None: the n k routed rows as one GEMM through
+    gate|up, F/t wide, and down.  ``ep`` given: one GEMM per expert the rank holds, at its share of the tokens under
+    uniform routing (the grouped GEMM reads every expert's weights): at ep 1 all E experts, F/t wide, on the n
+    tokens the rank routes (n k / E rows each); at ep > 1 its E / ep whole experts (F wide) on the tokens of the
+    whole EP group, each rank holding n / t of them under SP (n without, at tp 1): ep n k / (t E) rows each.  A
+    shared expert (Qwen2-MoE) runs on the rank's n tokens, split over TP as the dense MLP."""
+    rows, experts, width = n * r.top_k, 1, r.width // t
+    if ep is not None:
+        experts = r.num_experts if ep == 1 else r.num_experts // ep
+        rows = n * r.top_k / r.num_experts if ep == 1 else ep * n * r.top_k / (t * r.num_experts)
+        width = r.width // t if ep == 1 else r.width
     shared = (
         (
             ("shared expert gate, up", n, h, r.shared_width // t, 2),
@@ -300,8 +314,8 @@ def routed_block_gemms(n: int, h: int, t: int, r: RoutedShape) -> tuple[Gemm, ..
         ("k, v", n, h, r.kv_width // t, 2),
         ("o_proj", n, r.q_width // t, h, 1),
         ("router", n, h, r.num_experts, 1),
-        ("experts gate, up", rows, h, r.width // t, 2),
-        ("experts down", rows, r.width // t, h, 1),
+        ("experts gate, up", rows, h, width, 2 * experts),
+        ("experts down", rows, width, h, experts),
         *shared,
     )
 
@@ -331,6 +345,8 @@ def routed_block_terms(
       input (3 F_s, split; ``mlp_act`` drops F_s), and on the stream (replicated, split by SP) the expert's output
       kept by the gate's product (h), the sigmoid (1) and its input, the norm output (h; in fp32 the router's
       input itself, counted above), which ``layernorm`` drops and without SP is the ``moe`` checkpoint's tokens.
+    - at ep > 1 (``ep_whole``): the dispatch's permutations to and from expert order (``expert_parallel.dispatch``:
+      8 k bytes each per routed token, the pairs a rank receives being as many as it sends under uniform routing).
     The s^2 terms are the shared ones (a heads).  The MLP activation hook (``mlp_act``) does not touch a routed
     MLP; ``layernorm`` drops the q/k/v input and the MLP's norm output where something counted keeps it: the
     router's input in fp32, the ``moe`` checkpoint's tokens without SP (``moe_kept_norm``); a bf16 router keeps its
@@ -364,7 +380,7 @@ def routed_block_terms(
         replicated, 0, split, (r.q_width + 2 * r.kv_width) / h, bool(attention_dropout), mlp_act,
         whole=whole, moe_split=experts_split, moe_whole=whole, moe_kept=kept, moe_kept_sp=kept_sp,
         fixed=fixed, moe_fixed=fixed_offsets, norm_outputs=norm_outputs, moe_kept_norm=kept_norm,
-        moe_kept_counted=kept_counted,
+        moe_kept_counted=kept_counted, ep_whole=2 * INDEX_BYTES * k / h,
     )  # fmt: skip
 
 
@@ -384,11 +400,11 @@ def family_terms(
     def terms(h, a, kv, f, dropout, act, *, routed=None):
         return routed_block_terms(h, a, kv, f, dropout, act, routed=_needs_routed(routed), qk_norm=qk_norm)
 
-    def params(h, _kv, _f, tp, *, routed=None):
-        return routed_block_params(h, tp, _needs_routed(routed), qk_norm, qkv_bias)
+    def params(h, _kv, _f, tp, *, routed=None, ep=1):
+        return routed_block_params(h, tp, _needs_routed(routed), qk_norm, qkv_bias, ep)
 
-    def gemms(n, h, _kv, _f, t, *, routed=None):
-        return routed_block_gemms(n, h, t, _needs_routed(routed))
+    def gemms(n, h, _kv, _f, t, *, routed=None, ep=None):
+        return routed_block_gemms(n, h, t, _needs_routed(routed), ep)
 
     return terms, params, gemms
 

@@ -33,22 +33,26 @@ def gemm(name: str, m: int, k: int, n: int, count: int = 1) -> Matmul:
     return Matmul(name, 2.0 * m * k * n * count, float(ACT_BYTES * (m * k + k * n + m * n) * count))
 
 
-# A search evaluates thousands of candidates that share a few (cp, b, t, kernel) shapes, some several times (each
+# A search evaluates thousands of candidates that share a few (tokens, t, ep) shapes, some several times (each
 # uneven layout's stages): the matmuls and their times are made once per shape (a cache bounded like the search).
 CACHED_SHAPES = 4096
 
 
-def block_matmuls(model: ModelShape, cand: Candidate) -> tuple[Matmul, ...]:
+def block_matmuls(model: ModelShape, cand: Candidate, ep: int | None = None) -> tuple[Matmul, ...]:
     """The weight matmuls of one block's forward for one micro-batch, per GPU (the TP-split dimension divided by t;
-    the shapes are the family's ``tuner.block_gemms``)."""
-    return _block_matmuls(model, cand.cp, cand.micro_batch_size, cand.tp)
+    the shapes are the family's ``tuner.block_gemms``).  ``ep`` (a routed family in training): its experts as one
+    GEMM per expert on the rank at ep, each at its share of the tokens; None: one GEMM over every routed row."""
+    return _block_matmuls(model, model.seq_length // cand.cp * cand.micro_batch_size, cand.tp, ep)
 
 
 @functools.lru_cache(maxsize=CACHED_SHAPES)
-def _block_matmuls(model: ModelShape, cp: int, b: int, t: int) -> tuple[Matmul, ...]:
-    s, h = model.seq_length // cp, model.hidden_size  # this CP rank's
+def _block_matmuls(model: ModelShape, tokens: int, t: int, ep: int | None) -> tuple[Matmul, ...]:
+    """``block_matmuls`` for ``tokens`` tokens of this CP rank at tp ``t``, once per shape."""
+    h = model.hidden_size
     kv = h // model.num_heads * model.num_kv_heads
-    shapes = family_of(model).tuner.block_gemms(b * s, h, kv, model.intermediate_size, t, **routed_terms(model))
+    routed = routed_terms(model)
+    per_expert = {"ep": ep} if routed and ep is not None else {}
+    shapes = family_of(model).tuner.block_gemms(tokens, h, kv, model.intermediate_size, t, **routed, **per_expert)
     return tuple(gemm(name, m, k, n, count=count) for name, m, k, n, count in shapes)
 
 

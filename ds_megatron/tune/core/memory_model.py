@@ -9,6 +9,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ds_megatron.config import ModelShape
+from ds_megatron.config.ep_rules import token_ranks
 from ds_megatron.config.schema import DEFAULT_VOCAB_MULTIPLE, padded_vocab_size, pipeline_schedule
 from ds_megatron.config.shape import layers_per_stage
 from ds_megatron.memory import (
@@ -46,24 +47,42 @@ def has_attention_dropout(model: ModelShape) -> bool:
     return p is None or p > 0
 
 
+@functools.lru_cache(maxsize=64)
+def routed_shape(model: ModelShape) -> RoutedShape | None:
+    """``RoutedShape.of(model)``, once per model (a search asks for it hundreds of thousands of times)."""
+    return RoutedShape.of(model)
+
+
 def routed_terms(model: ModelShape) -> dict:
     """The ``routed`` keyword a routed family's terms take (head width, experts); empty for a dense model."""
-    routed = RoutedShape.of(model)
+    routed = routed_shape(model)
     return {} if routed is None else {"routed": routed}
 
 
-def block_param_count(model: ModelShape, tp: int = 1) -> int:
+def block_param_count(model: ModelShape, tp: int = 1, ep: int = 1) -> int:
     """Parameters of one block per TP rank: a GPT's (12 h^2 + 7 h) / t + 6 h, a Llama's
     (2 h^2 + 2 h kv + 3 h F) / t + 2 h (the replicated part: row-parallel biases and norms), a routed block's
-    (2 h a d + 2 h k d + 3 E h F) / t + E h + 2 h (+ 2 d for Qwen3's q/k norms): every expert stored."""
+    (2 h a d + 2 h k d + 3 E h F) / t + E h + 2 h (+ 2 d for Qwen3's q/k norms): every expert stored; at ep > 1
+    its E / ep whole experts, 3 E h F / ep in place of 3 E h F / t."""
     h = model.hidden_size
     kv_size = h // model.num_heads * model.num_kv_heads  # type: ignore[operator]
     params = family_of(model).tuner.block_params
-    return params(h, kv_size, model.intermediate_size, tp, **routed_terms(model))  # type: ignore[arg-type]
+    split = {"ep": ep} if ep > 1 else {}  # a dense family has no ep (the search gives it none)
+    return params(h, kv_size, model.intermediate_size, tp, **routed_terms(model), **split)  # type: ignore[arg-type]
+
+
+def block_expert_param_count(model: ModelShape, cand: Candidate) -> int:
+    """One block's expert parameters on a rank at ep > 1 (3 E h F / ep, held in optimizer groups of their own,
+    partitioned over the expert-DP group); 0 at ep 1, where they are the block's other parameters' kin (split over
+    TP, partitioned over dp x cp like them) or for a dense model."""
+    routed = routed_shape(model)
+    if cand.ep_size == 1 or routed is None:
+        return 0
+    return routed.expert_params(model.hidden_size) // cand.ep_size
 
 
 def stage_param_counts(
-    model: ModelShape, tp: int, pp: int, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE
+    model: ModelShape, tp: int, pp: int, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE, ep: int = 1
 ) -> tuple[int, int]:
     """(first stage, last stage) parameters per TP rank: the embedding (and a GPT's position table) and ceil(L/p)
     blocks; the blocks, the final norm and the output layer (a tied copy or an untied ``lm_head``).  With p = 1 both
@@ -73,7 +92,7 @@ def stage_param_counts(
     embedding = padded_vocab_size(model.vocab_size, tp, vocab_multiple) * h // tp
     positions = model.seq_length * h if family.layout.positions else 0
     final_norm = family.tuner.norm_params * h
-    block = block_param_count(model, tp)
+    block = block_param_count(model, tp, ep)
     if pp == 1:
         output = 0 if model.tie_word_embeddings else embedding
         total = embedding + positions + model.num_layers * block + final_norm + output
@@ -83,19 +102,36 @@ def stage_param_counts(
 
 
 def rank_param_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
-    """(first, last) pipeline rank's parameters per TP rank under the candidate's schedule.  DualPipeV: rank 0 holds
-    chunks 0 and 2p-1 (the embedding, the final norm and the output layer, a tied one sharing the embedding's
-    module), the last rank two chunks of the middle, each chunk ceil(L/(2p)) blocks: the same total as 1F1B."""
+    """(first, last) pipeline rank's parameters per TP rank under the candidate's schedule (and ep).  DualPipeV:
+    rank 0 holds chunks 0 and 2p-1 (the embedding, the final norm and the output layer, a tied one sharing the
+    embedding's module), the last rank two chunks of the middle, each chunk ceil(L/(2p)) blocks: the same total as
+    1F1B."""
+    ep = cand.ep_size
+    block = block_param_count(model, cand.tp, ep)
     if not pipeline_schedule(cand.schedule).loss_on_first_rank:
-        first, last = stage_param_counts(model, cand.tp, cand.pp)
+        first, last = stage_param_counts(model, cand.tp, cand.pp, ep=ep)
         if cand.pipeline_layout is not None:  # the first and last stages' own block counts
-            even, block = layers_per_stage(model.num_layers, cand.pp), block_param_count(model, cand.tp)
+            even = layers_per_stage(model.num_layers, cand.pp)
             first += (cand.pipeline_layout[0] - even) * block
             last += (cand.pipeline_layout[-1] - even) * block
         return first, last
-    whole = stage_param_counts(model, cand.tp, 1)[0]
-    blocks = 2 * layers_per_stage(model.num_layers, 2 * cand.pp) * block_param_count(model, cand.tp)
-    return whole - model.num_layers * block_param_count(model, cand.tp) + blocks, blocks
+    whole = stage_param_counts(model, cand.tp, 1, ep=ep)[0]
+    blocks = 2 * layers_per_stage(model.num_layers, 2 * cand.pp) * block
+    return whole - model.num_layers * block + blocks, blocks
+
+
+def rank_block_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
+    """(first, last) pipeline rank's blocks under the candidate's schedule and layout (``rank_param_counts``'
+    blocks)."""
+    if pipeline_schedule(cand.schedule).loss_on_first_rank:
+        blocks = 2 * layers_per_stage(model.num_layers, 2 * cand.pp)
+        return blocks, blocks
+    if cand.pp == 1:
+        return model.num_layers, model.num_layers
+    if cand.pipeline_layout is not None:
+        return cand.pipeline_layout[0], cand.pipeline_layout[-1]
+    even = layers_per_stage(model.num_layers, cand.pp)
+    return even, even
 
 
 def total_param_count(model: ModelShape, vocab_multiple: int = 1) -> int:
@@ -132,13 +168,14 @@ def layer_activation_bytes(
     """One block's activations for one micro-batch per TP rank under ``recompute``, with the candidate's kernel and
     (selective) modules."""
     modules = cand.recompute_modules if recompute == "selective" else ()
-    layout = (cand.micro_batch_size, cand.tp, cand.sequence_parallel, cand.attention, modules, cand.cp, cand.cp_comm)
+    layout = (cand.micro_batch_size, cand.tp, cand.sequence_parallel, cand.attention, modules, cand.cp, cand.cp_comm,
+              cand.ep_size)  # fmt: skip
     return _layer_activation_bytes(model, layout, recompute, act_bytes, mask_bytes)
 
 
-@functools.lru_cache(maxsize=4096)  # a search asks for each (b, tp, SP, kernel, cp) a few times per candidate
+@functools.lru_cache(maxsize=4096)  # a search asks for each (b, tp, SP, kernel, cp, ep) a few times per candidate
 def _layer_activation_bytes(model: ModelShape, layout: tuple, recompute: str, act_bytes: int, mask_bytes: int) -> float:
-    b, tp, sp, attention, modules, cp, cp_comm = layout
+    b, tp, sp, attention, modules, cp, cp_comm, ep = layout
     return activation_bytes_per_layer(
         model.seq_length,
         b,
@@ -158,6 +195,7 @@ def _layer_activation_bytes(model: ModelShape, layout: tuple, recompute: str, ac
         cp=cp,
         cp_comm=cp_comm,
         **routed_terms(model),
+        **({"ep": ep} if ep > 1 else {}),
     )
 
 
@@ -177,7 +215,7 @@ def recompute_transient_bytes(model: ModelShape, cand: Candidate, num_blocks: in
     """Activations re-created for one micro-batch while its backward runs: selective's modules of one block, one block
     (full, block method) or one chunk of k blocks (full, uniform)."""
     whole = layer_activation_bytes(model, cand, "none")
-    exchange = cp_exchange_bytes(model, cand)
+    exchange = cp_exchange_bytes(model, cand) + ep_dispatch_bytes(model, cand)
     if cand.recompute == "selective":
         return whole - layer_activation_bytes(model, cand, "selective") + exchange
     if cand.recompute == "full":
@@ -203,6 +241,25 @@ def cp_exchange_bytes(model: ModelShape, cand: Candidate) -> float:
         act_bytes=ACT_BYTES,
         head_dim=model.head_dim,
     )
+
+
+def ep_dispatch_bytes(model: ModelShape, cand: Candidate) -> float:
+    """What one routed layer's all-to-all holds while it runs at ep > 1 (``expert_parallel.dispatch``): the rows it
+    sends and the rows it receives, [tokens k, h] each in activation bytes for the tokens this rank routes (its
+    sequence shard under SP), the dispatch's in the forward and the combine's gradient in the backward: one layer at
+    a time, so once per stage; 0 at ep 1 and for a dense model."""
+    routed = routed_shape(model)
+    if cand.ep_size == 1 or routed is None:
+        return 0.0
+    tokens = model.seq_length // cand.cp * cand.micro_batch_size / (cand.tp if cand.sequence_parallel else 1)
+    return 2 * tokens * routed.top_k * model.hidden_size * ACT_BYTES
+
+
+def expert_dp_size(cand: Candidate) -> int:
+    """Ranks of a stage holding the same experts at ep > 1, the expert-DP group (``expert_parallel.layout``): the
+    stage's token ranks (``config.ep_rules.token_ranks``) over ep.  They share the experts' optimizer state under
+    ZeRO-1 (DeepSpeed's BF16 optimizer partitions an expert group over it) and reduce the experts' gradients."""
+    return token_ranks(cand.tp, cand.cp, cand.dp, cand.sequence_parallel) // cand.ep_size
 
 
 def sp_split(cand: Candidate) -> int:
@@ -287,7 +344,18 @@ def stage_memory(model: ModelShape, cand: Candidate) -> tuple[StageMemory, Stage
         head_dim=model.head_dim,
     )
     shard = cand.dp * cand.cp if cand.zero == 1 else 1  # ZeRO-1 partitions over DeepSpeed's data axis, dp x cp
+    # at ep > 1 the experts' groups partition over the expert-DP group instead (0 expert parameters at ep 1)
+    expert_shard = expert_dp_size(cand) if cand.zero == 1 else 1
+    experts = [blocks * block_expert_param_count(model, cand) for blocks in rank_block_counts(model, cand)]
     return tuple(  # type: ignore[return-value]
-        StageMemory(float(WEIGHT_BYTES * n), float(GRAD_BYTES * n), OPTIMIZER_BYTES * n / shard, act, per_layer)
-        for n, act in zip(rank_param_counts(model, cand), (a + tables for a in stage_activation_bytes(model, cand)))
+        StageMemory(
+            float(WEIGHT_BYTES * n),
+            float(GRAD_BYTES * n),
+            OPTIMIZER_BYTES * (n - e) / shard + (OPTIMIZER_BYTES * e / expert_shard if e else 0.0),
+            act,
+            per_layer,
+        )
+        for n, e, act in zip(
+            rank_param_counts(model, cand), experts, (a + tables for a in stage_activation_bytes(model, cand))
+        )
     )

@@ -84,6 +84,7 @@ class Pins:
     cp_comm: str | None = None  # "ring" | "a2a"
     schedule: str | None = None  # a schedule name, or "all" (None: training.schedules.DEFAULT_SCHEDULES)
     virtual_stages: int | None = None  # stages per rank of a schedule whose record has a stages setting (v)
+    ep: int | None = None  # expert-parallel size of a routed family (None: searched over the values its rules accept)
 
 
 def ordered_modules(modules: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -121,6 +122,9 @@ class Candidate:
     # Blocks per stage in model-chunk order (ds_megatron.parallel.pipeline_layout) when the tuner moves blocks off
     # the last (or first) stage to balance the output layer's cost (tune.training.layout); None: the even split.
     pipeline_layout: tuple[int, ...] | None = None
+    # Expert parallelism (ds_megatron.parallel.ep) of a routed family: each routed block's experts split over EP
+    # groups of ep ranks (config.ep_rules), whole experts per rank; None for a dense model (nothing to split).
+    ep: int | None = None
 
     def __post_init__(self) -> None:
         modules = tuple(self.recompute_modules)
@@ -131,6 +135,11 @@ class Candidate:
         else:
             modules = ordered_modules(modules or DEFAULT_SELECTIVE_MODULES)
         object.__setattr__(self, "recompute_modules", modules)
+
+    @property
+    def ep_size(self) -> int:
+        """The expert-parallel size the models compute with: 1 for a dense model."""
+        return self.ep or 1
 
     def recompute_label(self) -> str:
         """``none``, ``selective`` (core attention, the default), ``selective[mlp_act,layernorm]``, ``full/block/1``."""
@@ -145,7 +154,9 @@ class Candidate:
         full = self.recompute == "full"
         layout = ("tp", "pp", "dp", "sequence_parallel", "micro_batch_size", "num_micro_batches", "recompute")
         return {
-            **{key: getattr(self, key) for key in layout},
+            **{key: getattr(self, key) for key in layout[:3]},
+            **({"ep": self.ep} if self.ep is not None else {}),  # a routed family's layout names its ep (1 too)
+            **{key: getattr(self, key) for key in layout[3:]},
             "recompute_layers": self.recompute_layers if full else None,
             "recompute_method": self.recompute_method if full else None,
             "recompute_modules": list(self.recompute_modules) if self.recompute == "selective" else None,

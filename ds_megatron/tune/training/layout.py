@@ -14,10 +14,10 @@ from ds_megatron.config import ModelShape
 from ds_megatron.config.shape import layers_per_stage
 from ds_megatron.pipeline_parallel.schedules import schedule_named
 from ds_megatron.pipeline_parallel.schedules.record import LOOP
-from ds_megatron.tune.core.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
+from ds_megatron.tune.core.matmuls import core_attention_matmuls, logits_matmul, matmul_s
 from ds_megatron.tune.core.memory_model import block_param_count, stage_param_counts
 from ds_megatron.tune.core.spec import Candidate, Cluster
-from ds_megatron.tune.training.time_model import ranked_step, stage_time
+from ds_megatron.tune.training.time_model import expert_matmuls, ranked_step, stage_time
 
 
 def balances(cand: Candidate) -> bool:
@@ -46,9 +46,10 @@ def middle_ranks_bounded(model: ModelShape, cand: Candidate, layout: tuple[int, 
     blocks) and its parameters (its blocks against the first's blocks and embedding)."""
     record = schedule_named(cand.schedule)
     p, m = cand.pp, cand.num_micro_batches
-    block = block_param_count(model, cand.tp)
+    block = block_param_count(model, cand.tp, cand.ep_size)
     first_params = (
-        stage_param_counts(model, cand.tp, p)[0] + (layout[0] - layers_per_stage(model.num_layers, p)) * block
+        stage_param_counts(model, cand.tp, p, ep=cand.ep_size)[0]
+        + (layout[0] - layers_per_stage(model.num_layers, p)) * block
     )
     for rank in range(1, p - 1):
         if record.in_flight(p, rank, m) * layout[rank] > record.in_flight(p, 0, m) * layout[0]:
@@ -63,7 +64,7 @@ def block_outweighs_output(model: ModelShape, cluster: Cluster, cand: Candidate)
     moved off the last stage makes another stage slower than the last was (a block adds its three matmul passes and
     four TP collectives, the output layer three matmul passes and one collective), so no layout helps.  A cheap
     test that spares the search the stage times of most GPT-sized vocabularies."""
-    block = block_matmuls(model, cand) + core_attention_matmuls(model, cand)
+    block = expert_matmuls(model, cand) + core_attention_matmuls(model, cand)
     return matmul_s(block, cluster) >= matmul_s((logits_matmul(model, cand),), cluster)
 
 

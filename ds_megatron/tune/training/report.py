@@ -35,6 +35,9 @@ COLUMNS = (
 SCHEDULE_COLUMN = ("schedule", 9)  # last, only in a table that shows a schedule other than 1f1b
 LAYOUT_COLUMN = ("layout", 6)  # last, only in a table that shows an uneven pipeline layout ("8/9/9/6")
 CP_COLUMN = ("cp", 7)  # after tp, only in a table that shows a cp > 1 candidate ("4 ring", "2 a2a")
+EP_COLUMN = ("ep", 3)  # after dp, only in a table of a routed family (its ep is searched; a dense one has none)
+# Under the table of a routed family: what its MFU and HFU count.
+ACTIVE_NOTE = "MFU and HFU count the active parameters (k of the E experts per token), as model cards do"
 TEXT_COLUMNS = {"attn", "recompute", "status", "source", "cp", "schedule", "layout"}  # left-aligned in every table
 MAX_REJECTIONS_SHOWN = 8
 NEAR_TIE = 0.01  # candidates this close to the winner's step time are within the time model's error of it
@@ -43,6 +46,7 @@ SETTINGS = (  # (label, cell) compared between two candidates
     ("cp", "cp"),
     ("pp", "pp"),
     ("dp", "dp"),
+    ("ep", "ep"),
     ("SP", "sp"),
     ("micro-batch", "b"),
     ("recompute", "recompute"),
@@ -58,6 +62,7 @@ TIME_PARTS = (
     ("TP comm", "tp_comm_s"),
     ("pipeline p2p", "p2p_s"),
     ("CP comm not hidden", "cp_comm_s"),
+    ("EP all-to-all", "ep_comm_s"),
     ("DP comm", "dp_comm_s"),
     ("bubble (part of the above)", "bubble_s"),
 )
@@ -69,16 +74,28 @@ def cells(c: Candidate) -> dict[str, str]:
     numbers = {"tp": c.tp, "pp": c.pp, "dp": c.dp, "b": c.micro_batch_size, "m": c.num_micro_batches, "zero": c.zero}
     text = {"sp": "on" if c.sequence_parallel else "off", "attn": c.attention, "recompute": c.recompute_label()}
     text["cp"] = "1" if c.cp == 1 else f"{c.cp} {c.cp_comm}"
+    text["ep"] = "-" if c.ep is None else str(c.ep)
     text["schedule"] = c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages is not None else "")
     text["layout"] = "even" if c.pipeline_layout is None else "/".join(map(str, c.pipeline_layout))
     return {**{name: str(n) for name, n in numbers.items()}, **text}
 
 
-def layout_cells(c: Candidate, with_cp: bool = False) -> list[str]:
-    """The tp, (cp,) pp, dp, sp, b, m, attn and recompute cells of a table row."""
+def layout_cells(c: Candidate, with_cp: bool = False, with_ep: bool = False) -> list[str]:
+    """The tp, (cp,) pp, dp, (ep,) sp, b, m, attn and recompute cells of a table row."""
     x = cells(c)
-    names = ("tp", "cp", "pp", "dp", "sp", "b", "m", "attn", "recompute")
-    return [x[name] for name in names if with_cp or name != "cp"]
+    names = ("tp", "cp", "pp", "dp", "ep", "sp", "b", "m", "attn", "recompute")
+    return [x[name] for name in names if (with_cp or name != "cp") and (with_ep or name != "ep")]
+
+
+def shows_ep(shown: list[Evaluation]) -> bool:
+    """Whether a table of ``shown`` needs the ep column: a routed family's (a dense table stays as it was)."""
+    return any(e.candidate.ep is not None for e in shown)
+
+
+def with_ep_column(columns: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+    """``columns`` with the ep column after dp."""
+    i = [name for name, _ in columns].index("dp") + 1
+    return (*columns[:i], EP_COLUMN, *columns[i:])
 
 
 def shows_cp(shown: list[Evaluation]) -> bool:
@@ -103,14 +120,16 @@ def shows_layout(shown: list[Evaluation]) -> bool:
 
 
 def _row(
-    rank: int, e: Evaluation, with_cp: bool = False, with_schedule: bool = False, with_layout: bool = False
-) -> list[str]:
+    rank: int, e: Evaluation, with_cp: bool = False, with_schedule: bool = False, with_layout: bool = False,
+    with_ep: bool = False,
+) -> list[str]:  # fmt: skip
     t = e.time
     memory = [f"{stage.required_bytes / GIB:.1f} GiB" for stage in (e.first, e.last)]
     speed = [seconds_text(t.step_s), f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}", f"{t.hfu:.1%}"]
     x = cells(e.candidate)
     extra = ([x["schedule"]] if with_schedule else []) + ([x["layout"]] if with_layout else [])
-    return [str(rank), *layout_cells(e.candidate, with_cp), str(e.candidate.zero), *memory, *speed, *extra]
+    layout = layout_cells(e.candidate, with_cp, with_ep)
+    return [str(rank), *layout, str(e.candidate.zero), *memory, *speed, *extra]
 
 
 def widened(columns: tuple[tuple[str, int], ...], shown: list[Evaluation]) -> tuple[tuple[str, int], ...]:
@@ -129,10 +148,14 @@ def table(rows: list[list[str]], columns: tuple[tuple[str, int], ...]) -> list[s
 
 def settings_text(c: Candidate) -> str:
     """``tp 8, pp 16, dp 8, SP on, micro-batch 1 x 192, recompute selective, attention sdpa, ZeRO-1`` (with
-    ``cp 4 ring`` after tp when cp > 1, ``schedule interleaved-1f1b v4`` off 1f1b, ``layout 8/9/9/6`` when
-    uneven)."""
+    ``cp 4 ring`` after tp when cp > 1, ``ep 8`` after dp for a routed family, ``schedule interleaved-1f1b v4``
+    off 1f1b, ``layout 8/9/9/6`` when uneven)."""
     return (
-        "tp {tp}, " + ("cp {cp}, " if c.cp > 1 else "") + "pp {pp}, dp {dp}, SP {sp}, micro-batch {b} x {m}, "
+        "tp {tp}, "
+        + ("cp {cp}, " if c.cp > 1 else "")
+        + "pp {pp}, dp {dp}, "
+        + ("ep {ep}, " if c.ep else "")
+        + "SP {sp}, micro-batch {b} x {m}, "
         "recompute {recompute}, attention {attn}, ZeRO-{zero}"
     ).format(**cells(c)) + (
         (f", schedule {cells(c)['schedule']}" if c.schedule != DEFAULT_SCHEDULE.name else "")
@@ -175,11 +198,15 @@ def format_report(result: SearchResult, top: int = 10) -> str:
         shown = result.ranked[:top]
         cp_column = shows_cp(shown)
         schedule_column = shows_schedule(shown)
-        columns = widened(with_cp_column(COLUMNS) if cp_column else COLUMNS, shown)
+        ep_column = shows_ep(shown)
+        columns = with_cp_column(COLUMNS) if cp_column else COLUMNS
+        columns = widened(with_ep_column(columns) if ep_column else columns, shown)
         layout_column = shows_layout(shown)
         columns += ((SCHEDULE_COLUMN,) if schedule_column else ()) + ((LAYOUT_COLUMN,) if layout_column else ())
-        rows = [_row(i + 1, e, cp_column, schedule_column, layout_column) for i, e in enumerate(shown)]
+        rows = [_row(i + 1, e, cp_column, schedule_column, layout_column, ep_column) for i, e in enumerate(shown)]
         lines += table(rows, columns)
+        if m.num_experts:
+            lines.append(ACTIVE_NOTE)
         t = winner.time
         lines += [
             "",
@@ -190,6 +217,7 @@ def format_report(result: SearchResult, top: int = 10) -> str:
             + (f"recomputed elementwise passes {seconds_text(t.recompute_passes_s)} + " if t.recompute_passes_s else "")
             + f"TP comm {seconds_text(t.tp_comm_s)} + "
             + (f"CP comm not hidden {seconds_text(t.cp_comm_s)} + " if t.cp_comm_s else "")
+            + (f"EP all-to-all {seconds_text(t.ep_comm_s)} + " if t.ep_comm_s else "")
             + f"pipeline p2p {seconds_text(t.p2p_s)} (bubble {seconds_text(t.bubble_s)} of these) + DP comm "
             f"{seconds_text(t.dp_comm_s)}"
             + (f" + fixed overhead {seconds_text(t.overhead_s)}" if t.overhead_s else ""),
@@ -329,7 +357,8 @@ def _no_fit_lines(result: SearchResult) -> list[str]:
     closest = min(result.evaluations, key=lambda e: e.required_bytes)
     c, need = closest.candidate, closest.required_bytes / GIB
     lines.append(
-        f"  closest: tp {c.tp}, pp {c.pp}, dp {c.dp}, {c.recompute_label()} needs {need:.1f} GiB per GPU, "
+        f"  closest: tp {c.tp}, pp {c.pp}, dp {c.dp}, {f'ep {c.ep}, ' if c.ep else ''}{c.recompute_label()} needs "
+        f"{need:.1f} GiB per GPU, "
         f"{need / capacity:.1f}x the {capacity:g} GiB available"
     )
     floor = (memory_model.WEIGHT_BYTES + memory_model.GRAD_BYTES) * total_param_count(result.model)

@@ -120,13 +120,15 @@ def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:
     for e in evaluations:
         c = e.candidate
         key = (c.tp, c.pp, c.dp, c.sequence_parallel, c.recompute, c.attention, c.cp, c.cp_comm, c.schedule)
-        groups[(*key, c.virtual_stages)].append(e)
+        groups[(*key, c.virtual_stages, c.ep)].append(e)
     rejected = []
-    for (tp, pp, dp, sp, policy, kernel, cp, comm, schedule, v), members in groups.items():
+    for (tp, pp, dp, sp, policy, kernel, cp, comm, schedule, v, ep), members in groups.items():
         if any(e.fits for e in members):
             continue
         closest = min(members, key=lambda e: e.required_bytes)
         family = {"tp": tp, "pp": pp, "dp": dp, "sequence_parallel": sp, "recompute": policy, "attention": kernel}
+        if ep is not None:  # a routed family's (a dense family is named as before the tuner knew ep)
+            family["ep"] = ep
         if cp > 1:  # a cp 1 family is named as before the tuner knew cp
             family.update(cp=cp, cp_comm=comm)
         if schedule != DEFAULT_SCHEDULE.name:  # a 1f1b family is named as before the tuner knew schedules
@@ -147,12 +149,12 @@ def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:
 
 def common_configuration(model: ModelShape, cluster: Cluster, global_batch_size: int) -> tuple[Evaluation | None, str]:
     """Full recompute of every block, no SP, eager attention, the largest in-node tp, the smallest pp that fits, its
-    best b."""
+    best b (a routed family's experts split over TP, ep 1)."""
     tps, _ = tp_sizes(model, cluster, Pins())
     if not tps:
         return None, "no tensor-parallel size fits in a node"
     tp = max(tps)
-    pins = Pins(tp=tp, sequence_parallel=False, recompute="full", attention="eager")
+    pins = Pins(tp=tp, sequence_parallel=False, recompute="full", attention="eager", ep=1)  # no EP (routed families)
     for pp in range(1, model.num_layers + 1):
         if cluster.num_gpus % (tp * pp) != 0:
             continue

@@ -1,4 +1,4 @@
-"""The search space: every (tp, cp, pp, dp, sp, b, recompute, attention, zero, schedule and its v) the tuner
+"""The search space: every (tp, cp, pp, dp, sp, ep, b, recompute, attention, zero, schedule and its v) the tuner
 considers under the package's layout rules and the pipeline engine's limits (the table is in docs/tuner.md, "The
 search space"), and every family left out, with its reason.  Pure Python."""
 
@@ -19,7 +19,7 @@ from ds_megatron.tune.core.spec import (
     Pins,
     ordered_modules,
 )
-from ds_megatron.tune.training import cp_rules, schedules
+from ds_megatron.tune.training import cp_rules, ep_rules, schedules
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 
@@ -187,6 +187,20 @@ def layout_candidates(
             rejected.append(Rejection(family, why))
         runs[schedule] = [b for b in micro if schedules.refusal(schedule, pp, per_replica // b) is None]
 
+    # Expert parallelism (routed families): every ep the folding forms at each SP choice (or the pinned one); ep > 1
+    # with a recompute the run refuses there (selective moe) is left out per candidate below, its family once.
+    eps = {}
+    for comm, sp in allowed:
+        values = ep_rules.ep_values(model, tp, cp, dp, sp)
+        if pins.ep is not None and values != [None]:
+            why = ep_rules.refusal(model, tp, cp, dp, sp, pins.ep, pins.zero or 1)
+            if why is not None:
+                rejected.append(
+                    Rejection({**layout, **({"sequence_parallel": sp} if tp > 1 else {}), "ep": pins.ep}, why)
+                )
+            values = [pins.ep] if why is None else []
+        eps[comm, sp] = values
+
     recompute = {}
     stages = {}  # schedule -> the stages per rank it is searched at (None: fixed by its record)
     for schedule in list(runs):
@@ -200,14 +214,24 @@ def layout_candidates(
             num_blocks = layers_per_stage(model.num_layers, schedule_named(schedule, v).per_rank() * pp)
             recompute[schedule, v] = {k: recompute_options(num_blocks, k, pins) for k in attention_options(pins)}
     candidates = [
-        Candidate(tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm, schedule, v)
+        Candidate(
+            tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm, schedule, v, ep=ep
+        )
         for schedule, schedule_micro in runs.items()
         for v in stages[schedule]
         for comm, sp in allowed
+        for ep in eps[comm, sp]
         for b in schedule_micro
         for kernel, options in recompute[schedule, v].items()
         for policy, k, method, modules in options
     ]
+    refused = [c for c in candidates if c.ep_size > 1 and "moe" in c.recompute_modules]  # check_ep_recompute's
+    if refused:
+        c = refused[0]
+        why = ep_rules.refusal(model, tp, cp, dp, c.sequence_parallel, c.ep, c.zero, c.recompute_modules)
+        family = {**layout, "ep": sorted({c.ep for c in refused}), "recompute_modules": ",".join(c.recompute_modules)}
+        rejected.append(Rejection(family, why))
+        candidates = [c for c in candidates if not (c.ep_size > 1 and "moe" in c.recompute_modules)]
     return candidates, rejected
 
 

@@ -6,8 +6,10 @@ slots is the pipeline schedule's critical path in micro-batches (``schedule_slot
 
 t_mb is one micro-batch's forward and backward on the slowest stage: its matmuls (``tune.core.matmuls``), the eager
 kernel's memory-bound score passes, the elementwise passes selective recompute runs again, the TP collectives (ring
-model: latency + volume / bandwidth), the pipeline sends and, with cp > 1, the CP exchange not hidden behind the
-attention (``cp_comm_s``).  Each term is derived in docs/tuner.md, "Time model" and "Long sequences".  Pure Python."""
+model: latency + volume / bandwidth), the pipeline sends, with cp > 1, the CP exchange not hidden behind the
+attention (``cp_comm_s``) and, for a routed family at ep > 1, the dispatch and combine all-to-alls
+(``ep_comm_s``).  Each term is derived in docs/tuner.md, "Time model", "Long sequences" and "Expert parallelism".
+Pure Python."""
 
 from __future__ import annotations
 
@@ -20,17 +22,20 @@ from ds_megatron.config.schema import pipeline_schedule
 from ds_megatron.flops import block_fields, executed_flops_per_step
 from ds_megatron.memory import ring_dkv_hop_bytes
 from ds_megatron.model import FAMILIES
-from ds_megatron.model.family import RoutedShape
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
-from ds_megatron.tune.core.links import link, ring_s
+from ds_megatron.tune.core.links import all_to_all_s, link, ring_s
 from ds_megatron.tune.core.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
 from ds_megatron.tune.core.memory_model import (
     ACT_BYTES,
     WEIGHT_BYTES,
+    block_expert_param_count,
+    expert_dp_size,
     has_attention_dropout,
     layers_per_stage,
     padded_vocab_size,
+    rank_block_counts,
     rank_param_counts,
+    routed_shape,
 )
 from ds_megatron.tune.core.spec import Candidate, Cluster
 from ds_megatron.tune.training import schedules
@@ -112,12 +117,13 @@ class StageTime:
     recompute_passes_s: float = 0.0  # elementwise passes selective recompute runs again (mlp_act, layernorm)
     cp_comm_s: float = 0.0  # the CP exchange (ring hops, a2a all-to-alls) not hidden behind compute
     weight_grad_s: float = 0.0  # the W share of compute_s: the weight-gradient GEMMs of the linears (ZB-H1 defers)
+    ep_comm_s: float = 0.0  # the routed blocks' dispatch and combine all-to-alls over the EP group (0 at ep 1)
 
     @property
     def total_s(self) -> float:
         return (
             self.compute_s + self.attention_s + self.recompute_passes_s + self.tp_comm_s + self.p2p_s + self.cp_comm_s
-        )
+        ) + self.ep_comm_s
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,9 @@ class StepTime:
 
     # The schedule's name, left out of the repr and of a 1f1b record (which stays what it was before schedules).
     schedule: str = dataclasses.field(default=DEFAULT_SCHEDULE.name, repr=False)
+    # The EP all-to-alls on the critical path, bubble included; left out of the repr and of as_dict at ep 1 (a
+    # dense model's record is what it was before the tuner knew ep).
+    ep_comm_s: float = dataclasses.field(default=0.0, repr=False)
 
     def as_dict(self) -> dict:
         record = dataclasses.asdict(self)
@@ -150,6 +159,8 @@ class StepTime:
             del record["schedule"]
         if not self.cp_comm_s:  # absent at cp 1, so that a cp 1 record is what it was before the tuner knew cp
             del record["cp_comm_s"]
+        if not self.ep_comm_s:
+            del record["ep_comm_s"]
         return record
 
 
@@ -211,15 +222,18 @@ def routed_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_bloc
     choices of every token are all-gathered too (k fp32 + k int64 per token) and the weights' gradient
     reduce-scattered in backward (k fp32); without SP the weights enter through f, whose backward all-reduces their
     gradient.  The routing statistics (2 E + 2 fp32) are all-reduced over TP under SP (forward only) and over CP
-    (forward and backward).  A re-run forward (full recompute) gathers again."""
-    routed = RoutedShape.of(model)
+    (forward and backward).  A re-run forward (full recompute) gathers again.  At ep > 1 each rank routes and
+    keeps its own tokens (the all-to-alls are ``ep_comm_s``): the statistics' all-reduces only."""
+    routed = routed_shape(model)
     if routed is None:
         return 0.0
     tokens = model.seq_length // cand.cp * cand.micro_batch_size
     k, t, cp = routed.top_k, cand.tp, cand.cp
     gbps, latency = cluster.intra_node_gbps, cluster.intra_node_latency_s
     stats = (2 * routed.num_experts + 2) * 4
-    if t > 1 and cand.sequence_parallel:
+    if cand.ep_size > 1:
+        forward, backward = (ring_s(stats, t, gbps, latency) if cand.sequence_parallel else 0.0), 0.0
+    elif t > 1 and cand.sequence_parallel:
         forward = ring_s(tokens * k * ROUTED_PAIR_BYTES, t, gbps, latency, passes=1) + ring_s(stats, t, gbps, latency)
         backward = ring_s(tokens * k * 4, t, gbps, latency, passes=1)
     else:
@@ -234,8 +248,31 @@ def routed_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_bloc
 def shared_expert_collectives(model: ModelShape) -> int:
     """TP collectives of [s, b, h] a routed block's shared expert adds per pass (1; 0 without one): the dense MLP's
     all-gather / reduce-scatter (all-reduce without SP) once more, beside the routed experts'."""
-    routed = RoutedShape.of(model)
+    routed = routed_shape(model)
     return 1 if routed is not None and routed.shared_width else 0
+
+
+def ep_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int, recomputed: int) -> float:
+    """The all-to-alls of ``num_blocks`` routed blocks over the EP group for one micro-batch at ep > 1 (0 at ep 1
+    and for a dense model; ``expert_parallel.dispatch``): forward, the counts' exchange (E int64), the dispatch of
+    this rank's routed rows (its tokens times k, h wide: its sequence shard under SP) and the combine of their
+    outputs; backward, the two again in reverse (the gradients).  None overlapped with compute; a re-run forward
+    (full recompute) exchanges again.  Uniform routing: each rank sends (ep - 1) / ep of its rows away
+    (``links.all_to_all_s``: NVLink inside a node, the network across)."""
+    routed = routed_shape(model)
+    ep = cand.ep_size
+    if ep == 1 or routed is None:
+        return 0.0
+    tokens = model.seq_length // cand.cp * cand.micro_batch_size / (cand.tp if cand.sequence_parallel else 1)
+    rows = all_to_all_s(tokens * routed.top_k * model.hidden_size * ACT_BYTES, ep, cluster)
+    counts = all_to_all_s(routed.num_experts * 8, ep, cluster)
+    return (num_blocks + recomputed) * (counts + 2 * rows) + num_blocks * 2 * rows
+
+
+def expert_matmuls(model: ModelShape, cand: Candidate):
+    """One block's matmuls as training runs them (``matmuls.block_matmuls`` with a routed family's experts one
+    GEMM per expert on the rank at the candidate's ep)."""
+    return block_matmuls(model, cand, ep=cand.ep_size)
 
 
 def recomputed_experts_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int) -> float:
@@ -243,7 +280,7 @@ def recomputed_experts_s(model: ModelShape, cluster: Cluster, cand: Candidate, n
     in backward; 0 otherwise."""
     if cand.recompute != "selective" or "moe" not in cand.recompute_modules:
         return 0.0
-    experts = tuple(op for op in block_matmuls(model, cand) if op.name.startswith("experts"))
+    experts = tuple(op for op in expert_matmuls(model, cand) if op.name.startswith("experts"))
     return num_blocks * matmul_s(experts, cluster)
 
 
@@ -317,7 +354,7 @@ def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, whe
     # Forward and backward (twice the forward: input and weight gradients, GEMMs of the same shapes) of every block,
     # plus the recomputed forwards: full recompute re-runs whole blocks, selective with core_attn the core attention
     # of each block (its other modules are elementwise: recompute_passes_s).
-    linears, core = block_matmuls(model, cand), core_attention_matmuls(model, cand)
+    linears, core = expert_matmuls(model, cand), core_attention_matmuls(model, cand)
     block = linears + core
     block_runs, core_reruns = 3 * n + recomputed, n if recomputes_core(cand) else 0
     block_s = block_runs * matmul_s(block, cluster) + core_reruns * matmul_s(core, cluster)
@@ -333,11 +370,13 @@ def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, whe
         unit = 2 * ring_s(boundary, t, cluster.intra_node_gbps, cluster.intra_node_latency_s, passes=1)
     else:
         unit = ring_s(boundary, t, cluster.intra_node_gbps, cluster.intra_node_latency_s)
-    # per block two collectives forward (attention, MLP) and two backward; a shared expert beside the routed ones
-    # (split over TP as the dense MLP) adds one each way, its input gathered and its output reduced
-    per_pass = 2 + shared_expert_collectives(model)
+    # per block two collectives forward (attention, MLP) and two backward; at ep > 1 the routed MLP exchanges its
+    # rows over the EP group instead of the tokens over TP, so the attention's alone; a shared expert beside the
+    # routed ones (split over TP as the dense MLP, at any ep) adds one each way, its input gathered, its output reduced
+    per_pass = (2 if cand.ep_size == 1 else 1) + shared_expert_collectives(model)
     block_units = 2 * per_pass * n + per_pass * recomputed
     routed = routed_comm_s(model, cluster, cand, n, recomputed)
+    ep = ep_comm_s(model, cluster, cand, n, recomputed)
 
     p2p = 0.0
     if cand.pp > 1:
@@ -356,14 +395,14 @@ def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, whe
     block_w = n * matmul_s(linears, cluster)
     logits_w = matmul_s((logits,), cluster)
     if where == "middle":  # no vocabulary-parallel layer: only the blocks' collectives
-        return StageTime(block_s, block_units * unit + routed, p2p, scores, block_flops, passes, cp, block_w)
+        return StageTime(block_s, block_units * unit + routed, p2p, scores, block_flops, passes, cp, block_w, ep)
     tp_comm = (block_units + 1) * unit + routed
     if where == "first":
-        return StageTime(block_s, tp_comm, p2p, scores, block_flops, passes, cp, block_w)
+        return StageTime(block_s, tp_comm, p2p, scores, block_flops, passes, cp, block_w, ep)
     if cand.pp == 1:  # the whole model: the embedding's and the output layer's collectives, no pipeline sends
         tp_comm, p2p = (block_units + 2) * unit + routed, 0.0
     compute, flops = block_s + logits_s, block_flops + logits_flops
-    return StageTime(compute, tp_comm, p2p, scores, flops, passes, cp, block_w + logits_w)
+    return StageTime(compute, tp_comm, p2p, scores, flops, passes, cp, block_w + logits_w, ep)
 
 
 def stage_blocks(model: ModelShape, cand: Candidate) -> int:
@@ -385,12 +424,25 @@ def dp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate) -> float:
     """Gradient all-reduce (+ ZeRO-1 weight all-gather) over DeepSpeed's data axis, dp x cp (the CP ranks hold the
     same weights, so their gradients are averaged with the data-parallel ones) and, for tied embeddings split over
     first and last stage, their all-reduce; not overlapped."""
-    params = max(rank_param_counts(model, cand))
     ranks = cand.dp * cand.cp
     gbps, latency = link(cluster, cand.tp * ranks > cluster.gpus_per_node)
-    total = ring_s(GRAD_REDUCE_BYTES * params, ranks, gbps, latency)
-    if cand.zero == 1:
-        total += ring_s(WEIGHT_BYTES * params, ranks, gbps, latency, passes=1)
+    if cand.ep_size == 1:
+        params = max(rank_param_counts(model, cand))
+        total = ring_s(GRAD_REDUCE_BYTES * params, ranks, gbps, latency)
+        if cand.zero == 1:
+            total += ring_s(WEIGHT_BYTES * params, ranks, gbps, latency, passes=1)
+    else:  # the experts over their expert-DP group (which spans the stage's tp x cp x dp ranks), the rest as above
+        experts_dp = expert_dp_size(cand)
+        per_block = block_expert_param_count(model, cand)
+        total = 0.0
+        for params, blocks in zip(rank_param_counts(model, cand), rank_block_counts(model, cand)):
+            experts = blocks * per_block
+            rank = ring_s(GRAD_REDUCE_BYTES * (params - experts), ranks, gbps, latency)
+            rank += ring_s(GRAD_REDUCE_BYTES * experts, experts_dp, gbps, latency)
+            if cand.zero == 1:
+                rank += ring_s(WEIGHT_BYTES * (params - experts), ranks, gbps, latency, passes=1)
+                rank += ring_s(WEIGHT_BYTES * experts, experts_dp, gbps, latency, passes=1)
+            total = max(total, rank)
     total *= 1.0 - DP_OVERLAP
     # DualPipeV's rank 0 holds both ends: a tied embedding is one module there, with nothing to all-reduce.
     if cand.pp > 1 and model.tie_word_embeddings and not pipeline_schedule(cand.schedule).loss_on_first_rank:
@@ -410,10 +462,12 @@ def job_flops(model: ModelShape, global_batch_size: int, cand: Candidate | None 
     return _executed_flops(model, global_batch_size, policy, recomputed, modules)
 
 
-@functools.lru_cache(maxsize=1024)  # a search asks for a few policies of one model and batch, thousands of times
+@functools.lru_cache(maxsize=1024)
 def _executed_flops(
     m: ModelShape, global_batch_size: int, policy: str, recomputed: int | None, modules: tuple[str, ...]
 ) -> float:
+    """``job_flops``' count, once per model, batch and recompute (a search asks for the same few thousands of times;
+    a routed family's terms read its config)."""
     args = (global_batch_size, m.seq_length, m.num_layers, m.hidden_size, m.vocab_size, policy, recomputed)
     return executed_flops_per_step(*args, recompute_modules=modules, **block_fields(m))
 
@@ -447,4 +501,5 @@ def step_time(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch
         recompute_passes_s=slots * slowest.recompute_passes_s,
         cp_comm_s=slots * slowest.cp_comm_s,
         schedule=cand.schedule,
+        ep_comm_s=slots * slowest.ep_comm_s,
     )

@@ -8,6 +8,7 @@ import difflib
 import math
 
 from ds_megatron.config import ConfigError, ModelShape
+from ds_megatron.config.ep_rules import check_ep_model, check_num_experts
 from ds_megatron.config.numbers import check_finite
 from ds_megatron.config.rules import check_batch_split, check_core_attn, check_tp_fits, check_zero_stage
 from ds_megatron.config.schema import ATTENTION_KERNELS, RECOMPUTE_MODULES, RECOMPUTE_POLICIES
@@ -47,9 +48,15 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
     pinned = {"--tp": pins.tp, "--pp": pins.pp, "--dp": pins.dp, "--micro-batch-size": pins.micro_batch_size}
     if pins.cp is not None:
         pinned["--cp"] = pins.cp
+    if pins.ep is not None:
+        pinned["--ep"] = pins.ep
     for flag, value in pinned.items():
         if value is not None:
             check_positive(flag, value, "1")
+    if pins.ep is not None:  # the rules of config.ep_rules that need no layout
+        check_ep_model(pins.ep, model.num_experts, model.family)
+        if model.num_experts:
+            check_num_experts(model.num_experts, pins.ep)
     if pins.tp is not None:
         _check_tp(model, cluster, pins)
     if pins.pp is not None and pins.pp > model.num_layers:

@@ -17,6 +17,7 @@ from ds_megatron.tune.core import memory_model
 from ds_megatron.tune.core.cli import write_output
 from ds_megatron.tune.core.memory_model import total_param_count
 from ds_megatron.tune.training import time_model
+from ds_megatron.tune.training.ep_rules import written_precision
 from ds_megatron.tune.training.search import Evaluation, SearchResult
 
 MODEL_KEYS = ("size", "family", *SHAPE_FIELDS, "vocab_size", "seq_length")  # the JSON's model, in this order
@@ -90,9 +91,7 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
         "train_micro_batch_size_per_gpu": c.micro_batch_size,
         "gradient_accumulation_steps": c.num_micro_batches,
         "gradient_clipping": 1.0,
-        "bf16": {"enabled": True},
-        "data_types": {"grad_accum_dtype": "fp32"},
-        "zero_optimization": {"stage": c.zero},
+        **written_precision(c.zero),  # bf16, fp32 gradient accumulation, the candidate's ZeRO stage
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": m.learning_rate, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
@@ -104,6 +103,7 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
                 **({"cp": c.cp, "cp_comm": c.cp_comm} if c.cp > 1 else {}),  # a cp 1 config is written as before
                 "pp": c.pp,
                 "sequence_parallel": c.sequence_parallel,
+                **({"ep": c.ep} if c.ep is not None else {}),  # a routed family's, 1 included
                 # a 1f1b config is written as before the tuner knew schedules (1f1b is the loader's default)
                 **({"pipeline_schedule": c.schedule} if c.schedule != DEFAULT_SCHEDULE.name else {}),
                 **({"virtual_stages": c.virtual_stages} if c.virtual_stages is not None else {}),
