@@ -55,6 +55,12 @@ def check_tp_fits(shape: Any, tp: int, words: Vocabulary, choices: list[int] | N
         )
 
 
+# The overlapped data-parallel reduction's bucket (parallel.overlap_grad_reduce, pipeline_parallel.grad_reduce), which
+# the tuner's time model times too: 4M elements (16 MiB of fp32) per all-reduce, large enough for bandwidth, small
+# enough to start while the backward of earlier layers still runs (torch DDP's default bucket is 25 MiB, Megatron-LM's
+# 40M elements).
+GRAD_REDUCE_BUCKET_ELEMENTS = 2**22
+
 # Every ds_megatron run is a DeepSpeed PipelineModule, at pp 1 too, and DeepSpeed's PipelineEngine asserts a ZeRO
 # stage below 2 in its constructor ("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism", deepspeed
 # 0.19.8), on every rank inside deepspeed.initialize.

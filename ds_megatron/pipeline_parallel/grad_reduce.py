@@ -42,9 +42,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule
 
-# 4M elements (16 MiB of fp32) per all-reduce: large enough for bandwidth, small enough to start while the backward
-# of earlier layers still runs (torch DDP's default bucket is 25 MiB, Megatron-LM's 40M elements)
-BUCKET_ELEMENTS = 2**22
+from ds_megatron.config.rules import GRAD_REDUCE_BUCKET_ELEMENTS as BUCKET_ELEMENTS  # read at use: tests shrink it
 
 
 def overlap_refusal(engine) -> str | None:

@@ -1,6 +1,7 @@
 """The benchmarks' own pieces at tiny shapes, in-process: gemm_floor.py's recorder sees every matmul and attention
 call of a training step (forward and backward), the replay runs them and the per-op CPU timer stays within the
-step; throughput_peers.py's PyTorch-native TP + SP peer computes the unsharded model's loss at tp 2 (gloo)."""
+step; throughput_peers.py's PyTorch-native TP + SP peer computes the unsharded model's loss at tp 2 (gloo);
+dh_layout.py's two layouts compute the same loss and gradients."""
 
 from __future__ import annotations
 
@@ -102,3 +103,32 @@ def test_pytorch_native_peer_trains_tiny_at_tp2():
 
     reports = spawn_reports(_peer_rank, 2)
     assert all(r == {"sdpa": "ok"} for r in reports), reports
+
+
+def test_dh_layout_compares_the_same_gradients_in_both_layouts():
+    """dh_layout.py's A/B: each loss path run with W as stored and with the column-major copy gives the loss and
+    gradients of the plain path (the same products; bit-equal on the hosts measured, to rounding here), and the
+    fused variant leaves the package's dh_operand as it found it."""
+    import dh_layout
+
+    from ds_megatron.tensor_parallel import fused_cross_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(24, 1, 16, dtype=torch.bfloat16)
+    weight = (torch.randn(40, 16) * 0.25).to(torch.bfloat16)
+    target = torch.randint(0, 40, (24, 1))
+    shipped = fused_cross_entropy.dh_operand
+    for path in (dh_layout.unfused, dh_layout.fused):
+        _, (loss_a, dh_a, dw_a) = dh_layout.run(path, hidden, weight, target, False)
+        _, (loss_b, dh_b, dw_b) = dh_layout.run(path, hidden, weight, target, True)
+        assert fused_cross_entropy.dh_operand is shipped
+        assert torch.equal(loss_a, loss_b) and torch.equal(dw_a, dw_b)
+        torch.testing.assert_close(dh_a, dh_b, rtol=0, atol=2**-8 * dh_a.abs().max().item())
+    h = hidden.float().requires_grad_()
+    w = weight.float().requires_grad_()
+    F.cross_entropy(F.linear(h, w).flatten(0, 1), target.flatten()).backward()
+    _, (loss, dh, dw) = dh_layout.run(dh_layout.unfused, hidden, weight, target, True)
+    reference = F.cross_entropy(F.linear(h, w).flatten(0, 1), target.flatten()).detach()
+    torch.testing.assert_close(loss, reference, rtol=1e-3, atol=0)  # bf16 logits against fp32 ones
+    torch.testing.assert_close(dh.float(), h.grad, rtol=0.02, atol=1e-3)
+    torch.testing.assert_close(dw.float(), w.grad, rtol=0.02, atol=1e-3)

@@ -125,6 +125,11 @@ class Candidate:
     # Expert parallelism (ds_megatron.parallel.ep) of a routed family: each routed block's experts split over EP
     # groups of ep ranks (config.ep_rules), whole experts per rank; None for a dense model (nothing to split).
     ep: int | None = None
+    # ds_megatron.parallel.overlap_grad_reduce: the data-parallel reduction started per bucket during the step's last
+    # backward work (the default; the time model hides part of it: tune.training.time_model.dp_comm_s).  The tuner's
+    # configs are bf16 on DeepSpeed's BF16 optimizer (ZeRO 0 or 1) with fp32 reduction, which the overlap always
+    # takes; False describes a run made with the setting off (calibrating against one, say).
+    overlap_grad_reduce: bool = True
 
     def __post_init__(self) -> None:
         modules = tuple(self.recompute_modules)
@@ -168,6 +173,8 @@ class Candidate:
             **({"pipeline_schedule": self.schedule} if self.schedule != DEFAULT_SCHEDULE.name else {}),
             **({"virtual_stages": self.virtual_stages} if self.virtual_stages is not None else {}),
             **({"pipeline_layout": list(self.pipeline_layout)} if self.pipeline_layout is not None else {}),
+            # only when off: a record with the overlap on (the default) is what it was before the tuner modelled it
+            **({} if self.overlap_grad_reduce else {"overlap_grad_reduce": False}),
         }
 
 

@@ -1,6 +1,6 @@
 """Predicted time of one optimizer step of a candidate:
 
-    step = slots * t_mb + t_dp * (1 - DP_OVERLAP) + t_tied + overhead
+    step = slots * t_mb + t_dp + t_tied + overhead
 
 slots is the pipeline schedule's critical path in micro-batches (``schedule_slots``): m + p - 1 under 1F1B.
 
@@ -8,20 +8,22 @@ t_mb is one micro-batch's forward and backward on the slowest stage: its matmuls
 kernel's memory-bound score passes, the elementwise passes selective recompute runs again, the TP collectives (ring
 model: latency + volume / bandwidth), the pipeline sends, with cp > 1, the CP exchange not hidden behind the
 attention (``cp_comm_s``) and, for a routed family at ep > 1, the dispatch and combine all-to-alls
-(``ep_comm_s``).  Each term is derived in docs/tuner.md, "Time model", "Long sequences" and "Expert parallelism".
-Pure Python."""
+(``ep_comm_s``).  t_dp is the data-parallel reduction the last backward does not hide (``dp_comm_s``).  Each term
+is derived in docs/tuner.md, "Time model", "Long sequences" and "Expert parallelism".  Pure Python."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
+from ds_megatron.config.rules import GRAD_REDUCE_BUCKET_ELEMENTS
 from ds_megatron.config.schema import pipeline_schedule
 from ds_megatron.flops import block_fields, executed_flops_per_step
 from ds_megatron.memory import ring_dkv_hop_bytes
-from ds_megatron.model import FAMILIES
+from ds_megatron.model import FAMILIES, family_of
 from ds_megatron.pipeline_parallel.schedules import DEFAULT as DEFAULT_SCHEDULE
 from ds_megatron.tune.core.links import all_to_all_s, link, ring_s
 from ds_megatron.tune.core.matmuls import block_matmuls, core_attention_matmuls, logits_matmul, matmul_s
@@ -41,11 +43,6 @@ from ds_megatron.tune.core.spec import Candidate, Cluster
 from ds_megatron.tune.training import schedules
 
 GRAD_REDUCE_BYTES = 4  # DeepSpeed's BF16 optimizer reduces the fp32 gradient copies (grad_accum_dtype fp32)
-# The share of the data-parallel reduction counted as hidden behind compute: none.  DeepSpeed's PipelineEngine reduces
-# after the step's last backward; ds_megatron's parallel.overlap_grad_reduce (on by default) starts each bucket during
-# that backward, which hides at most one micro-batch's backward of the stage and is not yet modelled here (measured
-# on CPU only: benchmarks/results/dp_overlap.md), so the prediction stays the upper bound.
-DP_OVERLAP = 0.0
 
 # The eager kernel's passes over the [b, a/t, s, s] scores, (op, bytes read, bytes written) per score: the model runs
 # each as its own kernel over the whole tensor, so they are bound by HBM bandwidth; sdpa keeps the scores on chip.
@@ -118,6 +115,7 @@ class StageTime:
     cp_comm_s: float = 0.0  # the CP exchange (ring hops, a2a all-to-alls) not hidden behind compute
     weight_grad_s: float = 0.0  # the W share of compute_s: the weight-gradient GEMMs of the linears (ZB-H1 defers)
     ep_comm_s: float = 0.0  # the routed blocks' dispatch and combine all-to-alls over the EP group (0 at ep 1)
+    forward_s: float = 0.0  # the forward's share of compute_s (its matmuls once; recomputed forwards run in backward)
 
     @property
     def total_s(self) -> float:
@@ -337,9 +335,12 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
     return stage_time(model, cluster, cand, n_first, "first"), stage_time(model, cluster, cand, n_last, "last")
 
 
-def slowest_stage(model: ModelShape, cluster: Cluster, cand: Candidate) -> StageTime:
-    """The stage whose micro-batch takes longest: the first or the last, or under an uneven layout a middle one."""
-    first, last = stage_times(model, cluster, cand)
+def slowest_stage(
+    model: ModelShape, cluster: Cluster, cand: Candidate, ends: tuple[StageTime, StageTime] | None = None
+) -> StageTime:
+    """The stage whose micro-batch takes longest: the first or the last, or under an uneven layout a middle one.
+    ``ends``: ``stage_times``' result, when already computed."""
+    first, last = ends or stage_times(model, cluster, cand)
     stages = [first, last]
     if cand.pipeline_layout is not None and cand.pp > 2:
         stages.append(stage_time(model, cluster, cand, max(cand.pipeline_layout[1:-1]), "middle"))
@@ -357,7 +358,8 @@ def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, whe
     linears, core = expert_matmuls(model, cand), core_attention_matmuls(model, cand)
     block = linears + core
     block_runs, core_reruns = 3 * n + recomputed, n if recomputes_core(cand) else 0
-    block_s = block_runs * matmul_s(block, cluster) + core_reruns * matmul_s(core, cluster)
+    block_once = matmul_s(block, cluster)
+    block_s = block_runs * block_once + core_reruns * matmul_s(core, cluster)
     block_s += recomputed_experts_s(model, cluster, cand, n)
     block_flops = block_runs * sum(op.flops for op in block) + core_reruns * sum(op.flops for op in core)
     logits = logits_matmul(model, cand)
@@ -395,14 +397,16 @@ def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, whe
     block_w = n * matmul_s(linears, cluster)
     logits_w = matmul_s((logits,), cluster)
     if where == "middle":  # no vocabulary-parallel layer: only the blocks' collectives
-        return StageTime(block_s, block_units * unit + routed, p2p, scores, block_flops, passes, cp, block_w, ep)
+        return StageTime(
+            block_s, block_units * unit + routed, p2p, scores, block_flops, passes, cp, block_w, ep, n * block_once
+        )
     tp_comm = (block_units + 1) * unit + routed
     if where == "first":
-        return StageTime(block_s, tp_comm, p2p, scores, block_flops, passes, cp, block_w, ep)
+        return StageTime(block_s, tp_comm, p2p, scores, block_flops, passes, cp, block_w, ep, n * block_once)
     if cand.pp == 1:  # the whole model: the embedding's and the output layer's collectives, no pipeline sends
         tp_comm, p2p = (block_units + 2) * unit + routed, 0.0
-    compute, flops = block_s + logits_s, block_flops + logits_flops
-    return StageTime(compute, tp_comm, p2p, scores, flops, passes, cp, block_w + logits_w, ep)
+    compute, flops, forward = block_s + logits_s, block_flops + logits_flops, n * block_once + logits_s / 3
+    return StageTime(compute, tp_comm, p2p, scores, flops, passes, cp, block_w + logits_w, ep, forward)
 
 
 def stage_blocks(model: ModelShape, cand: Candidate) -> int:
@@ -420,30 +424,125 @@ def schedule_slots(cand: Candidate, slowest: StageTime) -> tuple[float, float]:
     return schedules.critical_path(cand, slowest.total_s, slowest.weight_grad_s)
 
 
-def dp_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate) -> float:
+def grad_reduce_overlapped(cand: Candidate) -> bool:
+    """Whether the candidate's run reduces its data-parallel gradients during the last backward work
+    (``parallel.overlap_grad_reduce``): the setting on and a data axis (dp x cp) of more than one rank.  What makes
+    a run fall back to DeepSpeed's reduction (``pipeline_parallel.grad_reduce.overlap_refusal``: ZeRO's own
+    optimizer, the fp16 optimizer, a reduction in another dtype than fp32) is never in the tuner's configs: bf16 on
+    DeepSpeed's BF16 optimizer at ZeRO 0 or 1, reduced in fp32 (``written.ds_config``)."""
+    return cand.overlap_grad_reduce and cand.dp * cand.cp > 1
+
+
+def overlapped_reduce_s(
+    params: int,
+    trailing: int,
+    window_s: float,
+    bucket_s: Callable[[int], float],
+    bucket: int = GRAD_REDUCE_BUCKET_ELEMENTS,
+) -> float:
+    """Seconds one rank's overlapped data-parallel reduction lasts past the end of its last backward work.
+
+    The rank's ``params`` gradients, in the order the overlap buckets them (the parameters' reverse order: roughly
+    the order backward finishes them), are cut into buckets of ``bucket`` elements.  The first ``params - trailing``
+    become final at an even rate over ``window_s`` (the last micro-batch's backward compute on the rank: a bucket's
+    share of the parameters is its share of the backward); the last ``trailing`` at its end (the embedding, whose
+    gradient is the backward's last op, and a tied weight, reduced after its tied sum).  A bucket starts once its
+    gradients are final and the bucket before it is done (one link, one reduction at a time) and takes
+    ``bucket_s(elements)``.  With a = bucket / (params - trailing) x window, the backward per bucket, and
+    d = bucket_s(bucket), the B whole buckets before the trailing part are done at a + (B - 1) max(a, d) + d; the
+    rest start at the window's end at the earliest, one after another.  So
+
+        exposed = max(a + (B - 1) max(a, d) + d, window) - window + (the rest's bucket times).
+
+    With nothing trailing and d <= a, that is d: all but the last bucket's share hides under the backward; with
+    d > a, the whole reduction less the backward it ran under, T - (B - 1) a.  docs/tuner.md, "Time model", DP."""
+    early = params - trailing
+    whole = early // bucket if window_s > 0 else 0  # whole buckets of gradients final before the window's end
+    rest = params - whole * bucket
+    done = window_s
+    if whole:
+        a, d = bucket / early * window_s, bucket_s(bucket)
+        done = max(a + (whole - 1) * max(a, d) + d, window_s)
+    full, part = divmod(rest, bucket)
+    return done - window_s + full * bucket_s(bucket) + (bucket_s(part) if part else 0.0)
+
+
+def last_backward_s(cand: Candidate, stage: StageTime) -> float:
+    """The compute of a rank's last gradient pass of the step, over which its gradients become final: the stage's
+    backward (its micro-batch compute less the forward; recomputed forwards run inside the backward), or under a
+    schedule that defers the weight gradients the W pass."""
+    if pipeline_schedule(cand.schedule).deferred_weight_grads:
+        return stage.weight_grad_s
+    return stage.compute_s - stage.forward_s
+
+
+def reduced_ranks(
+    model: ModelShape, cluster: Cluster, cand: Candidate, ends: tuple[StageTime, StageTime] | None = None
+) -> list[tuple[int, int, float]]:
+    """(parameters, of them trailing, last backward in s) of the first and the last pipeline rank (one at p = 1), for
+    ``overlapped_reduce_s``.  Trailing: the embedding (and a GPT's position table) on the rank holding it, and a tied
+    output layer's copy on the last stage.  ``ends``: ``stage_times``' result, when already computed."""
+    first_params, last_params = rank_param_counts(model, cand)
+    first, last = ends or stage_times(model, cluster, cand)
+    h = model.hidden_size
+    embedding = padded_vocab_size(model.vocab_size, cand.tp) * h // cand.tp
+    head = embedding + (model.seq_length * h if family_of(model).layout.positions else 0)
+    if cand.pp == 1:
+        return [(first_params, head, last_backward_s(cand, last))]
+    if pipeline_schedule(cand.schedule).loss_on_first_rank:  # rank 0 holds both ends (one tied module)
+        return [
+            (first_params, head, last_backward_s(cand, last)),
+            (last_params, 0, last_backward_s(cand, first)),
+        ]
+    tied = embedding if model.tie_word_embeddings else 0
+    return [
+        (first_params, head, last_backward_s(cand, first)),
+        (last_params, tied, last_backward_s(cand, last)),
+    ]
+
+
+def dp_comm_s(
+    model: ModelShape, cluster: Cluster, cand: Candidate, ends: tuple[StageTime, StageTime] | None = None
+) -> float:
     """Gradient all-reduce (+ ZeRO-1 weight all-gather) over DeepSpeed's data axis, dp x cp (the CP ranks hold the
     same weights, so their gradients are averaged with the data-parallel ones) and, for tied embeddings split over
-    first and last stage, their all-reduce; not overlapped."""
+    first and last stage, their all-reduce: what the step waits for after its last backward.  With the overlap
+    (``grad_reduce_overlapped``) the reduction of each end rank is ``overlapped_reduce_s`` and the slower rank's
+    counts (the later stages' earlier finish in the pipeline's drain is not counted: an upper bound); without it,
+    DeepSpeed's one reduction after the step, whole.  At ep > 1 the experts' gradients are reduced over their
+    expert-DP group (which spans the stage's tp x cp x dp ranks) after the rest (the overlap buckets them last),
+    not hidden.  The weight all-gather follows the optimizer step, never hidden.  ``ends``: ``stage_times``'
+    result, when already computed."""
     ranks = cand.dp * cand.cp
     gbps, latency = link(cluster, cand.tp * ranks > cluster.gpus_per_node)
+
+    def bucket_s(elements: int) -> float:
+        return ring_s(GRAD_REDUCE_BYTES * elements, ranks, gbps, latency)
+
+    overlapped = grad_reduce_overlapped(cand)
     if cand.ep_size == 1:
         params = max(rank_param_counts(model, cand))
-        total = ring_s(GRAD_REDUCE_BYTES * params, ranks, gbps, latency)
+        if overlapped:
+            total = max(overlapped_reduce_s(p, t, w, bucket_s) for p, t, w in reduced_ranks(model, cluster, cand, ends))
+        else:
+            total = bucket_s(params)
         if cand.zero == 1:
             total += ring_s(WEIGHT_BYTES * params, ranks, gbps, latency, passes=1)
-    else:  # the experts over their expert-DP group (which spans the stage's tp x cp x dp ranks), the rest as above
-        experts_dp = expert_dp_size(cand)
-        per_block = block_expert_param_count(model, cand)
+    else:
+        experts_dp, per_block = expert_dp_size(cand), block_expert_param_count(model, cand)
+        windows = reduced_ranks(model, cluster, cand, ends) if overlapped else []
         total = 0.0
-        for params, blocks in zip(rank_param_counts(model, cand), rank_block_counts(model, cand)):
+        for i, (params, blocks) in enumerate(zip(rank_param_counts(model, cand), rank_block_counts(model, cand))):
             experts = blocks * per_block
-            rank = ring_s(GRAD_REDUCE_BYTES * (params - experts), ranks, gbps, latency)
-            rank += ring_s(GRAD_REDUCE_BYTES * experts, experts_dp, gbps, latency)
+            dense = params - experts
+            if overlapped and i >= len(windows):  # one rank at pp 1
+                break
+            rank = overlapped_reduce_s(dense, windows[i][1], windows[i][2], bucket_s) if overlapped else bucket_s(dense)
+            rank += ring_s(GRAD_REDUCE_BYTES * experts, experts_dp, gbps, latency) if experts else 0.0
             if cand.zero == 1:
-                rank += ring_s(WEIGHT_BYTES * (params - experts), ranks, gbps, latency, passes=1)
-                rank += ring_s(WEIGHT_BYTES * experts, experts_dp, gbps, latency, passes=1)
+                rank += ring_s(WEIGHT_BYTES * dense, ranks, gbps, latency, passes=1)
+                rank += ring_s(WEIGHT_BYTES * experts, experts_dp, gbps, latency, passes=1) if experts else 0.0
             total = max(total, rank)
-    total *= 1.0 - DP_OVERLAP
     # DualPipeV's rank 0 holds both ends: a tied embedding is one module there, with nothing to all-reduce.
     if cand.pp > 1 and model.tie_word_embeddings and not pipeline_schedule(cand.schedule).loss_on_first_rank:
         embedding = padded_vocab_size(model.vocab_size, cand.tp) * model.hidden_size / cand.tp
@@ -480,9 +579,10 @@ def ranked_step(step_s: float) -> float:
 
 def step_time(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch_size: int) -> StepTime:
     """Predicted step time, tokens/s, MFU and HFU of ``cand``."""
-    slowest = slowest_stage(model, cluster, cand)
+    ends = stage_times(model, cluster, cand)
+    slowest = slowest_stage(model, cluster, cand, ends)
     slots, bubble = schedule_slots(cand, slowest)
-    dp = dp_comm_s(model, cluster, cand)
+    dp = dp_comm_s(model, cluster, cand, ends)
     step = slots * slowest.total_s + dp + cluster.step_overhead_s
     capacity = step * cluster.peak_flops * cluster.num_gpus
     return StepTime(

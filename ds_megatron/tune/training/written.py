@@ -9,6 +9,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ds_megatron.config.rules import GRAD_REDUCE_BUCKET_ELEMENTS
 from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, DEFAULT_VOCAB_MULTIPLE
 from ds_megatron.config.shape import DEFAULT_ROPE_THETA, SHAPE_FIELDS
 from ds_megatron.model import family_of
@@ -49,7 +50,8 @@ def to_json(result: SearchResult) -> dict:
             "memory_margin_fraction": memory_model.MARGIN_FRACTION,
             "memory_margin_bytes": memory_model.MARGIN_BYTES,
             "vocab_multiple": DEFAULT_VOCAB_MULTIPLE,
-            "dp_overlap": time_model.DP_OVERLAP,
+            # the overlapped data-parallel reduction's bucket (time_model.dp_comm_s; 0 reductions hidden when off)
+            "dp_overlap_bucket_elements": GRAD_REDUCE_BUCKET_ELEMENTS,
             "grad_reduce_bytes_per_param": time_model.GRAD_REDUCE_BYTES,
             "intra_node_latency_s": cl.intra_node_latency_s,
             "inter_node_latency_s": cl.inter_node_latency_s,
@@ -109,6 +111,7 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
                 **({"virtual_stages": c.virtual_stages} if c.virtual_stages is not None else {}),
                 # written only when uneven (tune.training.layout): the loader's default is the even split
                 **({"pipeline_layout": list(c.pipeline_layout)} if c.pipeline_layout is not None else {}),
+                **({} if c.overlap_grad_reduce else {"overlap_grad_reduce": False}),  # on: the loader's default
             },
             "recompute": recompute,
         },
