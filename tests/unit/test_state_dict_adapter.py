@@ -56,6 +56,13 @@ PUBLISHED = {
 }
 
 
+# The batch the logits are compared on, drawn from its own generator (not the process's RNG, which earlier tests
+# move): with random tiny weights 2 of 8 seeds put a token's k-th and (k+1)-th experts within fp32 rounding of each
+# other, where ours and transformers' routers may pick differently (logits then ~2.6e-4 apart, the probability gap
+# times the two experts' difference); seed 0 has no such tie.
+IDS_SEED = 0
+
+
 def _model_and_dir(name: str, tmp_path):
     """Our model (random weights) and a transformers directory of its state dict in the published layout."""
     cfg = CONFIGS[name]()
@@ -89,7 +96,7 @@ def test_moe_state_dict_round_trip_through_transformers(name, tmp_path):
     assert all(torch.equal(theirs[k], state[k]) for k in state), [
         k for k in state if not torch.equal(theirs[k], state[k])
     ]
-    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(IDS_SEED))
     with torch.no_grad():  # and computes what ours computes
         torch.testing.assert_close(loaded(input_ids=ids).logits, ours(ids), atol=1e-4, rtol=1e-4)
     # what transformers writes by default is what the adapter writes; both it and the stacked layout read back
