@@ -436,15 +436,15 @@ def tuner_rows() -> list[str]:
             cand = Candidate(
                 tp=p["tp"], pp=p["pp"], dp=dp, sequence_parallel=False, micro_batch_size=p["mbs"],
                 num_micro_batches=p["gbs"] // (dp * p["mbs"]), recompute="none", attention="sdpa", zero=1,
-                schedule=schedule, virtual_stages=vp,
+                schedule=schedule, virtual_stages=vp, ep=p["ep"],
             )  # fmt: skip
             t = step_time(model, cluster, cand, p["gbs"])
             per_gpu = t.tokens_per_s / p["gpus"]
             rows.append(
-                f"| published layout at ep 1 ({label}) | tp {p['tp']} pp {p['pp']} dp {dp} b {p['mbs']}, {schedule}"
+                f"| published layout ({label}) | tp {p['tp']} pp {p['pp']} dp {dp} ep {p['ep']} b {p['mbs']}, {schedule}"
                 f"{f' v {vp}' if vp else ''}, no recompute, sdpa | {cluster.peak_flops / 1e12:.0f} | {per_gpu:,.0f} | "
                 f"{p['tokens_per_gpu']:,} | {relative_gap(per_gpu, p['tokens_per_gpu']):+.0%} | "
-                f"{t.mfu * cluster.peak_flops / 1e12:.0f} | does not fit at ep 1 (see below) |"
+                f"{t.mfu * cluster.peak_flops / 1e12:.0f} | pinned |"
             )
         result = search(model, cluster, p["gbs"], Pins())
         best = result.ranked[0] if result.ranked else None
@@ -452,7 +452,7 @@ def tuner_rows() -> list[str]:
             c, t = best.candidate, best.time
             per_gpu = t.tokens_per_s / p["gpus"]
             rows.append(
-                f"| the tuner's best ep 1 layout ({label}) | tp {c.tp} pp {c.pp} dp {c.dp} b {c.micro_batch_size}, "
+                f"| the tuner's best layout ({label}) | tp {c.tp} pp {c.pp} dp {c.dp} ep {c.ep_size} b {c.micro_batch_size}, "
                 f"SP {'on' if c.sequence_parallel else 'off'}, {c.schedule}, {c.recompute_label()}, {c.attention} | "
                 f"{cluster.peak_flops / 1e12:.0f} | {per_gpu:,.0f} | {p['tokens_per_gpu']:,} | "
                 f"{relative_gap(per_gpu, p['tokens_per_gpu']):+.0%} | {t.mfu * cluster.peak_flops / 1e12:.0f} | "
