@@ -441,7 +441,8 @@ def tuner_rows() -> list[str]:
             t = step_time(model, cluster, cand, p["gbs"])
             per_gpu = t.tokens_per_s / p["gpus"]
             rows.append(
-                f"| published layout ({label}) | tp {p['tp']} pp {p['pp']} dp {dp} ep {p['ep']} b {p['mbs']}, {schedule}"
+                f"| published layout ({label}) | tp {p['tp']} pp {p['pp']} dp {dp} ep {p['ep']} b {p['mbs']}, "
+                f"{schedule}"
                 f"{f' v {vp}' if vp else ''}, no recompute, sdpa | {cluster.peak_flops / 1e12:.0f} | {per_gpu:,.0f} | "
                 f"{p['tokens_per_gpu']:,} | {relative_gap(per_gpu, p['tokens_per_gpu']):+.0%} | "
                 f"{t.mfu * cluster.peak_flops / 1e12:.0f} | pinned |"
@@ -452,7 +453,8 @@ def tuner_rows() -> list[str]:
             c, t = best.candidate, best.time
             per_gpu = t.tokens_per_s / p["gpus"]
             rows.append(
-                f"| the tuner's best layout ({label}) | tp {c.tp} pp {c.pp} dp {c.dp} ep {c.ep_size} b {c.micro_batch_size}, "
+                f"| the tuner's best layout ({label}) | tp {c.tp} pp {c.pp} dp {c.dp} ep {c.ep_size} "
+                f"b {c.micro_batch_size}, "
                 f"SP {'on' if c.sequence_parallel else 'off'}, {c.schedule}, {c.recompute_label()}, {c.attention} | "
                 f"{cluster.peak_flops / 1e12:.0f} | {per_gpu:,.0f} | {p['tokens_per_gpu']:,} | "
                 f"{relative_gap(per_gpu, p['tokens_per_gpu']):+.0%} | {t.mfu * cluster.peak_flops / 1e12:.0f} | "

@@ -97,9 +97,16 @@ BF16_CASES = [f"{layout}-{p}-ep{ep}" for layout in BF16_LAYOUTS for p in ("bf16"
 # bf16, then summed), ep 2 holds whole experts, and the bf16 differences move a few tokens across near-tied routing
 # decisions.  Measured (relative norm of the update difference, worst expert tensor): ep 2 against ep 1 at tp 2 + SP
 # 1.24e-1 (1.25e-1 at dp 2); the two ep 1 layouts against each other (tp 2 + SP against dp 2) 9.7e-2, the same
-# order.  A wrong partition or gradient scale moves it to ~1.  At dp 2 both runs compute the same dense math:
-# BF16_TOLERANCE holds there for the largest element (measured 9.2e-3 of the largest update).
+# order.  A wrong partition or gradient scale moves it to ~1.
 SP_EXPERT_UPDATE_TOLERANCE = 0.25
+# At dp 2 (and pp 2 x dp 2) both runs compute the same dense math, but ep 2 runs each expert's grouped GEMM over
+# both ranks' tokens at once where ep 1 runs two halves and sums them in fp32: the bf16 roundings differ, and by
+# step 2 a few tokens of the later blocks cross near-tied routing decisions.  Measured (relative norm of the update
+# difference, worst expert tensor; 2026-12-02, a host with AVX512-BF16): bf16 at ZeRO 0 4.3e-3 in every block,
+# bf16 + ZeRO-1 2.8e-3 in the first routed block and up to 2.2e-2 (dp 2) and 3.9e-2 (pp 2) in the later ones, whose
+# largest single elements (0.05-0.12 of the largest update) are those tokens; an earlier host without native bf16
+# measured 9.2e-3 for the largest element.  A wrong partition or gradient scale moves the norm to ~1.
+DENSE_EXPERT_UPDATE_TOLERANCE = 0.1
 # workers/ep_training.py's checkpoint runs on the BF16 optimizer: every one on bf16 + ZeRO-1 (what users run), and at
 # ZeRO 0 (bf16 accumulation; the optimizer's state also in the model-state file) the ep 2 save resumed at ep 2 and 1
 CHECKPOINT_RUNS = {
@@ -169,11 +176,11 @@ def _check_against_ep1(case: str, got: dict, want: dict, dense_math_equal: bool)
     updates, ref = _expert_updates(got), _expert_updates(want)
     for name, delta in ref.items():
         diff = updates[name] - delta
+        worst, relative = float(diff.abs().max() / delta.abs().max()), float(diff.norm() / delta.norm())
+        print(f"{case} {name}: largest element {worst:.3e}, relative norm {relative:.3e}")
         if dense_math_equal:
-            worst = float(diff.abs().max() / delta.abs().max())
-            assert worst <= BF16_TOLERANCE, (case, name, worst)
+            assert relative <= DENSE_EXPERT_UPDATE_TOLERANCE, (case, name, worst, relative)
         else:
-            relative = float(diff.norm() / delta.norm())
             assert relative <= SP_EXPERT_UPDATE_TOLERANCE, (case, name, relative)
 
 
@@ -190,10 +197,10 @@ def test_ep2_trains_as_ep1_on_the_bf16_optimizer():
     parameter groups of their own, cut over the expert-DP group (one rank here) while the others are cut over dp x
     cp; every rank logs the same loss and grad norm; both equal ep 1's within BF16_TOLERANCE (measured 1.1e-4 and
     1.3e-3 relative at most); the experts start from ep 1's weights and take its 2-step update (fp32 masters, the
-    EP ranks' experts joined) within BF16_TOLERANCE of the largest update at dp 2 and SP_EXPERT_UPDATE_TOLERANCE in
-    relative norm under TP + SP (why: the constant).  Adam's eps is 1.0 in these runs, so that an update follows
-    its gradient (m / (sqrt(v) + eps) ~ m): at 1e-8 the first update is lr x sign(g) for every element, which bf16
-    rounding flips for near-zero gradients (measured: 0.2-2.5% of expert elements 2 lr apart) and clipping cannot
+    EP ranks' experts joined) within DENSE_EXPERT_UPDATE_TOLERANCE in relative norm at dp 2 and
+    SP_EXPERT_UPDATE_TOLERANCE under TP + SP (why: the constants).  Adam's eps is 1.0 in these runs, so that an
+    update follows its gradient (m / (sqrt(v) + eps) ~ m): at 1e-8 the first update is lr x sign(g) for every
+    element, which bf16 rounding flips for near-zero gradients (measured: 0.2-2.5% of expert elements 2 lr apart) and clipping cannot
     change.  The updates catch what the norm alone would not: without the experts' division by dp x cp the dp 2
     grad norm moved by 0.55% (inside the tolerance) and every expert update by 99% of itself."""
     tmp_path = LAUNCH()
@@ -226,10 +233,10 @@ def test_the_bf16_optimizer_cuts_and_sums_experts_over_expert_dp():
 @pytest.mark.slow  # in the shared 4-process launch: 3 engines (one refused before DeepSpeed's)
 def test_the_bf16_optimizer_at_ep2_over_pipeline_stages():
     """pp 2 x dp 2, bf16 + ZeRO-1, ep 2 over dp in each stage: DeepSpeed's norm sums each expert group's over the
-    stages and then its EP group; the run equals ep 1 as the dp 2 runs do (BF16_TOLERANCE on losses and norms, on
-    the largest update difference: the dense math is the same).  moe-tiny cut to 2 blocks puts only the dense first
-    block on stage 0: refused on every rank in one line (the optimizer would assert there, and the other stage would
-    wait in the norm's pipeline sum)."""
+    stages and then its EP group; the run equals ep 1 as the dp 2 runs do (BF16_TOLERANCE on losses and norms,
+    DENSE_EXPERT_UPDATE_TOLERANCE on the updates in relative norm).  moe-tiny cut to 2 blocks puts only the dense
+    first block on stage 0: refused on every rank in one line (the optimizer would assert there, and the other stage
+    would wait in the norm's pipeline sum)."""
     tmp_path = LAUNCH4()
     results = {case: torch.load(tmp_path / f"{case}.pt") for case in PP_CASES}
     for case, result in results.items():
