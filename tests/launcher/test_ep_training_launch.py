@@ -201,8 +201,8 @@ def test_ep2_trains_as_ep1_on_the_bf16_optimizer():
     SP_EXPERT_UPDATE_TOLERANCE under TP + SP (why: the constants).  Adam's eps is 1.0 in these runs, so that an
     update follows its gradient (m / (sqrt(v) + eps) ~ m): at 1e-8 the first update is lr x sign(g) for every
     element, which bf16 rounding flips for near-zero gradients (measured: 0.2-2.5% of expert elements 2 lr apart)
-    and clipping cannot change.  The updates catch what the norm alone would not: without the experts' division by dp x cp the dp 2
-    grad norm moved by 0.55% (inside the tolerance) and every expert update by 99% of itself."""
+    and clipping cannot change.  The updates catch what the norm alone would not: without the experts' division by
+    dp x cp the dp 2 grad norm moved by 0.55% (inside the tolerance) and every expert update by 99% of itself."""
     tmp_path = LAUNCH()
     results = {case: torch.load(tmp_path / f"{case}.pt") for case in BF16_CASES}
     for case, result in results.items():
