@@ -147,7 +147,9 @@ class Trainer:
         iters = sec.train.train_iters
         logger = MetricsLogger(run_dir, iters, start_step, topo.is_logging_rank, wandb_run)
         logger.say(
-            f"training steps {start_step + 1}..{iters}: tp {run.tp} cp {run.cp} pp {run.pp} dp {run.dp}, "
+            f"training steps {start_step + 1}..{iters}: tp {run.tp} cp {run.cp} pp {run.pp} dp {run.dp}"
+            + (f" ep {run.section.parallel.ep}" if run.section.parallel.ep > 1 else "")
+            + ", "
             f"{run.global_batch_size * run.model.seq_length} tokens per step, {data.num_tokens:,} tokens of data"
         )
         stream = MicroBatchStream(

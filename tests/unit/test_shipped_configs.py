@@ -51,7 +51,6 @@ def test_a_miniature_keeps_expert_parallelism(tmp_path):
     cfg = json.loads((ROOT / "ds_configs" / "moe_tiny.json").read_text())
     cfg.update(bf16={"enabled": True}, zero_optimization={"stage": 1}, data_types={"grad_accum_dtype": "fp32"})
     cfg["ds_megatron"]["parallel"]["ep"] = 8
-    cfg["ds_megatron"]["recompute"]["modules"] = ["core_attn"]  # the EP layer has no selective recompute of moe
     (tmp_path / "moe_tiny_ep.json").write_text(json.dumps(cfg))
     mini, nprocs = miniature(tmp_path / "moe_tiny_ep.json")
     assert mini["ds_megatron"]["parallel"]["ep"] == 2 and nprocs == 4
