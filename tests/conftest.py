@@ -15,9 +15,12 @@ for folder in (HERE, HERE / "unit"):
 
 
 def pytest_sessionstart(session):
-    """A session of the whole unit tier (its folder or one above it) starts the in-process harness's fork server
-    first: the server imports torch and deepspeed on the core that collection leaves idle.  A session of single files
-    starts it with its first pool, if any."""
+    """Stale state first (``launch.clear_stale_state``).  Then a session of the whole unit tier (its folder or one
+    above it) starts the in-process harness's fork server first: the server imports torch and deepspeed on the core
+    that collection leaves idle.  A session of single files starts it with its first pool, if any."""
+    import launch
+
+    launch.clear_stale_state()
     unit = HERE / "unit"
     paths = [Path(str(arg).split("::")[0]).resolve() for arg in session.config.args]
     if any(path == unit or path in unit.parents for path in paths):

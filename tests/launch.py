@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -29,6 +30,45 @@ def _free_port() -> int:
 def shm_buffers(port: int) -> list[Path]:
     """DeepSpeed's CPU all-reduce buffers of the job that used ``port``."""
     return sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
+# What a killed run leaves behind and nothing live holds.  DeepSpeed's CPU all-reduce buffers (``init_inference``
+# builds them; a run that dies keeps its 66 MB each in /dev/shm until removed) are mapped by every process using them;
+# torch's extension build lock (a ``lock`` file its builder holds open for the length of the build) makes every later
+# build of that extension wait forever once its builder died.  Either is removed only when no process has it mapped
+# or open and it is older than a minute (a builder between closing and removing its lock, a buffer between its
+# creation and its mapping), so a session of another checkout running beside this one keeps its own.
+STALE = [
+    (Path("/dev/shm"), "deepspeed_allreduce_buffer_*"),
+    (Path.home() / ".cache" / "torch_extensions", "*/*/lock"),
+]
+
+
+def _held_paths() -> set[str]:
+    """Every file some process of this machine has open or mapped (as far as /proc lets this user see)."""
+    held = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):  # exited meanwhile, or not ours to read
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):  # closed meanwhile (the listing's own, in this process)
+                    held.add(os.readlink(fd))
+        with contextlib.suppress(OSError):
+            with open(proc / "maps") as maps:  # address, permissions, offset, device, inode, path
+                held.update(parts[5].strip() for parts in (line.split(None, 5) for line in maps) if len(parts) == 6)
+    return held
+
+
+def clear_stale_state(stale: list[tuple[Path, str]] = STALE) -> list[Path]:
+    """Remove what a killed run left (``stale``: folder and pattern) and nothing holds; the paths removed."""
+    candidates = [p for folder, pattern in stale if folder.is_dir() for p in folder.glob(pattern)]
+    old = [p for p in candidates if time.time() - p.stat().st_mtime > 60]
+    if not old:
+        return []
+    held = _held_paths()
+    removed = [p for p in old if str(p) not in held]
+    for p in removed:
+        p.unlink(missing_ok=True)
+    return removed
 
 
 def deepspeed_launch(

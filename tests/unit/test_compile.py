@@ -12,7 +12,11 @@ tp 2 with SP (a gloo group of two): a Llama block built as the pipeline builds i
 recompute of the core: equal outputs and gradients, and both equal to the single-device block without dropout.
 
 Compiling costs seconds per graph on a loaded CPU, so every check shares the process's compiled kernels
-(``compiled_kernels`` is made once per process) and the shapes are tiny."""
+(``compiled_kernels`` is made once per process), the shapes are tiny, and inductor compiles in the checking process
+(``INDUCTOR``): its pool of compile workers (each a Python process importing torch) and its build-and-load probe of
+every vector instruction set the CPU reports (a C++ compile and a child process per instruction set) cost each of the
+three compiling processes more than the graphs do on few cores.  The kernels are the same: inductor still picks the
+instruction set from the CPU's flags and torch's own capability (AVX-512 here either way), only without the probe."""
 
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ POLICIES = {"none": RecomputeSection(), "selective": EVERY_MODULE, "full": Recom
 # fp32: inductor sums a row's squares and a gradient's products in another order than eager's kernels (measured
 # max |difference| below 1e-6 on these shapes); a dropout mask drawn or replayed differently changes values by O(1).
 TOL = 1e-5
+# What changes only how inductor builds (see the docstring): the generated C++ and the checks stay the same.
+INDUCTOR = {"compile_threads": 1, "cpp.vec_isa_ok": True}
 
 
 class Ctx(NamedTuple):
@@ -154,7 +160,10 @@ CHECKS = {"tp1-recompute": check_compiled_block_under_recompute, "tp2-sp": check
 
 
 def run_rank(group: ProcessGroup | None, rank: int, world: int) -> dict[str, str]:
-    return run_checks({k: v for k, v in CHECKS.items() if k.startswith(f"tp{world}")}, Ctx(group, rank, world))
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(INDUCTOR):
+        return run_checks({k: v for k, v in CHECKS.items() if k.startswith(f"tp{world}")}, Ctx(group, rank, world))
 
 
 @pytest.mark.parametrize("world, name", [(1, "tp1-recompute"), (2, "tp2-sp")])
