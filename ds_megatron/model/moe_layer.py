@@ -248,10 +248,34 @@ def expert_mlp(
 
 def weighted_sum(out: torch.Tensor, weights: torch.Tensor, token: torch.Tensor, n: int) -> torch.Tensor:
     """Expert outputs [m, h] (pair i belongs to token ``token[i]``; m = n k, less the dropped pairs), routing weights
-    [m] fp32 -> [n, h]: each token's weighted sum over its (kept) experts, accumulated in fp32, in ``out``'s dtype."""
-    scaled = out.float() * weights[:, None]
-    combined = torch.zeros(n, out.shape[-1], dtype=torch.float32, device=out.device).index_add(0, token, scaled)
-    return combined.to(out.dtype)
+    [m] fp32 -> [n, h]: each token's weighted sum over its (kept) experts, accumulated in fp32, in ``out``'s dtype
+    (:class:`_WeightedSum`: what autograd keeps for it)."""
+    return _WeightedSum.apply(out, weights, token, n)
+
+
+class _WeightedSum(torch.autograd.Function):
+    """The combine, ``zeros(n, h).index_add(0, token, out.float() * weights[:, None]).to(out.dtype)``, keeping for
+    backward only ``out`` in its own dtype, the weights and the token index; autograd on those operations would
+    keep two fp32 [m, h] tensors instead (``out.float()`` for the weights' gradient, the weighted product as
+    ``index_add``'s source, whose backward needs only its shape).  Backward runs the operations autograd would (the
+    fp32 output gradient gathered per pair, times the weights for ``out``'s, times ``out`` in fp32 and summed over h
+    for the weights'), so results are the same bits: ``out``'s fp32 copy is exact whatever its dtype."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, weights: torch.Tensor, token: torch.Tensor, n: int) -> torch.Tensor:
+        scaled = out.float() * weights[:, None]
+        combined = torch.zeros(n, out.shape[-1], dtype=torch.float32, device=out.device).index_add(0, token, scaled)
+        ctx.dtype = out.dtype
+        ctx.save_for_backward(out if ctx.needs_input_grad[1] else None, weights, token)
+        return combined.to(out.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out, weights, token = ctx.saved_tensors
+        grad_pairs = grad.float().index_select(0, token)  # [m, h] fp32
+        grad_out = (grad_pairs * weights[:, None]).to(ctx.dtype) if ctx.needs_input_grad[0] else None
+        grad_weights = (grad_pairs * out.float()).sum(-1) if ctx.needs_input_grad[1] else None
+        return grad_out, grad_weights, None, None
 
 
 def shared_expert_gate(hidden_size: int) -> nn.Linear:

@@ -158,6 +158,67 @@ def test_grouped_gemm_equals_the_loop_in_bf16():
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
+def _autograd_combine(out, weights, token, n):
+    """The combine as plain autograd operations (``moe_layer.weighted_sum`` before its own backward): the
+    reference ``weighted_sum`` is held to, bit for bit."""
+    scaled = out.float() * weights[:, None]
+    combined = torch.zeros(n, out.shape[-1], dtype=torch.float32, device=out.device).index_add(0, token, scaled)
+    return combined.to(out.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_sum_keeps_one_copy_of_the_outputs_and_equals_autograd_bit_for_bit(dtype, monkeypatch):
+    """``weighted_sum`` against the same operations under plain autograd: its output and the gradients of the
+    expert outputs and routing weights the same bits (fp32 and bf16; tokens out of order, a token with a dropped
+    pair); what it keeps for backward: the outputs in their own dtype, the weights and the token index, where
+    autograd keeps two fp32 copies of the outputs.  Then a whole block (capacity drops on) through each: the same
+    output and the same gradient of the input and of every parameter."""
+    from ds_megatron.model import moe_layer
+
+    torch.manual_seed(0)
+    n, k, h = 7, 3, 16
+    token = torch.randperm(n * k)[: n * k - 2] // k  # two pairs dropped, the rest in no particular order
+    m = token.numel()
+    out = torch.randn(m, h).to(dtype)
+    weights = torch.rand(m)
+    upstream = torch.randn(n, h).to(dtype)
+    results, kept = [], []
+    for combine in (moe_layer.weighted_sum, _autograd_combine):
+        o, w = out.clone().requires_grad_(), weights.clone().requires_grad_()
+        seen: dict[int, int] = {}
+
+        def pack(t, seen=seen):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = combine(o, w, token, n)
+        y.backward(upstream)
+        results.append((y, o.grad, w.grad))
+        kept.append(sum(seen.values()))
+    for ours, reference in zip(*results, strict=True):
+        assert ours.dtype == reference.dtype and torch.equal(ours, reference)
+    act = out.element_size()
+    assert kept == [m * h * act + m * 4 + m * 8, 2 * m * h * 4 + m * 4 + m * 8]
+
+    block = SparseMoeBlock(32, 16, 6, 2, norm_topk_prob=True, capacity_factor=1.0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.2)
+    block = block.to(dtype).train()
+    x = torch.randn(2, 9, 32).to(dtype)
+    runs = []
+    for combine in (moe_layer.weighted_sum, _autograd_combine):
+        monkeypatch.setattr(moe_layer, "weighted_sum", combine)
+        block.zero_grad()
+        xi = x.clone().requires_grad_()
+        y, stats = block(xi)
+        (y.float().square().sum() + stats.probs.square().sum()).backward()
+        runs.append([y, xi.grad, *(p.grad.clone() for p in block.parameters())])
+    for ours, reference in zip(*runs, strict=True):
+        assert torch.equal(ours, reference)
+
+
 def test_router_runs_in_fp32_for_bf16_activations():
     torch.manual_seed(0)
     block = SparseMoeBlock(64, 32, 8, 2, norm_topk_prob=True).to(torch.bfloat16)

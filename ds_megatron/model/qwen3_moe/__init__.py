@@ -335,8 +335,9 @@ def routed_block_terms(
       fp32 1/rms per head (4 (a + k) bytes); the experts' gate|up output (2 k F per token), SwiGLU's silu(gate)
       and its product (k F each, the down projection's input): 4 k F, ``moe_split``.
     - whole on every TP rank (``whole``, all dropped by ``moe``): the routed copies of the tokens (k h), the
-      expert outputs in fp32 and scaled by their weights (4 k h bytes each: the combine's fp32 sum keeps both), the
-      pair order and token index (8 k bytes each) and each pair's weight (4 k).  Under SP the experts run on all
+      expert outputs (k h, kept by the combine for the weights' gradient, in their own dtype although it sums in
+      fp32: ``moe_layer.weighted_sum``), the pair order and token index (8 k bytes each) and each pair's weight
+      (4 k).  Under SP the experts run on all
       s b tokens (all-gathered), so these are not split; without SP every rank routes all tokens.
     - ``moe`` keeps the checkpoint's inputs: the tokens (h, whole; in fp32 without SP the router's input itself,
       counted above) and routing weights (4 k), and under SP the gathered expert indices (8 k) its function holds.
@@ -358,7 +359,7 @@ def routed_block_terms(
     qk = ((r.q_width + r.kv_width) * act + RSTD_BYTES * (r.num_heads + r.num_kv_heads)) if qk_norm else 0
     experts_split = 4 * k * r.width * act / h
     split = (2 * r.q_width + 2 * r.kv_width) * act / h + qk / h + experts_split
-    whole = (k * h * act + 2 * ROUTER_BYTES * k * h + 2 * INDEX_BYTES * k + ROUTER_BYTES * k) / h
+    whole = (2 * k * h * act + 2 * INDEX_BYTES * k + ROUTER_BYTES * k) / h
     # The checkpoint's tokens: the norm output, already counted when the router's fp32 copy is that very tensor
     # (fp32 activations, all tokens on the rank); under SP the all-gathered tokens, a tensor of their own.
     shared = act == ROUTER_BYTES
