@@ -146,12 +146,25 @@ def test_the_search_proposes_only_the_ep_values_the_rules_accept(qwen3_30b):
 
 
 def test_refused_ep_families_carry_the_rules_words(qwen3_30b):
-    """Selective moe recompute is not searched at ep > 1 (the expert-parallel layer has none); a pinned ep that
-    does not split the experts, or one on a dense model, is refused before the search."""
+    """Selective moe recompute is searched at every ep (at ep > 1 the local experts re-run on their dispatched
+    rows: less stored, their forward GEMMs once more, the all-to-alls not again); a pinned ep that does not split
+    the experts, or one on a dense model, is refused before the search."""
+    import dataclasses
+
+    from ds_megatron.tune.core.memory_model import layer_activation_bytes
+    from ds_megatron.tune.training.time_model import ep_comm_s, recomputed_experts_s
+
     cluster = build_cluster("h100-sxm", 16, 8)
     result = search(qwen3_30b, cluster, 256, Pins(recompute_modules=("moe",), micro_batch_size=1, attention="sdpa"))
-    assert {e.candidate.ep for e in result.evaluations} == {1}
-    assert any("does not model selective recompute of moe" in r.reason for r in result.rejections)
+    assert {e.candidate.ep for e in result.evaluations} >= {1, 2, 8}
+    assert not [r for r in result.rejections if "moe" in r.family.get("recompute_modules", "")]
+    cand = next(e.candidate for e in result.evaluations if e.candidate.ep == 8)
+    plain = dataclasses.replace(cand, recompute="none", recompute_modules=())
+    assert layer_activation_bytes(qwen3_30b, cand, "selective") < layer_activation_bytes(qwen3_30b, plain, "none")
+    assert recomputed_experts_s(qwen3_30b, cluster, cand, 24) > 0 == recomputed_experts_s(qwen3_30b, cluster, plain, 24)
+    assert ep_comm_s(qwen3_30b, cluster, cand, 24, 0) == ep_comm_s(qwen3_30b, cluster, plain, 24, 0)
+    unpinned = search(qwen3_30b, cluster, 256, Pins(micro_batch_size=1, attention="sdpa", pp=2))
+    assert any(e.candidate.ep > 1 and "moe" in e.candidate.recompute_modules for e in unpinned.evaluations)
     with pytest.raises(ConfigError, match="each EP rank holds num_experts / ep experts"):
         search(qwen3_30b, cluster, 256, Pins(ep=3))
     with pytest.raises(ConfigError, match="this model has none"):
