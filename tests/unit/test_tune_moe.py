@@ -189,6 +189,7 @@ def test_the_written_moe_config_resolves_with_moe_recompute(tmp_path, capsys):
     capsys.readouterr()
     cfg = json.loads(path.read_text())
     assert cfg["ds_megatron"]["recompute"]["modules"] == ["moe"]
+    assert cfg["ds_megatron"]["parallel"]["ep"] > 1  # moe recompute at ep > 1: the run trains it, the tuner models it
     run = resolve(cfg, 64)
     assert run.model.num_experts == 128 and run.model.experts_per_token == 8 and run.model.head_dim == 128
 
