@@ -154,14 +154,19 @@ def stage_param_counts(
     embedding = padded_vocab_size(model.vocab_size, tp, vocab_multiple) * h // tp
     positions = model.seq_length * h if family.layout.positions else 0
     final_norm = family.tuner.norm_params * h
+    block = block_param_count(model, tp, ep)
+    dense = dense_layers(model)
     if pp == 1:
         output = 0 if model.tie_word_embeddings else embedding
-        blocks = blocks_param_count(model, tp, ep, model.num_layers, len(dense_layers(model)))
+        blocks = model.num_layers * block
+        if dense:
+            blocks = blocks_param_count(model, tp, ep, model.num_layers, len(dense))
         total = embedding + positions + blocks + final_norm + output
         return total, total
-    n, num_layers = layers_per_stage(model.num_layers, pp), model.num_layers
-    first = blocks_param_count(model, tp, ep, n, dense_in(model, ((0, n),)))
-    last = blocks_param_count(model, tp, ep, n, dense_in(model, ((min((pp - 1) * n, num_layers), num_layers),)))
+    n = layers_per_stage(model.num_layers, pp)
+    first = last = n * block
+    if dense:
+        first, last = (blocks_param_count(model, tp, ep, n, d) for d in _even_dense(model, pp))
     return embedding + positions + first, last + final_norm + embedding
 
 
@@ -171,6 +176,18 @@ def rank_param_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
     embedding's module), the last rank two chunks of the middle, each chunk ceil(L/(2p)) blocks: the same total as
     1F1B.  A routed family's dense blocks counted as dense where each rank holds them (``rank_dense_blocks``)."""
     ep, tp = cand.ep_size, cand.tp
+    if not dense_layers(model):  # every block alike
+        block = block_param_count(model, tp, ep)
+        if not pipeline_schedule(cand.schedule).loss_on_first_rank:
+            first, last = stage_param_counts(model, tp, cand.pp, ep=ep)
+            if cand.pipeline_layout is not None:  # the first and last stages' own block counts
+                even = layers_per_stage(model.num_layers, cand.pp)
+                first += (cand.pipeline_layout[0] - even) * block
+                last += (cand.pipeline_layout[-1] - even) * block
+            return first, last
+        whole = stage_param_counts(model, tp, 1, ep=ep)[0]
+        blocks = 2 * layers_per_stage(model.num_layers, 2 * cand.pp) * block
+        return whole - model.num_layers * block + blocks, blocks
     first_blocks, last_blocks = rank_block_counts(model, cand)
     first_dense, last_dense = rank_dense_blocks(model, cand)
     if not pipeline_schedule(cand.schedule).loss_on_first_rank:
@@ -190,6 +207,8 @@ def rank_param_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
 
 def _even_dense(model: ModelShape, pp: int) -> tuple[int, int]:
     """``stage_param_counts``' dense blocks of its first and last stage (pp > 1)."""
+    if not dense_layers(model):
+        return 0, 0
     n, num_layers = layers_per_stage(model.num_layers, pp), model.num_layers
     return dense_in(model, ((0, n),)), dense_in(model, ((min((pp - 1) * n, num_layers), num_layers),))
 
@@ -220,6 +239,8 @@ def chunk_dense_blocks(model: ModelShape, cand: Candidate) -> tuple[int, int]:
 
 def rank_routed_blocks(model: ModelShape, cand: Candidate) -> tuple[int, int]:
     """(first, last) pipeline rank's routed blocks: its blocks (``rank_block_counts``) less its dense ones."""
+    if not dense_layers(model):
+        return rank_block_counts(model, cand)
     return tuple(b - d for b, d in zip(rank_block_counts(model, cand), rank_dense_blocks(model, cand)))  # type: ignore[return-value]
 
 

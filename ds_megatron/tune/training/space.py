@@ -32,11 +32,12 @@ SELECTIVE_MODULES = {
     "sdpa": (("mlp_act", "layernorm"), ("mlp_act",), ("layernorm",)),
 }
 # A routed family's experts keep most of a block's activations (4 k F per token for their SwiGLU, k h and more for
-# the routed rows), so ``moe`` (their forward GEMMs once more in backward, at any ep) is searched too: alone, and
-# with each set of the kernel's row.
+# the routed rows), so ``moe`` (their forward GEMMs once more in backward, at any ep) is searched too: with the
+# kernel's smallest set (eager's core alone; sdpa: nothing else, then the norms, the one other module that touches
+# a routed block) and with its largest.
 ROUTED_SELECTIVE_MODULES = {
-    kernel: (("moe",), *(ordered_modules((*modules, "moe")) for modules in sets))
-    for kernel, sets in SELECTIVE_MODULES.items()
+    "eager": (("core_attn", "moe"), ("core_attn", "mlp_act", "layernorm", "moe")),
+    "sdpa": (("moe",), ("layernorm", "moe")),
 }
 
 # Context parallelism is searched (unpinned) from this sequence length on.  Below it every shipped size fits with

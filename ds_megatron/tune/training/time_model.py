@@ -150,6 +150,12 @@ ROUTED_PASSES = {
 }
 
 
+# bytes per element of each group's passes, by phase (a search asks for them hundreds of thousands of times)
+ROUTED_PASS_BYTES = {
+    group: {phase: pass_bytes(ops) for phase, ops in phases.items()} for group, phases in ROUTED_PASSES.items()
+}
+
+
 def routed_passes_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int, recomputed: int) -> float:
     """Memory-bound time of the routed MLP's passes (ROUTED_PASSES) in ``num_blocks`` routed blocks for one
     micro-batch, forward and backward, plus the forward again where it is recomputed (full: the ``recomputed``
@@ -170,7 +176,7 @@ def routed_passes_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_bl
         elements["ep pairs"] = elements["pairs"]
 
     def moved(phase: str, groups) -> float:
-        return sum(elements[g] * pass_bytes(ROUTED_PASSES[g][phase]) for g in groups)
+        return sum(elements[g] * ROUTED_PASS_BYTES[g][phase] for g in groups)
 
     forward, backward = moved("forward", elements), moved("backward", elements)
     again = 0.0
