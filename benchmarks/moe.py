@@ -528,11 +528,10 @@ HEADINGS = {
         "4. The tuner's step-time model vs a published MoE run",
         "Published: Qwen3-30B-A3B pre-training on 16 H100 (DGX-H100), FP8 current scaling, global batch 512, "
         "micro-batch 2, s 4096, TP 1, PP 2, VP 24, EP 8: 5,275 tokens/s/GPU and 121 model TFLOP/s/GPU; "
-        "dropless, tokens force-balanced over the experts. Source: {source}. The tuner on this branch has no expert "
-        "parallelism (ep 1: every rank holds every expert), so the published layout is priced by its step-time "
-        "model with memory set aside (`tune.step_time`, the experts unsplit), and the search is run for the best "
-        "layout that fits at ep 1. FP8: the tuner's training model runs every matmul at the bf16 peak; the rows "
-        "at twice that peak bound what FP8 matmuls could give (attention and everything else unchanged).",
+        "dropless, tokens force-balanced over the experts. Source: {source}. The published layout is priced by "
+        "the tuner's step-time model (`tune.step_time`, ep 8 pinned as published), and the search is run for its "
+        "best layout. FP8: the tuner's training model runs every matmul at the bf16 peak; the rows at twice that "
+        "peak bound what FP8 matmuls could give (attention and everything else unchanged).",
     ),
     "tuner_cli": ("The pinned layout through the command line", ""),
 }

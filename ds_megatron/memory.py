@@ -84,6 +84,7 @@ def activation_bytes_per_layer(
     cp_comm: str = "ring",
     routed: RoutedShape | None = None,
     ep: int = 1,
+    dense_layer: bool = False,
 ) -> float:
     """Bytes of activations one transformer layer keeps for backward, per TP rank (and CP rank: ``cp`` > 1 takes
     every term at ``s / cp`` and the cp_comm core's log-sum-exp, and the a2a's output, in place of the s^2 terms).
@@ -102,22 +103,31 @@ def activation_bytes_per_layer(
     > 1 (the expert-parallel layer: SP at tp > 1) each rank routes its own tokens (its sequence shard) through whole
     experts: the experts' tensors are kept for those tokens only (uniform routing: a rank receives as many pairs as
     it sends), with the dispatch's permutations (``BlockTerms.ep_whole``), and the grouped GEMM's offsets for its
-    E / ep experts; ``moe`` recompute at ep > 1 is not counted here yet (the run trains it)."""
+    E / ep experts.  ``moe`` at ep > 1 checkpoints the local experts on the dispatched rows
+    (``expert_parallel.layer``): those rows stay (the grouped GEMM's input, counted among the experts' tensors), the
+    experts' split activations (``BlockTerms.moe_split``) and the offsets go; the combine, the weighted sum and the
+    dispatch's permutations sit outside the checkpoint and keep what they keep without it.  ``dense_layer``: a
+    routed family's dense block (a layer of ``mlp_only_layers`` or off ``decoder_sparse_step``: a SwiGLU of
+    ``intermediate_size``, which ``moe`` and ep leave alone)."""
     modules = _checked_modules(recompute, attention, sdpa_path, family, modules)
-    if ep > 1 and (routed is None or "moe" in modules):
-        raise ValueError(f"ep > 1 needs a routed family without moe recompute, got family={family!r}, {modules}")
+    if ep > 1 and routed is None:
+        raise ValueError(f"ep > 1 needs a routed family, got family={family!r}")
     if cp > 1:
         check_cp_comm(cp_comm)
         check_cp_attention_dropout(cp, attention_dropout or 0.0)
         s = s // cp  # this rank's two chunks (the layout rule makes s divisible by 2 cp)
-    routed_kw = {} if routed is None else {"routed": routed}
+    routed_kw = {} if routed is None else {"routed": routed, **({"dense": True} if dense_layer else {})}
     block_terms = FAMILIES[family].block_terms
     terms = block_terms(h, a, num_kv_heads, intermediate_size, attention_dropout, act_bytes, **routed_kw)
     sp = sequence_parallel and t > 1
     sbh = s * b * h
     if recompute == "full":
         return act_bytes * sbh / (t if sp else 1)
-    replicated, split, whole, fixed = _kept_after_recompute(terms, modules, sp, act_bytes, mask_bytes)
+    local_moe = ep > 1 and "moe" in modules  # the local experts alone checkpointed (above)
+    kept_modules = tuple(m for m in modules if m != "moe") if local_moe else modules
+    replicated, split, whole, fixed = _kept_after_recompute(terms, kept_modules, sp, act_bytes, mask_bytes)
+    if local_moe:
+        split, fixed = split - terms.moe_split, fixed - terms.moe_fixed
     if "core_attn" not in modules and cp <= 1 and attention == "sdpa" and sdpa_path == "math":
         split += 3 * math_act_bytes - terms.qkv * act_bytes  # Q, K, V saved as the path's own (upcast, expanded) copies
     quadratic = _attention_core_per_token(
@@ -125,8 +135,9 @@ def activation_bytes_per_layer(
         (act_bytes, mask_bytes), (math_act_bytes, math_mask_bytes),
     )  # fmt: skip
     routed_extra = sbh * whole + fixed  # 0 for a dense block
-    if ep > 1:  # the grouped GEMM's offsets (``moe_fixed``) are its E / ep local experts'
-        routed_extra = sbh * (whole + terms.ep_whole) / (t if sp else 1) + fixed - terms.moe_fixed * (1 - 1 / ep)
+    if ep > 1:  # the grouped GEMM's offsets (``moe_fixed``) are its E / ep local experts' (none under ``moe``)
+        offsets = 0.0 if local_moe else terms.moe_fixed * (1 - 1 / ep)
+        routed_extra = sbh * (whole + terms.ep_whole) / (t if sp else 1) + fixed - offsets
     if sp:
         return sbh * (replicated + split + quadratic) / t + (routed_extra if routed is not None else 0)
     return sbh * (replicated + (split + quadratic) / t) + (routed_extra if routed is not None else 0)
@@ -390,15 +401,17 @@ def deferred_weight_grad_bytes_per_layer(
     cp: int = 1,
     act_bytes: int = 2,
     routed: RoutedShape | None = None,
+    dense_layer: bool = False,
 ) -> float:
     """Bytes one layer's queued W pass keeps alive until it runs (zero-bubble schedules,
     ``ds_megatron.tensor_parallel.weight_grad``), per TP and CP rank: for each of the block's linears (the family's
     ``tuner.block_gemms``, m tokens x k in -> n out per TP rank) its input, m x k, and its output gradient, m x n,
     in activation bytes.  Under SP a column-parallel linear's input is the all-gathered [s, b, h], t times the shard
     the activation formula counts, so m is the whole s / cp x b whatever SP does.  These belong to a micro-batch
-    whose B has run, so none of them is among :func:`activation_bytes_per_layer`'s micro-batches in flight."""
+    whose B has run, so none of them is among :func:`activation_bytes_per_layer`'s micro-batches in flight.
+    ``dense_layer``: a routed family's dense block."""
     kv = h // a * (a if num_kv_heads is None else num_kv_heads)
     width = 4 * h if intermediate_size is None else intermediate_size
-    routed_kw = {} if routed is None else {"routed": routed}
+    routed_kw = {} if routed is None else {"routed": routed, **({"dense": True} if dense_layer else {})}
     gemms = FAMILIES[family].tuner.block_gemms(b * (s // cp), h, kv, width, t, **routed_kw)
     return float(sum(count * m * (k + n) for _, m, k, n, count in gemms) * act_bytes)

@@ -26,6 +26,11 @@ CASES = [
 ]
 
 
+# A routed family's dense block (layer 0 in mlp_only_layers: a SwiGLU of the dense width 96), with and without the
+# recompute modules that touch it; Qwen2-MoE's (heads of h / a, biases) once
+DENSE_CASES = [("qwen3_moe", "fp32", ()), ("qwen3_moe", "bf16", ("mlp_act", "layernorm")), ("qwen2_moe", "bf16", ())]
+
+
 def _shape(family: str) -> dict:
     return {**SHAPE, **QWEN2} if family == "qwen2_moe" else {**SHAPE, "shared": 0}
 
@@ -66,11 +71,12 @@ def _saved_bytes(block, x):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y, stats = block(x)
-    (y.float().sum() + stats.probs.sum() + stats.z).backward()
+    (y.float().sum() + (0 if stats is None else stats.probs.sum() + stats.z)).backward()
     return sum(seen.values())
 
 
-def _check(family: str, dtype: str, modules: tuple, group, rank: int, world: int):
+def _check(family: str, dtype: str, modules: tuple, group, rank: int, world: int, dense: bool = False):
+    """``dense``: the family's dense block (layer 0 in ``mlp_only_layers``)."""
     import torch
 
     from ds_megatron.config.schema import RecomputeSection
@@ -80,7 +86,7 @@ def _check(family: str, dtype: str, modules: tuple, group, rank: int, world: int
     from ds_megatron.topology import Group
 
     g = _shape(family)
-    config = _config(family, norm_topk_prob=True)
+    config = _config(family, norm_topk_prob=True, mlp_only_layers=(0,) if dense else ())
     torch_side = FAMILIES[family].torch_side()
     block = torch_side.block(config)
     torch_side.init(block, config, 1234, prefix="model.layers.0.")
@@ -96,26 +102,28 @@ def _check(family: str, dtype: str, modules: tuple, group, rank: int, world: int
     formula = activation_bytes_per_layer(
         g["s"], g["b"], g["h"], g["a"], world, world > 1, "selective" if modules else "none", act,
         family=family, num_kv_heads=g["kv"], intermediate_size=96, attention_dropout=0.0, modules=modules,
-        routed=_routed(family, config),
+        routed=_routed(family, config), dense_layer=dense,
     )  # fmt: skip
     # The rotary cos/sin tables [s, 1, 1, d] are shared by every block of a process: memory.rotary_table_bytes.
     rotary = 2 * g["s"] * g["d"] * act
-    if world > 1 and "moe" in modules:
+    if world > 1 and "moe" in modules and not dense:
         # Under SP the checkpointed expert function holds the all-gathered expert choices [s b, k] int64 in its
         # closure (not a saved tensor, so the hooks miss it); the formula counts it (moe_kept_sp).
         measured += g["s"] * g["b"] * g["k"] * 8
-    label = f"{family} tp {world}{' + SP' if world > 1 else ''} {dtype} {modules}"
+    label = f"{family}{' dense' if dense else ''} tp {world}{' + SP' if world > 1 else ''} {dtype} {modules}"
     print(f"\n{label}: saved {measured} B, rotary {rotary} B, formula {formula:.0f} B")
     return [("saved bytes", torch.tensor(float(measured - rotary)), torch.tensor(float(formula)), 0.0)]
 
 
-def _check_ep(family: str, dtype: str, group, rank: int, world: int):
+def _check_ep(family: str, dtype: str, modules: tuple, group, rank: int, world: int):
     """At ep = world (tp 1, no SP): each rank routes its own tokens and runs 8 / ep whole experts on what the EP
-    group sends it.  What a rank saves depends on how many pairs it receives; the mean over the group is the
-    formula's uniform routing (every rank receives as many pairs as it sends, in all)."""
+    group sends it (with ``moe`` recomputed: on the dispatched rows it keeps).  What a rank saves depends on how many
+    pairs it receives; the mean over the group is the formula's uniform routing (every rank receives as many pairs
+    as it sends, in all)."""
     import torch
     import torch.distributed as dist
 
+    from ds_megatron.config.schema import RecomputeSection
     from ds_megatron.model import FAMILIES
     from ds_megatron.parallelize import ParallelContext, parallelize_block
     from ds_megatron.random import build_rng
@@ -126,7 +134,9 @@ def _check_ep(family: str, dtype: str, group, rank: int, world: int):
     torch_side = FAMILIES[family].torch_side()
     block = torch_side.block(config)
     torch_side.init(block, config, 1234, prefix="model.layers.0.")
-    plan = ParallelContext(config, Group(), False, build_rng(1234, rank, 0, 0), ep=Group(group, rank, world))
+    recompute = RecomputeSection("selective", modules=modules) if modules else RecomputeSection("none")
+    ep = Group(group, rank, world)
+    plan = ParallelContext(config, Group(), False, build_rng(1234, rank, 0, 0), recompute=recompute, ep=ep)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     block = parallelize_block(block, plan).to(dt).train()
     x = torch.randn(g["s"], g["b"], g["h"]).to(dt)
@@ -135,15 +145,19 @@ def _check_ep(family: str, dtype: str, group, rank: int, world: int):
     dist.all_reduce(measured, group=group)
     act = torch.finfo(dt).bits // 8
     formula = activation_bytes_per_layer(
-        g["s"], g["b"], g["h"], g["a"], 1, False, "none", act, family=family, num_kv_heads=g["kv"],
-        intermediate_size=96, attention_dropout=0.0, routed=_routed(family, config), ep=world,
+        g["s"], g["b"], g["h"], g["a"], 1, False, "selective" if modules else "none", act, family=family,
+        num_kv_heads=g["kv"], intermediate_size=96, attention_dropout=0.0, modules=modules,
+        routed=_routed(family, config), ep=world,
     )  # fmt: skip
     rotary = 2 * g["s"] * g["d"] * act
-    print(f"\n{family} ep {world} {dtype}: saved {measured.item() / world:.0f} B (mean), formula {formula:.0f} B")
+    label = f"{family} ep {world} {dtype} {modules}"
+    print(f"\n{label}: saved {measured.item() / world:.0f} B (mean), formula {formula:.0f} B")
     return [("saved bytes", measured / world - rotary, torch.tensor(float(formula), dtype=torch.float64), 0.0)]
 
 
-EP_CASES = [(family, dtype) for family, dtype, modules in CASES if not modules]
+# With ``moe`` at ep > 1 the local experts are checkpointed on their dispatched rows; with ``layernorm`` too, the
+# norms as without the experts' checkpoint.
+EP_CASES = list(CASES)
 
 
 def _run_rank(group, rank: int, world: int) -> dict[str, str]:
@@ -155,13 +169,21 @@ def _run_rank(group, rank: int, world: int) -> dict[str, str]:
         )
         for family, dtype, modules in CASES
     }
+    checks.update(
+        {
+            f"{family}-{dtype}-{'+'.join(modules) or 'none'}-dense": functools.partial(
+                lambda f, d, m, _: _check(f, d, m, group, rank, world, dense=True), family, dtype, modules
+            )
+            for family, dtype, modules in DENSE_CASES
+        }
+    )
     if world > 1:  # the same launch measures the expert-parallel layer at ep = world
         checks.update(
             {
-                f"{family}-{dtype}-ep": functools.partial(
-                    lambda f, d, _: _check_ep(f, d, group, rank, world), family, dtype
+                f"{family}-{dtype}-{'+'.join(modules) or 'none'}-ep": functools.partial(
+                    lambda f, d, m, _: _check_ep(f, d, m, group, rank, world), family, dtype, modules
                 )
-                for family, dtype in EP_CASES
+                for family, dtype, modules in EP_CASES
             }
         )
     return run_checks(checks, None)
@@ -187,12 +209,25 @@ def test_one_routed_block_stores_what_the_formula_counts(reports, world, family,
     assert not message, message
 
 
-@pytest.mark.parametrize("family,dtype", EP_CASES)
-def test_an_expert_parallel_block_stores_what_the_formula_counts(reports, family, dtype):
-    """At ep 2 (tp 1): every byte autograd saves in the expert-parallel routed block, averaged over the EP group,
-    is the formula's at ``ep`` 2: the experts' tensors for the rank's own tokens and the dispatch's permutations."""
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("family,dtype,modules", DENSE_CASES)
+def test_a_dense_block_of_a_routed_family_stores_what_the_formula_counts(reports, world, family, dtype, modules):
+    """A layer of ``mlp_only_layers`` (a SwiGLU of the dense width) stores the routed block's attention terms and
+    Llama's MLP terms (``memory.activation_bytes_per_layer(..., dense_layer=True)``), at tp 1 and tp 2 + SP."""
     from inprocess import failures
 
-    name = f"{family}-{dtype}-ep"
+    name = f"{family}-{dtype}-{'+'.join(modules) or 'none'}-dense"
+    message = failures(reports[world], name, f"{name} tp {world}")
+    assert not message, message
+
+
+@pytest.mark.parametrize("family,dtype,modules", EP_CASES)
+def test_an_expert_parallel_block_stores_what_the_formula_counts(reports, family, dtype, modules):
+    """At ep 2 (tp 1): every byte autograd saves in the expert-parallel routed block, averaged over the EP group,
+    is the formula's at ``ep`` 2: the experts' tensors for the rank's own tokens and the dispatch's permutations;
+    with ``moe``, the local experts' dispatched rows in place of their activations."""
+    from inprocess import failures
+
+    name = f"{family}-{dtype}-{'+'.join(modules) or 'none'}-ep"
     message = failures(reports[2], name, f"{name} 2")
     assert not message, message

@@ -8,7 +8,7 @@ import pytest
 from ds_megatron.config.shape import layers_per_stage
 from ds_megatron.model import FAMILIES, family_of
 from ds_megatron.model.family import RoutedShape
-from ds_megatron.model.qwen3_moe import active_block_params, routed_block_params
+from ds_megatron.model.qwen3_moe import active_block_params, dense_block_params, routed_block_params
 from ds_megatron.tune import build_cluster, build_model_shape, search
 from ds_megatron.tune.core.memory_model import GIB, block_param_count, stage_memory, total_param_count
 
@@ -65,6 +65,54 @@ def test_block_params_count_the_torch_block_whole_and_per_tp_rank(family):
             for n, p in block.named_parameters()
         )
         assert routed_block_params(64, tp, routed, config.qk_norm, qkv_bias) == held, (family, tp)
+    if family == "mixtral":  # every layer routed (a value Mixtral fixes)
+        return
+    dense = fam.torch_side().block(fam.config(**{**config.__dict__, "mlp_only_layers": (0,)}))
+    for tp in (1, 2, 4):
+        held = sum(
+            p.numel() // (tp if fam.split_dim(f"{fam.block_prefix}0.{n}") is not None else 1)
+            for n, p in dense.named_parameters()
+        )
+        assert dense_block_params(64, 96, tp, routed, config.qk_norm, qkv_bias) == held, (family, tp, "dense")
+
+
+def test_the_dense_layers_of_mlp_only_layers_are_dense_in_the_tuner():
+    """moe-tiny's layer 0 is dense (``mlp_only_layers``): the tuner counts its parameters as the torch model's, and
+    at pp 2 the first rank holds it as a dense block: a SwiGLU's weights, activations and GEMMs in place of the
+    experts', no all-to-all or routed pass, one routed block of two on that rank."""
+    import dataclasses
+
+    from ds_megatron.model import model_config
+    from ds_megatron.tune import Candidate, step_time
+    from ds_megatron.tune.core.memory_model import (
+        dense_block_param_count,
+        layer_activation_bytes,
+        rank_dense_blocks,
+        rank_param_counts,
+    )
+    from ds_megatron.tune.training.time_model import stage_times
+
+    tiny = build_model_shape("moe-tiny", None, None, None, 1024, 256)
+    routed = dataclasses.replace(tiny, mlp_only_layers=())  # the same shape with every layer routed
+    torch_model = FAMILIES[tiny.family].torch_side().model(model_config(tiny))
+    assert total_param_count(tiny) == sum(p.numel() for p in torch_model.parameters()) < total_param_count(routed)
+    cand = Candidate(tp=1, pp=2, dp=2, sequence_parallel=False, micro_batch_size=1, num_micro_batches=4,
+                     recompute="none", attention="sdpa", ep=2)  # fmt: skip
+    assert rank_dense_blocks(tiny, cand) == (1, 0) and rank_dense_blocks(routed, cand) == (0, 0)
+    first, last = rank_param_counts(tiny, cand)
+    swapped = dense_block_param_count(tiny) - block_param_count(tiny, 1, ep=2)  # a SwiGLU of 352, half the experts
+    assert (first - swapped, last) == rank_param_counts(routed, cand)
+    (mem_first, mem_last), (routed_first, routed_last) = stage_memory(tiny, cand), stage_memory(routed, cand)
+    dense_bytes = layer_activation_bytes(tiny, cand, "none", dense=True)
+    assert dense_bytes < layer_activation_bytes(tiny, cand, "none")
+    assert mem_first.activation_bytes < routed_first.activation_bytes
+    assert mem_last.activation_bytes == routed_last.activation_bytes
+    cluster = build_cluster("h100-sxm", 4, 4)
+    (t_first, _), (r_first, _) = stage_times(tiny, cluster, cand), stage_times(routed, cluster, cand)
+    assert t_first.ep_comm_s == pytest.approx(r_first.ep_comm_s / 2)  # one routed block of the two
+    assert t_first.routed_passes_s == pytest.approx(r_first.routed_passes_s / 2)
+    assert t_first.flops != r_first.flops
+    assert step_time(tiny, cluster, cand, 8).mfu != step_time(routed, cluster, cand, 8).mfu
 
 
 def test_the_tuner_finds_a_layout_for_qwen3_30b_a3b_that_fits():
@@ -141,6 +189,7 @@ def test_the_written_moe_config_resolves_with_moe_recompute(tmp_path, capsys):
     capsys.readouterr()
     cfg = json.loads(path.read_text())
     assert cfg["ds_megatron"]["recompute"]["modules"] == ["moe"]
+    assert cfg["ds_megatron"]["parallel"]["ep"] > 1  # moe recompute at ep > 1: the run trains it, the tuner models it
     run = resolve(cfg, 64)
     assert run.model.num_experts == 128 and run.model.experts_per_token == 8 and run.model.head_dim == 128
 

@@ -385,6 +385,40 @@ def routed_block_terms(
     )  # fmt: skip
 
 
+def dense_block_params(h: int, f: int, tp: int, r: RoutedShape, qk_norm: bool, qkv_bias: bool = False) -> int:
+    """One dense block of a routed family (a layer of ``mlp_only_layers`` or off ``decoder_sparse_step``) per TP
+    rank: the routed block's attention (q, k, v, o_proj split over TP, Qwen2's biases with their rows, Qwen3's q/k
+    norms replicated), a SwiGLU of the dense width F (3 h F / t) and the two RMSNorms."""
+    split = 2 * h * r.q_width + 2 * h * r.kv_width + 3 * h * f + ((r.q_width + 2 * r.kv_width) if qkv_bias else 0)
+    return split // tp + 2 * h + (2 * r.head_dim if qk_norm else 0)
+
+
+def dense_block_gemms(n: int, h: int, f: int, t: int, r: RoutedShape) -> tuple[Gemm, ...]:
+    """The weight matmuls of one dense block of a routed family over n tokens, per TP rank: the routed block's
+    attention at head width d and a SwiGLU of the dense width F (Llama's)."""
+    return (
+        ("q", n, h, r.q_width // t, 1),
+        ("k, v", n, h, r.kv_width // t, 2),
+        ("o_proj", n, r.q_width // t, h, 1),
+        ("gate, up", n, h, f // t, 2),
+        ("down", n, f // t, h, 1),
+    )
+
+
+def dense_block_terms(
+    h: int, f: int, attention_dropout: float | None, act: int, r: RoutedShape, qk_norm: bool
+) -> BlockTerms:
+    """One dense block of a routed family's saved tensors (units of s*b*h bytes): the routed block's attention terms
+    (``routed_block_terms``: two RMSNorm inputs and their fp32 1/rms, the q/k/v input, replicated; Q, K, V, the
+    o_proj input and Qwen3's q/k norm inputs and 1/rms, split by TP) and Llama's SwiGLU of the dense width F: its
+    gate/up input (the norm output, h, replicated), gate and up and the down projection's input (3 F, split; F
+    dropped by ``mlp_act``).  ``layernorm`` drops both norm outputs; ``moe`` touches nothing here."""
+    qk = ((r.q_width + r.kv_width) * act + RSTD_BYTES * (r.num_heads + r.num_kv_heads)) if qk_norm else 0
+    replicated = (4 * act * h + 2 * RSTD_BYTES) / h
+    split = ((2 * r.q_width + 2 * r.kv_width + 3 * f) * act + qk) / h
+    return BlockTerms(replicated, 0, split, (r.q_width + 2 * r.kv_width) / h, bool(attention_dropout), f / h)
+
+
 def _needs_routed(routed: RoutedShape | None) -> RoutedShape:
     if routed is None:
         raise ValueError("a routed family's terms need its experts' layout (routed=RoutedShape.of(model))")
@@ -395,16 +429,22 @@ def family_terms(
     qk_norm: bool, qkv_bias: bool = False
 ) -> tuple[Callable[..., BlockTerms], Callable[..., int], Callable[..., tuple]]:
     """(block_terms, block_params, block_gemms) of a routed family, in the family record's signatures plus the
-    keyword ``routed`` (a ``RoutedShape``); every block counted as routed (exact for the published sizes, whose
-    layers are all routed; an over-count for the dense layers of ``mlp_only_layers``)."""
+    keywords ``routed`` (a ``RoutedShape``) and ``dense``: True for a dense block of the family (a layer of
+    ``mlp_only_layers`` or off ``decoder_sparse_step``: a SwiGLU of the dense width f, whatever ep), else routed."""
 
-    def terms(h, a, kv, f, dropout, act, *, routed=None):
+    def terms(h, a, kv, f, dropout, act, *, routed=None, dense=False):
+        if dense:
+            return dense_block_terms(h, f, dropout, act, _needs_routed(routed), qk_norm)
         return routed_block_terms(h, a, kv, f, dropout, act, routed=_needs_routed(routed), qk_norm=qk_norm)
 
-    def params(h, _kv, _f, tp, *, routed=None, ep=1):
+    def params(h, _kv, f, tp, *, routed=None, ep=1, dense=False):
+        if dense:
+            return dense_block_params(h, f, tp, _needs_routed(routed), qk_norm, qkv_bias)
         return routed_block_params(h, tp, _needs_routed(routed), qk_norm, qkv_bias, ep)
 
-    def gemms(n, h, _kv, _f, t, *, routed=None, ep=None):
+    def gemms(n, h, _kv, f, t, *, routed=None, ep=None, dense=False):
+        if dense:
+            return dense_block_gemms(n, h, f, t, _needs_routed(routed))
         return routed_block_gemms(n, h, t, _needs_routed(routed), ep)
 
     return terms, params, gemms

@@ -38,20 +38,25 @@ def gemm(name: str, m: int, k: int, n: int, count: int = 1) -> Matmul:
 CACHED_SHAPES = 4096
 
 
-def block_matmuls(model: ModelShape, cand: Candidate, ep: int | None = None) -> tuple[Matmul, ...]:
+def block_matmuls(
+    model: ModelShape, cand: Candidate, ep: int | None = None, dense: bool = False
+) -> tuple[Matmul, ...]:  # fmt: skip
     """The weight matmuls of one block's forward for one micro-batch, per GPU (the TP-split dimension divided by t;
     the shapes are the family's ``tuner.block_gemms``).  ``ep`` (a routed family in training): its experts as one
-    GEMM per expert on the rank at ep, each at its share of the tokens; None: one GEMM over every routed row."""
-    return _block_matmuls(model, model.seq_length // cand.cp * cand.micro_batch_size, cand.tp, ep)
+    GEMM per expert on the rank at ep, each at its share of the tokens; None: one GEMM over every routed row.
+    ``dense``: a routed family's dense block (its SwiGLU of the dense width)."""
+    return _block_matmuls(model, model.seq_length // cand.cp * cand.micro_batch_size, cand.tp, ep, dense)
 
 
 @functools.lru_cache(maxsize=CACHED_SHAPES)
-def _block_matmuls(model: ModelShape, tokens: int, t: int, ep: int | None) -> tuple[Matmul, ...]:
+def _block_matmuls(model: ModelShape, tokens: int, t: int, ep: int | None, dense: bool = False) -> tuple[Matmul, ...]:
     """``block_matmuls`` for ``tokens`` tokens of this CP rank at tp ``t``, once per shape."""
     h = model.hidden_size
     kv = h // model.num_heads * model.num_kv_heads
     routed = routed_terms(model)
     per_expert = {"ep": ep} if routed and ep is not None else {}
+    if routed and dense:
+        per_expert = {"dense": True}
     shapes = family_of(model).tuner.block_gemms(tokens, h, kv, model.intermediate_size, t, **routed, **per_expert)
     return tuple(gemm(name, m, k, n, count=count) for name, m, k, n, count in shapes)
 

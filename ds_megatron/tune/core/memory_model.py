@@ -18,7 +18,7 @@ from ds_megatron.memory import (
     deferred_weight_grad_bytes_per_layer,
     rotary_table_bytes,
 )
-from ds_megatron.model import family_of
+from ds_megatron.model import family_of, model_config
 from ds_megatron.model.family import RoutedShape
 from ds_megatron.pipeline_parallel.schedules import ActivationTerms
 from ds_megatron.tune.core.spec import Candidate
@@ -71,6 +71,67 @@ def block_param_count(model: ModelShape, tp: int = 1, ep: int = 1) -> int:
     return params(h, kv_size, model.intermediate_size, tp, **routed_terms(model), **split)  # type: ignore[arg-type]
 
 
+def dense_block_param_count(model: ModelShape, tp: int = 1) -> int:
+    """Parameters of one dense block of a routed family per TP rank (a layer of ``mlp_only_layers`` or off
+    ``decoder_sparse_step``: the routed block's attention and a SwiGLU of the dense width, 3 h F / t); a dense
+    family's block (``block_param_count``)."""
+    if routed_shape(model) is None:
+        return block_param_count(model, tp)
+    h = model.hidden_size
+    kv_size = h // model.num_heads * model.num_kv_heads  # type: ignore[operator]
+    params = family_of(model).tuner.block_params
+    return params(h, kv_size, model.intermediate_size, tp, **routed_terms(model), dense=True)  # type: ignore[arg-type]
+
+
+def blocks_param_count(model: ModelShape, tp: int, ep: int, blocks: int, dense: int) -> int:
+    """Parameters of ``blocks`` blocks per TP rank, ``dense`` of them a routed family's dense ones."""
+    count = blocks * block_param_count(model, tp, ep)
+    return count + dense * (dense_block_param_count(model, tp) - block_param_count(model, tp, ep)) if dense else count
+
+
+@functools.lru_cache(maxsize=64)
+def dense_layers(model: ModelShape) -> frozenset[int]:
+    """The layers of a routed family with a dense SwiGLU instead of experts (the family config's rule,
+    ``is_sparse``: ``mlp_only_layers`` and ``decoder_sparse_step``); none for a dense family."""
+    if routed_shape(model) is None:
+        return frozenset()
+    config = model_config(model)
+    return frozenset(i for i in range(model.num_layers) if not config.is_sparse(i))
+
+
+def dense_in(model: ModelShape, stages: tuple[tuple[int, int], ...]) -> int:
+    """Dense layers (``dense_layers``) among the layers [start, stop) of ``stages``."""
+    dense = dense_layers(model)
+    return sum(1 for start, stop in stages for i in range(start, stop) if i in dense) if dense else 0
+
+
+def rank_dense_blocks(model: ModelShape, cand: Candidate) -> tuple[int, int]:
+    """(first, last) pipeline rank's dense blocks (``dense_layers``) under the candidate's schedule and layout: the
+    layers of the stages each rank builds (``Schedule.stages_of``), stage s holding [s c, (s + 1) c) of the L
+    layers at c = ceil(L / (v p)), or an uneven layout's own; (0, 0) for a model whose layers are all routed or all
+    dense."""
+    if not dense_layers(model):
+        return 0, 0
+    return tuple(sum(chunks) for chunks in _rank_stage_dense(model, cand))  # type: ignore[return-value]
+
+
+def _rank_stage_dense(model: ModelShape, cand: Candidate) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The dense blocks of each stage the first and the last pipeline rank hold (``rank_dense_blocks``)."""
+    schedule = pipeline_schedule(cand.schedule)
+    per_rank, num_layers = schedule.per_rank(cand), model.num_layers
+    if cand.pipeline_layout is not None:
+        starts = [sum(cand.pipeline_layout[:s]) for s in range(len(cand.pipeline_layout) + 1)]
+        bounds = [(starts[s], starts[s + 1]) for s in range(len(cand.pipeline_layout))]
+    else:
+        chunk = layers_per_stage(num_layers, per_rank * cand.pp)
+        bounds = [(min(s * chunk, num_layers), min((s + 1) * chunk, num_layers)) for s in range(per_rank * cand.pp)]
+    first, last = (
+        tuple(dense_in(model, (bounds[stage],)) for stage in schedule.stages_of(rank, cand.pp, per_rank))
+        for rank in (0, cand.pp - 1)
+    )
+    return first, last
+
+
 def block_expert_param_count(model: ModelShape, cand: Candidate) -> int:
     """One block's expert parameters on a rank at ep > 1 (3 E h F / ep, held in optimizer groups of their own,
     partitioned over the expert-DP group); 0 at ep 1, where they are the block's other parameters' kin (split over
@@ -86,38 +147,70 @@ def stage_param_counts(
 ) -> tuple[int, int]:
     """(first stage, last stage) parameters per TP rank: the embedding (and a GPT's position table) and ceil(L/p)
     blocks; the blocks, the final norm and the output layer (a tied copy or an untied ``lm_head``).  With p = 1 both
-    are the whole model, a tied embedding counted once."""
+    are the whole model, a tied embedding counted once.  A routed family's dense blocks (``dense_layers``) are
+    counted as dense among the layers each stage holds: [0, ceil(L/p)) and [(p - 1) ceil(L/p), L)."""
     h = model.hidden_size
     family = family_of(model)
     embedding = padded_vocab_size(model.vocab_size, tp, vocab_multiple) * h // tp
     positions = model.seq_length * h if family.layout.positions else 0
     final_norm = family.tuner.norm_params * h
     block = block_param_count(model, tp, ep)
+    dense = dense_layers(model)
     if pp == 1:
         output = 0 if model.tie_word_embeddings else embedding
-        total = embedding + positions + model.num_layers * block + final_norm + output
+        blocks = model.num_layers * block
+        if dense:
+            blocks = blocks_param_count(model, tp, ep, model.num_layers, len(dense))
+        total = embedding + positions + blocks + final_norm + output
         return total, total
-    blocks = layers_per_stage(model.num_layers, pp) * block
-    return embedding + positions + blocks, blocks + final_norm + embedding
+    n = layers_per_stage(model.num_layers, pp)
+    first = last = n * block
+    if dense:
+        first, last = (blocks_param_count(model, tp, ep, n, d) for d in _even_dense(model, pp))
+    return embedding + positions + first, last + final_norm + embedding
 
 
 def rank_param_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
     """(first, last) pipeline rank's parameters per TP rank under the candidate's schedule (and ep).  DualPipeV:
     rank 0 holds chunks 0 and 2p-1 (the embedding, the final norm and the output layer, a tied one sharing the
     embedding's module), the last rank two chunks of the middle, each chunk ceil(L/(2p)) blocks: the same total as
-    1F1B."""
-    ep = cand.ep_size
-    block = block_param_count(model, cand.tp, ep)
+    1F1B.  A routed family's dense blocks counted as dense where each rank holds them (``rank_dense_blocks``)."""
+    ep, tp = cand.ep_size, cand.tp
+    if not dense_layers(model):  # every block alike
+        block = block_param_count(model, tp, ep)
+        if not pipeline_schedule(cand.schedule).loss_on_first_rank:
+            first, last = stage_param_counts(model, tp, cand.pp, ep=ep)
+            if cand.pipeline_layout is not None:  # the first and last stages' own block counts
+                even = layers_per_stage(model.num_layers, cand.pp)
+                first += (cand.pipeline_layout[0] - even) * block
+                last += (cand.pipeline_layout[-1] - even) * block
+            return first, last
+        whole = stage_param_counts(model, tp, 1, ep=ep)[0]
+        blocks = 2 * layers_per_stage(model.num_layers, 2 * cand.pp) * block
+        return whole - model.num_layers * block + blocks, blocks
+    first_blocks, last_blocks = rank_block_counts(model, cand)
+    first_dense, last_dense = rank_dense_blocks(model, cand)
     if not pipeline_schedule(cand.schedule).loss_on_first_rank:
-        first, last = stage_param_counts(model, cand.tp, cand.pp, ep=ep)
-        if cand.pipeline_layout is not None:  # the first and last stages' own block counts
-            even = layers_per_stage(model.num_layers, cand.pp)
-            first += (cand.pipeline_layout[0] - even) * block
-            last += (cand.pipeline_layout[-1] - even) * block
+        first, last = stage_param_counts(model, tp, cand.pp, ep=ep)
+        if cand.pp == 1:
+            return first, last
+        even = layers_per_stage(model.num_layers, cand.pp)  # stage_param_counts' blocks, replaced by the rank's own
+        even_first, even_last = (blocks_param_count(model, tp, ep, even, d) for d in _even_dense(model, cand.pp))
+        first += blocks_param_count(model, tp, ep, first_blocks, first_dense) - even_first
+        last += blocks_param_count(model, tp, ep, last_blocks, last_dense) - even_last
         return first, last
-    whole = stage_param_counts(model, cand.tp, 1, ep=ep)[0]
-    blocks = 2 * layers_per_stage(model.num_layers, 2 * cand.pp) * block
-    return whole - model.num_layers * block + blocks, blocks
+    whole = stage_param_counts(model, tp, 1, ep=ep)[0]
+    all_blocks = blocks_param_count(model, tp, ep, model.num_layers, len(dense_layers(model)))
+    blocks = blocks_param_count(model, tp, ep, first_blocks, first_dense)
+    return whole - all_blocks + blocks, blocks_param_count(model, tp, ep, last_blocks, last_dense)
+
+
+def _even_dense(model: ModelShape, pp: int) -> tuple[int, int]:
+    """``stage_param_counts``' dense blocks of its first and last stage (pp > 1)."""
+    if not dense_layers(model):
+        return 0, 0
+    n, num_layers = layers_per_stage(model.num_layers, pp), model.num_layers
+    return dense_in(model, ((0, n),)), dense_in(model, ((min((pp - 1) * n, num_layers), num_layers),))
 
 
 def rank_block_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
@@ -132,6 +225,23 @@ def rank_block_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
         return cand.pipeline_layout[0], cand.pipeline_layout[-1]
     even = layers_per_stage(model.num_layers, cand.pp)
     return even, even
+
+
+def chunk_dense_blocks(model: ModelShape, cand: Candidate) -> tuple[int, int]:
+    """(first, last) pipeline rank's dense blocks per chunk (stage) it holds: the fewest of its chunks (the whole
+    rank's under one stage per rank)."""
+    dense = rank_dense_blocks(model, cand)
+    per_rank = pipeline_schedule(cand.schedule).per_rank(cand)
+    if per_rank == 1 or dense == (0, 0):
+        return dense
+    return tuple(min(chunk) for chunk in _rank_stage_dense(model, cand))  # type: ignore[return-value]
+
+
+def rank_routed_blocks(model: ModelShape, cand: Candidate) -> tuple[int, int]:
+    """(first, last) pipeline rank's routed blocks: its blocks (``rank_block_counts``) less its dense ones."""
+    if not dense_layers(model):
+        return rank_block_counts(model, cand)
+    return tuple(b - d for b, d in zip(rank_block_counts(model, cand), rank_dense_blocks(model, cand)))  # type: ignore[return-value]
 
 
 def total_param_count(model: ModelShape, vocab_multiple: int = 1) -> int:
@@ -163,18 +273,21 @@ class StageMemory:
 
 
 def layer_activation_bytes(
-    model: ModelShape, cand: Candidate, recompute: str, act_bytes: int = ACT_BYTES, mask_bytes: int = MASK_BYTES
-) -> float:
+    model: ModelShape, cand: Candidate, recompute: str, act_bytes: int = ACT_BYTES, mask_bytes: int = MASK_BYTES,
+    dense: bool = False,
+) -> float:  # fmt: skip
     """One block's activations for one micro-batch per TP rank under ``recompute``, with the candidate's kernel and
-    (selective) modules."""
+    (selective) modules; ``dense``: a routed family's dense block."""
     modules = cand.recompute_modules if recompute == "selective" else ()
     layout = (cand.micro_batch_size, cand.tp, cand.sequence_parallel, cand.attention, modules, cand.cp, cand.cp_comm,
               cand.ep_size)  # fmt: skip
-    return _layer_activation_bytes(model, layout, recompute, act_bytes, mask_bytes)
+    return _layer_activation_bytes(model, layout, recompute, act_bytes, mask_bytes, dense)
 
 
 @functools.lru_cache(maxsize=4096)  # a search asks for each (b, tp, SP, kernel, cp, ep) a few times per candidate
-def _layer_activation_bytes(model: ModelShape, layout: tuple, recompute: str, act_bytes: int, mask_bytes: int) -> float:
+def _layer_activation_bytes(
+    model: ModelShape, layout: tuple, recompute: str, act_bytes: int, mask_bytes: int, dense: bool = False
+) -> float:
     b, tp, sp, attention, modules, cp, cp_comm, ep = layout
     return activation_bytes_per_layer(
         model.seq_length,
@@ -196,14 +309,22 @@ def _layer_activation_bytes(model: ModelShape, layout: tuple, recompute: str, ac
         cp_comm=cp_comm,
         **routed_terms(model),
         **({"ep": ep} if ep > 1 else {}),
+        **({"dense_layer": True} if dense else {}),
     )
 
 
-def stored_activation_bytes(model: ModelShape, cand: Candidate, num_blocks: int) -> float:
-    """What ``num_blocks`` blocks keep for one micro-batch until its backward.  Full recompute: ``uniform`` keeps one
-    input per chunk of k blocks, ``block`` the inputs of the first k blocks and everything of the other n - k."""
+def stored_activation_bytes(model: ModelShape, cand: Candidate, num_blocks: int, dense: int = 0) -> float:
+    """What ``num_blocks`` blocks keep for one micro-batch until its backward, ``dense`` of them a routed family's
+    dense ones.  Full recompute: ``uniform`` keeps one input per chunk of k blocks, ``block`` the inputs of the
+    first k blocks and everything of the other n - k (counted routed: an upper bound)."""
     if cand.recompute != "full":
-        return num_blocks * layer_activation_bytes(model, cand, cand.recompute)
+        stored = num_blocks * layer_activation_bytes(model, cand, cand.recompute)
+        if dense:
+            stored += dense * (
+                layer_activation_bytes(model, cand, cand.recompute, dense=True)
+                - layer_activation_bytes(model, cand, cand.recompute)
+            )
+        return stored
     block_input = layer_activation_bytes(model, cand, "full")
     k = min(cand.recompute_layers, num_blocks)
     if cand.recompute_method == "uniform":
@@ -313,9 +434,9 @@ def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, f
     in their own modules, ``pipeline_parallel/schedules/``)."""
     schedule = pipeline_schedule(cand.schedule).for_settings(cand)  # at the candidate's v stages per rank
 
-    def peaks(n: int) -> tuple[float, float]:  # n: a stage's (a chunk's) blocks
+    def peaks(n: int, dense: int = 0) -> tuple[float, float]:  # n: a stage's (a chunk's) blocks, dense of them
         terms = ActivationTerms(
-            stored_activation_bytes(model, cand, n),
+            stored_activation_bytes(model, cand, n, dense),
             recompute_transient_bytes(model, cand, n),
             embedding_activation_bytes(model, cand),
             output_activation_bytes(model, cand),
@@ -323,11 +444,17 @@ def stage_activation_bytes(model: ModelShape, cand: Candidate) -> tuple[float, f
         )
         return schedule.activation_peaks(cand.pp, cand.num_micro_batches, terms)
 
+    # A routed family's dense blocks: a chunk counts the fewest of its rank's chunks hold (all of them with one chunk
+    # per rank; a dense block stores less than a routed one, so this is the larger peak).
+    first_dense, last_dense = chunk_dense_blocks(model, cand)
     if cand.pipeline_layout is None:
-        return peaks(layers_per_stage(model.num_layers, schedule.per_rank(cand) * cand.pp))
+        n = layers_per_stage(model.num_layers, schedule.per_rank(cand) * cand.pp)
+        if first_dense == last_dense:
+            return peaks(n, first_dense)
+        return peaks(n, first_dense)[0], peaks(n, last_dense)[1]
     # An uneven layout (one stage per rank, tune.training.layout): the first rank's peak at its blocks, the last's at
     # its own; the layout keeps every middle rank's below the first's (layout.middle_ranks_bounded).
-    return peaks(cand.pipeline_layout[0])[0], peaks(cand.pipeline_layout[-1])[1]
+    return peaks(cand.pipeline_layout[0], first_dense)[0], peaks(cand.pipeline_layout[-1], last_dense)[1]
 
 
 def stage_memory(model: ModelShape, cand: Candidate) -> tuple[StageMemory, StageMemory]:
@@ -346,7 +473,7 @@ def stage_memory(model: ModelShape, cand: Candidate) -> tuple[StageMemory, Stage
     shard = cand.dp * cand.cp if cand.zero == 1 else 1  # ZeRO-1 partitions over DeepSpeed's data axis, dp x cp
     # at ep > 1 the experts' groups partition over the expert-DP group instead (0 expert parameters at ep 1)
     expert_shard = expert_dp_size(cand) if cand.zero == 1 else 1
-    experts = [blocks * block_expert_param_count(model, cand) for blocks in rank_block_counts(model, cand)]
+    experts = [blocks * block_expert_param_count(model, cand) for blocks in rank_routed_blocks(model, cand)]
     return tuple(  # type: ignore[return-value]
         StageMemory(
             float(WEIGHT_BYTES * n),

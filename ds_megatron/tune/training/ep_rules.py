@@ -1,8 +1,7 @@
 """The expert-parallel rules the tuner mirrors, read from their one owner, ``ds_megatron.config.ep_rules`` (the
 run's loader refuses the same layouts with the same functions): the ep values the folding can form (an EP group spans
 the dp x cp ranks of a stage and, under SP, its tp ranks; ep divides them and the experts), the optimizer wrapper
-of the precision the tuner writes; and one rule of its own: no selective ``moe`` recompute at ep > 1 (the run trains
-it; the memory and time model of the expert-parallel layer do not count it yet).  Standard library only."""
+of the precision the tuner writes.  Standard library only."""
 
 from __future__ import annotations
 
@@ -23,16 +22,6 @@ def written_precision(zero: int) -> dict:
     return {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": zero}}
 
 
-def check_ep_recompute(ep: int, modules: tuple[str, ...] | list[str]) -> None:
-    """Selective recompute of ``moe`` at ep > 1: the run trains it, the tuner's expert-parallel terms do not count
-    it yet."""
-    if ep > 1 and "moe" in modules:
-        raise ConfigError(
-            "--recompute-modules", "the tuner does not model selective recompute of moe at ep > 1",
-            f"ep={ep}, recompute modules {list(modules)}", "drop moe from --recompute-modules, or pin --ep 1",
-        )  # fmt: skip
-
-
 def ep_values(model: ModelShape, tp: int, cp: int, dp: int, sequence_parallel: bool) -> list[int | None]:
     """The ep sizes searched at (tp, cp, dp, SP): every value the folding can form that splits the experts evenly
     for a routed family; [None] for a dense one (no experts: no ep)."""
@@ -42,11 +31,10 @@ def ep_values(model: ModelShape, tp: int, cp: int, dp: int, sequence_parallel: b
 
 
 def refusal(
-    model: ModelShape, tp: int, cp: int, dp: int, sequence_parallel: bool, ep: int, zero: int = 1,
-    modules: tuple[str, ...] = (),
-) -> str | None:  # fmt: skip
-    """Why the run would refuse ``ep`` at (tp, cp, dp, SP) with the written precision at ``zero`` and selective
-    recompute of ``modules`` (the rule's one-line problem and values), or None when it accepts it."""
+    model: ModelShape, tp: int, cp: int, dp: int, sequence_parallel: bool, ep: int, zero: int = 1
+) -> str | None:
+    """Why the run would refuse ``ep`` at (tp, cp, dp, SP) with the written precision at ``zero`` (the rule's
+    one-line problem and values), or None when it accepts it."""
     if ep == 1:
         return None
     precision = written_precision(zero)
@@ -54,7 +42,6 @@ def refusal(
         check_num_experts(model.num_experts, ep)
         check_ep(ep, tp, cp, dp, sequence_parallel, model.num_experts)
         check_ep_optimizer(ep, optimizer_wrapper(precision), zero_stage(precision), grad_accum_dtype(precision))
-        check_ep_recompute(ep, modules)
     except ConfigError as err:
         return f"{err.problem} ({err.values})"
     return None

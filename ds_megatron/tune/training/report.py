@@ -59,6 +59,7 @@ TIME_PARTS = (
     ("compute", "compute_s"),
     ("eager score passes", "attention_s"),
     ("recomputed elementwise passes", "recompute_passes_s"),
+    ("routed MLP passes", "routed_passes_s"),
     ("TP comm", "tp_comm_s"),
     ("pipeline p2p", "p2p_s"),
     ("CP comm not hidden", "cp_comm_s"),
@@ -215,6 +216,7 @@ def format_report(result: SearchResult, top: int = 10) -> str:
             f"(matmuls at {t.matmul_efficiency:.0%} of peak) + "
             + (f"eager score passes {seconds_text(t.attention_s)} + " if t.attention_s else "")
             + (f"recomputed elementwise passes {seconds_text(t.recompute_passes_s)} + " if t.recompute_passes_s else "")
+            + (f"routed MLP passes {seconds_text(t.routed_passes_s)} + " if t.routed_passes_s else "")
             + f"TP comm {seconds_text(t.tp_comm_s)} + "
             + (f"CP comm not hidden {seconds_text(t.cp_comm_s)} + " if t.cp_comm_s else "")
             + (f"EP all-to-all {seconds_text(t.ep_comm_s)} + " if t.ep_comm_s else "")

@@ -31,6 +31,14 @@ SELECTIVE_MODULES = {
     "eager": (("core_attn",), ("core_attn", "mlp_act", "layernorm")),
     "sdpa": (("mlp_act", "layernorm"), ("mlp_act",), ("layernorm",)),
 }
+# A routed family's experts keep most of a block's activations (4 k F per token for their SwiGLU, k h and more for
+# the routed rows), so ``moe`` (their forward GEMMs once more in backward, at any ep) is searched too: with the
+# kernel's smallest set (eager's core alone; sdpa: nothing else, then the norms, the one other module that touches
+# a routed block) and with its largest.
+ROUTED_SELECTIVE_MODULES = {
+    "eager": (("core_attn", "moe"), ("core_attn", "mlp_act", "layernorm", "moe")),
+    "sdpa": (("moe",), ("layernorm", "moe")),
+}
 
 # Context parallelism is searched (unpinned) from this sequence length on.  Below it every shipped size fits with
 # tp, SP, pp and recompute alone, and CP only adds K/V traffic and shorter matmuls; above it a block's activations
@@ -88,22 +96,25 @@ def attention_options(pins: Pins) -> list[str]:
     return [k for k in ATTENTION_KERNELS if pins.attention is None or k == pins.attention]
 
 
-def selective_modules(kernel: str, pins: Pins) -> tuple[tuple[str, ...], ...]:
+def selective_modules(kernel: str, pins: Pins, routed: bool = False) -> tuple[tuple[str, ...], ...]:
     """The module sets selective recompute is tried with under ``kernel``: the pinned set where the kernel allows it,
-    else the kernel's row of SELECTIVE_MODULES."""
+    else the kernel's row of SELECTIVE_MODULES (and for a ``routed`` family ROUTED_SELECTIVE_MODULES' too)."""
     if pins.recompute_modules is None:
-        return SELECTIVE_MODULES[kernel]
+        return SELECTIVE_MODULES[kernel] + (ROUTED_SELECTIVE_MODULES[kernel] if routed else ())
     pinned = ordered_modules(pins.recompute_modules)
     return () if core_attn_saves_nothing(kernel, pinned) else (pinned,)
 
 
-def recompute_options(num_blocks: int, kernel: str, pins: Pins) -> list[tuple[str, int, str, tuple[str, ...]]]:
-    """(policy, k, method, modules) choices for a stage of ``num_blocks`` blocks under attention ``kernel``.  At
+def recompute_options(
+    num_blocks: int, kernel: str, pins: Pins, routed: bool = False
+) -> list[tuple[str, int, str, tuple[str, ...]]]:
+    """(policy, k, method, modules) choices for a stage of ``num_blocks`` blocks under attention ``kernel`` (a
+    ``routed`` family's selective sets include ``moe``: ``selective_modules``).  At
     cp > 1 eager's core_attn checkpoints the whole cp_comm call (the run does: its exchange runs again in backward),
     which keeps q, k, v and drops the core's output and log-sum-exp."""
     ks = sorted({k for k in (2**i for i in range(num_blocks.bit_length())) if k < num_blocks} | {num_blocks})
     options = [("none", 1, "uniform", ())]
-    options += [("selective", 1, "uniform", modules) for modules in selective_modules(kernel, pins)]
+    options += [("selective", 1, "uniform", modules) for modules in selective_modules(kernel, pins, routed)]
     options += [("full", k, "uniform", ()) for k in ks]
     options += [("full", k, "block", ()) for k in ks if k < num_blocks]  # block with k = n equals uniform with k = 1
     policy = "selective" if pins.recompute_modules is not None else pins.recompute
@@ -187,8 +198,7 @@ def layout_candidates(
             rejected.append(Rejection(family, why))
         runs[schedule] = [b for b in micro if schedules.refusal(schedule, pp, per_replica // b) is None]
 
-    # Expert parallelism (routed families): every ep the folding forms at each SP choice (or the pinned one); ep > 1
-    # with a recompute the run refuses there (selective moe) is left out per candidate below, its family once.
+    # Expert parallelism (routed families): every ep the folding forms at each SP choice (or the pinned one).
     eps = {}
     for comm, sp in allowed:
         values = ep_rules.ep_values(model, tp, cp, dp, sp)
@@ -212,7 +222,9 @@ def layout_candidates(
     for schedule in runs:  # full recompute's k counts blocks of one stage: with v stages per rank, ceil(L/(v p))
         for v in stages[schedule]:
             num_blocks = layers_per_stage(model.num_layers, schedule_named(schedule, v).per_rank() * pp)
-            recompute[schedule, v] = {k: recompute_options(num_blocks, k, pins) for k in attention_options(pins)}
+            recompute[schedule, v] = {
+                k: recompute_options(num_blocks, k, pins, bool(model.num_experts)) for k in attention_options(pins)
+            }
     candidates = [
         Candidate(
             tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm, schedule, v, ep=ep
@@ -225,13 +237,6 @@ def layout_candidates(
         for kernel, options in recompute[schedule, v].items()
         for policy, k, method, modules in options
     ]
-    refused = [c for c in candidates if c.ep_size > 1 and "moe" in c.recompute_modules]  # check_ep_recompute's
-    if refused:
-        c = refused[0]
-        why = ep_rules.refusal(model, tp, cp, dp, c.sequence_parallel, c.ep, c.zero, c.recompute_modules)
-        family = {**layout, "ep": sorted({c.ep for c in refused}), "recompute_modules": ",".join(c.recompute_modules)}
-        rejected.append(Rejection(family, why))
-        candidates = [c for c in candidates if not (c.ep_size > 1 and "moe" in c.recompute_modules)]
     return candidates, rejected
 
 

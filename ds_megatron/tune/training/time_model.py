@@ -35,8 +35,9 @@ from ds_megatron.tune.core.memory_model import (
     has_attention_dropout,
     layers_per_stage,
     padded_vocab_size,
-    rank_block_counts,
+    rank_dense_blocks,
     rank_param_counts,
+    rank_routed_blocks,
     routed_shape,
 )
 from ds_megatron.tune.core.spec import Candidate, Cluster
@@ -102,6 +103,90 @@ RECOMPUTED_PASSES = {
 }
 
 
+# The routed MLP's memory-bound passes (``model.moe_layer``, ``expert_parallel``), (op, bytes read, bytes written)
+# per element, in three groups by the tensor they run over: "pairs", the routed (token, expert) rows [pairs, h];
+# "rows", the experts' SwiGLU [rows, F] (F / t at ep 1); "tokens", the combined output [tokens, h].  Each is its own
+# kernel moving more bytes than it computes on, so bandwidth-bound.  At ep > 1 the dispatched rows are put into
+# local-expert order and the outputs back into source order ("ep pairs").  ``moe`` recompute re-runs the forward of
+# what its checkpoint holds: at ep 1 the whole experts' call (pairs, rows), at ep > 1 the local experts' (rows).
+ROUTED_PASSES = {
+    "pairs": {
+        "forward": (
+            ("routed rows gathered, x[token]", ACT_BYTES, ACT_BYTES),
+            ("expert outputs to fp32", ACT_BYTES, 4),
+            ("scaled by their routing weight", 4, 4),
+            ("summed per token (index_add: source read, sum read and written)", 4 + 4, 4),
+        ),
+        "backward": (
+            ("the sum's gradient gathered per pair", 4, 4),
+            ("times the routing weights", 4, 4),
+            ("the weights' gradient: gradient times the fp32 outputs", 4 + 4, 0),
+            ("gradient to the activation dtype", 4, ACT_BYTES),
+            ("the gather's gradient summed per token (accumulated in place)", 2 * ACT_BYTES, ACT_BYTES),
+        ),
+    },
+    "ep pairs": {
+        "forward": (
+            ("dispatched rows to local-expert order", ACT_BYTES, ACT_BYTES),
+            ("expert outputs back to source order", ACT_BYTES, ACT_BYTES),
+        ),
+        "backward": (
+            ("the outputs' gradient to local-expert order", ACT_BYTES, ACT_BYTES),
+            ("the rows' gradient back to source order", ACT_BYTES, ACT_BYTES),
+        ),
+    },
+    "rows": {
+        "forward": (("silu(gate)", ACT_BYTES, ACT_BYTES), ("silu(gate) x up", 2 * ACT_BYTES, ACT_BYTES)),
+        "backward": (
+            ("the product's gradient for both factors", 3 * ACT_BYTES, 2 * ACT_BYTES),
+            ("silu backward", 2 * ACT_BYTES, ACT_BYTES),
+            ("gate and up gradients into one [rows, 2F]", 2 * ACT_BYTES, 2 * ACT_BYTES),
+        ),
+    },
+    "tokens": {
+        "forward": (("the fp32 sum zeroed", 0, 4), ("the sum to the activation dtype", 4, ACT_BYTES)),
+        "backward": (("gradient to fp32", ACT_BYTES, 4), ("the routed rows' gradient zeroed", 0, ACT_BYTES)),
+    },
+}
+
+
+# bytes per element of each group's passes, by phase (a search asks for them hundreds of thousands of times)
+ROUTED_PASS_BYTES = {
+    group: {phase: pass_bytes(ops) for phase, ops in phases.items()} for group, phases in ROUTED_PASSES.items()
+}
+
+
+def routed_passes_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int, recomputed: int) -> float:
+    """Memory-bound time of the routed MLP's passes (ROUTED_PASSES) in ``num_blocks`` routed blocks for one
+    micro-batch, forward and backward, plus the forward again where it is recomputed (full: the ``recomputed``
+    blocks; selective ``moe``: what its checkpoint holds); 0 for a dense model.  Sizes: at ep 1 every TP rank runs
+    its F / t of every expert on all the tokens it routes or gathers (s b / cp: the whole sequence under SP), n k
+    pairs; at ep > 1 a rank's own tokens (its sequence shard under SP), n k pairs sent and as many received
+    (uniform routing), whole experts."""
+    routed = routed_shape(model)
+    if routed is None:
+        return 0.0
+    ep = cand.ep_size
+    sp = cand.sequence_parallel and cand.tp > 1
+    tokens = model.seq_length // cand.cp * cand.micro_batch_size / (cand.tp if ep > 1 and sp else 1)
+    pairs = tokens * routed.top_k
+    width = routed.width if ep > 1 else routed.width / cand.tp
+    elements = {"pairs": pairs * model.hidden_size, "rows": pairs * width, "tokens": tokens * model.hidden_size}
+    if ep > 1:
+        elements["ep pairs"] = elements["pairs"]
+
+    def moved(phase: str, groups) -> float:
+        return sum(elements[g] * ROUTED_PASS_BYTES[g][phase] for g in groups)
+
+    forward, backward = moved("forward", elements), moved("backward", elements)
+    again = 0.0
+    if cand.recompute == "selective" and "moe" in cand.recompute_modules:
+        again = moved("forward", ("rows",) if ep > 1 else ("pairs", "rows"))
+    return num_blocks * memory_bound_s(forward + backward + again, cluster) + recomputed * memory_bound_s(
+        forward, cluster
+    )
+
+
 @dataclass(frozen=True)
 class StageTime:
     """One micro-batch (forward + backward) on one stage, in seconds."""
@@ -116,12 +201,15 @@ class StageTime:
     weight_grad_s: float = 0.0  # the W share of compute_s: the weight-gradient GEMMs of the linears (ZB-H1 defers)
     ep_comm_s: float = 0.0  # the routed blocks' dispatch and combine all-to-alls over the EP group (0 at ep 1)
     forward_s: float = 0.0  # the forward's share of compute_s (its matmuls once; recomputed forwards run in backward)
+    routed_passes_s: float = 0.0  # the routed MLP's memory-bound passes (ROUTED_PASSES; 0 for a dense model)
 
     @property
     def total_s(self) -> float:
         return (
-            self.compute_s + self.attention_s + self.recompute_passes_s + self.tp_comm_s + self.p2p_s + self.cp_comm_s
-        ) + self.ep_comm_s
+            (self.compute_s + self.attention_s + self.recompute_passes_s + self.tp_comm_s + self.p2p_s + self.cp_comm_s)
+            + self.ep_comm_s
+            + self.routed_passes_s
+        )
 
 
 @dataclass(frozen=True)
@@ -150,6 +238,9 @@ class StepTime:
     # The EP all-to-alls on the critical path, bubble included; left out of the repr and of as_dict at ep 1 (a
     # dense model's record is what it was before the tuner knew ep).
     ep_comm_s: float = dataclasses.field(default=0.0, repr=False)
+    # The routed MLP's memory-bound passes on the critical path, bubble included; left out of the repr and of as_dict
+    # for a dense model.
+    routed_passes_s: float = dataclasses.field(default=0.0, repr=False)
 
     def as_dict(self) -> dict:
         record = dataclasses.asdict(self)
@@ -159,6 +250,8 @@ class StepTime:
             del record["cp_comm_s"]
         if not self.ep_comm_s:
             del record["ep_comm_s"]
+        if not self.routed_passes_s:
+            del record["routed_passes_s"]
         return record
 
 
@@ -273,6 +366,11 @@ def expert_matmuls(model: ModelShape, cand: Candidate):
     return block_matmuls(model, cand, ep=cand.ep_size)
 
 
+def dense_matmuls(model: ModelShape, cand: Candidate):
+    """One dense block of a routed family's linears (``matmuls.block_matmuls`` with ``dense``)."""
+    return block_matmuls(model, cand, dense=True)
+
+
 def recomputed_experts_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int) -> float:
     """Selective ``moe`` re-runs each routed block's expert GEMMs (``block_gemms``' rows named "experts ...")
     in backward; 0 otherwise."""
@@ -328,11 +426,13 @@ def stage_times(model: ModelShape, cluster: Cluster, cand: Candidate) -> tuple[S
     """(first stage, last stage) time of one micro-batch.  With p = 1 both are the whole model.  Under an uneven
     layout (``Candidate.pipeline_layout``) each at its own block count."""
     n = stage_blocks(model, cand)
+    dense_first, dense_last = rank_dense_blocks(model, cand)  # a routed family's dense blocks on each (0: none)
     if cand.pp == 1:
-        last = stage_time(model, cluster, cand, n, "last")
+        last = stage_time(model, cluster, cand, n, "last", dense_last)
         return last, last
     n_first, n_last = (n, n) if cand.pipeline_layout is None else (cand.pipeline_layout[0], cand.pipeline_layout[-1])
-    return stage_time(model, cluster, cand, n_first, "first"), stage_time(model, cluster, cand, n_last, "last")
+    first = stage_time(model, cluster, cand, n_first, "first", dense_first)
+    return first, stage_time(model, cluster, cand, n_last, "last", dense_last)
 
 
 def slowest_stage(
@@ -347,9 +447,14 @@ def slowest_stage(
     return max(stages, key=lambda st: st.total_s)
 
 
-def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, where: str) -> StageTime:
+def stage_time(
+    model: ModelShape, cluster: Cluster, cand: Candidate, n: int, where: str, dense: int = 0
+) -> StageTime:  # fmt: skip
     """One micro-batch on a pipeline rank running ``n`` blocks; ``where``: "first" (the embedding's stage),
-    "middle" or "last" (the output layer's; at p = 1 the whole model)."""
+    "middle" or "last" (the output layer's; at p = 1 the whole model).  ``dense`` of the ``n`` blocks are a routed
+    family's dense ones (a SwiGLU of the dense width: its GEMMs, the dense MLP's two TP collectives per pass at any
+    ep, no routed collective, all-to-all or routed pass); a re-run forward (full recompute) is priced as a routed
+    block's (an upper bound)."""
     s, b, h, t = model.seq_length // cand.cp, cand.micro_batch_size, model.hidden_size, cand.tp  # this CP rank's
     recomputed = _recomputed_blocks(cand, n)
     # Forward and backward (twice the forward: input and weight gradients, GEMMs of the same shapes) of every block,
@@ -360,8 +465,17 @@ def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, whe
     block_runs, core_reruns = 3 * n + recomputed, n if recomputes_core(cand) else 0
     block_once = matmul_s(block, cluster)
     block_s = block_runs * block_once + core_reruns * matmul_s(core, cluster)
-    block_s += recomputed_experts_s(model, cluster, cand, n)
+    block_s += recomputed_experts_s(model, cluster, cand, n - dense)
     block_flops = block_runs * sum(op.flops for op in block) + core_reruns * sum(op.flops for op in core)
+    block_w = n * matmul_s(linears, cluster)  # W: one GEMM of each forward GEMM's shape per linear (dA = dY^T X)
+    forward = n * block_once
+    if dense:  # the dense blocks' GEMMs in place of routed ones, forward and backward
+        dense_linears = dense_matmuls(model, cand)
+        dense_once = matmul_s(dense_linears + core, cluster)
+        block_s += 3 * dense * (dense_once - block_once)
+        block_flops += 3 * dense * sum(op.flops for op in dense_linears) - 3 * dense * sum(op.flops for op in linears)
+        block_w += dense * (matmul_s(dense_linears, cluster) - matmul_s(linears, cluster))
+        forward += dense * (dense_once - block_once)
     logits = logits_matmul(model, cand)
     logits_s, logits_flops = 3 * matmul_s((logits,), cluster), 3 * logits.flops
 
@@ -376,9 +490,9 @@ def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, whe
     # rows over the EP group instead of the tokens over TP, so the attention's alone; a shared expert beside the
     # routed ones (split over TP as the dense MLP, at any ep) adds one each way, its input gathered, its output reduced
     per_pass = (2 if cand.ep_size == 1 else 1) + shared_expert_collectives(model)
-    block_units = 2 * per_pass * n + per_pass * recomputed
-    routed = routed_comm_s(model, cluster, cand, n, recomputed)
-    ep = ep_comm_s(model, cluster, cand, n, recomputed)
+    block_units = 2 * per_pass * n + per_pass * recomputed + (2 * (2 - per_pass) * dense if dense else 0)
+    routed = routed_comm_s(model, cluster, cand, n - dense, recomputed)
+    ep = ep_comm_s(model, cluster, cand, n - dense, recomputed)
 
     p2p = 0.0
     if cand.pp > 1:
@@ -393,20 +507,20 @@ def stage_time(model: ModelShape, cluster: Cluster, cand: Candidate, n: int, whe
     scores = eager_score_s(model, cluster, cand, n, recomputed)
     passes = recompute_passes_s(model, cluster, cand, n)
     cp = cp_comm_s(model, cluster, cand, n, recomputed)
-    # W: one GEMM of each forward GEMM's shape per linear (dA = dY^T X), the output layer's on the last stage.
-    block_w = n * matmul_s(linears, cluster)
-    logits_w = matmul_s((logits,), cluster)
+    routed_passes = routed_passes_s(model, cluster, cand, n - dense, recomputed)
+    logits_w = matmul_s((logits,), cluster)  # the output layer's W on the last stage
     if where == "middle":  # no vocabulary-parallel layer: only the blocks' collectives
         return StageTime(
-            block_s, block_units * unit + routed, p2p, scores, block_flops, passes, cp, block_w, ep, n * block_once
-        )
+            block_s, block_units * unit + routed, p2p, scores, block_flops, passes, cp, block_w, ep, forward,
+            routed_passes,
+        )  # fmt: skip
     tp_comm = (block_units + 1) * unit + routed
     if where == "first":
-        return StageTime(block_s, tp_comm, p2p, scores, block_flops, passes, cp, block_w, ep, n * block_once)
+        return StageTime(block_s, tp_comm, p2p, scores, block_flops, passes, cp, block_w, ep, forward, routed_passes)
     if cand.pp == 1:  # the whole model: the embedding's and the output layer's collectives, no pipeline sends
         tp_comm, p2p = (block_units + 2) * unit + routed, 0.0
-    compute, flops, forward = block_s + logits_s, block_flops + logits_flops, n * block_once + logits_s / 3
-    return StageTime(compute, tp_comm, p2p, scores, flops, passes, cp, block_w + logits_w, ep, forward)
+    compute, flops, forward = block_s + logits_s, block_flops + logits_flops, forward + logits_s / 3
+    return StageTime(compute, tp_comm, p2p, scores, flops, passes, cp, block_w + logits_w, ep, forward, routed_passes)
 
 
 def stage_blocks(model: ModelShape, cand: Candidate) -> int:
@@ -532,7 +646,7 @@ def dp_comm_s(
         experts_dp, per_block = expert_dp_size(cand), block_expert_param_count(model, cand)
         windows = reduced_ranks(model, cluster, cand, ends) if overlapped else []
         total = 0.0
-        for i, (params, blocks) in enumerate(zip(rank_param_counts(model, cand), rank_block_counts(model, cand))):
+        for i, (params, blocks) in enumerate(zip(rank_param_counts(model, cand), rank_routed_blocks(model, cand))):
             experts = blocks * per_block
             dense = params - experts
             if overlapped and i >= len(windows):  # one rank at pp 1
@@ -602,4 +716,5 @@ def step_time(model: ModelShape, cluster: Cluster, cand: Candidate, global_batch
         cp_comm_s=slots * slowest.cp_comm_s,
         schedule=cand.schedule,
         ep_comm_s=slots * slowest.ep_comm_s,
+        routed_passes_s=slots * slowest.routed_passes_s,
     )
