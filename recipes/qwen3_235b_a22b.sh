@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # qwen3-235b-a22b (Qwen3-MoE shapes): 16 node(s) x 8 H100 80GB, tp 4 x pp 16 x dp 2, experts over ep 8,
-# sequence parallel on, recompute full, attention sdpa,
+# sequence parallel on, recompute none, attention sdpa,
 # micro-batch 1 x 512 accumulation = 1024 sequences of 4096.
 # Chosen by `python -m ds_megatron.tune --model qwen3-235b-a22b --gpu h100-sxm --gpus 128 --global-batch-size 1024`;
 # regenerate with scripts/moe_configs.py.  Pass the model's own tokenizer directory as --tokenizer.

@@ -226,7 +226,7 @@ def test_the_report_the_json_and_the_written_config_name_ep(tmp_path, capsys):
 
 def test_the_shipped_qwen3_30b_a3b_config_is_the_tuners_choice():
     """ds_configs/qwen3_30b_a3b.json is what its generator writes from the tuner's winner on 4 nodes of 8 H100:
-    experts over ep 8 inside each node, predicted 1.27x faster than the best ep 1 layout (which recomputes moe)."""
+    experts over ep 8 inside each node, predicted 1.17x faster than the best ep 1 layout (which recomputes moe)."""
     import sys
     from pathlib import Path
 
@@ -241,4 +241,4 @@ def test_the_shipped_qwen3_30b_a3b_config_is_the_tuners_choice():
     assert moe_configs.config(stem, size, tuned.config, lr, tuned.model.seq_length) == shipped
     assert shipped["ds_megatron"]["parallel"]["ep"] == 8 == tuned.winner.candidate.ep
     best_ep1 = search(tuned.model, build_cluster("h100-sxm", gpus, 8), batch, Pins(ep=1)).winner
-    assert best_ep1.time.step_s > 1.2 * tuned.winner.time.step_s  # predicted 1.27x
+    assert best_ep1.time.step_s > 1.12 * tuned.winner.time.step_s  # predicted 1.17x
