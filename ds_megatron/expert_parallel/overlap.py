@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 from torch.distributed import ProcessGroup
 
 from ds_megatron.expert_parallel.dispatch import exchange_counts, group_size, start_all_to_all
@@ -148,7 +149,9 @@ class Exchange:
         self.rows_grad = False  # whether the rows' gradients are sent home (set by _Dispatch)
         self.in_flight: list = []  # (handle, buffers kept until it completes)
         self.received: Tensor | None = None  # [m, h] chunk-major, filled chunk by chunk as handles complete
-        self.graphs: list = []  # per chunk: (output, input leaf, gate_up leaf, down leaf)
+        # per chunk: (the output's gradient edge, input leaf, gate_up leaf, down leaf): the edge, not the output
+        # itself, so that the experts' outputs are freed once sent, as on the blocking path
+        self.graphs: list = []
         self.grad_sent: Tensor | None = None  # [n k, h] chunk-major: the rows' gradients, filled as handles complete
 
     def start(self, x: Tensor, out: Tensor, send: list[int], recv: list[int]) -> None:
@@ -230,10 +233,10 @@ class _ExpertsAndCombine(torch.autograd.Function):
             ex.start(grad_sent[sent], grad_out[span], plan.send[c], plan.recv[c])
         ex.grad_sent = grad.new_empty(grad_sent.shape) if ex.rows_grad else None
         weights: list[list[Tensor]] = [[], []]
-        for c, (out, leaf, gate_up, down) in enumerate(ex.graphs):
+        for c, (edge, leaf, gate_up, down) in enumerate(ex.graphs):
             ex.wait(1)  # chunk c's output gradients
             span = _chunk(plan, c, plan.recv_start)
-            torch.autograd.backward(out, grad_out.index_select(0, to_experts[span]))
+            torch.autograd.backward(edge, grad_out.index_select(0, to_experts[span]))
             for kept, param in zip(weights, (gate_up, down), strict=True):
                 kept.append(param.grad if param.grad is not None else torch.zeros_like(param))
             if ex.rows_grad:  # the rows' gradients home, by source as they came
@@ -262,7 +265,7 @@ def _run_experts(ex: Exchange, c: int, inp: Tensor, gate_up_proj: Tensor, down_p
             out = ex.recompute(lambda rows: run(rows, gate_up, down), leaf)
         else:
             out = run(leaf, gate_up, down)
-    ex.graphs.append((out, leaf, gate_up, down))
+    ex.graphs.append((get_gradient_edge(out), leaf, gate_up, down))
     return out
 
 

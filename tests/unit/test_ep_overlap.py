@@ -16,6 +16,7 @@ and 7 get no token; at ep 4 rank 3 receives no row at all) and uneven token coun
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -133,6 +134,7 @@ class _Traced:
         self.events: list[str] = []
         self.layer, self.real_a2a, self.real_mlp = layer, dist.all_to_all_single, overlap.grouped_mlp
         self.started = 0
+        self.outputs: list[weakref.ref] = []  # the experts' outputs: freed once sent back
 
     def _a2a(self, *args, async_op: bool = False, **kwargs):
         work = self.real_a2a(*args, async_op=async_op, **kwargs)
@@ -146,6 +148,7 @@ class _Traced:
     def _mlp(self, *args, **kwargs):
         out = self.real_mlp(*args, **kwargs)
         self.events.append("experts")
+        self.outputs.append(weakref.ref(out))
         out.register_hook(lambda grad: self.events.append("experts backward"))
         return out
 
@@ -189,15 +192,20 @@ def expected_order(chunks: int) -> list[str]:
 
 def check_order(c: Ctx, ep: int, chunks: int) -> Pairs:
     """The overlapped layer's events in the order the module docstring gives (a blocking exchange, or a backward
-    that ran the shared expert after the rows' gradients arrived, fails it)."""
+    that ran the shared expert after the rows' gradients arrived, fails it); the experts' outputs are not kept for
+    backward (only their gradient edges are), as on the blocking path."""
     layer = ExpertParallelMoE.from_block(block_with_shared_expert(torch.float32), _ep_group(c, ep), None, chunks)
     x = tokens(TOKENS[c.rank], torch.float32).requires_grad_()
     with _Traced(layer) as traced:
         out, _ = layer(x)
+        kept = sum(ref() is not None for ref in traced.outputs)
         traced.events.append("backward")
         out.sum().backward()
     expected = expected_order(chunks)
-    return [(f"events {traced.events} == {expected}", torch.tensor(traced.events == expected), torch.tensor(True))]
+    return [
+        (f"events {traced.events} == {expected}", torch.tensor(traced.events == expected), torch.tensor(True)),
+        ("experts' outputs alive after forward", torch.tensor(kept), torch.tensor(0)),
+    ]
 
 
 def check_no_grad(c: Ctx) -> Pairs:
