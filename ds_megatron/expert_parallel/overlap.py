@@ -236,11 +236,13 @@ class _ExpertsAndCombine(torch.autograd.Function):
         for c, (edge, leaf, gate_up, down) in enumerate(ex.graphs):
             ex.wait(1)  # chunk c's output gradients
             span = _chunk(plan, c, plan.recv_start)
-            torch.autograd.backward(edge, grad_out.index_select(0, to_experts[span]))
+            if edge is not None:
+                torch.autograd.backward(edge, grad_out.index_select(0, to_experts[span]))
             for kept, param in zip(weights, (gate_up, down), strict=True):
                 kept.append(param.grad if param.grad is not None else torch.zeros_like(param))
             if ex.rows_grad:  # the rows' gradients home, by source as they came
-                by_source = leaf.grad.index_select(0, from_experts[span] - span.start)
+                grad_in = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                by_source = grad_in.index_select(0, from_experts[span] - span.start)
                 ex.start(by_source, ex.grad_sent[_chunk(plan, c, plan.send_start)], plan.recv[c], plan.send[c])
         ex.graphs = []
         grads = [torch.cat(kept) if need else None for kept, need in zip(weights, ctx.needs_input_grad[1:3])]
@@ -265,7 +267,9 @@ def _run_experts(ex: Exchange, c: int, inp: Tensor, gate_up_proj: Tensor, down_p
             out = ex.recompute(lambda rows: run(rows, gate_up, down), leaf)
         else:
             out = run(leaf, gate_up, down)
-    ex.graphs.append((get_gradient_edge(out), leaf, gate_up, down))
+    # an output outside the graph (a kernel that returns a detached empty tensor) still takes part in backward's
+    # exchange, with zero gradients
+    ex.graphs.append((get_gradient_edge(out) if out.requires_grad else None, leaf, gate_up, down))
     return out
 
 

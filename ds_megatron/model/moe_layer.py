@@ -187,7 +187,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     if counts is None:
         return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets))
     parts = [F.linear(rows, weight[g]) for g, rows in enumerate(x.split(counts)) if counts[g]]
-    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+    # no row at all (an expert-parallel rank that received none): an empty output still in the graph, so that its
+    # backward runs and the all-to-all of its gradients meets the other ranks' (a detached one left them waiting)
+    return torch.cat(parts) if parts else F.linear(x, weight[0])
 
 
 def grouped_mm_fits(*tensors: torch.Tensor) -> bool:

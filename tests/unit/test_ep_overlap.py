@@ -4,9 +4,9 @@ and 7 get no token; at ep 4 rank 3 receives no row at all) and uneven token coun
 
 - the same results **bit for bit** as the blocking layer (one all-to-all each way), at ep 2 (C 2 and 4: at C 4
   rank 1's last chunk holds expert 7 alone, an empty exchange) and ep 4 (C 2: rank 3's chunks both empty), fp32 and
-  bf16, with and without a shared expert and selective ``moe`` recompute: output, router statistics, the input's
-  and every parameter's gradient; all-to-alls counted (1 + 4 C, recompute running none again) and copies to the
-  host counted (one per layer call, as the blocking path);
+  bf16, with and without a shared expert, selective ``moe`` recompute, a capacity factor, and with the loop GEMM:
+  output, router statistics, the input's and every parameter's gradient; all-to-alls counted (1 + 4 C, recompute
+  running none again) and copies to the host counted (one per layer call, as the blocking path);
 - the order of events, forward and backward: every dispatch started before the first wait, the shared expert run
   while they are in flight, chunk c's experts after its wait and before chunk c + 1's; in backward each chunk's rows'
   gradients started before the next chunk's experts' backward, and the shared expert's backward between the last
@@ -94,26 +94,41 @@ def _run(block, group: Group, x: Tensor, gout: Tensor, chunks: int, recompute) -
     return [out, *stats, inp.grad, *grads.values()], exchanges.calls, copies.calls
 
 
+# (shared expert, moe recompute, capacity factor, GEMM): the layer's variants the overlapped path must match
+VARIANTS = (
+    (False, False, 0.0, "grouped"),
+    (True, False, 0.0, "grouped"),
+    (False, True, 0.0, "grouped"),
+    (True, True, 0.0, "grouped"),
+    (False, False, 0.5, "grouped"),  # expert 0 drops pairs on every rank (test_expert_parallel.reference_block)
+    (False, False, 0.0, "loop"),
+)
+
+
 def check_bit_equal(c: Ctx, ep: int, dtype: torch.dtype) -> Pairs:
     """The overlapped layer against the blocking one on this rank's tokens, every chunk count (up to E/ep, at most
-    4), with and without a shared expert and ``moe`` recompute: equal bit for bit (tolerance 0)."""
+    4), in each of ``VARIANTS``: equal bit for bit (tolerance 0).  Host copies: one per layer call, plus the
+    capacity's count of kept pairs (``pairs_by_expert``, both paths) and, on the blocking path only, the loop
+    GEMM's counts (the overlapped path takes them from its plan)."""
     group = _ep_group(c, ep)
     x = tokens(TOKENS[c.rank], dtype)
     gout = torch.randn(x.shape)
     pairs: Pairs = []
-    for shared, recompute in ((False, None), (True, None), (False, True), (True, True)):
-        block = block_with_shared_expert(dtype) if shared else reference_block(dtype)
+    for shared, recompute, capacity, gemm in VARIANTS:
+        block = block_with_shared_expert(dtype) if shared else reference_block(dtype, capacity)
+        block.experts.gemm = gemm
         rc = functools.partial(checkpoint, rng=None) if recompute else None
         blocking, exchanges, copies = _run(block, group, x, gout, 1, rc)
-        what = f"ep {ep} {dtype} shared={shared} recompute={bool(recompute)}"
+        what = f"ep {ep} {dtype} shared={shared} recompute={recompute} capacity={capacity} {gemm}"
+        host = 1 + (capacity > 0)
         pairs += [(f"{what}: all-to-alls blocking", torch.tensor(exchanges), torch.tensor(5))]
-        pairs += [(f"{what}: host copies blocking", torch.tensor(copies), torch.tensor(1))]
+        pairs += [(f"{what}: host copies blocking", torch.tensor(copies), torch.tensor(host + (gemm == "loop")))]
         for chunks in sorted({2, min(4, E // ep)}):
             overlapped, exchanges, copies = _run(block, group, x, gout, chunks, rc)
             same = enumerate(zip(overlapped, blocking, strict=True))
             pairs += [(f"{what} C {chunks}: tensor {i}", a, b, 0.0) for i, (a, b) in same]
             pairs += [(f"{what} C {chunks}: all-to-alls", torch.tensor(exchanges), torch.tensor(1 + 4 * chunks))]
-            pairs += [(f"{what} C {chunks}: host copies", torch.tensor(copies), torch.tensor(1))]
+            pairs += [(f"{what} C {chunks}: host copies", torch.tensor(copies), torch.tensor(host))]
     # the cases the test is for occur: experts 6 and 7 get no token anywhere; at ep 4 rank 3 receives nothing
     block = reference_block(dtype)
     per_expert = torch.bincount(block.gate(x)[1].reshape(-1), minlength=E)
