@@ -37,6 +37,7 @@ and nothing else is copied to the host (the loop GEMM gets its counts from the p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -274,7 +275,11 @@ def _run_experts(ex: Exchange, c: int, inp: Tensor, gate_up_proj: Tensor, down_p
 
 
 def overlapped_experts(
-    rows: Tensor, gate_up_proj: Tensor, down_proj: Tensor, ex: Exchange, while_in_flight=None
+    rows: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    ex: Exchange,
+    while_in_flight: Callable[[], Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The expert outputs [n k, h] of ``rows`` [n k, h] (sorted by global expert), in their order: dispatched,
     computed and combined chunk by chunk (module docstring).  ``while_in_flight()`` runs between the start of the
