@@ -395,6 +395,7 @@ def build_engine(run: RunConfig) -> Built:
         cp_comm=run.section.parallel.cp_comm,
         compile=run.section.model.compile,
         ep=topology.ep_axis,
+        ep_dispatch_chunks=run.section.parallel.ep_dispatch_chunks,
         # weights loaded from transformers replace every parameter (load_hf_into_pipeline): none is drawn first
         init_weights=not (run.section.checkpoint.init_from_hf and not run.section.checkpoint.load),
     )

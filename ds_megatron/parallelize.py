@@ -86,6 +86,7 @@ class ParallelContext:
     compile: bool = False  # the blocks' memory-bound pieces as inductor kernels (``model.kernels``)
     # expert parallelism (ep > 1): each routed block's experts split over this EP group, not over TP
     ep: Group = Group()
+    ep_dispatch_chunks: int = 1  # C > 1: the EP exchange in C chunks, overlapped with the experts (expert_parallel)
     init_weights: bool = True  # False: the weights are loaded next (--init-from-hf), so none is drawn (zeros)
     # packed documents' attention plans, one per micro-batch's ids tensor, shared by the blocks of this process
     document_plans: TensorCache = field(default_factory=TensorCache, repr=False, compare=False)
@@ -349,7 +350,7 @@ def expert_parallel_block(moe: nn.Module, ctx: ParallelContext) -> nn.Module:
     """The routed MLP with its experts split over the EP group (whole experts, not TP-split: under SP the EP group
     folds the tp ranks in, each routing its own sequence shard), its router replicated; under SP the router sees a
     sequence shard, so its gradient is summed over TP like the norms'."""
-    layer = ExpertParallelMoE.from_block(moe, ctx.ep, moe_recompute(ctx))
+    layer = ExpertParallelMoE.from_block(moe, ctx.ep, moe_recompute(ctx), ctx.ep_dispatch_chunks)
     if ctx.sp:
         layer.gate = SequenceParallelRouter(layer.gate, ctx.tp)
     return layer

@@ -63,6 +63,28 @@ def check_num_experts(num_experts: int, ep: int) -> None:
         )  # fmt: skip
 
 
+CHUNKS_SETTING = "ds_megatron.parallel.ep_dispatch_chunks"
+
+
+def check_dispatch_chunks(chunks: int, ep: int, num_experts: int | None) -> None:
+    """The overlapped exchange cuts each EP rank's num_experts / ep local experts into ``chunks`` ranges
+    (``expert_parallel.overlap``): refuse a count that is not 1..E/ep, or above 1 where nothing is exchanged (ep 1)."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ConfigError(CHUNKS_SETTING, "must be a positive integer", f"got {chunks!r}", "use 1 (no overlap) or more")
+    if chunks > 1 and ep == 1:
+        raise ConfigError(
+            CHUNKS_SETTING, "overlaps the expert-parallel exchange, and ep 1 exchanges nothing",
+            f"ep_dispatch_chunks={chunks}, ep=1", "use 1, or ep > 1",
+        )  # fmt: skip
+    local = (num_experts or 0) // ep
+    if chunks > 1 and chunks > local:
+        raise ConfigError(
+            CHUNKS_SETTING, "each chunk is a range of an EP rank's num_experts / ep local experts",
+            f"ep_dispatch_chunks={chunks}, num_experts={num_experts}, ep={ep}: {local} local experts",
+            f"use ep_dispatch_chunks in {list(range(1, local + 1))}",
+        )  # fmt: skip
+
+
 # The optimizer wrappers of DeepSpeed (config.facts.optimizer_wrapper) that train ep > 1, and why the others
 # do not (each reason is the refusal's text).
 EP_OPTIMIZER_WRAPPERS = (None, BF16_OPTIMIZER)  # plain fp32 (ZeRO 0), DeepSpeed's BF16 optimizer (bf16 at ZeRO 0 or 1)

@@ -21,6 +21,7 @@ from ds_megatron.config.context_parallel import (
 )
 from ds_megatron.config.ep_rules import SETTING as EP_SETTING
 from ds_megatron.config.ep_rules import (
+    check_dispatch_chunks,
     check_ep,
     check_ep_model,
     check_ep_optimizer,
@@ -447,14 +448,15 @@ def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
 
 
 def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: int, dp: int) -> None:
-    """ep > 1 needs routed experts, an even split of them, and a layout the folding can form (``config.ep_rules``)."""
+    """ep > 1 needs routed experts, an even split of them, and a layout the folding can form; the overlapped exchange
+    needs ep > 1 and at most num_experts / ep chunks (``config.ep_rules``)."""
     ep = _positive(EP_SETTING, par.ep)
-    if ep == 1:
-        return
-    check_ep_model(ep, shape.num_experts, shape.family)
-    # the folding's rule first: its valid values are those that also split the experts evenly
-    check_ep(ep, tp, cp, dp, par.sequence_parallel, shape.num_experts)
-    check_num_experts(shape.num_experts, ep)
+    if ep > 1:
+        check_ep_model(ep, shape.num_experts, shape.family)
+        # the folding's rule first: its valid values are those that also split the experts evenly
+        check_ep(ep, tp, cp, dp, par.sequence_parallel, shape.num_experts)
+        check_num_experts(shape.num_experts, ep)
+    check_dispatch_chunks(par.ep_dispatch_chunks, ep, shape.num_experts)
 
 
 def check_partition_method(method: str) -> None:

@@ -106,6 +106,10 @@ class ParallelSection:
     cp_comm: str = "ring"  # how CP attention exchanges: "ring" (K/V point-to-point) or "a2a" (all-to-all over heads)
     pp: int = 1  # pipeline-parallel size (p)
     ep: int = 1  # expert-parallel size: each routed layer's experts split over ep ranks holding distinct tokens
+    # at ep > 1, C > 1 sends each routed layer's rows in C chunks of local experts, each chunk's all-to-all in
+    # flight while another's experts (and the shared expert) compute (expert_parallel.overlap); 1: one blocking
+    # all-to-all each way
+    ep_dispatch_chunks: int = 1
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group (needs tp > 1)
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = DEFAULT_PARTITION_METHOD  # DeepSpeed's pipeline partitioning (balance blocks per stage)

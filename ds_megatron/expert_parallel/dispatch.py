@@ -14,6 +14,10 @@ its (token, expert) pairs by global expert, so the rows bound for each owner are
 3. :func:`combine`: the inverse permutation and the reverse all-to-all (backward: the gradients of the expert outputs
    back to the owners).
 
+:func:`start_all_to_all` is the same exchange started asynchronously, for the overlapped path
+(``expert_parallel.overlap``: the rows in chunks of local experts, each chunk's exchange in flight while another
+computes).
+
 Every function returns early (no collective) when the group is ``None`` (ep 1).  Split sizes may be zero: an expert,
 or a whole rank, may receive no token; the all-to-alls and the grouped GEMM take empty runs.
 
@@ -83,6 +87,16 @@ def _all_to_all(x: Tensor, send_splits: list[int], recv_splits: list[int], group
     out = torch.empty((sum(recv_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
+
+
+def start_all_to_all(
+    x: Tensor, out: Tensor, send_splits: list[int], recv_splits: list[int], group: ProcessGroup
+) -> dist.Work:
+    """Start the all-to-all of ``x``'s rows into ``out`` (both contiguous, on the same device), ``send_splits[d]``
+    rows to EP rank d and ``recv_splits[s]`` from rank s, and return its handle.  The caller waits the handle before
+    reading ``out`` and keeps ``x`` alive and unchanged until then (gloo reads it on its own thread, NCCL on its
+    stream); every rank starts its exchanges in the same order."""
+    return dist.all_to_all_single(out, x, recv_splits, send_splits, group=group, async_op=True)
 
 
 def all_to_all_v(x: Tensor, send_splits: list[int], recv_splits: list[int], group: ProcessGroup | None) -> Tensor:

@@ -38,7 +38,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ds_megatron.expert_parallel.dispatch import combine, dispatch, group_size, plan_dispatch
-from ds_megatron.expert_parallel.layout import check_num_experts, local_experts
+from ds_megatron.expert_parallel.layout import check_dispatch_chunks, check_num_experts, local_experts
+from ds_megatron.expert_parallel.overlap import Exchange, overlapped_experts, plan_chunks
 from ds_megatron.model.family import check_experts_per_token
 from ds_megatron.model.layers import SINGLE_DEVICE, BlockHooks
 from ds_megatron.model.moe_layer import (
@@ -48,6 +49,7 @@ from ds_megatron.model.moe_layer import (
     SparseMoeBlock,
     TopKRouter,
     pairs_by_expert,
+    shared_expert_output,
     weighted_sum,
     with_shared_expert,
 )
@@ -97,7 +99,9 @@ def reduce_expert_grad_tensors(grads: list[torch.Tensor], expert_dp_group: Proce
 class ExpertParallelMoE(nn.Module):
     """The routed MLP with E / ep experts on each rank of the EP group ``ep`` (no group: ep 1, all experts here).
     ``recompute(fn, *inputs)``: runs the local experts keeping only their dispatched rows and recomputes them in
-    backward (selective ``moe``); None stores their activations."""
+    backward (selective ``moe``); None stores their activations.  ``dispatch_chunks`` C > 1: the exchange in C
+    chunks of local experts, overlapped with their compute and with the shared expert (``expert_parallel.overlap``;
+    the same results bit for bit); 1: one blocking all-to-all each way."""
 
     def __init__(
         self,
@@ -110,9 +114,11 @@ class ExpertParallelMoE(nn.Module):
         gemm: str = GEMM_DEFAULT,
         capacity_factor: float = 0.0,
         recompute: Callable[..., torch.Tensor] | None = None,
+        dispatch_chunks: int = 1,
     ):
         super().__init__()
         check_num_experts(num_experts, ep.size)
+        check_dispatch_chunks(dispatch_chunks, ep.size, num_experts)
         check_experts_per_token(top_k, num_experts)
         self.ep = ep
         self.num_experts = num_experts
@@ -120,17 +126,22 @@ class ExpertParallelMoE(nn.Module):
         self.experts = Experts(hidden_size, intermediate_size, num_experts // ep.size, gemm)
         mark_expert_params(self.experts, expert_group_name(ep.size))
         self.recompute = recompute
+        self.dispatch_chunks = dispatch_chunks
 
     @classmethod
     def from_block(
-        cls, block: SparseMoeBlock, ep: Group, recompute: Callable[..., torch.Tensor] | None = None
+        cls,
+        block: SparseMoeBlock,
+        ep: Group,
+        recompute: Callable[..., torch.Tensor] | None = None,
+        dispatch_chunks: int = 1,
     ) -> ExpertParallelMoE:
         """This EP rank's layer holding ``block``'s router and its slice of ``block``'s experts (copies)."""
         num_experts, two_f, hidden_size = block.experts.gate_up_proj.shape
         gate = block.gate
         layer = cls(
             hidden_size, two_f // 2, num_experts, gate.top_k, gate.norm_topk_prob, ep, block.experts.gemm,
-            gate.capacity_factor, recompute,
+            gate.capacity_factor, recompute, dispatch_chunks,
         )  # fmt: skip
         layer.to(device=gate.weight.device, dtype=block.experts.gate_up_proj.dtype)
         local = layer.local_experts()
@@ -155,6 +166,10 @@ class ExpertParallelMoE(nn.Module):
         n, k = experts.shape
         order, per_expert = pairs_by_expert(experts, self.num_experts)  # by global expert, so by owner
         token = order // k
+        if self.dispatch_chunks > 1:  # overlapped (expert_parallel.overlap), the shared expert run meanwhile
+            out, shared = self._overlapped(flat[token], per_expert, x, hooks)
+            routed = weighted_sum(out, weights.reshape(-1)[order], token, n).view_as(x)
+            return (routed if shared is None else routed + shared), stats
         plan = plan_dispatch(per_expert, self.ep.group)
         received = dispatch(flat[token], plan, self.ep.group)  # [m, h], grouped by local expert
         run = functools.partial(self.experts.grouped_mlp, per_expert=plan.local_counts)
@@ -163,9 +178,17 @@ class ExpertParallelMoE(nn.Module):
         routed = weighted_sum(out, weights.reshape(-1)[order], token, n).view_as(x)
         return with_shared_expert(self, routed, x, hooks), stats
 
+    def _overlapped(self, rows, per_expert, x, hooks) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The expert outputs of ``rows`` (sorted by global expert) through the chunked exchange, and the shared
+        expert's output (None without one), run while the dispatch is in flight."""
+        plan = plan_chunks(per_expert, self.ep.group, self.dispatch_chunks)
+        exchange = Exchange(plan, self.ep.group, self.experts.gemm, self.recompute)
+        shared = functools.partial(shared_expert_output, self, x, hooks)
+        return overlapped_experts(rows, self.experts.gate_up_proj, self.experts.down_proj, exchange, shared)
+
     def extra_repr(self) -> str:
         local = self.local_experts()
         return (
             f"ep {self.ep.rank}/{self.ep.size}: experts {local.start}..{local.stop - 1} of {self.num_experts}, "
-            f"recompute={self.recompute is not None}"
+            f"recompute={self.recompute is not None}, dispatch_chunks={self.dispatch_chunks}"
         )

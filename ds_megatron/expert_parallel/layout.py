@@ -32,12 +32,28 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 # the refusals live with the config, which runs them before any process group exists (config.ep_rules)
-from ds_megatron.config.ep_rules import SETTING, check_ep, check_num_experts, token_ranks, valid_ep_values
+from ds_megatron.config.ep_rules import (
+    SETTING,
+    check_dispatch_chunks,
+    check_ep,
+    check_num_experts,
+    token_ranks,
+    valid_ep_values,
+)
 
 if TYPE_CHECKING:
     from ds_megatron.topology import Group
 
-__all__ = ["SETTING", "EPLayout", "check_ep", "check_num_experts", "ep_layout", "token_ranks", "valid_ep_values"]
+__all__ = [
+    "SETTING",
+    "EPLayout",
+    "check_dispatch_chunks",
+    "check_ep",
+    "check_num_experts",
+    "ep_layout",
+    "token_ranks",
+    "valid_ep_values",
+]
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
     if counts is None:
         return _ContiguousGrad.apply(torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets))
     parts = [F.linear(rows, weight[g]) for g, rows in enumerate(x.split(counts)) if counts[g]]
-    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+    # no row at all (an expert-parallel rank that received none): an empty output still in the graph, so that its
+    # backward runs and the all-to-all of its gradients meets the other ranks' (a detached one left them waiting)
+    return torch.cat(parts) if parts else F.linear(x, weight[0])
 
 
 def grouped_mm_fits(*tensors: torch.Tensor) -> bool:
@@ -217,13 +219,19 @@ class Experts(nn.Module):
 
 
 def grouped_mlp(
-    routed: torch.Tensor, per_expert: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gemm: str
+    routed: torch.Tensor,
+    per_expert: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gemm: str,
+    host_counts: list[int] | None = None,
 ) -> torch.Tensor:
     """Rows grouped by expert (``per_expert`` [E] int64 rows each) through their expert's SwiGLU MLP:
     ``gate_up_proj`` [E, 2F, h], ``down_proj`` [E, h, F] (F: all of each expert's width, or a TP rank's slice of it,
-    whose output is then a partial sum)."""
+    whose output is then a partial sum).  ``host_counts``: ``per_expert`` as host ints when the caller has them (the
+    loop of per-expert GEMMs then copies nothing to the host)."""
     grouped = gemm == "grouped" and grouped_mm_fits(routed, gate_up_proj, down_proj)
-    counts = None if grouped else per_expert.tolist()
+    counts = None if grouped else host_counts if host_counts is not None else per_expert.tolist()
     offsets = torch.cumsum(per_expert, 0).to(torch.int32)
     gate, up = grouped_linear(routed, gate_up_proj, offsets, counts).chunk(2, dim=-1)
     return grouped_linear((F.silu(gate) * up).contiguous(), down_proj, offsets, counts)
@@ -322,6 +330,13 @@ def with_shared_expert(moe: nn.Module, routed: torch.Tensor, x: torch.Tensor, ho
     (column / row parallel, its input gathered and its output reduce-scattered under SP) and the gate is replicated
     on the sequence shard, so both act on this rank's tokens whatever the routed experts do (an expert-parallel
     layer dispatches only the routed pairs)."""
+    shared = shared_expert_output(moe, x, hooks)
+    return routed if shared is None else routed + shared
+
+
+def shared_expert_output(moe: nn.Module, x: torch.Tensor, hooks: BlockHooks) -> torch.Tensor | None:
+    """``sigmoid(x w_g) * shared_expert(x)`` when ``moe`` has a shared expert, else None (:func:`with_shared_expert`;
+    the overlapped expert-parallel layer runs it while its dispatch is in flight)."""
     if not hasattr(moe, "shared_expert"):
-        return routed
-    return routed + torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x, hooks)
+        return None
+    return torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x, hooks)

@@ -12,7 +12,8 @@ experts split over TP, the router on the sequence shard under SP), cp 2 (ring an
 its gradient sent back), full recompute and selective recompute of ``moe`` (with ``layernorm`` and ``mlp_act``; at
 tp 2 + SP, and at ep 2 folded over tp 2 + SP, where the expert-parallel layer recomputes its local experts);
 the three families (Qwen2-MoE's shared expert split over TP as the dense MLP, its gate on the sequence shard under
-SP, and run by every EP rank on its own tokens at ep 2; its q/k/v biases set to a value on both sides); a router
+SP, and run by every EP rank on its own tokens at ep 2, there with the overlapped exchange in 2 chunks, its TP
+collectives run while the dispatch is in flight; its q/k/v biases set to a value on both sides); a router
 skewed so that one expert gets no token.  bf16: the tp 2 + SP model in bf16 against the single-device bf16 model, within
 ``BF16_TOLERANCE``.
 """
@@ -63,8 +64,9 @@ QWEN2_BIAS = 0.05  # the q/k/v biases start at zero: a value both models are giv
 
 
 def config(
-    tp=1, cp=1, dp=1, *, sp=False, comm="ring", mixtral=False, recompute=None, attention="eager", ep=1, qwen2=False
-):
+    tp=1, cp=1, dp=1, *, sp=False, comm="ring", mixtral=False, recompute=None, attention="eager", ep=1, qwen2=False,
+    chunks=1,
+):  # fmt: skip
     model = {k: v for k, v in (MIXTRAL if mixtral else QWEN2 if qwen2 else MOE).items() if v is not None}
     model.update(vocab_size=101, seq_length=SEQ, dropout=0.0, attention=attention)
     return {
@@ -72,7 +74,8 @@ def config(
         "train_micro_batch_size_per_gpu": 2,
         "ds_megatron": {
             "model": model,
-            "parallel": {"tp": tp, "cp": cp, "cp_comm": comm, "sequence_parallel": sp, "ep": ep},
+            "parallel": {"tp": tp, "cp": cp, "cp_comm": comm, "sequence_parallel": sp, "ep": ep}
+            | ({"ep_dispatch_chunks": chunks} if chunks > 1 else {}),
             "recompute": recompute or {"policy": "none"},
             "train": {"seed": 1234},
         },
@@ -83,7 +86,9 @@ class Layout(NamedTuple):
     tp: int
     cp: int
     dp: int
-    options: tuple[str, ...] = ()  # sp, a2a, mixtral, qwen2, stages, full, moe (selective recompute), skew, bf16, ep2
+    # sp, a2a, mixtral, qwen2, stages, full, moe (selective recompute), skew, bf16, ep2, chunks2 (the overlapped EP
+    # exchange in 2 chunks: ds_megatron.parallel.ep_dispatch_chunks)
+    options: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -105,7 +110,7 @@ LAYOUTS = {
         Layout(2, 1, 1, ("sp", "qwen2", "skew")),
         Layout(2, 1, 1, ("qwen2", "stages", "moe")),
         Layout(1, 1, 2, ("ep2", "qwen2")),
-        Layout(2, 1, 1, ("sp", "ep2", "qwen2")),
+        Layout(2, 1, 1, ("sp", "ep2", "qwen2", "chunks2")),
     ],
     4: [Layout(2, 2, 1, ("sp", "stages", "skew")), Layout(2, 1, 2, ("sp", "ep2", "stages", "skew"))],
 }
@@ -128,6 +133,7 @@ def layout_run(layout: Layout, world: int):
         recompute=recompute,
         ep=2 if "ep2" in o else 1,
         qwen2="qwen2" in o,
+        chunks=2 if "chunks2" in o else 1,
     )
     return resolve(cfg, world)
 
@@ -218,6 +224,7 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         cp=topo.cp_axis,
         cp_comm=run.section.parallel.cp_comm,
         ep=topo.ep_axis,
+        ep_dispatch_chunks=run.section.parallel.ep_dispatch_chunks,
     )
     seed = run.section.train.seed
     loss_fn = VocabParallelLoss(ctx, fused="bf16" not in o)
@@ -267,7 +274,10 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     if topo.ep > 1:  # the engine's rule for experts split over EP: a sum over expert-DP, divided by dp x cp
         reduce_expert_grads(layers, topo.expert_dp_group, topo.expert_grad_divisor)
         routed = sum(
-            isinstance(m, ExpertParallelMoE) and (m.recompute is not None) == ("moe" in o) for m in layers.modules()
+            isinstance(m, ExpertParallelMoE)
+            and (m.recompute is not None) == ("moe" in o)
+            and m.dispatch_chunks == (2 if "chunks2" in o else 1)
+            for m in layers.modules()
         )
         stacked = sum(n.endswith("experts.down_proj") for n, _ in layers.named_parameters())
         pairs.append(
