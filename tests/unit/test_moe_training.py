@@ -63,7 +63,18 @@ QWEN2_BIAS = 0.05  # the q/k/v biases start at zero: a value both models are giv
 
 
 def config(
-    tp=1, cp=1, dp=1, *, sp=False, comm="ring", mixtral=False, recompute=None, attention="eager", ep=1, qwen2=False
+    tp=1,
+    cp=1,
+    dp=1,
+    *,
+    sp=False,
+    comm="ring",
+    mixtral=False,
+    recompute=None,
+    attention="eager",
+    ep=1,
+    qwen2=False,
+    expert_tp=None,
 ):
     model = {k: v for k, v in (MIXTRAL if mixtral else QWEN2 if qwen2 else MOE).items() if v is not None}
     model.update(vocab_size=101, seq_length=SEQ, dropout=0.0, attention=attention)
@@ -72,7 +83,14 @@ def config(
         "train_micro_batch_size_per_gpu": 2,
         "ds_megatron": {
             "model": model,
-            "parallel": {"tp": tp, "cp": cp, "cp_comm": comm, "sequence_parallel": sp, "ep": ep},
+            "parallel": {
+                "tp": tp,
+                "cp": cp,
+                "cp_comm": comm,
+                "sequence_parallel": sp,
+                "ep": ep,
+                "expert_tp": expert_tp,
+            },
             "recompute": recompute or {"policy": "none"},
             "train": {"seed": 1234},
         },
@@ -83,7 +101,8 @@ class Layout(NamedTuple):
     tp: int
     cp: int
     dp: int
-    options: tuple[str, ...] = ()  # sp, a2a, mixtral, qwen2, stages, full, moe (selective recompute), skew, bf16, ep2
+    # sp, a2a, mixtral, qwen2, stages, full, moe (selective recompute), skew, bf16, ep2, etp (expert_tp = tp)
+    options: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -107,7 +126,13 @@ LAYOUTS = {
         Layout(1, 1, 2, ("ep2", "qwen2")),
         Layout(2, 1, 1, ("sp", "ep2", "qwen2")),
     ],
-    4: [Layout(2, 2, 1, ("sp", "stages", "skew")), Layout(2, 1, 2, ("sp", "ep2", "stages", "skew"))],
+    4: [
+        Layout(2, 2, 1, ("sp", "stages", "skew")),
+        Layout(2, 1, 2, ("sp", "ep2", "stages", "skew")),
+        # expert TP: each expert split over tp 2, EP over dp 2 (the ranks of one tp index), with and without SP
+        Layout(2, 1, 2, ("sp", "ep2", "etp", "skew", "moe")),
+        Layout(2, 1, 2, ("ep2", "etp", "qwen2")),
+    ],
 }
 
 
@@ -128,6 +153,7 @@ def layout_run(layout: Layout, world: int):
         recompute=recompute,
         ep=2 if "ep2" in o else 1,
         qwen2="qwen2" in o,
+        expert_tp=layout.tp if "etp" in o else None,
     )
     return resolve(cfg, world)
 
@@ -183,6 +209,7 @@ def reference(cfg, seed: int, windows: torch.Tensor, dp: int, skewed: bool, dtyp
 def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     from deepspeed.moe.utils import is_moe_param
 
+    from ds_megatron.config.ep_rules import resolved_expert_tp
     from ds_megatron.data.stream import split_batch
     from ds_megatron.expert_parallel.dispatch import attach_ep_groups
     from ds_megatron.expert_parallel.layer import ExpertParallelMoE, reduce_expert_grads
@@ -203,7 +230,9 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     tol = BF16_TOLERANCE if "bf16" in o else 1e-5
     run = layout_run(layout, world)
     topo = ParallelTopology.build(run.tp, 1, run.dp, run.cp)
-    attach_ep_groups(topo, run.section.parallel.ep, run.section.parallel.sequence_parallel)
+    par = run.section.parallel
+    expert_tp = resolved_expert_tp(par.expert_tp, par.ep, run.tp)
+    attach_ep_groups(topo, par.ep, par.sequence_parallel, expert_tp)
     data_group = None
     for line in topo.ds_topology.get_axis_comm_lists("data"):
         group = dist.new_group(line)
@@ -218,6 +247,7 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         cp=topo.cp_axis,
         cp_comm=run.section.parallel.cp_comm,
         ep=topo.ep_axis,
+        expert_tp=expert_tp,
     )
     seed = run.section.train.seed
     loss_fn = VocabParallelLoss(ctx, fused="bf16" not in o)
@@ -301,6 +331,8 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         seen.add(full)
         if is_moe_param(p):  # split over EP: this EP group's slices gathered into the single-device tensor
             got, expected = gather_experts(p.grad, topo.ep_group), ref_grads[full].grad
+            if expert_tp > 1:  # and each expert over TP: this tp rank's slice of every expert
+                expected = shard(expected, shard_rule(full, ctx), topo.tp_rank, topo.tp)
         else:
             got, expected = p.grad, shard(ref_grads[full].grad, shard_rule(full, ctx), topo.tp_rank, topo.tp)
         pairs.append((f"grad {full}", got.float(), expected.float(), tol))
