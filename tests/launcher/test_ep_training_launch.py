@@ -259,7 +259,8 @@ def test_expert_tp_on_the_bf16_optimizer():
     measured) and the run equals ep 1 at the same layout, where every expert is split over TP alike (measured:
     step 1 loss equal and grad norm 4.5e-8 apart relative, step 2 2.8e-5 and 3.6e-4; the updates 4.3e-3 in relative
     norm); its step-2 save holds every parameter's fp32 master and Adam moments as the run held them, bit for bit
-    (the files of the same run at ep 1, whatever ep and expert_tp)."""
+    (the files of the same run at ep 1, whatever ep and expert_tp), and loaded back after a third step it holds them
+    again, bit for bit."""
     from ds_megatron.checkpoint.reshard import OldCheckpoint
 
     tmp_path = LAUNCH4()
@@ -273,6 +274,10 @@ def test_expert_tp_on_the_bf16_optimizer():
         assert torch.equal(old.full_weight(name), master), name
         state = old.full_optimizer_state(name)
         assert all(torch.equal(state[k], saved[k][name]) for k in ("exp_avg", "exp_avg_sq")), name
+    # loaded back after one more step (by name, each rank cutting its experts and their TP slice): the same values
+    for key, values in saved.items():
+        assert all(torch.equal(got["loaded"][key][name], v) for name, v in values.items()), key
+    assert any(not torch.equal(got["after"][n], got["before"][n]) for n in got["before"])  # the steps moved them
 
 
 @pytest.mark.slow  # the same launch: the 2-step runs' checkpoints resumed for step 3

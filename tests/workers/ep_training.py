@@ -2,8 +2,9 @@
 engine (moe-tiny, 2 steps of 8 sequences, gradient clipping at 1.0) built and trained after the other in this launch.
 A case is ``<layout>-<precision>-ep<N>[-L<layers>]``: layout ``dp2`` (tp 1, the world size as dp), ``tp2sp`` (tp 2
 with sequence parallelism, dp = world size / 2), ``tp2etp`` (``tp2sp`` with expert_tp 2: each expert split over the
-tp ranks, EP over the dp ranks of one tp index; the case also saves its step 2 under ``<out>/<case>-ckpt`` and
-records what the files must hold) or ``pp2`` (two pipeline stages, dp = world size / 2); ``L<layers>``
+tp ranks, EP over the dp ranks of one tp index; the case also saves its step 2 under ``<out>/<case>-ckpt``,
+records what the files must hold, trains one more step and loads the save back, recording what it loaded) or
+``pp2`` (two pipeline stages, dp = world size / 2); ``L<layers>``
 cuts moe-tiny to that many blocks (its first is dense); precision ``bf16`` (ZeRO 0, bf16 gradient accumulation) or
 ``bf16z1`` (ZeRO 1, fp32 accumulation); both are DeepSpeed's BF16 optimizer.
 
@@ -151,12 +152,14 @@ def train(case: str, out: str) -> None:
     result = {"losses": losses, "norms": norms, "groups": groups, "before": before, "expert_dp_sums": sums}
     result["after"] = expert_masters(engine, topo)
     result["optimizer"] = type(opt).__name__
-    if case.split("-")[0] in EXPERT_TP_LAYOUTS:  # the save at expert_tp = tp, and what its files must hold
-        client = {"step": STEPS, "config": run.ds_config}
-        save_run(
-            engine, os.path.join(out, f"{case}-ckpt"), STEPS, client, built.rng, topology=topo, parallel=built.parallel
-        )
+    if case.split("-")[0] in EXPERT_TP_LAYOUTS:  # the save at expert_tp = tp, what its files must hold, its load
+        client, directory = {"step": STEPS, "config": run.ds_config}, os.path.join(out, f"{case}-ckpt")
+        save_run(engine, directory, STEPS, client, built.rng, topology=topo, parallel=built.parallel)
         result["saved"] = {k: full_state(engine, built, k) for k in (None, "exp_avg", "exp_avg_sq")}
+        engine.train_batch(iter(batches))  # one more step moves every parameter; the load must bring them back
+        load_run(engine, directory, built.rng, built.parallel, topo, run.ds_config)
+        engine.optimizer._lazy_init_hp_params_optimizer_state()  # the moments' links, else made at the next step
+        result["loaded"] = {k: full_state(engine, built, k) for k in (None, "exp_avg", "exp_avg_sq")}
     if dist.get_rank() == 0:
         torch.save(result, os.path.join(out, f"{case}.pt"))
     engine.destroy()
