@@ -76,7 +76,8 @@ def check_ep(
         values += f", num_experts={num_experts}"
     if ep > 1 and tp > 1 and not sequence_parallel and expert_tp == 1:
         problem = "an EP group spans ranks holding distinct tokens; without sequence parallelism tp ranks share theirs"
-        fix = f"turn on sequence_parallel, set expert_tp to {tp}, or use ep in {valid}"
+        split = ep in valid_ep_values(tp, cp, dp, sequence_parallel, num_experts, expert_tp=tp)
+        fix = "turn on sequence_parallel" + (f", set expert_tp to {tp}" if split else "") + f", or use ep in {valid}"
     elif expert_tp > 1:
         problem = "at expert_tp = tp an EP group spans the cp x dp ranks of one tp index: ep must divide cp x dp"
         if num_experts is not None:

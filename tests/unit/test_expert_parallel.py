@@ -372,7 +372,10 @@ def _refused(fn: Callable[..., object], *args: object) -> str:
 def test_layouts_the_folding_cannot_form_are_refused():
     message = _refused(ep_layout, 2, 1, 2, 1, 4, False)
     assert "sequence_parallel=false" in message and "turn on sequence_parallel" in message and "[1]" in message
-    assert "set expert_tp to 2" in message
+    assert "expert_tp" not in message  # ep 4 does not divide cp x dp either
+    assert "turn on sequence_parallel, set expert_tp to 2, or use ep in [1]" in _refused(
+        ep_layout, 2, 1, 2, 1, 2, False
+    )
     # expert_tp = tp: ep divides cp x dp (2 here), with or without SP
     for sp in (False, True):
         message = _refused(ep_layout, 2, 1, 2, 1, 4, sp, None, 2)
@@ -421,7 +424,8 @@ def test_the_ep_setting_and_its_refusals():
     dense = {"family": "gpt2", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 64, "seq_length": 16}
     cases = [
         (_ep_config(2, dense), 2, "this model has none"),
-        (_ep_config(2, tp=2), 2, "turn on sequence_parallel, set expert_tp to 2, or use ep in [1]"),
+        (_ep_config(2, tp=2), 2, "turn on sequence_parallel, or use ep in [1]"),
+        (_ep_config(2, tp=2), 4, "turn on sequence_parallel, set expert_tp to 2, or use ep in [1]"),
         (_ep_config(2, tp=2, expert_tp=2), 2, "expert_tp=2, num_experts=8); use ep in [1]"),
         # ep 3 splits neither the 8 experts nor, with them, dp 3: the values that do both (not ep 2 at dp 3)
         (_ep_config(3), 3, "dp=3, sequence_parallel=false, num_experts=8); use ep in [1]"),
