@@ -132,6 +132,7 @@ LAYOUTS = {
         # expert TP: each expert split over tp 2, EP over dp 2 (the ranks of one tp index), with and without SP
         Layout(2, 1, 2, ("sp", "ep2", "etp", "skew", "moe")),
         Layout(2, 1, 2, ("ep2", "etp", "qwen2")),
+        Layout(2, 2, 1, ("sp", "ep2", "etp")),  # EP over the cp ranks of each tp index
     ],
 }
 
