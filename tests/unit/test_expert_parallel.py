@@ -458,5 +458,5 @@ def test_the_ep_setting_and_its_refusals():
         text = str(err.value)
         assert text.startswith("error: ds_megatron.parallel.expert_tp: ") and "\n" not in text, text
         assert f"expert_tp={expert_tp}, ep={ep}, tp={tp}); use expert_tp in {valid}" in text, text
-    args = build_parser().parse_args(["--deepspeed_config", "x.json", "--ep", "2"])
-    assert apply_overrides({"ds_megatron": {}}, args)["ds_megatron"]["parallel"] == {"ep": 2}
+    args = build_parser().parse_args(["--deepspeed_config", "x.json", "--ep", "2", "--expert-tp", "2"])
+    assert apply_overrides({"ds_megatron": {}}, args)["ds_megatron"]["parallel"] == {"ep": 2, "expert_tp": 2}

@@ -13,7 +13,9 @@ its gradient sent back), full recompute and selective recompute of ``moe`` (with
 tp 2 + SP, and at ep 2 folded over tp 2 + SP, where the expert-parallel layer recomputes its local experts);
 the three families (Qwen2-MoE's shared expert split over TP as the dense MLP, its gate on the sequence shard under
 SP, and run by every EP rank on its own tokens at ep 2; its q/k/v biases set to a value on both sides); a router
-skewed so that one expert gets no token.  bf16: the tp 2 + SP model in bf16 against the single-device bf16 model, within
+skewed so that one expert gets no token.  Expert tensor parallelism (``expert_tp`` = tp 2 with ep 2: each expert
+split over TP, EP over the dp or cp ranks of one tp index) with SP (recompute of ``moe``, the skewed router, and over
+cp 2) and without (Qwen2-MoE).  bf16: the tp 2 + SP model in bf16 against the single-device bf16 model, within
 ``BF16_TOLERANCE``.
 """
 
