@@ -22,6 +22,7 @@ from deepspeed.runtime.pipe.schedule import ReduceGrads, ReduceTiedGrads
 
 from ds_megatron.checkpoint.run_state import read_weights_only
 from ds_megatron.config import ConfigError, RunConfig, unused_settings
+from ds_megatron.config.ep_rules import resolved_expert_tp
 from ds_megatron.config.facts import BF16_OPTIMIZER, deepspeed_wraps_optimizer, optimizer_wrapper, precision
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.expert_parallel.dispatch import attach_ep_groups
@@ -239,7 +240,10 @@ def register_expert_groups(topology: ParallelTopology) -> None:
     from the first rank of that expert-DP group when it starts (the ranks holding the same experts), its BF16
     optimizer cuts the expert parameter groups over it, and its gradient norm sums the experts' over the EP group,
     which needs the groups there.  DeepSpeed keeps these tables as module globals of ``deepspeed.utils.groups`` and
-    has no public setter for groups laid out by someone else (its own builder lays EP over its data axis only)."""
+    has no public setter for groups laid out by someone else (its own builder lays EP over its data axis only).  At
+    expert_tp = tp its expert-TP size too: its norm (``runtime.utils.get_global_norm_of_tensors``) then sums each
+    expert group's over the model-parallel group (tp x pp) before the EP group, as each tp rank holds a slice of
+    every expert of its EP group; at expert_tp 1 over the pipeline stages only."""
     if topology.ep == 1:
         return
     from deepspeed.utils import groups as ds_groups
@@ -247,6 +251,7 @@ def register_expert_groups(topology: ParallelTopology) -> None:
     name = expert_group_name(topology.ep)
     ds_groups._EXPERT_PARALLEL_GROUP[name] = topology.ep_group
     ds_groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.expert_dp_group
+    ds_groups.expert_tensor_parallel_world_size = topology.expert_tp
 
 
 def expert_param_groups(groups: list[dict], topology: ParallelTopology) -> list[dict]:
@@ -378,7 +383,9 @@ def build_engine(run: RunConfig) -> Built:
     threads = default_cpu_threads()
     init_distributed()
     topology = ParallelTopology.build(run.tp, run.pp, run.dp, run.cp)
-    attach_ep_groups(topology, run.section.parallel.ep, run.section.parallel.sequence_parallel)
+    par = run.section.parallel
+    expert_tp = resolved_expert_tp(par.expert_tp, par.ep, run.tp)
+    attach_ep_groups(topology, par.ep, par.sequence_parallel, expert_tp)
     seed = run.section.train.seed
     # The default (data) RNG stream is keyed by the data-axis coordinate: CP ranks hold different tokens, so their
     # hidden-state dropout masks must differ (at cp 1 the coordinate is dp_rank, as before).
@@ -396,6 +403,7 @@ def build_engine(run: RunConfig) -> Built:
         compile=run.section.model.compile,
         ep=topology.ep_axis,
         ep_dispatch_chunks=run.section.parallel.ep_dispatch_chunks,
+        expert_tp=expert_tp,
         # weights loaded from transformers replace every parameter (load_hf_into_pipeline): none is drawn first
         init_weights=not (run.section.checkpoint.init_from_hf and not run.section.checkpoint.load),
     )

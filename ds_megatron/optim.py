@@ -37,7 +37,8 @@ def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology)
     Call after the data-parallel all-reduce (gradients then match across DP ranks).  Expert parameters split over
     an EP group (DeepSpeed's mark, ``is_moe_param``) are summed over that group first: it holds each of the stage's
     experts once, and after the expert-DP reduction every EP group of the stage holds the same sum, which TP rank 0
-    of each stage then adds (the model group sums the stages)."""
+    of each stage then adds (the model group sums the stages).  At expert_tp = tp each tp rank's EP group holds its
+    own slice of every expert, so every tp rank adds its sum (the model group sums them over tp too)."""
     params = [p for p in params if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
     sq = torch.zeros(1, dtype=torch.float32, device=device)
@@ -50,7 +51,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], topology: ParallelTopology)
     if topology.ep > 1:
         if topology.ep_group is not None:
             dist.all_reduce(expert_sq, group=topology.ep_group)
-        if topology.tp_rank == 0:
+        if topology.tp_rank == 0 or topology.expert_tp > 1:
             sq += expert_sq
     if topology.model_group is not None:
         dist.all_reduce(sq, group=topology.model_group)

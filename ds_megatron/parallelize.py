@@ -84,9 +84,11 @@ class ParallelContext:
     cp: Group = Group()  # the CP ranks of this replica (no group: cp 1)
     cp_comm: str = "ring"  # "ring" or "a2a" (ds_megatron.context_parallel.attention)
     compile: bool = False  # the blocks' memory-bound pieces as inductor kernels (``model.kernels``)
-    # expert parallelism (ep > 1): each routed block's experts split over this EP group, not over TP
+    # expert parallelism (ep > 1): each routed block's experts split over this EP group, whole (expert_tp 1) or
+    # each also split over TP (expert_tp = tp: the EP group then spans the ranks of this rank's tp index)
     ep: Group = Group()
     ep_dispatch_chunks: int = 1  # C > 1: the EP exchange in C chunks, overlapped with the experts (expert_parallel)
+    expert_tp: int = 1
     init_weights: bool = True  # False: the weights are loaded next (--init-from-hf), so none is drawn (zeros)
     # packed documents' attention plans, one per micro-batch's ids tensor, shared by the blocks of this process
     document_plans: TensorCache = field(default_factory=TensorCache, repr=False, compare=False)
@@ -145,19 +147,21 @@ def shard_slices(ctx: ParallelContext) -> Slices:
     indices of the rows (or columns) its shard holds, cut by the parameter's own rule (:func:`shard` of the indices,
     so fused q|k|v blocks and vocabulary padding come out as they do for the weights); replicated ones whole.  At
     ep > 1 the stacked experts are split over EP instead (dim 0, ``expert_parallel.layout.local_experts``), whole
-    along the others."""
+    along the others (at expert_tp = tp, cut along them over TP too)."""
 
     def slices(name: str, param: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if is_expert_param(name, ctx):  # per expert (``model.layers.Slices``): whole experts over EP, rows over TP
             dim = ctx.family.split_dim(name)
+            split = ctx.ep.size == 1 or ctx.expert_tp > 1  # each expert's rows over TP
+            full = param.shape[dim] * (ctx.tp.size if split else 1)
+            rows = torch.arange(full)
+            if split:
+                rows = shard(rows, ShardRule(0, shard_rule(name, ctx).fused), ctx.tp.rank, ctx.tp.size)
+            experts = torch.arange(param.shape[0])
             if ctx.ep.size > 1:
                 local = local_experts(ctx.config.num_experts, ctx.ep)
-                rows = torch.arange(param.shape[dim])
-                return dim, expert_slices(torch.arange(local.start, local.stop), rows, param.shape[dim])
-            rule = shard_rule(name, ctx)
-            full = param.shape[dim] * ctx.tp.size
-            rows = shard(torch.arange(full), ShardRule(0, rule.fused), ctx.tp.rank, ctx.tp.size)
-            return dim, expert_slices(torch.arange(param.shape[0]), rows, full)
+                experts = torch.arange(local.start, local.stop)
+            return dim, expert_slices(experts, rows, full)
         rule = shard_rule(name, ctx)
         if rule.replicated:
             return 0, None
@@ -347,10 +351,14 @@ def expert_parallel_path(ctx: ParallelContext) -> str | None:
 
 
 def expert_parallel_block(moe: nn.Module, ctx: ParallelContext) -> nn.Module:
-    """The routed MLP with its experts split over the EP group (whole experts, not TP-split: under SP the EP group
-    folds the tp ranks in, each routing its own sequence shard), its router replicated; under SP the router sees a
-    sequence shard, so its gradient is summed over TP like the norms'."""
-    layer = ExpertParallelMoE.from_block(moe, ctx.ep, moe_recompute(ctx), ctx.ep_dispatch_chunks)
+    """The routed MLP with its experts split over the EP group (whole experts at expert_tp 1: under SP the EP group
+    folds the tp ranks in, each routing its own sequence shard; at expert_tp = tp each expert also split over TP, the
+    tokens gathered over it as the dense MLP's), its router replicated; under SP the router sees a sequence shard,
+    so its gradient is summed over TP like the norms'."""
+    tp = ctx.tp if ctx.expert_tp > 1 else Group()
+    layer = ExpertParallelMoE.from_block(
+        moe, ctx.ep, moe_recompute(ctx), ctx.ep_dispatch_chunks, tp, ctx.sequence_parallel
+    )
     if ctx.sp:
         layer.gate = SequenceParallelRouter(layer.gate, ctx.tp)
     return layer

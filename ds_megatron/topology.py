@@ -58,11 +58,13 @@ class ParallelTopology:
     # ``dp_group`` is the true data-parallel replicas only (same cp_rank).
     # Expert parallelism (set by ``expert_parallel.dispatch.attach_ep_groups``; ep 1: none): this rank's EP group
     # (the ranks splitting its routed experts), its expert-DP group (the ranks holding the same experts), and what
-    # the expert-DP sum of expert gradients is divided by (dp x cp).
+    # the expert-DP sum of expert gradients is divided by (dp x cp); ``expert_tp``: the ranks each expert's width
+    # is split over at ep > 1 (1: whole experts; tp: expert tensor parallelism, ``expert_parallel.layout``).
     ep: int = 1
     ep_group: ProcessGroup | None = field(default=None, repr=False)
     expert_dp_group: ProcessGroup | None = field(default=None, repr=False)
     expert_grad_divisor: int = 1
+    expert_tp: int = 1
 
     @classmethod
     def build(cls, tp: int, pp: int, dp: int, cp: int = 1) -> ParallelTopology:

@@ -5,8 +5,9 @@
 a DeepSpeed checkpoint of any tp/pp/dp -> a transformers directory, with the tokenizer saved in the tag (import into
 training: ``recipes/train_gpt.py --init-from-hf HF_DIR``).
 
-``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D [--cp C] [--ep E] [--pipeline-layout 3,5,5,3] --out DIR2``:
-the same checkpoint at another layout (cp and ep: the saved ones unless given; blocks per stage: the saved ones at
+``reshard --checkpoint DIR [--tag T] --tp N --pp M --dp D [--cp C] [--ep E] [--expert-tp X] [--pipeline-layout 3,5,5,3]
+--out DIR2``: the same checkpoint at another layout (cp, ep and expert_tp: the saved ones unless given; blocks per
+stage: the saved ones at
 the saved pp, else balanced), ready for ``--load DIR2`` on N x C x M x D processes (resharding on load does the same
 inside the launch).
 
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     rs.add_argument("--dp", type=int, required=True, help="data-parallel size of the new layout")
     rs.add_argument("--cp", type=int, help="context-parallel size of the new layout (default: the saved one)")
     rs.add_argument("--ep", type=int, help="expert-parallel size of the new layout (default: the saved one)")
+    rs.add_argument("--expert-tp", type=int, help="expert_tp of the new layout, 1 or --tp (default: the saved one)")
     rs.add_argument("--out", required=True, help="new output directory (must not exist)")
     rs.add_argument(
         "--pipeline-layout",
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 cp=args.cp,
                 pipeline_layout=layout,
                 ep=args.ep,
+                expert_tp=args.expert_tp,
             )
             saved = tag_config(out, (out / "latest").read_text().strip())
             cp, ep = saved_cp(saved), saved_ep(saved)
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             world = args.tp * cp * args.pp * args.dp
             layout_flag = "" if written is None else f" --pipeline-layout {','.join(map(str, written))}"
             with_ep = f" --ep {ep}" if ep > 1 else ""
+            expert_tp = saved["ds_megatron"]["parallel"].get("expert_tp")
+            with_ep += "" if expert_tp is None else f" --expert-tp {expert_tp}"
             done = (
                 f"resume with --load {out} --tp {args.tp} --cp {cp} --pp {args.pp}{with_ep}{layout_flag} "
                 f"on {world} processes"

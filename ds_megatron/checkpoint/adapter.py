@@ -6,8 +6,9 @@ tensors through it, and nothing else reads the family's transformers names.
   column-parallel weights on the output dim, row-parallel on the input dim, vocabulary rows padded for the tp and
   stripped back to the real vocabulary on merge.  Checkpoint files always hold these shards (:meth:`saved_shard`),
   the routed experts included, whatever the run's expert parallelism: a run at ep > 1 holds whole experts, E / ep of
-  them (:meth:`shard`: dim 0 of the stacked tensors cut over ep, ``parallelize.local_experts``), and its save writes
-  the shards an ep 1 run at the same tp would (``checkpoint/ep_state.py``), so a checkpoint does not depend on ep.
+  them (:meth:`shard`: dim 0 of the stacked tensors cut over ep, ``parallelize.local_experts``; at expert_tp = tp
+  each of them also cut by the TP rule), and its save writes the shards an ep 1 run at the same tp would
+  (``checkpoint/ep_state.py``, :meth:`saved_from_gathered`), so a checkpoint depends on neither ep nor expert_tp.
 - transformers (the names of the family record, ``model.family``: ``hf_transposed``, ``hf_base_prefix``,
   ``hf_ignored``, ``hf_experts``): our full names are transformers' causal-LM names; GPT-2's Conv1D weights are
   stored [in, out]; a file of the base model stores names without the base prefix; buffers such as causal masks
@@ -49,10 +50,20 @@ class StateDictAdapter:
 
     def shard(self, name: str, full: torch.Tensor, tp_rank: int | None = None) -> torch.Tensor:
         """This rank's parameter of the full tensor ``name``: TP rank ``tp_rank``'s (default: this rank's) shard
-        (vocabulary rows padded); at ep > 1 a stacked expert tensor is this EP rank's experts instead, whole."""
+        (vocabulary rows padded); at ep > 1 a stacked expert tensor is this EP rank's experts instead, whole (at
+        expert_tp = tp, this TP rank's shard of them)."""
         if self.parallel.ep.size > 1 and is_expert_param(name, self.parallel):
-            return full[local_experts(self.parallel.config.num_experts, self.parallel.ep)].clone()
+            local = local_experts(self.parallel.config.num_experts, self.parallel.ep)
+            if self.parallel.expert_tp > 1:
+                return self.saved_shard(name, full[local], tp_rank)
+            return full[local].clone()
         return self.saved_shard(name, full, tp_rank)
+
+    def saved_from_gathered(self, name: str, gathered: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's shard of a stacked expert tensor from this EP group's experts concatenated [E, ...]
+        (``checkpoint/ep_state.gather_experts``): whole experts cut by the TP rule at expert_tp 1; at expert_tp = tp
+        the gathered tensor is already this TP rank's shard of every expert (works on meta tensors)."""
+        return gathered if self.parallel.expert_tp > 1 else self.saved_shard(name, gathered)
 
     def saved_shard(self, name: str, full: torch.Tensor, tp_rank: int | None = None) -> torch.Tensor:
         """TP rank ``tp_rank``'s (default: this rank's) shard of the full tensor ``name`` as checkpoint files hold

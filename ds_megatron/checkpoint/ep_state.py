@@ -3,8 +3,9 @@
 At ep > 1 each rank holds E / ep whole experts (``parallelize.local_experts``), and DeepSpeed's pipeline writes a
 layer's file from data-parallel rank 0 only, which would keep only that rank's experts when the EP group spans the
 data axis.  So for the length of the save, each expert parameter (and its Adam moments) is gathered over the EP group
-into the stacked [E, ...] tensor, cut by the TP rule (``StateDictAdapter.saved_shard``) and handed to DeepSpeed's own
-writer; afterwards the rank's own experts are put back, the same tensor objects, untouched.
+into the stacked [E, ...] tensor, cut by the TP rule (``StateDictAdapter.saved_from_gathered``; at expert_tp = tp
+the EP group's experts are already this TP rank's shards) and handed to DeepSpeed's own writer; afterwards the rank's
+own experts are put back, the same tensor objects, untouched.
 
 On DeepSpeed's BF16 optimizer (bf16 at ZeRO 0, bf16 + ZeRO-1) the fp32 masters and Adam moments live in flat
 partitions, and at ep > 1 the experts sit in groups of their own cut over the expert-DP group
@@ -89,7 +90,7 @@ def _expert_weights_as_saved(engine, parallel: ParallelContext, writes: bool) ->
                 continue
 
             def saved(t: torch.Tensor, name: str = name) -> torch.Tensor:
-                return adapter.saved_shard(name, gather_experts(t, parallel.ep.group)).cpu()
+                return adapter.saved_from_gathered(name, gather_experts(t, parallel.ep.group)).cpu()
 
             swapped = {k: saved(own[k]) for k in moments}
             kept.append((param, param.data, own))
@@ -144,7 +145,7 @@ def ep1_optimizer_state(engine, parallel: ParallelContext) -> tuple[dict, list[O
         for local, p in group:
             if local in experts:  # the ep 1 TP shard of all E experts
                 meta = torch.empty((p.shape[0] * ep, *p.shape[1:]), device="meta")
-                shapes[k][local] = adapter.saved_shard(experts[local], meta).shape
+                shapes[k][local] = adapter.saved_from_gathered(experts[local], meta).shape
             else:
                 shapes[k][local] = p.shape
     state = opt.optimizer.state
@@ -161,7 +162,7 @@ def ep1_optimizer_state(engine, parallel: ParallelContext) -> tuple[dict, list[O
             for key in keys:
                 value = _full_fp32(p, hp if key == "master" else state[hp][key], opt.real_dp_process_group[i])
                 if local in experts:
-                    value = adapter.saved_shard(experts[local], gather_experts(value, parallel.ep.group))
+                    value = adapter.saved_from_gathered(experts[local], gather_experts(value, parallel.ep.group))
                 flat = value.reshape(-1)
                 for d, at, start, n in pieces:
                     if d == rank:

@@ -73,13 +73,14 @@ def reshard_checkpoint(
     cp: int | None = None,
     pipeline_layout: tuple[int, ...] | None = None,
     ep: int | None = None,
+    expert_tp: int | None = None,
 ) -> Path:
     """Write tag ``tag`` (default: the newest complete one) of ``checkpoint`` at tp x cp x pp x dp (``cp`` None: the
     saved cp) into the new directory ``out``, ``pipeline_layout`` blocks per stage (None: the saved layout at the
     saved pp, else the balanced split) and expert parallelism ``ep`` (None: the saved ep); every refusal is a
     ConfigError raised before anything is written.  The files do not depend on ep (an EP run saves its experts as an
-    ep 1 run holds them, ``ep_state.py``): ``ep`` only goes into the recorded configuration, checked against the new
-    layout."""
+    ep 1 run holds them, ``ep_state.py``), nor on ``expert_tp`` (None: the saved one): both only go into the recorded
+    configuration, checked against the new layout."""
     src, out = Path(checkpoint), Path(out)
     check_new_out(out, "reshard")
     check_sizes({"--tp": tp, "--pp": pp, "--dp": dp, "--cp": 1 if cp is None else cp, "--ep": 1 if ep is None else ep})
@@ -88,7 +89,7 @@ def reshard_checkpoint(
     # An imported tag (weights alone) stays one: resharded, it still loads with a fresh optimizer.
     imported = src / tag / IMPORTED
     kind = FRESH if imported.is_file() else _optimizer_kind(src / tag, old_cfg)
-    target = _target_run(old_cfg, tp, pp, dp, saved_cp(old_cfg) if cp is None else cp, pipeline_layout, ep)
+    target = _target_run(old_cfg, tp, pp, dp, saved_cp(old_cfg) if cp is None else cp, pipeline_layout, ep, expert_tp)
     verify_tag(src / tag, "--checkpoint", f"reshard another tag (--tag; complete ones: {complete_tags(src)})")
     for f in sorted((src / tag).glob("*.pt")):  # refuse before DeepSpeed-format files are unpickled for real
         what = None if trust else safe_load.unsafe_reason(f)
@@ -158,6 +159,7 @@ def _target_run(
     cp: int,
     pipeline_layout: tuple[int, ...] | None = None,
     ep: int | None = None,
+    expert_tp: int | None = None,
 ) -> RunConfig:
     """The old run's configuration at the new layout, validated.  The global batch stays (the step count is the
     data position), and so does the micro batch; gradient accumulation takes up the change of dp (the cp ranks of a
@@ -172,6 +174,8 @@ def _target_run(
     parallel.update(tp=tp, pp=pp, cp=cp)
     if ep is not None:  # else the saved one stays (the files do not depend on it)
         parallel["ep"] = ep
+    if expert_tp is not None:  # likewise
+        parallel["expert_tp"] = expert_tp
     if pp == 1:  # one stage has one schedule: a DualPipeV checkpoint resharded to pp 1 resumes as 1F1B (the default)
         parallel.pop("pipeline_schedule", None)
     if pipeline_layout is not None:

@@ -35,6 +35,7 @@ VALUE_FLAGS: tuple[tuple[str, str, type | None, str], ...] = (
     ("--cp", "ds_megatron.parallel.cp", int, ": context parallel (each sequence split over cp ranks)"),
     ("--cp_comm", "ds_megatron.parallel.cp_comm", None, ': "ring" or "a2a"'),
     ("--ep", "ds_megatron.parallel.ep", int, ": expert parallel (routed experts split over ep ranks; MoE families)"),
+    ("--expert-tp", "ds_megatron.parallel.expert_tp", int, ": each routed expert split over 1 or tp ranks"),
     ("--pp", "ds_megatron.parallel.pp", int, ""),
     ("--virtual-stages", "ds_megatron.parallel.virtual_stages", int, ": model chunks per pipeline rank"),
     (

@@ -1,8 +1,10 @@
 """The rules that refuse an expert-parallel size before any process group exists (standard library only, so the
 config loader runs them): an EP group spans ranks of one pipeline stage that hold distinct tokens (tp x cp x dp
 under sequence parallelism or at tp 1, cp x dp otherwise, where only ep 1 is allowed at tp > 1), and each EP rank
-holds num_experts / ep experts.  ``expert_parallel.layout`` builds the groups these rules admit and explains the
-folding.
+holds num_experts / ep experts.  With expert tensor parallelism (``expert_tp`` = tp > 1) each expert is split over
+the tp ranks instead, which all see the same tokens once the MoE layer's input is gathered over tp: the EP group
+then spans the cp x dp ranks of one tp index, with or without sequence parallelism.  ``expert_parallel.layout``
+builds the groups these rules admit and explains the folding.
 """
 
 from __future__ import annotations
@@ -11,31 +13,76 @@ from ds_megatron.config.errors import ConfigError
 from ds_megatron.config.facts import BF16_OPTIMIZER, FP16_OPTIMIZER, ZERO_OPTIMIZER
 
 SETTING = "ds_megatron.parallel.ep"
+EXPERT_TP_SETTING = "ds_megatron.parallel.expert_tp"
 
 
-def token_ranks(tp: int, cp: int, dp: int, sequence_parallel: bool) -> int:
-    """How many ranks of one pipeline stage hold distinct tokens that one EP group may span (module docstring)."""
+def resolved_expert_tp(expert_tp: int | None, ep: int, tp: int) -> int:
+    """How many ranks each routed expert's width F is split over: ``expert_tp`` when set; unset, today's two
+    layouts: tp at ep 1 (every expert split over TP as the dense MLP is) and 1 at ep > 1 (whole experts)."""
+    if expert_tp is not None:
+        return expert_tp
+    return tp if ep == 1 else 1
+
+
+def check_expert_tp(expert_tp: int | None, ep: int, tp: int) -> None:
+    """``expert_tp`` is 1 or tp; at ep 1 and tp > 1 only tp (whole experts on every tp rank are not built)."""
+    if expert_tp is None:
+        return
+    valid = [tp] if ep == 1 else sorted({1, tp})
+    if expert_tp in valid:
+        return
+    raise ConfigError(
+        EXPERT_TP_SETTING, "each routed expert is split over expert_tp ranks: 1 (whole experts, needs ep > 1 at "
+        "tp > 1) or tp (each expert's width split over the tp ranks)", f"expert_tp={expert_tp}, ep={ep}, tp={tp}",
+        f"use expert_tp in {valid} (or leave it unset: tp at ep 1, 1 at ep > 1)",
+    )  # fmt: skip
+
+
+def token_ranks(tp: int, cp: int, dp: int, sequence_parallel: bool, expert_tp: int = 1) -> int:
+    """How many ranks of one pipeline stage hold distinct tokens that one EP group may span (module docstring); at
+    expert_tp > 1 the tokens after the gather over tp, the same on every tp rank."""
+    if expert_tp > 1:
+        return cp * dp
     return tp * cp * dp if sequence_parallel or tp == 1 else cp * dp
 
 
-def valid_ep_values(tp: int, cp: int, dp: int, sequence_parallel: bool, num_experts: int | None = None) -> list[int]:
+def valid_ep_values(
+    tp: int, cp: int, dp: int, sequence_parallel: bool, num_experts: int | None = None, expert_tp: int = 1
+) -> list[int]:
     """Every ep the folding can form (and that splits ``num_experts`` evenly, when given)."""
-    # without SP at tp > 1 only ep 1: an EP group there would span tp ranks routing the same tokens
-    n = token_ranks(tp, cp, dp, sequence_parallel) if sequence_parallel or tp == 1 else 1
+    # without SP at tp > 1 and whole experts, only ep 1: an EP group there would span tp ranks routing the same tokens
+    folds = sequence_parallel or tp == 1 or expert_tp > 1
+    n = token_ranks(tp, cp, dp, sequence_parallel, expert_tp) if folds else 1
     return [e for e in range(1, n + 1) if n % e == 0 and (num_experts is None or num_experts % e == 0)]
 
 
-def check_ep(ep: int, tp: int, cp: int, dp: int, sequence_parallel: bool, num_experts: int | None = None) -> None:
+def check_ep(
+    ep: int,
+    tp: int,
+    cp: int,
+    dp: int,
+    sequence_parallel: bool,
+    num_experts: int | None = None,
+    expert_tp: int = 1,
+) -> None:
     """Refuse an ep the folding cannot form, in one line naming the valid values."""
-    valid = valid_ep_values(tp, cp, dp, sequence_parallel, num_experts)
+    valid = valid_ep_values(tp, cp, dp, sequence_parallel, num_experts, expert_tp)
     if ep in valid:
         return
     values = f"ep={ep}, tp={tp}, cp={cp}, dp={dp}, sequence_parallel={str(sequence_parallel).lower()}"
+    if expert_tp > 1:
+        values += f", expert_tp={expert_tp}"
     if num_experts is not None:
         values += f", num_experts={num_experts}"
-    if ep > 1 and tp > 1 and not sequence_parallel:
+    if ep > 1 and tp > 1 and not sequence_parallel and expert_tp == 1:
         problem = "an EP group spans ranks holding distinct tokens; without sequence parallelism tp ranks share theirs"
-        fix = f"turn on sequence_parallel, or use ep in {valid}"
+        split = ep in valid_ep_values(tp, cp, dp, sequence_parallel, num_experts, expert_tp=tp)
+        fix = "turn on sequence_parallel" + (f", set expert_tp to {tp}" if split else "") + f", or use ep in {valid}"
+    elif expert_tp > 1:
+        problem = "at expert_tp = tp an EP group spans the cp x dp ranks of one tp index: ep must divide cp x dp"
+        if num_experts is not None:
+            problem += " and num_experts"
+        fix = f"use ep in {valid}"
     else:
         problem = "ep must divide the ranks of a stage holding distinct tokens (tp x cp x dp under SP, cp x dp without)"
         if num_experts is not None:

@@ -19,14 +19,17 @@ from ds_megatron.config.context_parallel import (
     check_cp_heads,
     check_cp_seq_length,
 )
-from ds_megatron.config.ep_rules import SETTING as EP_SETTING
 from ds_megatron.config.ep_rules import (
+    EXPERT_TP_SETTING,
     check_dispatch_chunks,
     check_ep,
     check_ep_model,
     check_ep_optimizer,
+    check_expert_tp,
     check_num_experts,
+    resolved_expert_tp,
 )
+from ds_megatron.config.ep_rules import SETTING as EP_SETTING
 from ds_megatron.config.errors import ConfigError, nearest
 from ds_megatron.config.facts import grad_accum_dtype, optimizer_wrapper, precision, zero_stage
 from ds_megatron.config.numbers import check_finite_config
@@ -451,10 +454,12 @@ def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: 
     """ep > 1 needs routed experts, an even split of them, and a layout the folding can form; the overlapped exchange
     needs ep > 1 and at most num_experts / ep chunks (``config.ep_rules``)."""
     ep = _positive(EP_SETTING, par.ep)
+    if par.expert_tp is not None:
+        check_expert_tp(_positive(EXPERT_TP_SETTING, par.expert_tp), ep, tp)
     if ep > 1:
         check_ep_model(ep, shape.num_experts, shape.family)
         # the folding's rule first: its valid values are those that also split the experts evenly
-        check_ep(ep, tp, cp, dp, par.sequence_parallel, shape.num_experts)
+        check_ep(ep, tp, cp, dp, par.sequence_parallel, shape.num_experts, resolved_expert_tp(par.expert_tp, ep, tp))
         check_num_experts(shape.num_experts, ep)
     check_dispatch_chunks(par.ep_dispatch_chunks, ep, shape.num_experts)
 

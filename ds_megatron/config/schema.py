@@ -110,6 +110,9 @@ class ParallelSection:
     # flight while another's experts (and the shared expert) compute (expert_parallel.overlap); 1: one blocking
     # all-to-all each way
     ep_dispatch_chunks: int = 1
+    # expert tensor parallelism: each routed expert's width split over expert_tp ranks, 1 or tp (config.ep_rules);
+    # None: tp at ep 1, 1 at ep > 1.  At expert_tp = tp the EP group spans cp x dp ranks of one tp index
+    expert_tp: int | None = None
     sequence_parallel: bool = False  # Megatron sequence parallelism inside the TP group (needs tp > 1)
     vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE  # vocabulary padded to a multiple of vocab_multiple * tp
     partition_method: str = DEFAULT_PARTITION_METHOD  # DeepSpeed's pipeline partitioning (balance blocks per stage)

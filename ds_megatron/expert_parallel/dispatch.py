@@ -51,12 +51,13 @@ def build_ep_groups(layout: EPLayout, rank: int) -> tuple[ProcessGroup | None, P
     return ep_group, expert_dp_group
 
 
-def attach_ep_groups(topology: ParallelTopology, ep: int, sequence_parallel: bool) -> None:
-    """Build the EP and expert-DP groups of ``topology``'s world at ``ep`` (collective, once per run, after the
-    topology's own groups) and keep this rank's on ``topology``; ep 1 builds nothing."""
+def attach_ep_groups(topology: ParallelTopology, ep: int, sequence_parallel: bool, expert_tp: int = 1) -> None:
+    """Build the EP and expert-DP groups of ``topology``'s world at ``ep`` and ``expert_tp`` (collective, once per
+    run, after the topology's own groups) and keep this rank's on ``topology``; ep 1 builds nothing."""
     if ep == 1:
         return
-    layout = ep_layout(topology.tp, topology.cp, topology.dp, topology.pp, ep, sequence_parallel)
+    layout = ep_layout(topology.tp, topology.cp, topology.dp, topology.pp, ep, sequence_parallel, None, expert_tp)
+    topology.expert_tp = expert_tp
     topology.ep_group, topology.expert_dp_group = build_ep_groups(layout, topology.rank)
     if topology.expert_dp_group is None:
         # an expert-DP group of one (ep = every token rank of the stage) still becomes a real group: DeepSpeed's

@@ -24,6 +24,15 @@ Expert parameters are marked the way DeepSpeed marks its own (``allreduce = Fals
 expert-DP group, ZeRO's and the bf16 optimizer's expert parameter groups, the gradient norm summed over the EP
 group) treat them as experts.  :func:`reduce_expert_grads` is the rule itself: a sum over the expert-DP group divided
 by dp x cp (``expert_parallel.layout``: why).
+
+Expert tensor parallelism (a ``tp`` group given: ``expert_tp`` = tp): each expert's gate|up rows column-split and
+its down columns row-split over tp (``experts.gate_up_proj`` [E/ep, 2F/t, h], ``experts.down_proj`` [E/ep, h, F/t],
+the TP shard rule of ``tensor_parallel.experts``).  Each rank routes its own tokens (its sequence shard under SP, so
+the statistics count each token once), then the tokens, routing weights and choices enter the TP group as the dense
+MLP's do (``tensor_parallel.experts.enter_expert_tp``: all-gather under SP, f without), so every TP rank dispatches
+the same pairs over its EP group (ranks of its tp index) and runs its slice of F; the routing weights multiply the
+partial outputs, which leave through ``leave_expert_tp`` (reduce-scatter under SP, g without).  Backward, each TP
+rank's gradient of the routing weights is its slice's share, summed by the entry's backward before the router.
 """
 
 from __future__ import annotations
@@ -53,6 +62,9 @@ from ds_megatron.model.moe_layer import (
     weighted_sum,
     with_shared_expert,
 )
+from ds_megatron.tensor_parallel.experts import DOWN_RULE, GATE_UP_RULE, enter_expert_tp, leave_expert_tp
+from ds_megatron.tensor_parallel.layers import mark_tp_sharded
+from ds_megatron.tensor_parallel.sharding import shard
 from ds_megatron.topology import Group
 
 
@@ -101,7 +113,9 @@ class ExpertParallelMoE(nn.Module):
     ``recompute(fn, *inputs)``: runs the local experts keeping only their dispatched rows and recomputes them in
     backward (selective ``moe``); None stores their activations.  ``dispatch_chunks`` C > 1: the exchange in C
     chunks of local experts, overlapped with their compute and with the shared expert (``expert_parallel.overlap``;
-    the same results bit for bit); 1: one blocking all-to-all each way."""
+    the same results bit for bit); 1: one blocking all-to-all each way.  ``tp`` (a group of more than one: expert
+    tensor parallelism) splits each expert's width F over it, with ``sequence_parallel`` the tokens' layout (module
+    docstring); either exchange carries the tokens every TP rank runs."""
 
     def __init__(
         self,
@@ -115,15 +129,23 @@ class ExpertParallelMoE(nn.Module):
         capacity_factor: float = 0.0,
         recompute: Callable[..., torch.Tensor] | None = None,
         dispatch_chunks: int = 1,
+        tp: Group | None = None,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
+        tp = tp if tp is not None else Group()
         check_num_experts(num_experts, ep.size)
         check_dispatch_chunks(dispatch_chunks, ep.size, num_experts)
         check_experts_per_token(top_k, num_experts)
         self.ep = ep
         self.num_experts = num_experts
         self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, capacity_factor)
-        self.experts = Experts(hidden_size, intermediate_size, num_experts // ep.size, gemm)
+        # expert TP: each rank holds F/t of every expert it owns
+        self.tp, self.sequence_parallel = tp, sequence_parallel and tp.size > 1
+        self.experts = Experts(hidden_size, intermediate_size // tp.size, num_experts // ep.size, gemm)
+        if tp.size > 1:
+            mark_tp_sharded(self.experts.gate_up_proj, GATE_UP_RULE.dim)
+            mark_tp_sharded(self.experts.down_proj, DOWN_RULE.dim)
         mark_expert_params(self.experts, expert_group_name(ep.size))
         self.recompute = recompute
         self.dispatch_chunks = dispatch_chunks
@@ -135,20 +157,23 @@ class ExpertParallelMoE(nn.Module):
         ep: Group,
         recompute: Callable[..., torch.Tensor] | None = None,
         dispatch_chunks: int = 1,
+        tp: Group | None = None,
+        sequence_parallel: bool = False,
     ) -> ExpertParallelMoE:
-        """This EP rank's layer holding ``block``'s router and its slice of ``block``'s experts (copies)."""
+        """This EP rank's layer holding ``block``'s router and its slice of ``block``'s experts (copies; with a
+        ``tp`` group, this TP rank's slice of each of them)."""
         num_experts, two_f, hidden_size = block.experts.gate_up_proj.shape
         gate = block.gate
         layer = cls(
             hidden_size, two_f // 2, num_experts, gate.top_k, gate.norm_topk_prob, ep, block.experts.gemm,
-            gate.capacity_factor, recompute, dispatch_chunks,
+            gate.capacity_factor, recompute, dispatch_chunks, tp, sequence_parallel,
         )  # fmt: skip
         layer.to(device=gate.weight.device, dtype=block.experts.gate_up_proj.dtype)
-        local = layer.local_experts()
+        local, tp = layer.local_experts(), layer.tp
         with torch.no_grad():
             layer.gate.weight.copy_(gate.weight)
-            layer.experts.gate_up_proj.copy_(block.experts.gate_up_proj[local])
-            layer.experts.down_proj.copy_(block.experts.down_proj[local])
+            layer.experts.gate_up_proj.copy_(shard(block.experts.gate_up_proj[local], GATE_UP_RULE, tp.rank, tp.size))
+            layer.experts.down_proj.copy_(shard(block.experts.down_proj[local], DOWN_RULE, tp.rank, tp.size))
         if hasattr(block, "shared_expert"):  # not an expert parameter: every rank runs it on its own tokens
             layer.shared_expert, layer.shared_expert_gate = block.shared_expert, block.shared_expert_gate
         return layer
@@ -163,19 +188,23 @@ class ExpertParallelMoE(nn.Module):
         block's)."""
         flat = x.reshape(-1, x.shape[-1])
         weights, experts, stats = self.gate(flat)  # [n, k] fp32, [n, k] global expert ids
+        # expert TP: the tokens every TP rank runs (identity without a tp group)
+        flat, weights, experts = enter_expert_tp(flat, weights, experts, self.tp.group, self.sequence_parallel)
         n, k = experts.shape
         order, per_expert = pairs_by_expert(experts, self.num_experts)  # by global expert, so by owner
         token = order // k
         if self.dispatch_chunks > 1:  # overlapped (expert_parallel.overlap), the shared expert run meanwhile
             out, shared = self._overlapped(flat[token], per_expert, x, hooks)
-            routed = weighted_sum(out, weights.reshape(-1)[order], token, n).view_as(x)
+            routed = weighted_sum(out, weights.reshape(-1)[order], token, n)
+            routed = leave_expert_tp(routed, self.tp.group, self.sequence_parallel).view_as(x)
             return (routed if shared is None else routed + shared), stats
         plan = plan_dispatch(per_expert, self.ep.group)
         received = dispatch(flat[token], plan, self.ep.group)  # [m, h], grouped by local expert
         run = functools.partial(self.experts.grouped_mlp, per_expert=plan.local_counts)
         local = self.recompute(run, received) if self.recompute is not None else run(received)
         out = combine(local, plan, self.ep.group)  # [n k (kept), h]
-        routed = weighted_sum(out, weights.reshape(-1)[order], token, n).view_as(x)
+        routed = weighted_sum(out, weights.reshape(-1)[order], token, n)
+        routed = leave_expert_tp(routed, self.tp.group, self.sequence_parallel).view_as(x)  # expert TP: the sum
         return with_shared_expert(self, routed, x, hooks), stats
 
     def _overlapped(self, rows, per_expert, x, hooks) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -190,5 +219,6 @@ class ExpertParallelMoE(nn.Module):
         local = self.local_experts()
         return (
             f"ep {self.ep.rank}/{self.ep.size}: experts {local.start}..{local.stop - 1} of {self.num_experts}, "
-            f"recompute={self.recompute is not None}, dispatch_chunks={self.dispatch_chunks}"
+            + (f"expert_tp {self.tp.rank}/{self.tp.size} (sp={self.sequence_parallel}), " if self.tp.size > 1 else "")
+            + f"recompute={self.recompute is not None}, dispatch_chunks={self.dispatch_chunks}"
         )

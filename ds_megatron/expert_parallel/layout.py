@@ -18,6 +18,12 @@ same experts (tp times the expert memory and compute for nothing), which Megatro
 SP with TP and EP).  At ep 1 every rank holds every expert; the expert-DP group is then every rank holding distinct
 tokens of the stage (the data axis per tp rank without SP).
 
+Expert tensor parallelism (``expert_tp`` = tp > 1): the MoE layer's tokens are gathered over tp as the dense MLP's
+are (all-gather of the sequence shard under SP, the same tokens anyway without it), so the tp ranks route the same
+tokens and each holds its F/t slice of every expert it owns; an EP group is then ``ep`` ranks of one tp index, one
+line per tp index over the stage's cp x dp ranks (stride tp), with or without SP, and the expert-DP group the ranks
+at its position in the other EP groups of its line.  The divisor stays dp x cp: each line covers every token once.
+
 The gradient rule (``expert_parallel.layer.reduce_expert_grads``): an expert's gradient on its owner already sums
 the contributions of the tokens of every rank in the EP group (the combine's backward sends them home), so expert
 parameters are summed over the expert-DP group only (EP x expert-DP covers every token rank of the stage once) and
@@ -74,16 +80,24 @@ class EPLayout:
 
 
 def ep_layout(
-    tp: int, cp: int, dp: int, pp: int, ep: int, sequence_parallel: bool, num_experts: int | None = None
+    tp: int,
+    cp: int,
+    dp: int,
+    pp: int,
+    ep: int,
+    sequence_parallel: bool,
+    num_experts: int | None = None,
+    expert_tp: int = 1,
 ) -> EPLayout:
-    """The EP and expert-DP groups of a (tp, cp, dp, pp) world at ``ep`` (module docstring: the folding)."""
-    check_ep(ep, tp, cp, dp, sequence_parallel, num_experts)
+    """The EP and expert-DP groups of a (tp, cp, dp, pp) world at ``ep`` and ``expert_tp`` (module docstring: the
+    folding)."""
+    check_ep(ep, tp, cp, dp, sequence_parallel, num_experts, expert_tp)
     stage = tp * cp * dp
     ep_groups: list[tuple[int, ...]] = []
     expert_dp_groups: list[tuple[int, ...]] = []
     for pp_rank in range(pp):
         base = pp_rank * stage
-        if sequence_parallel or tp == 1:
+        if (sequence_parallel or tp == 1) and expert_tp == 1:
             lines = [list(range(base, base + stage))]
         else:  # the tp ranks hold the same tokens: one line per tp rank, its cp x dp ranks (stride tp)
             lines = [list(range(base + t, base + stage, tp)) for t in range(tp)]

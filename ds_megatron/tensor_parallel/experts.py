@@ -71,14 +71,10 @@ class TensorParallelExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [n, h] (this rank's shard of the tokens under SP), routing weights [n, k] fp32, experts [n, k] ->
         [n, h]."""
-        group = self.tp.group
-        if self.sequence_parallel:
-            x, weights, experts = gather_seq(x, group), gather_seq(weights, group), gather_seq(experts, group)
-        else:
-            x, weights = copy_to_tp(x, group), copy_to_tp(weights, group)
+        x, weights, experts = enter_expert_tp(x, weights, experts, self.tp.group, self.sequence_parallel)
         run = functools.partial(self._local, experts=experts)
         out = self.recompute(run, x, weights) if self.recompute is not None else run(x, weights)
-        return reduce_scatter_seq(out, group) if self.sequence_parallel else reduce_from_tp(out, group)
+        return leave_expert_tp(out, self.tp.group, self.sequence_parallel)
 
     def _local(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         return expert_mlp(x, weights, experts, self.gate_up_proj, self.down_proj, self.gemm)
@@ -90,6 +86,25 @@ class TensorParallelExperts(nn.Module):
             f"tp_rank={self.tp.rank}/{self.tp.size}, sp={self.sequence_parallel}, "
             f"recompute={self.recompute is not None}"
         )
+
+
+def enter_expert_tp(
+    x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, group: ProcessGroup | None, sequence_parallel: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routed tokens into experts split over the TP ``group`` (the dense MLP's entry): x [n, h], routing weights
+    [n, k] fp32 and experts [n, k] of this rank's tokens (routed where they live: the router's statistics count each
+    token once) -> the same for the tokens every TP rank then runs.  Under SP the sequence shards are all-gathered
+    (backward: reduce-scatter, which sums the TP ranks' partial gradients of x and of the routing weights); without
+    SP they enter through f (identity / all-reduce of those partial gradients)."""
+    if sequence_parallel:
+        return gather_seq(x, group), gather_seq(weights, group), gather_seq(experts, group)
+    return copy_to_tp(x, group), copy_to_tp(weights, group), experts
+
+
+def leave_expert_tp(out: torch.Tensor, group: ProcessGroup | None, sequence_parallel: bool) -> torch.Tensor:
+    """The weighted partial sums [n, h] (each TP rank's slice of F through the row-parallel down projection) back
+    to this rank's tokens: reduce-scatter under SP (backward: all-gather), g (all-reduce / identity) without."""
+    return reduce_scatter_seq(out, group) if sequence_parallel else reduce_from_tp(out, group)
 
 
 class SequenceParallelRouter(SPReplicatedGrads, TopKRouter):
@@ -163,9 +178,13 @@ def load_extremes(stats: RouterStats, top_k: int) -> tuple[torch.Tensor, torch.T
 
 
 __all__ = [
+    "DOWN_RULE",
+    "GATE_UP_RULE",
     "SequenceParallelGate",
     "SequenceParallelRouter",
     "TensorParallelExperts",
+    "enter_expert_tp",
+    "leave_expert_tp",
     "load_extremes",
     "router_stats_over_tokens",
 ]

@@ -311,11 +311,24 @@ WRITTEN = {
 }
 
 
+# expert_tp = tp: (tp, cp, dp, pp, ep, sequence_parallel) -> the same; one line of cp x dp ranks per tp index, with
+# or without SP
+WRITTEN_EXPERT_TP = {
+    (2, 1, 2, 1, 2, True): ([(0, 2), (1, 3)], [(0,), (2,), (1,), (3,)]),
+    (2, 1, 2, 1, 2, False): ([(0, 2), (1, 3)], [(0,), (2,), (1,), (3,)]),
+    (2, 2, 2, 1, 2, True): ([(0, 2), (4, 6), (1, 3), (5, 7)], [(0, 4), (2, 6), (1, 5), (3, 7)]),
+    (2, 1, 4, 2, 4, False): ([(0, 2, 4, 6), (1, 3, 5, 7), (8, 10, 12, 14), (9, 11, 13, 15)], None),
+}
+
+
 def test_layouts_written_out():
-    for (tp, cp, dp, pp, ep, sp), (ep_groups, dp_groups) in WRITTEN.items():
-        layout = ep_layout(tp, cp, dp, pp, ep, sp)
-        assert (list(layout.ep_groups), list(layout.expert_dp_groups)) == (ep_groups, dp_groups), (tp, cp, dp, pp, ep)
-        assert layout.expert_grad_divisor == dp * cp
+    for expert_tp, written in ((1, WRITTEN), (2, WRITTEN_EXPERT_TP)):
+        for (tp, cp, dp, pp, ep, sp), (ep_groups, dp_groups) in written.items():
+            layout = ep_layout(tp, cp, dp, pp, ep, sp, expert_tp=expert_tp)
+            assert list(layout.ep_groups) == ep_groups, (tp, cp, dp, pp, ep, expert_tp)
+            if dp_groups is not None:
+                assert list(layout.expert_dp_groups) == dp_groups, (tp, cp, dp, pp, ep, expert_tp)
+            assert layout.expert_grad_divisor == dp * cp
 
 
 def test_layout_against_deepspeeds_topology():
@@ -325,24 +338,25 @@ def test_layout_against_deepspeeds_topology():
     for tp, cp, dp, pp in itertools.product((1, 2, 4), (1, 2), (1, 2, 4), (1, 2)):
         topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp * cp)  # as ds_megatron.topology
         world = tp * cp * dp * pp
-        for sp in (False, True):
-            for ep in valid_ep_values(tp, cp, dp, sp):
-                layout = ep_layout(tp, cp, dp, pp, ep, sp)
+        for sp, expert_tp in itertools.product((False, True), sorted({1, tp})):
+            folded = (sp or tp == 1) and expert_tp == 1  # the tp ranks hold distinct tokens in the MoE layer
+            for ep in valid_ep_values(tp, cp, dp, sp, expert_tp=expert_tp):
+                layout = ep_layout(tp, cp, dp, pp, ep, sp, expert_tp=expert_tp)
                 for groups in (layout.ep_groups, layout.expert_dp_groups):
                     assert sorted(r for g in groups for r in g) == list(range(world))
                 for g in layout.ep_groups:
                     coords = [topo.get_coord(r) for r in g]
                     assert len(g) == ep and len({c.pipe for c in coords}) == 1
-                    tokens_of = [(c.data, c.model) if sp or tp == 1 else c.data for c in coords]
+                    tokens_of = [(c.data, c.model) if folded else c.data for c in coords]
                     assert len(set(tokens_of)) == ep  # distinct tokens
-                    if not sp and tp > 1:
+                    if not folded:
                         assert len({c.model for c in coords}) == 1
-                    step = 1 if sp or tp == 1 else tp
+                    step = 1 if folded else tp
                     assert list(g) == list(range(g[0], g[0] + step * ep, step))  # consecutive token ranks
                 for r in range(world):
                     ep_g, dp_g = layout.ep_group_of(r), layout.expert_dp_group_of(r)
                     assert set(ep_g) & set(dp_g) == {r}
-                    assert len(ep_g) * len(dp_g) == (tp * cp * dp if sp or tp == 1 else cp * dp)
+                    assert len(ep_g) * len(dp_g) == (tp * cp * dp if folded else cp * dp)
                     # the expert-DP ranks hold the same experts: the same position in their EP groups
                     assert {layout.ep_group_of(q).index(q) for q in dp_g} == {ep_g.index(r)}
 
@@ -358,6 +372,14 @@ def _refused(fn: Callable[..., object], *args: object) -> str:
 def test_layouts_the_folding_cannot_form_are_refused():
     message = _refused(ep_layout, 2, 1, 2, 1, 4, False)
     assert "sequence_parallel=false" in message and "turn on sequence_parallel" in message and "[1]" in message
+    assert "expert_tp" not in message  # ep 4 does not divide cp x dp either
+    assert "turn on sequence_parallel, set expert_tp to 2, or use ep in [1]" in _refused(
+        ep_layout, 2, 1, 2, 1, 2, False
+    )
+    # expert_tp = tp: ep divides cp x dp (2 here), with or without SP
+    for sp in (False, True):
+        message = _refused(ep_layout, 2, 1, 2, 1, 4, sp, None, 2)
+        assert "expert_tp=2" in message and "ep must divide cp x dp" in message and "use ep in [1, 2]" in message
     message = _refused(ep_layout, 2, 1, 2, 1, 3, True)
     assert "ep=3, tp=2, cp=1, dp=2" in message and "use ep in [1, 2, 4]" in message
     message = _refused(ep_layout, 1, 2, 2, 1, 4, False, 6)
@@ -392,6 +414,9 @@ def test_the_ep_setting_and_its_refusals():
     assert resolve(_ep_config(2), 2).section.parallel.ep == 2  # dp 2
     assert resolve(_ep_config(2, tp=2, sequence_parallel=True), 2).section.parallel.ep == 2  # folded over tp
     assert resolve(_ep_config(4, tp=2, sequence_parallel=True), 4).section.parallel.ep == 4  # tp 2 x dp 2
+    # expert_tp = tp: EP over the dp ranks of one tp index, with or without SP
+    for sp in (False, True):
+        assert resolve(_ep_config(2, tp=2, expert_tp=2, sequence_parallel=sp), 4).section.parallel.expert_tp == 2
     # DeepSpeed's BF16 optimizer: bf16 at ZeRO 0, and at ZeRO 1 with fp32 gradient accumulation
     bf16_z1 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}
     for ds in ({"bf16": {"enabled": True}}, bf16_z1):
@@ -400,6 +425,8 @@ def test_the_ep_setting_and_its_refusals():
     cases = [
         (_ep_config(2, dense), 2, "this model has none"),
         (_ep_config(2, tp=2), 2, "turn on sequence_parallel, or use ep in [1]"),
+        (_ep_config(2, tp=2), 4, "turn on sequence_parallel, set expert_tp to 2, or use ep in [1]"),
+        (_ep_config(2, tp=2, expert_tp=2), 2, "expert_tp=2, num_experts=8); use ep in [1]"),
         # ep 3 splits neither the 8 experts nor, with them, dp 3: the values that do both (not ep 2 at dp 3)
         (_ep_config(3), 3, "dp=3, sequence_parallel=false, num_experts=8); use ep in [1]"),
         (_ep_config(4), 2, "use ep in [1, 2]"),
@@ -424,5 +451,12 @@ def test_the_ep_setting_and_its_refusals():
             cfg["ds_megatron"]["checkpoint"] = checkpoint
             ckpt = resolve(cfg, 2).section.checkpoint
             assert {k: getattr(ckpt, k) for k in checkpoint} == checkpoint
-    args = build_parser().parse_args(["--deepspeed_config", "x.json", "--ep", "2"])
-    assert apply_overrides({"ds_megatron": {}}, args)["ds_megatron"]["parallel"] == {"ep": 2}
+    for ep, tp, expert_tp, world, valid in ((2, 2, 3, 4, "[1, 2]"), (1, 2, 1, 2, "[2]"), (2, 1, 2, 2, "[1]")):
+        cfg = _ep_config(ep, tp=tp, expert_tp=expert_tp, sequence_parallel=tp > 1)
+        with pytest.raises(ConfigError) as err:
+            resolve(cfg, world)
+        text = str(err.value)
+        assert text.startswith("error: ds_megatron.parallel.expert_tp: ") and "\n" not in text, text
+        assert f"expert_tp={expert_tp}, ep={ep}, tp={tp}); use expert_tp in {valid}" in text, text
+    args = build_parser().parse_args(["--deepspeed_config", "x.json", "--ep", "2", "--expert-tp", "2"])
+    assert apply_overrides({"ds_megatron": {}}, args)["ds_megatron"]["parallel"] == {"ep": 2, "expert_tp": 2}

@@ -26,7 +26,7 @@ LEVELS = {
     "model": 1.5,
     "tensor_parallel": 2,
     "context_parallel": 2,
-    "expert_parallel": 2,
+    "expert_parallel": 2.1,  # expert TP enters and leaves the TP group through tensor_parallel's collectives
     "recompute": 2.5,
     "parallelize": 3,
     "optim": 3,

@@ -14,7 +14,10 @@ tp 2 + SP, and at ep 2 folded over tp 2 + SP, where the expert-parallel layer re
 the three families (Qwen2-MoE's shared expert split over TP as the dense MLP, its gate on the sequence shard under
 SP, and run by every EP rank on its own tokens at ep 2, there with the overlapped exchange in 2 chunks, its TP
 collectives run while the dispatch is in flight; its q/k/v biases set to a value on both sides); a router
-skewed so that one expert gets no token.  bf16: the tp 2 + SP model in bf16 against the single-device bf16 model, within
+skewed so that one expert gets no token.  Expert tensor parallelism (``expert_tp`` = tp 2 with ep 2: each expert
+split over TP, EP over the dp or cp ranks of one tp index) with SP (recompute of ``moe``, the skewed router, over
+cp 2, and with the overlapped exchange in 2 chunks) and without (Qwen2-MoE).  bf16: the tp 2 + SP model in bf16
+against the single-device bf16 model, within
 ``BF16_TOLERANCE``.
 """
 
@@ -65,7 +68,7 @@ QWEN2_BIAS = 0.05  # the q/k/v biases start at zero: a value both models are giv
 
 def config(
     tp=1, cp=1, dp=1, *, sp=False, comm="ring", mixtral=False, recompute=None, attention="eager", ep=1, qwen2=False,
-    chunks=1,
+    chunks=1, expert_tp=None,
 ):  # fmt: skip
     model = {k: v for k, v in (MIXTRAL if mixtral else QWEN2 if qwen2 else MOE).items() if v is not None}
     model.update(vocab_size=101, seq_length=SEQ, dropout=0.0, attention=attention)
@@ -74,7 +77,7 @@ def config(
         "train_micro_batch_size_per_gpu": 2,
         "ds_megatron": {
             "model": model,
-            "parallel": {"tp": tp, "cp": cp, "cp_comm": comm, "sequence_parallel": sp, "ep": ep}
+            "parallel": {"tp": tp, "cp": cp, "cp_comm": comm, "sequence_parallel": sp, "ep": ep, "expert_tp": expert_tp}
             | ({"ep_dispatch_chunks": chunks} if chunks > 1 else {}),
             "recompute": recompute or {"policy": "none"},
             "train": {"seed": 1234},
@@ -87,7 +90,7 @@ class Layout(NamedTuple):
     cp: int
     dp: int
     # sp, a2a, mixtral, qwen2, stages, full, moe (selective recompute), skew, bf16, ep2, chunks2 (the overlapped EP
-    # exchange in 2 chunks: ds_megatron.parallel.ep_dispatch_chunks)
+    # exchange in 2 chunks: ds_megatron.parallel.ep_dispatch_chunks), etp (expert_tp = tp)
     options: tuple[str, ...] = ()
 
     @property
@@ -112,7 +115,14 @@ LAYOUTS = {
         Layout(1, 1, 2, ("ep2", "qwen2")),
         Layout(2, 1, 1, ("sp", "ep2", "qwen2", "chunks2")),
     ],
-    4: [Layout(2, 2, 1, ("sp", "stages", "skew")), Layout(2, 1, 2, ("sp", "ep2", "stages", "skew"))],
+    4: [
+        Layout(2, 2, 1, ("sp", "stages", "skew")),
+        Layout(2, 1, 2, ("sp", "ep2", "stages", "skew")),
+        # expert TP: each expert split over tp 2, EP over dp 2 (the ranks of one tp index), with and without SP
+        Layout(2, 1, 2, ("sp", "ep2", "etp", "skew", "moe")),
+        Layout(2, 1, 2, ("ep2", "etp", "qwen2", "chunks2")),
+        Layout(2, 2, 1, ("sp", "ep2", "etp", "chunks2")),  # EP over the cp ranks of each tp index
+    ],
 }
 
 
@@ -134,6 +144,7 @@ def layout_run(layout: Layout, world: int):
         ep=2 if "ep2" in o else 1,
         qwen2="qwen2" in o,
         chunks=2 if "chunks2" in o else 1,
+        expert_tp=layout.tp if "etp" in o else None,
     )
     return resolve(cfg, world)
 
@@ -189,6 +200,7 @@ def reference(cfg, seed: int, windows: torch.Tensor, dp: int, skewed: bool, dtyp
 def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     from deepspeed.moe.utils import is_moe_param
 
+    from ds_megatron.config.ep_rules import resolved_expert_tp
     from ds_megatron.data.stream import split_batch
     from ds_megatron.expert_parallel.dispatch import attach_ep_groups
     from ds_megatron.expert_parallel.layer import ExpertParallelMoE, reduce_expert_grads
@@ -209,7 +221,9 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
     tol = BF16_TOLERANCE if "bf16" in o else 1e-5
     run = layout_run(layout, world)
     topo = ParallelTopology.build(run.tp, 1, run.dp, run.cp)
-    attach_ep_groups(topo, run.section.parallel.ep, run.section.parallel.sequence_parallel)
+    par = run.section.parallel
+    expert_tp = resolved_expert_tp(par.expert_tp, par.ep, run.tp)
+    attach_ep_groups(topo, par.ep, par.sequence_parallel, expert_tp)
     data_group = None
     for line in topo.ds_topology.get_axis_comm_lists("data"):
         group = dist.new_group(line)
@@ -225,6 +239,7 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         cp_comm=run.section.parallel.cp_comm,
         ep=topo.ep_axis,
         ep_dispatch_chunks=run.section.parallel.ep_dispatch_chunks,
+        expert_tp=expert_tp,
     )
     seed = run.section.train.seed
     loss_fn = VocabParallelLoss(ctx, fused="bf16" not in o)
@@ -311,6 +326,8 @@ def parity_check(layout: Layout, world: int, _ctx: None) -> Pairs:
         seen.add(full)
         if is_moe_param(p):  # split over EP: this EP group's slices gathered into the single-device tensor
             got, expected = gather_experts(p.grad, topo.ep_group), ref_grads[full].grad
+            if expert_tp > 1:  # and each expert over TP: this tp rank's slice of every expert
+                expected = shard(expected, shard_rule(full, ctx), topo.tp_rank, topo.tp)
         else:
             got, expected = p.grad, shard(ref_grads[full].grad, shard_rule(full, ctx), topo.tp_rank, topo.tp)
         pairs.append((f"grad {full}", got.float(), expected.float(), tol))

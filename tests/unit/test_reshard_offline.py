@@ -95,6 +95,13 @@ def test_refuses_an_ep_the_new_layout_cannot_take(tmp_path, capsys, ep, expected
     _refused(tmp_path, capsys, [*_reshard(src, 1, 1, 2), "--ep", ep], expected)
 
 
+def test_refuses_an_expert_tp_the_new_layout_cannot_take(tmp_path, capsys):
+    """``--expert-tp`` likewise goes into the recorded configuration only, checked like any layout (1 or tp)."""
+    src = _tag(tmp_path / "ck", {})
+    expected = "error: ds_megatron.parallel.expert_tp: "
+    _refused(tmp_path, capsys, [*_reshard(src, 1, 1, 2), "--expert-tp", "2"], expected + "each routed expert")
+
+
 def test_refuses_incomplete_and_foreign_checkpoints(tmp_path, capsys):
     no_manifest = _tag(tmp_path / "a", {}, manifest=False)
     _refused(tmp_path, capsys, _reshard(no_manifest), f"no complete checkpoint ({TAG} has no manifest.json)")

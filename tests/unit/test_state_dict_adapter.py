@@ -156,3 +156,32 @@ def test_a_rank_at_ep_2_holds_whole_experts_and_files_hold_the_tp_shards():
             assert torch.equal(at_ep2.shard(name, full), at_ep1.shard(name, full, tp_rank=1)), name
     # the TP rule cuts each expert's gate rows and up rows apart: not dim 0
     assert at_ep2.saved_shard(gate_up, state[gate_up]).shape == (4, 16, 32)
+
+
+def test_expert_tp_ranks_hold_tp_shards_of_their_experts_and_save_what_ep_1_saves():
+    """At ep 2 with expert_tp = tp 2 a rank holds its EP rank's experts cut by the TP rule (``shard``); its EP
+    group's experts gathered along dim 0 are the ep 1 run's TP shard, which the save writes as it is
+    (``saved_from_gathered``), so checkpoints at expert_tp = tp are those of every other layout at that tp; at
+    expert_tp 1 the gathered whole experts are cut by the TP rule instead."""
+    from ds_megatron.parallelize import ParallelContext
+    from ds_megatron.topology import Group
+
+    cfg = Qwen3MoeConfig(
+        **SMALL, num_layers=2, intermediate_size=48, moe_intermediate_size=16, num_experts=4, mlp_only_layers=(0,)
+    )
+    at_ep1 = StateDictAdapter.of(cfg, tp=2)
+    state = {n: torch.randn_like(p) for n, p in build_model(cfg, seed=7).state_dict().items()}
+    for tp_rank in range(2):
+        ranks = [
+            StateDictAdapter(ParallelContext(cfg, Group(rank=tp_rank, size=2), True, None, ep=Group(rank=e, size=2),
+                                             expert_tp=2))
+            for e in range(2)
+        ]  # fmt: skip
+        whole = StateDictAdapter(ParallelContext(cfg, Group(rank=tp_rank, size=2), True, None, ep=Group(size=2)))
+        for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+            full, saved = state[name], at_ep1.shard(name, state[name], tp_rank=tp_rank)
+            gathered = torch.cat([r.shard(name, full) for r in ranks])
+            assert torch.equal(gathered, saved), name
+            assert torch.equal(ranks[0].saved_from_gathered(name, gathered), saved), name
+            assert torch.equal(whole.saved_from_gathered(name, full), saved), name
+            assert ranks[1].shard(name, full).shape[0] == 2 and ranks[1].shard(name, full).numel() == full.numel() // 4

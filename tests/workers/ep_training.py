@@ -1,7 +1,10 @@
 """Expert parallelism on DeepSpeed's BF16 optimizer: ``ep_training.py --out DIR --cases NAME,...``, each case one
 engine (moe-tiny, 2 steps of 8 sequences, gradient clipping at 1.0) built and trained after the other in this launch.
 A case is ``<layout>-<precision>-ep<N>[-L<layers>]``: layout ``dp2`` (tp 1, the world size as dp), ``tp2sp`` (tp 2
-with sequence parallelism, dp = world size / 2) or ``pp2`` (two pipeline stages, dp = world size / 2); ``L<layers>``
+with sequence parallelism, dp = world size / 2), ``tp2etp`` (``tp2sp`` with expert_tp 2: each expert split over the
+tp ranks, EP over the dp ranks of one tp index; the case also saves its step 2 under ``<out>/<case>-ckpt``,
+records what the files must hold, trains one more step and loads the save back, recording what it loaded) or
+``pp2`` (two pipeline stages, dp = world size / 2); ``L<layers>``
 cuts moe-tiny to that many blocks (its first is dense); precision ``bf16`` (ZeRO 0, bf16 gradient accumulation) or
 ``bf16z1`` (ZeRO 1, fp32 accumulation); both are DeepSpeed's BF16 optimizer.
 
@@ -47,7 +50,8 @@ from ds_megatron.tensor_parallel.sharding import ShardRule, unshard  # noqa: E40
 
 STEPS = 2
 # tp, sequence_parallel, pp (at 4 processes tp2sp is tp 2 x dp 2: at ep 2, expert-DP groups of 2)
-LAYOUTS = {"dp2": (1, False, 1), "tp2sp": (2, True, 1), "pp2": (1, False, 2)}
+LAYOUTS = {"dp2": (1, False, 1), "tp2sp": (2, True, 1), "tp2etp": (2, True, 1), "pp2": (1, False, 2)}
+EXPERT_TP_LAYOUTS = ("tp2etp",)  # expert_tp = tp
 PRECISIONS = {
     "bf16": {"bf16": {"enabled": True}},
     "bf16z1": {
@@ -74,7 +78,8 @@ def config(case: str, world: int) -> dict:
         **PRECISIONS[precision],
         "ds_megatron": {
             "model": model,
-            "parallel": {"tp": tp, "pp": pp, "sequence_parallel": sp, "ep": int(ep.removeprefix("ep"))},
+            "parallel": {"tp": tp, "pp": pp, "sequence_parallel": sp, "ep": int(ep.removeprefix("ep"))}
+            | ({"expert_tp": tp} if layout in EXPERT_TP_LAYOUTS else {}),
             "train": {"seed": 1234, "train_iters": STEPS},
         },
     }
@@ -82,17 +87,18 @@ def config(case: str, world: int) -> dict:
 
 def expert_masters(engine, topo) -> dict[str, torch.Tensor]:
     """Every expert tensor's fp32 master as the single-device model holds it (collective): at ep > 1 the EP ranks'
-    experts concatenated along dim 0; at ep 1 and tp > 1 the TP shards merged by the plan's rule."""
+    experts concatenated along dim 0; at ep 1 (and at expert_tp = tp > 1) the TP shards merged by the plan's rule."""
     masters = {}
     for name, param in engine.module.named_parameters():
         if ".experts." not in name:
             continue
         local = safe_get_full_fp32_param(param)
-        group = topo.ep_group if topo.ep > 1 else topo.tp_group if topo.tp > 1 else None
-        if group is not None:
-            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, local, group=group)
-            dim, fused = (0, 1) if topo.ep > 1 else EXPERT_SPLITS[name.rsplit(".", 1)[1]]
+        if topo.ep > 1:
+            local = gather_experts(local, topo.ep_group)
+        if topo.tp > 1 and (topo.ep == 1 or topo.expert_tp > 1):
+            parts = [torch.empty_like(local) for _ in range(topo.tp)]
+            dist.all_gather(parts, local, group=topo.tp_group)
+            dim, fused = EXPERT_SPLITS[name.rsplit(".", 1)[1]]
             local = unshard(parts, ShardRule(dim=dim, fused=fused))
         masters[name] = local.cpu()
     if topo.pp > 1:  # every stage's experts (their names are the pipeline's layer indices: distinct per stage)
@@ -146,6 +152,14 @@ def train(case: str, out: str) -> None:
     result = {"losses": losses, "norms": norms, "groups": groups, "before": before, "expert_dp_sums": sums}
     result["after"] = expert_masters(engine, topo)
     result["optimizer"] = type(opt).__name__
+    if case.split("-")[0] in EXPERT_TP_LAYOUTS:  # the save at expert_tp = tp, what its files must hold, its load
+        client, directory = {"step": STEPS, "config": run.ds_config}, os.path.join(out, f"{case}-ckpt")
+        save_run(engine, directory, STEPS, client, built.rng, topology=topo, parallel=built.parallel)
+        result["saved"] = {k: full_state(engine, built, k) for k in (None, "exp_avg", "exp_avg_sq")}
+        engine.train_batch(iter(batches))  # one more step moves every parameter; the load must bring them back
+        load_run(engine, directory, built.rng, built.parallel, topo, run.ds_config)
+        engine.optimizer._lazy_init_hp_params_optimizer_state()  # the moments' links, else made at the next step
+        result["loaded"] = {k: full_state(engine, built, k) for k in (None, "exp_avg", "exp_avg_sq")}
     if dist.get_rank() == 0:
         torch.save(result, os.path.join(out, f"{case}.pt"))
     engine.destroy()
@@ -171,9 +185,10 @@ def full_state(engine, built, key: str | None = None) -> dict[str, torch.Tensor]
     for local, param in engine.module.named_parameters():
         name = pipeline_param_name(local, engine.module)
         value = safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
-        if topo.ep > 1 and is_expert_param(name, parallel):  # whole experts, not TP-split
+        expert = topo.ep > 1 and is_expert_param(name, parallel)
+        if expert:  # the EP group's experts joined
             value = gather_experts(value, topo.ep_group)
-        else:  # the TP shards merged (at tp 1 too: the merge strips the vocabulary padding, which depends on tp)
+        if not expert or topo.expert_tp > 1:  # TP shards merged (at tp 1 too: the merge strips the vocab padding)
             parts = [torch.empty_like(value) for _ in range(topo.tp)] if topo.tp > 1 else [value]
             if topo.tp > 1:
                 dist.all_gather(parts, value.contiguous(), group=topo.tp_group)
