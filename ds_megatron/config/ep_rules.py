@@ -72,11 +72,12 @@ EP_OPTIMIZER_WRAPPERS = (
 )
 EP_REFUSED_WRAPPERS = {
     FP16_OPTIMIZER: "DeepSpeed's fp16 optimizer (around a torch optimizer) leaves expert gradients out of the norm "
-    "it clips by and checks each rank's experts for overflow alone, so the ranks of an EP group would clip and skip "
-    "apart",
+    "it clips by and logs (FP16_UnfusedOptimizer.step), so every rank would clip by the non-expert gradients' norm",
 }
 # fp16 on DeepSpeed's ZeRO optimizer: its expert handling is the one bf16 and fp32 train with, but its loss scaler
-# with experts has never run here (DeepSpeed's CPU accelerator refuses fp16 where the CPU lacks fp16 kernels).
+# with experts has never run here (DeepSpeed's CPU accelerator refuses fp16 where the CPU lacks fp16 kernels).  The
+# fp16 optimizer's overflow check is not the reason for its refusal: its CheckOverflow takes the max over the largest
+# registered EP group and the model group, so every rank skips alike.
 EP_ZERO_FP16_REFUSAL = (
     "fp16 on DeepSpeed's ZeRO optimizer is untested at ep > 1 (its dynamic loss scaling with experts has not been "
     "checked against ep 1)"
