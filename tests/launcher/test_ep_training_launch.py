@@ -3,7 +3,9 @@ the pipeline layers and the engine's gradient rule by hand; this runs them in th
 groups registered in DeepSpeed's tables, its start-up broadcast of the expert parameters, the replaced
 ``ReduceGrads`` instruction and the grad norm of the clipping optimizer (fp32); and on DeepSpeed's BF16 optimizer
 (``workers/ep_training.py``: bf16 at ZeRO 0, bf16 + ZeRO-1 with fp32 accumulation) at (ep, tp, dp) = (2, 1, 2) and
-(2, 2, 1) with SP, against the same model at ep 1 in the same launch.
+(2, 2, 1) with SP, against the same model at ep 1 in the same launch; and on DeepSpeed's ZeRO optimizer (fp32 +
+ZeRO-1, bf16 + ZeRO-1 accumulating in bf16) at tp 2 + SP with ep 2 folded over the tp ranks (and at tp 2 + SP x dp 2
+in the 4-process launch), whose checkpoints at ep > 1 are refused.
 
 Checkpoints of EP runs (``checkpoint/ep_state.py``: the experts saved as an ep 1 run holds them), in the same launch
 after the straight runs: the same runs for 2 steps save step 2, which is resumed for step 3 at the saved layout (ep 2:
