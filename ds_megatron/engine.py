@@ -23,7 +23,13 @@ from deepspeed.runtime.pipe.schedule import ReduceGrads, ReduceTiedGrads
 from ds_megatron.checkpoint.run_state import read_weights_only
 from ds_megatron.config import ConfigError, RunConfig, unused_settings
 from ds_megatron.config.ep_rules import resolved_expert_tp
-from ds_megatron.config.facts import BF16_OPTIMIZER, deepspeed_wraps_optimizer, optimizer_wrapper, precision
+from ds_megatron.config.facts import (
+    BF16_OPTIMIZER,
+    ZERO_OPTIMIZER,
+    deepspeed_wraps_optimizer,
+    optimizer_wrapper,
+    precision,
+)
 from ds_megatron.config.schedule import warmup_cosine_from
 from ds_megatron.expert_parallel.dispatch import attach_ep_groups
 from ds_megatron.expert_parallel.layer import expert_group_name, reduce_expert_grad_tensors, reduce_expert_grads
@@ -267,41 +273,87 @@ def expert_param_groups(groups: list[dict], topology: ParallelTopology) -> list[
 
 
 @contextlib.contextmanager
-def experts_known_to_bf16_optimizer(topology: ParallelTopology):
-    """At ep > 1, DeepSpeed's BF16 optimizer built inside the block is told the model has expert parameters.
-    DeepSpeed tells it so (``has_moe_layers``) only when the model holds one of its own ``MoE`` modules, which ours
+def experts_known_to_optimizer(topology: ParallelTopology):
+    """At ep > 1, DeepSpeed's BF16 or ZeRO optimizer built inside the block is told the model has expert parameters.
+    DeepSpeed tells them so (``has_moe_layers``) only when the model holds one of its own ``MoE`` modules, which ours
     are not; its engine keeps the flag for its gradient reduction and its checkpoint files too, where ours differ
     (``install_expert_grad_reduction``; DeepSpeed's MoE checkpoint layout is not the pipeline's), so the engine's flag
-    is set only while it builds the optimizer, and the optimizer keeps its own."""
+    is set only while it builds the optimizer, and the optimizer keeps its own (with it, the ZeRO optimizer also
+    takes the engine's EP and expert-DP group tables, which ``register_expert_groups`` filled)."""
     if topology.ep == 1:
         yield
         return
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    configure = DeepSpeedEngine._configure_bf16_optimizer
+    builders = {
+        name: getattr(DeepSpeedEngine, name) for name in ("_configure_bf16_optimizer", "_configure_zero_optimizer")
+    }
 
-    def with_experts(self, optimizer):
-        self.has_moe_layers = True
-        try:
-            return configure(self, optimizer)
-        finally:
-            self.has_moe_layers = False
+    def with_experts(configure):
+        def configure_with_experts(self, optimizer):
+            self.has_moe_layers = True
+            try:
+                return configure(self, optimizer)
+            finally:
+                self.has_moe_layers = False
 
-    DeepSpeedEngine._configure_bf16_optimizer = with_experts
+        return configure_with_experts
+
+    for name, configure in builders.items():
+        setattr(DeepSpeedEngine, name, with_experts(configure))
     try:
         yield
     finally:
-        DeepSpeedEngine._configure_bf16_optimizer = configure
+        for name, configure in builders.items():
+            setattr(DeepSpeedEngine, name, configure)
+
+
+def uses_zero_optimizer(engine) -> bool:
+    """Whether DeepSpeed put its ZeRO optimizer (``zero/stage_1_and_2.py``) around ours."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return isinstance(engine.optimizer, DeepSpeedZeroOptimizer)
+
+
+def count_experts_on_every_tp_rank(engine, topology: ParallelTopology) -> bool:
+    """At ep > 1 on DeepSpeed's ZeRO optimizer, its gradient norm with each expert counted once.  Its per-group norm
+    (``get_grad_norm_direct``: squares of this rank's partition, summed over its data group (dp x cp) and the model
+    group (tp x pp)) counts a parameter not marked model-parallel on TP rank 0 only; with EP folded over the TP
+    ranks (SP) the other TP ranks hold experts of their own, which it would leave out (measured on moe-tiny, fp32 +
+    ZeRO-1 at tp 2 + SP x ep 2: step-1 norm 3.40514 against ep 1's 3.40798).  Each expert element lies in exactly
+    one rank's partition of the stage (the EP ranks hold distinct experts, each cut over its expert-DP group), so
+    for the expert groups every rank counts its partition: the same collectives, with TP rank 0's choice on every
+    rank.  Marking the experts model-parallel instead would make every TP-keyed rule of ours treat them as TP
+    shards.  Its later average of each expert group's norm over the expert-DP group (``_average_expert_grad_norms``)
+    then averages equal values.  Returns whether it was installed."""
+    if topology.ep == 1 or not uses_zero_optimizer(engine):
+        return False
+    optimizer = engine.optimizer
+    direct = optimizer.get_grad_norm_direct  # bound: the class's method
+
+    def grad_norm_direct(gradients, params, norm_type=2):
+        if not any(is_moe_param(p) for p in params):  # a group is all experts or none (DeepSpeed asserts it)
+            return direct(gradients, params, norm_type)
+        tp_rank, optimizer.model_parallel_rank = optimizer.model_parallel_rank, 0
+        try:
+            return direct(gradients, params, norm_type)
+        finally:
+            optimizer.model_parallel_rank = tp_rank
+
+    optimizer.get_grad_norm_direct = grad_norm_direct  # an instance entry: this optimizer only
+    return True
 
 
 def check_every_stage_has_experts(module: torch.nn.Module, topology: ParallelTopology, run: RunConfig) -> None:
-    """At ep > 1 on DeepSpeed's BF16 optimizer with pp > 1, refuse (on every rank alike, in one line) a pipeline stage
-    holding no routed layer (all its blocks in ``mlp_only_layers`` or off ``decoder_sparse_step``): that optimizer,
-    once told of experts, asserts an expert parameter group on every rank, and its gradient norm sums each expert
-    group's over the pipeline stages in a collective such a stage would never join.  Where the blocks fall is known
-    only once the pipeline module is cut, so this runs after the process group exists (one all-reduce of pp numbers,
-    before any file is written).  The fp32 path has no such collective (``optim.global_grad_norm``)."""
-    if topology.ep == 1 or topology.pp == 1 or optimizer_wrapper(run.ds_config) != BF16_OPTIMIZER:
+    """At ep > 1 on DeepSpeed's BF16 or ZeRO optimizer with pp > 1, refuse (on every rank alike, in one line) a
+    pipeline stage holding no routed layer (all its blocks in ``mlp_only_layers`` or off ``decoder_sparse_step``):
+    either optimizer, once told of experts, asserts an expert parameter group on every rank, and its gradient norm
+    runs collectives over the pipeline stages per expert group (the BF16 optimizer's sum of each expert group's, the
+    ZeRO optimizer's per-group sum over the model group) that such a stage would never join.  Where the blocks fall
+    is known only once the pipeline module is cut, so this runs after the process group exists (one all-reduce of pp
+    numbers, before any file is written).  The fp32 path has no such collective (``optim.global_grad_norm``)."""
+    wrapper = optimizer_wrapper(run.ds_config)
+    if topology.ep == 1 or topology.pp == 1 or wrapper not in (BF16_OPTIMIZER, ZERO_OPTIMIZER):
         return
     holding = torch.zeros(topology.pp, device=local_device())
     holding[topology.pp_rank] = float(any(is_moe_param(p) for p in module.parameters()))
@@ -311,7 +363,7 @@ def check_every_stage_has_experts(module: torch.nn.Module, topology: ParallelTop
         shape = run.model
         raise ConfigError(
             "ds_megatron.parallel.ep",
-            "on DeepSpeed's BF16 optimizer every pipeline stage must hold a routed layer at ep > 1",
+            f"on DeepSpeed's {wrapper} optimizer every pipeline stage must hold a routed layer at ep > 1",
             f"ep={topology.ep}, pp={topology.pp}, stage(s) {empty} without one (num_layers={shape.num_layers}, "
             f"mlp_only_layers={list(shape.mlp_only_layers)}, decoder_sparse_step={shape.decoder_sparse_step})",
             "use fewer pipeline stages, train in fp32 at ZeRO 0, or use ep 1",
@@ -325,9 +377,13 @@ def install_expert_grad_reduction(engine, topology: ParallelTopology) -> bool:
     the plain fp32 optimizer the gradients are the parameters' ``.grad``; on DeepSpeed's BF16 optimizer, its flat
     accumulation buffers (``get_grads_for_reduction``: the non-expert groups' and the expert groups').  DeepSpeed's
     own pass would reduce expert gradients only for an engine that knows of its ``MoE`` modules
-    (``experts_known_to_bf16_optimizer``: why ours does not).  Returns whether it was installed."""
+    (``experts_known_to_optimizer``: why ours does not).  DeepSpeed's ZeRO optimizer, told of the experts, applies
+    the same rule itself and keeps DeepSpeed's instruction (``zero_reduces_experts_by_our_rule``).  Returns whether
+    the experts' rule is in place."""
     if topology.ep == 1:
         return False
+    if uses_zero_optimizer(engine):
+        return zero_reduces_experts_by_our_rule(engine, topology)
     if getattr(engine, "using_bf16_optimizer", False):
         # persistent buffers, zeroed after each step: the same tensors every step
         dense, by_group = engine.optimizer.get_grads_for_reduction()
@@ -354,6 +410,32 @@ def install_expert_grad_reduction(engine, topology: ParallelTopology) -> bool:
 
     # on top of the map the schedule's engine and the SP step sync left (an instance entry, this engine only)
     engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, ReduceGrads: reduce_grads}
+    return True
+
+
+def zero_reduces_experts_by_our_rule(engine, topology: ParallelTopology) -> bool:
+    """Check that DeepSpeed's ZeRO optimizer, told of the experts, reduces them by the rule of
+    ``expert_parallel.layout``: its ZeRO-1 pass (``reduce_gradients`` -> ``average_tensor``, reduce-scatter on,
+    which the config requires at ep > 1) divides every gradient bucket by its data group's size over DeepSpeed's
+    sequence-parallel size, then sums each slice to its partition's owner over the group that partition is cut over:
+    the expert-DP group for an expert (``real_dp_process_group``, registered under the experts' group name), the data
+    group for the rest.  So the experts are summed over expert-DP and divided by that size, which must be dp x cp
+    (DeepSpeed's data axis, where the CP ranks are folded in); raises if DeepSpeed's groups say otherwise."""
+    opt = engine.optimizer
+    divisor = dist.get_world_size(group=opt.dp_process_group) / float(opt.sequence_parallel_size)
+    expert_groups = [g for i, g in enumerate(opt.real_dp_process_group) if opt.is_moe_param_group[i]]
+    if (
+        divisor != topology.expert_grad_divisor
+        or not opt.reduce_scatter
+        or any(
+            dist.get_world_size(group=g) != dist.get_world_size(group=topology.expert_dp_group) for g in expert_groups
+        )
+    ):
+        raise RuntimeError(
+            f"DeepSpeed's ZeRO optimizer would reduce expert gradients otherwise than dp x cp = "
+            f"{topology.expert_grad_divisor} over expert-DP: its divisor {divisor}, reduce_scatter "
+            f"{opt.reduce_scatter}, expert groups of {[dist.get_world_size(group=g) for g in expert_groups]} ranks"
+        )
     return True
 
 
@@ -446,7 +528,7 @@ def build_engine(run: RunConfig) -> Built:
     schedule = warmup_cosine_from(run.ds_config)
     scheduler = None if schedule is None else functools.partial(WarmupCosineScheduler, schedule=schedule)
     register_expert_groups(topology)
-    with experts_known_to_bf16_optimizer(topology):
+    with experts_known_to_optimizer(topology):
         engine, _, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, config=ds_config, lr_scheduler=scheduler
         )
@@ -465,6 +547,7 @@ def build_engine(run: RunConfig) -> Built:
         print("ds_megatron: SP-replicated gradients summed over TP once per step (fp32)", flush=True)
     if install_expert_grad_reduction(engine, topology) and topology.rank == 0:
         print(f"ds_megatron: experts split over ep {topology.ep}; their gradients reduced over expert-DP", flush=True)
+    count_experts_on_every_tp_rank(engine, topology)
     note = install_overlap(engine, topology, run, sp_step_sum)
     if note and topology.rank == 0:
         print(f"ds_megatron: {note}", flush=True)

@@ -134,25 +134,73 @@ def check_dispatch_chunks(chunks: int, ep: int, num_experts: int | None) -> None
 
 # The optimizer wrappers of DeepSpeed (config.facts.optimizer_wrapper) that train ep > 1, and why the others
 # do not (each reason is the refusal's text).
-EP_OPTIMIZER_WRAPPERS = (None, BF16_OPTIMIZER)  # plain fp32 (ZeRO 0), DeepSpeed's BF16 optimizer (bf16 at ZeRO 0 or 1)
+EP_OPTIMIZER_WRAPPERS = (
+    None,  # plain fp32 at ZeRO 0: ClippedAdamW (optim.global_grad_norm)
+    BF16_OPTIMIZER,  # DeepSpeed's BF16 optimizer (bf16 at ZeRO 0, bf16 + ZeRO-1 with fp32 accumulation)
+    ZERO_OPTIMIZER,  # DeepSpeed's ZeRO optimizer (fp32 + ZeRO-1, bf16 + ZeRO-1 with bf16 accumulation), not fp16
+)
 EP_REFUSED_WRAPPERS = {
-    ZERO_OPTIMIZER: "DeepSpeed's ZeRO optimizer counts a parameter not marked model-parallel in the gradient norm "
-    "on TP rank 0 only, so with EP folded over TP ranks it would leave out their experts; and it reduces the "
-    "gradients itself",
     FP16_OPTIMIZER: "DeepSpeed's fp16 optimizer (around a torch optimizer) leaves expert gradients out of the norm "
-    "it clips by and checks each rank's experts for overflow alone, so the ranks of an EP group would clip and skip "
-    "apart",
+    "it clips by and logs (FP16_UnfusedOptimizer.step), so every rank would clip by the non-expert gradients' norm",
 }
+# fp16 on DeepSpeed's ZeRO optimizer: its expert handling is the one bf16 and fp32 train with, but its loss scaler
+# with experts has never run here (DeepSpeed's CPU accelerator refuses fp16 where the CPU lacks fp16 kernels).  The
+# fp16 optimizer's overflow check is not the reason for its refusal: its CheckOverflow takes the max over the largest
+# registered EP group and the model group, so every rank skips alike.
+EP_ZERO_FP16_REFUSAL = (
+    "fp16 on DeepSpeed's ZeRO optimizer is untested at ep > 1 (its dynamic loss scaling with experts has not been "
+    "checked against ep 1)"
+)
+# What DeepSpeed's ZeRO optimizer needs to handle experts (its _configure_moe_settings asserts the first; its CPU
+# offload norm, complete_grad_norm_calculation_for_cpu_offload, counts experts on TP rank 0 only, like the norm
+# engine.count_experts_on_every_tp_rank corrects, and is not corrected).
+EP_ZERO_OPTIONS = {
+    "zero_optimization.reduce_scatter": "DeepSpeed's ZeRO optimizer reduces expert gradients over their expert-DP "
+    "group only on its reduce-scatter path",
+    "zero_optimization.offload_optimizer": "DeepSpeed's ZeRO optimizer counts experts in the gradient norm on TP "
+    "rank 0 only when it offloads, and ds_megatron corrects its on-device norm only",
+}
+# Why a run at ep > 1 on DeepSpeed's ZeRO optimizer neither saves nor loads checkpoints (the refusal's text).
+EP_ZERO_CHECKPOINT_REFUSAL = (
+    "checkpoints at ep > 1 are written as the ep 1 run holds them (checkpoint/ep_state.py) for the fp32 and BF16 "
+    "optimizers only, not for DeepSpeed's ZeRO optimizer's flat partitions, whose experts are cut over expert-DP"
+)
 
 
-def check_ep_optimizer(ep: int, wrapper: str | None, zero_stage: int, grad_accum_dtype: str) -> None:
-    """Refuse, at ep > 1, an optimizer wrapper whose expert handling does not fit ours (``EP_REFUSED_WRAPPERS``)."""
-    if ep == 1 or wrapper in EP_OPTIMIZER_WRAPPERS:
+def check_ep_optimizer(ep: int, wrapper: str | None, zero_stage: int, grad_accum_dtype: str, precision: str) -> None:
+    """Refuse, at ep > 1, an optimizer wrapper whose expert handling does not fit ours (``EP_REFUSED_WRAPPERS``),
+    and fp16 on the ZeRO optimizer (``EP_ZERO_FP16_REFUSAL``)."""
+    if ep == 1 or (wrapper in EP_OPTIMIZER_WRAPPERS and not (wrapper == ZERO_OPTIMIZER and precision == "fp16")):
+        return
+    problem = EP_REFUSED_WRAPPERS.get(wrapper, EP_ZERO_FP16_REFUSAL)
+    raise ConfigError(
+        SETTING, problem,
+        f"ep={ep}, DeepSpeed optimizer wrapper {wrapper} (precision {precision}, zero_optimization.stage="
+        f"{zero_stage}, grad_accum_dtype={grad_accum_dtype})",
+        "use bf16 or fp32 (at ZeRO 0 or 1), or ep 1",
+    )  # fmt: skip
+
+
+def check_ep_zero_options(ep: int, wrapper: str | None, reduce_scatter: bool, offload: str | None) -> None:
+    """At ep > 1 on DeepSpeed's ZeRO optimizer, refuse the options its expert handling lacks (``EP_ZERO_OPTIONS``)."""
+    if ep == 1 or wrapper != ZERO_OPTIMIZER:
+        return
+    values = f"ep={ep}, DeepSpeed optimizer wrapper {wrapper}"
+    if not reduce_scatter:
+        key = "zero_optimization.reduce_scatter"
+        raise ConfigError(key, EP_ZERO_OPTIONS[key], f"{values}, reduce_scatter=false", "remove it (default true)")
+    if offload not in (None, "none"):
+        key = "zero_optimization.offload_optimizer"
+        raise ConfigError(key, EP_ZERO_OPTIONS[key], f"{values}, device={offload}", "remove it, or use ep 1")
+
+
+def check_ep_checkpoint(ep: int, wrapper: str | None, what: str) -> None:
+    """Refuse ``what`` (saving or loading a checkpoint) at ep > 1 on DeepSpeed's ZeRO optimizer, before any file
+    is touched (``EP_ZERO_CHECKPOINT_REFUSAL``)."""
+    if ep == 1 or wrapper != ZERO_OPTIMIZER:
         return
     raise ConfigError(
-        SETTING, EP_REFUSED_WRAPPERS[wrapper],
-        f"ep={ep}, DeepSpeed optimizer wrapper {wrapper} (zero_optimization.stage={zero_stage}, "
-        f"grad_accum_dtype={grad_accum_dtype})",
-        'use bf16 with zero_optimization.stage 1 and "data_types": {"grad_accum_dtype": "fp32"} (DeepSpeed\'s BF16 '
-        "optimizer), bf16 or fp32 at stage 0, or ep 1",
+        SETTING, EP_ZERO_CHECKPOINT_REFUSAL, f"ep={ep}, DeepSpeed optimizer wrapper {wrapper}, {what}",
+        'train without checkpoint.save / checkpoint.load, use bf16 with "data_types": {"grad_accum_dtype": "fp32"} '
+        "(the BF16 optimizer) or fp32 at ZeRO 0, or ep 1",
     )  # fmt: skip

@@ -417,9 +417,11 @@ def test_the_ep_setting_and_its_refusals():
     # expert_tp = tp: EP over the dp ranks of one tp index, with or without SP
     for sp in (False, True):
         assert resolve(_ep_config(2, tp=2, expert_tp=2, sequence_parallel=sp), 4).section.parallel.expert_tp == 2
-    # DeepSpeed's BF16 optimizer: bf16 at ZeRO 0, and at ZeRO 1 with fp32 gradient accumulation
+    # DeepSpeed's BF16 optimizer: bf16 at ZeRO 0, and at ZeRO 1 with fp32 gradient accumulation; its ZeRO optimizer:
+    # fp32 at ZeRO 1, bf16 at ZeRO 1 accumulating in bf16
     bf16_z1 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "data_types": {"grad_accum_dtype": "fp32"}}
-    for ds in ({"bf16": {"enabled": True}}, bf16_z1):
+    zero1 = {"zero_optimization": {"stage": 1}}
+    for ds in ({"bf16": {"enabled": True}}, bf16_z1, zero1, {"bf16": {"enabled": True}, **zero1}):
         assert resolve(_ep_config(2, ds=ds), 2).section.parallel.ep == 2
     dense = {"family": "gpt2", "num_layers": 2, "hidden_size": 32, "num_heads": 4, "vocab_size": 64, "seq_length": 16}
     cases = [
@@ -431,20 +433,33 @@ def test_the_ep_setting_and_its_refusals():
         (_ep_config(3), 3, "dp=3, sequence_parallel=false, num_experts=8); use ep in [1]"),
         (_ep_config(4), 2, "use ep in [1, 2]"),
         (_ep_config(0), 2, "ds_megatron.parallel.ep"),
-        (_ep_config(2, ds={"zero_optimization": {"stage": 1}}), 2, "wrapper ZeRO (zero_optimization.stage=1"),
-        (_ep_config(2, ds={"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}), 2, "grad_accum_dtype=bf16"),
         (_ep_config(2, ds={"fp16": {"enabled": True}}), 2, "leaves expert gradients out of the norm"),
+        (_ep_config(2, ds={"fp16": {"enabled": True}, **zero1}), 2, "wrapper ZeRO (precision fp16, zero_optimization"),
     ]
+    # the ZeRO optimizer at ep > 1: no checkpoints (their experts are cut over expert-DP, not as the ep 1 run's)
+    for checkpoint in ({"save": "ckpt"}, {"load": "ckpt"}):
+        cfg = _ep_config(2, ds=zero1)
+        cfg["ds_megatron"]["checkpoint"] = checkpoint
+        cases.append((cfg, 2, f"wrapper ZeRO, checkpoint.{next(iter(checkpoint))}=ckpt); train without checkpoint"))
     for cfg, world, message in cases:
         with pytest.raises(ConfigError) as err:
             resolve(cfg, world)
         text = str(err.value)
         assert text.startswith("error: ds_megatron.parallel.ep: ") and "\n" not in text and message in text, text
+    # and not its options without expert handling
+    for zero, setting in (
+        ({"stage": 1, "reduce_scatter": False}, "zero_optimization.reduce_scatter"),
+        ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, "zero_optimization.offload_optimizer"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            resolve(_ep_config(2, ds={"zero_optimization": zero}), 2)
+        assert str(err.value).startswith(f"error: {setting}: DeepSpeed's ZeRO optimizer"), str(err.value)
+        assert resolve(_ep_config(1, ds={"zero_optimization": zero}), 2).section.parallel.ep == 1
     cfg = _ep_config(2)
     cfg["ds_megatron"]["recompute"] = {"policy": "selective", "modules": ["moe"]}
     assert resolve(cfg, 2).section.recompute.modules == ("moe",)  # refused before the EP layer recomputed
-    # checkpoints are written and read on every optimizer that trains at ep > 1: fp32 at ZeRO 0 and DeepSpeed's BF16
-    # optimizer (its flat partitions written as the ep 1 run's, checkpoint/ep_state.py)
+    # checkpoints are written and read at ep > 1 on fp32 at ZeRO 0 and DeepSpeed's BF16 optimizer (its flat
+    # partitions written as the ep 1 run's, checkpoint/ep_state.py)
     for ds in ({}, {"bf16": {"enabled": True}}, bf16_z1):
         for checkpoint in ({"save": "ckpt"}, {"load": "ckpt"}, {"init_from_hf": "hf"}):
             cfg = _ep_config(2, ds=ds)

@@ -6,14 +6,16 @@ tp ranks, EP over the dp ranks of one tp index; the case also saves its step 2 u
 records what the files must hold, trains one more step and loads the save back, recording what it loaded) or
 ``pp2`` (two pipeline stages, dp = world size / 2); ``L<layers>``
 cuts moe-tiny to that many blocks (its first is dense); precision ``bf16`` (ZeRO 0, bf16 gradient accumulation) or
-``bf16z1`` (ZeRO 1, fp32 accumulation); both are DeepSpeed's BF16 optimizer.
+``bf16z1`` (ZeRO 1, fp32 accumulation), both DeepSpeed's BF16 optimizer; ``fp32z1`` (fp32, ZeRO 1) or ``bf16z1b``
+(bf16, ZeRO 1, bf16 accumulation), both DeepSpeed's ZeRO optimizer.
 
 Rank 0 writes ``<case>.pt``: the per-step losses and grad norms of every rank (clipping acts on the norm: every
 rank must see the same one), the optimizer's partition count per parameter group and whether the group is an
 expert group, the dtype of every all-reduce over the expert-DP group during the steps, and every expert tensor's
-fp32 master (``deepspeed.utils.safe_get_full_fp32_param``: the BF16 optimizer's partitions gathered over the group
+fp32 master (``deepspeed.utils.safe_get_full_fp32_param``: the optimizer's partitions gathered over the group
 they are cut over) after the steps, all EP ranks' experts concatenated along the expert dim (the single-device
-layout), with the masters before the first step.  A case the engine refuses writes ``{"refused": <its one line>}``.
+layout), with the masters before the first step; on the ZeRO optimizer at ep > 1, the one-line refusals of a save
+and a load (which must touch no file).  A case the engine refuses writes ``{"refused": <its one line>}``.
 
 ``--checkpoints PRECISION[:RUN+RUN...],...``: checkpoints of EP runs on the BF16 optimizer (``checkpoint/ep_state.py``),
 for each precision the engines of ``CHECKPOINT_RUNS`` (those named, when named) one after the other, 3 steps of the
@@ -59,6 +61,9 @@ PRECISIONS = {
         "zero_optimization": {"stage": 1},
         "data_types": {"grad_accum_dtype": "fp32"},
     },
+    # DeepSpeed's ZeRO optimizer: fp32 + ZeRO-1, and bf16 + ZeRO-1 accumulating in bf16
+    "fp32z1": {"zero_optimization": {"stage": 1}},
+    "bf16z1b": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
 }
 
 
@@ -160,9 +165,27 @@ def train(case: str, out: str) -> None:
         load_run(engine, directory, built.rng, built.parallel, topo, run.ds_config)
         engine.optimizer._lazy_init_hp_params_optimizer_state()  # the moments' links, else made at the next step
         result["loaded"] = {k: full_state(engine, built, k) for k in (None, "exp_avg", "exp_avg_sq")}
+    if topo.ep > 1 and result["optimizer"] == "DeepSpeedZeroOptimizer":  # refused before any file is touched
+        result["checkpoint_refusals"] = checkpoint_refusals(engine, built, os.path.join(out, f"{case}-ckpt"))
     if dist.get_rank() == 0:
         torch.save(result, os.path.join(out, f"{case}.pt"))
     engine.destroy()
+
+
+def checkpoint_refusals(engine, built, directory: str) -> list[str | None]:
+    """What a save and a load of ``directory`` (which must stay absent) raise: the ConfigError's line each."""
+    refusals = []
+    for act in (
+        lambda: save_run(engine, directory, STEPS, {"step": STEPS}, built.rng, parallel=built.parallel),
+        lambda: load_run(engine, directory, built.rng, built.parallel, built.topology, built.run.ds_config),
+    ):
+        try:
+            act()
+            refusals.append(None)
+        except ConfigError as err:
+            refusals.append(str(err))
+    assert not os.path.exists(directory), directory
+    return refusals
 
 
 # name, layout, ep, the run whose step-2 checkpoint it loads (None: trains from step 0), the steps it saves

@@ -13,6 +13,7 @@ from ds_megatron.config.ep_rules import (
     valid_ep_values,
 )
 from ds_megatron.config.facts import grad_accum_dtype, optimizer_wrapper, zero_stage
+from ds_megatron.config.facts import precision as precision_of
 
 
 def written_precision(zero: int) -> dict:
@@ -41,7 +42,13 @@ def refusal(
     try:
         check_num_experts(model.num_experts, ep)
         check_ep(ep, tp, cp, dp, sequence_parallel, model.num_experts)
-        check_ep_optimizer(ep, optimizer_wrapper(precision), zero_stage(precision), grad_accum_dtype(precision))
+        check_ep_optimizer(
+            ep,
+            optimizer_wrapper(precision),
+            zero_stage(precision),
+            grad_accum_dtype(precision),
+            precision_of(precision),
+        )
     except ConfigError as err:
         return f"{err.problem} ({err.values})"
     return None
