@@ -133,11 +133,13 @@ PP_CASES = ["pp2-bf16z1-ep1", "pp2-bf16z1-ep2"]
 NO_EXPERT_STAGE = "pp2-bf16z1-ep2-L2"
 # expert_tp = tp 2 with SP, ep 2 over the dp ranks of each tp index; it saves its step 2 (``<case>-ckpt``)
 EXPERT_TP_CASE = "tp2etp-bf16-ep2"
-# the ZeRO optimizer at tp 2 + SP x dp 2 with ep 2 (expert groups cut over expert-DP groups of 2), and refusing a
-# stage without experts as the BF16 optimizer does
+# the ZeRO optimizer at tp 2 + SP x dp 2 with ep 2 (expert groups cut over expert-DP groups of 2), the same with
+# expert_tp 2 (ep 2 over dp), and refusing a stage without experts as the BF16 optimizer does
 ZERO_EXPERT_DP_CASE, ZERO_NO_EXPERT_STAGE = "tp2sp-fp32z1-ep2", "pp2-fp32z1-ep2-L2"
+ZERO_EXPERT_TP_CASE = "tp2etp-fp32z1-ep2"
 FOUR = ",".join(
-    [*EXPERT_DP_CASES, *PP_CASES, NO_EXPERT_STAGE, EXPERT_TP_CASE, ZERO_EXPERT_DP_CASE, ZERO_NO_EXPERT_STAGE]
+    [*EXPERT_DP_CASES, *PP_CASES, NO_EXPERT_STAGE, EXPERT_TP_CASE, ZERO_EXPERT_DP_CASE, ZERO_EXPERT_TP_CASE]
+    + [ZERO_NO_EXPERT_STAGE]
 )
 LAUNCH4 = shared_launch(__name__, 4, lambda out: [f"ep_training.py --out {out} --cases {FOUR}"])
 
@@ -243,22 +245,24 @@ def test_ep2_trains_as_ep1_on_the_zero_optimizer():
     experts over expert-DP divided by dp x cp; its norm counts every tp rank's experts
     (``engine.count_experts_on_every_tp_rank``).  Every rank logs the same loss and grad norm, equal to ep 1's: fp32
     within FP32_TOLERANCE (losses and norms) and FP32_EXPERT_UPDATE_TOLERANCE (the experts' 2-step updates, relative
-    norm), also at tp 2 + SP x dp 2 against the tp 2 + SP x dp 1 run at ep 1; bf16 within BF16_TOLERANCE and
+    norm), also at tp 2 + SP x dp 2 against the tp 2 + SP x dp 1 run at ep 1, with whole experts and with expert_tp
+    2 (ep 2 over dp, every expert split over TP as at ep 1); bf16 within BF16_TOLERANCE and
     SP_EXPERT_UPDATE_TOLERANCE (measured 3.7e-5 on losses, 2.3e-3 on norms, 1.2e-1 on the updates).  A save or load
     at ep > 1 on this optimizer is refused in one line, no file touched; a pipeline stage without experts too."""
     results = {case: torch.load(LAUNCH() / f"{case}.pt") for case in ZERO_CASES}
     results[f"{ZERO_EXPERT_DP_CASE}-dp2"] = torch.load(LAUNCH4() / f"{ZERO_EXPERT_DP_CASE}.pt")
+    results[f"{ZERO_EXPERT_TP_CASE}-dp2"] = torch.load(LAUNCH4() / f"{ZERO_EXPERT_TP_CASE}.pt")
     for case, result in results.items():
         _check_every_rank_alike(case, result, "DeepSpeedZeroOptimizer")
-        expert_dp = 2 if case.endswith("dp2") else 1
+        expert_dp = 2 if case.startswith("tp2sp") and case.endswith("dp2") else 1
         dense = (False, 2 if case.endswith("dp2") else 1)
         assert result["groups"] == [dense, dense] + ([(True, expert_dp)] if "-ep2" in case else []), case
         if "-ep2" in case:
             for refusal in result["checkpoint_refusals"]:
                 assert refusal.startswith("error: ds_megatron.parallel.ep: checkpoints at ep > 1 are written"), refusal
                 assert "DeepSpeed optimizer wrapper ZeRO" in refusal and "\n" not in refusal, refusal
-    for case in ("tp2sp-fp32z1-ep2", f"{ZERO_EXPERT_DP_CASE}-dp2", "tp2sp-bf16z1b-ep2"):
-        want = results[case.removesuffix("-dp2").replace("ep2", "ep1")]
+    for case in ("tp2sp-fp32z1-ep2", f"{ZERO_EXPERT_DP_CASE}-dp2", f"{ZERO_EXPERT_TP_CASE}-dp2", "tp2sp-bf16z1b-ep2"):
+        want = results[case.removesuffix("-dp2").replace("ep2", "ep1").replace("tp2etp", "tp2sp")]
         _check_against_ep1(case, results[case], want, False, fp32="fp32" in case)
     refused = torch.load(LAUNCH4() / f"{ZERO_NO_EXPERT_STAGE}.pt")["refused"]
     assert refused.startswith("error: ds_megatron.parallel.ep: on DeepSpeed's ZeRO optimizer every pipeline stage")
