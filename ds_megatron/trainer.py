@@ -9,6 +9,7 @@ by the numerical guard.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -431,22 +433,35 @@ def start_run_dir(run: RunConfig, config_name: str, rank: int) -> Path:
     return run_dir
 
 
-def stopped_in_start_up(stop: StopFlag, phase: str) -> bool:
-    """Collective, at the end of a start-up phase: whether any rank was asked to stop.  Then every rank exits 0 before
-    training, with nothing saved: a phase is never cut off half-way (a token cache or a checkpoint half-written),
-    and one rank leaving alone would leave the others waiting in the next collective."""
+def stopped_in_start_up(stop: StopFlag, phase: str, close=None) -> bool:
+    """Collective, at the end of a start-up phase: whether any rank was asked to stop; False when none was.  When one
+    was, every rank exits 0 here, before training, with nothing saved (``close``: called first, e.g. the logger's):
+    a phase is never cut off half-way (a token cache or a checkpoint half-written), and one rank leaving alone would
+    leave the others waiting in the next collective."""
     if not stop.agreed(local_device()):
         return False
     if dist.get_rank() == 0:
         why = stop.reason or "by another rank"
         line = f"stop requested during start-up ({why}): exiting after {phase}, before training; nothing saved"
         print(line, flush=True)
-    # Every rank leaves together and takes its process group down first: a rank exiting with its gloo group alive
-    # while a peer (rank 0 holds the store) is already gone ended in std::terminate ("terminate called without an
-    # active exception", exit -6) in about one start-up stop in three.
+    if close is not None:
+        close()
     dist.barrier()
-    dist.destroy_process_group()
-    return True
+    leave_at_once(0)
+
+
+def leave_at_once(status: int) -> NoReturn:
+    """Exit this process with ``status`` now, its output flushed, running no teardown.  Every rank gets here together
+    (after a barrier) and leaves at once: a rank running the destructors of its gloo groups and of torch's store
+    while a peer's sockets were already closing ended in std::terminate ("terminate called without an active
+    exception", exit -6): in one start-up stop in three without the barrier, and still now and then with the barrier
+    and ``destroy_process_group`` once the engine's groups exist (the data phase).  Nothing open then needs closing:
+    nothing was saved, the logger and wandb start later (or are closed by the caller), and the run locks are
+    ``flock`` locks, which the kernel releases."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def train(run: RunConfig, config_name: str = "run", stop: StopFlag | None = None) -> int:
@@ -487,7 +502,6 @@ def train(run: RunConfig, config_name: str = "run", stop: StopFlag | None = None
     if stopped_in_start_up(stop, "preparing the data"):
         return 0
     trainer = Trainer.setup(run, built, run_dir, data, load_tag, stop)
-    if stopped_in_start_up(stop, "resuming"):
-        trainer.logger.close()
+    if stopped_in_start_up(stop, "resuming", close=trainer.logger.close):
         return 0
     return trainer.fit()
