@@ -84,6 +84,7 @@ def activation_bytes_per_layer(
     cp_comm: str = "ring",
     routed: RoutedShape | None = None,
     ep: int = 1,
+    expert_tp: int = 1,
     dense_layer: bool = False,
 ) -> float:
     """Bytes of activations one transformer layer keeps for backward, per TP rank (and CP rank: ``cp`` > 1 takes
@@ -103,15 +104,19 @@ def activation_bytes_per_layer(
     > 1 (the expert-parallel layer: SP at tp > 1) each rank routes its own tokens (its sequence shard) through whole
     experts: the experts' tensors are kept for those tokens only (uniform routing: a rank receives as many pairs as
     it sends), with the dispatch's permutations (``BlockTerms.ep_whole``), and the grouped GEMM's offsets for its
-    E / ep experts.  ``moe`` at ep > 1 checkpoints the local experts on the dispatched rows
-    (``expert_parallel.layer``): those rows stay (the grouped GEMM's input, counted among the experts' tensors), the
-    experts' split activations (``BlockTerms.moe_split``) and the offsets go; the combine, the weighted sum and the
-    dispatch's permutations sit outside the checkpoint and keep what they keep without it.  ``dense_layer``: a
-    routed family's dense block (a layer of ``mlp_only_layers`` or off ``decoder_sparse_step``: a SwiGLU of
-    ``intermediate_size``, which ``moe`` and ep leave alone)."""
+    E / ep experts.  With ``expert_tp`` = t at ep > 1 (each expert's width split over TP) the tokens enter the experts
+    as the dense MLP's (gathered over TP under SP): the experts' tensors and the permutations are kept for the s b
+    tokens every TP rank runs, their F-wide intermediates at F / t.  ``moe`` at ep > 1 checkpoints the local
+    experts on the dispatched rows (``expert_parallel.layer``): those rows stay (the grouped GEMM's input, counted
+    among the experts' tensors), the experts' split activations (``BlockTerms.moe_split``) and the offsets go; the
+    combine, the weighted sum and the dispatch's permutations sit outside the checkpoint and keep what they keep
+    without it.  ``dense_layer``: a routed family's dense block (a layer of ``mlp_only_layers`` or off
+    ``decoder_sparse_step``: a SwiGLU of ``intermediate_size``, which ``moe`` and ep leave alone)."""
     modules = _checked_modules(recompute, attention, sdpa_path, family, modules)
     if ep > 1 and routed is None:
         raise ValueError(f"ep > 1 needs a routed family, got family={family!r}")
+    if expert_tp not in (1, t) or (expert_tp > 1 and ep == 1):
+        raise ValueError(f"expert_tp is 1 or t ({t}) at ep > 1 (ep 1 splits every expert over TP), got {expert_tp}")
     if cp > 1:
         check_cp_comm(cp_comm)
         check_cp_attention_dropout(cp, attention_dropout or 0.0)
@@ -137,7 +142,8 @@ def activation_bytes_per_layer(
     routed_extra = sbh * whole + fixed  # 0 for a dense block
     if ep > 1:  # the grouped GEMM's offsets (``moe_fixed``) are its E / ep local experts' (none under ``moe``)
         offsets = 0.0 if local_moe else terms.moe_fixed * (1 - 1 / ep)
-        routed_extra = sbh * (whole + terms.ep_whole) / (t if sp else 1) + fixed - offsets
+        # whole experts: this rank's own tokens (its sequence shard under SP); split over TP: all the TP group's
+        routed_extra = sbh * (whole + terms.ep_whole) / (t if sp and expert_tp == 1 else 1) + fixed - offsets
     if sp:
         return sbh * (replicated + split + quadratic) / t + (routed_extra if routed is not None else 0)
     return sbh * (replicated + (split + quadratic) / t) + (routed_extra if routed is not None else 0)

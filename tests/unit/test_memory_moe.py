@@ -1,7 +1,8 @@
 """The routed families' memory, parameter and GEMM terms (``model/qwen3_moe``: ``routed_block_terms``,
 ``routed_block_params``, ``routed_block_gemms``): one routed block's saved tensors measured with saved-tensor hooks
-at tp 1 and at tp 2 + SP (in-process gloo), with and without selective ``moe`` recompute, in fp32 and bf16,
-against ``memory.activation_bytes_per_layer``; the parameter counts against the published model cards."""
+at tp 1 and at tp 2 + SP (in-process gloo), with and without selective ``moe`` recompute, in fp32 and bf16, at
+ep 2, and with experts split over TP (tp 2 x ep 2 over 2 dp ranks, with and without SP), against
+``memory.activation_bytes_per_layer``; the parameter counts against the published model cards."""
 
 from __future__ import annotations
 
@@ -230,4 +231,100 @@ def test_an_expert_parallel_block_stores_what_the_formula_counts(reports, family
 
     name = f"{family}-{dtype}-{'+'.join(modules) or 'none'}-ep"
     message = failures(reports[2], name, f"{name} 2")
+    assert not message, message
+
+
+# Expert tensor parallelism (expert_tp = tp 2) at ep 2 over the 2 dp ranks of a world of 4 (rank = dp_rank * 2 +
+# tp_rank): (dtype, sequence parallel, recompute modules)
+ETP_CASES = [
+    ("fp32", True, ()),
+    ("bf16", True, ()),
+    ("fp32", False, ()),
+    ("bf16", False, ()),
+    ("fp32", True, ("moe",)),
+]
+
+
+def _check_etp(dtype: str, sp: bool, modules: tuple, groups, rank: int):
+    """At tp 2 x ep 2 with each expert's width split over the tp ranks: every rank routes its own tokens (its
+    sequence shard under SP, the tp ranks' same tokens without), the tokens enter the experts gathered over TP as the
+    dense MLP's, and the EP group (the two dp ranks of one tp index) exchanges the pairs every tp rank runs.  What a
+    rank saves depends on the pairs it receives; the mean over the world is the formula's uniform routing."""
+    import torch
+    import torch.distributed as dist
+
+    from ds_megatron.config.schema import RecomputeSection
+    from ds_megatron.model import FAMILIES
+    from ds_megatron.parallelize import ParallelContext, parallelize_block
+    from ds_megatron.random import build_rng
+    from ds_megatron.topology import Group
+
+    world_group, tp_group, ep_group = groups
+    tp_rank, dp_rank = rank % 2, rank // 2
+    family, g = "qwen3_moe", _shape("qwen3_moe")
+    config = _config(family)
+    torch_side = FAMILIES[family].torch_side()
+    block = torch_side.block(config)
+    torch_side.init(block, config, 1234, prefix="model.layers.0.")
+    recompute = RecomputeSection("selective", modules=modules) if modules else RecomputeSection("none")
+    tp, ep = Group(tp_group, tp_rank, 2), Group(ep_group, dp_rank, 2)
+    rng = build_rng(1234, tp_rank, 0, dp_rank)
+    plan = ParallelContext(config, tp, sp, rng, recompute=recompute, ep=ep, expert_tp=2)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    block = parallelize_block(block, plan).to(dt).train()
+    x = torch.randn(g["s"], g["b"], g["h"]) + dp_rank  # each dp rank its own tokens, the tp ranks' the same
+    if sp:
+        x = x.chunk(2)[tp_rank].clone()  # this tp rank's sequence shard, a storage of its own (as in a run)
+    measured = torch.tensor(float(_saved_bytes(block, x.to(dt).requires_grad_())), dtype=torch.float64)
+    dist.all_reduce(measured, group=world_group)
+    act = torch.finfo(dt).bits // 8
+    formula = activation_bytes_per_layer(
+        g["s"], g["b"], g["h"], g["a"], 2, sp, "selective" if modules else "none", act, family=family,
+        num_kv_heads=g["kv"], intermediate_size=96, attention_dropout=0.0, modules=modules,
+        routed=_routed(family, config), ep=2, expert_tp=2,
+    )  # fmt: skip
+    rotary = 2 * g["s"] * g["d"] * act
+    label = f"{family} tp 2{' + SP' if sp else ''} x ep 2, expert_tp 2, {dtype} {modules}"
+    print(f"\n{label}: saved {measured.item() / 4:.0f} B (mean), formula {formula:.0f} B")
+    return [("saved bytes", measured / 4 - rotary, torch.tensor(float(formula), dtype=torch.float64), 0.0)]
+
+
+def _etp_name(dtype: str, sp: bool, modules: tuple) -> str:
+    return f"{dtype}-{'sp' if sp else 'nosp'}-{'+'.join(modules) or 'none'}-etp"
+
+
+def _run_etp_rank(group, rank: int, world: int) -> dict[str, str]:
+    import torch.distributed as dist
+    from inprocess import run_checks
+
+    # every rank creates every group, in the same order: tp groups {0, 1}, {2, 3}; EP groups {0, 2}, {1, 3}
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    groups = (group, tp_groups[rank // 2], ep_groups[rank % 2])
+    checks = {
+        _etp_name(dtype, sp, modules): functools.partial(
+            lambda d, p, m, _: _check_etp(d, p, m, groups, rank), dtype, sp, modules
+        )
+        for dtype, sp, modules in ETP_CASES
+    }
+    return run_checks(checks, None)
+
+
+@pytest.fixture(scope="module")
+def etp_reports():
+    from inprocess import spawn_reports
+
+    return spawn_reports(_run_etp_rank, 4)
+
+
+@pytest.mark.parametrize("dtype,sp,modules", ETP_CASES)
+def test_experts_split_over_tp_store_what_the_formula_counts(etp_reports, dtype, sp, modules):
+    """At tp 2 x ep 2 with ``expert_tp`` 2, with and without SP: every byte autograd saves in the routed block,
+    averaged over the four ranks, is the formula's at ``expert_tp`` = t: the experts' tensors and the dispatch's
+    permutations for the s b tokens every tp rank runs (gathered under SP), their intermediates F / t wide; with
+    ``moe``, the local experts' dispatched rows in place of their activations."""
+    from inprocess import failures
+
+    name = _etp_name(dtype, sp, modules)
+    message = failures(etp_reports, name, name)
     assert not message, message

@@ -263,19 +263,19 @@ OFFSET_BYTES = 4  # the grouped GEMM's int32 end row per expert
 
 
 def routed_block_params(
-    h: int, tp: int, r: RoutedShape, qk_norm: bool, qkv_bias: bool = False, ep: int = 1
+    h: int, tp: int, r: RoutedShape, qk_norm: bool, qkv_bias: bool = False, ep: int = 1, expert_tp: int = 1
 ) -> int:  # fmt: skip
     """One routed block's parameters per TP rank: q, k, v and o_proj split over TP (a d and k d wide; Qwen2's q, k
     and v biases with their rows), every expert's gate, up and down split over TP as ``tensor_parallel.experts``
     does (3 E h F / t), a shared expert's gate, up and down split as the dense MLP (3 h F_s / t), the router [E, h],
     the shared expert's gate [1, h] and the two RMSNorms (and Qwen3's q/k norms, one head wide each) replicated.
     All E experts are stored; at ep > 1 E / ep whole experts instead (``expert_parallel.layer``: not split over
-    TP), 3 E h F / ep."""
+    TP), 3 E h F / ep, or with ``expert_tp`` = tp each of them split over TP too, 3 E h F / (ep t)."""
     split = 2 * h * r.q_width + 2 * h * r.kv_width + 3 * h * r.shared_width
     split += (r.q_width + 2 * r.kv_width) if qkv_bias else 0
     replicated = r.num_experts * h + 2 * h + (2 * r.head_dim if qk_norm else 0) + (h if r.shared_width else 0)
     if ep > 1:
-        return split // tp + r.expert_params(h) // ep + replicated
+        return split // tp + r.expert_params(h) // (ep * expert_tp) + replicated
     return (split + r.expert_params(h)) // tp + replicated
 
 
@@ -286,20 +286,24 @@ def active_block_params(h: int, r: RoutedShape, qk_norm: bool, qkv_bias: bool = 
     return routed_block_params(h, 1, dense_experts, qk_norm, qkv_bias) - r.top_k * h + r.num_experts * h
 
 
-def routed_block_gemms(n: int, h: int, t: int, r: RoutedShape, ep: int | None = None) -> tuple[Gemm, ...]:
+def routed_block_gemms(
+    n: int, h: int, t: int, r: RoutedShape, ep: int | None = None, expert_tp: int = 1
+) -> tuple[Gemm, ...]:  # fmt: skip
     """The weight matmuls of one routed block's forward over n tokens, per TP rank: attention as Llama's at head
     width d, the router (n x h by h x E, replicated: each rank routes its sequence shard under SP, all n without;
     counted at n, its fp32 ignored), and k experts per token.  ``ep`` None: the n k routed rows as one GEMM through
     gate|up, F/t wide, and down.  ``ep`` given: one GEMM per expert the rank holds, at its share of the tokens under
     uniform routing (the grouped GEMM reads every expert's weights): at ep 1 all E experts, F/t wide, on the n
     tokens the rank routes (n k / E rows each); at ep > 1 its E / ep whole experts (F wide) on the tokens of the
-    whole EP group, each rank holding n / t of them under SP (n without, at tp 1): ep n k / (t E) rows each.  A
-    shared expert (Qwen2-MoE) runs on the rank's n tokens, split over TP as the dense MLP."""
+    whole EP group, each rank holding n / t of them under SP (n without, at tp 1): ep n k / (t E) rows each; with
+    ``expert_tp`` = t, F / t of each of them on the tokens every TP rank runs (n, gathered over TP): ep n k / E rows
+    each.  A shared expert (Qwen2-MoE) runs on the rank's n tokens, split over TP as the dense MLP."""
     rows, experts, width = n * r.top_k, 1, r.width // t
     if ep is not None:
         experts = r.num_experts if ep == 1 else r.num_experts // ep
-        rows = n * r.top_k / r.num_experts if ep == 1 else ep * n * r.top_k / (t * r.num_experts)
-        width = r.width // t if ep == 1 else r.width
+        tokens_split = t // expert_tp  # at ep > 1: t with whole experts (each rank its own tokens), 1 when split
+        rows = n * r.top_k / r.num_experts if ep == 1 else ep * n * r.top_k / (tokens_split * r.num_experts)
+        width = r.width // t if ep == 1 else r.width // expert_tp
     shared = (
         (
             ("shared expert gate, up", n, h, r.shared_width // t, 2),
@@ -430,22 +434,23 @@ def family_terms(
 ) -> tuple[Callable[..., BlockTerms], Callable[..., int], Callable[..., tuple]]:
     """(block_terms, block_params, block_gemms) of a routed family, in the family record's signatures plus the
     keywords ``routed`` (a ``RoutedShape``) and ``dense``: True for a dense block of the family (a layer of
-    ``mlp_only_layers`` or off ``decoder_sparse_step``: a SwiGLU of the dense width f, whatever ep), else routed."""
+    ``mlp_only_layers`` or off ``decoder_sparse_step``: a SwiGLU of the dense width f, whatever ep), else routed;
+    ``expert_tp`` (at ep > 1): t when each expert is split over TP, 1 for whole experts."""
 
     def terms(h, a, kv, f, dropout, act, *, routed=None, dense=False):
         if dense:
             return dense_block_terms(h, f, dropout, act, _needs_routed(routed), qk_norm)
         return routed_block_terms(h, a, kv, f, dropout, act, routed=_needs_routed(routed), qk_norm=qk_norm)
 
-    def params(h, _kv, f, tp, *, routed=None, ep=1, dense=False):
+    def params(h, _kv, f, tp, *, routed=None, ep=1, expert_tp=1, dense=False):
         if dense:
             return dense_block_params(h, f, tp, _needs_routed(routed), qk_norm, qkv_bias)
-        return routed_block_params(h, tp, _needs_routed(routed), qk_norm, qkv_bias, ep)
+        return routed_block_params(h, tp, _needs_routed(routed), qk_norm, qkv_bias, ep, expert_tp)
 
-    def gemms(n, h, _kv, f, t, *, routed=None, ep=None, dense=False):
+    def gemms(n, h, _kv, f, t, *, routed=None, ep=None, expert_tp=1, dense=False):
         if dense:
             return dense_block_gemms(n, h, f, t, _needs_routed(routed))
-        return routed_block_gemms(n, h, t, _needs_routed(routed), ep)
+        return routed_block_gemms(n, h, t, _needs_routed(routed), ep, expert_tp)
 
     return terms, params, gemms
 
