@@ -40,6 +40,11 @@ FLAGS = {
         ("--pp", INT, "pipeline-parallel size"),
         ("--dp", INT, "data-parallel size"),
         ("--ep", INT, "expert-parallel size of a routed family (default: every ep its layout's rules accept)"),
+        (
+            "--expert-tp",
+            INT,
+            "ranks each routed expert's width is split over, 1 or tp (default: tp at ep 1; 1 and tp at ep > 1)",
+        ),
         ("--micro-batch-size", INT, "micro-batch size b"),
         ("--sequence-parallel", SWITCH, "SP on or off"),
         ("--recompute", {"choices": RECOMPUTE_POLICIES}, "recompute policy"),

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from ds_megatron.config import ConfigError, resolve
-from ds_megatron.config.ep_rules import check_ep, valid_ep_values
+from ds_megatron.config.ep_rules import check_ep, check_expert_tp, resolved_expert_tp, valid_ep_values
 from ds_megatron.tune import Candidate, Pins, build_cluster, build_model_shape, search
 from ds_megatron.tune.core.matmuls import block_matmuls
 from ds_megatron.tune.core.memory_model import (
@@ -113,33 +113,34 @@ def test_ep_runs_the_experts_per_expert_and_exchanges_over_the_ep_group(qwen3_30
 
 
 def test_the_search_proposes_only_the_ep_values_the_rules_accept(qwen3_30b):
-    """Every candidate's ep is one the run's folding forms (``config.ep_rules.check_ep``), each layout is searched
-    at every such ep, tp > 1 without SP only at ep 1; a dense model's candidates have no ep."""
+    """Every candidate's (ep, expert_tp) is one the run's folding forms (``config.ep_rules.check_expert_tp`` and
+    ``check_ep``), each layout is searched at every such pair: whole experts at every ep, experts split over tp > 1
+    at every ep > 1 (tp > 1 without SP has ep > 1 only so); a dense model's candidates have no ep."""
     result = search(qwen3_30b, build_cluster("h100-sxm", 16, 8), 256, Pins(micro_batch_size=1, attention="sdpa"))
     layouts: dict[tuple, set] = {}
     for e in result.evaluations:
         c = e.candidate
-        check_ep(c.ep, c.tp, c.cp, c.dp, c.sequence_parallel, E)
-        layouts.setdefault((c.tp, c.cp, c.dp, c.sequence_parallel), set()).add(c.ep)
-    assert any(ep > 1 for eps in layouts.values() for ep in eps)
-    for (tp, cp, dp, sp), eps in layouts.items():
-        assert eps == set(valid_ep_values(tp, cp, dp, sp, E)), (tp, cp, dp, sp)
-        assert sp or tp == 1 or eps == {1}
-    # and the run's loader takes each (tp, pp, dp, SP, ep) the search proposes, as the tuner writes it
+        check_expert_tp(c.expert_tp, c.ep, c.tp)
+        check_ep(c.ep, c.tp, c.cp, c.dp, c.sequence_parallel, E, resolved_expert_tp(c.expert_tp, c.ep, c.tp))
+        layouts.setdefault((c.tp, c.cp, c.dp, c.sequence_parallel), set()).add((c.ep, c.expert_tp_size))
+    assert any(ep > 1 for pairs in layouts.values() for ep, _ in pairs)
+    assert any(ep > 1 and etp > 1 for pairs in layouts.values() for ep, etp in pairs)
+    for (tp, cp, dp, sp), pairs in layouts.items():
+        whole = {(ep, tp if ep == 1 else 1) for ep in valid_ep_values(tp, cp, dp, sp, E)}
+        split = {(ep, tp) for ep in valid_ep_values(tp, cp, dp, sp, E, expert_tp=tp) if ep > 1 and tp > 1}
+        assert pairs == whole | split, (tp, cp, dp, sp)
+        assert sp or tp == 1 or all(etp == tp for _, etp in pairs)
+    # and the run's loader takes each (tp, pp, dp, SP, ep, expert_tp) the search proposes, as the tuner writes it
     from ds_megatron.tune.training.written import ds_config
 
     firsts = {}
     for e in result.evaluations:
         c = e.candidate
-        firsts.setdefault((c.tp, c.pp, c.dp, c.sequence_parallel, c.ep), e)
+        firsts.setdefault((c.tp, c.pp, c.dp, c.sequence_parallel, c.ep, c.expert_tp), e)
     for e in firsts.values():
         run = resolve(ds_config(result, e), 16)
-        assert (run.tp, run.pp, run.dp, run.section.parallel.ep) == (
-            e.candidate.tp,
-            e.candidate.pp,
-            e.candidate.dp,
-            e.candidate.ep,
-        )
+        par, c = run.section.parallel, e.candidate
+        assert (run.tp, run.pp, run.dp, par.ep, par.expert_tp) == (c.tp, c.pp, c.dp, c.ep, c.expert_tp)
     dense = search(build_model_shape("llama3.2-1b", None, None, None, None, None), build_cluster("h100-sxm", 8, 8), 64)
     assert {e.candidate.ep for e in dense.evaluations} == {None}
     assert all("ep" not in e.as_dict() for e in dense.evaluations[:5])
@@ -174,19 +175,24 @@ def test_refused_ep_families_carry_the_rules_words(qwen3_30b):
     refused = [r for r in pinned.rejections if r.family.get("ep") == 4 and r.required_bytes is None]
     without_sp = [r for r in refused if r.family.get("sequence_parallel") is False]
     assert without_sp and all("without sequence parallelism tp ranks share theirs" in r.reason for r in without_sp)
-    assert all(e.candidate.tp == 1 or e.candidate.sequence_parallel for e in pinned.evaluations)
+    # tp > 1 without SP takes ep 4 only with the experts split over TP (the EP group over one tp index's ranks)
+    split = [e.candidate for e in pinned.evaluations if e.candidate.tp > 1 and not e.candidate.sequence_parallel]
+    assert split and all(c.expert_tp == c.tp for c in split)
 
 
 def test_the_experts_memory_forces_ep_for_qwen3_235b_a22b():
     """Qwen3-235B-A22B on 16 nodes of 8 H100 cut into 4 pipeline stages: at ep 1 a stage's 57B expert parameters
     split over at most tp 4 (its 4 KV heads) need 112 GiB of weights and gradients alone, so no ep 1 candidate
-    fits; ep 16 and 32 do, and the search picks one.  On 8 nodes no layout fits at all (20 bytes per parameter:
-    68 GiB per GPU before activations and the margin)."""
+    fits; with whole experts ep 16 and 32 do, with each expert split over tp t those where ep x t is 16 or more
+    (the same share of the experts per GPU), and the search picks one.  On 8 nodes no layout fits at all (20 bytes
+    per parameter: 68 GiB per GPU before activations and the margin)."""
     model = build_model_shape("qwen3-235b-a22b", None, None, None, None, None)
     pins = Pins(pp=4, micro_batch_size=1, attention="sdpa", recompute="full")
     result = search(model, build_cluster("h100-sxm", 128, 8), 1024, pins)
     assert result.winner is not None and result.winner.candidate.ep > 1
-    assert {e.candidate.ep for e in result.ranked} == {16, 32}
+    assert {e.candidate.ep for e in result.ranked if e.candidate.expert_tp is None} == {16, 32}
+    split = [e.candidate for e in result.ranked if e.candidate.expert_tp is not None]
+    assert split and min(c.ep * c.expert_tp for c in split) == 16
     assert not [e for e in result.evaluations if e.candidate.ep == 1 and e.fits]
     assert search(model, build_cluster("h100-sxm", 64, 8), 1024, pins).winner is None
 

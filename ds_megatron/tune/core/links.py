@@ -21,17 +21,20 @@ def ring_s(num_bytes: float, ranks: int, gbps: float, latency_s: float, passes: 
     return latency_s + passes * (ranks - 1) / ranks * num_bytes / (gbps * 1e9)
 
 
-def all_to_all_s(num_bytes: float, ranks: int, cluster: Cluster) -> float:
-    """An all-to-all over ``ranks`` consecutive ranks, each sending ``num_bytes`` spread evenly over the group:
-    (n-1)/n of it leaves the GPU.  Inside a node (``ranks`` <= GPUs per node) it runs at NVLink's bandwidth; a group
-    spanning nodes sends the share bound for its own node over NVLink and the rest over the network at once, the
-    slower of the two setting the time (with the network's latency)."""
+def all_to_all_s(num_bytes: float, ranks: int, cluster: Cluster, stride: int = 1) -> float:
+    """An all-to-all over ``ranks`` ranks ``stride`` apart (consecutive at 1), each sending ``num_bytes`` spread
+    evenly over the group: (n-1)/n of it leaves the GPU.  Ranks fill nodes of ``gpus_per_node`` in order, so a node
+    holds gpus_per_node / stride of the group's members.  Inside a node (the group spanning ``ranks`` x ``stride``
+    <= GPUs per node) it runs at NVLink's bandwidth; a group spanning nodes sends the share bound for its own node's
+    members over NVLink and the rest over the network at once, the slower of the two setting the time (with the
+    network's latency)."""
     if ranks <= 1:
         return 0.0
     node = cluster.gpus_per_node
-    if ranks <= node:
+    if ranks * stride <= node:
         gbps, latency = link(cluster, False)
         return latency + (ranks - 1) / ranks * num_bytes / (gbps * 1e9)
-    local = (node - 1) / ranks * num_bytes / (cluster.intra_node_gbps * 1e9)
-    remote = (ranks - node) / ranks * num_bytes / (cluster.inter_node_gbps * 1e9)
+    members = max(1, node // stride)  # of the group in one node
+    local = (members - 1) / ranks * num_bytes / (cluster.intra_node_gbps * 1e9)
+    remote = (ranks - members) / ranks * num_bytes / (cluster.inter_node_gbps * 1e9)
     return cluster.inter_node_latency_s + max(local, remote)

@@ -39,22 +39,26 @@ CACHED_SHAPES = 4096
 
 
 def block_matmuls(
-    model: ModelShape, cand: Candidate, ep: int | None = None, dense: bool = False
+    model: ModelShape, cand: Candidate, ep: int | None = None, dense: bool = False, expert_tp: int = 1
 ) -> tuple[Matmul, ...]:  # fmt: skip
     """The weight matmuls of one block's forward for one micro-batch, per GPU (the TP-split dimension divided by t;
     the shapes are the family's ``tuner.block_gemms``).  ``ep`` (a routed family in training): its experts as one
-    GEMM per expert on the rank at ep, each at its share of the tokens; None: one GEMM over every routed row.
-    ``dense``: a routed family's dense block (its SwiGLU of the dense width)."""
-    return _block_matmuls(model, model.seq_length // cand.cp * cand.micro_batch_size, cand.tp, ep, dense)
+    GEMM per expert on the rank at ep, each at its share of the tokens (``expert_tp`` at ep > 1: t where each
+    expert is split over TP); None: one GEMM over every routed row.  ``dense``: a routed family's dense block (its
+    SwiGLU of the dense width)."""
+    tokens = model.seq_length // cand.cp * cand.micro_batch_size
+    return _block_matmuls(model, tokens, cand.tp, ep, dense, expert_tp)
 
 
 @functools.lru_cache(maxsize=CACHED_SHAPES)
-def _block_matmuls(model: ModelShape, tokens: int, t: int, ep: int | None, dense: bool = False) -> tuple[Matmul, ...]:
+def _block_matmuls(
+    model: ModelShape, tokens: int, t: int, ep: int | None, dense: bool = False, expert_tp: int = 1
+) -> tuple[Matmul, ...]:  # fmt: skip
     """``block_matmuls`` for ``tokens`` tokens of this CP rank at tp ``t``, once per shape."""
     h = model.hidden_size
     kv = h // model.num_heads * model.num_kv_heads
     routed = routed_terms(model)
-    per_expert = {"ep": ep} if routed and ep is not None else {}
+    per_expert = {"ep": ep, **({"expert_tp": expert_tp} if expert_tp > 1 else {})} if routed and ep is not None else {}
     if routed and dense:
         per_expert = {"dense": True}
     shapes = family_of(model).tuner.block_gemms(tokens, h, kv, model.intermediate_size, t, **routed, **per_expert)

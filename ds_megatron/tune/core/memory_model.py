@@ -59,15 +59,16 @@ def routed_terms(model: ModelShape) -> dict:
     return {} if routed is None else {"routed": routed}
 
 
-def block_param_count(model: ModelShape, tp: int = 1, ep: int = 1) -> int:
+def block_param_count(model: ModelShape, tp: int = 1, ep: int = 1, expert_tp: int = 1) -> int:
     """Parameters of one block per TP rank: a GPT's (12 h^2 + 7 h) / t + 6 h, a Llama's
     (2 h^2 + 2 h kv + 3 h F) / t + 2 h (the replicated part: row-parallel biases and norms), a routed block's
     (2 h a d + 2 h k d + 3 E h F) / t + E h + 2 h (+ 2 d for Qwen3's q/k norms): every expert stored; at ep > 1
-    its E / ep whole experts, 3 E h F / ep in place of 3 E h F / t."""
+    its E / ep whole experts, 3 E h F / ep in place of 3 E h F / t, or split over TP too (``expert_tp`` = t),
+    3 E h F / (ep t)."""
     h = model.hidden_size
     kv_size = h // model.num_heads * model.num_kv_heads  # type: ignore[operator]
     params = family_of(model).tuner.block_params
-    split = {"ep": ep} if ep > 1 else {}  # a dense family has no ep (the search gives it none)
+    split = {"ep": ep, "expert_tp": expert_tp} if ep > 1 else {}  # a dense family has no ep (the search gives none)
     return params(h, kv_size, model.intermediate_size, tp, **routed_terms(model), **split)  # type: ignore[arg-type]
 
 
@@ -83,10 +84,10 @@ def dense_block_param_count(model: ModelShape, tp: int = 1) -> int:
     return params(h, kv_size, model.intermediate_size, tp, **routed_terms(model), dense=True)  # type: ignore[arg-type]
 
 
-def blocks_param_count(model: ModelShape, tp: int, ep: int, blocks: int, dense: int) -> int:
+def blocks_param_count(model: ModelShape, tp: int, ep: int, blocks: int, dense: int, expert_tp: int = 1) -> int:
     """Parameters of ``blocks`` blocks per TP rank, ``dense`` of them a routed family's dense ones."""
-    count = blocks * block_param_count(model, tp, ep)
-    return count + dense * (dense_block_param_count(model, tp) - block_param_count(model, tp, ep)) if dense else count
+    block = block_param_count(model, tp, ep, expert_tp)
+    return blocks * block + (dense * (dense_block_param_count(model, tp) - block) if dense else 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -133,17 +134,23 @@ def _rank_stage_dense(model: ModelShape, cand: Candidate) -> tuple[tuple[int, ..
 
 
 def block_expert_param_count(model: ModelShape, cand: Candidate) -> int:
-    """One block's expert parameters on a rank at ep > 1 (3 E h F / ep, held in optimizer groups of their own,
-    partitioned over the expert-DP group); 0 at ep 1, where they are the block's other parameters' kin (split over
-    TP, partitioned over dp x cp like them) or for a dense model."""
+    """One block's expert parameters on a rank at ep > 1 (3 E h F / ep, or 3 E h F / (ep t) split over TP, held in
+    optimizer groups of their own, partitioned over the expert-DP group); 0 at ep 1, where they are the block's
+    other parameters' kin (split over TP, partitioned over dp x cp like them) or for a dense model."""
     routed = routed_shape(model)
     if cand.ep_size == 1 or routed is None:
         return 0
-    return routed.expert_params(model.hidden_size) // cand.ep_size
+    return routed.expert_params(model.hidden_size) // (cand.ep_size * expert_split(cand))
+
+
+def expert_split(cand: Candidate) -> int:
+    """What the parameter, GEMM and activation terms take as ``expert_tp`` at ep > 1: t where each expert is split
+    over TP, 1 for whole experts (at ep 1 every expert is split over TP whatever this says)."""
+    return cand.expert_tp_size if cand.experts_split_at_ep else 1
 
 
 def stage_param_counts(
-    model: ModelShape, tp: int, pp: int, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE, ep: int = 1
+    model: ModelShape, tp: int, pp: int, vocab_multiple: int = DEFAULT_VOCAB_MULTIPLE, ep: int = 1, expert_tp: int = 1
 ) -> tuple[int, int]:
     """(first stage, last stage) parameters per TP rank: the embedding (and a GPT's position table) and ceil(L/p)
     blocks; the blocks, the final norm and the output layer (a tied copy or an untied ``lm_head``).  With p = 1 both
@@ -154,19 +161,19 @@ def stage_param_counts(
     embedding = padded_vocab_size(model.vocab_size, tp, vocab_multiple) * h // tp
     positions = model.seq_length * h if family.layout.positions else 0
     final_norm = family.tuner.norm_params * h
-    block = block_param_count(model, tp, ep)
+    block = block_param_count(model, tp, ep, expert_tp)
     dense = dense_layers(model)
     if pp == 1:
         output = 0 if model.tie_word_embeddings else embedding
         blocks = model.num_layers * block
         if dense:
-            blocks = blocks_param_count(model, tp, ep, model.num_layers, len(dense))
+            blocks = blocks_param_count(model, tp, ep, model.num_layers, len(dense), expert_tp)
         total = embedding + positions + blocks + final_norm + output
         return total, total
     n = layers_per_stage(model.num_layers, pp)
     first = last = n * block
     if dense:
-        first, last = (blocks_param_count(model, tp, ep, n, d) for d in _even_dense(model, pp))
+        first, last = (blocks_param_count(model, tp, ep, n, d, expert_tp) for d in _even_dense(model, pp))
     return embedding + positions + first, last + final_norm + embedding
 
 
@@ -175,34 +182,34 @@ def rank_param_counts(model: ModelShape, cand: Candidate) -> tuple[int, int]:
     rank 0 holds chunks 0 and 2p-1 (the embedding, the final norm and the output layer, a tied one sharing the
     embedding's module), the last rank two chunks of the middle, each chunk ceil(L/(2p)) blocks: the same total as
     1F1B.  A routed family's dense blocks counted as dense where each rank holds them (``rank_dense_blocks``)."""
-    ep, tp = cand.ep_size, cand.tp
+    ep, tp, etp = cand.ep_size, cand.tp, expert_split(cand)
     if not dense_layers(model):  # every block alike
-        block = block_param_count(model, tp, ep)
+        block = block_param_count(model, tp, ep, etp)
         if not pipeline_schedule(cand.schedule).loss_on_first_rank:
-            first, last = stage_param_counts(model, tp, cand.pp, ep=ep)
+            first, last = stage_param_counts(model, tp, cand.pp, ep=ep, expert_tp=etp)
             if cand.pipeline_layout is not None:  # the first and last stages' own block counts
                 even = layers_per_stage(model.num_layers, cand.pp)
                 first += (cand.pipeline_layout[0] - even) * block
                 last += (cand.pipeline_layout[-1] - even) * block
             return first, last
-        whole = stage_param_counts(model, tp, 1, ep=ep)[0]
+        whole = stage_param_counts(model, tp, 1, ep=ep, expert_tp=etp)[0]
         blocks = 2 * layers_per_stage(model.num_layers, 2 * cand.pp) * block
         return whole - model.num_layers * block + blocks, blocks
     first_blocks, last_blocks = rank_block_counts(model, cand)
     first_dense, last_dense = rank_dense_blocks(model, cand)
     if not pipeline_schedule(cand.schedule).loss_on_first_rank:
-        first, last = stage_param_counts(model, tp, cand.pp, ep=ep)
+        first, last = stage_param_counts(model, tp, cand.pp, ep=ep, expert_tp=etp)
         if cand.pp == 1:
             return first, last
         even = layers_per_stage(model.num_layers, cand.pp)  # stage_param_counts' blocks, replaced by the rank's own
-        even_first, even_last = (blocks_param_count(model, tp, ep, even, d) for d in _even_dense(model, cand.pp))
-        first += blocks_param_count(model, tp, ep, first_blocks, first_dense) - even_first
-        last += blocks_param_count(model, tp, ep, last_blocks, last_dense) - even_last
+        even_first, even_last = (blocks_param_count(model, tp, ep, even, d, etp) for d in _even_dense(model, cand.pp))
+        first += blocks_param_count(model, tp, ep, first_blocks, first_dense, etp) - even_first
+        last += blocks_param_count(model, tp, ep, last_blocks, last_dense, etp) - even_last
         return first, last
-    whole = stage_param_counts(model, tp, 1, ep=ep)[0]
-    all_blocks = blocks_param_count(model, tp, ep, model.num_layers, len(dense_layers(model)))
-    blocks = blocks_param_count(model, tp, ep, first_blocks, first_dense)
-    return whole - all_blocks + blocks, blocks_param_count(model, tp, ep, last_blocks, last_dense)
+    whole = stage_param_counts(model, tp, 1, ep=ep, expert_tp=etp)[0]
+    all_blocks = blocks_param_count(model, tp, ep, model.num_layers, len(dense_layers(model)), etp)
+    blocks = blocks_param_count(model, tp, ep, first_blocks, first_dense, etp)
+    return whole - all_blocks + blocks, blocks_param_count(model, tp, ep, last_blocks, last_dense, etp)
 
 
 def _even_dense(model: ModelShape, pp: int) -> tuple[int, int]:
@@ -280,15 +287,15 @@ def layer_activation_bytes(
     (selective) modules; ``dense``: a routed family's dense block."""
     modules = cand.recompute_modules if recompute == "selective" else ()
     layout = (cand.micro_batch_size, cand.tp, cand.sequence_parallel, cand.attention, modules, cand.cp, cand.cp_comm,
-              cand.ep_size)  # fmt: skip
+              cand.ep_size, expert_split(cand))  # fmt: skip
     return _layer_activation_bytes(model, layout, recompute, act_bytes, mask_bytes, dense)
 
 
-@functools.lru_cache(maxsize=4096)  # a search asks for each (b, tp, SP, kernel, cp, ep) a few times per candidate
+@functools.lru_cache(maxsize=4096)  # a search asks for each (b, tp, SP, kernel, cp, ep, expert_tp) a few times
 def _layer_activation_bytes(
     model: ModelShape, layout: tuple, recompute: str, act_bytes: int, mask_bytes: int, dense: bool = False
 ) -> float:
-    b, tp, sp, attention, modules, cp, cp_comm, ep = layout
+    b, tp, sp, attention, modules, cp, cp_comm, ep, expert_tp = layout
     return activation_bytes_per_layer(
         model.seq_length,
         b,
@@ -309,6 +316,7 @@ def _layer_activation_bytes(
         cp_comm=cp_comm,
         **routed_terms(model),
         **({"ep": ep} if ep > 1 else {}),
+        **({"expert_tp": expert_tp} if expert_tp > 1 else {}),
         **({"dense_layer": True} if dense else {}),
     )
 
@@ -366,21 +374,30 @@ def cp_exchange_bytes(model: ModelShape, cand: Candidate) -> float:
 
 def ep_dispatch_bytes(model: ModelShape, cand: Candidate) -> float:
     """What one routed layer's all-to-all holds while it runs at ep > 1 (``expert_parallel.dispatch``): the rows it
-    sends and the rows it receives, [tokens k, h] each in activation bytes for the tokens this rank routes (its
-    sequence shard under SP), the dispatch's in the forward and the combine's gradient in the backward: one layer at
-    a time, so once per stage; 0 at ep 1 and for a dense model."""
+    sends and the rows it receives, [tokens k, h] each in activation bytes for the tokens this rank dispatches
+    (``ep_tokens``), the dispatch's in the forward and the combine's gradient in the backward: one layer at a time,
+    so once per stage; 0 at ep 1 and for a dense model."""
     routed = routed_shape(model)
     if cand.ep_size == 1 or routed is None:
         return 0.0
-    tokens = model.seq_length // cand.cp * cand.micro_batch_size / (cand.tp if cand.sequence_parallel else 1)
+    tokens = ep_tokens(model, cand)
     return 2 * tokens * routed.top_k * model.hidden_size * ACT_BYTES
 
 
 def expert_dp_size(cand: Candidate) -> int:
     """Ranks of a stage holding the same experts at ep > 1, the expert-DP group (``expert_parallel.layout``): the
     stage's token ranks (``config.ep_rules.token_ranks``) over ep.  They share the experts' optimizer state under
-    ZeRO-1 (DeepSpeed's BF16 optimizer partitions an expert group over it) and reduce the experts' gradients."""
-    return token_ranks(cand.tp, cand.cp, cand.dp, cand.sequence_parallel) // cand.ep_size
+    ZeRO-1 (DeepSpeed's BF16 optimizer partitions an expert group over it) and reduce the experts' gradients: tp x
+    cp x dp / ep under SP with whole experts (cp x dp / ep at tp 1), cp x dp / ep with experts split over TP."""
+    return token_ranks(cand.tp, cand.cp, cand.dp, cand.sequence_parallel, expert_split(cand)) // cand.ep_size
+
+
+def ep_tokens(model: ModelShape, cand: Candidate) -> float:
+    """Tokens of one micro-batch each rank dispatches over its EP group at ep > 1: with whole experts its own (its
+    sequence shard under SP, s b / (cp t)); with experts split over TP those every TP rank runs after the gather
+    (s b / cp, as the dense MLP's)."""
+    tokens = model.seq_length // cand.cp * cand.micro_batch_size
+    return tokens / (cand.tp if cand.sequence_parallel and not cand.experts_split_at_ep else 1)
 
 
 def sp_split(cand: Candidate) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_megatron.config import ConfigError, ModelSection
+from ds_megatron.config.ep_rules import resolved_expert_tp
 from ds_megatron.config.errors import nearest
 from ds_megatron.config.numbers import check_finite
 from ds_megatron.config.schema import DEFAULT_SELECTIVE_MODULES, RECOMPUTE_MODULES
@@ -85,6 +86,7 @@ class Pins:
     schedule: str | None = None  # a schedule name, or "all" (None: training.schedules.DEFAULT_SCHEDULES)
     virtual_stages: int | None = None  # stages per rank of a schedule whose record has a stages setting (v)
     ep: int | None = None  # expert-parallel size of a routed family (None: searched over the values its rules accept)
+    expert_tp: int | None = None  # ranks each routed expert's width is split over, 1 or tp (None: both searched)
 
 
 def ordered_modules(modules: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -125,6 +127,11 @@ class Candidate:
     # Expert parallelism (ds_megatron.parallel.ep) of a routed family: each routed block's experts split over EP
     # groups of ep ranks (config.ep_rules), whole experts per rank; None for a dense model (nothing to split).
     ep: int | None = None
+    # Expert tensor parallelism (ds_megatron.parallel.expert_tp): each routed expert's width F split over the tp
+    # ranks at ep > 1 (expert_tp = tp; the EP group then spans the cp x dp ranks of one tp index).  None: the run's
+    # default resolution (config.ep_rules.resolved_expert_tp: tp at ep 1, whole experts at ep > 1); a value equal
+    # to it is stored as None, so that one layout has one spelling.
+    expert_tp: int | None = None
     # ds_megatron.parallel.overlap_grad_reduce: the data-parallel reduction started per bucket during the step's last
     # backward work (the default; the time model hides part of it: tune.training.time_model.dp_comm_s).  The tuner's
     # configs are bf16 on DeepSpeed's BF16 optimizer (ZeRO 0 or 1) with fp32 reduction, which the overlap always
@@ -140,11 +147,24 @@ class Candidate:
         else:
             modules = ordered_modules(modules or DEFAULT_SELECTIVE_MODULES)
         object.__setattr__(self, "recompute_modules", modules)
+        if self.expert_tp is not None and self.expert_tp == resolved_expert_tp(None, self.ep_size, self.tp):
+            object.__setattr__(self, "expert_tp", None)
 
     @property
     def ep_size(self) -> int:
         """The expert-parallel size the models compute with: 1 for a dense model."""
         return self.ep or 1
+
+    @property
+    def expert_tp_size(self) -> int:
+        """Ranks each routed expert's width is split over (``config.ep_rules.resolved_expert_tp``)."""
+        return resolved_expert_tp(self.expert_tp, self.ep_size, self.tp)
+
+    @property
+    def experts_split_at_ep(self) -> bool:
+        """Whether the experts are split over TP at ep > 1 (expert_tp = tp > 1): the tokens gathered over TP as
+        the dense MLP's, F / t of each of E / ep experts per rank, the EP group over one tp index's ranks."""
+        return self.ep_size > 1 and self.expert_tp_size > 1
 
     def recompute_label(self) -> str:
         """``none``, ``selective`` (core attention, the default), ``selective[mlp_act,layernorm]``, ``full/block/1``."""
@@ -161,6 +181,8 @@ class Candidate:
         return {
             **{key: getattr(self, key) for key in layout[:3]},
             **({"ep": self.ep} if self.ep is not None else {}),  # a routed family's layout names its ep (1 too)
+            # and how its experts are split (resolved: tp at ep 1, 1 or tp at ep > 1)
+            **({"expert_tp": self.expert_tp_size} if self.ep is not None else {}),
             **{key: getattr(self, key) for key in layout[3:]},
             "recompute_layers": self.recompute_layers if full else None,
             "recompute_method": self.recompute_method if full else None,

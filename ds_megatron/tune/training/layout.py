@@ -15,7 +15,7 @@ from ds_megatron.config.shape import layers_per_stage
 from ds_megatron.pipeline_parallel.schedules import schedule_named
 from ds_megatron.pipeline_parallel.schedules.record import LOOP
 from ds_megatron.tune.core.matmuls import core_attention_matmuls, logits_matmul, matmul_s
-from ds_megatron.tune.core.memory_model import block_param_count, stage_param_counts
+from ds_megatron.tune.core.memory_model import block_param_count, expert_split, stage_param_counts
 from ds_megatron.tune.core.spec import Candidate, Cluster
 from ds_megatron.tune.training.time_model import expert_matmuls, ranked_step, stage_time
 
@@ -46,9 +46,10 @@ def middle_ranks_bounded(model: ModelShape, cand: Candidate, layout: tuple[int, 
     blocks) and its parameters (its blocks against the first's blocks and embedding)."""
     record = schedule_named(cand.schedule)
     p, m = cand.pp, cand.num_micro_batches
-    block = block_param_count(model, cand.tp, cand.ep_size)
+    ep, etp = cand.ep_size, expert_split(cand)
+    block = block_param_count(model, cand.tp, ep, etp)
     first_params = (
-        stage_param_counts(model, cand.tp, p, ep=cand.ep_size)[0]
+        stage_param_counts(model, cand.tp, p, ep=ep, expert_tp=etp)[0]
         + (layout[0] - layers_per_stage(model.num_layers, p)) * block
     )
     for rank in range(1, p - 1):

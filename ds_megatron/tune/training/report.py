@@ -36,6 +36,7 @@ SCHEDULE_COLUMN = ("schedule", 9)  # last, only in a table that shows a schedule
 LAYOUT_COLUMN = ("layout", 6)  # last, only in a table that shows an uneven pipeline layout ("8/9/9/6")
 CP_COLUMN = ("cp", 7)  # after tp, only in a table that shows a cp > 1 candidate ("4 ring", "2 a2a")
 EP_COLUMN = ("ep", 3)  # after dp, only in a table of a routed family (its ep is searched; a dense one has none)
+ETP_COLUMN = ("etp", 3)  # expert_tp after ep, only where a shown candidate splits its experts over TP at ep > 1
 # Under the table of a routed family: what its MFU and HFU count.
 ACTIVE_NOTE = "MFU and HFU count the active parameters (k of the E experts per token), as model cards do"
 TEXT_COLUMNS = {"attn", "recompute", "status", "source", "cp", "schedule", "layout"}  # left-aligned in every table
@@ -47,6 +48,7 @@ SETTINGS = (  # (label, cell) compared between two candidates
     ("pp", "pp"),
     ("dp", "dp"),
     ("ep", "ep"),
+    ("expert_tp", "etp"),  # compared only where either candidate splits its experts over TP at ep > 1 (why_ahead)
     ("SP", "sp"),
     ("micro-batch", "b"),
     ("recompute", "recompute"),
@@ -76,16 +78,18 @@ def cells(c: Candidate) -> dict[str, str]:
     text = {"sp": "on" if c.sequence_parallel else "off", "attn": c.attention, "recompute": c.recompute_label()}
     text["cp"] = "1" if c.cp == 1 else f"{c.cp} {c.cp_comm}"
     text["ep"] = "-" if c.ep is None else str(c.ep)
+    text["etp"] = "-" if c.ep is None else str(c.expert_tp_size)
     text["schedule"] = c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages is not None else "")
     text["layout"] = "even" if c.pipeline_layout is None else "/".join(map(str, c.pipeline_layout))
     return {**{name: str(n) for name, n in numbers.items()}, **text}
 
 
-def layout_cells(c: Candidate, with_cp: bool = False, with_ep: bool = False) -> list[str]:
-    """The tp, (cp,) pp, dp, (ep,) sp, b, m, attn and recompute cells of a table row."""
+def layout_cells(c: Candidate, with_cp: bool = False, with_ep: bool = False, with_etp: bool = False) -> list[str]:
+    """The tp, (cp,) pp, dp, (ep, etp,) sp, b, m, attn and recompute cells of a table row."""
     x = cells(c)
-    names = ("tp", "cp", "pp", "dp", "ep", "sp", "b", "m", "attn", "recompute")
-    return [x[name] for name in names if (with_cp or name != "cp") and (with_ep or name != "ep")]
+    names = ("tp", "cp", "pp", "dp", "ep", "etp", "sp", "b", "m", "attn", "recompute")
+    shown = {"cp": with_cp, "ep": with_ep, "etp": with_etp}
+    return [x[name] for name in names if shown.get(name, True)]
 
 
 def shows_ep(shown: list[Evaluation]) -> bool:
@@ -97,6 +101,18 @@ def with_ep_column(columns: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int
     """``columns`` with the ep column after dp."""
     i = [name for name, _ in columns].index("dp") + 1
     return (*columns[:i], EP_COLUMN, *columns[i:])
+
+
+def shows_etp(shown: list[Evaluation]) -> bool:
+    """Whether a table of ``shown`` needs the etp column (expert_tp, after ep): some candidate splits its experts
+    over TP at ep > 1 (a table of the default splits stays as it was before the tuner knew expert_tp)."""
+    return any(e.candidate.expert_tp is not None for e in shown)
+
+
+def with_etp_column(columns: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+    """``columns`` with the etp column after ep."""
+    i = [name for name, _ in columns].index("ep") + 1
+    return (*columns[:i], ETP_COLUMN, *columns[i:])
 
 
 def shows_cp(shown: list[Evaluation]) -> bool:
@@ -122,14 +138,14 @@ def shows_layout(shown: list[Evaluation]) -> bool:
 
 def _row(
     rank: int, e: Evaluation, with_cp: bool = False, with_schedule: bool = False, with_layout: bool = False,
-    with_ep: bool = False,
+    with_ep: bool = False, with_etp: bool = False,
 ) -> list[str]:  # fmt: skip
     t = e.time
     memory = [f"{stage.required_bytes / GIB:.1f} GiB" for stage in (e.first, e.last)]
     speed = [seconds_text(t.step_s), f"{t.tokens_per_s:,.0f}", f"{t.mfu:.1%}", f"{t.hfu:.1%}"]
     x = cells(e.candidate)
     extra = ([x["schedule"]] if with_schedule else []) + ([x["layout"]] if with_layout else [])
-    layout = layout_cells(e.candidate, with_cp, with_ep)
+    layout = layout_cells(e.candidate, with_cp, with_ep, with_etp)
     return [str(rank), *layout, str(e.candidate.zero), *memory, *speed, *extra]
 
 
@@ -149,13 +165,15 @@ def table(rows: list[list[str]], columns: tuple[tuple[str, int], ...]) -> list[s
 
 def settings_text(c: Candidate) -> str:
     """``tp 8, pp 16, dp 8, SP on, micro-batch 1 x 192, recompute selective, attention sdpa, ZeRO-1`` (with
-    ``cp 4 ring`` after tp when cp > 1, ``ep 8`` after dp for a routed family, ``schedule interleaved-1f1b v4``
+    ``cp 4 ring`` after tp when cp > 1, ``ep 8`` after dp for a routed family (``ep 8, expert_tp 2`` where its
+    experts are split over TP at ep > 1), ``schedule interleaved-1f1b v4``
     off 1f1b, ``layout 8/9/9/6`` when uneven)."""
     return (
         "tp {tp}, "
         + ("cp {cp}, " if c.cp > 1 else "")
         + "pp {pp}, dp {dp}, "
         + ("ep {ep}, " if c.ep else "")
+        + ("expert_tp {etp}, " if c.expert_tp is not None else "")
         + "SP {sp}, micro-batch {b} x {m}, "
         "recompute {recompute}, attention {attn}, ZeRO-{zero}"
     ).format(**cells(c)) + (
@@ -199,12 +217,16 @@ def format_report(result: SearchResult, top: int = 10) -> str:
         shown = result.ranked[:top]
         cp_column = shows_cp(shown)
         schedule_column = shows_schedule(shown)
-        ep_column = shows_ep(shown)
+        ep_column, etp_column = shows_ep(shown), shows_etp(shown)
         columns = with_cp_column(COLUMNS) if cp_column else COLUMNS
-        columns = widened(with_ep_column(columns) if ep_column else columns, shown)
+        columns = with_ep_column(columns) if ep_column else columns
+        columns = widened(with_etp_column(columns) if etp_column else columns, shown)
         layout_column = shows_layout(shown)
         columns += ((SCHEDULE_COLUMN,) if schedule_column else ()) + ((LAYOUT_COLUMN,) if layout_column else ())
-        rows = [_row(i + 1, e, cp_column, schedule_column, layout_column, ep_column) for i, e in enumerate(shown)]
+        rows = [
+            _row(i + 1, e, cp_column, schedule_column, layout_column, ep_column, etp_column)
+            for i, e in enumerate(shown)
+        ]
         lines += table(rows, columns)
         if m.num_experts:
             lines.append(ACTIVE_NOTE)
@@ -260,6 +282,8 @@ def _shape_text(m: ModelShape) -> str:
 def why_ahead(a: Evaluation, b: Evaluation, rank_a: int, rank_b: int) -> list[str]:
     """Why ``a`` ranks ahead of ``b``: the settings that differ, then the time parts and memory they change."""
     ca, cb = cells(a.candidate), cells(b.candidate)
+    if a.candidate.expert_tp is None and b.candidate.expert_tp is None:  # both the default split: ep says it
+        ca["etp"] = cb["etp"]
     differs = [f"{label} {ca[key]} instead of {cb[key]}" for label, key in SETTINGS if ca[key] != cb[key]]
     ta, tb = a.time, b.time
     gap = tb.step_s - ta.step_s
@@ -359,7 +383,8 @@ def _no_fit_lines(result: SearchResult) -> list[str]:
     closest = min(result.evaluations, key=lambda e: e.required_bytes)
     c, need = closest.candidate, closest.required_bytes / GIB
     lines.append(
-        f"  closest: tp {c.tp}, pp {c.pp}, dp {c.dp}, {f'ep {c.ep}, ' if c.ep else ''}{c.recompute_label()} needs "
+        f"  closest: tp {c.tp}, pp {c.pp}, dp {c.dp}, {f'ep {c.ep}, ' if c.ep else ''}"
+        f"{f'expert_tp {c.expert_tp}, ' if c.expert_tp is not None else ''}{c.recompute_label()} needs "
         f"{need:.1f} GiB per GPU, "
         f"{need / capacity:.1f}x the {capacity:g} GiB available"
     )

@@ -120,15 +120,17 @@ def _memory_families(evaluations: list[Evaluation]) -> list[Rejection]:
     for e in evaluations:
         c = e.candidate
         key = (c.tp, c.pp, c.dp, c.sequence_parallel, c.recompute, c.attention, c.cp, c.cp_comm, c.schedule)
-        groups[(*key, c.virtual_stages, c.ep)].append(e)
+        groups[(*key, c.virtual_stages, c.ep, c.expert_tp)].append(e)
     rejected = []
-    for (tp, pp, dp, sp, policy, kernel, cp, comm, schedule, v, ep), members in groups.items():
+    for (tp, pp, dp, sp, policy, kernel, cp, comm, schedule, v, ep, expert_tp), members in groups.items():
         if any(e.fits for e in members):
             continue
         closest = min(members, key=lambda e: e.required_bytes)
         family = {"tp": tp, "pp": pp, "dp": dp, "sequence_parallel": sp, "recompute": policy, "attention": kernel}
         if ep is not None:  # a routed family's (a dense family is named as before the tuner knew ep)
             family["ep"] = ep
+        if expert_tp is not None:  # experts split over TP at ep > 1 (the default split is named as before)
+            family["expert_tp"] = expert_tp
         if cp > 1:  # a cp 1 family is named as before the tuner knew cp
             family.update(cp=cp, cp_comm=comm)
         if schedule != DEFAULT_SCHEDULE.name:  # a 1f1b family is named as before the tuner knew schedules

@@ -5,9 +5,11 @@ search space"), and every family left out, with its reason.  Pure Python."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from ds_megatron.config import ModelShape
+from ds_megatron.config.ep_rules import resolved_expert_tp
 from ds_megatron.config.rules import TP_SPLITS, core_attn_saves_nothing
 from ds_megatron.config.schema import ATTENTION_KERNELS
 from ds_megatron.pipeline_parallel.schedules import schedule_named
@@ -198,17 +200,16 @@ def layout_candidates(
             rejected.append(Rejection(family, why))
         runs[schedule] = [b for b in micro if schedules.refusal(schedule, pp, per_replica // b) is None]
 
-    # Expert parallelism (routed families): every ep the folding forms at each SP choice (or the pinned one).
+    # Expert parallelism (routed families): every (ep, expert_tp) the folding forms at each SP choice (or the pinned).
     eps = {}
     for comm, sp in allowed:
-        values = ep_rules.ep_values(model, tp, cp, dp, sp)
-        if pins.ep is not None and values != [None]:
-            why = ep_rules.refusal(model, tp, cp, dp, sp, pins.ep, pins.zero or 1)
+        values = ep_rules.ep_layouts(model, tp, cp, dp, sp)
+        if values != [(None, None)] and (pins.ep is not None or pins.expert_tp is not None):
+            values, why = _pinned_ep_layouts(model, tp, cp, dp, sp, pins, values)
             if why is not None:
-                rejected.append(
-                    Rejection({**layout, **({"sequence_parallel": sp} if tp > 1 else {}), "ep": pins.ep}, why)
-                )
-            values = [pins.ep] if why is None else []
+                pinned = {"ep": pins.ep, "expert_tp": pins.expert_tp}
+                family = {**layout, **({"sequence_parallel": sp} if tp > 1 else {})}
+                rejected.append(Rejection({**family, **{k: v for k, v in pinned.items() if v is not None}}, why))
         eps[comm, sp] = values
 
     recompute = {}
@@ -225,19 +226,36 @@ def layout_candidates(
             recompute[schedule, v] = {
                 k: recompute_options(num_blocks, k, pins, bool(model.num_experts)) for k in attention_options(pins)
             }
+    of_layout = functools.partial(Candidate, tp, pp, dp)
     candidates = [
-        Candidate(
-            tp, pp, dp, sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm, schedule, v, ep=ep
-        )
+        of_layout(sp, b, per_replica // b, policy, k, method, 1, kernel, modules, cp, comm, schedule, v, **experts)
         for schedule, schedule_micro in runs.items()
         for v in stages[schedule]
         for comm, sp in allowed
-        for ep in eps[comm, sp]
+        for experts in ({"ep": ep, "expert_tp": etp} for ep, etp in eps[comm, sp])
         for b in schedule_micro
         for kernel, options in recompute[schedule, v].items()
         for policy, k, method, modules in options
     ]
     return candidates, rejected
+
+
+def _pinned_ep_layouts(
+    model: ModelShape, tp: int, cp: int, dp: int, sp: bool, pins: Pins, searched: list
+) -> tuple[list[tuple[int, int | None]], str | None]:
+    """The (ep, expert_tp) layouts ``--ep`` and ``--expert-tp`` leave at (tp, cp, dp, SP) that the run accepts, and
+    why none is left (the first refusal), else None.  ``--ep`` alone: that ep with whole experts and, at ep > 1 and
+    tp > 1, with experts split over TP; ``--expert-tp`` alone: the searched layouts of that split."""
+    if pins.ep is not None:
+        asked = [(pins.ep, pins.expert_tp)]
+        if pins.expert_tp is None and pins.ep > 1 and tp > 1:
+            asked.append((pins.ep, tp))
+    else:
+        asked = [(ep, etp) for ep, etp in searched if resolved_expert_tp(etp, ep, tp) == pins.expert_tp]
+        asked = asked or [(1, pins.expert_tp)]  # none: the rule's refusal of the split at ep 1 names the valid ones
+    reasons = [ep_rules.refusal(model, tp, cp, dp, sp, ep, pins.zero or 1, etp) for ep, etp in asked]
+    kept = [layout for layout, why in zip(asked, reasons, strict=True) if why is None]
+    return kept, None if kept else reasons[0]
 
 
 def enumerate_candidates(

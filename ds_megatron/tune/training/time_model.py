@@ -31,7 +31,9 @@ from ds_megatron.tune.core.memory_model import (
     ACT_BYTES,
     WEIGHT_BYTES,
     block_expert_param_count,
+    ep_tokens,
     expert_dp_size,
+    expert_split,
     has_attention_dropout,
     layers_per_stage,
     padded_vocab_size,
@@ -161,16 +163,16 @@ def routed_passes_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_bl
     micro-batch, forward and backward, plus the forward again where it is recomputed (full: the ``recomputed``
     blocks; selective ``moe``: what its checkpoint holds); 0 for a dense model.  Sizes: at ep 1 every TP rank runs
     its F / t of every expert on all the tokens it routes or gathers (s b / cp: the whole sequence under SP), n k
-    pairs; at ep > 1 a rank's own tokens (its sequence shard under SP), n k pairs sent and as many received
-    (uniform routing), whole experts."""
+    pairs; at ep > 1 the tokens a rank dispatches (``ep_tokens``: its own, its sequence shard under SP, with whole
+    experts; the TP group's, gathered, with experts split over TP), n k pairs sent and as many received (uniform
+    routing), F wide (F / t split over TP)."""
     routed = routed_shape(model)
     if routed is None:
         return 0.0
     ep = cand.ep_size
-    sp = cand.sequence_parallel and cand.tp > 1
-    tokens = model.seq_length // cand.cp * cand.micro_batch_size / (cand.tp if ep > 1 and sp else 1)
+    tokens = ep_tokens(model, cand) if ep > 1 else model.seq_length // cand.cp * cand.micro_batch_size
     pairs = tokens * routed.top_k
-    width = routed.width if ep > 1 else routed.width / cand.tp
+    width = routed.width / (expert_split(cand) if ep > 1 else cand.tp)
     elements = {"pairs": pairs * model.hidden_size, "rows": pairs * width, "tokens": tokens * model.hidden_size}
     if ep > 1:
         elements["ep pairs"] = elements["pairs"]
@@ -313,8 +315,9 @@ def routed_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_bloc
     choices of every token are all-gathered too (k fp32 + k int64 per token) and the weights' gradient
     reduce-scattered in backward (k fp32); without SP the weights enter through f, whose backward all-reduces their
     gradient.  The routing statistics (2 E + 2 fp32) are all-reduced over TP under SP (forward only) and over CP
-    (forward and backward).  A re-run forward (full recompute) gathers again.  At ep > 1 each rank routes and
-    keeps its own tokens (the all-to-alls are ``ep_comm_s``): the statistics' all-reduces only."""
+    (forward and backward).  A re-run forward (full recompute) gathers again.  At ep > 1 with whole experts each
+    rank routes and keeps its own tokens (the all-to-alls are ``ep_comm_s``): the statistics' all-reduces only; with
+    experts split over TP the tokens enter them as at ep 1 (``tensor_parallel.experts.enter_expert_tp``): as ep 1."""
     routed = routed_shape(model)
     if routed is None:
         return 0.0
@@ -322,7 +325,7 @@ def routed_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_bloc
     k, t, cp = routed.top_k, cand.tp, cand.cp
     gbps, latency = cluster.intra_node_gbps, cluster.intra_node_latency_s
     stats = (2 * routed.num_experts + 2) * 4
-    if cand.ep_size > 1:
+    if cand.ep_size > 1 and not cand.experts_split_at_ep:
         forward, backward = (ring_s(stats, t, gbps, latency) if cand.sequence_parallel else 0.0), 0.0
     elif t > 1 and cand.sequence_parallel:
         forward = ring_s(tokens * k * ROUTED_PAIR_BYTES, t, gbps, latency, passes=1) + ring_s(stats, t, gbps, latency)
@@ -346,24 +349,27 @@ def shared_expert_collectives(model: ModelShape) -> int:
 def ep_comm_s(model: ModelShape, cluster: Cluster, cand: Candidate, num_blocks: int, recomputed: int) -> float:
     """The all-to-alls of ``num_blocks`` routed blocks over the EP group for one micro-batch at ep > 1 (0 at ep 1
     and for a dense model; ``expert_parallel.dispatch``): forward, the counts' exchange (E int64), the dispatch of
-    this rank's routed rows (its tokens times k, h wide: its sequence shard under SP) and the combine of their
+    this rank's routed rows (the tokens it dispatches times k, h wide: ``ep_tokens``) and the combine of their
     outputs; backward, the two again in reverse (the gradients).  None overlapped with compute; a re-run forward
     (full recompute) exchanges again.  Uniform routing: each rank sends (ep - 1) / ep of its rows away
-    (``links.all_to_all_s``: NVLink inside a node, the network across)."""
+    (``links.all_to_all_s``: NVLink inside a node, the network across).  The group's ranks are consecutive with
+    whole experts (``expert_parallel.layout``: the innermost ranks of the stage) and tp apart with experts split
+    over TP (one tp index's ranks), so at tp > 1 a split group spans tp times as many GPUs and leaves the node
+    sooner."""
     routed = routed_shape(model)
     ep = cand.ep_size
     if ep == 1 or routed is None:
         return 0.0
-    tokens = model.seq_length // cand.cp * cand.micro_batch_size / (cand.tp if cand.sequence_parallel else 1)
-    rows = all_to_all_s(tokens * routed.top_k * model.hidden_size * ACT_BYTES, ep, cluster)
-    counts = all_to_all_s(routed.num_experts * 8, ep, cluster)
+    tokens, stride = ep_tokens(model, cand), expert_split(cand)
+    rows = all_to_all_s(tokens * routed.top_k * model.hidden_size * ACT_BYTES, ep, cluster, stride)
+    counts = all_to_all_s(routed.num_experts * 8, ep, cluster, stride)
     return (num_blocks + recomputed) * (counts + 2 * rows) + num_blocks * 2 * rows
 
 
 def expert_matmuls(model: ModelShape, cand: Candidate):
     """One block's matmuls as training runs them (``matmuls.block_matmuls`` with a routed family's experts one
-    GEMM per expert on the rank at the candidate's ep)."""
-    return block_matmuls(model, cand, ep=cand.ep_size)
+    GEMM per expert on the rank at the candidate's ep, F / t wide where split over TP)."""
+    return block_matmuls(model, cand, ep=cand.ep_size, expert_tp=expert_split(cand))
 
 
 def dense_matmuls(model: ModelShape, cand: Candidate):
@@ -486,10 +492,11 @@ def stage_time(
         unit = 2 * ring_s(boundary, t, cluster.intra_node_gbps, cluster.intra_node_latency_s, passes=1)
     else:
         unit = ring_s(boundary, t, cluster.intra_node_gbps, cluster.intra_node_latency_s)
-    # per block two collectives forward (attention, MLP) and two backward; at ep > 1 the routed MLP exchanges its
-    # rows over the EP group instead of the tokens over TP, so the attention's alone; a shared expert beside the
-    # routed ones (split over TP as the dense MLP, at any ep) adds one each way, its input gathered, its output reduced
-    per_pass = (2 if cand.ep_size == 1 else 1) + shared_expert_collectives(model)
+    # per block two collectives forward (attention, MLP) and two backward; at ep > 1 with whole experts the routed
+    # MLP exchanges its rows over the EP group instead of the tokens over TP, so the attention's alone (with experts
+    # split over TP the tokens enter and leave them as the dense MLP's: both); a shared expert beside the routed
+    # ones (split over TP as the dense MLP, at any ep) adds one each way, its input gathered, its output reduced
+    per_pass = (2 if cand.ep_size == 1 or cand.experts_split_at_ep else 1) + shared_expert_collectives(model)
     block_units = 2 * per_pass * n + per_pass * recomputed + (2 * (2 - per_pass) * dense if dense else 0)
     routed = routed_comm_s(model, cluster, cand, n - dense, recomputed)
     ep = ep_comm_s(model, cluster, cand, n - dense, recomputed)
@@ -624,9 +631,9 @@ def dp_comm_s(
     (``grad_reduce_overlapped``) the reduction of each end rank is ``overlapped_reduce_s`` and the slower rank's
     counts (the later stages' earlier finish in the pipeline's drain is not counted: an upper bound); without it,
     DeepSpeed's one reduction after the step, whole.  At ep > 1 the experts' gradients are reduced over their
-    expert-DP group (which spans the stage's tp x cp x dp ranks) after the rest (the overlap buckets them last),
-    not hidden.  The weight all-gather follows the optimizer step, never hidden.  ``ends``: ``stage_times``'
-    result, when already computed."""
+    expert-DP group (which spans the stage's tp x cp x dp ranks, ``expert_dp_size`` of them) after the rest (the
+    overlap buckets them last), not hidden.  The weight all-gather follows the optimizer step, never hidden.
+    ``ends``: ``stage_times``' result, when already computed."""
     ranks = cand.dp * cand.cp
     gbps, latency = link(cluster, cand.tp * ranks > cluster.gpus_per_node)
 

@@ -50,9 +50,14 @@ def validate_request(model: ModelShape, cluster: Cluster, global_batch_size: int
         pinned["--cp"] = pins.cp
     if pins.ep is not None:
         pinned["--ep"] = pins.ep
+    if pins.expert_tp is not None:
+        pinned["--expert-tp"] = pins.expert_tp
     for flag, value in pinned.items():
         if value is not None:
             check_positive(flag, value, "1")
+    if pins.expert_tp is not None and not model.num_experts:
+        values = f"expert_tp={pins.expert_tp}, family={model.family}"
+        raise ConfigError("--expert-tp", "splits routed experts, and this model has none", values, "drop --expert-tp")
     if pins.ep is not None:  # the rules of config.ep_rules that need no layout
         check_ep_model(pins.ep, model.num_experts, model.family)
         if model.num_experts:

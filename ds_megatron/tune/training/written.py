@@ -106,6 +106,8 @@ def ds_config(result: SearchResult, e: Evaluation) -> dict:
                 "pp": c.pp,
                 "sequence_parallel": c.sequence_parallel,
                 **({"ep": c.ep} if c.ep is not None else {}),  # a routed family's, 1 included
+                # only where it differs from the loader's resolution (tp at ep 1, 1 at ep > 1): split at ep > 1
+                **({"expert_tp": c.expert_tp} if c.expert_tp is not None else {}),
                 # a 1f1b config is written as before the tuner knew schedules (1f1b is the loader's default)
                 **({"pipeline_schedule": c.schedule} if c.schedule != DEFAULT_SCHEDULE.name else {}),
                 **({"virtual_stages": c.virtual_stages} if c.virtual_stages is not None else {}),
