@@ -160,11 +160,6 @@ EP_ZERO_OPTIONS = {
     "zero_optimization.offload_optimizer": "DeepSpeed's ZeRO optimizer counts experts in the gradient norm on TP "
     "rank 0 only when it offloads, and ds_megatron corrects its on-device norm only",
 }
-# Why a run at ep > 1 on DeepSpeed's ZeRO optimizer neither saves nor loads checkpoints (the refusal's text).
-EP_ZERO_CHECKPOINT_REFUSAL = (
-    "checkpoints at ep > 1 are written as the ep 1 run holds them (checkpoint/ep_state.py) for the fp32 and BF16 "
-    "optimizers only, not for DeepSpeed's ZeRO optimizer's flat partitions, whose experts are cut over expert-DP"
-)
 
 
 def check_ep_optimizer(ep: int, wrapper: str | None, zero_stage: int, grad_accum_dtype: str, precision: str) -> None:
@@ -192,15 +187,3 @@ def check_ep_zero_options(ep: int, wrapper: str | None, reduce_scatter: bool, of
     if offload not in (None, "none"):
         key = "zero_optimization.offload_optimizer"
         raise ConfigError(key, EP_ZERO_OPTIONS[key], f"{values}, device={offload}", "remove it, or use ep 1")
-
-
-def check_ep_checkpoint(ep: int, wrapper: str | None, what: str) -> None:
-    """Refuse ``what`` (saving or loading a checkpoint) at ep > 1 on DeepSpeed's ZeRO optimizer, before any file
-    is touched (``EP_ZERO_CHECKPOINT_REFUSAL``)."""
-    if ep == 1 or wrapper != ZERO_OPTIMIZER:
-        return
-    raise ConfigError(
-        SETTING, EP_ZERO_CHECKPOINT_REFUSAL, f"ep={ep}, DeepSpeed optimizer wrapper {wrapper}, {what}",
-        'train without checkpoint.save / checkpoint.load, use bf16 with "data_types": {"grad_accum_dtype": "fp32"} '
-        "(the BF16 optimizer) or fp32 at ZeRO 0, or ep 1",
-    )  # fmt: skip
