@@ -1,5 +1,6 @@
-"""Expert parallelism on DeepSpeed's BF16 optimizer: ``ep_training.py --out DIR --cases NAME,...``, each case one
-engine (moe-tiny, 2 steps of 8 sequences, gradient clipping at 1.0) built and trained after the other in this launch.
+"""Expert parallelism on DeepSpeed's BF16 and ZeRO optimizers: ``ep_training.py --out DIR --cases NAME,...``, each
+case one engine (moe-tiny, 2 steps of 8 sequences, gradient clipping at 1.0) built and trained after the other in this
+launch.
 A case is ``<layout>-<precision>-ep<N>[-L<layers>]``: layout ``dp2`` (tp 1, the world size as dp), ``tp2sp`` (tp 2
 with sequence parallelism, dp = world size / 2), ``tp2etp`` (``tp2sp`` with expert_tp 2: each expert split over the
 tp ranks, EP over the dp ranks of one tp index; the case also saves its step 2 under ``<out>/<case>-ckpt``,
@@ -157,8 +158,7 @@ def train(case: str, out: str) -> None:
     result = {"losses": losses, "norms": norms, "groups": groups, "before": before, "expert_dp_sums": sums}
     result["after"] = expert_masters(engine, topo)
     result["optimizer"] = type(opt).__name__
-    zero = result["optimizer"] == "DeepSpeedZeroOptimizer"
-    if case.split("-")[0] in EXPERT_TP_LAYOUTS and not zero:  # the save at expert_tp = tp, its files, its load
+    if case.split("-")[0] in EXPERT_TP_LAYOUTS:  # the save at expert_tp = tp, its files, its load
         client, directory = {"step": STEPS, "config": run.ds_config}, os.path.join(out, f"{case}-ckpt")
         save_run(engine, directory, STEPS, client, built.rng, topology=topo, parallel=built.parallel)
         result["saved"] = {k: full_state(engine, built, k) for k in (None, "exp_avg", "exp_avg_sq")}
