@@ -12,7 +12,7 @@ accumulating in bf16) the fp32 masters and Adam moments live in flat partitions,
 groups of their own cut over the expert-DP group (``engine.expert_param_groups``).  For the save, every rank's
 optimizer file is written as the same rank of the ep 1 run holds it instead: the groups of ``optim.param_groups``
 (experts in model order among the others), each cut over the data axis as that optimizer cuts it
-(``masters.flat_partitions``), this rank's partition filled parameter by parameter from the masters and moments
+(``masters.zero_flat_layout``), this rank's partition filled parameter by parameter from the masters and moments
 gathered over the group they are cut over (and the experts over the EP group).
 
 The files are then those of the same run at ep 1: every reader (``--load`` at any ep, resharding on load and
@@ -24,7 +24,6 @@ runs".
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -35,14 +34,7 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from torch.distributed import ProcessGroup
 
 from ds_megatron.checkpoint.adapter import StateDictAdapter
-from ds_megatron.checkpoint.masters import (
-    MOMENTS,
-    Fragment,
-    flat_partitions,
-    param_paddings,
-    rank_padding,
-    round_robin_order,
-)
+from ds_megatron.checkpoint.masters import MOMENTS, rank_padding, zero_flat_layout
 from ds_megatron.config import ConfigError
 from ds_megatron.optim import param_groups
 from ds_megatron.parallelize import ParallelContext, is_expert_param
@@ -129,21 +121,6 @@ def _full_fp32(param: torch.Tensor, flat: torch.Tensor, group: ProcessGroup) -> 
     return full.view(param.shape)
 
 
-def _ep1_layout(opt, numels: list[int], data: int) -> tuple[list[int], int, int, list[list[Fragment]], list[int]]:
-    """How the ep 1 run's optimizer ``opt`` (DeepSpeed's BF16 or ZeRO optimizer) cuts one group of parameters of
-    ``numels`` (group order) over ``data`` ranks: the group positions in flat-buffer order, the partition size, the
-    tail padding, each parameter's fragments and the zeros after each parameter in flat order (the ZeRO optimizer's
-    ``round_robin_gradients`` and ``parameter_alignment``; the BF16 optimizer has neither)."""
-    order = list(range(len(numels)))
-    if getattr(opt, "round_robin_gradients", False):
-        order = round_robin_order(len(numels), data)
-    alignment = 1
-    if getattr(opt, "parameter_alignment", False):  # DeepSpeed's rule: 16-byte starts for the 16-bit copies
-        alignment = 16 // math.gcd(16, opt.bit16_groups[0][0].element_size())
-    size, padding, fragments = flat_partitions(numels, data, order, alignment)
-    return order, size, padding, fragments, param_paddings([numels[i] for i in order], alignment)
-
-
 @torch.no_grad()
 def ep1_optimizer_state(engine, parallel: ParallelContext) -> tuple[dict, list[OrderedDict]]:
     """Collective over the data axis, the expert-DP and the EP groups (every rank of the run calls it, at ep > 1
@@ -163,6 +140,7 @@ def ep1_optimizer_state(engine, parallel: ParallelContext) -> tuple[dict, list[O
     lp_groups = opt.bit16_groups if zero else opt.bf16_groups
     hp_partitions = opt.single_partition_of_fp32_groups if zero else opt.fp32_groups_flat_partition
     groups_of = {id(p): i for i, group in enumerate(lp_groups) for p in group}
+    element_size = lp_groups[0][0].element_size()
     dense = [i for i, g in enumerate(opt.optimizer.param_groups) if not is_moe_param_group(g)]
     data, rank = opt.partition_count[dense[0]], dist.get_rank(opt.real_dp_process_group[dense[0]])
     names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -187,7 +165,10 @@ def ep1_optimizer_state(engine, parallel: ParallelContext) -> tuple[dict, list[O
     keys = ("master", *MOMENTS) if stepped else ("master",)
     partitions, paddings, mappings, aligned = [], [], [], []
     for k, group in enumerate(ep1):
-        order, size, padding, fragments, after = _ep1_layout(opt, [s.numel() for s in shapes[k].values()], data)
+        # the BF16 optimizer has neither of the ZeRO optimizer's layout options
+        options = (getattr(opt, "round_robin_gradients", False), getattr(opt, "parameter_alignment", False))
+        numels = [s.numel() for s in shapes[k].values()]
+        order, size, padding, fragments, after = zero_flat_layout(numels, data, *options, element_size)
         shapes[k] = OrderedDict(list(shapes[k].items())[i] for i in order)
         part = {key: torch.zeros(size, dtype=torch.float32) for key in keys}
         mapping = OrderedDict()

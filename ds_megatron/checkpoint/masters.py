@@ -17,6 +17,7 @@ the same files cost nothing, and host memory stays bounded by what the caller ke
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -59,6 +60,21 @@ def flat_partitions(
                 pieces.append((d, lo - start, lo - d * size, hi - lo))
         fragments.append(pieces)
     return size, padded - offset, fragments
+
+
+def zero_flat_layout(
+    numels: list[int], data: int, round_robin: bool, parameter_alignment: bool, element_size: int
+) -> tuple[list[int], int, int, list[list[Fragment]], list[int]]:
+    """How DeepSpeed's ZeRO optimizer, with its options ``round_robin_gradients`` and ``parameter_alignment`` and
+    model copies of ``element_size`` bytes, cuts one group of parameters (``numels``, in group order) over ``data``
+    ranks: the group positions in buffer order, the partition size, the tail padding, each parameter's fragments
+    (``flat_partitions``) and the zeros after each parameter in buffer order.  Both options off (their default, and
+    the BF16 optimizer's only layout): the BF16 optimizer's cut."""
+    order = round_robin_order(len(numels), data) if round_robin else list(range(len(numels)))
+    # DeepSpeed's rule: each parameter of the flat buffer starts on a 16-byte boundary
+    alignment = 16 // math.gcd(16, element_size) if parameter_alignment else 1
+    size, padding, fragments = flat_partitions(numels, data, order, alignment)
+    return order, size, padding, fragments, param_paddings([numels[i] for i in order], alignment)
 
 
 def round_robin_order(count: int, data: int) -> list[int]:

@@ -35,14 +35,7 @@ from ds_megatron.checkpoint.manifest import (
     verify_tag,
     write_manifest,
 )
-from ds_megatron.checkpoint.masters import (
-    MOMENTS,
-    flat_partitions,
-    optimizer_files,
-    param_paddings,
-    rank_padding,
-    round_robin_order,
-)
+from ds_megatron.checkpoint.masters import MOMENTS, optimizer_files, rank_padding, zero_flat_layout
 from ds_megatron.checkpoint.reshard import OldCheckpoint
 from ds_megatron.checkpoint.run_state import IMPORTED
 from ds_megatron.checkpoint.tokenizer import copy_tokenizer
@@ -284,9 +277,8 @@ class _Writer:
         data axis), and per parameter its fragments (data coordinate, group, start in the parameter, start in the
         partition, numel); then the scratch partitions."""
         zero = (self.run.ds_config.get("zero_optimization") or {}) if self.kind == "zero" else {}
-        alignment = 1
-        if zero.get("parameter_alignment", False):  # DeepSpeed's rule: 16-byte starts for the model's copies
-            alignment = 16 // (2 if precision(self.run.ds_config) == "bf16" else 4)
+        options = (zero.get("round_robin_gradients", False), zero.get("parameter_alignment", False))
+        element_size = 2 if precision(self.run.ds_config) == "bf16" else 4  # the model copies'
         self.part_size: list[list[int]] = []
         self.padding: list[list[int]] = []
         self.flat_order: list[list[list[str]]] = []
@@ -296,17 +288,14 @@ class _Writer:
             sizes, pads, orders, after, frags = [], [], [], [], {}
             for g, names in enumerate(groups):
                 numels = [self.shape[n].numel() for n in names]
-                order = list(range(len(names)))
-                if zero.get("round_robin_gradients", False):
-                    order = round_robin_order(len(names), self.data)
-                size, padding, pieces = flat_partitions(numels, self.data, order, alignment)
+                order, size, padding, pieces, zeros = zero_flat_layout(numels, self.data, *options, element_size)
                 for n, mine in zip(names, pieces):
                     if mine:
                         frags[n] = [(d, g, at, hp, numel) for d, at, hp, numel in mine]
                 sizes.append(size)
                 pads.append(padding)
                 orders.append([names[i] for i in order])
-                after.append(param_paddings([numels[i] for i in order], alignment))
+                after.append(zeros)
             self.part_size.append(sizes)
             self.padding.append(pads)
             self.flat_order.append(orders)

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_megatron.checkpoint.masters import flat_partitions, param_paddings, rank_padding, round_robin_order
+from ds_megatron.checkpoint.masters import (
+    flat_partitions,
+    param_paddings,
+    rank_padding,
+    round_robin_order,
+    zero_flat_layout,
+)
 
 
 def _flat(numels: list[int], data: int, order: list[int], paddings: list[int]) -> torch.Tensor:
@@ -49,10 +55,17 @@ def test_fragments_address_each_parameter_in_the_flat_buffer(data, alignment, ro
     assert all(rank_padding(size, padding, data, d) == 0 for d in range(data - 1)) or padding > size
 
 
-def test_the_default_layout_is_the_bf16_optimizers():
-    """Without reordering or parameter alignment the ZeRO optimizer's layout is the BF16 optimizer's."""
+def test_the_zero_optimizers_options():
+    """Without reordering or parameter alignment the ZeRO optimizer's layout is the BF16 optimizer's; with
+    ``parameter_alignment`` each parameter starts on 16 bytes (4 fp32 or 8 bf16 elements), with
+    ``round_robin_gradients`` the buffer takes every data-th parameter in turn."""
     for data in (1, 2, 4):
-        assert flat_partitions([7, 2, 9], data) == flat_partitions([7, 2, 9], data, [0, 1, 2], 1)
+        order, *cut, zeros = zero_flat_layout([7, 2, 9], data, False, False, 4)
+        assert (order, tuple(cut), zeros) == ([0, 1, 2], flat_partitions([7, 2, 9], data), [0, 0, 0])
+    assert zero_flat_layout([7, 2, 9], 2, False, True, 4)[-1] == [1, 2, 0]
+    assert zero_flat_layout([7, 2, 9], 2, False, True, 2)[-1] == [1, 6, 0]
+    order, _, _, fragments, zeros = zero_flat_layout([7, 2, 9], 2, True, True, 4)
+    assert order == [0, 2, 1] and zeros == [1, 3, 0] and fragments[1] == [(1, 0, 8, 2)]  # at 8 + 12 = 20: 12 + 8
 
 
 def test_a_group_shorter_than_its_padding_pads_more_than_the_last_rank():
