@@ -35,7 +35,8 @@ from torch.distributed import ProcessGroup
 
 from ds_megatron.checkpoint.adapter import StateDictAdapter
 from ds_megatron.checkpoint.masters import MOMENTS, rank_padding, zero_flat_layout
-from ds_megatron.config import ConfigError
+from ds_megatron.config.ep_rules import check_ep_zero_options
+from ds_megatron.config.facts import ZERO_OPTIMIZER
 from ds_megatron.optim import param_groups
 from ds_megatron.parallelize import ParallelContext, is_expert_param
 from ds_megatron.pipeline_parallel.module import pipeline_param_name, zero_param_shapes_saved_as
@@ -132,11 +133,8 @@ def ep1_optimizer_state(engine, parallel: ParallelContext) -> tuple[dict, list[O
     opt, adapter, ep = engine.optimizer, StateDictAdapter(parallel), parallel.ep.size
     own = opt.state_dict()
     zero = not hasattr(opt, "bf16_groups")  # the ZeRO optimizer (stage_1_and_2), else the BF16 optimizer
-    if zero and opt.elastic_checkpoint:
-        raise ConfigError(
-            "zero_optimization.elastic_checkpoint", "checkpoints at ep > 1 are written in the rigid layout only",
-            "elastic_checkpoint=true", "remove it (default false)",
-        )  # fmt: skip
+    if zero:  # the config loader refuses the elastic layout; this guards direct callers, before any file is written
+        check_ep_zero_options(ep, ZERO_OPTIMIZER, True, None, opt.elastic_checkpoint)
     lp_groups = opt.bit16_groups if zero else opt.bf16_groups
     hp_partitions = opt.single_partition_of_fp32_groups if zero else opt.fp32_groups_flat_partition
     groups_of = {id(p): i for i, group in enumerate(lp_groups) for p in group}

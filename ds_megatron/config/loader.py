@@ -452,7 +452,8 @@ def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
     wrapper, zero = optimizer_wrapper(ds_config), ds_config.get("zero_optimization") or {}
     check_ep_optimizer(ep, wrapper, zero_stage(ds_config), grad_accum_dtype(ds_config), precision(ds_config))
     offload = (zero.get("offload_optimizer") or {}).get("device")
-    check_ep_zero_options(ep, wrapper, bool(zero.get("reduce_scatter", True)), offload)
+    elastic = bool(zero.get("elastic_checkpoint", False))
+    check_ep_zero_options(ep, wrapper, bool(zero.get("reduce_scatter", True)), offload, elastic)
 
 
 def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: int, dp: int) -> None:

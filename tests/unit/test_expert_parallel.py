@@ -445,6 +445,7 @@ def test_the_ep_setting_and_its_refusals():
     for zero, setting in (
         ({"stage": 1, "reduce_scatter": False}, "zero_optimization.reduce_scatter"),
         ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, "zero_optimization.offload_optimizer"),
+        ({"stage": 1, "elastic_checkpoint": True}, "zero_optimization.elastic_checkpoint"),
     ):
         with pytest.raises(ConfigError) as err:
             resolve(_ep_config(2, ds={"zero_optimization": zero}), 2)
