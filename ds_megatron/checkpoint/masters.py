@@ -17,6 +17,7 @@ the same files cost nothing, and host memory stays bounded by what the caller ke
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -32,26 +33,73 @@ BF16_ALIGNMENT = 2  # DeepSpeed's BF16 optimizer pads each flat group to a multi
 Fragment = tuple[int, int, int, int]
 
 
-def flat_partitions(numels: list[int], data: int) -> tuple[int, int, list[list[Fragment]]]:
-    """How DeepSpeed's BF16 optimizer cuts one parameter group over ``data`` ranks: the parameters (``numels``, in
-    group order) concatenated into one flat buffer, padded to a multiple of ``BF16_ALIGNMENT x data`` elements and
-    cut into ``data`` equal partitions, data rank d holding the d-th.  Returns the partition size, the padding (held
-    at the end of the last partition) and, per parameter, its fragments in data-rank order."""
-    total = sum(numels)
+def flat_partitions(
+    numels: list[int], data: int, order: list[int] | None = None, param_alignment: int = 1
+) -> tuple[int, int, list[list[Fragment]]]:
+    """How DeepSpeed cuts one parameter group over ``data`` ranks: the parameters (``numels``, in group order)
+    concatenated into one flat buffer, padded to a multiple of ``BF16_ALIGNMENT x data`` elements and cut into
+    ``data`` equal partitions, data rank d holding the d-th.  The ZeRO optimizer may lay the buffer out in another
+    ``order`` (group positions in buffer order: ``round_robin_order``) and pad each parameter but the buffer's last
+    to a multiple of ``param_alignment`` elements (``param_paddings``); the BF16 optimizer does neither.  Returns
+    the partition size, the tail padding (after the last parameter's end and its own padding) and, per parameter in
+    group order, its fragments in data-rank order."""
+    order = list(range(len(numels))) if order is None else order
+    offsets, offset = [0] * len(numels), 0
+    for i, pad in zip(order, param_paddings([numels[i] for i in order], param_alignment)):
+        offsets[i] = offset
+        offset += numels[i] + pad
     align = BF16_ALIGNMENT * data
-    padded = -(-total // align) * align
+    padded = -(-offset // align) * align
     size = padded // data
     fragments: list[list[Fragment]] = []
-    offset = 0
-    for numel in numels:
-        end, pieces = offset + numel, []
-        for d in range(offset // size, min(data, -(-end // size))) if size else ():
-            lo, hi = max(offset, d * size), min(end, (d + 1) * size)
+    for start, numel in zip(offsets, numels):
+        end, pieces = start + numel, []
+        for d in range(start // size, min(data, -(-end // size))) if size else ():
+            lo, hi = max(start, d * size), min(end, (d + 1) * size)
             if lo < hi:
-                pieces.append((d, lo - offset, lo - d * size, hi - lo))
+                pieces.append((d, lo - start, lo - d * size, hi - lo))
         fragments.append(pieces)
-        offset = end
-    return size, padded - total, fragments
+    return size, padded - offset, fragments
+
+
+def zero_flat_layout(
+    numels: list[int], data: int, round_robin: bool, parameter_alignment: bool, element_size: int
+) -> tuple[list[int], int, int, list[list[Fragment]], list[int]]:
+    """How DeepSpeed's ZeRO optimizer, with its options ``round_robin_gradients`` and ``parameter_alignment`` and
+    model copies of ``element_size`` bytes, cuts one group of parameters (``numels``, in group order) over ``data``
+    ranks: the group positions in buffer order, the partition size, the tail padding, each parameter's fragments
+    (``flat_partitions``) and the zeros after each parameter in buffer order.  Both options off (their default, and
+    the BF16 optimizer's only layout): the BF16 optimizer's cut."""
+    order = round_robin_order(len(numels), data) if round_robin else list(range(len(numels)))
+    # DeepSpeed's rule: each parameter of the flat buffer starts on a 16-byte boundary
+    alignment = 16 // math.gcd(16, element_size) if parameter_alignment else 1
+    size, padding, fragments = flat_partitions(numels, data, order, alignment)
+    return order, size, padding, fragments, param_paddings([numels[i] for i in order], alignment)
+
+
+def round_robin_order(count: int, data: int) -> list[int]:
+    """The group positions of ``count`` parameters in the order DeepSpeed's ZeRO optimizer flattens them with
+    ``round_robin_gradients`` over ``data`` ranks: every data-th from position 0, then from 1, and so on."""
+    return [i for first in range(data) for i in range(first, count, data)]
+
+
+def param_paddings(numels: list[int], param_alignment: int) -> list[int]:
+    """The zeros DeepSpeed's ZeRO optimizer puts after each parameter of a flat buffer (``numels`` in buffer order)
+    with ``parameter_alignment`` on, so that the next one starts at a multiple of ``param_alignment`` elements;
+    none after the last (``round_robin_bit16_padding``)."""
+    out, offset = [], 0
+    for k, numel in enumerate(numels):
+        offset += numel
+        out.append(0 if k == len(numels) - 1 else -offset % param_alignment)
+        offset += out[-1]
+    return out
+
+
+def rank_padding(size: int, padding: int, data: int, d: int) -> int:
+    """How many of data rank ``d``'s ``size`` elements lie in the tail ``padding`` of a buffer of ``data``
+    partitions (DeepSpeed's ZeRO optimizer records it per rank, ``groups_padding``; the BF16 optimizer only on the
+    last rank, where all of it lies whenever a partition is at least as long)."""
+    return max(0, min(size, (d + 1) * size - (size * data - padding)))
 
 
 def optimizer_files(tag_dir: Path) -> dict[int, list[Path]]:

@@ -43,8 +43,8 @@ def model_param_groups(optimizer) -> list[list[torch.Tensor]]:
 
 def param_names_record(engine, topology) -> dict:
     """This rank's optimizer parameter order as full GPT names (written with every checkpoint).  An optimizer with
-    expert groups of its own (DeepSpeed's BF16 optimizer at ep > 1) is recorded as the ep 1 run's, whose order its
-    save writes (``ep_state.bf16_optimizer_as_saved``): the groups of ``optim.param_groups``."""
+    expert groups of its own (DeepSpeed's BF16 or ZeRO optimizer at ep > 1) is recorded as the ep 1 run's, whose
+    order its save writes (``ep_state.optimizer_as_saved``): the groups of ``optim.param_groups``."""
     names = {id(p): pipeline_param_name(n, engine.module) for n, p in engine.module.named_parameters()}
     groups = model_param_groups(engine.optimizer)
     if any(g.get("moe", False) for g in engine.optimizer.param_groups):

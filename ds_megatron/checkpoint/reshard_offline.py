@@ -35,13 +35,14 @@ from ds_megatron.checkpoint.manifest import (
     verify_tag,
     write_manifest,
 )
-from ds_megatron.checkpoint.masters import MOMENTS, flat_partitions, optimizer_files
+from ds_megatron.checkpoint.masters import MOMENTS, optimizer_files, rank_padding, zero_flat_layout
 from ds_megatron.checkpoint.reshard import OldCheckpoint
 from ds_megatron.checkpoint.run_state import IMPORTED
 from ds_megatron.checkpoint.tokenizer import copy_tokenizer
 from ds_megatron.config import ConfigError, RunConfig, resolve
 from ds_megatron.config.facts import (
     BF16_OPTIMIZER,
+    ZERO_OPTIMIZER,
     grad_accum_dtype,
     optimizer_wrapper,
     precision,
@@ -59,6 +60,8 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 # The writer's kind for a checkpoint of weights alone (``import``): no optimizer state and no optimizer order, so a
 # run loading it builds its optimizer afresh from the weights (``run_state.load_run``).
 FRESH = "fresh"
+# The kinds whose optimizer state is flat partitions over DeepSpeed's data axis: its BF16 and ZeRO optimizers'.
+PARTITIONED = ("bf16", "zero")
 
 
 def reshard_checkpoint(
@@ -128,26 +131,26 @@ def check_sizes(flags: dict[str, int]) -> None:
 
 
 def _optimizer_kind(tag_dir: Path, cfg: dict) -> str:
-    """``"fp32"`` (ds_megatron's AdamW, state in the mp_rank files) or ``"bf16"`` (DeepSpeed's BF16 optimizer).
-    DeepSpeed's ZeRO optimizer (fp32 or fp16 with ZeRO 1, bf16 with ZeRO 1 without fp32 gradient accumulation) lays
-    its partitions out otherwise and is refused; bf16 files alone do not tell (DeepSpeed names them after the
-    precision, whichever wrapper wrote them)."""
+    """``"fp32"`` (ds_megatron's AdamW, state in the mp_rank files), ``"bf16"`` (DeepSpeed's BF16 optimizer) or
+    ``"zero"`` (DeepSpeed's ZeRO optimizer: fp32 with ZeRO 1, bf16 with ZeRO 1 without fp32 gradient accumulation;
+    the BF16 optimizer's flat partitions with its own keys, and its options' layout).  fp16 is refused; bf16 files
+    alone do not tell the optimizers apart (DeepSpeed names them after the precision, whichever wrapper wrote
+    them)."""
     prec, stage, wrapper = precision(cfg), zero_stage(cfg), optimizer_wrapper(cfg)
-    bf16_files = any(f.name.startswith("bf16_") for files in optimizer_files(tag_dir).values() for f in files)
+    files = [f for files in optimizer_files(tag_dir).values() for f in files]
+    bf16_files = any(f.name.startswith("bf16_") for f in files)
     if wrapper is None:
         return "fp32"
     if wrapper == BF16_OPTIMIZER and prec == "bf16" and bf16_files:
         return "bf16"
-    fix = "resume at the saved layout, or export and --init-from-hf"
-    if prec != "fp16":
-        fix = "resume it with --load at the new layout instead (it reshards on load)"
+    if wrapper == ZERO_OPTIMIZER and prec != "fp16" and files:
+        return "zero"
     accum = "" if grad_accum_dtype(cfg) == prec else f", {grad_accum_dtype(cfg)} gradient accumulation"
     raise ConfigError(
         "--checkpoint",
-        "offline resharding writes fp32 (ZeRO 0) and bf16 (DeepSpeed's BF16 optimizer: ZeRO 1 with fp32 gradient "
-        "accumulation) checkpoints",
+        "offline resharding writes fp32 and bf16 checkpoints (ZeRO 0, DeepSpeed's BF16 and ZeRO optimizers)",
         f"this one is {prec} with ZeRO stage {stage}{accum}: DeepSpeed's {wrapper or 'no'} optimizer",
-        fix,
+        "resume at the saved layout, or export and --init-from-hf",
     )
 
 
@@ -239,7 +242,7 @@ class _Writer:
         # DeepSpeed is handed the sequences times cp (it counts a sequence's piece on one CP rank as a sample).
         self.ds_config["train_batch_size"] = target.global_batch_size * target.cp
         self.fp32_state: dict[tuple[int, int], dict[str, dict]] = {}
-        if kind == "bf16":
+        if kind in PARTITIONED:
             self._plan_partitions()
 
     # ---- the new layout ----------------------------------------------------------------------------------------
@@ -269,23 +272,34 @@ class _Writer:
         return [[by_id[id(p)] for p in g["params"]] for g in param_groups(holder, 0.0)]
 
     def _plan_partitions(self) -> None:
-        """Per stage and group, the flat buffer's partition size and padding, and per parameter its fragments
-        (data coordinate, group, start in the parameter, start in the partition, numel); then the scratch
-        partitions."""
+        """Per stage and group, the flat buffer's partition size and padding, the group's names in buffer order and
+        the zeros after each (the ZeRO optimizer's ``round_robin_gradients`` and ``parameter_alignment`` at the new
+        data axis), and per parameter its fragments (data coordinate, group, start in the parameter, start in the
+        partition, numel); then the scratch partitions."""
+        zero = (self.run.ds_config.get("zero_optimization") or {}) if self.kind == "zero" else {}
+        options = (zero.get("round_robin_gradients", False), zero.get("parameter_alignment", False))
+        element_size = 2 if precision(self.run.ds_config) == "bf16" else 4  # the model copies'
         self.part_size: list[list[int]] = []
         self.padding: list[list[int]] = []
+        self.flat_order: list[list[list[str]]] = []
+        self.param_padding: list[list[list[int]]] = []
         self.fragments: list[dict[str, list[tuple[int, int, int, int, int]]]] = []
         for groups in self.groups:
-            sizes, pads, frags = [], [], {}
+            sizes, pads, orders, after, frags = [], [], [], [], {}
             for g, names in enumerate(groups):
-                size, padding, pieces = flat_partitions([self.shape[n].numel() for n in names], self.data)
+                numels = [self.shape[n].numel() for n in names]
+                order, size, padding, pieces, zeros = zero_flat_layout(numels, self.data, *options, element_size)
                 for n, mine in zip(names, pieces):
                     if mine:
                         frags[n] = [(d, g, at, hp, numel) for d, at, hp, numel in mine]
                 sizes.append(size)
                 pads.append(padding)
+                orders.append([names[i] for i in order])
+                after.append(zeros)
             self.part_size.append(sizes)
             self.padding.append(pads)
+            self.flat_order.append(orders)
+            self.param_padding.append(after)
             self.fragments.append(frags)
         self.partitions = {
             (s, t, d): [{k: self.scratch.zeros((size,)) for k in ("master", *MOMENTS)} for size in self.part_size[s]]
@@ -302,7 +316,7 @@ class _Writer:
         for idx, _ in tqdm(self.saved, desc=desc, unit="layer", disable=not self.progress):
             self._write_layer(idx)
         self._write_model_states()
-        if self.kind == "bf16":
+        if self.kind in PARTITIONED:
             self._write_partitions()
         shutil.rmtree(self.scratch.root)
         self._write_records()
@@ -324,7 +338,7 @@ class _Writer:
                 files[t][key] = w.to(dtype)
                 moments = None if state is None else {k: self.adapter.saved_shard(name, state[k], t) for k in MOMENTS}
                 for s in self.stage_of[idx]:
-                    if self.kind == "bf16":
+                    if self.kind in PARTITIONED:
                         self._scatter(s, t, name, {"master": w, **(moments or {})})
                     elif moments is not None:
                         copies = {k: self.scratch.zeros(v.shape).copy_(v) for k, v in moments.items()}
@@ -347,10 +361,10 @@ class _Writer:
                 out = dict(self.client)
                 if self.kind == "fp32":
                     out["optimizer"] = self._fp32_optimizer(s, t)
-                if self.client.get("param_shapes") is not None:
+                if self.client.get("param_shapes") is not None:  # in flat-buffer order, as DeepSpeed records them
+                    groups = self.flat_order[s] if self.kind in PARTITIONED else self.groups[s]
                     out["param_shapes"] = [
-                        OrderedDict((self.local[s][n], torch.Size(self.shape[n])) for n in names)
-                        for names in self.groups[s]
+                        OrderedDict((self.local[s][n], torch.Size(self.shape[n])) for n in names) for names in groups
                     ]
                 out.update(dp_world_size=self.data, mp_world_size=self.tp * self.pp, ds_config=self.ds_config)
                 if "checkpoint_parallel_dimensions" in self.client:
@@ -379,7 +393,9 @@ class _Writer:
         return {"state": state, "param_groups": groups}
 
     def _write_partitions(self) -> None:
-        """The BF16 optimizer's file of every (data coordinate, stage, TP rank), laid out as its ``state_dict``."""
+        """The BF16 or ZeRO optimizer's file of every (data coordinate, stage, TP rank), laid out as its
+        ``state_dict``: the ZeRO optimizer's masters without their padding, each rank's share of it, the zeros
+        after each parameter; bf16 files named ``bf16_*`` whichever optimizer wrote them."""
         files = optimizer_files(self.old.root / self.old.tag)
         template = safe_load.load(files[min(files)][0], trust=self.old.trust, mmap=True)
         sd = template["optimizer_state_dict"]
@@ -396,15 +412,24 @@ class _Writer:
                     for dd, g, _, hp, numel in self.fragments[s].get(n, []):
                         if dd == d:
                             mappings[g][self.local[s][n]] = fragment_address(numel=numel, start=hp)
+            masters = [p["master"] for p in parts]
+            paddings = [pad if d == self.data - 1 else 0 for pad in self.padding[s]]
+            if self.kind == "zero":
+                sizes = self.part_size[s]
+                paddings = [rank_padding(n, pad, self.data, d) for n, pad in zip(sizes, self.padding[s])]
+                masters = [m.narrow(0, 0, n - pad) for m, n, pad in zip(masters, sizes, paddings)]
             new_sd = {
                 **sd,
                 "base_optimizer_state": {"state": state, "param_groups": copy.deepcopy(base["param_groups"])},
-                "single_partition_of_fp32_groups": [p["master"] for p in parts],
-                "group_paddings": [pad if d == self.data - 1 else 0 for pad in self.padding[s]],
+                "single_partition_of_fp32_groups": masters,
+                "group_paddings": paddings,
                 "partition_count": [self.data] * len(parts),
                 "param_slice_mappings": mappings,
             }
-            name = f"bf16_zero_pp_rank_{d}_mp_rank_{s * self.tp + t:02d}_optim_states.pt"
+            if self.kind == "zero":
+                new_sd["param_alignment_paddings"] = self.param_padding[s]
+            bf16 = self.kind == "bf16" or precision(self.run.ds_config) == "bf16"
+            name = f"{'bf16_' if bf16 else ''}zero_pp_rank_{d}_mp_rank_{s * self.tp + t:02d}_optim_states.pt"
             torch.save({**template, "optimizer_state_dict": new_sd, "ds_config": self.ds_config}, self.dir / name)
 
     def _write_records(self) -> None:

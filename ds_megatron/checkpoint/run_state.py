@@ -46,9 +46,7 @@ from ds_megatron.checkpoint.manifest import (
 )
 from ds_megatron.checkpoint.tokenizer import save_tokenizer
 from ds_megatron.config import ConfigError
-from ds_megatron.config.ep_rules import check_ep_checkpoint
 from ds_megatron.config.facts import (
-    ZERO_OPTIMIZER,
     layout_text,
     needs_resharding,
     precision,
@@ -85,7 +83,6 @@ def save_run(
     run's context) at ep > 1, the experts are written as an ep 1 run holds them (``ep_state.experts_as_saved``)."""
     from ds_megatron.checkpoint.ep_state import experts_as_saved
 
-    refuse_ep_zero_checkpoint(engine, parallel, f"saving step {step} to {save_dir}")
     root = Path(save_dir)
     tag = tag_for(step)
     saving = contextlib.nullcontext()
@@ -107,16 +104,6 @@ def save_run(
     dist.barrier()  # every rank has written its files
     seal_tag(root, tag, step, keep_last)
     return tag
-
-
-def refuse_ep_zero_checkpoint(engine, parallel, what: str) -> None:
-    """At ep > 1 on DeepSpeed's ZeRO optimizer, refuse ``what`` (a save or a load) in one line before any file is
-    touched (``config.ep_rules.check_ep_checkpoint``: why; the config refuses checkpoint.save / load already, this
-    guards direct callers)."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if parallel is not None and isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
-        check_ep_checkpoint(parallel.ep.size, ZERO_OPTIMIZER, what)
 
 
 def seal_tag(root: Path, tag: str, step: int, keep_last: int) -> None:
@@ -144,7 +131,6 @@ def load_run(
     returned) into the engine and this rank's RNG states; returns the client state.  A checkpoint written at another
     layout (``facts.needs_resharding`` against ``run_config``, the resolved config of this run) is resharded
     (``reshard.py``)."""
-    refuse_ep_zero_checkpoint(engine, parallel, f"loading {load_dir}")
     root = Path(load_dir)
     tag = tag or resume_tag(root)
     newer = [p.name for p in root.glob("step*") if p.is_dir() and p.name > tag]

@@ -153,18 +153,16 @@ EP_ZERO_FP16_REFUSAL = (
 )
 # What DeepSpeed's ZeRO optimizer needs to handle experts (its _configure_moe_settings asserts the first; its CPU
 # offload norm, complete_grad_norm_calculation_for_cpu_offload, counts experts on TP rank 0 only, like the norm
-# engine.count_experts_on_every_tp_rank corrects, and is not corrected).
+# engine.count_experts_on_every_tp_rank corrects, and is not corrected), and to save them (checkpoint/ep_state.py
+# writes its optimizer files in the rigid layout, a list of per-group states being the elastic one).
 EP_ZERO_OPTIONS = {
     "zero_optimization.reduce_scatter": "DeepSpeed's ZeRO optimizer reduces expert gradients over their expert-DP "
     "group only on its reduce-scatter path",
     "zero_optimization.offload_optimizer": "DeepSpeed's ZeRO optimizer counts experts in the gradient norm on TP "
     "rank 0 only when it offloads, and ds_megatron corrects its on-device norm only",
+    "zero_optimization.elastic_checkpoint": "DeepSpeed's ZeRO optimizer's files are written as the ep 1 run's at "
+    "ep > 1 in its default (rigid) layout only",
 }
-# Why a run at ep > 1 on DeepSpeed's ZeRO optimizer neither saves nor loads checkpoints (the refusal's text).
-EP_ZERO_CHECKPOINT_REFUSAL = (
-    "checkpoints at ep > 1 are written as the ep 1 run holds them (checkpoint/ep_state.py) for the fp32 and BF16 "
-    "optimizers only, not for DeepSpeed's ZeRO optimizer's flat partitions, whose experts are cut over expert-DP"
-)
 
 
 def check_ep_optimizer(ep: int, wrapper: str | None, zero_stage: int, grad_accum_dtype: str, precision: str) -> None:
@@ -181,7 +179,9 @@ def check_ep_optimizer(ep: int, wrapper: str | None, zero_stage: int, grad_accum
     )  # fmt: skip
 
 
-def check_ep_zero_options(ep: int, wrapper: str | None, reduce_scatter: bool, offload: str | None) -> None:
+def check_ep_zero_options(
+    ep: int, wrapper: str | None, reduce_scatter: bool, offload: str | None, elastic_checkpoint: bool = False
+) -> None:
     """At ep > 1 on DeepSpeed's ZeRO optimizer, refuse the options its expert handling lacks (``EP_ZERO_OPTIONS``)."""
     if ep == 1 or wrapper != ZERO_OPTIMIZER:
         return
@@ -192,15 +192,6 @@ def check_ep_zero_options(ep: int, wrapper: str | None, reduce_scatter: bool, of
     if offload not in (None, "none"):
         key = "zero_optimization.offload_optimizer"
         raise ConfigError(key, EP_ZERO_OPTIONS[key], f"{values}, device={offload}", "remove it, or use ep 1")
-
-
-def check_ep_checkpoint(ep: int, wrapper: str | None, what: str) -> None:
-    """Refuse ``what`` (saving or loading a checkpoint) at ep > 1 on DeepSpeed's ZeRO optimizer, before any file
-    is touched (``EP_ZERO_CHECKPOINT_REFUSAL``)."""
-    if ep == 1 or wrapper != ZERO_OPTIMIZER:
-        return
-    raise ConfigError(
-        SETTING, EP_ZERO_CHECKPOINT_REFUSAL, f"ep={ep}, DeepSpeed optimizer wrapper {wrapper}, {what}",
-        'train without checkpoint.save / checkpoint.load, use bf16 with "data_types": {"grad_accum_dtype": "fp32"} '
-        "(the BF16 optimizer) or fp32 at ZeRO 0, or ep 1",
-    )  # fmt: skip
+    if elastic_checkpoint:
+        key = "zero_optimization.elastic_checkpoint"
+        raise ConfigError(key, EP_ZERO_OPTIONS[key], f"{values}, elastic_checkpoint=true", "remove it (default false)")

@@ -23,7 +23,6 @@ from ds_megatron.config.ep_rules import (
     EXPERT_TP_SETTING,
     check_dispatch_chunks,
     check_ep,
-    check_ep_checkpoint,
     check_ep_model,
     check_ep_optimizer,
     check_ep_zero_options,
@@ -443,21 +442,18 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 def check_ep_run(section: DsMegatronConfig, ds_config: dict) -> None:
     """What expert parallelism does not train with yet, refused in one line: DeepSpeed's fp16 optimizer, fp16 on its
-    ZeRO optimizer, the ZeRO optimizer's options its expert handling lacks (``config.ep_rules``: why), and
-    checkpoints on the ZeRO optimizer.  Checkpoints are written as an ep 1 run holds them on the fp32 and BF16
-    optimizers (``checkpoint/ep_state.py``: the fp32 one's per-parameter state and the BF16 optimizer's flat
-    partitions alike); ``moe`` selective recompute re-runs the local experts."""
+    ZeRO optimizer and the ZeRO optimizer's options its expert handling lacks (``config.ep_rules``: why).
+    Checkpoints are written as an ep 1 run holds them on every optimizer that trains (``checkpoint/ep_state.py``:
+    the fp32 one's per-parameter state, the BF16 and ZeRO optimizers' flat partitions); ``moe`` selective
+    recompute re-runs the local experts."""
     ep = section.parallel.ep
     if ep == 1:
         return
     wrapper, zero = optimizer_wrapper(ds_config), ds_config.get("zero_optimization") or {}
     check_ep_optimizer(ep, wrapper, zero_stage(ds_config), grad_accum_dtype(ds_config), precision(ds_config))
     offload = (zero.get("offload_optimizer") or {}).get("device")
-    check_ep_zero_options(ep, wrapper, bool(zero.get("reduce_scatter", True)), offload)
-    ckpt = section.checkpoint
-    for key, value in (("checkpoint.save", ckpt.save), ("checkpoint.load", ckpt.load)):
-        if value:
-            check_ep_checkpoint(ep, wrapper, f"{key}={value}")
+    elastic = bool(zero.get("elastic_checkpoint", False))
+    check_ep_zero_options(ep, wrapper, bool(zero.get("reduce_scatter", True)), offload, elastic)
 
 
 def check_expert_parallel(par: ParallelSection, shape: ModelShape, tp: int, cp: int, dp: int) -> None:

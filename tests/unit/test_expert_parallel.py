@@ -436,11 +436,6 @@ def test_the_ep_setting_and_its_refusals():
         (_ep_config(2, ds={"fp16": {"enabled": True}}), 2, "leaves expert gradients out of the norm"),
         (_ep_config(2, ds={"fp16": {"enabled": True}, **zero1}), 2, "wrapper ZeRO (precision fp16, zero_optimization"),
     ]
-    # the ZeRO optimizer at ep > 1: no checkpoints (their experts are cut over expert-DP, not as the ep 1 run's)
-    for checkpoint in ({"save": "ckpt"}, {"load": "ckpt"}):
-        cfg = _ep_config(2, ds=zero1)
-        cfg["ds_megatron"]["checkpoint"] = checkpoint
-        cases.append((cfg, 2, f"wrapper ZeRO, checkpoint.{next(iter(checkpoint))}=ckpt); train without checkpoint"))
     for cfg, world, message in cases:
         with pytest.raises(ConfigError) as err:
             resolve(cfg, world)
@@ -450,6 +445,7 @@ def test_the_ep_setting_and_its_refusals():
     for zero, setting in (
         ({"stage": 1, "reduce_scatter": False}, "zero_optimization.reduce_scatter"),
         ({"stage": 1, "offload_optimizer": {"device": "cpu"}}, "zero_optimization.offload_optimizer"),
+        ({"stage": 1, "elastic_checkpoint": True}, "zero_optimization.elastic_checkpoint"),
     ):
         with pytest.raises(ConfigError) as err:
             resolve(_ep_config(2, ds={"zero_optimization": zero}), 2)
@@ -458,9 +454,9 @@ def test_the_ep_setting_and_its_refusals():
     cfg = _ep_config(2)
     cfg["ds_megatron"]["recompute"] = {"policy": "selective", "modules": ["moe"]}
     assert resolve(cfg, 2).section.recompute.modules == ("moe",)  # refused before the EP layer recomputed
-    # checkpoints are written and read at ep > 1 on fp32 at ZeRO 0 and DeepSpeed's BF16 optimizer (its flat
-    # partitions written as the ep 1 run's, checkpoint/ep_state.py)
-    for ds in ({}, {"bf16": {"enabled": True}}, bf16_z1):
+    # checkpoints are written and read at ep > 1 on fp32 at ZeRO 0, DeepSpeed's BF16 optimizer and its ZeRO
+    # optimizer (their flat partitions written as the ep 1 run's, checkpoint/ep_state.py)
+    for ds in ({}, {"bf16": {"enabled": True}}, bf16_z1, zero1, {"bf16": {"enabled": True}, **zero1}):
         for checkpoint in ({"save": "ckpt"}, {"load": "ckpt"}, {"init_from_hf": "hf"}):
             cfg = _ep_config(2, ds=ds)
             cfg["ds_megatron"]["checkpoint"] = checkpoint
